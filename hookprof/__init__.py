@@ -1,0 +1,33 @@
+"""hookprof: a training-time profiler and debugger for PyTorch.
+
+    import hookprof
+    prof = hookprof.attach(model)   # then train as usual; metrics at prof.url
+"""
+
+from ._version import __version__
+from .config import Config
+from .errors import (
+    AlreadyAttachedError,
+    ConfigError,
+    DetachedError,
+    HookprofError,
+    PortInUseError,
+)
+from .profiler import DisabledProfiler, Profiler, attach
+from .snapshot import LayerStats, NonFiniteEvent, Snapshot
+
+__all__ = [
+    "__version__",
+    "attach",
+    "Config",
+    "Profiler",
+    "DisabledProfiler",
+    "Snapshot",
+    "LayerStats",
+    "NonFiniteEvent",
+    "HookprofError",
+    "ConfigError",
+    "AlreadyAttachedError",
+    "PortInUseError",
+    "DetachedError",
+]

@@ -1,0 +1,89 @@
+"""The `hookprof` command: `hookprof --version`, `hookprof demo`."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from ._version import __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hookprof", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"hookprof {__version__}")
+    sub = parser.add_subparsers(dest="command")
+    demo = sub.add_parser("demo", help="train a small model on CPU and serve its metrics")
+    demo.add_argument("--steps", type=int, default=0, help="stop after N steps (0: run until stopped)")
+    demo.add_argument("--port", type=int, default=None, help="metrics port (default: Config.port / HOOKPROF_PORT; 0 picks a free one)")
+    demo.add_argument("--addr", default=None, help="bind address (default 127.0.0.1)")
+    demo.add_argument("--sample-every", type=int, default=None)
+    demo.add_argument("--min-sample-interval", type=float, default=None, help="seconds")
+    demo.add_argument("--nan-at-step", type=int, default=0, help="make --nan-layer output NaN at this step (1-based)")
+    demo.add_argument("--nan-layer", default="mlp.0", help="qualified module name for --nan-at-step")
+    demo.add_argument("--step-delay", type=float, default=0.0, help="sleep this long per step (seconds)")
+    demo.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return run_demo(args)
+    parser.print_help()
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    import hookprof
+    from hookprof.demo import DemoNet, InjectNonFinite
+
+    torch.manual_seed(args.seed)
+    model = DemoNet()
+    modules = dict(model.named_modules())
+    if args.nan_at_step and args.nan_layer not in modules:
+        print(f"hookprof demo: no module named {args.nan_layer!r}; choose one of {sorted(n for n in modules if n)}", file=sys.stderr)
+        return 2
+    overrides = {
+        k: v
+        for k, v in (
+            ("port", args.port),
+            ("addr", args.addr),
+            ("sample_every", args.sample_every),
+            ("min_sample_interval_s", args.min_sample_interval),
+        )
+        if v is not None
+    }
+    prof = hookprof.attach(model, **overrides)
+    print(f"hookprof demo: serving metrics at {prof.url}", flush=True)
+    if args.nan_at_step:
+        InjectNonFinite(modules[args.nan_layer], {args.nan_at_step})
+        print(f"hookprof demo: {args.nan_layer} will output NaN at step {args.nan_at_step}", flush=True)
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(args.seed)
+    step = 0
+    try:
+        while not stop and (args.steps <= 0 or step < args.steps):
+            tokens, labels = model.batch(generator)
+            loss = torch.nn.functional.cross_entropy(model(tokens), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            prof.step(loss)
+            step += 1
+            if step % 100 == 0:
+                print(f"hookprof demo: step {step} loss {loss.item():.4f}", flush=True)
+            if args.step_delay:
+                time.sleep(args.step_delay)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        prof.detach()
+    print(f"hookprof demo: stopped after {step} steps", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""hookprof's configuration: one dataclass, and the one place environment variables are read."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+
+ENV_PREFIX = "HOOKPROF_"
+
+# 8479 lies outside 9100-9999, the range of the Prometheus "default port allocations" list,
+# so it clashes with no registered exporter (node_exporter 9100, dcgm-exporter 9400, ...).
+DEFAULT_PORT = 8479
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Config:
+    """Everything a user can set. Each field can also come from `HOOKPROF_<FIELD>`."""
+
+    port: int = DEFAULT_PORT
+    """TCP port of the /metrics endpoint. Under torchrun each process serves
+    `port + LOCAL_RANK`. 0 picks a free port (read it back from `Profiler.url`)."""
+
+    addr: str = "127.0.0.1"
+    """Address the metrics server binds. Loopback by default: set "0.0.0.0" (or a pod IP)
+    to let a Prometheus on another host scrape it."""
+
+    serve: bool = True
+    """Start the HTTP server. With False, register `Profiler.collector` in your own
+    prometheus_client registry instead."""
+
+    sample_every: int = 10
+    """A step is sampled (per-layer hooks installed) only when at least this many steps
+    have passed since the last sampled step ..."""
+
+    min_sample_interval_s: float = 2.0
+    """... and at least this many seconds. With both defaults a 15 s scrape sees a fresh
+    sample whenever a step takes under 1.5 s, and fast loops sample once per 2 s."""
+
+    max_layers: int = 500
+    """Most layers exported per rank. Beyond it: the layers with the most time, plus every
+    layer that went non-finite. `hookprof_layers` / `hookprof_layers_exported` tell."""
+
+    activation_stats: bool = True
+    """On sampled steps, compute each layer output's zero ratio and absolute maximum
+    (which also detects non-finite outputs)."""
+
+    rank: int | None = None
+    """The `rank` label. None: $RANK, else torch.distributed's rank if initialised, else 0."""
+
+    local_rank: int | None = None
+    """Offset added to `port`. None: $LOCAL_RANK, else 0."""
+
+    publish_interval_s: float = 1.0
+    """How often the background thread republishes step counters between sampled steps."""
+
+    disable: bool = False
+    """Kill switch: attach() returns a profiler that does nothing (HOOKPROF_DISABLE=1)."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            _check_type(field.name, getattr(self, field.name), _FIELD_TYPES[field.name])
+        _check_range("port", self.port, 0 <= self.port <= 65535, "an integer in [0, 65535]")
+        _check_range("addr", self.addr, bool(self.addr.strip()), "a non-empty host address")
+        _check_range("sample_every", self.sample_every, self.sample_every >= 1, ">= 1")
+        _check_range(
+            "min_sample_interval_s",
+            self.min_sample_interval_s,
+            self.min_sample_interval_s >= 0,
+            ">= 0",
+        )
+        _check_range("max_layers", self.max_layers, self.max_layers >= 1, ">= 1")
+        _check_range(
+            "publish_interval_s", self.publish_interval_s, self.publish_interval_s > 0, "> 0"
+        )
+        for name in ("rank", "local_rank"):
+            value = getattr(self, name)
+            _check_range(name, value, value is None or value >= 0, ">= 0 or None")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **fields: Any) -> "Config":
+        """Defaults, overridden by `HOOKPROF_<FIELD>` variables, overridden by `fields`."""
+        values = read_env(os.environ if environ is None else environ)
+        values.update(fields)
+        return cls(**values)
+
+    def replace(self, **fields: Any) -> "Config":
+        unknown = sorted(set(fields) - set(_FIELD_TYPES))
+        if unknown:
+            raise TypeError(
+                f"unknown hookprof config field(s) {unknown}; known: {sorted(_FIELD_TYPES)}"
+            )
+        return dataclasses.replace(self, **fields)
+
+
+_FIELD_TYPES: dict[str, Any] = typing.get_type_hints(Config)
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Parse every `HOOKPROF_<FIELD>` present in `environ`; errors name the variable."""
+    values: dict[str, Any] = {}
+    for field, hint in _FIELD_TYPES.items():
+        name = env_name(field)
+        if name in environ:
+            values[field] = _parse(field, name, environ[name], hint)
+    return values
+
+
+def env_disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """The kill switch wins over any config passed in code."""
+    environ = os.environ if environ is None else environ
+    name = env_name("disable")
+    return name in environ and _parse("disable", name, environ[name], bool)
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _parse(field: str, source: str, raw: str, hint: Any) -> Any:
+    text = raw.strip()
+    optional = type(None) in typing.get_args(hint)
+    base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    if optional and text.lower() in ("", "none"):
+        return None
+    if base is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ConfigError(field, raw, "one of 1/0/true/false/yes/no/on/off", source)
+    try:
+        return base(text)
+    except ValueError:
+        raise ConfigError(field, raw, f"a {base.__name__}", source) from None
+
+
+def _check_type(field: str, value: Any, hint: Any) -> None:
+    allowed = typing.get_args(hint) or (hint,)
+    for kind in allowed:
+        if kind is type(None) and value is None:
+            return
+        if kind is bool and isinstance(value, bool):
+            return
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if kind is str and isinstance(value, str):
+            return
+    names = " or ".join("None" if k is type(None) else k.__name__ for k in allowed)
+    raise ConfigError(field, value, f"of type {names}")
+
+
+def _check_range(field: str, value: Any, ok: bool, expected: str) -> None:
+    if not ok:
+        raise ConfigError(field, value, expected)

@@ -1,0 +1,52 @@
+"""Exceptions hookprof raises to its callers. Each carries the data it talks about."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HookprofError(Exception):
+    """Base class of every error hookprof raises on purpose."""
+
+
+class ConfigError(HookprofError, ValueError):
+    """A configuration value is out of range or of the wrong type.
+
+    `field` is the Config field, `value` what was received, `source` where it came from
+    (an argument, or the environment variable that held it).
+    """
+
+    def __init__(self, field: str, value: Any, expected: str, source: str | None = None):
+        self.field = field
+        self.value = value
+        self.expected = expected
+        self.source = source or field
+        super().__init__(f"{self.source} must be {expected}, got {value!r}")
+
+
+class AlreadyAttachedError(HookprofError, RuntimeError):
+    """The model (or a module inside it) already has a live profiler."""
+
+    def __init__(self, profiler: Any):
+        self.profiler = profiler
+        super().__init__(
+            f"this model is already profiled by {profiler!r}; call .detach() on it first "
+            "(or keep using it)"
+        )
+
+
+class PortInUseError(HookprofError, OSError):
+    """The metrics port could not be bound."""
+
+    def __init__(self, addr: str, port: int, cause: OSError):
+        self.addr = addr
+        self.port = port
+        super().__init__(
+            cause.errno,
+            f"cannot serve metrics on {addr}:{port}: {cause.strerror or cause}. Choose another "
+            "port with hookprof.attach(model, port=...) or HOOKPROF_PORT (port=0 picks a free one)",
+        )
+
+
+class DetachedError(HookprofError, RuntimeError):
+    """A method that needs a live profiler was called after detach()."""

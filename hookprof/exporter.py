@@ -1,0 +1,243 @@
+"""Prometheus exposition: a custom Collector that renders the latest Snapshot, and the HTTP
+server. Names, types and labels are the metric contract in DESIGN.md."""
+
+from __future__ import annotations
+
+import errno
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from ._version import __version__
+from .errors import PortInUseError
+from .snapshot import LAYER_PHASES, PHASES, Snapshot
+
+
+class SnapshotCollector(Collector):
+    """Builds metric families from `get_snapshot()` at scrape time. Never touches the device
+    or the hooks; reads one immutable object."""
+
+    def __init__(self, get_snapshot: Callable[[], Snapshot], torch_version: str):
+        self._get_snapshot = get_snapshot
+        self._torch_version = torch_version
+
+    def describe(self) -> list[Metric]:
+        return []  # names are dynamic per snapshot; skip the registry's duplicate check
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._get_snapshot()
+        rank = str(snap.rank)
+        yield from self._step_metrics(snap, rank)
+        yield from self._layer_metrics(snap, rank)
+
+        build = GaugeMetricFamily(
+            "hookprof_build_info",
+            "hookprof and torch versions",
+            labels=["version", "torch_version"],
+        )
+        build.add_metric([__version__, self._torch_version], 1)
+        yield build
+
+    def _step_metrics(self, snap: Snapshot, rank: str) -> Iterator[Metric]:
+        steps = CounterMetricFamily("hookprof_steps", "Training steps completed", labels=["rank"])
+        steps.add_metric([rank], snap.step)
+        yield steps
+
+        sampled = CounterMetricFamily(
+            "hookprof_sampled_steps", "Steps with per-layer hooks installed", labels=["rank"]
+        )
+        sampled.add_metric([rank], snap.sampled_steps)
+        yield sampled
+
+        duration = HistogramMetricFamily(
+            "hookprof_step_duration_seconds",
+            "Wall time between step boundaries (optimizer steps or Profiler.step calls)",
+            labels=["rank"],
+        )
+        buckets = [(_le(b), c) for b, c in snap.step_duration_buckets] or [("+Inf", 0)]
+        duration.add_metric([rank], buckets, snap.step_duration_sum)
+        yield duration
+
+        if snap.last_step_timestamp is not None:
+            last = GaugeMetricFamily(
+                "hookprof_last_step_timestamp_seconds",
+                "Unix time at which the last step ended",
+                labels=["rank"],
+            )
+            last.add_metric([rank], snap.last_step_timestamp)
+            yield last
+
+        if snap.loss is not None:
+            loss = GaugeMetricFamily(
+                "hookprof_loss", "Loss at the last sampled step", labels=["rank"]
+            )
+            loss.add_metric([rank], snap.loss)
+            yield loss
+
+        if snap.grad_norm is not None:
+            norm = GaugeMetricFamily(
+                "hookprof_gradient_norm",
+                "Global L2 norm of all gradients at the last sampled step",
+                labels=["rank"],
+            )
+            norm.add_metric([rank], snap.grad_norm)
+            yield norm
+
+        nonfinite = CounterMetricFamily(
+            "hookprof_nonfinite_steps",
+            "Steps on which a NaN or Inf was seen, by phase (forward outputs, gradients, loss)",
+            labels=["rank", "phase"],
+        )
+        for phase in PHASES:  # pre-initialised to 0 so that increase() sees the first one
+            nonfinite.add_metric([rank, phase], snap.nonfinite_steps.get(phase, 0))
+        yield nonfinite
+
+        skipped = CounterMetricFamily(
+            "hookprof_skipped_steps",
+            "Steps whose optimizer update the GradScaler skipped",
+            labels=["rank"],
+        )
+        skipped.add_metric([rank], snap.skipped_steps)
+        yield skipped
+
+        errors = CounterMetricFamily(
+            "hookprof_internal_errors",
+            "Internal hookprof errors (each switches per-layer instrumentation off)",
+            labels=["rank"],
+        )
+        errors.add_metric([rank], snap.internal_errors)
+        yield errors
+
+        layers = GaugeMetricFamily("hookprof_layers", "Instrumented layers", labels=["rank"])
+        layers.add_metric([rank], len(snap.layers))
+        yield layers
+        exported = GaugeMetricFamily(
+            "hookprof_layers_exported",
+            "Layers with per-layer series in this exposition (Config.max_layers)",
+            labels=["rank"],
+        )
+        exported.add_metric([rank], len(snap.exported_layers))
+        yield exported
+
+        if snap.first_nonfinite is not None:
+            first = GaugeMetricFamily(
+                "hookprof_first_nonfinite_info",
+                "The first NaN or Inf seen in this run: layer, phase and step",
+                labels=["rank", "layer", "phase", "step"],
+            )
+            event = snap.first_nonfinite
+            first.add_metric([rank, event.layer, event.phase, str(event.step)], 1)
+            yield first
+
+    def _layer_metrics(self, snap: Snapshot, rank: str) -> Iterator[Metric]:
+        fwd = SummaryMetricFamily(
+            "hookprof_layer_forward_seconds",
+            "Forward time per call on sampled steps, excluding instrumented submodules",
+            labels=["rank", "layer", "module"],
+        )
+        bwd = SummaryMetricFamily(
+            "hookprof_layer_backward_seconds",
+            "Backward time per call on sampled steps, excluding instrumented submodules",
+            labels=["rank", "layer", "module"],
+        )
+        grad = GaugeMetricFamily(
+            "hookprof_layer_gradient_norm",
+            "L2 norm of the layer's own parameters' gradients at the last sampled step",
+            labels=["rank", "layer"],
+        )
+        nonfinite = CounterMetricFamily(
+            "hookprof_layer_nonfinite",
+            "Sampled steps on which the layer's outputs (forward) or gradients (backward) "
+            "held a NaN or Inf; only layers that ever did",
+            labels=["rank", "layer", "phase"],
+        )
+        zero = GaugeMetricFamily(
+            "hookprof_layer_activation_zero_ratio",
+            "Fraction of exact zeros in the layer's outputs at the last sampled step",
+            labels=["rank", "layer"],
+        )
+        absmax = GaugeMetricFamily(
+            "hookprof_layer_activation_abs_max",
+            "Largest absolute value in the layer's outputs at the last sampled step",
+            labels=["rank", "layer"],
+        )
+        for name in snap.exported_layers:
+            layer = snap.layers[name]
+            if layer.forward_calls_total:
+                fwd.add_metric(
+                    [rank, name, layer.module],
+                    layer.forward_calls_total,
+                    layer.forward_seconds_total,
+                )
+            if layer.backward_calls_total:
+                bwd.add_metric(
+                    [rank, name, layer.module],
+                    layer.backward_calls_total,
+                    layer.backward_seconds_total,
+                )
+            if layer.grad_norm is not None:
+                grad.add_metric([rank, name], layer.grad_norm)
+            for phase in LAYER_PHASES:
+                count = layer.nonfinite.get(phase, 0)
+                if count:
+                    nonfinite.add_metric([rank, name, phase], count)
+            if layer.activation_zero_ratio is not None:
+                zero.add_metric([rank, name], layer.activation_zero_ratio)
+            if layer.activation_abs_max is not None:
+                absmax.add_metric([rank, name], layer.activation_abs_max)
+        yield from (fwd, bwd, grad, nonfinite, zero, absmax)
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
+
+
+class MetricsServer:
+    """prometheus_client's HTTP server on one (addr, port), with a clean stop."""
+
+    def __init__(self, registry: CollectorRegistry, addr: str, port: int):
+        try:
+            self._server, self._thread = start_http_server(port, addr=addr, registry=registry)
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                raise PortInUseError(addr, port, exc) from exc
+            raise
+        self.addr = addr
+        self.port: int = self._server.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5.0)
+
+
+def make_registry(collector: Collector, *, process_metrics: bool = True) -> CollectorRegistry:
+    """A registry of its own per profiler, so two profilers never mix their series."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    if process_metrics:
+        from prometheus_client import ProcessCollector
+
+        ProcessCollector(registry=registry)
+    return registry
+
+
+def render(registry: Any) -> bytes:
+    from prometheus_client import generate_latest
+
+    return generate_latest(registry)

@@ -1,0 +1,58 @@
+"""Per-layer gradient norms, computed on the device at the step boundary.
+
+Gradients are read once they are final: at optimizer-step time (after DDP's all-reduce and
+after the last micro-batch of gradient accumulation), or at an explicit `Profiler.step()`.
+One fused `torch._foreach_norm` per device gives every parameter's L2 norm; an `index_add_`
+folds their squares into one slot per layer. Nothing is read back here: a norm is non-finite
+exactly when its gradient holds a NaN or Inf, so the host learns both from the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layers import LayerTable
+
+
+def local_tensor(grad: torch.Tensor) -> torch.Tensor:
+    """The part of a gradient this rank holds: a DTensor's local shard, a sparse gradient's
+    values. Norms of these are partial; combining them across ranks is left to PromQL."""
+    if grad.is_sparse:
+        return grad.coalesce().values()
+    to_local = getattr(grad, "to_local", None)  # DTensor, without importing torch.distributed
+    return to_local() if to_local is not None else grad
+
+
+class GradientNorms:
+    def __init__(self, table: LayerTable):
+        self._table = table
+        self._index_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+    def layer_squares(self) -> tuple[list[torch.Tensor], frozenset[int]]:
+        """Per device: (squared L2 norm of each layer's gradients over that device's
+        parameters, float64 of length len(table)); and the layers that had any gradient."""
+        groups: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
+        for p, layer in zip(self._table.params, self._table.param_layer):
+            grad = p.grad
+            if grad is None:
+                continue
+            grad = local_tensor(grad)
+            grads, layers = groups.setdefault(grad.device, ([], []))
+            grads.append(grad)
+            layers.append(layer)
+        out = []
+        seen: set[int] = set()
+        n = len(self._table)
+        for device, (grads, layers) in groups.items():
+            # float32 accumulation: an fp16 gradient whose norm exceeds 65504 is not an overflow
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            squares = torch.stack(norms).to(torch.float64).square()
+            key = (device, tuple(layers))
+            index = self._index_cache.get(key)
+            if index is None:
+                index = self._index_cache[key] = torch.tensor(layers, device=device)
+            per_layer = torch.zeros(n, dtype=torch.float64, device=device)
+            per_layer.index_add_(0, index, squares)
+            out.append(per_layer)
+            seen.update(layers)
+        return out, frozenset(seen)

@@ -1,0 +1,71 @@
+"""Which modules hookprof instruments, and which layer owns each parameter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+ROOT_NAME = "(root)"  # the qualified name of the root module is "", which reads badly in a label
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    index: int
+    name: str  # qualified name from named_modules()
+    module_type: str  # class name, the `module` label
+    module: nn.Module
+    param_indices: tuple[int, ...]  # positions in LayerTable.params
+
+
+class LayerTable:
+    """The instrumented modules of a model, in `named_modules()` order.
+
+    A module is a layer when it is a leaf (no children) or owns parameters directly:
+    `nn.MultiheadAttention` owns `in_proj_weight` and uses `out_proj.weight` without calling
+    `out_proj`, so both are layers and every parameter belongs to exactly one of them (the
+    first module that lists it, so tied weights count once).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.layers: list[Layer] = []
+        self.params: list[nn.Parameter] = []
+        self.param_names: list[str] = []
+        self.param_layer: list[int] = []  # layer index of each parameter
+        seen: set[int] = set()
+        for name, module in model.named_modules():
+            own = [
+                (pname, p)
+                for pname, p in module._parameters.items()
+                if p is not None and id(p) not in seen
+            ]
+            is_leaf = next(iter(module.children()), None) is None
+            if not (is_leaf or own):
+                continue
+            index = len(self.layers)
+            first = len(self.params)
+            for pname, p in own:
+                seen.add(id(p))
+                self.params.append(p)
+                self.param_names.append(f"{name}.{pname}" if name else pname)
+                self.param_layer.append(index)
+            self.layers.append(
+                Layer(
+                    index=index,
+                    name=name or ROOT_NAME,
+                    module_type=type(module).__name__,
+                    module=module,
+                    param_indices=tuple(range(first, len(self.params))),
+                )
+            )
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    def param_devices(self) -> set[torch.device]:
+        return {p.device for p in self.params}

@@ -1,0 +1,398 @@
+"""`attach()` and the Profiler: step boundaries, sampling, and the hand-off to the publisher.
+
+The training thread does three things here: count the step, decide once whether the next
+step is sampled (and install or remove the per-layer hooks accordingly), and at the end of
+a sampled step start one batched device-to-host copy. Everything else happens on the
+publisher thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from .aggregate import Aggregator, Packet, StepCounters
+from .batch import ScalarBatch
+from .config import Config, env_disabled
+from .distributed import detect_local_rank, detect_rank
+from .errors import AlreadyAttachedError, DetachedError
+from .exporter import MetricsServer, SnapshotCollector, make_registry
+from .gradients import GradientNorms
+from .health import Health
+from .instrument import LayerHooks, StepRecord
+from .layers import LayerTable
+from .publisher import Publisher
+from .sampling import Sampler
+from .snapshot import Snapshot
+from .timing import timer_for
+
+_live: set["Profiler"] = set()  # profilers not yet detached: the only global state
+_live_lock = threading.Lock()
+
+
+def attach(model: nn.Module, *, config: Config | None = None, **overrides: Any) -> "Profiler":
+    """Instrument `model` and start serving its metrics. Returns the Profiler.
+
+    `config` defaults to `Config.from_env()` (defaults, then HOOKPROF_* variables);
+    `overrides` are Config fields and win over both. HOOKPROF_DISABLE=1 wins over everything
+    and returns a profiler that does nothing. Attaching a model that already has a live
+    profiler (or shares a module with one) raises AlreadyAttachedError naming it.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"hookprof.attach expects a torch.nn.Module, got {type(model).__module__}."
+            f"{type(model).__qualname__}"
+        )
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a hookprof.Config, got {type(config).__qualname__}")
+    cfg = config if config is not None else Config.from_env()
+    if overrides:
+        cfg = cfg.replace(**overrides)
+    if cfg.disable or env_disabled():
+        return DisabledProfiler(model, cfg)
+    return Profiler(model, cfg)
+
+
+class Profiler:
+    """Live instrumentation of one model. Use `detach()` (or a `with` block) to remove it.
+
+    Steps are counted at each `torch.optim` optimizer step that updates this model's
+    parameters (global optimizer hooks), so a plain training loop needs no other call.
+    Calling `step(loss)` marks boundaries explicitly instead, from its first call on.
+    """
+
+    enabled = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Config,
+        *,
+        clock: Callable[[], int] = time.perf_counter_ns,
+        wall_clock: Callable[[], float] = time.time,
+        timer: Any = None,
+    ):
+        self.model = model
+        self.config = config
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._module_ids = frozenset(id(m) for m in model.modules())
+        with _live_lock:
+            for other in _live:
+                if not other._module_ids.isdisjoint(self._module_ids):
+                    raise AlreadyAttachedError(other)
+
+        self.table = LayerTable(model)
+        if not self.table.params:
+            raise ValueError(
+                f"{type(model).__qualname__} has no parameters: there is nothing to train, "
+                "so nothing for hookprof to profile"
+            )
+        self._param_ids = frozenset(id(p) for p in self.table.params)
+        self.rank = config.rank if config.rank is not None else detect_rank()
+        local_rank = config.local_rank if config.local_rank is not None else detect_local_rank()
+        self.timer = timer if timer is not None else timer_for(self.table.param_devices())
+        self._health = Health()
+        self._counters = StepCounters()
+        self._sampler = Sampler(config.sample_every, config.min_sample_interval_s)
+        self._gradients = GradientNorms(self.table)
+        self._hooks = LayerHooks(self.table, self.timer, self._health, config.activation_stats)
+        aggregator = Aggregator(
+            self.table.names,
+            [layer.module_type for layer in self.table.layers],
+            self.rank,
+            config.max_layers,
+        )
+        self._publisher = Publisher(
+            aggregator,
+            self._counters,
+            self._health,
+            self.timer,
+            config.publish_interval_s,
+            name=f"hookprof-publisher-rank{self.rank}",
+        )
+        self.collector = SnapshotCollector(lambda: self._publisher.latest, torch.__version__)
+        self.registry = make_registry(self.collector)
+
+        # step state, touched by the training thread only
+        self._sampled = False
+        self._rec: StepRecord | None = None
+        self._grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None
+        self._pending: tuple[ScalarBatch, Packet] | None = None  # ended, not yet sent
+        self._step_start_ns: int | None = None
+        self._forward_seen = False
+        self._root_seen = False
+        self._closed_by_optimizer = False
+        self._manual = False
+        self._detached = False
+        self._opt_owns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+        self._server: MetricsServer | None = None
+        self._handles: list[Any] = []
+        try:
+            if config.serve:
+                port = config.port + local_rank if config.port else 0
+                self._server = MetricsServer(self.registry, config.addr, port)
+            self._handles.append(model.register_forward_pre_hook(self._on_root_forward, prepend=True))
+            self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
+            self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
+            self._begin_step(1, self._clock())
+            self._publisher.start()
+            with _live_lock:
+                _live.add(self)
+        except BaseException:
+            self._teardown()
+            raise
+
+    # ---------------- public API ----------------
+
+    @property
+    def url(self) -> str | None:
+        """http://addr:port/metrics, or None when not serving."""
+        return self._server.url if self._server is not None else None
+
+    @property
+    def port(self) -> int | None:
+        return self._server.port if self._server is not None else None
+
+    @property
+    def detached(self) -> bool:
+        return self._detached
+
+    def snapshot(self) -> Snapshot:
+        """The latest published statistics (see hookprof.Snapshot). Call `flush()` first to
+        include everything up to now."""
+        return self._publisher.latest
+
+    def flush(self, timeout: float | None = 10.0) -> bool:
+        """Send any finished sampled step and wait until the publisher has folded it in."""
+        if not self._detached:
+            self._dispatch()
+        return self._publisher.flush(timeout)
+
+    def step(self, loss: Any = None) -> None:
+        """Mark a step boundary; `loss` (tensor or number) is exported on sampled steps.
+
+        From the first call on, only these calls end steps (optimizer steps no longer do).
+        Call it once per optimizer step, after the backward pass.
+        """
+        if self._detached:
+            raise DetachedError("Profiler.step() called after detach(); attach the model again")
+        try:
+            self._manual = True
+            if self._closed_by_optimizer and not self._forward_seen:
+                # the optimizer hook already ended this step: this call adds its loss
+                self._closed_by_optimizer = False
+                if self._pending is not None and loss is not None:
+                    self._add_loss(self._pending, loss)
+                self._dispatch()
+                return
+            self._end_step(loss, by_optimizer=False)
+            self._dispatch()
+        except Exception as exc:
+            self._health.report("step boundary", exc)
+
+    def detach(self) -> None:
+        """Remove every hook, send the last sample, stop the thread and the server. Idempotent."""
+        if self._detached:
+            return
+        self._detached = True
+        try:
+            self._dispatch()
+        except Exception as exc:
+            self._health.report("detach", exc, disable=False)
+        self._teardown()
+
+    def __enter__(self) -> "Profiler":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        where = self.url or "not serving"
+        state = "detached" if self._detached else "attached"
+        return f"<hookprof.Profiler {type(self.model).__qualname__} rank={self.rank} {where} {state}>"
+
+    # ---------------- step machinery (training thread) ----------------
+
+    def _teardown(self) -> None:
+        self._detached = True
+        self._hooks.remove()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._publisher.stop()
+        if self._server is not None:
+            self._server.close()
+        with _live_lock:
+            _live.discard(self)
+
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        groups = optimizer.param_groups
+        key = sum(len(g["params"]) for g in groups)
+        cached = self._opt_owns.get(optimizer)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        owns = any(id(p) in self._param_ids for g in groups for p in g["params"])
+        self._opt_owns[optimizer] = (key, owns)
+        return owns
+
+    def _on_root_forward(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return  # evaluation passes are not training steps
+        try:
+            self._root_seen = True
+            if not self._forward_seen:
+                self._forward_seen = True
+                self._closed_by_optimizer = False
+                if self._step_start_ns is None:
+                    self._step_start_ns = self._clock()
+                self._dispatch()
+        except Exception as exc:
+            self._health.report("forward pre-hook", exc)
+
+    def _in_step(self) -> bool:
+        # the root forward pre-hook tells a new step from a second optimizer of the same
+        # step; a model driven without calling its root falls back to "every step ends one"
+        return self._forward_seen or not self._root_seen
+
+    def _on_optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        try:
+            if self._sampled and self._grad_squares is None and self._in_step() and self._owns(optimizer):
+                self._take_gradients()
+        except Exception as exc:
+            self._health.report("optimizer pre-hook", exc)
+
+    def _on_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        try:
+            if not self._manual and self._in_step() and self._owns(optimizer):
+                self._end_step(None, by_optimizer=True)
+        except Exception as exc:
+            self._health.report("optimizer hook", exc)
+
+    def _take_gradients(self) -> None:
+        if not self._health.broken:
+            self._grad_squares = self._gradients.layer_squares()
+
+    def _begin_step(self, number: int, now_ns: int) -> None:
+        self._sampled = not self._health.broken and self._sampler.should_sample(number, now_ns)
+        self._grad_squares = None
+        if self._sampled:
+            self._rec = StepRecord(self.timer.mark())
+            self._hooks.install(self._rec)
+
+    def _end_step(self, loss: Any, *, by_optimizer: bool) -> None:
+        now = self._clock()
+        start = self._step_start_ns if self._step_start_ns is not None else now
+        number = self._counters.observe((now - start) * 1e-9, self._wall_clock())
+        if self._sampled:
+            self._hooks.remove()
+            if self._grad_squares is None:
+                self._take_gradients()
+            self._dispatch()  # a sample still pending from an earlier step goes first
+            self._pending = self._build_packet(number, loss)
+        self._rec = None
+        self._step_start_ns = now
+        self._forward_seen = False
+        self._closed_by_optimizer = by_optimizer
+        self._begin_step(number + 1, now)
+
+    def _build_packet(self, number: int, loss: Any) -> tuple[ScalarBatch, Packet]:
+        batch = ScalarBatch()
+        parts, has_grad = self._grad_squares or ([], frozenset())
+        for k, part in enumerate(parts):
+            batch.add(("grad_sq", k), part)
+        rec = self._rec if not self._health.broken else None
+        if rec is not None and rec.act:
+            # one stack per device, and rec.act reordered to match what the batch will hold
+            by_device: dict[torch.device, list] = {}
+            for entry in rec.act:
+                by_device.setdefault(entry[1].device, []).append(entry)
+            rec.act = [entry for entries in by_device.values() for entry in entries]
+            for entries in by_device.values():
+                batch.add("absmax", torch.stack([e[1] for e in entries]))
+                batch.add("nonzero", torch.stack([e[2] for e in entries]))
+        packet = Packet(
+            step=number,
+            batch=None,  # type: ignore[arg-type]  # set when sent
+            record=rec,
+            grad_parts=len(parts),
+            has_grad=has_grad,
+            loss=None,
+            loss_in_batch=False,
+        )
+        pending = (batch, packet)
+        if loss is not None:
+            self._add_loss(pending, loss)
+        return pending
+
+    @staticmethod
+    def _add_loss(pending: tuple[ScalarBatch, Packet], loss: Any) -> None:
+        batch, packet = pending
+        if isinstance(loss, torch.Tensor):
+            batch.add("loss", loss.detach().reshape(-1)[:1])
+            packet.loss_in_batch = True
+        else:
+            packet.loss = float(loss)
+
+    def _dispatch(self) -> None:
+        """Start the one device-to-host copy of a finished sampled step and hand it over."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        batch, packet = pending
+        packet.batch = batch.send()
+        self._publisher.submit(packet)
+
+
+class DisabledProfiler:
+    """What attach() returns under HOOKPROF_DISABLE=1: the same surface, doing nothing."""
+
+    enabled = False
+    url = None
+    port = None
+    collector = None
+    registry = None
+
+    def __init__(self, model: nn.Module, config: Config):
+        self.model = model
+        self.config = config
+        self.rank = 0
+        self._detached = False
+
+    @property
+    def detached(self) -> bool:
+        return self._detached
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot()
+
+    def flush(self, timeout: float | None = 10.0) -> bool:
+        return True
+
+    def step(self, loss: Any = None) -> None:
+        if self._detached:
+            raise DetachedError("Profiler.step() called after detach(); attach the model again")
+
+    def detach(self) -> None:
+        self._detached = True
+
+    def __enter__(self) -> "DisabledProfiler":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        return "<hookprof.Profiler disabled (HOOKPROF_DISABLE)>"

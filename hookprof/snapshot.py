@@ -1,0 +1,85 @@
+"""The immutable, host-side picture of a run that `Profiler.snapshot()` returns and the
+exporter renders. Published by the background thread as a whole (one reference swap)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+PHASES = ("forward", "backward", "loss")
+LAYER_PHASES = ("forward", "backward")
+
+# step durations from 1 ms to 2 min: fast CPU loops to slow pipeline-parallel steps
+STEP_DURATION_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+
+_EMPTY: Mapping = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStats:
+    """One instrumented module. Times exclude instrumented submodules (so layers sum to no
+    more than the step), and add up over every call of the module in a step."""
+
+    name: str
+    """Qualified name from named_modules() ("(root)" for the root module)."""
+    module: str
+    """Class name, e.g. "Linear"."""
+    calls: int = 0
+    """Forward calls in the last sampled step."""
+    forward_seconds: float = 0.0
+    """Forward time in the last sampled step."""
+    backward_seconds: float = 0.0
+    """Backward time in the last sampled step (gradient at the outputs to gradient at the
+    inputs, or to the parameters' gradients for a layer whose inputs need none)."""
+    grad_norm: float | None = None
+    """L2 norm of the layer's own parameters' gradients at the last sampled step."""
+    activation_zero_ratio: float | None = None
+    """Fraction of exact zeros in the layer's floating outputs, last sampled step."""
+    activation_abs_max: float | None = None
+    """Largest |value| in the layer's floating outputs, last sampled step."""
+    forward_seconds_total: float = 0.0
+    forward_calls_total: int = 0
+    backward_seconds_total: float = 0.0
+    backward_calls_total: int = 0
+    nonfinite: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    """Phase ("forward": outputs, "backward": gradients) -> steps on which the layer held a
+    NaN or Inf."""
+
+
+@dataclass(frozen=True, slots=True)
+class NonFiniteEvent:
+    layer: str
+    phase: str
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    rank: int = 0
+    step: int = 0
+    """Steps completed."""
+    sampled_steps: int = 0
+    last_sampled_step: int | None = None
+    step_duration_buckets: tuple[tuple[float, int], ...] = ()
+    """(upper bound in seconds, cumulative count), ending with (inf, step)."""
+    step_duration_sum: float = 0.0
+    last_step_timestamp: float | None = None
+    """Unix time at which the last step ended."""
+    loss: float | None = None
+    """Loss at the last sampled step that was given one (Profiler.step(loss=...))."""
+    grad_norm: float | None = None
+    """Global L2 norm of all gradients at the last sampled step."""
+    nonfinite_steps: Mapping[str, int] = field(
+        default_factory=lambda: MappingProxyType({p: 0 for p in PHASES})
+    )
+    skipped_steps: int = 0
+    internal_errors: int = 0
+    layers: Mapping[str, LayerStats] = field(default_factory=lambda: _EMPTY)
+    """Every instrumented layer by qualified name, in named_modules() order."""
+    exported_layers: tuple[str, ...] = ()
+    """The layers the exporter shows (all of them up to Config.max_layers)."""
+    first_nonfinite: NonFiniteEvent | None = None
+    """The first non-finite value seen: layer, phase and step."""

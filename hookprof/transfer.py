@@ -1,0 +1,46 @@
+"""The one place where hookprof moves data from the device to the host.
+
+Every sampled step concatenates its scalars into one tensor per device and calls
+`to_host` once for it; tests count the calls through `transfer_count()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+_calls = itertools.count()  # next() is atomic under the GIL
+_taken = 0
+
+
+def transfer_count() -> int:
+    """How many device-to-host transfers hookprof has started in this process."""
+    return _taken
+
+
+def to_host(flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Start copying `flat` to the host without waiting. Returns (host tensor, ready event).
+
+    The caller hands both to the publisher thread, which waits on the event (None: the data
+    is already on the host) before reading the host tensor.
+    """
+    global _taken
+    _taken = next(_calls) + 1
+    if flat.device.type == "cpu":
+        return flat, None
+    if flat.device.type != "cuda":
+        # other accelerators: a plain blocking copy, once per sampled step
+        return flat.to("cpu"), None
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def wait_ready(ready: Any) -> None:
+    # note: a CPU-GPU sync point, and the only one: it runs on the publisher thread
+    if ready is not None:
+        ready.synchronize()

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import hookprof  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int, addr: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((addr, port))
+        except OSError:
+            return False
+        return True
+
+
+def scrape(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        assert response.status == 200
+        return response.read().decode()
+
+
+def parse(text: str) -> dict:
+    """name -> Metric (prometheus_client.parser), counters under their name without _total."""
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def samples(families: dict, name: str, sample_name: str | None = None) -> dict:
+    """{frozenset(labels.items()): value} for one family's samples named sample_name."""
+    sample_name = sample_name or name
+    return {
+        frozenset(s.labels.items()): s.value
+        for s in families[name].samples
+        if s.name == sample_name
+    }
+
+
+def promtool() -> str | None:
+    path = shutil.which("promtool")
+    if path is None and os.environ.get("CI"):
+        pytest.fail("promtool is missing in CI: .ci/run installs Debian's prometheus")
+    return path
+
+
+@pytest.fixture
+def every_step():
+    """Config overrides that sample every step and serve on a free port."""
+    return dict(port=0, sample_every=1, min_sample_interval_s=0.0)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_profilers():
+    yield
+    from hookprof import profiler
+
+    leftovers = list(profiler._live)
+    for prof in leftovers:
+        prof.detach()
+    assert not leftovers, f"a test left profilers attached: {leftovers}"

@@ -1,0 +1,103 @@
+"""Models and loops the tests train. Small, deterministic on CPU."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MixedNet(nn.Module):
+    """The awkward cases in one model: Embedding, LSTM, MultiheadAttention (owns
+    in_proj_weight, never calls out_proj), a Linear shared by two calls, in-place ReLU."""
+
+    def __init__(self, vocab: int = 50, dim: int = 32, classes: int = 5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.lstm = nn.LSTM(dim, dim, batch_first=True)
+        self.attn = nn.MultiheadAttention(dim, 4, batch_first=True)
+        self.shared = nn.Linear(dim, dim)
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Linear(dim, classes)
+        self.vocab, self.classes = vocab, classes
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        x, _ = self.lstm(x)
+        a, _ = self.attn(x, x, x, need_weights=False)
+        x = x + a
+        x = self.act(self.shared(x))
+        x = self.act(self.shared(x))  # the same module, called a second time
+        return self.head(x.mean(dim=1))
+
+    def batch(self, g: torch.Generator, size: int = 8, seq: int = 12):
+        tokens = torch.randint(0, self.vocab, (size, seq), generator=g)
+        return tokens, tokens.sum(dim=1) % self.classes
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+class DeepNet(nn.Module):
+    """stem -> blocks.0..n-1 (fc, act) -> head: layer order is known, for NaN localisation."""
+
+    def __init__(self, dim: int = 16, depth: int = 5):
+        super().__init__()
+        self.stem = nn.Linear(8, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def batch(self, g: torch.Generator, size: int = 16):
+        x = torch.randn(size, 8, generator=g)
+        return x, x.sum(dim=1, keepdim=True)
+
+    def order(self) -> list[str]:
+        names = ["stem"]
+        for i in range(len(self.blocks)):
+            names += [f"blocks.{i}.fc", f"blocks.{i}.act"]
+        return names + ["head"]
+
+
+def loss_of(model: nn.Module, batch) -> torch.Tensor:
+    inputs, target = batch
+    out = model(inputs)
+    if target.dtype == torch.long:
+        return nn.functional.cross_entropy(out, target)
+    return nn.functional.mse_loss(out, target)
+
+
+def train(model: nn.Module, steps: int, *, prof=None, seed: int = 0, lr: float = 0.05,
+          explicit_step: bool = False, micro_batches: int = 1, on_step=None):
+    """SGD with momentum; optimizer steps end hookprof steps unless explicit_step."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for step in range(1, steps + 1):
+        opt.zero_grad(set_to_none=True)
+        for _ in range(micro_batches):
+            loss = loss_of(model, model.batch(g)) / micro_batches
+            loss.backward()
+        if on_step is not None:
+            on_step(step, model)
+        opt.step()
+        if explicit_step and prof is not None:
+            prof.step(loss)
+        losses.append(loss.detach())
+    return losses
+
+
+def seeded(cls, seed: int = 0, **kwargs):
+    torch.manual_seed(seed)
+    return cls(**kwargs)

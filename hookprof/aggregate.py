@@ -218,14 +218,15 @@ class Aggregator:
                 bspan[c] = e - s
 
         # exclusive times: a parent call (a module that owns parameters and has children)
-        # does not count the time of its instrumented children
+        # counts neither its instrumented children's time nor our hook work around them
         fwd_excl = list(span)
         bwd_excl = dict(bspan)
         for c in range(ncalls):
             parent = rec.fwd_parent[c]
             if parent < 0:
                 continue
-            fwd_excl[parent] -= span[c]
+            outer = rec.fwd_outer[c]
+            fwd_excl[parent] -= at(outer[1]) - at(outer[0]) if len(outer) == 2 else span[c]
             if parent in bwd_excl and c in bspan:
                 bwd_excl[parent] -= bspan[c]
         fwd_excl = [max(v, 0.0) for v in fwd_excl]

@@ -141,7 +141,10 @@ def _parse(field: str, source: str, raw: str, hint: Any) -> Any:
     try:
         return base(text)
     except ValueError:
-        raise ConfigError(field, raw, f"a {base.__name__}", source) from None
+        raise ConfigError(field, raw, _WORDS.get(base, base.__name__), source) from None
+
+
+_WORDS = {int: "an integer", float: "a number", str: "a string"}
 
 
 def _check_type(field: str, value: Any, hint: Any) -> None:

@@ -34,6 +34,7 @@ class StepRecord:
         "fwd_parent",
         "fwd_start",
         "fwd_end",
+        "fwd_outer",
         "bwd_out",
         "bwd_in",
         "param_done",
@@ -48,6 +49,9 @@ class StepRecord:
         self.fwd_parent: list[int] = []  # enclosing instrumented call, -1 for none
         self.fwd_start: list[Any] = []
         self.fwd_end: list[Any] = []
+        # (first token of the pre-hook, last token of the post-hook) per call: the call's time
+        # including our hook work, which is what a parent call must not count as its own
+        self.fwd_outer: list[list[Any]] = []
         self.bwd_out: list[tuple[int, Any]] = []  # (call id, token): gradient reached the output
         self.bwd_in: list[tuple[int, Any]] = []  # (call id, token): input gradient produced
         self.param_done: list[tuple[int, Any]] = []  # (layer, token): a parameter's grad accumulated
@@ -60,6 +64,7 @@ class StepRecord:
         yield self.ref
         yield from self.fwd_start
         yield from (t for t in self.fwd_end if t is not None)
+        yield from (t for pair in self.fwd_outer for t in pair)
         yield from (t for _, t in self.bwd_out)
         yield from (t for _, t in self.bwd_in)
         yield from (t for _, t in self.param_done)
@@ -129,8 +134,10 @@ class LayerHooks:
         if rec is None or self._health.broken or not torch.is_grad_enabled():
             return
         try:
+            outer_start = self._timer.mark()
             stack = self._stack()
             call = len(rec.fwd_layer)
+            rec.fwd_outer.append([outer_start])
             rec.fwd_layer.append(layer_index)
             rec.fwd_parent.append(stack[-1] if stack else -1)
             rec.fwd_end.append(None)
@@ -170,6 +177,7 @@ class LayerHooks:
                     rec.act.append((call, absmax, torch.count_nonzero(d), d.numel()))
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(partial(self._grad_out, rec, call))
+            rec.fwd_outer[call].append(self._timer.mark())
         except Exception as exc:
             self._health.report("forward hook", exc)
 

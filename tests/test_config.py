@@ -1,0 +1,116 @@
+"""Config: validation names the field, environment variables are parsed in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import hookprof
+from hookprof import Config, ConfigError
+from hookprof.config import DEFAULT_PORT, read_env
+from models import DeepNet, seeded
+
+
+def test_defaults_are_documented_values():
+    c = Config()
+    assert (c.port, c.addr, c.sample_every, c.min_sample_interval_s) == (
+        DEFAULT_PORT, "127.0.0.1", 10, 2.0,
+    )
+    assert not 9100 <= DEFAULT_PORT <= 9999  # outside the Prometheus exporter port range
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("sample_every", 0, "sample_every must be >= 1, got 0"),
+        ("sample_every", 2.5, "sample_every must be of type int, got 2.5"),
+        ("sample_every", True, "sample_every must be of type int, got True"),
+        ("port", 70000, "port must be an integer in [0, 65535], got 70000"),
+        ("port", "9000", "port must be of type int, got '9000'"),
+        ("min_sample_interval_s", -1.0, "min_sample_interval_s must be >= 0, got -1.0"),
+        ("max_layers", 0, "max_layers must be >= 1, got 0"),
+        ("publish_interval_s", 0, "publish_interval_s must be > 0, got 0"),
+        ("rank", -1, "rank must be >= 0 or None, got -1"),
+        ("addr", " ", "addr must be a non-empty host address, got ' '"),
+    ],
+)
+def test_invalid_values_name_the_field(field, value, message):
+    with pytest.raises(ConfigError) as info:
+        Config(**{field: value})
+    assert str(info.value) == message
+    assert info.value.field == field and info.value.value == value
+
+
+def test_environment_variables_fill_every_field():
+    env = {
+        "HOOKPROF_PORT": "9001",
+        "HOOKPROF_ADDR": "0.0.0.0",
+        "HOOKPROF_SERVE": "false",
+        "HOOKPROF_SAMPLE_EVERY": "7",
+        "HOOKPROF_MIN_SAMPLE_INTERVAL_S": "0.5",
+        "HOOKPROF_MAX_LAYERS": "20",
+        "HOOKPROF_ACTIVATION_STATS": "0",
+        "HOOKPROF_RANK": "3",
+        "HOOKPROF_LOCAL_RANK": "none",
+        "HOOKPROF_PUBLISH_INTERVAL_S": "2",
+        "HOOKPROF_DISABLE": "no",
+        "UNRELATED": "x",
+    }
+    c = Config.from_env(env)
+    assert c == Config(
+        port=9001, addr="0.0.0.0", serve=False, sample_every=7, min_sample_interval_s=0.5,
+        max_layers=20, activation_stats=False, rank=3, local_rank=None,
+        publish_interval_s=2.0, disable=False,
+    )
+    # every field has a variable: a new field without one fails here
+    assert {f.name for f in dataclasses.fields(Config)} == {
+        k[len("HOOKPROF_"):].lower() for k in env if k.startswith("HOOKPROF_")
+    }
+
+
+def test_explicit_fields_win_over_environment():
+    assert Config.from_env({"HOOKPROF_SAMPLE_EVERY": "7"}, sample_every=3).sample_every == 3
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"HOOKPROF_PORT": "http"}, "HOOKPROF_PORT must be an integer, got 'http'"),
+        ({"HOOKPROF_SAMPLE_EVERY": "0"}, "sample_every must be >= 1, got 0"),
+        ({"HOOKPROF_SERVE": "maybe"}, "HOOKPROF_SERVE must be one of 1/0/true/false/yes/no/on/off, got 'maybe'"),
+    ],
+)
+def test_bad_environment_values_are_clear_errors(env, message):
+    with pytest.raises(ConfigError, match="^" + message.replace("/", ".").replace("(", ".")):
+        Config.from_env(env)
+
+
+def test_read_env_ignores_unset_fields():
+    assert read_env({}) == {}
+
+
+def test_attach_reads_environment(monkeypatch):
+    monkeypatch.setenv("HOOKPROF_SAMPLE_EVERY", "4")
+    monkeypatch.setenv("HOOKPROF_PORT", "0")
+    with hookprof.attach(seeded(DeepNet)) as prof:
+        assert prof.config.sample_every == 4
+
+
+def test_kill_switch_returns_a_profiler_that_does_nothing(monkeypatch):
+    monkeypatch.setenv("HOOKPROF_DISABLE", "1")
+    model = seeded(DeepNet)
+    hooks_before = len(model.stem._forward_pre_hooks)
+    prof = hookprof.attach(model, port=0, sample_every=1)
+    assert not prof.enabled and prof.url is None
+    assert len(model.stem._forward_pre_hooks) == hooks_before
+    prof.step(1.0)
+    assert prof.snapshot().step == 0
+    prof.detach()
+    with pytest.raises(hookprof.DetachedError):
+        prof.step()
+
+
+def test_unknown_override_is_a_clear_error():
+    with pytest.raises(TypeError, match="unknown hookprof config field.*'sample_evry'"):
+        hookprof.attach(seeded(DeepNet), sample_evry=3)

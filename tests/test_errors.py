@@ -1,0 +1,88 @@
+"""Bad input: a clear error, and nothing half-attached afterwards."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from torch import nn
+
+import hookprof
+from conftest import free_port
+from models import DeepNet, seeded, train
+from test_detach import GLOBAL_HOOK_DICTS, hookprof_threads, model_state
+
+
+def assert_nothing_attached(model, before, globals_before):
+    assert model_state(model) == before
+    assert [len(d) for d in GLOBAL_HOOK_DICTS] == globals_before
+    assert hookprof_threads() == []
+
+
+@pytest.mark.parametrize("thing", [None, "model", torch.zeros(3), nn.Linear])
+def test_attaching_a_non_module(thing):
+    with pytest.raises(TypeError, match="expects a torch.nn.Module, got"):
+        hookprof.attach(thing)
+
+
+def test_model_without_parameters():
+    with pytest.raises(ValueError, match="Sequential has no parameters"):
+        hookprof.attach(nn.Sequential(nn.ReLU()), port=0)
+
+
+def test_invalid_config_leaves_nothing():
+    model = seeded(DeepNet)
+    before, globals_before = model_state(model), [len(d) for d in GLOBAL_HOOK_DICTS]
+    with pytest.raises(hookprof.ConfigError, match="sample_every must be >= 1, got -2"):
+        hookprof.attach(model, sample_every=-2)
+    with pytest.raises(TypeError, match="config must be a hookprof.Config"):
+        hookprof.attach(model, config={"port": 0})
+    assert_nothing_attached(model, before, globals_before)
+
+
+def test_port_in_use_names_port_and_setting():
+    model = seeded(DeepNet)
+    before, globals_before = model_state(model), [len(d) for d in GLOBAL_HOOK_DICTS]
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        with pytest.raises(hookprof.PortInUseError) as info:
+            hookprof.attach(model, port=port)
+    message = str(info.value)
+    assert f"127.0.0.1:{port}" in message and "HOOKPROF_PORT" in message and "port=" in message
+    assert info.value.port == port
+    assert_nothing_attached(model, before, globals_before)
+
+
+def test_port_held_by_another_profiler():
+    port = free_port()
+    first_model, second_model = seeded(DeepNet), seeded(DeepNet)
+    with hookprof.attach(first_model, port=port):
+        before = model_state(second_model)
+        with pytest.raises(hookprof.PortInUseError, match=str(port)):
+            hookprof.attach(second_model, port=port)
+        assert model_state(second_model) == before
+
+
+def test_attaching_twice_names_the_existing_profiler():
+    model = seeded(DeepNet)
+    with hookprof.attach(model, port=0) as prof:
+        with pytest.raises(hookprof.AlreadyAttachedError) as info:
+            hookprof.attach(model, port=0)
+        assert info.value.profiler is prof
+        assert prof.url in str(info.value)
+        with pytest.raises(hookprof.AlreadyAttachedError):
+            hookprof.attach(model.blocks[0], port=0)  # a part of it counts too
+    with hookprof.attach(model, port=0):  # and after detach it works
+        pass
+
+
+def test_step_after_detach():
+    model = seeded(DeepNet)
+    prof = hookprof.attach(model, port=0)
+    prof.detach()
+    with pytest.raises(hookprof.DetachedError, match="after detach"):
+        prof.step()
+    train(model, 2)  # training without the profiler is unaffected

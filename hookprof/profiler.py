@@ -229,6 +229,9 @@ class Profiler:
     def _teardown(self) -> None:
         self._detached = True
         self._hooks.remove()
+        if self._rec is not None:  # a sampled step that never ended: its events go back
+            self.timer.release(self._rec.tokens())
+            self._rec = None
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -298,10 +301,13 @@ class Profiler:
         number = self._counters.observe((now - start) * 1e-9, self._wall_clock())
         if self._sampled:
             self._hooks.remove()
-            if self._grad_squares is None:
-                self._take_gradients()
-            self._dispatch()  # a sample still pending from an earlier step goes first
-            self._pending = self._build_packet(number, loss)
+            if not self._health.broken:  # a step whose hooks failed half-way is no sample
+                if self._grad_squares is None:
+                    self._take_gradients()
+                self._dispatch()  # a sample still pending from an earlier step goes first
+                self._pending = self._build_packet(number, loss)
+            elif self._rec is not None:
+                self.timer.release(self._rec.tokens())
         self._rec = None
         self._step_start_ns = now
         self._forward_seen = False
@@ -313,7 +319,7 @@ class Profiler:
         parts, has_grad = self._grad_squares or ([], frozenset())
         for k, part in enumerate(parts):
             batch.add(("grad_sq", k), part)
-        rec = self._rec if not self._health.broken else None
+        rec = self._rec
         if rec is not None and rec.act:
             # one stack per device, and rec.act reordered to match what the batch will hold
             by_device: dict[torch.device, list] = {}

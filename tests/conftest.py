@@ -41,8 +41,11 @@ def parse(text: str) -> dict:
 
 
 def samples(families: dict, name: str, sample_name: str | None = None) -> dict:
-    """{frozenset(labels.items()): value} for one family's samples named sample_name."""
+    """{frozenset(labels.items()): value} for one family's samples named sample_name
+    ({} when the family is absent)."""
     sample_name = sample_name or name
+    if name not in families:
+        return {}
     return {
         frozenset(s.labels.items()): s.value
         for s in families[name].samples

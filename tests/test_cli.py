@@ -1,0 +1,78 @@
+"""The `hookprof` command as a user runs it: a real process, a real scrape."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+import hookprof
+from conftest import free_port, parse, samples, scrape
+
+pytestmark = pytest.mark.slow
+
+
+def hookprof_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hookprof.cli", *args]
+
+
+def test_version():
+    out = subprocess.run(hookprof_cmd("--version"), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert out.stdout.strip() == f"hookprof {hookprof.__version__}"
+
+
+def test_demo_serves_live_metrics_and_reports_an_injected_nan():
+    port = free_port()
+    proc = subprocess.Popen(
+        hookprof_cmd("demo", "--port", str(port), "--steps", "100000", "--nan-at-step", "30",
+                     "--nan-layer", "mlp.0", "--sample-every", "1", "--min-sample-interval", "0",
+                     "--step-delay", "0.002"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        line = proc.stdout.readline()
+        assert f"serving metrics at http://127.0.0.1:{port}/metrics" in line, line
+        url = re.search(r"(http://\S+)", line).group(1)
+        deadline = time.monotonic() + 60
+        while True:
+            f = parse(scrape(url))
+            first = samples(f, "hookprof_first_nonfinite_info")
+            if first or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        steps = samples(f, "hookprof_steps", "hookprof_steps_total")[frozenset({"rank": "0"}.items())]
+        assert steps >= 30
+        assert list(first) == [
+            frozenset({"rank": "0", "layer": "mlp.0", "phase": "forward", "step": "30"}.items())
+        ]
+        layers = {dict(k)["layer"] for k in samples(f, "hookprof_layer_forward_seconds",
+                                                     "hookprof_layer_forward_seconds_count")}
+        assert {"embed", "attn", "norm", "mlp.0", "mlp.1", "mlp.2", "head"} <= layers
+    finally:
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert proc.returncode == 0, out
+    assert "stopped after" in out
+
+
+def test_demo_with_a_step_limit_exits_by_itself():
+    out = subprocess.run(hookprof_cmd("demo", "--port", "0", "--steps", "20"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "stopped after 20 steps" in out.stdout
+
+
+def test_demo_rejects_an_unknown_layer():
+    out = subprocess.run(hookprof_cmd("demo", "--port", "0", "--nan-at-step", "3", "--nan-layer", "nope"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no module named 'nope'" in out.stderr

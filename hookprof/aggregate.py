@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .batch import HostBatch
-from .instrument import StepRecord
+from .instrument import END, LAYER, OUTER_END, OUTER_START, PARENT, START, StepRecord
 from .snapshot import (
     LAYER_PHASES,
     PHASES,
@@ -99,7 +99,7 @@ class Aggregator:
         self._last: dict[str, list[Any]] = {}
         self._layers: MappingProxyType = MappingProxyType({})
         self._exported: tuple[str, ...] = ()
-        self._rebuild_layers()
+        self._dirty = True
 
     # ---- folding one sampled step ----
 
@@ -120,7 +120,8 @@ class Aggregator:
                 call_fwd, call_bwd, bwd_start = self._resolve_times(rec, timer)
             finally:
                 timer.release(rec.tokens())
-            for call, layer in enumerate(rec.fwd_layer):
+            for call, entry in enumerate(rec.calls):
+                layer = entry[LAYER]
                 calls[layer] += 1
                 fwd[layer] += call_fwd[call]
                 if call in call_bwd:
@@ -129,13 +130,15 @@ class Aggregator:
                 if call in bwd_start:
                     prev = bwd_start_of_layer.get(layer, math.inf)
                     bwd_start_of_layer[layer] = min(prev, bwd_start[call])
-            maxes = packet.batch.get("absmax")
-            nonzeros = packet.batch.get("nonzero")
-            for (call, _, _, count), m, nz in zip(rec.act, maxes, nonzeros):
-                layer = rec.fwd_layer[call]
+            lows, highs = packet.batch.get("act_min"), packet.batch.get("act_max")
+            nonzeros = iter(packet.batch.get("nonzero"))
+            for (call, _, _, nz_tensor, count), low, high in zip(rec.act, lows, highs):
+                layer = rec.calls[call][LAYER]
+                m = _nanmax([-low, high])
                 absmax[layer].append(m)
-                zeros[layer] += count - nz
-                numel[layer] += count
+                if nz_tensor is not None:
+                    zeros[layer] += count - next(nonzeros)
+                    numel[layer] += count
                 if not math.isfinite(m) and (first_forward_bad is None or call < first_forward_bad):
                     first_forward_bad = call
 
@@ -182,7 +185,7 @@ class Aggregator:
             self.loss = loss
         self.sampled_steps += 1
         self.last_sampled_step = packet.step
-        self._rebuild_layers()
+        self._dirty = True  # layers are rebuilt when the next snapshot is taken
 
     def _resolve_times(
         self, rec: StepRecord, timer: Any
@@ -193,12 +196,16 @@ class Aggregator:
         def at(token: Any) -> float:
             return timer.seconds(rec.ref, token)
 
-        ncalls = min(len(rec.fwd_layer), len(rec.fwd_start), len(rec.fwd_end))
+        ncalls = len(rec.calls)
         span = [0.0] * ncalls
-        for c in range(ncalls):
-            end = rec.fwd_end[c]
-            if end is not None:
-                span[c] = max(at(end) - at(rec.fwd_start[c]), 0.0)
+        outer = [0.0] * ncalls
+        for c, entry in enumerate(rec.calls):
+            if entry[END] is not None and entry[START] is not None:
+                span[c] = max(at(entry[END]) - at(entry[START]), 0.0)
+                if entry[OUTER_END] is not None:
+                    outer[c] = max(at(entry[OUTER_END]) - at(entry[OUTER_START]), 0.0)
+                else:
+                    outer[c] = span[c]
 
         start: dict[int, float] = {}
         for c, tok in rec.bwd_out:
@@ -213,7 +220,7 @@ class Aggregator:
         for c, s in start.items():
             if c >= ncalls:
                 continue
-            e = end_of.get(c, param_end.get(rec.fwd_layer[c]))
+            e = end_of.get(c, param_end.get(rec.calls[c][LAYER]))
             if e is not None and e >= s:
                 bspan[c] = e - s
 
@@ -222,11 +229,10 @@ class Aggregator:
         fwd_excl = list(span)
         bwd_excl = dict(bspan)
         for c in range(ncalls):
-            parent = rec.fwd_parent[c]
+            parent = rec.calls[c][PARENT]
             if parent < 0:
                 continue
-            outer = rec.fwd_outer[c]
-            fwd_excl[parent] -= at(outer[1]) - at(outer[0]) if len(outer) == 2 else span[c]
+            fwd_excl[parent] -= outer[c]
             if parent in bwd_excl and c in bspan:
                 bwd_excl[parent] -= bspan[c]
         fwd_excl = [max(v, 0.0) for v in fwd_excl]
@@ -243,7 +249,8 @@ class Aggregator:
         loss_bad: bool,
     ) -> NonFiniteEvent | None:
         if rec is not None and first_forward_bad is not None:
-            return NonFiniteEvent(self.names[rec.fwd_layer[first_forward_bad]], "forward", step)
+            layer = rec.calls[first_forward_bad][LAYER]
+            return NonFiniteEvent(self.names[layer], "forward", step)
         if bad_bwd:
             # the first to go bad in backward: earliest backward start when it was timed,
             # else the last layer in module order (backward runs roughly in reverse)
@@ -293,6 +300,9 @@ class Aggregator:
         return tuple(self.names[i] for i in keep)
 
     def snapshot(self, counters: StepCounters, internal_errors: int) -> Snapshot:
+        if self._dirty:
+            self._rebuild_layers()
+            self._dirty = False
         steps, buckets, total, last_ts = counters.read()
         return Snapshot(
             rank=self.rank,

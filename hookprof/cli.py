@@ -53,10 +53,13 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         if v is not None
     }
+    if args.nan_at_step:
+        # before attach: forward hooks run in registration order, and the fault is meant to
+        # look like part of the layer's own computation
+        InjectNonFinite(modules[args.nan_layer], {args.nan_at_step})
     prof = hookprof.attach(model, **overrides)
     print(f"hookprof demo: serving metrics at {prof.url}", flush=True)
     if args.nan_at_step:
-        InjectNonFinite(modules[args.nan_layer], {args.nan_at_step})
         print(f"hookprof demo: {args.nan_layer} will output NaN at step {args.nan_at_step}", flush=True)
 
     stop = []

@@ -12,7 +12,8 @@ step's StepRecord and resolved later by the publisher thread.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterable, Iterator
 from functools import partial
 from typing import Any
 
@@ -22,56 +23,64 @@ from .health import Health
 from .layers import LayerTable
 
 _MAX_TENSORS_PER_CALL = 8  # outputs/inputs looked at per call; a tuple of 1,000 is not a layer
+ZERO_SAMPLE = 4096  # values per output the zero ratio is computed from
+
+
+def zero_sample(d: torch.Tensor) -> torch.Tensor:
+    """At most ZERO_SAMPLE evenly spaced values of `d` (a view: nothing is copied)."""
+    flat = d.reshape(-1)
+    stride = -(-flat.numel() // ZERO_SAMPLE)  # ceil division
+    return flat[::stride] if stride > 1 else flat
+
+
+# positions in a forward call's entry
+LAYER, PARENT, OUTER_START, START, END, OUTER_END = range(6)
 
 
 class StepRecord:
     """What the hooks of one sampled step wrote. Appends only: list.append is atomic, and
     backward hooks may run on autograd worker threads."""
 
-    __slots__ = (
-        "ref",
-        "fwd_layer",
-        "fwd_parent",
-        "fwd_start",
-        "fwd_end",
-        "fwd_outer",
-        "bwd_out",
-        "bwd_in",
-        "param_done",
-        "act",
-        "param_hooked",
-        "param_handles",
-    )
+    __slots__ = ("ref", "calls", "bwd_out", "bwd_in", "param_done", "act", "param_hooked",
+                 "param_handles", "grad_roles", "grad_tokens")
 
     def __init__(self, ref: Any):
-        self.ref = ref  # timer token taken when the step's hooks went in
-        self.fwd_layer: list[int] = []  # per forward call (call id = position)
-        self.fwd_parent: list[int] = []  # enclosing instrumented call, -1 for none
-        self.fwd_start: list[Any] = []
-        self.fwd_end: list[Any] = []
-        # (first token of the pre-hook, last token of the post-hook) per call: the call's time
-        # including our hook work, which is what a parent call must not count as its own
-        self.fwd_outer: list[list[Any]] = []
+        self.ref = ref  # timer token taken when the step began
+        # one entry per forward call (call id = position):
+        # [layer, parent call or -1, outer start, start, end, outer end]; "outer" tokens
+        # include our own hook work, which a parent call must not count as its own time
+        self.calls: list[list[Any]] = []
         self.bwd_out: list[tuple[int, Any]] = []  # (call id, token): gradient reached the output
         self.bwd_in: list[tuple[int, Any]] = []  # (call id, token): input gradient produced
         self.param_done: list[tuple[int, Any]] = []  # (layer, token): a parameter's grad accumulated
-        self.act: list[tuple[int, torch.Tensor, torch.Tensor, int]] = []  # (call, absmax, nonzero, numel)
+        # (call, min, max, non-zeros in the zero sample or None, sample size) per floating output
+        self.act: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, int]] = []
         self.param_hooked: set[int] = set()
         self.param_handles: list[Any] = []
+        # id(tensor) -> (weakref, version, roles) for tensors that already carry our gradient
+        # hook: one layer's output is the next one's input, and one hook serves both
+        self.grad_roles: dict[int, tuple[Any, int, list[tuple[int, bool]]]] = {}
+        self.grad_tokens: list[Any] = []  # each gradient-ready token once (bwd_* share them)
 
     def tokens(self) -> Iterator[Any]:
         """Every timer token in the record, so the timer can take pooled events back."""
         yield self.ref
-        yield from self.fwd_start
-        yield from (t for t in self.fwd_end if t is not None)
-        yield from (t for pair in self.fwd_outer for t in pair)
-        yield from (t for _, t in self.bwd_out)
-        yield from (t for _, t in self.bwd_in)
+        for entry in self.calls:
+            yield from (t for t in entry[OUTER_START:] if t is not None)
+        yield from self.grad_tokens
         yield from (t for _, t in self.param_done)
 
 
-def iter_tensors(value: Any, limit: int = _MAX_TENSORS_PER_CALL) -> Iterator[torch.Tensor]:
+def iter_tensors(value: Any, limit: int = _MAX_TENSORS_PER_CALL) -> Iterable[torch.Tensor]:
     """Tensors in a module's inputs or outputs: tensors, tuples/lists, dict values."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if type(value) is tuple and len(value) == 1 and isinstance(value[0], torch.Tensor):
+        return value  # the common case: forward(x)
+    return _walk_tensors(value, limit)
+
+
+def _walk_tensors(value: Any, limit: int) -> Iterator[torch.Tensor]:
     stack = [value]
     found = 0
     while stack and found < limit:
@@ -86,13 +95,18 @@ def iter_tensors(value: Any, limit: int = _MAX_TENSORS_PER_CALL) -> Iterator[tor
 
 
 class LayerHooks:
-    """Installs and removes the per-layer hooks of one sampled step."""
+    """The per-layer hooks of sampled steps. They stay installed across consecutive sampled
+    steps (only the record changes) and are removed for unsampled ones."""
 
     def __init__(self, table: LayerTable, timer: Any, health: Health, activation_stats: bool):
         self._table = table
         self._timer = timer
         self._health = health
         self._activation_stats = activation_stats
+        # dead units are a property of activation outputs: the zero ratio is taken for layers
+        # without parameters of their own (ReLU, GELU, Dropout, pooling), not for Linear/Conv
+        # outputs, which are almost never exactly zero
+        self._zero_ratio = [not layer.param_indices for layer in table.layers]
         self._handles: list[Any] = []
         self._rec: StepRecord | None = None
         self._local = threading.local()  # each thread's stack of open forward calls
@@ -101,8 +115,12 @@ class LayerHooks:
     def installed(self) -> bool:
         return bool(self._handles)
 
-    def install(self, rec: StepRecord) -> None:
+    def begin(self, rec: StepRecord) -> None:
+        """Start recording a sampled step into `rec`, installing the hooks if needed."""
         self._rec = rec
+        self._local = threading.local()
+        if self._handles:
+            return
         for layer in self._table.layers:
             module = layer.module
             self._handles.append(module.register_forward_pre_hook(partial(self._pre, layer.index)))
@@ -110,48 +128,49 @@ class LayerHooks:
                 module.register_forward_hook(partial(self._post, layer.index), always_call=True)
             )
 
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+    def end(self) -> None:
+        """Stop recording (the module hooks stay for a following sampled step)."""
         rec, self._rec = self._rec, None
         if rec is not None:
             for handle in rec.param_handles:
                 handle.remove()
             rec.param_handles.clear()
+
+    def remove(self) -> None:
+        self.end()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
         self._local = threading.local()
 
     # --- hook bodies: never raise, never return anything, never read a device value ---
-
-    def _stack(self) -> list[int]:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
 
     def _pre(self, layer_index: int, module: torch.nn.Module, args: Any) -> None:
         rec = self._rec
         if rec is None or self._health.broken or not torch.is_grad_enabled():
             return
         try:
-            outer_start = self._timer.mark()
-            stack = self._stack()
-            call = len(rec.fwd_layer)
-            rec.fwd_outer.append([outer_start])
-            rec.fwd_layer.append(layer_index)
-            rec.fwd_parent.append(stack[-1] if stack else -1)
-            rec.fwd_end.append(None)
+            mark = self._timer.mark
+            entry = [layer_index, -1, mark(), None, None, None]
+            try:
+                stack = self._local.stack
+            except AttributeError:
+                stack = self._local.stack = []
+            if stack:
+                entry[PARENT] = stack[-1]
+            call = len(rec.calls)
+            rec.calls.append(entry)
             inputs_need_grad = False
             for t in iter_tensors(args):
                 # non-leaf only: a hook on a leaf (a parameter passed as an input) would
                 # outlive the step and survive detach()
                 if t.requires_grad and t.grad_fn is not None:
                     inputs_need_grad = True
-                    t.register_hook(partial(self._grad_in, rec, call))
+                    self._on_grad(rec, t, call, False)
             if not inputs_need_grad and layer_index not in rec.param_hooked:
                 self._hook_params(rec, layer_index)
             stack.append(call)
-            rec.fwd_start.append(self._timer.mark())  # last: our own work stays outside the span
+            entry[START] = mark()  # last: our own work stays outside the span
         except Exception as exc:  # invariant 3: count, log once, switch off
             self._health.report("forward pre-hook", exc)
 
@@ -161,23 +180,30 @@ class LayerHooks:
         if rec is None or self._health.broken or not torch.is_grad_enabled():
             return
         try:
-            stack = self._stack()
+            stack = getattr(self._local, "stack", None)
             if not stack:
-                return
+                return  # the call began before this step's recording did
             call = stack.pop()
-            rec.fwd_end[call] = end
+            entry = rec.calls[call]
+            entry[END] = end
             for t in iter_tensors(output):
                 if not t.is_floating_point():
                     continue
                 if self._activation_stats and t.numel():
                     d = t.detach()
-                    # two device-side reductions, kept on the device: max |x| (NaN and Inf
-                    # propagate, so it doubles as the non-finite detector) and non-zeros
-                    absmax = torch.linalg.vector_norm(d, ord=float("inf"))
-                    rec.act.append((call, absmax, torch.count_nonzero(d), d.numel()))
+                    # device-side reductions, kept on the device. aminmax gives max |x| over
+                    # the whole output in one pass, and NaN/Inf propagate, so it doubles as
+                    # the exact non-finite detector. Zeros are counted on an evenly strided
+                    # sample of at most ZERO_SAMPLE values: exact counts cost ~10x more.
+                    low, high = torch.aminmax(d)
+                    if self._zero_ratio[layer_index]:
+                        sample = zero_sample(d)
+                        rec.act.append((call, low, high, torch.count_nonzero(sample), sample.numel()))
+                    else:
+                        rec.act.append((call, low, high, None, 0))
                 if t.requires_grad and t.grad_fn is not None:
-                    t.register_hook(partial(self._grad_out, rec, call))
-            rec.fwd_outer[call].append(self._timer.mark())
+                    self._on_grad(rec, t, call, True)
+            entry[OUTER_END] = self._timer.mark()
         except Exception as exc:
             self._health.report("forward hook", exc)
 
@@ -190,15 +216,25 @@ class LayerHooks:
                     p.register_post_accumulate_grad_hook(partial(self._param_done, rec, layer_index))
                 )
 
-    def _grad_out(self, rec: StepRecord, call: int, grad: torch.Tensor) -> None:
-        try:
-            rec.bwd_out.append((call, self._timer.mark()))
-        except Exception as exc:
-            self._health.report("backward hook", exc)
+    def _on_grad(self, rec: StepRecord, t: torch.Tensor, call: int, is_output: bool) -> None:
+        """Note the moment t's gradient is ready: the start of the backward of the call that
+        produced t (is_output), the end of the backward of a call that consumed it."""
+        known = rec.grad_roles.get(id(t))
+        # same live tensor, same version: an in-place op since then (ReLU(inplace=True)) gives
+        # the tensor a new autograd node, which needs a hook of its own
+        if known is not None and known[0]() is t and known[1] == t._version:
+            known[2].append((call, is_output))
+            return
+        roles = [(call, is_output)]
+        t.register_hook(partial(self._grad_ready, rec, roles))
+        rec.grad_roles[id(t)] = (weakref.ref(t), t._version, roles)
 
-    def _grad_in(self, rec: StepRecord, call: int, grad: torch.Tensor) -> None:
+    def _grad_ready(self, rec: StepRecord, roles: list[tuple[int, bool]], grad: Any) -> None:
         try:
-            rec.bwd_in.append((call, self._timer.mark()))
+            token = self._timer.mark()
+            rec.grad_tokens.append(token)
+            for call, is_output in roles:
+                (rec.bwd_out if is_output else rec.bwd_in).append((call, token))
         except Exception as exc:
             self._health.report("backward hook", exc)
 

@@ -293,14 +293,16 @@ class Profiler:
         self._grad_squares = None
         if self._sampled:
             self._rec = StepRecord(self.timer.mark())
-            self._hooks.install(self._rec)
+            self._hooks.begin(self._rec)
+        elif self._hooks.installed:
+            self._hooks.remove()
 
     def _end_step(self, loss: Any, *, by_optimizer: bool) -> None:
         now = self._clock()
         start = self._step_start_ns if self._step_start_ns is not None else now
         number = self._counters.observe((now - start) * 1e-9, self._wall_clock())
         if self._sampled:
-            self._hooks.remove()
+            self._hooks.end()
             if not self._health.broken:  # a step whose hooks failed half-way is no sample
                 if self._grad_squares is None:
                     self._take_gradients()
@@ -327,8 +329,11 @@ class Profiler:
                 by_device.setdefault(entry[1].device, []).append(entry)
             rec.act = [entry for entries in by_device.values() for entry in entries]
             for entries in by_device.values():
-                batch.add("absmax", torch.stack([e[1] for e in entries]))
-                batch.add("nonzero", torch.stack([e[2] for e in entries]))
+                batch.add("act_min", torch.stack([e[1] for e in entries]))
+                batch.add("act_max", torch.stack([e[2] for e in entries]))
+                nonzero = [e[3] for e in entries if e[3] is not None]
+                if nonzero:
+                    batch.add("nonzero", torch.stack(nonzero))
         packet = Packet(
             step=number,
             batch=None,  # type: ignore[arg-type]  # set when sent

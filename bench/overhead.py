@@ -1,0 +1,305 @@
+"""Training-step overhead of hookprof, measured side by side in one run.
+
+    python bench/overhead.py                 # full run (~5 min on 2 CPU cores)
+    python bench/overhead.py --quick         # a smoke run
+
+Each workload trains a held-constant model; every configuration has its own copy of it,
+attached once (sampling state carries across rounds as in a real run), and rounds interleave
+the configurations in rotating order so that machine noise hits them all alike. The figure
+per configuration is the median over rounds of the mean step time in that round; ratios
+are to "none" (no hookprof) measured in the same rounds.
+
+Also measured: attach/detach time and per-scrape render time for a model of 10,000 leaf
+modules. Prints Markdown tables (pasted into the README) and writes JSON next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import hookprof  # noqa: E402
+from hookprof.exporter import render  # noqa: E402
+
+# ---------------------------------------------------------------- workloads
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, ch: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(ch, ch, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(ch)
+        self.relu1 = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(ch, ch, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(ch)
+        self.relu2 = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu1(self.bn1(self.conv1(x)))
+        return self.relu2(self.bn2(self.conv2(out)) + x)
+
+
+def small_resnet() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1, bias=False),
+        nn.BatchNorm2d(32),
+        nn.ReLU(inplace=True),
+        *[ResidualBlock(32) for _ in range(4)],
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+
+
+def mlp() -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(24):
+        layers += [nn.Linear(512, 512), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(512, 10))
+
+
+def transformer() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(256, 4, dim_feedforward=1024, dropout=0.0, batch_first=True)
+    return nn.Sequential(
+        nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False),
+        nn.Flatten(),
+        nn.Linear(256 * 128, 10),
+    )
+
+
+@dataclass
+class Workload:
+    name: str
+    build: Callable[[], nn.Module]
+    make_input: Callable[[torch.Generator], torch.Tensor]
+    batch: int
+
+
+WORKLOADS = {
+    "mlp": Workload("MLP 24x512, batch 64", mlp, lambda g: torch.randn(64, 512, generator=g), 64),
+    "transformer": Workload(
+        "TransformerEncoder 4x256, batch 8, seq 128",
+        transformer,
+        lambda g: torch.randn(8, 128, 256, generator=g),
+        8,
+    ),
+    "cnn": Workload(
+        "ResNet-style CNN (in-place ReLU), batch 16, 32x32",
+        small_resnet,
+        lambda g: torch.randn(16, 3, 32, 32, generator=g),
+        16,
+    ),
+}
+
+# ---------------------------------------------------------------- configurations
+
+
+@dataclass
+class Runner:
+    """One configuration of one workload: its own model copy, optimizer and data."""
+
+    config: str
+    model: nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+    prof: object | None = None
+    round_means: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            self.opt.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(self.model(self.x), self.y)
+            loss.backward()
+            self.opt.step()
+
+    def context(self):
+        if self.config == "torch.profiler":
+            return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        if self.config == "detect_anomaly":
+            return torch.autograd.detect_anomaly(check_nan=True)
+        return contextlib.nullcontext()
+
+
+CONFIGS = {
+    "none": None,
+    "hookprof default": {},
+    "hookprof every step": {"sample_every": 1, "min_sample_interval_s": 0.0},
+    "torch.profiler": None,
+    "detect_anomaly": None,
+}
+
+
+def bench_workload(key: str, rounds: int, steps: int, warmup: int) -> dict:
+    w = WORKLOADS[key]
+    torch.manual_seed(0)
+    base = w.build()
+    g = torch.Generator().manual_seed(0)
+    x = w.make_input(g)
+    y = torch.randint(0, 10, (w.batch,), generator=g)
+    runners = []
+    for name, overrides in CONFIGS.items():
+        r = Runner(name, copy.deepcopy(base), x, y)
+        if overrides is not None:
+            r.prof = hookprof.attach(r.model, port=0, **overrides)
+        runners.append(r)
+    try:
+        for r in runners:
+            with r.context():
+                r.steps(warmup)
+        for i in range(rounds):
+            order = runners[i % len(runners) :] + runners[: i % len(runners)]
+            for r in order:
+                with r.context():
+                    t0 = time.perf_counter()
+                    r.steps(steps)
+                    r.round_means.append((time.perf_counter() - t0) / steps)
+    finally:
+        for r in runners:
+            if r.prof is not None:
+                r.prof.detach()
+    medians = {r.config: statistics.median(r.round_means) for r in runners}
+    sampled = {
+        r.config: (r.prof.snapshot().sampled_steps, r.prof.snapshot().step)
+        for r in runners
+        if r.prof is not None
+    }
+    return {
+        "workload": w.name,
+        "step_ms": {k: v * 1e3 for k, v in medians.items()},
+        "ratio": {k: v / medians["none"] for k, v in medians.items()},
+        "sampled_of_steps": sampled,
+        "spread": {
+            r.config: (min(r.round_means) * 1e3, max(r.round_means) * 1e3) for r in runners
+        },
+    }
+
+
+# ---------------------------------------------------------------- 10,000 leaf modules
+
+
+def bench_many_layers(n: int = 10_000) -> dict:
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(2, 4)
+
+    def one_step():
+        opt.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        opt.step()
+
+    one_step()  # warm the allocator before timing anything
+    t0 = time.perf_counter()
+    plain_step = [one_step() for _ in range(1)]
+    plain_step_s = time.perf_counter() - t0
+
+    out = {"leaf_modules": n}
+    for max_layers in (500, n):
+        t0 = time.perf_counter()
+        prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
+                               max_layers=max_layers)
+        attach_s = time.perf_counter() - t0
+        try:
+            t0 = time.perf_counter()
+            one_step()  # sampled: hooks on every layer
+            sampled_step_s = time.perf_counter() - t0
+            prof.flush(timeout=120)
+            renders = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                text = render(prof.registry)
+                renders.append(time.perf_counter() - t0)
+            samples = sum(1 for line in text.splitlines() if line and not line.startswith(b"#"))
+        finally:
+            t0 = time.perf_counter()
+            prof.detach()
+            detach_s = time.perf_counter() - t0
+        out[f"max_layers={max_layers}"] = {
+            "attach_ms": attach_s * 1e3,
+            "detach_ms": detach_s * 1e3,
+            "sampled_step_ms": sampled_step_s * 1e3,
+            "plain_step_ms": plain_step_s * 1e3,
+            "render_ms": statistics.median(renders) * 1e3,
+            "exposition_kb": len(text) / 1024,
+            "samples": samples,
+        }
+    del plain_step
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+def table(results: list[dict]) -> str:
+    configs = list(CONFIGS)
+    lines = [
+        "| workload | " + " | ".join(configs) + " |",
+        "|---|" + "---|" * len(configs),
+    ]
+    for r in results:
+        cells = []
+        for c in configs:
+            ms, ratio = r["step_ms"][c], r["ratio"][c]
+            cells.append(f"{ms:.1f} ms" if c == "none" else f"{ms:.1f} ms ({ratio:.3f}x)")
+        lines.append(f"| {r['workload']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 5 steps")
+    parser.add_argument("--skip-many-layers", action="store_true")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "overhead.json"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 3, 5, 2
+    warnings.filterwarnings("ignore")  # detect_anomaly warns on every step
+
+    print(f"# hookprof {hookprof.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads; "
+          f"{args.rounds} rounds x {args.steps} steps", flush=True)
+    results = []
+    for key in args.workloads.split(","):
+        r = bench_workload(key, args.rounds, args.steps, args.warmup)
+        results.append(r)
+        print(f"{key}: " + ", ".join(f"{c} {v:.3f}x" for c, v in r["ratio"].items()), flush=True)
+    print()
+    print(table(results))
+    many = None
+    if not args.skip_many_layers:
+        many = bench_many_layers()
+        print()
+        print("| 10,000 leaf modules | attach | detach | plain step | sampled step | render /metrics | exposition |")
+        print("|---|---|---|---|---|---|---|")
+        for key in ("max_layers=500", "max_layers=10000"):
+            m = many[key]
+            print(f"| {key} | {m['attach_ms']:.0f} ms | {m['detach_ms']:.0f} ms | {m['plain_step_ms']:.0f} ms | "
+                  f"{m['sampled_step_ms']:.0f} ms | {m['render_ms']:.1f} ms | {m['exposition_kb']:.0f} KiB, {m['samples']} samples |")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"workloads": results, "many_layers": many, "args": vars(args)}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

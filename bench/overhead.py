@@ -108,6 +108,28 @@ WORKLOADS = {
 # ---------------------------------------------------------------- configurations
 
 
+class OwnClock:
+    """perf_counter_ns that stands still while other configurations run. hookprof samples by
+    wall time (min_sample_interval_s); interleaving would otherwise let a configuration's
+    clock run on during the others' rounds and sample it several times more often than the
+    same configuration running alone."""
+
+    def __init__(self):
+        self.paused_ns = 0
+        self.paused_at: int | None = time.perf_counter_ns()
+
+    def __call__(self) -> int:
+        return time.perf_counter_ns() - self.paused_ns
+
+    def pause(self):
+        self.paused_at = time.perf_counter_ns()
+
+    def resume(self):
+        if self.paused_at is not None:
+            self.paused_ns += time.perf_counter_ns() - self.paused_at
+            self.paused_at = None
+
+
 @dataclass
 class Runner:
     """One configuration of one workload: its own model copy, optimizer and data."""
@@ -118,9 +140,22 @@ class Runner:
     y: torch.Tensor
     prof: object | None = None
     round_means: list[float] = field(default_factory=list)
+    clock: OwnClock = field(default_factory=OwnClock)
 
     def __post_init__(self):
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+
+    def attach(self, overrides: dict) -> None:
+        cfg = hookprof.Config(port=0, **overrides)
+        self.prof = hookprof.Profiler(self.model, cfg, clock=self.clock)
+
+    def timed_round(self, n: int) -> None:
+        self.clock.resume()
+        with self.context():
+            t0 = time.perf_counter()
+            self.steps(n)
+            self.round_means.append((time.perf_counter() - t0) / n)
+        self.clock.pause()
 
     def steps(self, n: int) -> None:
         for _ in range(n):
@@ -139,6 +174,7 @@ class Runner:
 
 CONFIGS = {
     "none": None,
+    "none again": None,  # an A/A pair: how far apart two identical runs land on this machine
     "hookprof default": {},
     "hookprof every step": {"sample_every": 1, "min_sample_interval_s": 0.0},
     "torch.profiler": None,
@@ -157,19 +193,18 @@ def bench_workload(key: str, rounds: int, steps: int, warmup: int) -> dict:
     for name, overrides in CONFIGS.items():
         r = Runner(name, copy.deepcopy(base), x, y)
         if overrides is not None:
-            r.prof = hookprof.attach(r.model, port=0, **overrides)
+            r.attach(overrides)
         runners.append(r)
     try:
         for r in runners:
+            r.clock.resume()
             with r.context():
                 r.steps(warmup)
+            r.clock.pause()
         for i in range(rounds):
             order = runners[i % len(runners) :] + runners[: i % len(runners)]
             for r in order:
-                with r.context():
-                    t0 = time.perf_counter()
-                    r.steps(steps)
-                    r.round_means.append((time.perf_counter() - t0) / steps)
+                r.timed_round(steps)
     finally:
         for r in runners:
             if r.prof is not None:
@@ -263,8 +298,8 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--quick", action="store_true", help="3 rounds of 5 steps")

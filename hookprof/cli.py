@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--sample-every", type=int, default=None)
     demo.add_argument("--min-sample-interval", type=float, default=None, help="seconds")
     demo.add_argument("--nan-at-step", type=int, default=0, help="make --nan-layer output NaN at this step (1-based)")
-    demo.add_argument("--nan-layer", default="mlp.0", help="qualified module name for --nan-at-step")
+    demo.add_argument("--nan-layer", default="mlp.0", help="qualified module name for --nan-at-step and SIGUSR1")
     demo.add_argument("--step-delay", type=float, default=0.0, help="sleep this long per step (seconds)")
     demo.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -40,7 +41,7 @@ def run_demo(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model = DemoNet()
     modules = dict(model.named_modules())
-    if args.nan_at_step and args.nan_layer not in modules:
+    if args.nan_layer not in modules:
         print(f"hookprof demo: no module named {args.nan_layer!r}; choose one of {sorted(n for n in modules if n)}", file=sys.stderr)
         return 2
     overrides = {
@@ -53,22 +54,28 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         if v is not None
     }
-    if args.nan_at_step:
-        # before attach: forward hooks run in registration order, and the fault is meant to
-        # look like part of the layer's own computation
-        InjectNonFinite(modules[args.nan_layer], {args.nan_at_step})
+    # before attach: forward hooks run in registration order, and the fault is meant to
+    # look like part of the layer's own computation
+    injector = InjectNonFinite(modules[args.nan_layer], {args.nan_at_step} if args.nan_at_step else set())
     prof = hookprof.attach(model, **overrides)
     print(f"hookprof demo: serving metrics at {prof.url}", flush=True)
     if args.nan_at_step:
         print(f"hookprof demo: {args.nan_layer} will output NaN at step {args.nan_at_step}", flush=True)
+    print(f"hookprof demo: kill -USR1 {os.getpid()} makes {args.nan_layer} output NaN at the next step", flush=True)
 
     stop = []
+    nan_requested = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    signal.signal(signal.SIGUSR1, lambda *_: nan_requested.append(True))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(args.seed)
     step = 0
     try:
         while not stop and (args.steps <= 0 or step < args.steps):
+            if nan_requested:
+                nan_requested.clear()
+                injector.arm()
+                print(f"hookprof demo: {args.nan_layer} outputs NaN at step {step + 1}", flush=True)
             tokens, labels = model.batch(generator)
             loss = torch.nn.functional.cross_entropy(model(tokens), labels)
             optimizer.zero_grad(set_to_none=True)

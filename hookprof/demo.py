@@ -38,9 +38,13 @@ class InjectNonFinite:
 
     def __init__(self, module: nn.Module, at_calls: set[int], value: float = float("nan")):
         self.calls = 0
-        self.at_calls = at_calls
+        self.at_calls = set(at_calls)
         self.value = value
         self.handle = module.register_forward_hook(self)
+
+    def arm(self) -> None:
+        """Make the next call go bad."""
+        self.at_calls.add(self.calls + 1)
 
     def __call__(self, module, args, output):
         self.calls += 1

@@ -1,0 +1,155 @@
+"""Real Prometheus and Alertmanager (Debian's packages) on loopback for tests: started with
+short intervals, waited for with bounded polls, and always stopped by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from conftest import free_port
+
+RULES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "deploy", "prometheus",
+                                     "hookprof-rules.yml"))
+
+
+def binaries() -> dict[str, str] | None:
+    names = {"prometheus": "prometheus", "alertmanager": "prometheus-alertmanager"}
+    found = {k: shutil.which(v) for k, v in names.items()}
+    return found if all(found.values()) else None
+
+
+def get_json(url: str, timeout: float = 5.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_for(what: str, check, timeout: float, interval: float = 0.2):
+    """Poll check() until it returns something truthy; fail naming `what` after timeout."""
+    deadline = time.monotonic() + timeout
+    last_error = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception as exc:  # not up yet
+            last_error = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last error: {last_error})")
+
+
+class Webhook:
+    """Alertmanager's webhook receiver: records every notification with its arrival time."""
+
+    def __init__(self):
+        self.received: list[tuple[float, dict]] = []
+        received = self.received
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                received.append((time.monotonic(), json.loads(body)))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def alerts(self, status: str = "firing") -> list[tuple[float, dict]]:
+        return [(t, a) for t, n in self.received for a in n.get("alerts", []) if a["status"] == status]
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Processes:
+    """Children started by a test, each stopped by PID however the test ends."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen(args, stdout=kwargs.pop("stdout", subprocess.DEVNULL),
+                                stderr=kwargs.pop("stderr", subprocess.DEVNULL), **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self):
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGTERM)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
+def start_alertmanager(procs: Processes, tmp: str, webhook_port: int) -> int:
+    port = free_port()
+    config = os.path.join(tmp, "am.yml")
+    with open(config, "w") as f:
+        f.write(f"""
+route:
+  receiver: webhook
+  group_by: ['alertname', 'rank', 'phase']
+  group_wait: 0s
+  group_interval: 1s
+  repeat_interval: 1h
+receivers:
+  - name: webhook
+    webhook_configs:
+      - url: http://127.0.0.1:{webhook_port}/
+        send_resolved: true
+""")
+    procs.start([binaries()["alertmanager"], f"--config.file={config}",
+                 f"--storage.path={os.path.join(tmp, 'am')}",
+                 f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="])
+    wait_for("alertmanager ready", lambda: urllib.request.urlopen(
+        f"http://127.0.0.1:{port}/-/ready", timeout=2).status == 200, timeout=30)
+    return port
+
+
+def start_prometheus(procs: Processes, tmp: str, targets: list[str], am_port: int,
+                     job: str = "hookprof") -> int:
+    port = free_port()
+    config = os.path.join(tmp, "prom.yml")
+    with open(config, "w") as f:
+        f.write(f"""
+global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+rule_files: ['{RULES}']
+alerting:
+  alertmanagers:
+    - static_configs: [{{targets: ['127.0.0.1:{am_port}']}}]
+scrape_configs:
+  - job_name: {job}
+    static_configs: [{{targets: {json.dumps(targets)}}}]
+""")
+    procs.start([binaries()["prometheus"], f"--config.file={config}",
+                 f"--storage.tsdb.path={os.path.join(tmp, 'tsdb')}",
+                 f"--web.listen-address=127.0.0.1:{port}"])
+    wait_for("prometheus ready", lambda: urllib.request.urlopen(
+        f"http://127.0.0.1:{port}/-/ready", timeout=2).status == 200, timeout=30)
+    return port
+
+
+def query(prom_port: int, expr: str) -> list[dict]:
+    url = f"http://127.0.0.1:{prom_port}/api/v1/query?query=" + urllib.parse.quote(expr)
+    return get_json(url)["data"]["result"]

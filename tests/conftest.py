@@ -29,6 +29,18 @@ def port_is_free(port: int, addr: str = "127.0.0.1") -> bool:
         return True
 
 
+def read_until(stream, needle: str, max_lines: int = 200) -> str:
+    """The first line of a child's output containing `needle`. Other lines (warnings from
+    torch in a bare environment, say) are skipped; a child that exits ends the search."""
+    for _ in range(max_lines):
+        line = stream.readline()
+        if not line:
+            break
+        if needle in line:
+            return line
+    raise AssertionError(f"{needle!r} never appeared in the child's output")
+
+
 def scrape(url: str, timeout: float = 10.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         assert response.status == 200

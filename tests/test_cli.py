@@ -11,7 +11,7 @@ import time
 import pytest
 
 import hookprof
-from conftest import free_port, parse, samples, scrape
+from conftest import free_port, parse, read_until, samples, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def test_demo_serves_live_metrics_and_reports_an_injected_nan():
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        line = proc.stdout.readline()
+        line = read_until(proc.stdout, "serving metrics at")
         assert f"serving metrics at http://127.0.0.1:{port}/metrics" in line, line
         url = re.search(r"(http://\S+)", line).group(1)
         deadline = time.monotonic() + 60

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import free_port
+from conftest import free_port, read_until
 from servers import Processes, Webhook, binaries, query, start_alertmanager, start_prometheus, wait_for
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ def test_nan_alert_names_rank_layer_and_phase_then_exporter_down(tmp_path, serve
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-        assert "serving metrics" in trainer.stdout.readline()
+        read_until(trainer.stdout, "serving metrics")
         prom_port = start_prometheus(procs, str(tmp_path), [f"127.0.0.1:{port}"], am_port)
         t0 = time.monotonic()
 
@@ -51,9 +51,7 @@ def test_nan_alert_names_rank_layer_and_phase_then_exporter_down(tmp_path, serve
 
         os.kill(trainer.pid, signal.SIGUSR1)  # mlp.0 outputs NaN at the next step
         injected_at = time.monotonic()
-        line = wait_for("the trainer to report the NaN step",
-                        lambda: next(l for l in iter(trainer.stdout.readline, "") if "outputs NaN" in l),
-                        timeout=30)
+        line = read_until(trainer.stdout, "outputs NaN at step")
         step = re.search(r"at step (\d+)", line).group(1)
 
         def nan_alert():

@@ -1,0 +1,114 @@
+"""Every-step NaN/Inf detection that never waits for the device.
+
+Each step's checks are folded into counters that live on the device: how many steps each
+layer's gradient was non-finite, the first step it was, and the same per phase (forward:
+the model's output; backward: any gradient; loss). Nothing here is read back; the counters
+travel to the host with the next sampled step's batch, so the first offender is known
+exactly as soon as they are drained.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+PHASE_INDEX = {"forward": 0, "backward": 1, "loss": 2}
+
+
+class DeviceCounters:
+    """One device's counters. All updates are in-place device ops with Python-int operands:
+    no host-to-device copy, no sync."""
+
+    def __init__(self, n_layers: int, device: torch.device):
+        self.layer_bad = torch.zeros(n_layers, dtype=torch.int64, device=device)
+        self.layer_first = torch.full((n_layers,), -1, dtype=torch.int64, device=device)
+        self.phase_bad = torch.zeros(len(PHASE_INDEX), dtype=torch.int64, device=device)
+        self.phase_first = torch.full((len(PHASE_INDEX),), -1, dtype=torch.int64, device=device)
+
+    def add_layer_squares(self, squares: torch.Tensor, step: int) -> None:
+        """`squares`: per-layer squared gradient norms; non-finite exactly when the layer's
+        gradients hold a NaN or Inf."""
+        bad = ~torch.isfinite(squares)
+        self.layer_bad.add_(bad)
+        self.layer_first.masked_fill_(bad & (self.layer_first < 0), step)
+        self.add_phase("backward", bad.any(), step)
+
+    def add_phase(self, phase: str, bad: torch.Tensor, step: int) -> None:
+        i = PHASE_INDEX[phase]
+        self.phase_bad[i].add_(bad)
+        first = self.phase_first[i]
+        first.masked_fill_(bad & (first < 0), step)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.layer_bad, self.layer_first, self.phase_bad, self.phase_first]
+
+
+def nonfinite_flag(value: Any) -> torch.Tensor | None:
+    """0-d bool on the device: does any floating tensor in `value` hold a NaN or Inf?
+    A sum is non-finite when any element is (it can also overflow, for outputs whose values
+    add up past ~3e38, which is trouble of its own). One reduction per tensor."""
+    from .instrument import iter_tensors
+
+    flag = None
+    for t in iter_tensors(value):
+        if not t.is_floating_point() or not t.numel():
+            continue
+        bad = ~torch.isfinite(t.detach().sum())
+        flag = bad if flag is None else flag | bad
+    return flag
+
+
+class Detector:
+    """The counters of every device a model's gradients live on."""
+
+    def __init__(self, n_layers: int):
+        self.n_layers = n_layers
+        self.by_device: dict[torch.device, DeviceCounters] = {}
+
+    def counters(self, device: torch.device) -> DeviceCounters:
+        c = self.by_device.get(device)
+        if c is None:
+            c = self.by_device[device] = DeviceCounters(self.n_layers, device)
+        return c
+
+    def add_layer_squares(self, parts: list[torch.Tensor], step: int) -> None:
+        for squares in parts:
+            self.counters(squares.device).add_layer_squares(squares, step)
+
+    def add_flag(self, phase: str, flag: torch.Tensor | None, step: int) -> None:
+        if flag is not None:
+            self.counters(flag.device).add_phase(phase, flag, step)
+
+
+def fold_counters(parts: list[list[float]], n_layers: int) -> dict[str, list[int]]:
+    """Host side: combine the drained counters of all devices. Each part is the flat
+    [layer_bad, layer_first, phase_bad, phase_first] of one device."""
+    n_phases = len(PHASE_INDEX)
+    layer_bad = [0] * n_layers
+    layer_first = [-1] * n_layers
+    phase_bad = [0] * n_phases
+    phase_first = [-1] * n_phases
+
+    def first_of(a: int, b: int) -> int:
+        return b if a < 0 else a if b < 0 else min(a, b)
+
+    for flat in parts:
+        values = [int(v) for v in flat]
+        lb = values[:n_layers]
+        lf = values[n_layers : 2 * n_layers]
+        pb = values[2 * n_layers : 2 * n_layers + n_phases]
+        pf = values[2 * n_layers + n_phases :]
+        for i in range(n_layers):
+            layer_bad[i] += lb[i]
+            layer_first[i] = first_of(layer_first[i], lf[i])
+        for i in range(n_phases):
+            # a step bad on two devices is one bad step: the larger count is the better bound
+            phase_bad[i] = max(phase_bad[i], pb[i])
+            phase_first[i] = first_of(phase_first[i], pf[i])
+    return {
+        "layer_bad": layer_bad,
+        "layer_first": layer_first,
+        "phase_bad": phase_bad,
+        "phase_first": phase_first,
+    }

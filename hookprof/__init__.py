@@ -11,6 +11,7 @@ from .errors import (
     ConfigError,
     DetachedError,
     HookprofError,
+    NonFiniteError,
     PortInUseError,
 )
 from .profiler import DisabledProfiler, Profiler, attach
@@ -30,4 +31,5 @@ __all__ = [
     "AlreadyAttachedError",
     "PortInUseError",
     "DetachedError",
+    "NonFiniteError",
 ]

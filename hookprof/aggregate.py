@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .batch import HostBatch
+from .nonfinite import PHASE_INDEX, fold_counters
 from .instrument import END, LAYER, OUTER_END, OUTER_START, PARENT, START, StepRecord
 from .snapshot import (
     LAYER_PHASES,
@@ -25,34 +26,54 @@ from .snapshot import (
 )
 
 LOSS_LAYER = "(loss)"  # layer label of an incident seen in the loss alone
+GRADSCALER_LAYER = "(gradscaler)"  # layer label of persistent GradScaler skipping
 
 
 class StepCounters:
     """Per-step numbers the training thread updates on every step (sampled or not)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_skipped_steps: int = 10) -> None:
         self._lock = threading.Lock()  # uncontended: ~0.1 us per step
         self.steps = 0
         self._counts = [0] * (len(STEP_DURATION_BUCKETS) + 1)
         self._sum = 0.0
         self._last_ts: float | None = None
+        self._max_skips = max_skipped_steps
+        self.skipped = 0
+        self._skips_in_a_row = 0
+        self.persistent_skips = 0  # skipped steps beyond max_skipped_steps in a row
 
-    def observe(self, seconds: float, wall_time: float) -> int:
+    def observe(self, seconds: float, wall_time: float, skipped: bool = False) -> int:
         with self._lock:
             self.steps += 1
             self._counts[bisect.bisect_left(STEP_DURATION_BUCKETS, seconds)] += 1
             self._sum += seconds
             self._last_ts = wall_time
+            if skipped:
+                self.skipped += 1
+                self._skips_in_a_row += 1
+                if self._skips_in_a_row > self._max_skips:
+                    self.persistent_skips += 1
+            else:
+                self._skips_in_a_row = 0
             return self.steps
 
-    def read(self) -> tuple[int, tuple[tuple[float, int], ...], float, float | None]:
+    def read(self) -> tuple[int, tuple[tuple[float, int], ...], float, float | None, int, int]:
         with self._lock:
             counts, total, last, steps = list(self._counts), self._sum, self._last_ts, self.steps
+            skipped, persistent = self.skipped, self.persistent_skips
         cumulative, running = [], 0
         for bound, count in zip((*STEP_DURATION_BUCKETS, math.inf), counts):
             running += count
             cumulative.append((bound, running))
-        return steps, tuple(cumulative), total, last
+        return steps, tuple(cumulative), total, last, skipped, persistent
+
+
+@dataclass(slots=True)
+class ForwardFinding:
+    producers: list[str]  # layers with finite inputs and non-finite outputs, in call order
+    propagators: list[str]  # layers with non-finite inputs and outputs
+    bwd_start_of_layer: dict[int, float]
 
 
 @dataclass(slots=True)
@@ -64,8 +85,11 @@ class Packet:
     record: StepRecord | None
     grad_parts: int  # how many per-device gradient vectors the batch holds
     has_grad: frozenset[int]  # layers that had a gradient
+    act_order: list[int]  # index in record.act of each activation value in the batch
+    counter_parts: int  # how many per-device non-finite counter blocks the batch holds
     loss: float | None  # the loss when it was given as a Python number
     loss_in_batch: bool
+    sampled: bool = True  # False: the counters alone (a drain at detach or at an incident)
 
 
 def _nanmax(values: list[float]) -> float:
@@ -89,8 +113,8 @@ class Aggregator:
         self.last_sampled_step: int | None = None
         self.loss: float | None = None
         self.grad_norm: float | None = None
-        self.nonfinite_steps = dict.fromkeys(PHASES, 0)
         self.first_nonfinite: NonFiniteEvent | None = None
+        self.counters = fold_counters([], n)  # the device counters as last drained
         self.fwd_total = [0.0] * n
         self.fwd_calls_total = [0] * n
         self.bwd_total = [0.0] * n
@@ -105,14 +129,21 @@ class Aggregator:
 
     def fold(self, packet: Packet, timer: Any) -> None:
         n = len(self.names)
+        if packet.counter_parts:
+            parts = [packet.batch.get(("counters", k)) for k in range(packet.counter_parts)]
+            self.counters = fold_counters(parts, n)
+        if not packet.sampled:  # a drain of the counters alone
+            self._update_incident(packet.step, None)
+            self._dirty = True
+            return
+
         calls = [0] * n
         fwd = [0.0] * n
         bwd = [0.0] * n
         absmax: list[list[float]] = [[] for _ in range(n)]
         zeros = [0.0] * n
         numel = [0] * n
-        first_forward_bad: int | None = None
-        bwd_start_of_layer: dict[int, float] = {}
+        forward = None
 
         rec = packet.record
         if rec is not None:
@@ -127,20 +158,21 @@ class Aggregator:
                 if call in call_bwd:
                     bwd[layer] += call_bwd[call]
                     self.bwd_calls_total[layer] += 1
-                if call in bwd_start:
-                    prev = bwd_start_of_layer.get(layer, math.inf)
-                    bwd_start_of_layer[layer] = min(prev, bwd_start[call])
+            # activation values back in record order: act index -> (abs max, non-zeros)
             lows, highs = packet.batch.get("act_min"), packet.batch.get("act_max")
-            nonzeros = iter(packet.batch.get("nonzero"))
-            for (call, _, _, nz_tensor, count), low, high in zip(rec.act, lows, highs):
+            nonzero_values = iter(packet.batch.get("nonzero"))
+            act_max: dict[int, float] = {}
+            for position, i in enumerate(packet.act_order):
+                call, _, _, nz_tensor, count = rec.act[i]
+                act_max[i] = m = _nanmax([-lows[position], highs[position]])
+                if call < 0:
+                    continue  # an input's check, not a layer output
                 layer = rec.calls[call][LAYER]
-                m = _nanmax([-low, high])
                 absmax[layer].append(m)
                 if nz_tensor is not None:
-                    zeros[layer] += count - next(nonzeros)
+                    zeros[layer] += count - next(nonzero_values)
                     numel[layer] += count
-                if not math.isfinite(m) and (first_forward_bad is None or call < first_forward_bad):
-                    first_forward_bad = call
+            forward = self._forward_roles(rec, act_max, bwd_start)
 
         squares = [0.0] * n
         for part in range(packet.grad_parts):
@@ -151,26 +183,13 @@ class Aggregator:
         if packet.loss_in_batch:
             loss = packet.batch.get("loss")[0]
 
-        # --- fold into running totals ---
-        bad_fwd = [i for i in range(n) if absmax[i] and not math.isfinite(_nanmax(absmax[i]))]
-        bad_bwd = [i for i in sorted(packet.has_grad) if not math.isfinite(squares[i])]
-        loss_bad = loss is not None and not math.isfinite(loss)
-        for i in bad_fwd:
-            self.nonfinite["forward"][i] += 1
-        for i in bad_bwd:
-            self.nonfinite["backward"][i] += 1
-        for phase, bad in (("forward", bad_fwd), ("backward", bad_bwd), ("loss", loss_bad)):
-            if bad:
-                self.nonfinite_steps[phase] += 1
-        if self.first_nonfinite is None:
-            self.first_nonfinite = self._first_event(
-                packet.step, rec, first_forward_bad, bad_bwd, bwd_start_of_layer, loss_bad
-            )
-
         for i in range(n):
+            if absmax[i] and not math.isfinite(_nanmax(absmax[i])):
+                self.nonfinite["forward"][i] += 1
             self.fwd_total[i] += fwd[i]
             self.fwd_calls_total[i] += calls[i]
             self.bwd_total[i] += bwd[i]
+        self._update_incident(packet.step, forward)
         self._last = {
             "calls": calls,
             "fwd": fwd,
@@ -186,6 +205,66 @@ class Aggregator:
         self.sampled_steps += 1
         self.last_sampled_step = packet.step
         self._dirty = True  # layers are rebuilt when the next snapshot is taken
+
+    def _forward_roles(
+        self, rec: StepRecord, act_max: dict[int, float], bwd_start: dict[int, float]
+    ) -> ForwardFinding:
+        """Which calls of a sampled step produced a NaN/Inf (finite inputs, non-finite
+        output) and which passed one on (non-finite inputs); plus the backward order."""
+        out_bad: dict[int, bool] = {}
+        for i, entry in enumerate(rec.act):
+            call = entry[0]
+            if call >= 0 and not math.isfinite(act_max[i]):
+                out_bad[call] = True
+        in_bad: dict[int, bool] = {}
+        for call, i in rec.inputs:
+            if not math.isfinite(act_max[i]):
+                in_bad[call] = True
+        producers, propagators = [], []
+        for call in sorted(out_bad):
+            layer = self.names[rec.calls[call][LAYER]]
+            (propagators if in_bad.get(call) else producers).append(layer)
+        start_of_layer: dict[int, float] = {}
+        for call, t in bwd_start.items():
+            layer = rec.calls[call][LAYER]
+            start_of_layer[layer] = min(start_of_layer.get(layer, math.inf), t)
+        return ForwardFinding(producers, propagators, start_of_layer)
+
+    def _update_incident(self, step: int, forward: ForwardFinding | None) -> None:
+        """Keep the first NaN/Inf of the run: its step and phase from the device counters
+        (exact, every step), its layer once known."""
+        event = self.first_nonfinite
+        if event is not None and event.layer is not None:
+            return
+        c = self.counters
+        firsts = [(c["phase_first"][PHASE_INDEX[p]], order, p)
+                  for order, p in enumerate(("forward", "loss", "backward"))
+                  if c["phase_first"][PHASE_INDEX[p]] >= 0]
+        if not firsts:
+            return
+        first_step, _, phase = min(firsts)
+        layer, propagators = None, ()
+        if phase == "forward":
+            poisoned = 0 <= c["phase_first"][PHASE_INDEX["backward"]] < step
+            # a producer seen on a later step counts only if no non-finite gradient was
+            # applied in between: after that, every layer's parameters are suspect
+            if forward is not None and forward.producers and (step == first_step or not poisoned):
+                # seen on this sampled step: the incident's own step, or (incident mode)
+                # the first step after it on which the producer could be observed
+                layer, propagators = forward.producers[0], tuple(forward.propagators)
+        elif phase == "loss":
+            layer = LOSS_LAYER
+        else:
+            bad = [i for i, s in enumerate(c["layer_first"]) if s == first_step]
+            if bad:
+                # the first to go bad in backward: earliest backward start when it was timed
+                # on this step, else the last layer in module order (backward runs roughly
+                # in reverse)
+                starts = forward.bwd_start_of_layer if forward is not None and step == first_step else {}
+                first = min(bad, key=lambda i: (starts.get(i, math.inf), -i))
+                layer = self.names[first]
+                propagators = tuple(self.names[i] for i in bad if i != first)
+        self.first_nonfinite = NonFiniteEvent(layer, phase, first_step, propagators)
 
     def _resolve_times(
         self, rec: StepRecord, timer: Any
@@ -239,27 +318,6 @@ class Aggregator:
         bwd_excl = {c: max(v, 0.0) for c, v in bwd_excl.items()}
         return fwd_excl, bwd_excl, start
 
-    def _first_event(
-        self,
-        step: int,
-        rec: StepRecord | None,
-        first_forward_bad: int | None,
-        bad_bwd: list[int],
-        bwd_start_of_layer: dict[int, float],
-        loss_bad: bool,
-    ) -> NonFiniteEvent | None:
-        if rec is not None and first_forward_bad is not None:
-            layer = rec.calls[first_forward_bad][LAYER]
-            return NonFiniteEvent(self.names[layer], "forward", step)
-        if bad_bwd:
-            # the first to go bad in backward: earliest backward start when it was timed,
-            # else the last layer in module order (backward runs roughly in reverse)
-            first = min(bad_bwd, key=lambda i: (bwd_start_of_layer.get(i, math.inf), -i))
-            return NonFiniteEvent(self.names[first], "backward", step)
-        if loss_bad:
-            return NonFiniteEvent(LOSS_LAYER, "loss", step)
-        return None
-
     # ---- snapshots ----
 
     def _rebuild_layers(self) -> None:
@@ -280,7 +338,7 @@ class Aggregator:
                 forward_calls_total=self.fwd_calls_total[i],
                 backward_seconds_total=self.bwd_total[i],
                 backward_calls_total=self.bwd_calls_total[i],
-                nonfinite=MappingProxyType({p: self.nonfinite[p][i] for p in LAYER_PHASES}),
+                nonfinite=MappingProxyType(self._layer_nonfinite(i)),
             )
         self._layers = MappingProxyType(layers)
         self._exported = self._select_exported()
@@ -289,7 +347,7 @@ class Aggregator:
         n = len(self.names)
         if n <= self.max_layers:
             return tuple(self.names)
-        bad = {i for i in range(n) if any(self.nonfinite[p][i] for p in LAYER_PHASES)}
+        bad = {i for i in range(n) if any(self._layer_nonfinite(i).values())}
         room = max(self.max_layers - len(bad), 0)
         by_time = sorted(
             (i for i in range(n) if i not in bad),
@@ -299,11 +357,21 @@ class Aggregator:
         keep = sorted(bad | set(by_time[:room]))
         return tuple(self.names[i] for i in keep)
 
+    def _layer_nonfinite(self, i: int) -> dict[str, int]:
+        # forward: sampled steps' output checks; backward: the device counters (every step)
+        return {"forward": self.nonfinite["forward"][i], "backward": self.counters["layer_bad"][i]}
+
     def snapshot(self, counters: StepCounters, internal_errors: int) -> Snapshot:
         if self._dirty:
             self._rebuild_layers()
             self._dirty = False
-        steps, buckets, total, last_ts = counters.read()
+        steps, buckets, total, last_ts, skipped, persistent_skips = counters.read()
+        phase_bad = self.counters["phase_bad"]
+        nonfinite_steps = {p: phase_bad[PHASE_INDEX[p]] for p in PHASES}
+        nonfinite_steps["backward"] += persistent_skips  # skipping that never stops
+        first = self.first_nonfinite
+        if first is None and persistent_skips:
+            first = NonFiniteEvent(GRADSCALER_LAYER, "backward", steps)
         return Snapshot(
             rank=self.rank,
             step=steps,
@@ -314,10 +382,10 @@ class Aggregator:
             last_step_timestamp=last_ts,
             loss=self.loss,
             grad_norm=self.grad_norm,
-            nonfinite_steps=MappingProxyType(dict(self.nonfinite_steps)),
-            skipped_steps=0,
+            nonfinite_steps=MappingProxyType(nonfinite_steps),
+            skipped_steps=skipped,
             internal_errors=internal_errors,
             layers=self._layers,
             exported_layers=self._exported,
-            first_nonfinite=self.first_nonfinite,
+            first_nonfinite=first,
         )

@@ -16,6 +16,8 @@ ENV_PREFIX = "HOOKPROF_"
 # 8479 lies outside 9100-9999, the range of the Prometheus "default port allocations" list,
 # so it clashes with no registered exporter (node_exporter 9100, dcgm-exporter 9400, ...).
 DEFAULT_PORT = 8479
+NONFINITE_CHECKS = ("all", "loss")
+NONFINITE_POLICIES = ("record", "warn", "raise", "dump")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -56,6 +58,30 @@ class Config:
     local_rank: int | None = None
     """Offset added to `port`. None: $LOCAL_RANK, else 0."""
 
+    nonfinite_check: str = "all"
+    """"all": every step, every layer's gradients, the loss and the model's output are checked
+    for NaN/Inf on the device (one read of every gradient per step: the physical floor).
+    "loss": every step only the loss and the model's output; per-layer gradients on sampled
+    steps. Either way nothing waits for the device."""
+
+    on_nonfinite: str = "record"
+    """What to do when a NaN/Inf is seen: "record" (count and export, never disturb
+    training), "warn" (one log line naming layer, phase and step), "raise" (raise
+    hookprof.NonFiniteError at the next step boundary), "dump" (write a JSON report of every
+    layer to `dump_dir`, keep training). Every policy but "record" reads one flag per step
+    back from the device, asynchronously."""
+
+    dump_dir: str = "hookprof-dumps"
+    """Where on_nonfinite="dump" writes its reports."""
+
+    incident_steps: int = 20
+    """After a NaN/Inf is seen, sample every step (forward checks on) for up to this many
+    steps, until the layer that produced it is found."""
+
+    max_skipped_steps: int = 10
+    """GradScaler skips (fp16 overflow) are normal; more than this many in a row count as a
+    non-finite incident (phase "backward")."""
+
     publish_interval_s: float = 1.0
     """How often the background thread republishes step counters between sampled steps."""
 
@@ -78,6 +104,12 @@ class Config:
         _check_range(
             "publish_interval_s", self.publish_interval_s, self.publish_interval_s > 0, "> 0"
         )
+        _check_range("nonfinite_check", self.nonfinite_check,
+                     self.nonfinite_check in NONFINITE_CHECKS, f"one of {NONFINITE_CHECKS}")
+        _check_range("on_nonfinite", self.on_nonfinite,
+                     self.on_nonfinite in NONFINITE_POLICIES, f"one of {NONFINITE_POLICIES}")
+        _check_range("incident_steps", self.incident_steps, self.incident_steps >= 0, ">= 0")
+        _check_range("max_skipped_steps", self.max_skipped_steps, self.max_skipped_steps >= 0, ">= 0")
         for name in ("rank", "local_rank"):
             value = getattr(self, name)
             _check_range(name, value, value is None or value >= 0, ">= 0 or None")

@@ -50,3 +50,18 @@ class PortInUseError(HookprofError, OSError):
 
 class DetachedError(HookprofError, RuntimeError):
     """A method that needs a live profiler was called after detach()."""
+
+
+class NonFiniteError(HookprofError, FloatingPointError):
+    """Raised at a step boundary under on_nonfinite="raise": the first NaN/Inf of the run.
+
+    `layer` is None when the value appeared on a step without per-layer forward checks (the
+    producer is then unknown); `phase` is "forward", "backward" or "loss"."""
+
+    def __init__(self, layer: str | None, phase: str, step: int, rank: int):
+        self.layer = layer
+        self.phase = phase
+        self.step = step
+        self.rank = rank
+        where = f"layer {layer}" if layer else "an unlocalised layer"
+        super().__init__(f"NaN/Inf in the {phase} phase at step {step} on rank {rank}, first in {where}")

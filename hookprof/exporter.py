@@ -129,7 +129,7 @@ class SnapshotCollector(Collector):
         exported.add_metric([rank], len(snap.exported_layers))
         yield exported
 
-        if snap.first_nonfinite is not None:
+        if snap.first_nonfinite is not None and snap.first_nonfinite.layer is not None:
             first = GaugeMetricFamily(
                 "hookprof_first_nonfinite_info",
                 "The first NaN or Inf seen in this run: layer, phase and step",

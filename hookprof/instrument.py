@@ -42,7 +42,7 @@ class StepRecord:
     backward hooks may run on autograd worker threads."""
 
     __slots__ = ("ref", "calls", "bwd_out", "bwd_in", "param_done", "act", "param_hooked",
-                 "param_handles", "grad_roles", "grad_tokens")
+                 "param_handles", "grad_roles", "grad_tokens", "out_stats", "inputs")
 
     def __init__(self, ref: Any):
         self.ref = ref  # timer token taken when the step began
@@ -53,7 +53,8 @@ class StepRecord:
         self.bwd_out: list[tuple[int, Any]] = []  # (call id, token): gradient reached the output
         self.bwd_in: list[tuple[int, Any]] = []  # (call id, token): input gradient produced
         self.param_done: list[tuple[int, Any]] = []  # (layer, token): a parameter's grad accumulated
-        # (call, min, max, non-zeros in the zero sample or None, sample size) per floating output
+        # (call, min, max, non-zeros in the zero sample or None, sample size) per floating
+        # output; call is -1 for an input that was no instrumented layer's output
         self.act: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, int]] = []
         self.param_hooked: set[int] = set()
         self.param_handles: list[Any] = []
@@ -61,6 +62,10 @@ class StepRecord:
         # hook: one layer's output is the next one's input, and one hook serves both
         self.grad_roles: dict[int, tuple[Any, int, list[tuple[int, bool]]]] = {}
         self.grad_tokens: list[Any] = []  # each gradient-ready token once (bwd_* share them)
+        # id(tensor) -> (weakref, version, index in act) of outputs already reduced, so a
+        # layer's input that is another layer's output is not reduced twice
+        self.out_stats: dict[int, tuple[Any, int, int]] = {}
+        self.inputs: list[tuple[int, int]] = []  # (call, index in act) of each floating input
 
     def tokens(self) -> Iterator[Any]:
         """Every timer token in the record, so the timer can take pooled events back."""
@@ -167,6 +172,8 @@ class LayerHooks:
                 if t.requires_grad and t.grad_fn is not None:
                     inputs_need_grad = True
                     self._on_grad(rec, t, call, False)
+                if self._activation_stats and t.is_floating_point() and t.numel():
+                    self._note_input(rec, t, call)
             if not inputs_need_grad and layer_index not in rec.param_hooked:
                 self._hook_params(rec, layer_index)
             stack.append(call)
@@ -196,6 +203,7 @@ class LayerHooks:
                     # the exact non-finite detector. Zeros are counted on an evenly strided
                     # sample of at most ZERO_SAMPLE values: exact counts cost ~10x more.
                     low, high = torch.aminmax(d)
+                    rec.out_stats[id(t)] = (weakref.ref(t), t._version, len(rec.act))
                     if self._zero_ratio[layer_index]:
                         sample = zero_sample(d)
                         rec.act.append((call, low, high, torch.count_nonzero(sample), sample.numel()))
@@ -206,6 +214,18 @@ class LayerHooks:
             entry[OUTER_END] = self._timer.mark()
         except Exception as exc:
             self._health.report("forward hook", exc)
+
+    def _note_input(self, rec: StepRecord, t: torch.Tensor, call: int) -> None:
+        """Finiteness of a call's input, to tell the layer that produced a NaN (finite inputs,
+        non-finite output) from the ones it flowed through. Reuses the reduction of the layer
+        that output t when there was one (same tensor, same version)."""
+        known = rec.out_stats.get(id(t))
+        if known is not None and known[0]() is t and known[1] == t._version:
+            rec.inputs.append((call, known[2]))
+            return
+        low, high = torch.aminmax(t.detach())
+        rec.inputs.append((call, len(rec.act)))
+        rec.act.append((-1, low, high, None, 0))
 
     def _hook_params(self, rec: StepRecord, layer_index: int) -> None:
         rec.param_hooked.add(layer_index)

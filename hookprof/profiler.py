@@ -8,6 +8,7 @@ publisher thread.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
@@ -22,10 +23,13 @@ from torch.optim.optimizer import (
 )
 
 from .aggregate import Aggregator, Packet, StepCounters
+from . import transfer
 from .batch import ScalarBatch
 from .config import Config, env_disabled
 from .distributed import detect_local_rank, detect_rank
-from .errors import AlreadyAttachedError, DetachedError
+from .errors import AlreadyAttachedError, DetachedError, NonFiniteError
+from .nonfinite import Detector, nonfinite_flag
+from . import incident as incident_policy
 from .exporter import MetricsServer, SnapshotCollector, make_registry
 from .gradients import GradientNorms
 from .health import Health
@@ -103,9 +107,12 @@ class Profiler:
         local_rank = config.local_rank if config.local_rank is not None else detect_local_rank()
         self.timer = timer if timer is not None else timer_for(self.table.param_devices())
         self._health = Health()
-        self._counters = StepCounters()
+        self._counters = StepCounters(config.max_skipped_steps)
         self._sampler = Sampler(config.sample_every, config.min_sample_interval_s)
         self._gradients = GradientNorms(self.table)
+        self._detector = Detector(len(self.table))
+        # a parameter whose gradient tells "backward ran, then zero_grad" (GradScaler skips)
+        self._sentinel = next((p for p in self.table.params if p.requires_grad), None)
         self._hooks = LayerHooks(self.table, self.timer, self._health, config.activation_stats)
         aggregator = Aggregator(
             self.table.names,
@@ -135,6 +142,12 @@ class Profiler:
         self._closed_by_optimizer = False
         self._manual = False
         self._detached = False
+        self._optimizer_seen = False  # an optimizer owning our parameters has stepped
+        self._stepped = False  # ... in the current step
+        self._known_bad = 0  # non-finite steps the training thread has already reacted to
+        self._incident_until = 0  # sample every step up to this step number
+        self._flags: list[Any] = []  # per-step device flags in flight (policies but "record")
+        self._acted = False
         self._opt_owns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
         self._server: MetricsServer | None = None
@@ -144,6 +157,7 @@ class Profiler:
                 port = config.port + local_rank if config.port else 0
                 self._server = MetricsServer(self.registry, config.addr, port)
             self._handles.append(model.register_forward_pre_hook(self._on_root_forward, prepend=True))
+            self._handles.append(model.register_forward_hook(self._on_root_output))
             self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
             self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
             self._begin_step(1, self._clock())
@@ -193,12 +207,18 @@ class Profiler:
             if self._closed_by_optimizer and not self._forward_seen:
                 # the optimizer hook already ended this step: this call adds its loss
                 self._closed_by_optimizer = False
+                self._check_loss(loss, self._counters.steps)
                 if self._pending is not None and loss is not None:
                     self._add_loss(self._pending, loss)
                 self._dispatch()
+                self._react(self._counters.steps)
                 return
-            self._end_step(loss, by_optimizer=False)
+            self._check_loss(loss, self._counters.steps + 1)
+            skipped = self._optimizer_seen and not self._stepped and self._forward_seen
+            self._end_step(loss, by_optimizer=False, skipped=skipped)
             self._dispatch()
+        except NonFiniteError:
+            raise
         except Exception as exc:
             self._health.report("step boundary", exc)
 
@@ -209,6 +229,7 @@ class Profiler:
         self._detached = True
         try:
             self._dispatch()
+            self._drain_counters()  # counters of the steps since the last sample
         except Exception as exc:
             self._health.report("detach", exc, disable=False)
         self._teardown()
@@ -256,6 +277,10 @@ class Profiler:
             return  # evaluation passes are not training steps
         try:
             self._root_seen = True
+            if self._forward_seen and self._skipped_by_scaler():
+                # the last iteration ran backward and zero_grad but no optimizer step: the
+                # GradScaler skipped it (its gradients held an Inf/NaN). A step, not an incident.
+                self._end_step(None, by_optimizer=False, skipped=True)
             if not self._forward_seen:
                 self._forward_seen = True
                 self._closed_by_optimizer = False
@@ -265,6 +290,32 @@ class Profiler:
         except Exception as exc:
             self._health.report("forward pre-hook", exc)
 
+    def _skipped_by_scaler(self) -> bool:
+        return (
+            not self._manual
+            and self._optimizer_seen
+            and not self._stepped
+            and self._sentinel is not None
+            and self._sentinel.grad is None
+        )
+
+    def _on_root_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        try:
+            # every step: one reduction of the model's output, counted on the device
+            self._detector.add_flag("forward", nonfinite_flag(output), self._counters.steps + 1)
+        except Exception as exc:
+            self._health.report("forward hook", exc)
+
+    def _check_loss(self, loss: Any, step: int) -> None:
+        if loss is None:
+            return
+        if isinstance(loss, torch.Tensor):
+            self._detector.add_flag("loss", ~torch.isfinite(loss.detach()).all(), step)
+        elif not math.isfinite(float(loss)):
+            self._detector.add_flag("loss", torch.tensor(True), step)
+
     def _in_step(self) -> bool:
         # the root forward pre-hook tells a new step from a second optimizer of the same
         # step; a model driven without calling its root falls back to "every step ends one"
@@ -272,8 +323,10 @@ class Profiler:
 
     def _on_optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         try:
-            if self._sampled and self._grad_squares is None and self._in_step() and self._owns(optimizer):
-                self._take_gradients()
+            if self._in_step() and self._owns(optimizer):
+                self._optimizer_seen = self._stepped = True
+                if self._grad_squares is None:
+                    self._take_gradients()
         except Exception as exc:
             self._health.report("optimizer pre-hook", exc)
 
@@ -281,15 +334,25 @@ class Profiler:
         try:
             if not self._manual and self._in_step() and self._owns(optimizer):
                 self._end_step(None, by_optimizer=True)
+        except NonFiniteError:
+            raise
         except Exception as exc:
             self._health.report("optimizer hook", exc)
 
     def _take_gradients(self) -> None:
-        if not self._health.broken:
-            self._grad_squares = self._gradients.layer_squares()
+        """Per-layer squared gradient norms, folded into the device counters: on every step
+        with nonfinite_check="all", else on sampled steps."""
+        if self._health.broken or not (self._sampled or self.config.nonfinite_check == "all"):
+            return
+        self._grad_squares = self._gradients.layer_squares()
+        self._detector.add_layer_squares(self._grad_squares[0], self._counters.steps + 1)
 
     def _begin_step(self, number: int, now_ns: int) -> None:
-        self._sampled = not self._health.broken and self._sampler.should_sample(number, now_ns)
+        # an open incident (a NaN/Inf whose layer is not known yet) samples every step
+        incident = number <= self._incident_until and not self._localised()
+        self._sampled = not self._health.broken and (
+            self._sampler.should_sample(number, now_ns) or incident
+        )
         self._grad_squares = None
         if self._sampled:
             self._rec = StepRecord(self.timer.mark())
@@ -297,15 +360,16 @@ class Profiler:
         elif self._hooks.installed:
             self._hooks.remove()
 
-    def _end_step(self, loss: Any, *, by_optimizer: bool) -> None:
+    def _end_step(self, loss: Any, *, by_optimizer: bool, skipped: bool = False) -> None:
         now = self._clock()
         start = self._step_start_ns if self._step_start_ns is not None else now
-        number = self._counters.observe((now - start) * 1e-9, self._wall_clock())
+        if not skipped and self._grad_squares is None:
+            self._take_gradients()  # no optimizer hook ran (prof.step() without one)
+        number = self._counters.observe((now - start) * 1e-9, self._wall_clock(), skipped)
+        self._stepped = False
         if self._sampled:
             self._hooks.end()
             if not self._health.broken:  # a step whose hooks failed half-way is no sample
-                if self._grad_squares is None:
-                    self._take_gradients()
                 self._dispatch()  # a sample still pending from an earlier step goes first
                 self._pending = self._build_packet(number, loss)
             elif self._rec is not None:
@@ -314,7 +378,55 @@ class Profiler:
         self._step_start_ns = now
         self._forward_seen = False
         self._closed_by_optimizer = by_optimizer
+        self._react(number)
         self._begin_step(number + 1, now)
+
+    def _localised(self) -> bool:
+        event = self._publisher.latest.first_nonfinite
+        return event is not None and event.layer is not None
+
+    def _react(self, number: int) -> None:
+        """At a step boundary: notice new NaN/Inf steps and act on them. Under "record" the
+        news comes with each sampled step's drain; the other policies read one flag per step
+        back from the device, without waiting for it."""
+        if self.config.on_nonfinite != "record":
+            self._poll_flag()
+        snap = self._publisher.latest
+        bad = sum(snap.nonfinite_steps.values())
+        if bad <= self._known_bad:
+            return
+        self._known_bad = bad
+        self._incident_until = number + self.config.incident_steps
+        event = snap.first_nonfinite
+        if self.config.on_nonfinite != "record" and event is not None and not self._acted:
+            self._acted = True  # once per run: the first incident is the one that matters
+            incident_policy.apply(self.config.on_nonfinite, event, snap, self.config, self.rank)
+
+    def _poll_flag(self) -> None:
+        counters = list(self._detector.by_device.values())
+        if counters:
+            flags = torch.cat([c.phase_bad.sum().reshape(1).to(torch.float64) for c in counters])
+            self._flags.append(transfer.to_host(flags))
+        seen = None
+        while self._flags and transfer.is_ready(self._flags[0][1]):
+            host, _ = self._flags.pop(0)
+            seen = int(host.sum())  # a host tensor whose copy has completed: no sync
+        if seen is not None and seen > self._known_bad:
+            # something went bad: bring the counters over now so layer, phase and step are known
+            self._drain_counters()
+            self._publisher.flush()
+
+    def _drain_counters(self) -> None:
+        counters = list(self._detector.by_device.values())
+        if not counters:
+            return
+        batch = ScalarBatch()
+        for k, c in enumerate(counters):
+            batch.add(("counters", k), torch.cat(c.tensors()))
+        packet = Packet(step=self._counters.steps, batch=batch.send(), record=None, grad_parts=0,
+                        has_grad=frozenset(), loss=None, loss_in_batch=False, act_order=[],
+                        counter_parts=len(counters), sampled=False)
+        self._publisher.submit(packet)
 
     def _build_packet(self, number: int, loss: Any) -> tuple[ScalarBatch, Packet]:
         batch = ScalarBatch()
@@ -322,24 +434,30 @@ class Profiler:
         for k, part in enumerate(parts):
             batch.add(("grad_sq", k), part)
         rec = self._rec
+        act_order: list[int] = []
         if rec is not None and rec.act:
-            # one stack per device, and rec.act reordered to match what the batch will hold
-            by_device: dict[torch.device, list] = {}
-            for entry in rec.act:
-                by_device.setdefault(entry[1].device, []).append(entry)
-            rec.act = [entry for entries in by_device.values() for entry in entries]
-            for entries in by_device.values():
-                batch.add("act_min", torch.stack([e[1] for e in entries]))
-                batch.add("act_max", torch.stack([e[2] for e in entries]))
-                nonzero = [e[3] for e in entries if e[3] is not None]
+            # one stack per device; act_order says which entry each stacked value is
+            by_device: dict[torch.device, list[int]] = {}
+            for i, entry in enumerate(rec.act):
+                by_device.setdefault(entry[1].device, []).append(i)
+            for indices in by_device.values():
+                act_order.extend(indices)
+                batch.add("act_min", torch.stack([rec.act[i][1] for i in indices]))
+                batch.add("act_max", torch.stack([rec.act[i][2] for i in indices]))
+                nonzero = [rec.act[i][3] for i in indices if rec.act[i][3] is not None]
                 if nonzero:
                     batch.add("nonzero", torch.stack(nonzero))
+        counters = list(self._detector.by_device.values())
+        for k, c in enumerate(counters):
+            batch.add(("counters", k), torch.cat(c.tensors()))
         packet = Packet(
             step=number,
             batch=None,  # type: ignore[arg-type]  # set when sent
             record=rec,
             grad_parts=len(parts),
             has_grad=has_grad,
+            act_order=act_order,
+            counter_parts=len(counters),
             loss=None,
             loss_in_batch=False,
         )

@@ -51,9 +51,17 @@ class LayerStats:
 
 @dataclass(frozen=True, slots=True)
 class NonFiniteEvent:
-    layer: str
+    """The first NaN/Inf of a run. `step` and `phase` are exact (device counters, every
+    step). `layer` is the layer that produced it: for "forward", the first layer with finite
+    inputs and a non-finite output; for "backward", the first layer whose gradient went
+    non-finite; "(loss)" for the loss alone; None while not yet localised (a forward NaN on a
+    step without per-layer checks: hookprof then samples every step to find it)."""
+
+    layer: str | None
     phase: str
     step: int
+    propagators: tuple[str, ...] = ()
+    """Layers the value flowed through on the step where the layer was found."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,3 +44,8 @@ def wait_ready(ready: Any) -> None:
     # note: a CPU-GPU sync point, and the only one: it runs on the publisher thread
     if ready is not None:
         ready.synchronize()
+
+
+def is_ready(ready: Any) -> bool:
+    """Has a copy started by to_host completed? Never waits."""
+    return ready is None or ready.query()

@@ -33,6 +33,8 @@ def test_defaults_are_documented_values():
         ("publish_interval_s", 0, "publish_interval_s must be > 0, got 0"),
         ("rank", -1, "rank must be >= 0 or None, got -1"),
         ("addr", " ", "addr must be a non-empty host address, got ' '"),
+        ("on_nonfinite", "explode", "on_nonfinite must be one of ('record', 'warn', 'raise', 'dump'), got 'explode'"),
+        ("nonfinite_check", "none", "nonfinite_check must be one of ('all', 'loss'), got 'none'"),
     ],
 )
 def test_invalid_values_name_the_field(field, value, message):
@@ -54,6 +56,11 @@ def test_environment_variables_fill_every_field():
         "HOOKPROF_RANK": "3",
         "HOOKPROF_LOCAL_RANK": "none",
         "HOOKPROF_PUBLISH_INTERVAL_S": "2",
+        "HOOKPROF_NONFINITE_CHECK": "loss",
+        "HOOKPROF_ON_NONFINITE": "dump",
+        "HOOKPROF_DUMP_DIR": "/tmp/reports",
+        "HOOKPROF_INCIDENT_STEPS": "5",
+        "HOOKPROF_MAX_SKIPPED_STEPS": "3",
         "HOOKPROF_DISABLE": "no",
         "UNRELATED": "x",
     }
@@ -61,7 +68,8 @@ def test_environment_variables_fill_every_field():
     assert c == Config(
         port=9001, addr="0.0.0.0", serve=False, sample_every=7, min_sample_interval_s=0.5,
         max_layers=20, activation_stats=False, rank=3, local_rank=None,
-        publish_interval_s=2.0, disable=False,
+        publish_interval_s=2.0, disable=False, nonfinite_check="loss", on_nonfinite="dump",
+        dump_dir="/tmp/reports", incident_steps=5, max_skipped_steps=3,
     )
     # every field has a variable: a new field without one fails here
     assert {f.name for f in dataclasses.fields(Config)} == {

@@ -37,7 +37,10 @@ def test_forward_nonfinite_counted_for_layer_and_downstream_only(bad, value, eve
         assert snap.layers[name].nonfinite["forward"] == 1, name
     assert snap.nonfinite_steps["forward"] == 1
     assert snap.nonfinite_steps["loss"] == 1
-    assert snap.first_nonfinite == hookprof.NonFiniteEvent(bad, "forward", at)
+    # the producer, and the layers the value flowed through after it
+    assert snap.first_nonfinite == hookprof.NonFiniteEvent(
+        bad, "forward", at, tuple(order[position + 1 :])
+    )
 
 
 def test_gradient_nonfinite_counted_for_the_layer(every_step):

@@ -37,9 +37,10 @@ def test_no_layer_hooks_on_unsampled_steps():
         prof.flush()
         assert prof.snapshot().sampled_steps == 3
     layers = len(model.order())
-    root_hook = 1  # the one pre-hook on the root that notices a new step begins
+    # on the root: a pre-hook that notices a new step, a hook that checks the model output
+    root_hooks = 2
     assert seen == [
-        2 * layers + root_hook if step in (1, 5, 9) else root_hook for step in range(1, 10)
+        2 * layers + root_hooks if step in (1, 5, 9) else root_hooks for step in range(1, 10)
     ]
 
 

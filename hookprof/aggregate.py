@@ -115,6 +115,7 @@ class Aggregator:
         self.grad_norm: float | None = None
         self.first_nonfinite: NonFiniteEvent | None = None
         self.counters = fold_counters([], n)  # the device counters as last drained
+        self._replayed: tuple[int, ForwardFinding] | None = None
         self.fwd_total = [0.0] * n
         self.fwd_calls_total = [0] * n
         self.bwd_total = [0.0] * n
@@ -132,10 +133,11 @@ class Aggregator:
         if packet.counter_parts:
             parts = [packet.batch.get(("counters", k)) for k in range(packet.counter_parts)]
             self.counters = fold_counters(parts, n)
-        if not packet.sampled:  # a drain of the counters alone
+        if packet.record is None and not packet.sampled:  # a drain of the counters alone
             self._update_incident(packet.step, None)
             self._dirty = True
             return
+        # a replayed forward (packet.sampled False): its checks count, its timings do not
 
         calls = [0] * n
         fwd = [0.0] * n
@@ -155,7 +157,7 @@ class Aggregator:
                 layer = entry[LAYER]
                 calls[layer] += 1
                 fwd[layer] += call_fwd[call]
-                if call in call_bwd:
+                if call in call_bwd and packet.sampled:
                     bwd[layer] += call_bwd[call]
                     self.bwd_calls_total[layer] += 1
             # activation values back in record order: act index -> (abs max, non-zeros)
@@ -186,10 +188,16 @@ class Aggregator:
         for i in range(n):
             if absmax[i] and not math.isfinite(_nanmax(absmax[i])):
                 self.nonfinite["forward"][i] += 1
+        if not packet.sampled and forward is not None:
+            self._replayed = (packet.step, forward)
+        self._update_incident(packet.step, forward)
+        self._dirty = True
+        if not packet.sampled:
+            return
+        for i in range(n):
             self.fwd_total[i] += fwd[i]
             self.fwd_calls_total[i] += calls[i]
             self.bwd_total[i] += bwd[i]
-        self._update_incident(packet.step, forward)
         self._last = {
             "calls": calls,
             "fwd": fwd,
@@ -245,13 +253,16 @@ class Aggregator:
         first_step, _, phase = min(firsts)
         layer, propagators = None, ()
         if phase == "forward":
-            poisoned = 0 <= c["phase_first"][PHASE_INDEX["backward"]] < step
-            # a producer seen on a later step counts only if no non-finite gradient was
-            # applied in between: after that, every layer's parameters are suspect
-            if forward is not None and forward.producers and (step == first_step or not poisoned):
-                # seen on this sampled step: the incident's own step, or (incident mode)
-                # the first step after it on which the producer could be observed
-                layer, propagators = forward.producers[0], tuple(forward.propagators)
+            seen = [(step, forward)] if forward is not None else []
+            if self._replayed is not None:
+                seen.append(self._replayed)  # the incident step's own forward, replayed
+            for at, finding in sorted(seen, key=lambda sf: sf[0] != first_step):
+                poisoned = 0 <= c["phase_first"][PHASE_INDEX["backward"]] < at
+                # a producer seen on a later step counts only if no non-finite gradient
+                # was applied in between: after that, every layer's parameters are suspect
+                if finding.producers and (at == first_step or not poisoned):
+                    layer, propagators = finding.producers[0], tuple(finding.propagators)
+                    break
         elif phase == "loss":
             layer = LOSS_LAYER
         else:

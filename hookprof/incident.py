@@ -59,7 +59,7 @@ def write_report(event: NonFiniteEvent, snap: Snapshot, directory: str, rank: in
         "nonfinite_steps": dict(snap.nonfinite_steps),
         "loss": snap.loss,
         "grad_norm": snap.grad_norm,
-        "layers": {name: dataclasses.asdict(stats) | {"nonfinite": dict(stats.nonfinite)}
+        "layers": {name: {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
                    for name, stats in snap.layers.items()},
     }
     tmp = path + ".tmp"

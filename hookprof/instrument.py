@@ -115,6 +115,7 @@ class LayerHooks:
         self._handles: list[Any] = []
         self._rec: StepRecord | None = None
         self._local = threading.local()  # each thread's stack of open forward calls
+        self.replaying = False  # a forward replayed under no_grad to find a NaN's producer
 
     @property
     def installed(self) -> bool:
@@ -152,7 +153,7 @@ class LayerHooks:
 
     def _pre(self, layer_index: int, module: torch.nn.Module, args: Any) -> None:
         rec = self._rec
-        if rec is None or self._health.broken or not torch.is_grad_enabled():
+        if rec is None or self._health.broken or not (torch.is_grad_enabled() or self.replaying):
             return
         try:
             mark = self._timer.mark
@@ -184,7 +185,7 @@ class LayerHooks:
     def _post(self, layer_index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
         end = self._timer.mark()  # first: our own work stays outside the span
         rec = self._rec
-        if rec is None or self._health.broken or not torch.is_grad_enabled():
+        if rec is None or self._health.broken or not (torch.is_grad_enabled() or self.replaying):
             return
         try:
             stack = getattr(self._local, "stack", None)

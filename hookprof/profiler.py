@@ -36,6 +36,7 @@ from .health import Health
 from .instrument import LayerHooks, StepRecord
 from .layers import LayerTable
 from .publisher import Publisher
+from .replay import ForwardReplay
 from .sampling import Sampler
 from .snapshot import Snapshot
 from .timing import timer_for
@@ -111,6 +112,8 @@ class Profiler:
         self._sampler = Sampler(config.sample_every, config.min_sample_interval_s)
         self._gradients = GradientNorms(self.table)
         self._detector = Detector(len(self.table))
+        self._replay = ForwardReplay(model)
+        self._forward_peek: Any = None  # (host flag, ready event) of this step's output check
         # a parameter whose gradient tells "backward ran, then zero_grad" (GradScaler skips)
         self._sentinel = next((p for p in self.table.params if p.requires_grad), None)
         self._hooks = LayerHooks(self.table, self.timer, self._health, config.activation_stats)
@@ -156,7 +159,9 @@ class Profiler:
             if config.serve:
                 port = config.port + local_rank if config.port else 0
                 self._server = MetricsServer(self.registry, config.addr, port)
-            self._handles.append(model.register_forward_pre_hook(self._on_root_forward, prepend=True))
+            self._handles.append(
+                model.register_forward_pre_hook(self._on_root_forward, prepend=True, with_kwargs=True)
+            )
             self._handles.append(model.register_forward_hook(self._on_root_output))
             self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
             self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
@@ -272,10 +277,12 @@ class Profiler:
         self._opt_owns[optimizer] = (key, owns)
         return owns
 
-    def _on_root_forward(self, module: nn.Module, args: Any) -> None:
+    def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not torch.is_grad_enabled():
-            return  # evaluation passes are not training steps
+            return  # evaluation passes (and our own replay) are not training steps
         try:
+            if not self._replay.done and not self._sampled:
+                self._replay.capture(args, kwargs)
             self._root_seen = True
             if self._forward_seen and self._skipped_by_scaler():
                 # the last iteration ran backward and zero_grad but no optimizer step: the
@@ -304,9 +311,39 @@ class Profiler:
             return
         try:
             # every step: one reduction of the model's output, counted on the device
-            self._detector.add_flag("forward", nonfinite_flag(output), self._counters.steps + 1)
+            flag = nonfinite_flag(output)
+            self._detector.add_flag("forward", flag, self._counters.steps + 1)
+            if flag is not None and not self._replay.done and not self._sampled:
+                self._forward_peek = transfer.peek(flag)
+                if flag.device.type == "cpu":
+                    self._maybe_replay()  # on the CPU the flag can be read at once
         except Exception as exc:
             self._health.report("forward hook", exc)
+
+    def _maybe_replay(self) -> None:
+        """If this step's output went non-finite on an unsampled step, replay its forward with
+        the per-layer checks on, before the optimizer changes the parameters."""
+        peek, self._forward_peek = self._forward_peek, None
+        if peek is None or not transfer.is_ready(peek[1]):
+            return
+        host_flag = peek[0]
+        if not bool(host_flag):  # a host tensor (or a completed copy): no device sync
+            return
+        rec = StepRecord(self.timer.mark())
+        if self._replay.run(self._hooks, rec):
+            self._submit_replay(rec)
+
+    def _submit_replay(self, rec: StepRecord) -> None:
+        batch = ScalarBatch()
+        act_order = self._add_activations(batch, rec)
+        counters = list(self._detector.by_device.values())
+        for k, c in enumerate(counters):
+            batch.add(("counters", k), torch.cat(c.tensors()))
+        packet = Packet(step=self._counters.steps + 1, batch=None, record=rec,  # type: ignore[arg-type]
+                        grad_parts=0, has_grad=frozenset(), act_order=act_order,
+                        counter_parts=len(counters), loss=None, loss_in_batch=False, sampled=False)
+        packet.batch = batch.send()
+        self._publisher.submit(packet)
 
     def _check_loss(self, loss: Any, step: int) -> None:
         if loss is None:
@@ -325,6 +362,8 @@ class Profiler:
         try:
             if self._in_step() and self._owns(optimizer):
                 self._optimizer_seen = self._stepped = True
+                if self._forward_peek is not None:
+                    self._maybe_replay()
                 if self._grad_squares is None:
                     self._take_gradients()
         except Exception as exc:
@@ -361,6 +400,8 @@ class Profiler:
             self._hooks.remove()
 
     def _end_step(self, loss: Any, *, by_optimizer: bool, skipped: bool = False) -> None:
+        if self._forward_peek is not None and not skipped:
+            self._maybe_replay()  # no optimizer hook ran: the parameters are still this step's
         now = self._clock()
         start = self._step_start_ns if self._step_start_ns is not None else now
         if not skipped and self._grad_squares is None:
@@ -434,19 +475,7 @@ class Profiler:
         for k, part in enumerate(parts):
             batch.add(("grad_sq", k), part)
         rec = self._rec
-        act_order: list[int] = []
-        if rec is not None and rec.act:
-            # one stack per device; act_order says which entry each stacked value is
-            by_device: dict[torch.device, list[int]] = {}
-            for i, entry in enumerate(rec.act):
-                by_device.setdefault(entry[1].device, []).append(i)
-            for indices in by_device.values():
-                act_order.extend(indices)
-                batch.add("act_min", torch.stack([rec.act[i][1] for i in indices]))
-                batch.add("act_max", torch.stack([rec.act[i][2] for i in indices]))
-                nonzero = [rec.act[i][3] for i in indices if rec.act[i][3] is not None]
-                if nonzero:
-                    batch.add("nonzero", torch.stack(nonzero))
+        act_order = self._add_activations(batch, rec) if rec is not None else []
         counters = list(self._detector.by_device.values())
         for k, c in enumerate(counters):
             batch.add(("counters", k), torch.cat(c.tensors()))
@@ -465,6 +494,23 @@ class Profiler:
         if loss is not None:
             self._add_loss(pending, loss)
         return pending
+
+    @staticmethod
+    def _add_activations(batch: ScalarBatch, rec: StepRecord) -> list[int]:
+        """Stack a record's activation reductions, one stack per device; returns which
+        record entry each stacked value is."""
+        act_order: list[int] = []
+        by_device: dict[torch.device, list[int]] = {}
+        for i, entry in enumerate(rec.act):
+            by_device.setdefault(entry[1].device, []).append(i)
+        for indices in by_device.values():
+            act_order.extend(indices)
+            batch.add("act_min", torch.stack([rec.act[i][1] for i in indices]))
+            batch.add("act_max", torch.stack([rec.act[i][2] for i in indices]))
+            nonzero = [rec.act[i][3] for i in indices if rec.act[i][3] is not None]
+            if nonzero:
+                batch.add("nonzero", torch.stack(nonzero))
+        return act_order
 
     @staticmethod
     def _add_loss(pending: tuple[ScalarBatch, Packet], loss: Any) -> None:

@@ -49,3 +49,30 @@ def wait_ready(ready: Any) -> None:
 def is_ready(ready: Any) -> bool:
     """Has a copy started by to_host completed? Never waits."""
     return ready is None or ready.query()
+
+
+_peeks = itertools.count()
+_peeked = 0
+
+
+def peek_count() -> int:
+    """How many one-flag peeks (see `peek`) hookprof has started."""
+    return _peeked
+
+
+def peek(flag: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Start reading one small device value without waiting: on the CPU the tensor itself
+    (readable at once), on CUDA a non-blocking copy to pinned memory plus its event. Used for
+    the per-step forward check, so a NaN can be localised before the optimizer step; counted
+    apart from the per-sampled-step batch."""
+    global _peeked
+    _peeked = next(_peeks) + 1
+    if flag.device.type == "cpu":
+        return flag, None
+    if flag.device.type != "cuda":
+        return flag.to("cpu"), None
+    host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+    host.copy_(flag, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready

@@ -1,0 +1,222 @@
+"""Every-step NaN/Inf detection, the first offender, the policies, and GradScaler skips."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import hookprof
+from hookprof import NonFiniteEvent, transfer
+from models import DeepNet, loss_of, seeded, train
+
+RARELY = dict(port=0, sample_every=1000, min_sample_interval_s=3600.0)  # step 1 only
+
+
+class StepInjector:
+    """A forward hook that makes one layer's output non-finite while `step` is in `at`.
+    Keyed by the training step (not by call count), so a replay of the step reproduces it,
+    as it reproduces a NaN that comes from the data or the parameters."""
+
+    def __init__(self, module, at: set[int], value: float = float("nan")):
+        self.step, self.at, self.value = 0, at, value
+        self.handle = module.register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        return output + self.value if self.step in self.at else None
+
+
+def run(model, steps, prof=None, injector=None, poison=None, loss_override=None):
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(1, steps + 1):
+        if injector is not None:
+            injector.step = step
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(model, model.batch(g))
+        loss.backward()
+        if poison is not None:
+            poison(step, model)
+        opt.step()
+        if prof is not None:
+            prof.step(loss_override(step, loss) if loss_override else loss)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_forward_nan_on_an_unsampled_step_is_localised_exactly(value):
+    reference = seeded(DeepNet)
+    ref_injector = StepInjector(reference.blocks[2].fc, {7}, value)
+    run(reference, 10, injector=ref_injector)
+
+    model = seeded(DeepNet)
+    injector = StepInjector(model.blocks[2].fc, {7}, value)
+    prof = hookprof.attach(model, **RARELY)
+    run(model, 10, prof=prof, injector=injector)
+    prof.detach()
+    snap = prof.snapshot()
+
+    order = model.order()
+    after = tuple(order[order.index("blocks.2.fc") + 1 :])
+    assert snap.first_nonfinite == NonFiniteEvent("blocks.2.fc", "forward", 7, after)
+    assert snap.sampled_steps == 1  # found by replaying step 7, not by sampling it
+    assert snap.nonfinite_steps == {"forward": 4, "backward": 4, "loss": 4}  # steps 7-10
+    # the replay changed nothing: same parameters as the run without hookprof
+    assert_same_parameters(reference, model)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_gradient_nan_on_an_unsampled_step(value):
+    model = seeded(DeepNet)
+
+    def poison(step, m):
+        if step == 5:
+            m.blocks[3].fc.weight.grad[0, 0] = value
+
+    prof = hookprof.attach(model, **RARELY)
+    start = transfer.transfer_count()
+    run(model, 5, prof=prof, poison=poison)
+    assert transfer.transfer_count() == start + 1  # step 1's sample; nothing since
+    prof.detach()
+    snap = prof.snapshot()
+    assert snap.first_nonfinite == NonFiniteEvent("blocks.3.fc", "backward", 5)
+    assert snap.nonfinite_steps == {"forward": 0, "backward": 1, "loss": 0}
+    assert snap.layers["blocks.3.fc"].nonfinite["backward"] == 1
+    assert sum(s.nonfinite["backward"] for s in snap.layers.values()) == 1
+
+
+def test_the_loss_alone():
+    model = seeded(DeepNet)
+    prof = hookprof.attach(model, **RARELY)
+    run(model, 4, prof=prof,
+        loss_override=lambda step, loss: torch.tensor(float("nan")) if step == 3 else loss)
+    prof.detach()
+    snap = prof.snapshot()
+    assert snap.nonfinite_steps == {"forward": 0, "backward": 0, "loss": 1}
+    assert snap.first_nonfinite == NonFiniteEvent("(loss)", "loss", 3)
+
+
+def test_counters_reach_the_exporter_with_the_next_sample():
+    model = seeded(DeepNet)
+
+    def poison(step, m):
+        if step == 2:
+            m.head.bias.grad[0] = float("nan")
+
+    with hookprof.attach(model, port=0, sample_every=3, min_sample_interval_s=0.0) as prof:
+        run(model, 2, prof=prof, poison=poison)  # step 2 is not sampled
+        prof.flush()
+        assert prof.snapshot().nonfinite_steps["backward"] == 0  # not drained yet
+        run(model, 2, prof=prof)  # step 4 is sampled and drains the counters
+        prof.flush()
+        snap = prof.snapshot()
+    assert snap.first_nonfinite == NonFiniteEvent("head", "backward", 2)
+    assert snap.nonfinite_steps["backward"] >= 1
+
+
+def test_raise_policy_stops_at_the_next_step_boundary():
+    model = seeded(DeepNet)
+    injector = StepInjector(model.blocks[1].act, {4})
+    prof = hookprof.attach(model, **RARELY, on_nonfinite="raise")
+    try:
+        with pytest.raises(hookprof.NonFiniteError) as info:
+            run(model, 10, prof=prof, injector=injector)
+    finally:
+        prof.detach()
+    err = info.value
+    assert (err.layer, err.phase, err.step, err.rank) == ("blocks.1.act", "forward", 4, 0)
+    assert "blocks.1.act" in str(err) and "step 4" in str(err)
+    assert injector.step == 4  # raised at the end of step 4, not later
+
+
+def test_dump_policy_writes_a_readable_report_and_keeps_training(tmp_path):
+    model = seeded(DeepNet)
+    injector = StepInjector(model.blocks[0].fc, {3})
+    prof = hookprof.attach(model, **RARELY, on_nonfinite="dump", dump_dir=str(tmp_path))
+    run(model, 6, prof=prof, injector=injector)
+    prof.detach()
+    assert prof.snapshot().step == 6
+    files = list(tmp_path.glob("hookprof-nonfinite-rank0-step3.json"))
+    assert len(files) == 1
+    report = json.loads(files[0].read_text())
+    assert report["incident"]["layer"] == "blocks.0.fc"
+    assert report["incident"]["phase"] == "forward" and report["incident"]["step"] == 3
+    assert set(report["layers"]) == set(prof.snapshot().layers)
+    assert "blocks.0.fc" in report["summary"]
+
+
+def test_warn_policy_logs_one_line(caplog):
+    model = seeded(DeepNet)
+    injector = StepInjector(model.head, {2})
+    prof = hookprof.attach(model, **RARELY, on_nonfinite="warn")
+    with caplog.at_level(logging.WARNING, logger="hookprof"):
+        run(model, 5, prof=prof, injector=injector)
+    prof.detach()
+    lines = [r.getMessage() for r in caplog.records if "NaN/Inf" in r.getMessage()]
+    assert lines == ["hookprof: NaN/Inf in the forward phase at step 2 on rank 0, first in layer head"]
+
+
+def assert_same_parameters(a_model, b_model):
+    """Bit for bit, NaNs in the same places."""
+    for a, b in zip(a_model.parameters(), b_model.parameters()):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+@pytest.mark.parametrize("policy", ["record", "warn", "dump"])
+def test_policies_that_keep_training_never_disturb_it(policy, tmp_path):
+    """A NaN at step 5, then more steps: parameters identical to a run without hookprof."""
+    reference = seeded(DeepNet)
+    run(reference, 8, injector=StepInjector(reference.blocks[2].act, {5}))
+    model = seeded(DeepNet)
+    injector = StepInjector(model.blocks[2].act, {5})
+    prof = hookprof.attach(model, **RARELY, on_nonfinite=policy, dump_dir=str(tmp_path))
+    run(model, 8, prof=prof, injector=injector)
+    prof.detach()
+    assert prof.snapshot().first_nonfinite.layer == "blocks.2.act"
+    assert_same_parameters(reference, model)
+
+
+def scaler_run(model, steps, prof, overflow_at):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    for step in range(1, steps + 1):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_of(model, model.batch(g))
+        if step in overflow_at:
+            loss = loss * 1e38  # the scaled gradients overflow
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return scaler
+
+
+def test_gradscaler_skip_is_not_an_incident():
+    model = seeded(DeepNet)
+    prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0)
+    scaler_run(model, 6, prof, overflow_at={3})
+    prof.detach()
+    snap = prof.snapshot()
+    assert snap.skipped_steps == 1
+    assert snap.step == 6
+    assert snap.nonfinite_steps == {"forward": 0, "backward": 0, "loss": 0}
+    assert snap.first_nonfinite is None
+    # norms of the last (unskipped) step are the unscaled gradients
+    expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert snap.grad_norm == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_persistent_gradscaler_skipping_becomes_an_incident():
+    model = seeded(DeepNet)
+    prof = hookprof.attach(model, port=0, max_skipped_steps=3)
+    scaler_run(model, 8, prof, overflow_at=set(range(2, 9)))  # steps 2-8 all overflow
+    model.zero_grad(set_to_none=True)  # the next iteration begins: its forward closes step 8
+    model(model.batch(torch.Generator())[0])
+    prof.detach()
+    snap = prof.snapshot()
+    assert snap.skipped_steps == 7
+    assert snap.nonfinite_steps["backward"] == 4  # skips 4 to 7 in a row are past the limit
+    assert snap.first_nonfinite.layer == "(gradscaler)"

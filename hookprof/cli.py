@@ -36,7 +36,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     import hookprof
-    from hookprof.demo import DemoNet, InjectNonFinite
+    from hookprof.demo import DemoNet, InjectAtStep
 
     torch.manual_seed(args.seed)
     model = DemoNet()
@@ -56,7 +56,7 @@ def run_demo(args: argparse.Namespace) -> int:
     }
     # before attach: forward hooks run in registration order, and the fault is meant to
     # look like part of the layer's own computation
-    injector = InjectNonFinite(modules[args.nan_layer], {args.nan_at_step} if args.nan_at_step else set())
+    injector = InjectAtStep(modules[args.nan_layer], {args.nan_at_step} if args.nan_at_step else set())
     prof = hookprof.attach(model, **overrides)
     print(f"hookprof demo: serving metrics at {prof.url}", flush=True)
     if args.nan_at_step:
@@ -72,9 +72,10 @@ def run_demo(args: argparse.Namespace) -> int:
     step = 0
     try:
         while not stop and (args.steps <= 0 or step < args.steps):
+            injector.step = step + 1
             if nan_requested:
                 nan_requested.clear()
-                injector.arm()
+                injector.at_steps.add(step + 1)
                 print(f"hookprof demo: {args.nan_layer} outputs NaN at step {step + 1}", flush=True)
             tokens, labels = model.batch(generator)
             loss = torch.nn.functional.cross_entropy(model(tokens), labels)

@@ -42,13 +42,28 @@ class InjectNonFinite:
         self.value = value
         self.handle = module.register_forward_hook(self)
 
-    def arm(self) -> None:
-        """Make the next call go bad."""
-        self.at_calls.add(self.calls + 1)
-
     def __call__(self, module, args, output):
         self.calls += 1
         if self.calls in self.at_calls:
+            return output + self.value  # stays in the graph, so gradients turn bad too
+        return None
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+class InjectAtStep:
+    """Like InjectNonFinite, keyed by the training step the caller sets in `.step` rather than
+    by call count, so a replay of that step (hookprof's localisation) reproduces it."""
+
+    def __init__(self, module: nn.Module, at_steps: set[int], value: float = float("nan")):
+        self.step = 0
+        self.at_steps = set(at_steps)
+        self.value = value
+        self.handle = module.register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        if self.step in self.at_steps:
             return output + self.value  # stays in the graph, so gradients turn bad too
         return None
 

@@ -30,8 +30,7 @@ def test_demo_serves_live_metrics_and_reports_an_injected_nan():
     port = free_port()
     proc = subprocess.Popen(
         hookprof_cmd("demo", "--port", str(port), "--steps", "100000", "--nan-at-step", "30",
-                     "--nan-layer", "mlp.0", "--sample-every", "1", "--min-sample-interval", "0",
-                     "--step-delay", "0.002"),
+                     "--nan-layer", "mlp.0", "--step-delay", "0.002"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )

@@ -13,9 +13,7 @@ import copy
 import statistics
 import sys
 
-import torch
-
-from overhead import WORKLOADS, Runner
+from overhead import WORKLOADS, Runner, workload_data
 
 EVERY = dict(sample_every=1, min_sample_interval_s=0.0)
 
@@ -43,12 +41,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    w = WORKLOADS[args.workload]
-    torch.manual_seed(0)
-    base = w.build()
-    g = torch.Generator().manual_seed(0)
-    x = w.make_input(g)
-    y = torch.randint(0, 10, (w.batch,), generator=g)
+    w, base, x, y = workload_data(args.workload)
     runners = []
     for name, overrides in CONFIGS.items():
         r = Runner(name, copy.deepcopy(base), x, y)

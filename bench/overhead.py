@@ -189,13 +189,18 @@ CONFIGS = {
 }
 
 
-def bench_workload(key: str, rounds: int, steps: int, warmup: int) -> dict:
+def workload_data(key: str) -> tuple[Workload, nn.Module, torch.Tensor, torch.Tensor]:
+    """The workload, its seeded model and one fixed batch (inputs, class labels)."""
     w = WORKLOADS[key]
     torch.manual_seed(0)
     base = w.build()
     g = torch.Generator().manual_seed(0)
     x = w.make_input(g)
-    y = torch.randint(0, 10, (w.batch,), generator=g)
+    return w, base, x, torch.randint(0, 10, (w.batch,), generator=g)
+
+
+def bench_workload(key: str, rounds: int, steps: int, warmup: int) -> dict:
+    w, base, x, y = workload_data(key)
     runners = []
     for name, overrides in CONFIGS.items():
         r = Runner(name, copy.deepcopy(base), x, y)

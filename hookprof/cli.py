@@ -36,7 +36,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     import hookprof
-    from hookprof.demo import DemoNet, InjectAtStep
+    from hookprof.demo import DemoNet, InjectNonFinite
 
     torch.manual_seed(args.seed)
     model = DemoNet()
@@ -56,7 +56,8 @@ def run_demo(args: argparse.Namespace) -> int:
     }
     # before attach: forward hooks run in registration order, and the fault is meant to
     # look like part of the layer's own computation
-    injector = InjectAtStep(modules[args.nan_layer], {args.nan_at_step} if args.nan_at_step else set())
+    injector = InjectNonFinite(modules[args.nan_layer], {args.nan_at_step} if args.nan_at_step else set(),
+                               count_calls=False)
     prof = hookprof.attach(model, **overrides)
     print(f"hookprof demo: serving metrics at {prof.url}", flush=True)
     if args.nan_at_step:
@@ -75,7 +76,7 @@ def run_demo(args: argparse.Namespace) -> int:
             injector.step = step + 1
             if nan_requested:
                 nan_requested.clear()
-                injector.at_steps.add(step + 1)
+                injector.at.add(step + 1)
                 print(f"hookprof demo: {args.nan_layer} outputs NaN at step {step + 1}", flush=True)
             tokens, labels = model.batch(generator)
             loss = torch.nn.functional.cross_entropy(model(tokens), labels)
@@ -85,6 +86,7 @@ def run_demo(args: argparse.Namespace) -> int:
             prof.step(loss)
             step += 1
             if step % 100 == 0:
+                # note: a CPU-GPU sync point, the demo's own progress line every 100 steps
                 print(f"hookprof demo: step {step} loss {loss.item():.4f}", flush=True)
             if args.step_delay:
                 time.sleep(args.step_delay)

@@ -33,37 +33,25 @@ class DemoNet(nn.Module):
 
 
 class InjectNonFinite:
-    """A forward hook (user code, not hookprof) that replaces one layer's output with NaN or
-    Inf on chosen calls: how the demo and tests make a known layer go bad at a known step."""
+    """A forward hook (user code, not hookprof) that makes one layer's output NaN or Inf: how
+    the demo and the tests make a known layer go bad at a known step.
 
-    def __init__(self, module: nn.Module, at_calls: set[int], value: float = float("nan")):
-        self.calls = 0
-        self.at_calls = set(at_calls)
-        self.value = value
-        self.handle = module.register_forward_hook(self)
+    By default it counts the module's calls and fires on the calls in `at`. With
+    `count_calls=False` the caller sets `.step` each training step and it fires while `.step`
+    is in `at`, so a replay of that step (hookprof's localisation) reproduces it."""
 
-    def __call__(self, module, args, output):
-        self.calls += 1
-        if self.calls in self.at_calls:
-            return output + self.value  # stays in the graph, so gradients turn bad too
-        return None
-
-    def remove(self) -> None:
-        self.handle.remove()
-
-
-class InjectAtStep:
-    """Like InjectNonFinite, keyed by the training step the caller sets in `.step` rather than
-    by call count, so a replay of that step (hookprof's localisation) reproduces it."""
-
-    def __init__(self, module: nn.Module, at_steps: set[int], value: float = float("nan")):
+    def __init__(self, module: nn.Module, at: set[int], value: float = float("nan"),
+                 count_calls: bool = True):
         self.step = 0
-        self.at_steps = set(at_steps)
+        self.at = set(at)
         self.value = value
+        self.count_calls = count_calls
         self.handle = module.register_forward_hook(self)
 
     def __call__(self, module, args, output):
-        if self.step in self.at_steps:
+        if self.count_calls:
+            self.step += 1
+        if self.step in self.at:
             return output + self.value  # stays in the graph, so gradients turn bad too
         return None
 

@@ -1,7 +1,7 @@
 """Per-layer hooks, installed only for sampled steps.
 
 Forward: a pre/post hook pair on every layer times each call and (optionally) takes two
-device-side reductions of the output. Backward, without `register_full_backward_hook`
+device-side reductions of the output. Backward, without full module backward hooks
 (DESIGN.md invariant 1): a tensor hook on each output marks when the gradient reaches the
 layer, a tensor hook on each input marks when the layer has produced its input gradient.
 Layers whose inputs need no gradient (the first layer) end at their parameters' gradient

@@ -28,13 +28,17 @@ def to_host(flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """
     global _taken
     _taken = next(_calls) + 1
-    if flat.device.type == "cpu":
-        return flat, None
-    if flat.device.type != "cuda":
-        # other accelerators: a plain blocking copy, once per sampled step
-        return flat.to("cpu"), None
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-    host.copy_(flat, non_blocking=True)
+    return _start_copy(flat)
+
+
+def _start_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    if t.device.type == "cpu":
+        return t, None
+    if t.device.type != "cuda":
+        # other accelerators: a plain blocking copy
+        return t.to("cpu"), None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
     return host, ready
@@ -67,12 +71,4 @@ def peek(flag: torch.Tensor) -> tuple[torch.Tensor, Any]:
     apart from the per-sampled-step batch."""
     global _peeked
     _peeked = next(_peeks) + 1
-    if flag.device.type == "cpu":
-        return flag, None
-    if flag.device.type != "cuda":
-        return flag.to("cpu"), None
-    host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
-    host.copy_(flag, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
+    return _start_copy(flag)

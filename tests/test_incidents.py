@@ -10,22 +10,16 @@ import torch
 
 import hookprof
 from hookprof import NonFiniteEvent, transfer
-from models import DeepNet, loss_of, seeded, train
+from hookprof.demo import InjectNonFinite
+from models import DeepNet, loss_of, seeded
 
 RARELY = dict(port=0, sample_every=1000, min_sample_interval_s=3600.0)  # step 1 only
 
 
-class StepInjector:
-    """A forward hook that makes one layer's output non-finite while `step` is in `at`.
-    Keyed by the training step (not by call count), so a replay of the step reproduces it,
-    as it reproduces a NaN that comes from the data or the parameters."""
-
-    def __init__(self, module, at: set[int], value: float = float("nan")):
-        self.step, self.at, self.value = 0, at, value
-        self.handle = module.register_forward_hook(self)
-
-    def __call__(self, module, args, output):
-        return output + self.value if self.step in self.at else None
+def StepInjector(module, at: set[int], value: float = float("nan")) -> InjectNonFinite:
+    """Keyed by the training step (run() sets .step), not by call count, so a replay of the
+    step reproduces it, as it reproduces a NaN that comes from the data or the parameters."""
+    return InjectNonFinite(module, at, value, count_calls=False)
 
 
 def run(model, steps, prof=None, injector=None, poison=None, loss_override=None):

@@ -27,6 +27,7 @@ from .snapshot import (
 
 LOSS_LAYER = "(loss)"  # layer label of an incident seen in the loss alone
 GRADSCALER_LAYER = "(gradscaler)"  # layer label of persistent GradScaler skipping
+FLAG_KINDS = ("vanishing", "exploding")
 
 
 class StepCounters:
@@ -103,8 +104,13 @@ def _nanmax(values: list[float]) -> float:
 
 
 class Aggregator:
-    def __init__(self, names: list[str], module_types: list[str], rank: int, max_layers: int):
+    def __init__(self, names: list[str], module_types: list[str], rank: int, max_layers: int,
+                 grad_norm_bounds: tuple[float, float] = (1e-6, 1e3)):
         n = len(names)
+        self.grad_norm_bounds = grad_norm_bounds
+        # sampled steps on which a layer's gradient norm was below / above the bounds
+        self.flagged = {k: [0] * n for k in FLAG_KINDS}
+        self.flagged_steps = dict.fromkeys(FLAG_KINDS, 0)
         self.names = names
         self.module_types = module_types
         self.rank = rank
@@ -208,11 +214,26 @@ class Aggregator:
         }
         if packet.has_grad:
             self.grad_norm = math.sqrt(sum(squares[i] for i in packet.has_grad))
+            self._flag_gradients(squares, packet.has_grad)
         if loss is not None:
             self.loss = loss
         self.sampled_steps += 1
         self.last_sampled_step = packet.step
         self._dirty = True  # layers are rebuilt when the next snapshot is taken
+
+    def _flag_gradients(self, squares: list[float], has_grad: frozenset[int]) -> None:
+        low, high = self.grad_norm_bounds
+        seen = dict.fromkeys(FLAG_KINDS, False)
+        for i in has_grad:
+            norm = math.sqrt(squares[i])
+            if not math.isfinite(norm):
+                continue  # a NaN/Inf is an incident of its own, not an explosion
+            kind = "vanishing" if norm < low else "exploding" if norm > high else None
+            if kind is not None:
+                self.flagged[kind][i] += 1
+                seen[kind] = True
+        for kind, hit in seen.items():
+            self.flagged_steps[kind] += hit
 
     def _forward_roles(
         self, rec: StepRecord, act_max: dict[int, float], bwd_start: dict[int, float]
@@ -350,6 +371,7 @@ class Aggregator:
                 backward_seconds_total=self.bwd_total[i],
                 backward_calls_total=self.bwd_calls_total[i],
                 nonfinite=MappingProxyType(self._layer_nonfinite(i)),
+                gradient_flags=MappingProxyType({k: self.flagged[k][i] for k in FLAG_KINDS}),
             )
         self._layers = MappingProxyType(layers)
         self._exported = self._select_exported()
@@ -399,4 +421,5 @@ class Aggregator:
             layers=self._layers,
             exported_layers=self._exported,
             first_nonfinite=first,
+            gradient_flagged_steps=MappingProxyType(dict(self.flagged_steps)),
         )

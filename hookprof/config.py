@@ -82,6 +82,12 @@ class Config:
     """GradScaler skips (fp16 overflow) are normal; more than this many in a row count as a
     non-finite incident (phase "backward")."""
 
+    vanishing_grad_norm: float = 1e-6
+    """On sampled steps a layer whose gradient norm is below this is flagged "vanishing" ..."""
+
+    exploding_grad_norm: float = 1e3
+    """... and above this, "exploding" (hookprof_gradient_flagged_steps_total)."""
+
     publish_interval_s: float = 1.0
     """How often the background thread republishes step counters between sampled steps."""
 
@@ -110,6 +116,9 @@ class Config:
                      self.on_nonfinite in NONFINITE_POLICIES, f"one of {NONFINITE_POLICIES}")
         _check_range("incident_steps", self.incident_steps, self.incident_steps >= 0, ">= 0")
         _check_range("max_skipped_steps", self.max_skipped_steps, self.max_skipped_steps >= 0, ">= 0")
+        _check_range("vanishing_grad_norm", self.vanishing_grad_norm,
+                     0 <= self.vanishing_grad_norm < self.exploding_grad_norm,
+                     ">= 0 and below exploding_grad_norm")
         for name in ("rank", "local_rank"):
             value = getattr(self, name)
             _check_range(name, value, value is None or value >= 0, ">= 0 or None")

@@ -110,6 +110,16 @@ class SnapshotCollector(Collector):
         skipped.add_metric([rank], snap.skipped_steps)
         yield skipped
 
+        flagged = CounterMetricFamily(
+            "hookprof_gradient_flagged_steps",
+            "Sampled steps on which some layer's gradient norm was vanishing (below "
+            "Config.vanishing_grad_norm) or exploding (above Config.exploding_grad_norm)",
+            labels=["rank", "kind"],
+        )
+        for kind in ("vanishing", "exploding"):  # pre-initialised for increase()
+            flagged.add_metric([rank, kind], snap.gradient_flagged_steps.get(kind, 0))
+        yield flagged
+
         errors = CounterMetricFamily(
             "hookprof_internal_errors",
             "Internal hookprof errors (each switches per-layer instrumentation off)",
@@ -161,6 +171,12 @@ class SnapshotCollector(Collector):
             "held a NaN or Inf; only layers that ever did",
             labels=["rank", "layer", "phase"],
         )
+        layer_flagged = CounterMetricFamily(
+            "hookprof_layer_gradient_flagged_steps",
+            "Sampled steps on which the layer's gradient norm was vanishing or exploding; "
+            "only layers that ever were",
+            labels=["rank", "layer", "kind"],
+        )
         zero = GaugeMetricFamily(
             "hookprof_layer_activation_zero_ratio",
             "Fraction of exact zeros in the layer's outputs at the last sampled step",
@@ -191,11 +207,14 @@ class SnapshotCollector(Collector):
                 count = layer.nonfinite.get(phase, 0)
                 if count:
                     nonfinite.add_metric([rank, name, phase], count)
+            for kind, count in layer.gradient_flags.items():
+                if count:
+                    layer_flagged.add_metric([rank, name, kind], count)
             if layer.activation_zero_ratio is not None:
                 zero.add_metric([rank, name], layer.activation_zero_ratio)
             if layer.activation_abs_max is not None:
                 absmax.add_metric([rank, name], layer.activation_abs_max)
-        yield from (fwd, bwd, grad, nonfinite, zero, absmax)
+        yield from (fwd, bwd, grad, nonfinite, layer_flagged, zero, absmax)
 
 
 def _le(bound: float) -> str:

@@ -122,6 +122,7 @@ class Profiler:
             [layer.module_type for layer in self.table.layers],
             self.rank,
             config.max_layers,
+            (config.vanishing_grad_norm, config.exploding_grad_norm),
         )
         self._publisher = Publisher(
             aggregator,

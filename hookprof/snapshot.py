@@ -47,6 +47,9 @@ class LayerStats:
     nonfinite: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     """Phase ("forward": outputs, "backward": gradients) -> steps on which the layer held a
     NaN or Inf."""
+    gradient_flags: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    """"vanishing" / "exploding" -> sampled steps on which the layer's gradient norm was
+    below Config.vanishing_grad_norm / above Config.exploding_grad_norm."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,3 +94,5 @@ class Snapshot:
     """The layers the exporter shows (all of them up to Config.max_layers)."""
     first_nonfinite: NonFiniteEvent | None = None
     """The first non-finite value seen: layer, phase and step."""
+    gradient_flagged_steps: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    """"vanishing" / "exploding" -> sampled steps on which any layer was flagged."""

@@ -35,6 +35,7 @@ CONTRACT = {
     "hookprof_layers": ("gauge", {"rank"}),
     "hookprof_layers_exported": ("gauge", {"rank"}),
     "hookprof_internal_errors": ("counter", {"rank"}),
+    "hookprof_gradient_flagged_steps": ("counter", {"rank", "kind"}),
     "hookprof_build_info": ("gauge", {"version", "torch_version"}),
 }
 

@@ -214,3 +214,31 @@ def test_persistent_gradscaler_skipping_becomes_an_incident():
     assert snap.skipped_steps == 7
     assert snap.nonfinite_steps["backward"] == 4  # skips 4 to 7 in a row are past the limit
     assert snap.first_nonfinite.layer == "(gradscaler)"
+
+
+def test_vanishing_and_exploding_gradients_are_flagged_per_layer():
+    low, high = 0.05, 0.5
+    model = seeded(DeepNet)
+    reference: dict[str, list[float]] = {}
+
+    def record(step, m):  # the gradient norms hookprof reads at this step, computed apart
+        for name, module in m.named_modules():
+            grads = [p.grad.flatten() for p in module._parameters.values() if p is not None]
+            if grads:
+                reference.setdefault(name, []).append(torch.linalg.vector_norm(torch.cat(grads)).item())
+
+    prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
+                           vanishing_grad_norm=low, exploding_grad_norm=high)
+    run(model, 4, prof=prof, poison=record)
+    prof.detach()
+    snap = prof.snapshot()
+    any_low = any_high = 0
+    for name, norms in reference.items():
+        flags = snap.layers[name].gradient_flags
+        assert flags["vanishing"] == sum(n < low for n in norms), name
+        assert flags["exploding"] == sum(n > high for n in norms), name
+    for step in range(4):
+        any_low += any(norms[step] < low for norms in reference.values())
+        any_high += any(norms[step] > high for norms in reference.values())
+    assert snap.gradient_flagged_steps == {"vanishing": any_low, "exploding": any_high}
+    assert any_low and any_high  # the bounds were chosen so that both happen

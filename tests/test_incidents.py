@@ -242,3 +242,25 @@ def test_vanishing_and_exploding_gradients_are_flagged_per_layer():
         any_high += any(norms[step] > high for norms in reference.values())
     assert snap.gradient_flagged_steps == {"vanishing": any_low, "exploding": any_high}
     assert any_low and any_high  # the bounds were chosen so that both happen
+
+
+def test_bf16_autocast_nan_is_an_incident():
+    """No scaler: a non-finite value under bf16 autocast is a real incident, localised."""
+    model = seeded(DeepNet)
+    injector = StepInjector(model.blocks[1].fc, {3})
+    prof = hookprof.attach(model, **RARELY)
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(1, 5):
+        injector.step = step
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(model, model.batch(g))
+        loss.backward()
+        opt.step()
+        prof.step(loss)
+    prof.detach()
+    snap = prof.snapshot()
+    assert snap.skipped_steps == 0
+    assert snap.first_nonfinite.layer == "blocks.1.fc"
+    assert (snap.first_nonfinite.phase, snap.first_nonfinite.step) == ("forward", 3)

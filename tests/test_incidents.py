@@ -264,3 +264,28 @@ def test_bf16_autocast_nan_is_an_incident():
     assert snap.skipped_steps == 0
     assert snap.first_nonfinite.layer == "blocks.1.fc"
     assert (snap.first_nonfinite.phase, snap.first_nonfinite.step) == ("forward", 3)
+
+
+def test_gradient_made_non_finite_by_a_tensor_hook():
+    """The gradient of one layer's weight turned NaN inside backward (a tensor hook, as a bad
+    custom backward would): a backward incident of that layer, at that step."""
+    model = seeded(DeepNet)
+    state = {"step": 0}
+
+    def poison(grad):
+        return grad + float("nan") if state["step"] == 4 else None
+
+    handle = model.blocks[1].fc.weight.register_hook(poison)
+    prof = hookprof.attach(model, **RARELY)
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(1, 6):
+        state["step"] = step
+        opt.zero_grad(set_to_none=True)
+        loss_of(model, model.batch(g)).backward()
+        opt.step()
+    prof.detach()
+    handle.remove()
+    snap = prof.snapshot()
+    assert snap.first_nonfinite == NonFiniteEvent("blocks.1.fc", "backward", 4)
+    assert snap.layers["blocks.1.fc"].nonfinite["backward"] >= 1

@@ -9,6 +9,7 @@ exactly as soon as they are drained.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -44,27 +45,40 @@ class DeviceCounters:
         return [self.layer_bad, self.layer_first, self.phase_bad, self.phase_first]
 
 
-def nonfinite_flag(value: Any) -> torch.Tensor | None:
-    """0-d bool on the device: does any floating tensor in `value` hold a NaN or Inf?
-    A sum is non-finite when any element is (it can also overflow, for outputs whose values
-    add up past ~3e38, which is trouble of its own). One reduction per tensor."""
+def nonfinite_flags(value: Any) -> list[bool | torch.Tensor]:
+    """Does any floating tensor in `value` hold a NaN or Inf? One reduction per tensor: a sum
+    is non-finite when any element is (it can also overflow, for outputs whose values add up
+    past ~3e38, which is trouble of its own). A tensor on the CPU gives a Python bool (reading
+    it waits for nothing); one on an accelerator a 0-d bool that stays there."""
     from .instrument import iter_tensors
 
-    flag = None
+    flags: list[bool | torch.Tensor] = []
     for t in iter_tensors(value):
         if not t.is_floating_point() or not t.numel():
             continue
-        bad = ~torch.isfinite(t.detach().sum())
-        flag = bad if flag is None else flag | bad
-    return flag
+        total = t.detach().sum()
+        flags.append(not math.isfinite(float(total)) if total.device.type == "cpu" else ~torch.isfinite(total))
+    return flags
+
+
+def loss_flag(loss: Any) -> bool | torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        return not math.isfinite(float(loss))
+    loss = loss.detach()
+    if loss.device.type == "cpu" and loss.numel() == 1:
+        return not math.isfinite(float(loss))  # a CPU value: no device to wait for
+    return ~torch.isfinite(loss).all()
 
 
 class Detector:
-    """The counters of every device a model's gradients live on."""
+    """The counters of every device a model's gradients live on, plus host-side counters for
+    checks whose result is already on the host (CPU tensors)."""
 
     def __init__(self, n_layers: int):
         self.n_layers = n_layers
         self.by_device: dict[torch.device, DeviceCounters] = {}
+        self.host_phase_bad = [0] * len(PHASE_INDEX)
+        self.host_phase_first = [-1] * len(PHASE_INDEX)
 
     def counters(self, device: torch.device) -> DeviceCounters:
         c = self.by_device.get(device)
@@ -76,9 +90,26 @@ class Detector:
         for squares in parts:
             self.counters(squares.device).add_layer_squares(squares, step)
 
-    def add_flag(self, phase: str, flag: torch.Tensor | None, step: int) -> None:
-        if flag is not None:
+    def add_flag(self, phase: str, flag: bool | torch.Tensor, step: int) -> None:
+        if isinstance(flag, torch.Tensor):
             self.counters(flag.device).add_phase(phase, flag, step)
+        elif flag:
+            i = PHASE_INDEX[phase]
+            self.host_phase_bad[i] += 1
+            if self.host_phase_first[i] < 0:
+                self.host_phase_first[i] = step
+
+    def blocks(self) -> list[torch.Tensor]:
+        """Everything to drain, one flat int64 block per device and one for the host
+        counters, in the layout fold_counters reads."""
+        out = [torch.cat(c.tensors()) for c in self.by_device.values()]
+        n = self.n_layers
+        host = [0] * n + [-1] * n + self.host_phase_bad + self.host_phase_first
+        out.append(torch.tensor(host, dtype=torch.int64))
+        return out
+
+    def host_total(self) -> int:
+        return sum(self.host_phase_bad)
 
 
 def fold_counters(parts: list[list[float]], n_layers: int) -> dict[str, list[int]]:

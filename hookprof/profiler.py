@@ -28,7 +28,7 @@ from .batch import ScalarBatch
 from .config import Config, env_disabled
 from .distributed import detect_local_rank, detect_rank
 from .errors import AlreadyAttachedError, DetachedError, NonFiniteError
-from .nonfinite import Detector, nonfinite_flag
+from .nonfinite import Detector, loss_flag, nonfinite_flags
 from . import incident as incident_policy
 from .exporter import MetricsServer, SnapshotCollector, make_registry
 from .gradients import GradientNorms
@@ -152,6 +152,7 @@ class Profiler:
         self._incident_until = 0  # sample every step up to this step number
         self._flags: list[Any] = []  # per-step device flags in flight (policies but "record")
         self._acted = False
+        self._device_bad: dict[torch.device, int] = {}  # last flag read back per device
         self._opt_owns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
         self._server: MetricsServer | None = None
@@ -311,13 +312,19 @@ class Profiler:
         if not torch.is_grad_enabled():
             return
         try:
-            # every step: one reduction of the model's output, counted on the device
-            flag = nonfinite_flag(output)
-            self._detector.add_flag("forward", flag, self._counters.steps + 1)
-            if flag is not None and not self._replay.done and not self._sampled:
-                self._forward_peek = transfer.peek(flag)
-                if flag.device.type == "cpu":
-                    self._maybe_replay()  # on the CPU the flag can be read at once
+            # every step: one reduction of the model's output, counted where its result is
+            flags = nonfinite_flags(output)
+            step = self._counters.steps + 1
+            for flag in flags:
+                self._detector.add_flag("forward", flag, step)
+            if flags and not self._replay.done and not self._sampled:
+                if any(f is True for f in flags):
+                    self._forward_peek = (True, None)
+                    self._maybe_replay()  # known at once: the parameters are still this step's
+                else:
+                    on_device = [f for f in flags if isinstance(f, torch.Tensor)]
+                    if on_device:
+                        self._forward_peek = transfer.peek(torch.stack(on_device).any())
         except Exception as exc:
             self._health.report("forward hook", exc)
 
@@ -337,22 +344,17 @@ class Profiler:
     def _submit_replay(self, rec: StepRecord) -> None:
         batch = ScalarBatch()
         act_order = self._add_activations(batch, rec)
-        counters = list(self._detector.by_device.values())
-        for k, c in enumerate(counters):
-            batch.add(("counters", k), torch.cat(c.tensors()))
+        blocks = self._add_counters(batch)
         packet = Packet(step=self._counters.steps + 1, batch=None, record=rec,  # type: ignore[arg-type]
                         grad_parts=0, has_grad=frozenset(), act_order=act_order,
-                        counter_parts=len(counters), loss=None, loss_in_batch=False, sampled=False)
+                        counter_parts=blocks, loss=None, loss_in_batch=False, sampled=False)
         packet.batch = batch.send()
         self._publisher.submit(packet)
 
     def _check_loss(self, loss: Any, step: int) -> None:
         if loss is None:
             return
-        if isinstance(loss, torch.Tensor):
-            self._detector.add_flag("loss", ~torch.isfinite(loss.detach()).all(), step)
-        elif not math.isfinite(float(loss)):
-            self._detector.add_flag("loss", torch.tensor(True), step)
+        self._detector.add_flag("loss", loss_flag(loss), step)
 
     def _in_step(self) -> bool:
         # the root forward pre-hook tells a new step from a second optimizer of the same
@@ -445,29 +447,30 @@ class Profiler:
             incident_policy.apply(self.config.on_nonfinite, event, snap, self.config, self.rank)
 
     def _poll_flag(self) -> None:
-        counters = list(self._detector.by_device.values())
-        if counters:
-            flags = torch.cat([c.phase_bad.sum().reshape(1).to(torch.float64) for c in counters])
-            self._flags.append(transfer.to_host(flags))
-        seen = None
-        while self._flags and transfer.is_ready(self._flags[0][1]):
-            host, _ = self._flags.pop(0)
-            seen = int(host.sum())  # a host tensor whose copy has completed: no sync
-        if seen is not None and seen > self._known_bad:
+        for device, c in self._detector.by_device.items():
+            self._flags.append((device, transfer.peek(c.phase_bad.sum().reshape(1))))
+        while self._flags and transfer.is_ready(self._flags[0][1][1]):
+            device, (host, _) = self._flags.pop(0)
+            # a host tensor whose copy has completed: no sync; counts are cumulative
+            self._device_bad[device] = int(host.sum())
+        seen = self._detector.host_total() + sum(self._device_bad.values())
+        if seen > self._known_bad:
             # something went bad: bring the counters over now so layer, phase and step are known
             self._drain_counters()
             self._publisher.flush()
 
+    def _add_counters(self, batch: ScalarBatch) -> int:
+        blocks = self._detector.blocks()
+        for k, block in enumerate(blocks):
+            batch.add(("counters", k), block)
+        return len(blocks)
+
     def _drain_counters(self) -> None:
-        counters = list(self._detector.by_device.values())
-        if not counters:
-            return
         batch = ScalarBatch()
-        for k, c in enumerate(counters):
-            batch.add(("counters", k), torch.cat(c.tensors()))
+        blocks = self._add_counters(batch)
         packet = Packet(step=self._counters.steps, batch=batch.send(), record=None, grad_parts=0,
                         has_grad=frozenset(), loss=None, loss_in_batch=False, act_order=[],
-                        counter_parts=len(counters), sampled=False)
+                        counter_parts=blocks, sampled=False)
         self._publisher.submit(packet)
 
     def _build_packet(self, number: int, loss: Any) -> tuple[ScalarBatch, Packet]:
@@ -477,9 +480,7 @@ class Profiler:
             batch.add(("grad_sq", k), part)
         rec = self._rec
         act_order = self._add_activations(batch, rec) if rec is not None else []
-        counters = list(self._detector.by_device.values())
-        for k, c in enumerate(counters):
-            batch.add(("counters", k), torch.cat(c.tensors()))
+        blocks = self._add_counters(batch)
         packet = Packet(
             step=number,
             batch=None,  # type: ignore[arg-type]  # set when sent
@@ -487,7 +488,7 @@ class Profiler:
             grad_parts=len(parts),
             has_grad=has_grad,
             act_order=act_order,
-            counter_parts=len(counters),
+            counter_parts=blocks,
             loss=None,
             loss_in_batch=False,
         )

@@ -55,20 +55,9 @@ def is_ready(ready: Any) -> bool:
     return ready is None or ready.query()
 
 
-_peeks = itertools.count()
-_peeked = 0
-
-
-def peek_count() -> int:
-    """How many one-flag peeks (see `peek`) hookprof has started."""
-    return _peeked
-
-
 def peek(flag: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """Start reading one small device value without waiting: on the CPU the tensor itself
     (readable at once), on CUDA a non-blocking copy to pinned memory plus its event. Used for
-    the per-step forward check, so a NaN can be localised before the optimizer step; counted
-    apart from the per-sampled-step batch."""
-    global _peeked
-    _peeked = next(_peeks) + 1
+    the per-step forward check, so a NaN can be localised before the optimizer step, and by
+    the on_nonfinite policies; not counted with the per-sampled-step batches."""
     return _start_copy(flag)

@@ -8,7 +8,6 @@ publisher thread.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import weakref

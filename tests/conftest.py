@@ -11,7 +11,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import hookprof  # noqa: E402
 
 
 def free_port() -> int:

@@ -101,3 +101,14 @@ def train(model: nn.Module, steps: int, *, prof=None, seed: int = 0, lr: float =
 def seeded(cls, seed: int = 0, **kwargs):
     torch.manual_seed(seed)
     return cls(**kwargs)
+
+
+def profiled(model: nn.Module, steps: int, settings: dict, **train_kwargs):
+    """Train `model` for `steps` with hookprof attached (Config overrides `settings`) and
+    return the snapshot after everything was folded in. The profiler is detached."""
+    import hookprof
+
+    with hookprof.attach(model, **settings) as prof:
+        train(model, steps, prof=prof, **train_kwargs)
+        prof.flush()
+        return prof.snapshot()

@@ -3,7 +3,6 @@ rank label, and DDP's gradients are read after the all-reduce."""
 
 from __future__ import annotations
 
-import queue
 
 import pytest
 import torch.multiprocessing as mp

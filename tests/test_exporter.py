@@ -3,7 +3,6 @@ and an exposition promtool accepts."""
 
 from __future__ import annotations
 
-import math
 import subprocess
 
 import pytest

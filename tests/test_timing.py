@@ -7,16 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-import hookprof
-from models import DeepNet, MixedNet, seeded, train
+from models import DeepNet, MixedNet, profiled, seeded
 
 
 def test_forward_times_positive_and_sum_below_step_time(every_step):
     model = seeded(MixedNet)
-    with hookprof.attach(model, **every_step) as prof:
-        train(model, 5, prof=prof, explicit_step=True)
-        prof.flush()
-        snap = prof.snapshot()
+    snap = profiled(model, 5, every_step, explicit_step=True)
     called = {n: s for n, s in snap.layers.items() if s.forward_calls_total}
     # every layer but the never-called attn.out_proj ran forward
     assert set(called) == set(snap.layers) - {"attn.out_proj"}
@@ -29,10 +25,7 @@ def test_forward_times_positive_and_sum_below_step_time(every_step):
 
 def test_backward_times_for_every_layer_with_a_gradient(every_step):
     model = seeded(DeepNet)
-    with hookprof.attach(model, **every_step) as prof:
-        train(model, 3, prof=prof, explicit_step=True)
-        prof.flush()
-        snap = prof.snapshot()
+    snap = profiled(model, 3, every_step, explicit_step=True)
     for name in model.order():
         s = snap.layers[name]
         assert s.backward_calls_total == 3, name
@@ -41,10 +34,7 @@ def test_backward_times_for_every_layer_with_a_gradient(every_step):
 
 def test_shared_module_accumulates_its_calls(every_step):
     model = seeded(MixedNet)
-    with hookprof.attach(model, **every_step) as prof:
-        train(model, 4, prof=prof, explicit_step=True)
-        prof.flush()
-        snap = prof.snapshot()
+    snap = profiled(model, 4, every_step, explicit_step=True)
     assert snap.layers["shared"].calls == 2
     assert snap.layers["shared"].forward_calls_total == 8
     assert snap.layers["act"].forward_calls_total == 8
@@ -53,10 +43,7 @@ def test_shared_module_accumulates_its_calls(every_step):
 
 def test_micro_batches_add_up_into_one_step(every_step):
     model = seeded(DeepNet)
-    with hookprof.attach(model, **every_step) as prof:
-        train(model, 2, micro_batches=4)  # optimizer hooks end the steps
-        prof.flush()
-        snap = prof.snapshot()
+    snap = profiled(model, 2, every_step, micro_batches=4)  # optimizer hooks end the steps
     assert snap.step == 2 and snap.sampled_steps == 2
     assert snap.layers["stem"].calls == 4
     assert snap.layers["stem"].forward_calls_total == 8
@@ -82,10 +69,7 @@ class OwnsParamAndChildren(nn.Module):
 
 def test_parent_time_excludes_children(every_step):
     model = seeded(OwnsParamAndChildren)
-    with hookprof.attach(model, **every_step) as prof:
-        train(model, 5, prof=prof, explicit_step=True)
-        prof.flush()
-        snap = prof.snapshot()
+    snap = profiled(model, 5, every_step, explicit_step=True)
     root = snap.layers["(root)"]
     children = sum(snap.layers[f"inner.{i}"].forward_seconds_total for i in range(6))
     assert root.forward_calls_total == 5
@@ -97,10 +81,7 @@ def test_parent_time_excludes_children(every_step):
 
 def test_step_duration_histogram_counts_every_step():
     model = seeded(DeepNet)
-    with hookprof.attach(model, port=0, sample_every=4, min_sample_interval_s=0.0) as prof:
-        train(model, 10)
-        prof.flush()
-        snap = prof.snapshot()
+    snap = profiled(model, 10, dict(port=0, sample_every=4, min_sample_interval_s=0.0))
     assert snap.step == 10
     assert snap.sampled_steps == 3  # steps 1, 5, 9
     assert snap.last_sampled_step == 9

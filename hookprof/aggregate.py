@@ -204,13 +204,19 @@ class Aggregator:
             self.fwd_total[i] += fwd[i]
             self.fwd_calls_total[i] += calls[i]
             self.bwd_total[i] += bwd[i]
+        previous = self._last
+        checked = rec is not None and bool(rec.act)
         self._last = {
             "calls": calls,
             "fwd": fwd,
             "bwd": bwd,
             "grad": [math.sqrt(squares[i]) if i in packet.has_grad else None for i in range(n)],
-            "zero_ratio": [zeros[i] / numel[i] if numel[i] else None for i in range(n)],
-            "absmax": [_nanmax(absmax[i]) if absmax[i] else None for i in range(n)],
+            # a sampled step without activation statistics (activation_interval_s) keeps
+            # the last ones, so the gauges do not blink out between them
+            "zero_ratio": [zeros[i] / numel[i] if numel[i] else None for i in range(n)]
+            if checked or not previous else previous["zero_ratio"],
+            "absmax": [_nanmax(absmax[i]) if absmax[i] else None for i in range(n)]
+            if checked or not previous else previous["absmax"],
         }
         if packet.has_grad:
             self.grad_norm = math.sqrt(sum(squares[i] for i in packet.has_grad))

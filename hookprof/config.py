@@ -52,6 +52,12 @@ class Config:
     """On sampled steps, compute each layer output's zero ratio and absolute maximum
     (which also detects non-finite outputs)."""
 
+    activation_interval_s: float = 1.0
+    """Activation statistics (and the per-layer output checks that come with them) are taken
+    on sampled steps at most this often: with sampling every step they are the costliest
+    part, and a gauge refreshed every second is fresh enough. A step without them that goes
+    non-finite is localised by replaying its forward."""
+
     rank: int | None = None
     """The `rank` label. None: $RANK, else torch.distributed's rank if initialised, else 0."""
 
@@ -107,6 +113,8 @@ class Config:
             ">= 0",
         )
         _check_range("max_layers", self.max_layers, self.max_layers >= 1, ">= 1")
+        _check_range("activation_interval_s", self.activation_interval_s,
+                     self.activation_interval_s >= 0, ">= 0")
         _check_range(
             "publish_interval_s", self.publish_interval_s, self.publish_interval_s > 0, "> 0"
         )

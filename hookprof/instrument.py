@@ -107,7 +107,7 @@ class LayerHooks:
         self._table = table
         self._timer = timer
         self._health = health
-        self._activation_stats = activation_stats
+        self.activation_stats = activation_stats  # switched per step by the profiler
         # dead units are a property of activation outputs: the zero ratio is taken for layers
         # without parameters of their own (ReLU, GELU, Dropout, pooling), not for Linear/Conv
         # outputs, which are almost never exactly zero
@@ -173,7 +173,7 @@ class LayerHooks:
                 if t.requires_grad and t.grad_fn is not None:
                     inputs_need_grad = True
                     self._on_grad(rec, t, call, False)
-                if self._activation_stats and t.is_floating_point() and t.numel():
+                if self.activation_stats and t.is_floating_point() and t.numel():
                     self._note_input(rec, t, call)
             if not inputs_need_grad and layer_index not in rec.param_hooked:
                 self._hook_params(rec, layer_index)
@@ -197,7 +197,7 @@ class LayerHooks:
             for t in iter_tensors(output):
                 if not t.is_floating_point():
                     continue
-                if self._activation_stats and t.numel():
+                if self.activation_stats and t.numel():
                     d = t.detach()
                     # device-side reductions, kept on the device. aminmax gives max |x| over
                     # the whole output in one pass, and NaN/Inf propagate, so it doubles as

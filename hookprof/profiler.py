@@ -151,6 +151,9 @@ class Profiler:
         self._incident_until = 0  # sample every step up to this step number
         self._flags: list[Any] = []  # per-step device flags in flight (policies but "record")
         self._acted = False
+        self._checked = False  # this step has per-layer output checks
+        self._last_checked_ns = -(1 << 62)
+        self._check_interval_ns = int(config.activation_interval_s * 1e9)
         self._device_bad: dict[torch.device, int] = {}  # last flag read back per device
         self._opt_owns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -282,7 +285,7 @@ class Profiler:
         if not torch.is_grad_enabled():
             return  # evaluation passes (and our own replay) are not training steps
         try:
-            if not self._replay.done and not self._sampled:
+            if not self._replay.done and not self._checked:
                 self._replay.capture(args, kwargs)
             self._root_seen = True
             if self._forward_seen and self._skipped_by_scaler():
@@ -316,7 +319,7 @@ class Profiler:
             step = self._counters.steps + 1
             for flag in flags:
                 self._detector.add_flag("forward", flag, step)
-            if flags and not self._replay.done and not self._sampled:
+            if flags and not self._replay.done and not self._checked:
                 if any(f is True for f in flags):
                     self._forward_peek = (True, None)
                     self._maybe_replay()  # known at once: the parameters are still this step's
@@ -394,6 +397,13 @@ class Profiler:
         self._sampled = not self._health.broken and (
             self._sampler.should_sample(number, now_ns) or incident
         )
+        # per-layer output checks on this step? (rate-limited apart from sampling)
+        self._checked = self._sampled and self.config.activation_stats and (
+            incident or now_ns - self._last_checked_ns >= self._check_interval_ns
+        )
+        if self._checked:
+            self._last_checked_ns = now_ns
+        self._hooks.activation_stats = self._checked
         self._grad_squares = None
         if self._sampled:
             self._rec = StepRecord(self.timer.mark())

@@ -43,16 +43,19 @@ class ForwardReplay:
         cuda_rng = torch.cuda.get_rng_state_all() if self._cuda_rng is not None else None
         buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
         installed = hooks.installed
+        stats_were_on = hooks.activation_stats
         try:
             torch.set_rng_state(self._cpu_rng)
             if self._cuda_rng is not None:
                 torch.cuda.set_rng_state_all(self._cuda_rng)
             hooks.replaying = True
+            hooks.activation_stats = True  # the output checks are what the replay is for
             hooks.begin(rec)
             with torch.no_grad():
                 self.model(*self.args, **(self.kwargs or {}))
         finally:
             hooks.replaying = False
+            hooks.activation_stats = stats_were_on
             if installed:
                 hooks.end()
             else:

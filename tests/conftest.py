@@ -73,8 +73,9 @@ def promtool() -> str | None:
 
 @pytest.fixture
 def every_step():
-    """Config overrides that sample every step and serve on a free port."""
-    return dict(port=0, sample_every=1, min_sample_interval_s=0.0)
+    """Config overrides that sample every step, with activation statistics on every one of
+    them, and serve on a free port."""
+    return dict(port=0, sample_every=1, min_sample_interval_s=0.0, activation_interval_s=0.0)
 
 
 @pytest.fixture(autouse=True)

@@ -62,6 +62,7 @@ def test_environment_variables_fill_every_field():
         "HOOKPROF_INCIDENT_STEPS": "5",
         "HOOKPROF_MAX_SKIPPED_STEPS": "3",
         "HOOKPROF_VANISHING_GRAD_NORM": "1e-8",
+        "HOOKPROF_ACTIVATION_INTERVAL_S": "0.25",
         "HOOKPROF_EXPLODING_GRAD_NORM": "100",
         "HOOKPROF_DISABLE": "no",
         "UNRELATED": "x",
@@ -72,7 +73,7 @@ def test_environment_variables_fill_every_field():
         max_layers=20, activation_stats=False, rank=3, local_rank=None,
         publish_interval_s=2.0, disable=False, nonfinite_check="loss", on_nonfinite="dump",
         dump_dir="/tmp/reports", incident_steps=5, max_skipped_steps=3,
-        vanishing_grad_norm=1e-8, exploding_grad_norm=100.0,
+        vanishing_grad_norm=1e-8, exploding_grad_norm=100.0, activation_interval_s=0.25,
     )
     # every field has a variable: a new field without one fails here
     assert {f.name for f in dataclasses.fields(Config)} == {

@@ -44,7 +44,8 @@ def nan_run():
     """DeepNet for 5 steps, every step sampled, blocks.1.fc output NaN at the last one."""
     model = seeded(DeepNet)
     inject = InjectNonFinite(model.blocks[1].fc, {5})
-    prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0, rank=2)
+    prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
+                           activation_interval_s=0.0, rank=2)
     try:
         train(model, 5, prof=prof, explicit_step=True)
         prof.flush()

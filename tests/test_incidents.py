@@ -289,3 +289,21 @@ def test_gradient_made_non_finite_by_a_tensor_hook():
     snap = prof.snapshot()
     assert snap.first_nonfinite == NonFiniteEvent("blocks.1.fc", "backward", 4)
     assert snap.layers["blocks.1.fc"].nonfinite["backward"] >= 1
+
+
+def test_activation_statistics_are_rate_limited_and_replay_covers_the_gap():
+    """Sampling every step, activation statistics at most once an hour: only step 1 has them,
+    their gauges persist, and a NaN at step 4 is still localised (by replaying step 4)."""
+    model = seeded(DeepNet)
+    injector = StepInjector(model.blocks[3].fc, {4})
+    prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
+                           activation_interval_s=3600.0)
+    run(model, 5, prof=prof, injector=injector)
+    prof.detach()
+    snap = prof.snapshot()
+    assert snap.sampled_steps == 5
+    assert snap.layers["blocks.0.act"].activation_zero_ratio is not None  # kept from step 1
+    order = model.order()
+    assert snap.first_nonfinite == NonFiniteEvent(
+        "blocks.3.fc", "forward", 4, tuple(order[order.index("blocks.3.fc") + 1 :])
+    )

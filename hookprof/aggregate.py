@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -17,7 +17,6 @@ from .batch import HostBatch
 from .nonfinite import PHASE_INDEX, fold_counters
 from .instrument import END, LAYER, OUTER_END, OUTER_START, PARENT, START, StepRecord
 from .snapshot import (
-    LAYER_PHASES,
     PHASES,
     STEP_DURATION_BUCKETS,
     LayerStats,
@@ -79,18 +78,19 @@ class ForwardFinding:
 
 @dataclass(slots=True)
 class Packet:
-    """One sampled step, handed from the training thread to the publisher."""
+    """What the training thread hands the publisher: a sampled step, a replayed forward
+    (record, not sampled) or a drain of the non-finite counters alone (neither)."""
 
     step: int  # 1-based number of the step
-    batch: HostBatch
-    record: StepRecord | None
-    grad_parts: int  # how many per-device gradient vectors the batch holds
-    has_grad: frozenset[int]  # layers that had a gradient
-    act_order: list[int]  # index in record.act of each activation value in the batch
-    counter_parts: int  # how many per-device non-finite counter blocks the batch holds
-    loss: float | None  # the loss when it was given as a Python number
-    loss_in_batch: bool
-    sampled: bool = True  # False: the counters alone (a drain at detach or at an incident)
+    batch: HostBatch | None = None  # set when the device-to-host copy is started
+    record: StepRecord | None = None
+    sampled: bool = True
+    grad_parts: int = 0  # how many per-device gradient vectors the batch holds
+    has_grad: frozenset[int] = frozenset()  # layers that had a gradient
+    act_order: list[int] = field(default_factory=list)  # record.act index of each value
+    counter_parts: int = 0  # how many non-finite counter blocks the batch holds
+    loss: float | None = None  # the loss when it was given as a Python number
+    loss_in_batch: bool = False
 
 
 def _nanmax(values: list[float]) -> float:
@@ -126,7 +126,7 @@ class Aggregator:
         self.fwd_calls_total = [0] * n
         self.bwd_total = [0.0] * n
         self.bwd_calls_total = [0] * n
-        self.nonfinite = {p: [0] * n for p in LAYER_PHASES}
+        self.fwd_nonfinite = [0] * n  # per layer, from sampled and replayed steps
         self._last: dict[str, list[Any]] = {}
         self._layers: MappingProxyType = MappingProxyType({})
         self._exported: tuple[str, ...] = ()
@@ -193,7 +193,7 @@ class Aggregator:
 
         for i in range(n):
             if absmax[i] and not math.isfinite(_nanmax(absmax[i])):
-                self.nonfinite["forward"][i] += 1
+                self.fwd_nonfinite[i] += 1
         if not packet.sampled and forward is not None:
             self._replayed = (packet.step, forward)
         self._update_incident(packet.step, forward)
@@ -398,7 +398,7 @@ class Aggregator:
 
     def _layer_nonfinite(self, i: int) -> dict[str, int]:
         # forward: sampled steps' output checks; backward: the device counters (every step)
-        return {"forward": self.nonfinite["forward"][i], "backward": self.counters["layer_bad"][i]}
+        return {"forward": self.fwd_nonfinite[i], "backward": self.counters["layer_bad"][i]}
 
     def snapshot(self, counters: StepCounters, internal_errors: int) -> Snapshot:
         if self._dirty:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .instrument import iter_tensors
+
 PHASE_INDEX = {"forward": 0, "backward": 1, "loss": 2}
 
 
@@ -50,8 +52,6 @@ def nonfinite_flags(value: Any) -> list[bool | torch.Tensor]:
     is non-finite when any element is (it can also overflow, for outputs whose values add up
     past ~3e38, which is trouble of its own). A tensor on the CPU gives a Python bool (reading
     it waits for nothing); one on an accelerator a 0-d bool that stays there."""
-    from .instrument import iter_tensors
-
     flags: list[bool | torch.Tensor] = []
     for t in iter_tensors(value):
         if not t.is_floating_point() or not t.numel():

@@ -347,9 +347,8 @@ class Profiler:
         batch = ScalarBatch()
         act_order = self._add_activations(batch, rec)
         blocks = self._add_counters(batch)
-        packet = Packet(step=self._counters.steps + 1, batch=None, record=rec,  # type: ignore[arg-type]
-                        grad_parts=0, has_grad=frozenset(), act_order=act_order,
-                        counter_parts=blocks, loss=None, loss_in_batch=False, sampled=False)
+        packet = Packet(step=self._counters.steps + 1, record=rec, sampled=False,
+                        act_order=act_order, counter_parts=blocks)
         packet.batch = batch.send()
         self._publisher.submit(packet)
 
@@ -477,9 +476,8 @@ class Profiler:
     def _drain_counters(self) -> None:
         batch = ScalarBatch()
         blocks = self._add_counters(batch)
-        packet = Packet(step=self._counters.steps, batch=batch.send(), record=None, grad_parts=0,
-                        has_grad=frozenset(), loss=None, loss_in_batch=False, act_order=[],
-                        counter_parts=blocks, sampled=False)
+        packet = Packet(step=self._counters.steps, batch=batch.send(), sampled=False,
+                        counter_parts=blocks)
         self._publisher.submit(packet)
 
     def _build_packet(self, number: int, loss: Any) -> tuple[ScalarBatch, Packet]:
@@ -490,17 +488,8 @@ class Profiler:
         rec = self._rec
         act_order = self._add_activations(batch, rec) if rec is not None else []
         blocks = self._add_counters(batch)
-        packet = Packet(
-            step=number,
-            batch=None,  # type: ignore[arg-type]  # set when sent
-            record=rec,
-            grad_parts=len(parts),
-            has_grad=has_grad,
-            act_order=act_order,
-            counter_parts=blocks,
-            loss=None,
-            loss_in_batch=False,
-        )
+        packet = Packet(step=number, record=rec, grad_parts=len(parts), has_grad=has_grad,
+                        act_order=act_order, counter_parts=blocks)
         pending = (batch, packet)
         if loss is not None:
             self._add_loss(pending, loss)

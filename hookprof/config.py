@@ -97,6 +97,18 @@ class Config:
     publish_interval_s: float = 1.0
     """How often the background thread republishes step counters between sampled steps."""
 
+    system_metrics: bool = True
+    """Export host CPU and memory (psutil), the process's CPU, RSS and open files, and
+    PyTorch's CUDA memory, sampled by a background thread every `system_interval_s`."""
+
+    gpu_metrics: bool = True
+    """Export per-GPU utilisation, memory, power, temperature and energy from NVML (needs
+    nvidia-ml-py: `pip install 'hookprof[gpu]'`). Only local rank 0 exports them, one series
+    per GPU per node. Turn off where dcgm-exporter already runs."""
+
+    system_interval_s: float = 5.0
+    """How often host, process and GPU statistics are sampled (never per step)."""
+
     disable: bool = False
     """Kill switch: attach() returns a profiler that does nothing (HOOKPROF_DISABLE=1)."""
 
@@ -117,6 +129,9 @@ class Config:
                      self.activation_interval_s >= 0, ">= 0")
         _check_range(
             "publish_interval_s", self.publish_interval_s, self.publish_interval_s > 0, "> 0"
+        )
+        _check_range(
+            "system_interval_s", self.system_interval_s, self.system_interval_s > 0, "> 0"
         )
         _check_range("nonfinite_check", self.nonfinite_check,
                      self.nonfinite_check in NONFINITE_CHECKS, f"one of {NONFINITE_CHECKS}")

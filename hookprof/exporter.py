@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from ._version import __version__
 from .errors import PortInUseError
 from .snapshot import LAYER_PHASES, PHASES, Snapshot
+from .system import PsutilProcessCollector, has_proc_fs
 
 
 class SnapshotCollector(Collector):
@@ -245,14 +246,22 @@ class MetricsServer:
         self._thread.join(timeout=5.0)
 
 
-def make_registry(collector: Collector, *, process_metrics: bool = True) -> CollectorRegistry:
+def make_registry(collector: Collector, *, process_metrics: bool = True,
+                  extra: tuple[Collector, ...] = ()) -> CollectorRegistry:
     """A registry of its own per profiler, so two profilers never mix their series."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
+    for other in extra:
+        registry.register(other)
     if process_metrics:
-        from prometheus_client import ProcessCollector
+        # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...:
+        # prometheus_client reads them from /proc; elsewhere psutil supplies the same names
+        if has_proc_fs():
+            from prometheus_client import ProcessCollector
 
-        ProcessCollector(registry=registry)
+            ProcessCollector(registry=registry)
+        else:
+            registry.register(PsutilProcessCollector())
     return registry
 
 

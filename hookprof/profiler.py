@@ -30,6 +30,7 @@ from .errors import AlreadyAttachedError, DetachedError, NonFiniteError
 from .nonfinite import Detector, loss_flag, nonfinite_flags
 from . import incident as incident_policy
 from .exporter import MetricsServer, SnapshotCollector, make_registry
+from .system import SystemCollector, SystemSampler
 from .gradients import GradientNorms
 from .health import Health
 from .instrument import LayerHooks, StepRecord
@@ -132,7 +133,17 @@ class Profiler:
             name=f"hookprof-publisher-rank{self.rank}",
         )
         self.collector = SnapshotCollector(lambda: self._publisher.latest, torch.__version__)
-        self.registry = make_registry(self.collector)
+        self._system: SystemSampler | None = None
+        extra: tuple[Any, ...] = ()
+        if config.system_metrics:
+            self._system = SystemSampler(
+                config.system_interval_s,
+                gpus=config.gpu_metrics and local_rank == 0,  # one series per GPU per node
+                name=f"hookprof-system-rank{self.rank}",
+            )
+            extra = (SystemCollector(lambda: self._system.latest, self.rank),)
+        self.registry = make_registry(self.collector, process_metrics=config.system_metrics,
+                                      extra=extra)
 
         # step state, touched by the training thread only
         self._sampled = False
@@ -171,6 +182,8 @@ class Profiler:
             self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
             self._begin_step(1, self._clock())
             self._publisher.start()
+            if self._system is not None:
+                self._system.start()
             with _live_lock:
                 _live.add(self)
         except BaseException:
@@ -266,6 +279,8 @@ class Profiler:
             handle.remove()
         self._handles.clear()
         self._publisher.stop()
+        if self._system is not None:
+            self._system.stop()
         if self._server is not None:
             self._server.close()
         with _live_lock:

@@ -65,6 +65,9 @@ def test_environment_variables_fill_every_field():
         "HOOKPROF_ACTIVATION_INTERVAL_S": "0.25",
         "HOOKPROF_EXPLODING_GRAD_NORM": "100",
         "HOOKPROF_DISABLE": "no",
+        "HOOKPROF_SYSTEM_METRICS": "off",
+        "HOOKPROF_GPU_METRICS": "false",
+        "HOOKPROF_SYSTEM_INTERVAL_S": "0.5",
         "UNRELATED": "x",
     }
     c = Config.from_env(env)
@@ -74,6 +77,7 @@ def test_environment_variables_fill_every_field():
         publish_interval_s=2.0, disable=False, nonfinite_check="loss", on_nonfinite="dump",
         dump_dir="/tmp/reports", incident_steps=5, max_skipped_steps=3,
         vanishing_grad_norm=1e-8, exploding_grad_norm=100.0, activation_interval_s=0.25,
+        system_metrics=False, gpu_metrics=False, system_interval_s=0.5,
     )
     # every field has a variable: a new field without one fails here
     assert {f.name for f in dataclasses.fields(Config)} == {

@@ -125,19 +125,20 @@ receivers:
     return port
 
 
-def start_prometheus(procs: Processes, tmp: str, targets: list[str], am_port: int,
+def start_prometheus(procs: Processes, tmp: str, targets: list[str], am_port: int | None,
                      job: str = "hookprof") -> int:
     port = free_port()
     config = os.path.join(tmp, "prom.yml")
+    alerting = "" if am_port is None else f"""
+alerting:
+  alertmanagers:
+    - static_configs: [{{targets: ['127.0.0.1:{am_port}']}}]"""
     with open(config, "w") as f:
         f.write(f"""
 global:
   scrape_interval: 1s
   evaluation_interval: 1s
-rule_files: ['{RULES}']
-alerting:
-  alertmanagers:
-    - static_configs: [{{targets: ['127.0.0.1:{am_port}']}}]
+rule_files: ['{RULES}']{alerting}
 scrape_configs:
   - job_name: {job}
     static_configs: [{{targets: {json.dumps(targets)}}}]

@@ -1,0 +1,293 @@
+"""The hookprof Grafana dashboard, as code (grafana-foundation-sdk, Grafana 11 types).
+
+    python grafana/generate.py            # writes grafana/dashboards/hookprof-training.json
+    python grafana/generate.py --check    # exits 1 if the committed JSON differs (CI)
+
+Every PromQL expression lives here once; tests/test_dashboard_queries.py runs each of them
+against a real Prometheus scraping a real `hookprof demo`. Per-layer panels go through
+`topk($topk, ...)` and the `layer` variable so that a model with 1,000 layers draws at most
+$topk series per panel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+
+from grafana_foundation_sdk.builders import bargauge, common, dashboard, prometheus, stat, table, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as common_models
+from grafana_foundation_sdk.models.dashboard import DataSourceRef, DataTransformerConfig, VariableRefresh, VariableSort
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUTPUT = os.path.join(HERE, "dashboards", "hookprof-training.json")
+UID = "hookprof-training"
+
+DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
+# selectors shared by every query: hookprof series carry `rank`; process_* and GPU series
+# are per scrape target (one target per rank) and carry job/instance only
+TARGET = 'job=~"$job", instance=~"$instance"'
+RANKS = TARGET + ', rank=~"$rank"'
+LAYERS = RANKS + ', layer=~"$layer"'
+
+
+def q(expr: str, legend: str = "__auto", ref: str = "A", *, instant: bool = False, table_format: bool = False):
+    query = prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref).datasource(DS)
+    if instant:
+        query = query.instant()
+    if table_format:
+        query = query.format(PromQueryFormat.TABLE)
+    return query
+
+
+def series(title: str, description: str, *queries, unit: str = "short", log_scale: bool = False,
+           width: int = 12, height: int = 8):
+    panel = (
+        timeseries.Panel().title(title).description(description).datasource(DS)
+        .unit(unit).span(width).height(height).fill_opacity(10).line_width(1)
+        .legend(common.VizLegendOptions().show_legend(True).display_mode(common_models.LegendDisplayMode.LIST)
+                .placement(common_models.LegendPlacement.BOTTOM))
+    )
+    if log_scale:
+        panel = panel.scale_distribution(
+            common.ScaleDistributionConfig().type(common_models.ScaleDistribution.LOG).log(10))
+    for query in queries:
+        panel = panel.with_target(query)
+    return panel
+
+
+def single(title: str, description: str, query, unit: str = "short", width: int = 4):
+    return (
+        stat.Panel().title(title).description(description).datasource(DS).unit(unit)
+        .span(width).height(4).with_target(query)
+        .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+    )
+
+
+def top_layers(title: str, description: str, expr: str, unit: str = "s"):
+    return (
+        bargauge.Panel().title(title).description(description).datasource(DS).unit(unit)
+        .span(12).height(10)
+        .with_target(q(expr, "{{layer}}", instant=True))
+        .orientation(common_models.VizOrientation.HORIZONTAL)
+        .display_mode(common_models.BarGaugeDisplayMode.GRADIENT)
+        .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .min(0)
+    )
+
+
+def mean_per_call(metric: str, window: str, selector: str) -> str:
+    """Mean seconds per call of a per-layer summary, per layer, over `window`."""
+    return (f"sum by (layer) (rate({metric}_sum{{{selector}}}[{window}]))\n"
+            f"  / sum by (layer) (rate({metric}_count{{{selector}}}[{window}]))")
+
+
+def variables():
+    def labels(name: str, label: str, query: str, multi: bool = True):
+        v = (dashboard.QueryVariable(name).label(label).datasource(DS)
+             .query({"query": query, "refId": f"{name}-values", "qryType": 1})
+             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC))
+        if multi:
+            # all_value ".*" keeps the query short when a model has 1,000 layers
+            v = v.multi(True).include_all(True).all_value(".*")
+        return v
+
+    return [
+        dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus"),
+        labels("job", "Job", "label_values(hookprof_steps_total, job)"),
+        labels("instance", "Instance", 'label_values(hookprof_steps_total{job=~"$job"}, instance)'),
+        labels("rank", "Rank", 'label_values(hookprof_steps_total{job=~"$job", instance=~"$instance"}, rank)'),
+        labels("layer", "Layer",
+               'label_values(hookprof_layer_forward_seconds_count{job=~"$job", instance=~"$instance", rank=~"$rank"}, layer)'),
+        dashboard.CustomVariable("topk").label("Top layers").values("10,20,50,100").current(
+            _option("10")),
+    ]
+
+
+def _option(value: str):
+    from grafana_foundation_sdk.models.dashboard import VariableOption
+
+    return VariableOption(selected=True, text=value, value=value)
+
+
+def build() -> dict:
+    rate = "$__rate_interval"
+    board = (
+        dashboard.Dashboard("hookprof: training").uid(UID)
+        .description("Per-layer latency, gradients, NaN/Inf incidents and system load of PyTorch "
+                     "training jobs instrumented with hookprof.attach(model).")
+        .tags(["hookprof", "pytorch", "training"]).refresh("30s").time("now-1h", "now")
+        .timezone("browser").editable()
+    )
+    for v in variables():
+        board = board.with_variable(v)
+
+    board = board.with_row(dashboard.Row("Training"))
+    board = board.with_panel(series(
+        "Steps per second", "Optimizer steps (or Profiler.step calls) per second, per rank.",
+        q(f"sum by (rank) (rate(hookprof_steps_total{{{RANKS}}}[{rate}]))", "rank {{rank}}"),
+        unit="short", width=8))
+    board = board.with_panel(series(
+        "Step duration", "p50 and p95 of the wall time between step boundaries, per rank.",
+        q(f"histogram_quantile(0.95, sum by (le, rank) (rate(hookprof_step_duration_seconds_bucket{{{RANKS}}}[{rate}])))",
+          "p95 rank {{rank}}", "A"),
+        q(f"histogram_quantile(0.5, sum by (le, rank) (rate(hookprof_step_duration_seconds_bucket{{{RANKS}}}[{rate}])))",
+          "p50 rank {{rank}}", "B"),
+        unit="s", width=8))
+    board = board.with_panel(single(
+        "Steps", "Steps completed, all selected ranks.",
+        q(f"max(hookprof_steps_total{{{RANKS}}})", "steps", instant=True), width=4))
+    board = board.with_panel(single(
+        "Since last step", "Seconds since the most recent step on the slowest selected rank.",
+        q(f"time() - min(hookprof_last_step_timestamp_seconds{{{RANKS}}})", "age", instant=True),
+        unit="s", width=4))
+    board = board.with_panel(series(
+        "Loss", "Loss passed to Profiler.step(loss=...), at sampled steps.",
+        q(f"hookprof_loss{{{RANKS}}}", "rank {{rank}}"), width=12))
+    board = board.with_panel(series(
+        "Global gradient norm", "L2 norm over all parameters' gradients at the last sampled step (log scale).",
+        q(f"hookprof_gradient_norm{{{RANKS}}}", "rank {{rank}}"), log_scale=True, width=12))
+
+    board = board.with_row(dashboard.Row("Layers"))
+    board = board.with_panel(top_layers(
+        "Top layers by forward time",
+        "Mean forward seconds per call over the dashboard range, the $topk slowest layers.",
+        f"topk($topk, {mean_per_call('hookprof_layer_forward_seconds', '$__range', LAYERS)})"))
+    board = board.with_panel(top_layers(
+        "Top layers by backward time",
+        "Mean backward seconds per call over the dashboard range, the $topk slowest layers.",
+        f"topk($topk, {mean_per_call('hookprof_layer_backward_seconds', '$__range', LAYERS)})"))
+    board = board.with_panel(series(
+        "Forward latency per layer", "Mean forward seconds per call; the $topk slowest layers at each instant.",
+        q(f"topk($topk, {mean_per_call('hookprof_layer_forward_seconds', rate, LAYERS)})", "{{layer}}"),
+        unit="s"))
+    board = board.with_panel(series(
+        "Backward latency per layer", "Mean backward seconds per call; the $topk slowest layers at each instant.",
+        q(f"topk($topk, {mean_per_call('hookprof_layer_backward_seconds', rate, LAYERS)})", "{{layer}}"),
+        unit="s"))
+    board = board.with_panel(series(
+        "Gradient norm per layer",
+        "L2 norm of each layer's own parameters' gradients at the last sampled step; the $topk largest. "
+        "Under FSDP each rank exports its shard's norm: combine with sqrt(sum by (layer) (x^2)).",
+        q(f"topk($topk, max by (layer) (hookprof_layer_gradient_norm{{{LAYERS}}}))", "{{layer}}"),
+        log_scale=True))
+    board = board.with_panel(series(
+        "Dead activations per layer",
+        "Share of exactly-zero outputs of parameter-free layers (ReLU, dropout, pooling); the $topk highest.",
+        q(f"topk($topk, max by (layer) (hookprof_layer_activation_zero_ratio{{{LAYERS}}}))", "{{layer}}"),
+        unit="percentunit"))
+
+    board = board.with_row(dashboard.Row("NaN / Inf and gradient health"))
+    board = board.with_panel(
+        table.Panel().title("First non-finite layer")
+        .description("Where each rank's first NaN/Inf appeared: the producing layer, the phase and the step.")
+        .datasource(DS).span(12).height(8)
+        .with_target(q(f"max by (job, instance, rank, layer, phase, step) (hookprof_first_nonfinite_info{{{RANKS}}})",
+                       instant=True, table_format=True))
+        .with_transformation(DataTransformerConfig(id_val="organize", options={
+            "excludeByName": {"Time": True, "Value": True},
+            "indexByName": {"rank": 0, "layer": 1, "phase": 2, "step": 3, "instance": 4, "job": 5},
+        })))
+    board = board.with_panel(series(
+        "Non-finite steps", "Steps whose model output (forward), gradients (backward) or loss held a NaN/Inf.",
+        q(f"sum by (rank, phase) (increase(hookprof_nonfinite_steps_total{{{RANKS}}}[{rate}]))",
+          "{{phase}} rank {{rank}}"), width=12))
+    board = board.with_panel(series(
+        "GradScaler skipped steps", "Optimizer steps GradScaler skipped because its gradients overflowed.",
+        q(f"sum by (rank) (increase(hookprof_skipped_steps_total{{{RANKS}}}[{rate}]))", "rank {{rank}}"),
+        width=12))
+    board = board.with_panel(series(
+        "Vanishing / exploding gradients",
+        "Sampled steps on which some layer's gradient norm fell below vanishing_grad_norm or rose above exploding_grad_norm.",
+        q(f"sum by (rank, kind) (increase(hookprof_gradient_flagged_steps_total{{{RANKS}}}[{rate}]))",
+          "{{kind}} rank {{rank}}"), width=12))
+
+    board = board.with_row(dashboard.Row("System"))
+    board = board.with_panel(series(
+        "CPU", "Training process CPU (cores busy) and host CPU utilisation.",
+        q(f"rate(process_cpu_seconds_total{{{TARGET}}}[{rate}])", "process {{instance}}", "A"),
+        q(f"hookprof_host_cpu_utilization_ratio{{{TARGET}}}", "host {{instance}}", "B"),
+        width=8))
+    board = board.with_panel(series(
+        "Memory", "Training process resident memory, and host memory in use.",
+        q(f"process_resident_memory_bytes{{{TARGET}}}", "RSS {{instance}}", "A"),
+        q(f"hookprof_host_memory_total_bytes{{{TARGET}}} - hookprof_host_memory_available_bytes{{{TARGET}}}",
+          "host used {{instance}}", "B"),
+        unit="bytes", width=8))
+    board = board.with_panel(series(
+        "Open files", "File descriptors held by the training process.",
+        q(f"process_open_fds{{{TARGET}}}", "{{instance}}"), width=8))
+    board = board.with_panel(series(
+        "GPU utilisation", "NVML utilisation per GPU (exported by local rank 0 of each node).",
+        q(f"hookprof_gpu_utilization_ratio{{{TARGET}}}", "{{instance}} gpu {{gpu}}"),
+        unit="percentunit", width=8))
+    board = board.with_panel(series(
+        "GPU memory", "Device memory in use (NVML, all processes) and PyTorch's own allocated and reserved memory.",
+        q(f"hookprof_gpu_memory_used_bytes{{{TARGET}}}", "used {{instance}} gpu {{gpu}}", "A"),
+        q(f"hookprof_gpu_memory_total_bytes{{{TARGET}}}", "total {{instance}} gpu {{gpu}}", "B"),
+        q(f"hookprof_cuda_memory_allocated_bytes{{{RANKS}}}", "torch allocated rank {{rank}} cuda:{{device}}", "C"),
+        q(f"hookprof_cuda_memory_reserved_bytes{{{RANKS}}}", "torch reserved rank {{rank}} cuda:{{device}}", "D"),
+        unit="bytes", width=8))
+    board = board.with_panel(series(
+        "GPU power and temperature", "Power draw (W) and core temperature (°C) per GPU.",
+        q(f"hookprof_gpu_power_watts{{{TARGET}}}", "W {{instance}} gpu {{gpu}}", "A"),
+        q(f"hookprof_gpu_temperature_celsius{{{TARGET}}}", "°C {{instance}} gpu {{gpu}}", "B"),
+        width=8))
+
+    board = board.with_row(dashboard.Row("Exporter health"))
+    board = board.with_panel(series(
+        "Scrape targets up", "1 while Prometheus can scrape the rank's /metrics endpoint.",
+        q(f"up{{{TARGET}}}", "{{instance}}"), width=8))
+    board = board.with_panel(series(
+        "hookprof internal errors", "Errors inside hookprof's own hooks (training continues; per-layer hooks switch off).",
+        q(f"sum by (rank) (increase(hookprof_internal_errors_total{{{RANKS}}}[{rate}]))", "rank {{rank}}"),
+        width=8))
+    board = board.with_panel(series(
+        "Layers exported", "Instrumented layers and the layers exported under the max_layers budget.",
+        q(f"hookprof_layers{{{RANKS}}}", "instrumented rank {{rank}}", "A"),
+        q(f"hookprof_layers_exported{{{RANKS}}}", "exported rank {{rank}}", "B"),
+        width=8))
+    return json.loads(json.dumps(board.build(), cls=JSONEncoder))
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def expressions(board: dict) -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every target of every panel of a dashboard JSON."""
+    out = []
+    for panel in board.get("panels", []):
+        for target in panel.get("targets", []):
+            if target.get("expr"):
+                out.append((panel["title"], target["expr"]))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if the committed JSON is stale")
+    args = parser.parse_args()
+    text = render()
+    if args.check:
+        current = open(OUTPUT, encoding="utf-8").read() if os.path.exists(OUTPUT) else ""
+        if current != text:
+            sys.stdout.writelines(difflib.unified_diff(
+                current.splitlines(True), text.splitlines(True), OUTPUT, "generated"))
+            print(f"\n{OUTPUT} is stale: run python grafana/generate.py and commit it", file=sys.stderr)
+            return 1
+        print(f"{OUTPUT} is up to date")
+        return 0
+    os.makedirs(os.path.dirname(OUTPUT), exist_ok=True)
+    with open(OUTPUT, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {OUTPUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""`hookprof demo` with NVML and torch.cuda replaced by tests/fake_gpu.py's stand-ins, so the
+GPU panels of the dashboard have series to query on a machine without a GPU. Everything else
+is the real demo: real training, real hookprof, real HTTP server.
+
+    python tests/fake_gpu_demo.py demo --port 8479 ...
+"""
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # fake_gpu, and hookprof from this checkout
+
+import fake_gpu  # noqa: E402
+import hookprof.system  # noqa: E402
+from hookprof.cli import main  # noqa: E402
+
+sys.modules["pynvml"] = fake_gpu.FakeNvml(gpus=2)
+hookprof.system.cuda_api = lambda: fake_gpu.FakeCuda(devices=1)
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,81 @@
+"""The committed dashboard JSON: regenerated from grafana/generate.py it is identical, and it
+holds together the way Grafana needs on first import (a datasource variable used by every
+query, the variables the issue names, per-layer panels bounded by $topk)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+DASHBOARD = os.path.join(ROOT, "grafana", "dashboards", "hookprof-training.json")
+
+
+@pytest.fixture(scope="module")
+def board() -> dict:
+    with open(DASHBOARD, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_committed_json_is_what_the_generator_writes():
+    pytest.importorskip("grafana_foundation_sdk")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "grafana", "generate.py"), "--check"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+
+
+def test_variables_and_datasource(board):
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert {"datasource", "job", "instance", "rank", "layer", "topk"} <= set(variables)
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    for name in ("job", "instance", "rank", "layer"):
+        v = variables[name]
+        assert v["type"] == "query" and v["multi"] and v["includeAll"] and v["allValue"] == ".*", name
+        assert v["datasource"]["uid"] == "${datasource}", name
+    for panel in board["panels"]:
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert refs and len(refs) == len(set(refs)), panel["title"]
+        for t in panel["targets"]:
+            assert t["datasource"]["uid"] == "${datasource}", panel["title"]
+
+
+def test_panels_the_issue_asks_for(board):
+    titles = {p["title"]: p for p in board["panels"]}
+    for title, kind in {
+        "Steps per second": "timeseries", "Step duration": "timeseries", "Loss": "timeseries",
+        "Global gradient norm": "timeseries", "Top layers by forward time": "bargauge",
+        "Top layers by backward time": "bargauge", "Forward latency per layer": "timeseries",
+        "Backward latency per layer": "timeseries", "Gradient norm per layer": "timeseries",
+        "First non-finite layer": "table", "GradScaler skipped steps": "timeseries",
+        "CPU": "timeseries", "Memory": "timeseries", "GPU utilisation": "timeseries",
+        "GPU memory": "timeseries", "GPU power and temperature": "timeseries",
+        "Scrape targets up": "timeseries",
+    }.items():
+        assert titles[title]["type"] == kind, title
+
+
+def test_per_layer_panels_are_bounded_for_1000_layers(board):
+    for panel in board["panels"]:
+        for t in panel.get("targets", []):
+            expr = t["expr"]
+            if "hookprof_layer_" in expr:
+                assert expr.startswith("topk($topk,"), (panel["title"], expr)
+                assert 'layer=~"$layer"' in expr, (panel["title"], expr)
+
+
+def test_layout_has_no_overlapping_panels(board):
+    cells = set()
+    for panel in board["panels"]:
+        g = panel["gridPos"]
+        assert g["x"] + g["w"] <= 24, panel["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, panel["title"]
+                cells.add((x, y))

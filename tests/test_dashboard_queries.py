@@ -1,0 +1,135 @@
+"""Every PromQL expression of the shipped dashboard and alert rules, run against a real
+Prometheus (Debian's) scraping a real `hookprof demo` on loopback. NVML and torch.cuda are
+stand-ins in that demo (tests/fake_gpu_demo.py): CI has no GPU, and the GPU panels must
+still be shown to return data. A query that returns nothing is named in the failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.parse
+
+import pytest
+
+from conftest import free_port, read_until
+from servers import RULES, Processes, binaries, get_json, query, start_prometheus, wait_for
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+DASHBOARD = os.path.join(ROOT, "grafana", "dashboards", "hookprof-training.json")
+JOB = "hookprof-demo"
+# what Grafana puts in place of each variable: one concrete job, "All" (".*") elsewhere,
+# and windows a 1 s scrape interval fills ($__rate_interval is 4 scrape intervals at least)
+VARIABLES = {"$job": JOB, "$instance": ".*", "$rank": ".*", "$layer": ".*", "$topk": "10",
+             "$__rate_interval": "5s", "$__range": "1m"}
+
+
+def substitute(expr: str) -> str:
+    for name in sorted(VARIABLES, key=len, reverse=True):  # $__range before $__rate...: no overlap
+        expr = expr.replace(name, VARIABLES[name])
+    assert "$" not in expr, f"unsubstituted variable in {expr!r}"
+    return expr
+
+
+def dashboard() -> dict:
+    with open(DASHBOARD, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def panel_queries(board: dict) -> list[tuple[str, str]]:
+    return [(p["title"], t["expr"]) for p in board["panels"] for t in p.get("targets", []) if t.get("expr")]
+
+
+def alert_rules() -> list[dict]:
+    import yaml
+
+    with open(RULES, encoding="utf-8") as f:
+        return [r for g in yaml.safe_load(f)["groups"] for r in g["rules"]]
+
+
+@pytest.fixture(scope="module")
+def prometheus_on_demo(tmp_path_factory):
+    if binaries() is None:
+        if os.environ.get("CI"):
+            pytest.fail("prometheus missing in CI: .ci/run installs it")
+        pytest.skip("apt-get install prometheus")
+    tmp = str(tmp_path_factory.mktemp("dash"))
+    procs = Processes()
+    try:
+        port = free_port()
+        demo = procs.start(
+            [sys.executable, os.path.join(ROOT, "tests", "fake_gpu_demo.py"), "demo", "--port", str(port),
+             "--nan-at-step", "150", "--nan-layer", "mlp.2", "--step-delay", "0.01"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "HOOKPROF_SYSTEM_INTERVAL_S": "0.5",
+                 "HOOKPROF_MIN_SAMPLE_INTERVAL_S": "0.5"},
+        )
+        read_until(demo.stdout, "serving metrics")
+        prom = start_prometheus(procs, tmp, [f"127.0.0.1:{port}"], None, job=JOB)
+        # enough history for rate() windows, and the NaN localised and scraped
+        wait_for("the first non-finite layer in Prometheus",
+                 lambda: query(prom, "hookprof_first_nonfinite_info"), timeout=90)
+        wait_for("10 scrapes", lambda: query(prom, f'count_over_time(up{{job="{JOB}"}}[1m]) >= 10'), timeout=60)
+        yield prom
+    finally:
+        procs.stop_all()
+
+
+def test_every_panel_query_returns_data(prometheus_on_demo):
+    queries = panel_queries(dashboard())
+    assert len(queries) >= 25
+    empty = []
+    for title, expr in queries:
+        result = query(prometheus_on_demo, substitute(expr))  # a bad query raises (HTTP 400)
+        if not result:
+            empty.append(f"{title}: {expr}")
+    assert not empty, "queries that returned no data:\n" + "\n".join(empty)
+
+
+def test_the_first_nonfinite_table_names_the_injected_layer(prometheus_on_demo):
+    (expr,) = [e for t, e in panel_queries(dashboard()) if t == "First non-finite layer"]
+    (row,) = query(prometheus_on_demo, substitute(expr))
+    assert row["metric"]["layer"] == "mlp.2" and row["metric"]["phase"] == "forward"
+    assert row["metric"]["step"] == "150"
+
+
+def test_every_variable_query_lists_values(prometheus_on_demo):
+    expected = {"job": {JOB}, "rank": {"0"}}
+    for var in dashboard()["templating"]["list"]:
+        if var["type"] != "query":
+            continue
+        m = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"]["query"])
+        assert m, var["query"]
+        selector, label = substitute(m.group(1)), m.group(2)
+        url = (f"http://127.0.0.1:{prometheus_on_demo}/api/v1/label/{label}/values?"
+               + urllib.parse.urlencode({"match[]": selector}))
+        values = set(get_json(url)["data"])
+        assert values, f"variable {var['name']} lists nothing: {var['query']['query']}"
+        if var["name"] in expected:
+            assert values == expected[var["name"]], (var["name"], values)
+        if var["name"] == "layer":
+            assert {"mlp.0", "mlp.2"} <= values
+
+
+def test_every_alert_rule_evaluates_and_its_series_exist(prometheus_on_demo):
+    rules = {r["alert"]: r for r in alert_rules()}
+    loaded = wait_for("rules evaluated", lambda: [
+        r for g in get_json(f"http://127.0.0.1:{prometheus_on_demo}/api/v1/rules")["data"]["groups"]
+        for r in g["rules"] if r.get("lastEvaluation", "").startswith("2")] or None, timeout=30)
+    assert {r["name"] for r in loaded} == set(rules)
+    for r in loaded:
+        assert r["health"] == "ok" and not r.get("lastError"), (r["name"], r.get("lastError"))
+    # an alert's expression is empty while it does not fire: check the series it reads
+    missing = []
+    for name, rule in rules.items():
+        for metric in set(re.findall(r"\b(hookprof_\w+|up)\b", rule["expr"])):
+            if not query(prometheus_on_demo, f'{metric}{{job="{JOB}"}}'):
+                missing.append(f"{name}: {metric}")
+    assert not missing, "alert rules read series that do not exist:\n" + "\n".join(missing)
+    # and the NaN injected in the demo makes the non-finite alert's expression return data
+    nonfinite = [r for r in rules.values() if "first_nonfinite_info" in r["expr"]]
+    assert nonfinite and all(query(prometheus_on_demo, r["expr"]) for r in nonfinite)

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import urllib.parse
 
 import pytest
@@ -133,3 +134,30 @@ def test_every_alert_rule_evaluates_and_its_series_exist(prometheus_on_demo):
     # and the NaN injected in the demo makes the non-finite alert's expression return data
     nonfinite = [r for r in rules.values() if "first_nonfinite_info" in r["expr"]]
     assert nonfinite and all(query(prometheus_on_demo, r["expr"]) for r in nonfinite)
+
+
+def readme_recording_rules() -> list[dict]:
+    """The recording rules the README's "Running at scale" section recommends."""
+    import yaml
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+    (block,) = [b for b in blocks if "record:" in b]
+    return yaml.safe_load(textwrap.dedent(block))
+
+
+def test_readme_recording_rules_pass_promtool_and_return_data(prometheus_on_demo, tmp_path):
+    from conftest import promtool
+
+    doc = readme_recording_rules()
+    path = tmp_path / "recording.yml"
+    path.write_text(json.dumps(doc))  # JSON is YAML
+    tool = promtool()
+    if tool is not None:
+        result = subprocess.run([tool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+    rules = [r for g in doc["groups"] for r in g["rules"]]
+    assert len(rules) >= 4
+    empty = [r["record"] for r in rules if not query(prometheus_on_demo, r["expr"])]
+    assert not empty, f"recording rules that return no data: {empty}"

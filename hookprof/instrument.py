@@ -116,6 +116,7 @@ class LayerHooks:
         self._rec: StepRecord | None = None
         self._local = threading.local()  # each thread's stack of open forward calls
         self.replaying = False  # a forward replayed under no_grad to find a NaN's producer
+        self.paused = False  # inside an evaluation pass of the root module (set by the profiler)
 
     @property
     def installed(self) -> bool:
@@ -153,7 +154,7 @@ class LayerHooks:
 
     def _pre(self, layer_index: int, module: torch.nn.Module, args: Any) -> None:
         rec = self._rec
-        if rec is None or self._health.broken or not (torch.is_grad_enabled() or self.replaying):
+        if rec is None or self.paused or self._health.broken or not (torch.is_grad_enabled() or self.replaying):
             return
         try:
             mark = self._timer.mark
@@ -185,7 +186,7 @@ class LayerHooks:
     def _post(self, layer_index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
         end = self._timer.mark()  # first: our own work stays outside the span
         rec = self._rec
-        if rec is None or self._health.broken or not (torch.is_grad_enabled() or self.replaying):
+        if rec is None or self.paused or self._health.broken or not (torch.is_grad_enabled() or self.replaying):
             return
         try:
             stack = getattr(self._local, "stack", None)

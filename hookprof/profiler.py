@@ -297,8 +297,14 @@ class Profiler:
         return owns
 
     def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if not torch.is_grad_enabled():
-            return  # evaluation passes (and our own replay) are not training steps
+        if self._hooks.replaying:
+            return
+        # evaluation passes (under no_grad / inference_mode, or with the model in eval mode)
+        # are not training steps: the layer hooks ignore them until the next training forward
+        evaluating = not torch.is_grad_enabled() or not module.training
+        self._hooks.paused = evaluating
+        if evaluating:
+            return
         try:
             if not self._replay.done and not self._checked:
                 self._replay.capture(args, kwargs)
@@ -326,7 +332,7 @@ class Profiler:
         )
 
     def _on_root_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
+        if self._hooks.paused or not torch.is_grad_enabled():
             return
         try:
             # every step: one reduction of the model's output, counted where its result is

@@ -36,6 +36,16 @@ class Config:
     """Start the HTTP server. With False, register `Profiler.collector` in your own
     prometheus_client registry instead."""
 
+    tls_certfile: str | None = None
+    """PEM certificate: serve /metrics over HTTPS (with `tls_keyfile`)."""
+
+    tls_keyfile: str | None = None
+    """PEM private key of `tls_certfile`."""
+
+    tls_client_cafile: str | None = None
+    """PEM CA bundle: when set, only clients presenting a certificate signed by it can
+    connect (mutual TLS; Prometheus: `tls_config.cert_file`/`key_file`). Needs TLS on."""
+
     sample_every: int = 10
     """A step is sampled (per-layer hooks installed) only when at least this many steps
     have passed since the last sampled step ..."""
@@ -117,6 +127,7 @@ class Config:
             _check_type(field.name, getattr(self, field.name), _FIELD_TYPES[field.name])
         _check_range("port", self.port, 0 <= self.port <= 65535, "an integer in [0, 65535]")
         _check_range("addr", self.addr, bool(self.addr.strip()), "a non-empty host address")
+        _check_tls(self)
         _check_range("sample_every", self.sample_every, self.sample_every >= 1, ">= 1")
         _check_range(
             "min_sample_interval_s",
@@ -226,6 +237,19 @@ def _check_type(field: str, value: Any, hint: Any) -> None:
             return
     names = " or ".join("None" if k is type(None) else k.__name__ for k in allowed)
     raise ConfigError(field, value, f"of type {names}")
+
+
+def _check_tls(config: Config) -> None:
+    if (config.tls_certfile is None) != (config.tls_keyfile is None):
+        missing = "tls_keyfile" if config.tls_keyfile is None else "tls_certfile"
+        present = "tls_certfile" if missing == "tls_keyfile" else "tls_keyfile"
+        raise ConfigError(missing, None, f"a PEM file path (set together with {present})")
+    if config.tls_client_cafile is not None and config.tls_certfile is None:
+        raise ConfigError("tls_certfile", None,
+                          "a PEM file path: tls_client_cafile needs TLS (tls_certfile, tls_keyfile)")
+    for name in ("tls_certfile", "tls_keyfile", "tls_client_cafile"):
+        path = getattr(config, name)
+        _check_range(name, path, path is None or os.path.isfile(path), "a path to an existing file")
 
 
 def _check_range(field: str, value: Any, ok: bool, expected: str) -> None:

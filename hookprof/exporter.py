@@ -225,20 +225,29 @@ def _le(bound: float) -> str:
 class MetricsServer:
     """prometheus_client's HTTP server on one (addr, port), with a clean stop."""
 
-    def __init__(self, registry: CollectorRegistry, addr: str, port: int):
+    def __init__(self, registry: CollectorRegistry, addr: str, port: int, *,
+                 certfile: str | None = None, keyfile: str | None = None,
+                 client_cafile: str | None = None):
+        # TLS and client-certificate authentication are prometheus_client's own: with a
+        # client CA the handshake fails for any client without a certificate it signed
+        tls = {}
+        if certfile is not None:
+            tls = dict(certfile=certfile, keyfile=keyfile, client_cafile=client_cafile,
+                       client_auth_required=client_cafile is not None)
         try:
-            self._server, self._thread = start_http_server(port, addr=addr, registry=registry)
+            self._server, self._thread = start_http_server(port, addr=addr, registry=registry, **tls)
         except OSError as exc:
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):
                 raise PortInUseError(addr, port, exc) from exc
             raise
         self.addr = addr
         self.port: int = self._server.server_address[1]
+        self.scheme = "https" if tls else "http"
 
     @property
     def url(self) -> str:
         host = f"[{self.addr}]" if ":" in self.addr else self.addr
-        return f"http://{host}:{self.port}/metrics"
+        return f"{self.scheme}://{host}:{self.port}/metrics"
 
     def close(self) -> None:
         self._server.shutdown()

@@ -173,7 +173,9 @@ class Profiler:
         try:
             if config.serve:
                 port = config.port + local_rank if config.port else 0
-                self._server = MetricsServer(self.registry, config.addr, port)
+                self._server = MetricsServer(
+                    self.registry, config.addr, port, certfile=config.tls_certfile,
+                    keyfile=config.tls_keyfile, client_cafile=config.tls_client_cafile)
             self._handles.append(
                 model.register_forward_pre_hook(self._on_root_forward, prepend=True, with_kwargs=True)
             )

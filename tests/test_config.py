@@ -68,6 +68,9 @@ def test_environment_variables_fill_every_field():
         "HOOKPROF_SYSTEM_METRICS": "off",
         "HOOKPROF_GPU_METRICS": "false",
         "HOOKPROF_SYSTEM_INTERVAL_S": "0.5",
+        "HOOKPROF_TLS_CERTFILE": __file__,  # any existing file: only existence is checked here
+        "HOOKPROF_TLS_KEYFILE": __file__,
+        "HOOKPROF_TLS_CLIENT_CAFILE": __file__,
         "UNRELATED": "x",
     }
     c = Config.from_env(env)
@@ -78,6 +81,7 @@ def test_environment_variables_fill_every_field():
         dump_dir="/tmp/reports", incident_steps=5, max_skipped_steps=3,
         vanishing_grad_norm=1e-8, exploding_grad_norm=100.0, activation_interval_s=0.25,
         system_metrics=False, gpu_metrics=False, system_interval_s=0.5,
+        tls_certfile=__file__, tls_keyfile=__file__, tls_client_cafile=__file__,
     )
     # every field has a variable: a new field without one fails here
     assert {f.name for f in dataclasses.fields(Config)} == {

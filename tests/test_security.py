@@ -1,0 +1,148 @@
+"""The metrics endpoint's security: loopback by default, TLS and mutual-TLS (client
+certificate) through prometheus_client's own server, with certificates generated here; and
+label values that survive any module name."""
+
+from __future__ import annotations
+
+import datetime
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from torch import nn
+
+import hookprof
+from conftest import parse, promtool, samples
+
+x509 = pytest.importorskip("cryptography.x509")
+from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
+from cryptography.x509.oid import NameOID  # noqa: E402
+import ipaddress  # noqa: E402
+
+
+def make_cert(tmp_path, name, issuer=None, *, ca=False, server=False):
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    signer_cert, signer_key = issuer if issuer else (None, key)
+    builder = (
+        x509.CertificateBuilder().subject_name(subject)
+        .issuer_name(signer_cert.subject if signer_cert else subject)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if server:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+    cert = builder.sign(signer_key, hashes.SHA256())
+    cert_path, key_path = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert, key, str(cert_path), str(key_path)
+
+
+@pytest.fixture
+def pki(tmp_path):
+    ca = make_cert(tmp_path, "ca", ca=True)
+    server = make_cert(tmp_path, "server", (ca[0], ca[1]), server=True)
+    client = make_cert(tmp_path, "client", (ca[0], ca[1]))
+    other_ca = make_cert(tmp_path, "other-ca", ca=True)
+    stranger = make_cert(tmp_path, "stranger", (other_ca[0], other_ca[1]))
+    return {"ca": ca[2], "server": server[2:], "client": client[2:], "stranger": stranger[2:]}
+
+
+def fetch(url, context=None):
+    with urllib.request.urlopen(url, timeout=10, context=context) as r:
+        assert r.status == 200
+        return r.read().decode()
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+
+
+def test_default_bind_is_loopback():
+    with hookprof.attach(model(), port=0) as prof:
+        assert prof.url.startswith("http://127.0.0.1:")
+        assert prof._server._server.server_address[0] == "127.0.0.1"
+
+
+def test_tls_scrape_with_a_certificate_made_here(pki):
+    cert, key = pki["server"]
+    with hookprof.attach(model(), port=0, tls_certfile=cert, tls_keyfile=key) as prof:
+        assert prof.url.startswith("https://127.0.0.1:")
+        trusting = ssl.create_default_context(cafile=pki["ca"])
+        families = parse(fetch(prof.url, trusting))
+        assert samples(families, "hookprof_steps", "hookprof_steps_total") == {frozenset({"rank": "0"}.items()): 0.0}
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            fetch(prof.url, ssl.create_default_context())  # a client that does not trust our CA
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            fetch(prof.url.replace("https://", "http://"))  # plain HTTP gets no metrics
+
+
+def test_client_certificate_required(pki):
+    cert, key = pki["server"]
+    with hookprof.attach(model(), port=0, tls_certfile=cert, tls_keyfile=key,
+                         tls_client_cafile=pki["ca"]) as prof:
+        with_cert = ssl.create_default_context(cafile=pki["ca"])
+        with_cert.load_cert_chain(*pki["client"])
+        assert "hookprof_steps_total" in fetch(prof.url, with_cert)
+
+        without = ssl.create_default_context(cafile=pki["ca"])
+        with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError)):
+            fetch(prof.url, without)  # refused: no client certificate
+
+        wrong = ssl.create_default_context(cafile=pki["ca"])
+        wrong.load_cert_chain(*pki["stranger"])  # signed by a CA the server does not trust
+        with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError)):
+            fetch(prof.url, wrong)
+
+
+def test_tls_config_errors_name_the_field(pki, tmp_path):
+    cert, key = pki["server"]
+    with pytest.raises(hookprof.ConfigError, match="tls_keyfile"):
+        hookprof.Config(tls_certfile=cert)
+    with pytest.raises(hookprof.ConfigError, match="tls_certfile"):
+        hookprof.Config(tls_client_cafile=pki["ca"])
+    with pytest.raises(hookprof.ConfigError, match="tls_keyfile must be a path to an existing file"):
+        hookprof.Config(tls_certfile=cert, tls_keyfile=str(tmp_path / "missing.key"))
+
+
+WEIRD_NAMES = ['quo"te', "back\\slash", "new\nline", "ünïcødé_層", "tab\tand space", "{brace}=,"]
+
+
+def test_label_values_survive_any_module_name():
+    net = nn.Module()
+    for i, name in enumerate(WEIRD_NAMES):
+        net.add_module(name, nn.Linear(3, 3))
+
+    def forward(x):
+        for name in WEIRD_NAMES:
+            x = getattr(net, name)(x)
+        return x
+
+    net.forward = forward
+    with hookprof.attach(net, port=0, sample_every=1, min_sample_interval_s=0.0) as prof:
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(3):
+            loss = net(torch.randn(2, 3)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        prof.flush()
+        text = fetch(prof.url)
+    families = parse(text)  # the official parser reads every escaped value back
+    layers = {dict(k)["layer"] for k in samples(families, "hookprof_layer_gradient_norm")}
+    assert layers == set(WEIRD_NAMES)
+    tool = promtool()
+    if tool is not None:
+        result = subprocess.run([tool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr

@@ -240,8 +240,11 @@ def build() -> dict:
 
     board = board.with_row(dashboard.Row("Exporter health"))
     board = board.with_panel(series(
-        "Scrape targets up", "1 while Prometheus can scrape the rank's /metrics endpoint.",
-        q(f"up{{{TARGET}}}", "{{instance}}"), width=8))
+        "Scrape targets up",
+        "1 while Prometheus can scrape the rank's /metrics endpoint, and while hookprof's publisher thread is alive.",
+        q(f"up{{{TARGET}}}", "scrape {{instance}}", "A"),
+        q(f"hookprof_publisher_thread_up{{{RANKS}}}", "publisher rank {{rank}}", "B"),
+        width=8))
     board = board.with_panel(series(
         "hookprof internal errors", "Errors inside hookprof's own hooks (training continues; per-layer hooks switch off).",
         q(f"sum by (rank) (increase(hookprof_internal_errors_total{{{RANKS}}}[{rate}]))", "rank {{rank}}"),

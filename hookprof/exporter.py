@@ -28,9 +28,11 @@ class SnapshotCollector(Collector):
     """Builds metric families from `get_snapshot()` at scrape time. Never touches the device
     or the hooks; reads one immutable object."""
 
-    def __init__(self, get_snapshot: Callable[[], Snapshot], torch_version: str):
+    def __init__(self, get_snapshot: Callable[[], Snapshot], torch_version: str,
+                 publisher_alive: Callable[[], bool] = lambda: True):
         self._get_snapshot = get_snapshot
         self._torch_version = torch_version
+        self._publisher_alive = publisher_alive
 
     def describe(self) -> list[Metric]:
         return []  # names are dynamic per snapshot; skip the registry's duplicate check
@@ -40,6 +42,15 @@ class SnapshotCollector(Collector):
         rank = str(snap.rank)
         yield from self._step_metrics(snap, rank)
         yield from self._layer_metrics(snap, rank)
+
+        # read at scrape time, not from the snapshot: a dead publisher publishes nothing
+        up = GaugeMetricFamily(
+            "hookprof_publisher_thread_up",
+            "1 while the background thread that folds sampled steps into snapshots is alive",
+            labels=["rank"],
+        )
+        up.add_metric([rank], 1.0 if self._publisher_alive() else 0.0)
+        yield up
 
         build = GaugeMetricFamily(
             "hookprof_build_info",

@@ -132,7 +132,8 @@ class Profiler:
             config.publish_interval_s,
             name=f"hookprof-publisher-rank{self.rank}",
         )
-        self.collector = SnapshotCollector(lambda: self._publisher.latest, torch.__version__)
+        self.collector = SnapshotCollector(lambda: self._publisher.latest, torch.__version__,
+                                           lambda: self._publisher.alive)
         self._system: SystemSampler | None = None
         extra: tuple[Any, ...] = ()
         if config.system_metrics:
@@ -546,12 +547,31 @@ class Profiler:
 
     def _dispatch(self) -> None:
         """Start the one device-to-host copy of a finished sampled step and hand it over."""
+        if not self._publisher.alive:
+            self._publisher_died()
         pending, self._pending = self._pending, None
         if pending is None:
             return
         batch, packet = pending
         packet.batch = batch.send()
         self._publisher.submit(packet)
+
+
+    def _publisher_died(self) -> None:
+        """The background thread ended although nothing stopped it (it catches every
+        Exception, so something stronger killed it). Report it (log, internal error count,
+        hookprof_publisher_thread_up 0 until now) and start a new one, a few times at most."""
+        err = RuntimeError("hookprof publisher thread died")
+        if self._publisher.restarts >= MAX_PUBLISHER_RESTARTS:
+            if self._publisher.restarts == MAX_PUBLISHER_RESTARTS:
+                self._health.report("publisher thread (not restarted again)", err, disable=False)
+                self._publisher.restarts += 1
+            return
+        self._health.report(f"publisher thread (restart {self._publisher.restarts + 1})", err, disable=False)
+        self._publisher.restart()
+
+
+MAX_PUBLISHER_RESTARTS = 3
 
 
 class DisabledProfiler:

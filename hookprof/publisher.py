@@ -32,9 +32,17 @@ class Publisher:
         self._interval_s = interval_s
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.latest: Snapshot = aggregator.snapshot(counters, health.errors)
+        self._name = name
+        self.restarts = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
+        self._thread.start()
+
+    def restart(self) -> None:
+        """A new thread over the same queue and totals, after the last one died."""
+        self.restarts += 1
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
 
     @property

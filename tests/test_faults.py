@@ -1,0 +1,91 @@
+"""Faults inside hookprof: its background thread dying is detected, reported and repaired;
+never silent. (A failure inside a hook is covered by test_internal_errors.py.)"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+import hookprof
+from conftest import parse, samples, scrape
+from models import DeepNet, seeded, train
+
+
+def up(prof) -> float:
+    return samples(parse(scrape(prof.url)), "hookprof_publisher_thread_up")[frozenset({"rank": "0"}.items())]
+
+
+# pytest reports a thread's uncaught exception as a warning: here it is the point
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+
+
+def test_publisher_thread_death_is_reported_and_the_thread_restarted(caplog, every_step):
+    reference = seeded(DeepNet)
+    train(reference, 2)  # the same calls as below (each makes its own optimizer and batches)
+    train(reference, 8)
+    model = seeded(DeepNet)
+    prof = hookprof.attach(model, **every_step)
+    try:
+        assert up(prof) == 1.0
+        aggregator = prof._publisher._aggregator
+        real_fold = aggregator.fold
+
+        folds = []
+
+        def dying_fold(*args, **kwargs):
+            folds.append(1)
+            if len(folds) == 1:
+                return real_fold(*args, **kwargs)
+            aggregator.fold = real_fold
+            raise SystemExit("something stronger than an Exception")  # ends a thread quietly
+
+        aggregator.fold = dying_fold
+        train(model, 2, prof=prof, explicit_step=True)  # the step-2 packet kills the thread
+        deadline = time.monotonic() + 10
+        while prof._publisher.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not prof._publisher.alive
+        assert up(prof) == 0.0  # visible at once in the scrape
+
+        with caplog.at_level(logging.ERROR, logger="hookprof"):
+            train(model, 8, prof=prof, explicit_step=True)  # the next step notices
+            prof.flush()
+        assert prof._publisher.alive and up(prof) == 1.0
+        assert any("publisher thread" in r.getMessage() for r in caplog.records)
+        snap = prof.snapshot()
+        assert snap.internal_errors == 1
+        assert snap.step == 10  # step counts are host counters, not lost with the thread
+        f = parse(scrape(prof.url))
+        assert samples(f, "hookprof_steps", "hookprof_steps_total")[frozenset({"rank": "0"}.items())] == 10
+    finally:
+        prof.detach()
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(a, b)  # training itself never noticed
+
+
+def test_a_thread_that_keeps_dying_is_restarted_a_few_times_then_left_reported(caplog, every_step):
+    from hookprof.profiler import MAX_PUBLISHER_RESTARTS
+
+    model = seeded(DeepNet)
+    prof = hookprof.attach(model, **every_step)
+    try:
+        def always_dying(*args, **kwargs):
+            raise SystemExit("again")
+
+        prof._publisher._aggregator.fold = always_dying
+        with caplog.at_level(logging.ERROR, logger="hookprof"):
+            for _ in range(MAX_PUBLISHER_RESTARTS + 3):
+                train(model, 1, prof=prof, explicit_step=True)
+                deadline = time.monotonic() + 10
+                while prof._publisher.alive and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                train(model, 1, prof=prof, explicit_step=True)
+        assert prof._publisher.restarts == MAX_PUBLISHER_RESTARTS + 1
+        assert up(prof) == 0.0
+        messages = [r.getMessage() for r in caplog.records if "publisher thread" in r.getMessage()]
+        assert len(messages) == MAX_PUBLISHER_RESTARTS + 1, messages
+    finally:
+        prof.detach()

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from ._version import __version__
 from .errors import PortInUseError
 from .snapshot import LAYER_PHASES, PHASES, Snapshot
+from .server import CachedPage, make_app, serve, tls_context
 from .system import PsutilProcessCollector, has_proc_fs
 
 
@@ -234,26 +235,23 @@ def _le(bound: float) -> str:
 
 
 class MetricsServer:
-    """prometheus_client's HTTP server on one (addr, port), with a clean stop."""
+    """The /metrics endpoint on one (addr, port), with a clean stop (hookprof/server.py)."""
 
     def __init__(self, registry: CollectorRegistry, addr: str, port: int, *,
+                 version: Callable[[], tuple[Any, ...]] = tuple,
                  certfile: str | None = None, keyfile: str | None = None,
                  client_cafile: str | None = None):
-        # TLS and client-certificate authentication are prometheus_client's own: with a
-        # client CA the handshake fails for any client without a certificate it signed
-        tls = {}
-        if certfile is not None:
-            tls = dict(certfile=certfile, keyfile=keyfile, client_cafile=client_cafile,
-                       client_auth_required=client_cafile is not None)
+        self.page = CachedPage(registry, version)
+        context = tls_context(certfile, keyfile, client_cafile) if certfile is not None else None
         try:
-            self._server, self._thread = start_http_server(port, addr=addr, registry=registry, **tls)
+            self._server, self._thread = serve(make_app(self.page), addr, port, context)
         except OSError as exc:
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):
                 raise PortInUseError(addr, port, exc) from exc
             raise
         self.addr = addr
         self.port: int = self._server.server_address[1]
-        self.scheme = "https" if tls else "http"
+        self.scheme = "https" if context is not None else "http"
 
     @property
     def url(self) -> str:

@@ -175,7 +175,8 @@ class Profiler:
             if config.serve:
                 port = config.port + local_rank if config.port else 0
                 self._server = MetricsServer(
-                    self.registry, config.addr, port, certfile=config.tls_certfile,
+                    self.registry, config.addr, port, version=self._page_version,
+                    certfile=config.tls_certfile,
                     keyfile=config.tls_keyfile, client_cafile=config.tls_client_cafile)
             self._handles.append(
                 model.register_forward_pre_hook(self._on_root_forward, prepend=True, with_kwargs=True)
@@ -556,6 +557,11 @@ class Profiler:
         packet.batch = batch.send()
         self._publisher.submit(packet)
 
+
+    def _page_version(self) -> tuple[Any, ...]:
+        """What the /metrics page is made from: it is re-rendered when any of these changes."""
+        system = self._system.latest if self._system is not None else None
+        return (self._publisher.latest, system, self._publisher.alive)
 
     def _publisher_died(self) -> None:
         """The background thread ended although nothing stopped it (it catches every

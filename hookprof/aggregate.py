@@ -126,6 +126,8 @@ class Aggregator:
         self.fwd_calls_total = [0] * n
         self.bwd_total = [0.0] * n
         self.bwd_calls_total = [0] * n
+        self.recompute_total = [0.0] * n  # activation checkpointing's forward recomputation
+        self.recompute_calls_total = [0] * n
         self.fwd_nonfinite = [0] * n  # per layer, from sampled and replayed steps
         self._last: dict[str, list[Any]] = {}
         self._layers: MappingProxyType = MappingProxyType({})
@@ -148,6 +150,8 @@ class Aggregator:
         calls = [0] * n
         fwd = [0.0] * n
         bwd = [0.0] * n
+        recompute = [0.0] * n
+        recompute_calls = [0] * n
         absmax: list[list[float]] = [[] for _ in range(n)]
         zeros = [0.0] * n
         numel = [0] * n
@@ -161,8 +165,12 @@ class Aggregator:
                 timer.release(rec.tokens())
             for call, entry in enumerate(rec.calls):
                 layer = entry[LAYER]
-                calls[layer] += 1
-                fwd[layer] += call_fwd[call]
+                if call in rec.recompute:  # reported apart, never as forward time
+                    recompute_calls[layer] += 1
+                    recompute[layer] += call_fwd[call]
+                else:
+                    calls[layer] += 1
+                    fwd[layer] += call_fwd[call]
                 if call in call_bwd and packet.sampled:
                     bwd[layer] += call_bwd[call]
                     self.bwd_calls_total[layer] += 1
@@ -204,11 +212,14 @@ class Aggregator:
             self.fwd_total[i] += fwd[i]
             self.fwd_calls_total[i] += calls[i]
             self.bwd_total[i] += bwd[i]
+            self.recompute_total[i] += recompute[i]
+            self.recompute_calls_total[i] += recompute_calls[i]
         previous = self._last
         checked = rec is not None and bool(rec.act)
         self._last = {
             "calls": calls,
             "fwd": fwd,
+            "recompute": recompute,
             "bwd": bwd,
             "grad": [math.sqrt(squares[i]) if i in packet.has_grad else None for i in range(n)],
             # a sampled step without activation statistics (activation_interval_s) keeps
@@ -376,6 +387,9 @@ class Aggregator:
                 forward_calls_total=self.fwd_calls_total[i],
                 backward_seconds_total=self.bwd_total[i],
                 backward_calls_total=self.bwd_calls_total[i],
+                recompute_seconds=last["recompute"][i] if last else 0.0,
+                recompute_seconds_total=self.recompute_total[i],
+                recompute_calls_total=self.recompute_calls_total[i],
                 nonfinite=MappingProxyType(self._layer_nonfinite(i)),
                 gradient_flags=MappingProxyType({k: self.flagged[k][i] for k in FLAG_KINDS}),
             )

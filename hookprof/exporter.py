@@ -173,6 +173,12 @@ class SnapshotCollector(Collector):
             "Backward time per call on sampled steps, excluding instrumented submodules",
             labels=["rank", "layer", "module"],
         )
+        recompute = SummaryMetricFamily(
+            "hookprof_layer_recompute_seconds",
+            "Forward recomputation during backward (activation checkpointing) per call on "
+            "sampled steps; only layers that were recomputed. Not part of forward seconds",
+            labels=["rank", "layer", "module"],
+        )
         grad = GaugeMetricFamily(
             "hookprof_layer_gradient_norm",
             "L2 norm of the layer's own parameters' gradients at the last sampled step",
@@ -214,6 +220,12 @@ class SnapshotCollector(Collector):
                     layer.backward_calls_total,
                     layer.backward_seconds_total,
                 )
+            if layer.recompute_calls_total:
+                recompute.add_metric(
+                    [rank, name, layer.module],
+                    layer.recompute_calls_total,
+                    layer.recompute_seconds_total,
+                )
             if layer.grad_norm is not None:
                 grad.add_metric([rank, name], layer.grad_norm)
             for phase in LAYER_PHASES:
@@ -227,7 +239,7 @@ class SnapshotCollector(Collector):
                 zero.add_metric([rank, name], layer.activation_zero_ratio)
             if layer.activation_abs_max is not None:
                 absmax.add_metric([rank, name], layer.activation_abs_max)
-        yield from (fwd, bwd, grad, nonfinite, layer_flagged, zero, absmax)
+        yield from (fwd, bwd, recompute, grad, nonfinite, layer_flagged, zero, absmax)
 
 
 def _le(bound: float) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .compiled import is_compiling
 from .health import Health
 from .layers import LayerTable
 
@@ -42,7 +43,7 @@ class StepRecord:
     backward hooks may run on autograd worker threads."""
 
     __slots__ = ("ref", "calls", "bwd_out", "bwd_in", "param_done", "act", "param_hooked",
-                 "param_handles", "grad_roles", "grad_tokens", "out_stats", "inputs")
+                 "param_handles", "grad_roles", "grad_tokens", "out_stats", "inputs", "recompute")
 
     def __init__(self, ref: Any):
         self.ref = ref  # timer token taken when the step began
@@ -66,6 +67,8 @@ class StepRecord:
         # layer's input that is another layer's output is not reduced twice
         self.out_stats: dict[int, tuple[Any, int, int]] = {}
         self.inputs: list[tuple[int, int]] = []  # (call, index in act) of each floating input
+        # calls made while backward runs: activation checkpointing recomputing a forward
+        self.recompute: set[int] = set()
 
     def tokens(self) -> Iterator[Any]:
         """Every timer token in the record, so the timer can take pooled events back."""
@@ -74,6 +77,15 @@ class StepRecord:
             yield from (t for t in entry[OUTER_START:] if t is not None)
         yield from self.grad_tokens
         yield from (t for _, t in self.param_done)
+
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread: a forward call
+    then is a recomputation (torch.utils.checkpoint, reentrant or not)."""
+    return _graph_task_id() != -1
 
 
 def iter_tensors(value: Any, limit: int = _MAX_TENSORS_PER_CALL) -> Iterable[torch.Tensor]:
@@ -117,15 +129,22 @@ class LayerHooks:
         self._local = threading.local()  # each thread's stack of open forward calls
         self.replaying = False  # a forward replayed under no_grad to find a NaN's producer
         self.paused = False  # inside an evaluation pass of the root module (set by the profiler)
+        # inside the root module's training forward: a region run under no_grad there is a
+        # reentrant activation checkpoint's first pass, part of the step (set by the profiler)
+        self.in_training_forward = False
 
     @property
     def installed(self) -> bool:
         return bool(self._handles)
 
-    def begin(self, rec: StepRecord) -> None:
+    def begin(self, rec: StepRecord, install: bool = True) -> None:
         """Start recording a sampled step into `rec`, installing the hooks if needed."""
         self._rec = rec
         self._local = threading.local()
+        if install:
+            self.install()
+
+    def install(self) -> None:
         if self._handles:
             return
         for layer in self._table.layers:
@@ -152,9 +171,16 @@ class LayerHooks:
 
     # --- hook bodies: never raise, never return anything, never read a device value ---
 
+    def start_call(self, layer_index: int, module: torch.nn.Module, args: Any) -> None:
+        """What the layer's pre-hook does, for a call whose hooks were installed mid-call."""
+        self._pre(layer_index, module, args)
+
     def _pre(self, layer_index: int, module: torch.nn.Module, args: Any) -> None:
+        if is_compiling():  # traced by Dynamo: no clock, no tensor reads, no graph break
+            return
         rec = self._rec
-        if rec is None or self.paused or self._health.broken or not (torch.is_grad_enabled() or self.replaying):
+        if rec is None or self.paused or self._health.broken or not (
+                torch.is_grad_enabled() or self.replaying or self.in_training_forward):
             return
         try:
             mark = self._timer.mark
@@ -167,6 +193,9 @@ class LayerHooks:
                 entry[PARENT] = stack[-1]
             call = len(rec.calls)
             rec.calls.append(entry)
+            recompute = not self.replaying and in_backward()
+            if recompute:
+                rec.recompute.add(call)
             inputs_need_grad = False
             for t in iter_tensors(args):
                 # non-leaf only: a hook on a leaf (a parameter passed as an input) would
@@ -174,7 +203,7 @@ class LayerHooks:
                 if t.requires_grad and t.grad_fn is not None:
                     inputs_need_grad = True
                     self._on_grad(rec, t, call, False)
-                if self.activation_stats and t.is_floating_point() and t.numel():
+                if self.activation_stats and not recompute and t.is_floating_point() and t.numel():
                     self._note_input(rec, t, call)
             if not inputs_need_grad and layer_index not in rec.param_hooked:
                 self._hook_params(rec, layer_index)
@@ -184,9 +213,12 @@ class LayerHooks:
             self._health.report("forward pre-hook", exc)
 
     def _post(self, layer_index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if is_compiling():
+            return
         end = self._timer.mark()  # first: our own work stays outside the span
         rec = self._rec
-        if rec is None or self.paused or self._health.broken or not (torch.is_grad_enabled() or self.replaying):
+        if rec is None or self.paused or self._health.broken or not (
+                torch.is_grad_enabled() or self.replaying or self.in_training_forward):
             return
         try:
             stack = getattr(self._local, "stack", None)
@@ -195,10 +227,11 @@ class LayerHooks:
             call = stack.pop()
             entry = rec.calls[call]
             entry[END] = end
+            stats = self.activation_stats and call not in rec.recompute  # seen on the first pass
             for t in iter_tensors(output):
                 if not t.is_floating_point():
                     continue
-                if self.activation_stats and t.numel():
+                if stats and t.numel():
                     d = t.detach()
                     # device-side reductions, kept on the device. aminmax gives max |x| over
                     # the whole output in one pass, and NaN/Inf propagate, so it doubles as

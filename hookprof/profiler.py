@@ -29,6 +29,7 @@ from .distributed import detect_local_rank, detect_rank
 from .errors import AlreadyAttachedError, DetachedError, NonFiniteError
 from .nonfinite import Detector, loss_flag, nonfinite_flags
 from . import incident as incident_policy
+from .compiled import CompileProbe, explain_attached_after_compile, explain_compiled_forward, is_compiling, unwrap_compiled
 from .exporter import MetricsServer, SnapshotCollector, make_registry
 from .system import SystemCollector, SystemSampler
 from .gradients import GradientNorms
@@ -87,8 +88,10 @@ class Profiler:
         wall_clock: Callable[[], float] = time.time,
         timer: Any = None,
     ):
+        model, self._compiled = unwrap_compiled(model)
         self.model = model
         self.config = config
+        self._compile_probe = CompileProbe()
         self._clock = clock
         self._wall_clock = wall_clock
         self._module_ids = frozenset(id(m) for m in model.modules())
@@ -113,6 +116,13 @@ class Profiler:
         self._gradients = GradientNorms(self.table)
         self._detector = Detector(len(self.table))
         self._replay = ForwardReplay(model)
+        # the root module is a layer of its own when it owns parameters directly
+        self._root_layer = next((layer.index for layer in self.table.layers if layer.module is model), None)
+        if any(type(p).__name__ == "DTensor" for p in self.table.params):
+            # FSDP2 / tensor parallel: re-running the forward on one rank would start
+            # all-gathers the other ranks never join. A forward NaN is localised on the
+            # following (sampled) steps instead.
+            self._replay.done = True
         self._forward_peek: Any = None  # (host flag, ready event) of this step's output check
         # a parameter whose gradient tells "backward ran, then zero_grad" (GradScaler skips)
         self._sentinel = next((p for p in self.table.params if p.requires_grad), None)
@@ -178,10 +188,14 @@ class Profiler:
                     self.registry, config.addr, port, version=self._page_version,
                     certfile=config.tls_certfile,
                     keyfile=config.tls_keyfile, client_cafile=config.tls_client_cafile)
-            self._handles.append(
-                model.register_forward_pre_hook(self._on_root_forward, prepend=True, with_kwargs=True)
-            )
-            self._handles.append(model.register_forward_hook(self._on_root_output))
+            if self._compiled:
+                # a hook added now would force a recompile, and do nothing in the graph
+                explain_attached_after_compile()
+            else:
+                self._handles.append(
+                    model.register_forward_pre_hook(self._on_root_forward, prepend=True, with_kwargs=True)
+                )
+                self._handles.append(model.register_forward_hook(self._on_root_output))
             self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
             self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
             self._begin_step(1, self._clock())
@@ -301,18 +315,28 @@ class Profiler:
         return owns
 
     def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if is_compiling():
+            self._compile_probe.seen = True  # Dynamo replays this after every compiled call
+            return
         if self._hooks.replaying:
             return
         # evaluation passes (under no_grad / inference_mode, or with the model in eval mode)
         # are not training steps: the layer hooks ignore them until the next training forward
         evaluating = not torch.is_grad_enabled() or not module.training
         self._hooks.paused = evaluating
+        self._hooks.in_training_forward = not evaluating
         if evaluating:
             return
         try:
             if not self._replay.done and not self._checked:
                 self._replay.capture(args, kwargs)
             self._root_seen = True
+            if self._rec is not None and not self._hooks.installed:
+                self._hooks.install()
+                if self._root_layer is not None:
+                    # this call's pre-hooks were fixed before ours ran: start the root's own
+                    # timing by hand (its post-hook is picked up after forward, as usual)
+                    self._hooks.start_call(self._root_layer, module, args)
             if self._forward_seen and self._skipped_by_scaler():
                 # the last iteration ran backward and zero_grad but no optimizer step: the
                 # GradScaler skipped it (its gradients held an Inf/NaN). A step, not an incident.
@@ -336,6 +360,9 @@ class Profiler:
         )
 
     def _on_root_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        if is_compiling() or self._hooks.replaying:
+            return
+        self._hooks.in_training_forward = False
         if self._hooks.paused or not torch.is_grad_enabled():
             return
         try:
@@ -388,6 +415,8 @@ class Profiler:
         return self._forward_seen or not self._root_seen
 
     def _on_optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if is_compiling():  # a compiled optimizer step: nothing to do inside its graph
+            return
         try:
             if self._in_step() and self._owns(optimizer):
                 self._optimizer_seen = self._stepped = True
@@ -399,6 +428,8 @@ class Profiler:
             self._health.report("optimizer pre-hook", exc)
 
     def _on_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if is_compiling():
+            return
         try:
             if not self._manual and self._in_step() and self._owns(optimizer):
                 self._end_step(None, by_optimizer=True)
@@ -416,6 +447,9 @@ class Profiler:
         self._detector.add_layer_squares(self._grad_squares[0], self._counters.steps + 1)
 
     def _begin_step(self, number: int, now_ns: int) -> None:
+        if self._compile_probe.seen and not self._compiled:
+            self._compiled = True
+            explain_compiled_forward()
         # an open incident (a NaN/Inf whose layer is not known yet) samples every step
         incident = number <= self._incident_until and not self._localised()
         self._sampled = not self._health.broken and (
@@ -429,9 +463,11 @@ class Profiler:
             self._last_checked_ns = now_ns
         self._hooks.activation_stats = self._checked
         self._grad_squares = None
-        if self._sampled:
+        if self._sampled and not self._compiled:
             self._rec = StepRecord(self.timer.mark())
-            self._hooks.begin(self._rec)
+            # the first step's hooks go in at its first eager forward (_on_root_forward):
+            # a model compiled after attach() must never see them, or Dynamo recompiles
+            self._hooks.begin(self._rec, install=number > 1)
         elif self._hooks.installed:
             self._hooks.remove()
 

@@ -44,6 +44,11 @@ class LayerStats:
     forward_calls_total: int = 0
     backward_seconds_total: float = 0.0
     backward_calls_total: int = 0
+    recompute_seconds: float = 0.0
+    """Forward recomputation in the last sampled step's backward (activation checkpointing);
+    never counted in forward_seconds."""
+    recompute_seconds_total: float = 0.0
+    recompute_calls_total: int = 0
     nonfinite: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     """Phase ("forward": outputs, "backward": gradients) -> steps on which the layer held a
     NaN or Inf."""

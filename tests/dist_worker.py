@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 
 
-def run_rank(rank: int, world: int, master_port: int, base_port: int, steps: int, out, go_home):
+def _environment(rank: int, world: int, master_port: int) -> None:
+    """What torchrun would set for this rank."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
     )
+
+
+def run_rank(rank: int, world: int, master_port: int, base_port: int, steps: int, out, go_home):
+    _environment(rank, world, master_port)
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -34,6 +39,54 @@ def run_rank(rank: int, world: int, master_port: int, base_port: int, steps: int
         snap = prof.snapshot()
         out.put((rank, prof.url, {n: s.grad_norm for n, s in snap.layers.items()}))
         go_home.wait(60)  # the parent scrapes while we are still serving
+        prof.detach()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_fsdp_rank(rank: int, world: int, master_port: int, base_port: int, steps: int, out, go_home):
+    """FSDP2 (fully_shard) over gloo: hookprof attached after sharding, so its parameters
+    are the DTensor shards; each rank reports its local (partial) norms and the full norms
+    computed with collectives by the test itself."""
+    _environment(rank, world, master_port)
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import hookprof
+    from models import DeepNet, seeded
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = seeded(DeepNet)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        prof = hookprof.attach(model, port=base_port, sample_every=1, min_sample_interval_s=0.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(steps):
+            x, y = model.batch(g)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            prof.step(loss)
+        prof.flush()
+        snap = prof.snapshot()
+        # the test's own collectives: full norms, per layer and global
+        full_layers = {}
+        for layer in prof.table.layers:
+            grads = [prof.table.params[i].grad for i in layer.param_indices]
+            grads = [gr.full_tensor() for gr in grads if gr is not None]
+            if grads:
+                full_layers[layer.name] = torch.linalg.vector_norm(torch.cat([gr.reshape(-1) for gr in grads])).item()
+        total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        total = total.full_tensor().item() if hasattr(total, "full_tensor") else float(total)
+        dtensor = type(next(model.parameters())).__name__
+        out.put((rank, prof.url, {n: s.grad_norm for n, s in snap.layers.items()}, snap.grad_norm,
+                 full_layers, total, dtensor, snap.step))
+        go_home.wait(60)
         prof.detach()
     finally:
         dist.destroy_process_group()

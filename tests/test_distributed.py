@@ -14,30 +14,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_ranks_serve_two_ports_with_rank_labels():
-    ctx = mp.get_context("spawn")
-    out, go_home = ctx.Queue(), ctx.Event()
-    base_port, master_port, steps = free_port(), free_port(), 4
-    procs = [
-        ctx.Process(target=run_rank, args=(r, 2, master_port, base_port, steps, out, go_home))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        results = {}
-        for _ in range(2):
-            rank, url, norms = out.get(timeout=120)
-            results[rank] = (url, norms)
-        texts = {rank: scrape(url) for rank, (url, _) in results.items()}
-    finally:
-        go_home.set()
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert [p.exitcode for p in procs] == [0, 0]
-
+    steps = 4
+    results, texts, base_port = run_two(run_rank, steps)
     assert results[0][0].endswith(f":{base_port}/metrics")
     assert results[1][0].endswith(f":{base_port + 1}/metrics")
     for rank, text in texts.items():
@@ -51,3 +29,65 @@ def test_two_ranks_serve_two_ports_with_rank_labels():
     assert results[0][1] == results[1][1]
     with_params = {n: v for n, v in results[0][1].items() if not n.endswith(".act")}
     assert with_params and all(v > 0 for v in with_params.values())
+
+
+def run_two(target, steps):
+    ctx = mp.get_context("spawn")
+    out, go_home = ctx.Queue(), ctx.Event()
+    base_port, master_port = free_port(), free_port()
+    procs = [ctx.Process(target=target, args=(r, 2, master_port, base_port, steps, out, go_home)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = {}
+        for _ in range(2):
+            item = out.get(timeout=180)
+            results[item[0]] = item[1:]
+        texts = {rank: scrape(r[0]) for rank, r in results.items()}
+    finally:
+        go_home.set()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert [p.exitcode for p in procs] == [0, 0]
+    return results, texts, base_port
+
+
+def test_fsdp2_local_norms_combine_to_the_full_norms():
+    from dist_worker import run_fsdp_rank
+
+    results, texts, _ = run_two(run_fsdp_rank, steps=4)
+    (_, norms0, global0, full_layers, total, kind, steps0) = results[0]
+    (_, norms1, global1, full_layers1, total1, _, steps1) = results[1]
+    assert kind == "DTensor" and steps0 == steps1 == 4
+    assert full_layers == full_layers1 and total == total1
+    # each rank exports the norm of its own shard; sqrt(sum of squares over ranks) is the
+    # full norm: in PromQL, sqrt(sum by (job, layer) (hookprof_layer_gradient_norm ^ 2))
+    for layer, full in full_layers.items():
+        combined = (norms0[layer] ** 2 + norms1[layer] ** 2) ** 0.5
+        assert combined == pytest.approx(full, rel=1e-5), layer
+    assert (global0 ** 2 + global1 ** 2) ** 0.5 == pytest.approx(total, rel=1e-5)  # = get_total_norm
+    for rank, text in texts.items():
+        exported = samples(parse(text), "hookprof_layer_gradient_norm")
+        assert {dict(k)["rank"] for k in exported} == {str(rank)}
+        by_layer = {dict(k)["layer"]: v for k, v in exported.items()}
+        assert by_layer == pytest.approx({n: v for n, v in (norms0 if rank == 0 else norms1).items() if v is not None})
+
+
+def test_hookprof_runs_no_collectives():
+    """No torch.distributed collective anywhere in the package (DESIGN.md: Prometheus does
+    the cross-rank aggregation)."""
+    import pathlib
+    import re
+
+    import hookprof
+
+    pattern = re.compile(r"\b(dist|distributed|funcol|c10d)\.(all_reduce|all_gather\w*|reduce_scatter\w*|"
+                         r"broadcast\w*|barrier|gather\w*|scatter\w*|send|recv|isend|irecv)\b"
+                         r"|\.(full_tensor|redistribute)\(")
+    package = pathlib.Path(hookprof.__file__).parent
+    found = [f"{path.name}:{n}: {line.strip()}" for path in sorted(package.glob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == [], found

@@ -1,0 +1,64 @@
+"""torch.compile and hookprof.
+
+Per-layer hooks cannot time anything inside a compiled graph, and a hook that calls
+`time.perf_counter_ns` or reads a tensor breaks the graph. So every module hook returns at
+once while Dynamo traces it (`torch.compiler.is_compiling()` is a constant there: the hook
+traces to nothing, no graph break), and the root module's pre-hook leaves one mark that
+Dynamo replays after every compiled call: `CompileProbe.seen`. At the next step boundary the
+profiler sees it and stops installing per-layer hooks for good (their installation would
+change Dynamo's guards and force recompiles). What keeps working: step count and duration,
+gradient norms and non-finite gradient checks (taken in the optimizer hooks, which run
+eagerly), the loss passed to `Profiler.step(loss)`, and system metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("hookprof")
+
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+if _is_compiling is None:  # torch < 2.3
+    _is_compiling = torch._dynamo.is_compiling
+
+
+def is_compiling() -> bool:
+    return _is_compiling()
+
+
+class CompileProbe:
+    """Set by the root forward pre-hook when it runs inside a compiled graph."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen = False
+
+
+def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
+    """(the module to instrument, whether it was compiled before attach)."""
+    orig = getattr(model, "_orig_mod", None)  # torch.compile(model) returns an OptimizedModule
+    if isinstance(orig, nn.Module) and type(model).__name__ == "OptimizedModule":
+        return orig, True
+    if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile()
+        return model, True
+    return model, False
+
+
+COMPILED_NOTE = (
+    "per-layer forward/backward times and activation checks are off (inside a compiled graph a "
+    "hook can time nothing, and installing one forces a recompile); step count and duration, "
+    "gradient norms, non-finite gradient and loss checks and system metrics continue. For "
+    "per-layer times, profile an eager run."
+)
+
+
+def explain_attached_after_compile() -> None:
+    log.warning("hookprof: the model was compiled before attach(): %s", COMPILED_NOTE)
+
+
+def explain_compiled_forward() -> None:
+    log.info("hookprof: the model's forward runs under torch.compile: %s", COMPILED_NOTE)

@@ -119,7 +119,9 @@ class OwnClock:
         self.paused_at: int | None = time.perf_counter_ns()
 
     def __call__(self) -> int:
-        return time.perf_counter_ns() - self.paused_ns
+        # while paused the clock stands still (hookprof reads it at attach, between rounds)
+        now = self.paused_at if self.paused_at is not None else time.perf_counter_ns()
+        return now - self.paused_ns
 
     def pause(self):
         self.paused_at = time.perf_counter_ns()

@@ -184,13 +184,16 @@ class LayerHooks:
             return
         try:
             mark = self._timer.mark
-            entry = [layer_index, -1, mark(), None, None, None]
             try:
                 stack = self._local.stack
             except AttributeError:
                 stack = self._local.stack = []
+            # the outer marks (hook work included) matter only to a parent call, which must
+            # not count our work as its own: a call without an instrumented parent skips them
             if stack:
-                entry[PARENT] = stack[-1]
+                entry = [layer_index, stack[-1], mark(), None, None, None]
+            else:
+                entry = [layer_index, -1, None, None, None, None]
             call = len(rec.calls)
             rec.calls.append(entry)
             recompute = not self.replaying and in_backward()
@@ -246,7 +249,8 @@ class LayerHooks:
                         rec.act.append((call, low, high, None, 0))
                 if t.requires_grad and t.grad_fn is not None:
                     self._on_grad(rec, t, call, True)
-            entry[OUTER_END] = self._timer.mark()
+            if entry[PARENT] >= 0:
+                entry[OUTER_END] = self._timer.mark()
         except Exception as exc:
             self._health.report("forward hook", exc)
 

@@ -59,14 +59,17 @@ class GradientNorms:
 _BLAS_DTYPES = (torch.float32, torch.float64)
 
 
+def _self_dot(flat: torch.Tensor) -> torch.Tensor:
+    return torch.dot(flat, flat)
+
+
 def _squared_norms(device: torch.device, grads: list[torch.Tensor]) -> torch.Tensor:
     """Squared L2 norm of each gradient, float64, on `device`."""
     if device.type == "cpu":
         # on the CPU a BLAS dot product reads a gradient ~3x faster than the norm kernels
         # (measured: 1.2 ms vs 3.5 ms for 6.3M float32 values on 2 cores)
         squares = [
-            torch.dot(g.reshape(-1), g.reshape(-1))
-            if g.dtype in _BLAS_DTYPES
+            _self_dot(g.reshape(-1)) if g.dtype in _BLAS_DTYPES
             else torch.linalg.vector_norm(g, dtype=torch.float32).square()
             for g in grads
         ]

@@ -29,7 +29,13 @@ from .distributed import detect_local_rank, detect_rank
 from .errors import AlreadyAttachedError, DetachedError, NonFiniteError
 from .nonfinite import Detector, loss_flag, nonfinite_flags
 from . import incident as incident_policy
-from .compiled import CompileProbe, explain_attached_after_compile, explain_compiled_forward, is_compiling, unwrap_compiled
+from .compiled import (
+    CompileProbe,
+    explain_attached_after_compile,
+    explain_compiled_forward,
+    is_compiling,
+    unwrap_compiled,
+)
 from .exporter import MetricsServer, SnapshotCollector, make_registry
 from .system import SystemCollector, SystemSampler
 from .gradients import GradientNorms

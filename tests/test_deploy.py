@@ -196,11 +196,9 @@ def test_configmaps_carry_the_dashboards_and_the_script_the_job_mounts():
 
 @pytest.mark.slow
 def test_the_example_torchrun_script_trains_and_every_rank_serves_metrics():
-    from conftest import free_port, port_is_free
+    from conftest import free_port_range
 
-    base = free_port()
-    while not port_is_free(base + 1):
-        base = free_port()
+    base = free_port_range(2)
     env = {**os.environ, "HOOKPROF_PORT": str(base), "HOOKPROF_SAMPLE_EVERY": "1",
            "HOOKPROF_MIN_SAMPLE_INTERVAL_S": "0", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch.multiprocessing as mp
 
-from conftest import free_port, parse, samples, scrape
+from conftest import free_port, free_port_range, parse, samples, scrape
 from dist_worker import run_rank
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,8 @@ def test_two_ranks_serve_two_ports_with_rank_labels():
 def run_two(target, steps):
     ctx = mp.get_context("spawn")
     out, go_home = ctx.Queue(), ctx.Event()
-    base_port, master_port = free_port(), free_port()
+    master_port = free_port()
+    base_port = free_port_range(2, avoid=(master_port,))
     procs = [ctx.Process(target=target, args=(r, 2, master_port, base_port, steps, out, go_home)) for r in range(2)]
     for p in procs:
         p.start()

@@ -218,7 +218,11 @@ class LayerHooks:
     def _post(self, layer_index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
         if is_compiling():
             return
-        end = self._timer.mark()  # first: our own work stays outside the span
+        try:
+            end = self._timer.mark()  # first: our own work stays outside the span
+        except Exception as exc:  # invariant 3 holds for the clock too
+            self._health.report("forward hook", exc)
+            return
         rec = self._rec
         if rec is None or self.paused or self._health.broken or not (
                 torch.is_grad_enabled() or self.replaying or self.in_training_forward):

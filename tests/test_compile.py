@@ -34,13 +34,13 @@ def train(model, call, steps=6, prof=None):
         opt.step()
 
 
-def compiled_run(attach: str | None, settings: dict):
+def compiled_run(attach: str | None, settings: dict, backend: str = BACKEND):
     """attach: None (no hookprof), "before" or "after" torch.compile."""
     torch._dynamo.reset()
     counters.clear()
     model = make_model()
     prof = hookprof.attach(model, **settings) if attach == "before" else None
-    compiled = torch.compile(model, backend=BACKEND)
+    compiled = torch.compile(model, backend=backend)
     if attach == "after":
         prof = hookprof.attach(compiled, **settings)
     try:
@@ -83,6 +83,17 @@ def test_compile_adds_no_graph_break_and_keeps_step_figures(when, every_step, ca
     assert "gradient norms" in messages  # says what still works
     if when == "after":
         assert not model._forward_hooks and not model._forward_pre_hooks  # nothing added to it
+
+
+@pytest.mark.slow
+def test_inductor_the_default_backend(every_step):
+    """The backend users get by default (generated C++ on the CPU): ~30 s per compile here."""
+    reference, breaks0, graphs0, _, _ = compiled_run(None, every_step, backend="inductor")
+    model, breaks, graphs, snap, prof = compiled_run("before", every_step, backend="inductor")
+    assert breaks == breaks0 == 0 and graphs == graphs0
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    check_step_level_figures(model, snap, prof)
 
 
 def test_eager_after_a_compiled_model_still_times_layers(every_step):

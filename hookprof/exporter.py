@@ -254,16 +254,30 @@ class MetricsServer:
                  certfile: str | None = None, keyfile: str | None = None,
                  client_cafile: str | None = None):
         self.page = CachedPage(registry, version)
-        context = tls_context(certfile, keyfile, client_cafile) if certfile is not None else None
+        self._context = tls_context(certfile, keyfile, client_cafile) if certfile is not None else None
+        self.addr = addr
+        self.restarts = 0
+        self._start(port)
+        self.port: int = self._server.server_address[1]
+        self.scheme = "https" if self._context is not None else "http"
+
+    def _start(self, port: int) -> None:
         try:
-            self._server, self._thread = serve(make_app(self.page), addr, port, context)
+            self._server, self._thread = serve(make_app(self.page), self.addr, port, self._context)
         except OSError as exc:
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                raise PortInUseError(addr, port, exc) from exc
+                raise PortInUseError(self.addr, port, exc) from exc
             raise
-        self.addr = addr
-        self.port: int = self._server.server_address[1]
-        self.scheme = "https" if context is not None else "http"
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def restart(self) -> None:
+        """Serve again on the same port after the serving thread ended."""
+        self.restarts += 1
+        self._server.server_close()
+        self._start(self.port)
 
     @property
     def url(self) -> str:

@@ -590,8 +590,7 @@ class Profiler:
 
     def _dispatch(self) -> None:
         """Start the one device-to-host copy of a finished sampled step and hand it over."""
-        if not self._publisher.alive:
-            self._publisher_died()
+        self._check_threads()
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -605,21 +604,31 @@ class Profiler:
         system = self._system.latest if self._system is not None else None
         return (self._publisher.latest, system, self._publisher.alive)
 
-    def _publisher_died(self) -> None:
-        """The background thread ended although nothing stopped it (it catches every
-        Exception, so something stronger killed it). Report it (log, internal error count,
-        hookprof_publisher_thread_up 0 until now) and start a new one, a few times at most."""
-        err = RuntimeError("hookprof publisher thread died")
-        if self._publisher.restarts >= MAX_PUBLISHER_RESTARTS:
-            if self._publisher.restarts == MAX_PUBLISHER_RESTARTS:
-                self._health.report("publisher thread (not restarted again)", err, disable=False)
-                self._publisher.restarts += 1
+    def _check_threads(self) -> None:
+        """hookprof's own threads end only when detach() stops them: one that ended anyway
+        (its loop catches every Exception, so something stronger killed it) is reported
+        (log, hookprof_internal_errors_total; the publisher also as
+        hookprof_publisher_thread_up 0) and started again, a few times at most."""
+        if not self._publisher.alive:
+            self._revive("publisher", self._publisher)
+        if self._server is not None and not self._server.alive:
+            self._revive("metrics server", self._server)
+
+    def _revive(self, what: str, part: Any) -> None:
+        err = RuntimeError(f"hookprof {what} thread died")
+        if part.restarts >= MAX_RESTARTS:
+            if part.restarts == MAX_RESTARTS:
+                self._health.report(f"{what} thread (not restarted again)", err, disable=False)
+                part.restarts += 1
             return
-        self._health.report(f"publisher thread (restart {self._publisher.restarts + 1})", err, disable=False)
-        self._publisher.restart()
+        self._health.report(f"{what} thread (restart {part.restarts + 1})", err, disable=False)
+        try:
+            part.restart()
+        except Exception as exc:  # e.g. the port was taken meanwhile: reported, not raised
+            self._health.report(f"{what} thread restart", exc, disable=False)
 
 
-MAX_PUBLISHER_RESTARTS = 3
+MAX_RESTARTS = 3  # per thread
 
 
 class DisabledProfiler:

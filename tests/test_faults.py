@@ -67,7 +67,7 @@ def test_publisher_thread_death_is_reported_and_the_thread_restarted(caplog, eve
 
 
 def test_a_thread_that_keeps_dying_is_restarted_a_few_times_then_left_reported(caplog, every_step):
-    from hookprof.profiler import MAX_PUBLISHER_RESTARTS
+    from hookprof.profiler import MAX_RESTARTS as MAX_PUBLISHER_RESTARTS
 
     model = seeded(DeepNet)
     prof = hookprof.attach(model, **every_step)
@@ -87,5 +87,26 @@ def test_a_thread_that_keeps_dying_is_restarted_a_few_times_then_left_reported(c
         assert up(prof) == 0.0
         messages = [r.getMessage() for r in caplog.records if "publisher thread" in r.getMessage()]
         assert len(messages) == MAX_PUBLISHER_RESTARTS + 1, messages
+    finally:
+        prof.detach()
+
+
+def test_metrics_server_thread_death_is_reported_and_serving_resumes(caplog, every_step):
+    model = seeded(DeepNet)
+    prof = hookprof.attach(model, **every_step)
+    try:
+        port = prof.port
+        prof._server._server.shutdown()  # its serve_forever returns: the thread ends
+        prof._server._thread.join(5)
+        assert not prof._server.alive
+        with caplog.at_level(logging.ERROR, logger="hookprof"):
+            train(model, 2, prof=prof, explicit_step=True)  # the next step notices
+            prof.flush()
+        assert prof._server.alive and prof.port == port  # same port, serving again
+        f = parse(scrape(prof.url))
+        assert samples(f, "hookprof_steps", "hookprof_steps_total")[frozenset({"rank": "0"}.items())] == 2
+        assert samples(f, "hookprof_internal_errors", "hookprof_internal_errors_total")[
+            frozenset({"rank": "0"}.items())] == 1
+        assert any("metrics server thread" in r.getMessage() for r in caplog.records)
     finally:
         prof.detach()

@@ -20,13 +20,11 @@ from torch import nn
 
 log = logging.getLogger("hookprof")
 
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-if _is_compiling is None:  # torch < 2.3
-    _is_compiling = torch._dynamo.is_compiling
-
-
-def is_compiling() -> bool:
-    return _is_compiling()
+# called first thing in every hook: the function itself, not a wrapper around it (one
+# Python call less per hook, and Dynamo recognises it as the constant True while tracing)
+is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+if is_compiling is None:  # torch < 2.3
+    is_compiling = torch._dynamo.is_compiling
 
 
 class CompileProbe:

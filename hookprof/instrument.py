@@ -79,13 +79,9 @@ class StepRecord:
         yield from (t for _, t in self.param_done)
 
 
+# -1 unless the autograd engine runs a backward pass on this thread: a forward call then is
+# a recomputation (torch.utils.checkpoint, reentrant or not)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs a backward pass on this thread: a forward call
-    then is a recomputation (torch.utils.checkpoint, reentrant or not)."""
-    return _graph_task_id() != -1
 
 
 def iter_tensors(value: Any, limit: int = _MAX_TENSORS_PER_CALL) -> Iterable[torch.Tensor]:
@@ -196,7 +192,7 @@ class LayerHooks:
                 entry = [layer_index, -1, None, None, None, None]
             call = len(rec.calls)
             rec.calls.append(entry)
-            recompute = not self.replaying and in_backward()
+            recompute = not self.replaying and _graph_task_id() != -1
             if recompute:
                 rec.recompute.add(call)
             inputs_need_grad = False

@@ -112,3 +112,27 @@ def profiled(model: nn.Module, steps: int, settings: dict, **train_kwargs):
         train(model, steps, prof=prof, **train_kwargs)
         prof.flush()
         return prof.snapshot()
+
+
+def run_optionally_profiled(model: nn.Module, settings: dict | None, steps: int, train_step,
+                            *, scrape_metrics: bool = False):
+    """Call `train_step()` (one training iteration; returns its loss) `steps` times, with
+    hookprof attached (Config overrides `settings`; each iteration ends with prof.step(loss))
+    or, when settings is None, without it. Returns (profiler, snapshot after everything was
+    folded in, /metrics text if asked), or Nones without hookprof. Always detaches."""
+    import hookprof
+    from conftest import scrape
+
+    prof = hookprof.attach(model, **settings) if settings is not None else None
+    try:
+        for _ in range(steps):
+            loss = train_step()
+            if prof is not None:
+                prof.step(loss)
+        if prof is None:
+            return None, None, None
+        prof.flush()
+        return prof, prof.snapshot(), scrape(prof.url) if scrape_metrics else None
+    finally:
+        if prof is not None:
+            prof.detach()

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import hookprof
-from conftest import parse, samples, scrape
+from conftest import parse, samples
+from models import run_optionally_profiled
 
 
 class Checkpointed(nn.Module):
@@ -32,23 +32,16 @@ def run(reentrant: bool, settings: dict | None, steps: int = 5):
     model = Checkpointed(reentrant)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(0)
-    prof = hookprof.attach(model, **settings) if settings is not None else None
-    try:
-        for _ in range(steps):
-            x = torch.randn(8, 16, generator=g)
-            loss = model(x).square().mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if prof is not None:
-                prof.step(loss)
-        if prof is None:
-            return model, None, None
-        prof.flush()
-        return model, prof.snapshot(), parse(scrape(prof.url))
-    finally:
-        if prof is not None:
-            prof.detach()
+
+    def train_step():
+        loss = model(torch.randn(8, 16, generator=g)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    _, snap, text = run_optionally_profiled(model, settings, steps, train_step, scrape_metrics=True)
+    return model, snap, parse(text) if text is not None else None
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])

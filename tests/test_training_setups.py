@@ -9,7 +9,7 @@ from torch import nn
 
 import hookprof
 from conftest import parse, samples, scrape
-from models import DeepNet, loss_of, seeded, train
+from models import DeepNet, loss_of, run_optionally_profiled, seeded, train
 
 
 def amp_run(kind: str, settings: dict | None, steps: int = 6):
@@ -18,33 +18,26 @@ def amp_run(kind: str, settings: dict | None, steps: int = 6):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if kind == "fp16" else None
     dtype = torch.float16 if kind == "fp16" else torch.bfloat16
     g = torch.Generator().manual_seed(0)
-    prof = hookprof.attach(model, **settings) if settings is not None else None
     norms = []
-    try:
-        for _ in range(steps):
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=dtype):
-                loss = loss_of(model, model.batch(g))
-            if scaler is None:
-                loss.backward()
-                opt.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.unscale_(opt)
-                norms.append(torch.linalg.vector_norm(
-                    torch.cat([p.grad.flatten() for p in model.parameters()])).item())  # unscaled
-                scaler.step(opt)
-                scaler.update()
-            if prof is not None:
-                prof.step(loss)
-        snap = None
-        if prof is not None:
-            prof.flush()
-            snap = prof.snapshot()
-        return model, snap, norms
-    finally:
-        if prof is not None:
-            prof.detach()
+
+    def train_step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype):
+            loss = loss_of(model, model.batch(g))
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norms.append(torch.linalg.vector_norm(
+                torch.cat([p.grad.flatten() for p in model.parameters()])).item())  # unscaled
+            scaler.step(opt)
+            scaler.update()
+        return loss
+
+    _, snap, _ = run_optionally_profiled(model, settings, steps, train_step)
+    return model, snap, norms
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hookprof
+from models import run_optionally_profiled
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,24 +32,17 @@ def run(build, steps: int, settings: dict | None):
     model.train()  # dropout on: hookprof must not touch the RNG stream
     g = torch.Generator().manual_seed(1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    prof = hookprof.attach(model, **settings) if settings is not None else None
-    try:
-        for _ in range(steps):
-            ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-            loss = model(input_ids=ids, labels=ids).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if prof is not None:
-                prof.step(loss)
-        snap = None
-        if prof is not None:
-            prof.flush()
-            snap = prof.snapshot()
-        return model, prof, snap
-    finally:
-        if prof is not None:
-            prof.detach()
+
+    def train_step():
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    prof, snap, _ = run_optionally_profiled(model, settings, steps, train_step)
+    return model, prof, snap
 
 
 @pytest.mark.parametrize("build", [gpt2, bert], ids=["gpt2", "bert"])

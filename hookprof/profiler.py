@@ -132,7 +132,8 @@ class Profiler:
         self._forward_peek: Any = None  # (host flag, ready event) of this step's output check
         # a parameter whose gradient tells "backward ran, then zero_grad" (GradScaler skips)
         self._sentinel = next((p for p in self.table.params if p.requires_grad), None)
-        self._hooks = LayerHooks(self.table, self.timer, self._health, config.activation_stats)
+        self._hooks = LayerHooks(self.table, self.timer, self._health, config.activation_stats,
+                                 root=model)
         aggregator = Aggregator(
             self.table.names,
             [layer.module_type for layer in self.table.layers],
@@ -352,7 +353,6 @@ class Profiler:
                 self._closed_by_optimizer = False
                 if self._step_start_ns is None:
                     self._step_start_ns = self._clock()
-                self._dispatch()
         except Exception as exc:
             self._health.report("forward pre-hook", exc)
 
@@ -385,6 +385,10 @@ class Profiler:
                     on_device = [f for f in flags if isinstance(f, torch.Tensor)]
                     if on_device:
                         self._forward_peek = transfer.peek(torch.stack(on_device).any())
+            # the last sampled step goes to the publisher here rather than before this
+            # forward: its Python work then overlaps the backward pass, which seldom needs
+            # the GIL, not the forward, which needs it at every module call
+            self._dispatch()
         except Exception as exc:
             self._health.report("forward hook", exc)
 

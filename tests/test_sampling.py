@@ -29,8 +29,9 @@ def test_no_layer_hooks_on_unsampled_steps():
     seen = []
 
     def count_hooks(step, m):
+        # a layer is instrumented by a wrapper of its forward (an instance attribute)
         seen.append(sum(len(mod._forward_hooks) + len(mod._forward_pre_hooks)
-                        for mod in m.modules()))
+                        + ("forward" in vars(mod)) for mod in m.modules()))
 
     with hookprof.attach(model, port=0, sample_every=4, min_sample_interval_s=0.0) as prof:
         train(model, 9, on_step=count_hooks)
@@ -40,7 +41,7 @@ def test_no_layer_hooks_on_unsampled_steps():
     # on the root: a pre-hook that notices a new step, a hook that checks the model output
     root_hooks = 2
     assert seen == [
-        2 * layers + root_hooks if step in (1, 5, 9) else root_hooks for step in range(1, 10)
+        layers + root_hooks if step in (1, 5, 9) else root_hooks for step in range(1, 10)
     ]
 
 

@@ -1,0 +1,58 @@
+"""Layers are timed through a wrapper set as their `forward` attribute on sampled steps: it
+must behave like the module's own forward to everything that looks at it."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+
+import torch
+from torch import nn
+
+import hookprof
+from models import DeepNet, seeded, train
+
+
+def test_copies_of_an_instrumented_layer_run_their_own_parameters(every_step):
+    model = seeded(DeepNet)
+    layer = model.blocks[0].fc
+    with hookprof.attach(model, **every_step):
+        train(model, 2)  # every step sampled: the wrapper is on between steps too
+        assert "forward" in vars(layer)
+        x = torch.randn(3, layer.in_features)
+        expected = nn.functional.linear(x, torch.zeros_like(layer.weight), torch.ones_like(layer.bias))
+
+        buffer = io.BytesIO()
+        torch.save(layer, buffer)  # whole-module pickling (checkpoints, EMA copies)
+        buffer.seek(0)
+        copies = [copy.deepcopy(layer), torch.load(buffer, weights_only=False)]
+        for c in copies:
+            with torch.no_grad():
+                c.weight.zero_()
+                c.bias.fill_(1.0)
+            torch.testing.assert_close(c(x), expected, rtol=0, atol=0)
+        assert not torch.equal(layer(x), expected)  # the original is untouched
+
+        assert inspect.signature(layer.forward) == inspect.signature(nn.Linear.forward.__get__(layer))
+    assert "forward" not in vars(layer)
+
+
+def test_a_forward_attribute_of_the_users_own_is_restored(every_step):
+    model = seeded(DeepNet)
+    layer = model.blocks[0].fc
+    calls = []
+    original = layer.forward
+
+    def counting_forward(x):
+        calls.append(1)
+        return original(x)
+
+    layer.forward = counting_forward
+    with hookprof.attach(model, **every_step) as prof:
+        train(model, 3)
+        prof.flush()
+        snap = prof.snapshot()
+    assert vars(layer)["forward"] is counting_forward
+    assert len(calls) == 3  # the user's forward ran once per step, inside hookprof's wrapper
+    assert snap.layers["blocks.0.fc"].forward_calls_total == 3

@@ -336,11 +336,14 @@ class Aggregator:
                     outer[c] = span[c]
 
         start: dict[int, float] = {}
-        for c, tok in rec.bwd_out:
-            start[c] = min(start.get(c, math.inf), at(tok))
         end_of: dict[int, float] = {}
-        for c, tok in rec.bwd_in:
-            end_of[c] = max(end_of.get(c, -math.inf), at(tok))
+        for roles, tok in rec.grad_ready:
+            t = at(tok)
+            for c, is_output in roles:
+                if is_output:  # the gradient reached c's output: c's backward starts
+                    start[c] = min(start.get(c, math.inf), t)
+                else:  # c's input gradient is produced: c's backward ends
+                    end_of[c] = max(end_of.get(c, -math.inf), t)
         param_end: dict[int, float] = {}
         for layer, tok in rec.param_done:
             param_end[layer] = max(param_end.get(layer, -math.inf), at(tok))

@@ -21,13 +21,17 @@ PHASE_INDEX = {"forward": 0, "backward": 1, "loss": 2}
 
 class DeviceCounters:
     """One device's counters. All updates are in-place device ops with Python-int operands:
-    no host-to-device copy, no sync."""
+    no host-to-device copy, no sync. They live in one flat tensor (the layout fold_counters
+    reads), so draining them is a single block, and the per-step update is few ops."""
 
     def __init__(self, n_layers: int, device: torch.device):
-        self.layer_bad = torch.zeros(n_layers, dtype=torch.int64, device=device)
-        self.layer_first = torch.full((n_layers,), -1, dtype=torch.int64, device=device)
-        self.phase_bad = torch.zeros(len(PHASE_INDEX), dtype=torch.int64, device=device)
-        self.phase_first = torch.full((len(PHASE_INDEX),), -1, dtype=torch.int64, device=device)
+        n, p = n_layers, len(PHASE_INDEX)
+        self.flat = torch.zeros(2 * n + 2 * p, dtype=torch.int64, device=device)
+        # [layer_bad | layer_first | phase_bad | phase_first], views into flat
+        self.layer_bad, self.layer_first, self.phase_bad, self.phase_first = self.flat.split(
+            [n, n, p, p])
+        self.layer_first.fill_(-1)
+        self.phase_first.fill_(-1)
 
     def add_layer_squares(self, squares: torch.Tensor, step: int) -> None:
         """`squares`: per-layer squared gradient norms; non-finite exactly when the layer's
@@ -42,9 +46,6 @@ class DeviceCounters:
         self.phase_bad[i].add_(bad)
         first = self.phase_first[i]
         first.masked_fill_(bad & (first < 0), step)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.layer_bad, self.layer_first, self.phase_bad, self.phase_first]
 
 
 def nonfinite_flags(value: Any) -> list[bool | torch.Tensor]:
@@ -100,12 +101,13 @@ class Detector:
                 self.host_phase_first[i] = step
 
     def blocks(self) -> list[torch.Tensor]:
-        """Everything to drain, one flat int64 block per device and one for the host
-        counters, in the layout fold_counters reads."""
-        out = [torch.cat(c.tensors()) for c in self.by_device.values()]
-        n = self.n_layers
-        host = [0] * n + [-1] * n + self.host_phase_bad + self.host_phase_first
-        out.append(torch.tensor(host, dtype=torch.int64))
+        """Everything to drain, one flat int64 block per device and, once a host-side check
+        has found something, one for the host counters; in the layout fold_counters reads."""
+        out = [c.flat for c in self.by_device.values()]
+        if self.host_total():  # nothing to say while no host-side check has found anything
+            n = self.n_layers
+            host = [0] * n + [-1] * n + self.host_phase_bad + self.host_phase_first
+            out.append(torch.tensor(host, dtype=torch.int64))
         return out
 
     def host_total(self) -> int:

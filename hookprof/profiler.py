@@ -321,7 +321,15 @@ class Profiler:
         self._opt_owns[optimizer] = (key, owns)
         return owns
 
+    def __deepcopy__(self, memo: dict) -> "Profiler":
+        return _inert_copy()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_inert_copy, ())
+
     def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._detached:  # a copy of the model (see _inert_copy)
+            return
         if is_compiling():
             self._compile_probe.seen = True  # Dynamo replays this after every compiled call
             return
@@ -366,7 +374,7 @@ class Profiler:
         )
 
     def _on_root_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        if is_compiling() or self._hooks.replaying:
+        if self._detached or is_compiling() or self._hooks.replaying:
             return
         self._hooks.in_training_forward = False
         if self._hooks.paused or not torch.is_grad_enabled():
@@ -633,6 +641,15 @@ class Profiler:
 
 
 MAX_RESTARTS = 3  # per thread
+
+
+def _inert_copy() -> Profiler:
+    """What a copy of an attached model (copy.deepcopy, pickling: EMA and SWA copies,
+    whole-model checkpoints) holds in place of the profiler: the root hooks, copied with the
+    model's hook dicts, find it detached and do nothing. Only the original is profiled."""
+    inert = Profiler.__new__(Profiler)
+    inert._detached = True
+    return inert
 
 
 class DisabledProfiler:

@@ -56,3 +56,32 @@ def test_a_forward_attribute_of_the_users_own_is_restored(every_step):
     assert vars(layer)["forward"] is counting_forward
     assert len(calls) == 3  # the user's forward ran once per step, inside hookprof's wrapper
     assert snap.layers["blocks.0.fc"].forward_calls_total == 3
+
+
+def test_copies_of_the_attached_model_train_unprofiled(every_step):
+    """EMA/SWA copies (deepcopy) and whole-model checkpoints (pickle) made between steps:
+    the copies run their own parameters and their copied root hooks do nothing."""
+    model = seeded(DeepNet)
+    with hookprof.attach(model, **every_step) as prof:
+        train(model, 2)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        copies = [copy.deepcopy(model), torch.optim.swa_utils.AveragedModel(model).module,
+                  torch.load(buffer, weights_only=False)]
+        x = torch.randn(4, 8)
+        with torch.no_grad():  # an evaluation call of the original: not profiled
+            reference = model(x)
+        for c in copies:
+            torch.testing.assert_close(c(x), reference, rtol=0, atol=0)
+            train(c, 2)  # the copy's own optimizer: hookprof's global hooks ignore it
+            with torch.no_grad():
+                for p in c.parameters():
+                    p.zero_()
+            assert torch.equal(c(x), torch.zeros(4, 1))
+        train(model, 1)
+        prof.flush()
+        snap = prof.snapshot()
+        # neither the copies' forwards nor their optimizer steps were profiled
+        assert snap.step == 3
+        assert snap.layers["stem"].forward_calls_total == 3

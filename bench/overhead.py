@@ -7,7 +7,9 @@ Each workload trains a held-constant model; every configuration has its own copy
 attached once (sampling state carries across rounds as in a real run), and rounds interleave
 the configurations in rotating order so that machine noise hits them all alike. The figure
 per configuration is the median over rounds of the mean step time in that round; ratios
-are to "none" (no hookprof) measured in the same rounds.
+are to "none" (no hookprof) measured in the same rounds. A second set of ratios is paired by
+round: the median over rounds of each round's ratio to the "none" round beside it, which
+cancels drifts in the machine's speed that last longer than a round.
 
 Also measured: attach/detach time and per-scrape render time for a model of 10,000 leaf
 modules. Prints Markdown tables (pasted into the README) and writes JSON next to them.
@@ -233,6 +235,13 @@ def bench_workload(key: str, rounds: int, steps: int, warmup: int) -> dict:
         "workload": w.name,
         "step_ms": {k: v * 1e3 for k, v in medians.items()},
         "ratio": {k: v / medians["none"] for k, v in medians.items()},
+        # the same ratio taken within each round (each configuration's round against the
+        # "none" round next to it in time), median over rounds: drifts in the machine's
+        # speed that outlast a round cancel out
+        "paired_ratio": {
+            r.config: statistics.median(a / b for a, b in zip(r.round_means, runners[0].round_means))
+            for r in runners
+        },
         "sampled_of_steps": sampled,
         "spread": {
             r.config: (min(r.round_means) * 1e3, max(r.round_means) * 1e3) for r in runners
@@ -333,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         r = bench_workload(key, args.rounds, args.steps, args.warmup)
         results.append(r)
         print(f"{key}: " + ", ".join(f"{c} {v:.3f}x" for c, v in r["ratio"].items()), flush=True)
+        print(f"{key} (paired by round): "
+              + ", ".join(f"{c} {v:.3f}x" for c, v in r["paired_ratio"].items()), flush=True)
     print()
     print(table(results))
     many = None

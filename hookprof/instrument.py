@@ -4,14 +4,17 @@ Forward: each layer's `forward` is wrapped for the step (an instance attribute t
 and unsampled steps remove again), so one Python frame times the call and (optionally)
 takes two device-side reductions of the output. A wrapper costs ~3 us less per call than a
 forward pre/post hook pair: hooks send every call through `nn.Module`'s slow path. The root
-module, when it is a layer itself, keeps a hook pair: its call may already be under way when
-the hooks go in, and so does a module with forward hooks of its own, which may replace the
-output that hookprof has to see. Backward, without full module backward hooks (DESIGN.md invariant 1): a
-pre-hook on the autograd node of each output marks when the gradient reaches the layer, one
-on the node of each input marks when the layer has produced its input gradient. Layers
-whose inputs need no gradient (the first layer) end at their parameters' gradient
-accumulation instead. Nothing here reads a device value; everything is appended to the
-step's StepRecord and resolved later by the publisher thread.
+module, when it is a layer itself, keeps a hook pair (its call may already be under way when
+the hooks go in), and so does a module with forward hooks of its own (one may replace the
+output that hookprof has to see).
+
+Backward, without full module backward hooks (DESIGN.md invariant 1): a pre-hook on the
+autograd node of each output marks when the gradient reaches the layer, one on the node of
+each input marks when the layer has produced its input gradient. Layers whose inputs need no
+gradient (the first layer) end at their parameters' gradient accumulation instead.
+
+Nothing here reads a device value; everything is appended to the step's StepRecord and
+resolved later by the publisher thread.
 """
 
 from __future__ import annotations
@@ -237,12 +240,11 @@ class LayerHooks:
 
     # --- hook bodies: never raise, never return anything, never read a device value ---
 
-    def start_call(self, layer_index: int, module: torch.nn.Module, args: Any) -> None:
-        """What the layer's pre-hook does, for a call whose hooks were installed mid-call."""
-        self._enter(layer_index, args)
-
     def _pre(self, layer_index: int, module: torch.nn.Module, args: Any) -> None:
         self._enter(layer_index, args)
+
+    # what the layer's pre-hook does, for a call whose hooks were installed mid-call
+    start_call = _pre
 
     def _post(self, layer_index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._leave(layer_index, output)

@@ -11,7 +11,9 @@ output that hookprof has to see).
 Backward, without full module backward hooks (DESIGN.md invariant 1): a pre-hook on the
 autograd node of each output marks when the gradient reaches the layer, one on the node of
 each input marks when the layer has produced its input gradient. Layers whose inputs need no
-gradient (the first layer) end at their parameters' gradient accumulation instead.
+gradient (the first layer) end at their parameters' gradient accumulation instead. During
+the root module's training forward the nodes are noted and their pre-hooks registered in one
+go when it returns (mark_pending).
 
 Nothing here reads a device value; everything is appended to the step's StepRecord and
 resolved later by the publisher thread.
@@ -54,7 +56,8 @@ class StepRecord:
     backward hooks may run on autograd worker threads."""
 
     __slots__ = ("ref", "calls", "grad_ready", "param_done", "act", "param_hooked",
-                 "param_handles", "grad_roles", "out_stats", "inputs", "recompute")
+                 "param_handles", "grad_roles", "pending_marks", "out_stats", "inputs",
+                 "recompute")
 
     def __init__(self, ref: Any):
         self.ref = ref  # timer token taken when the step began
@@ -74,6 +77,9 @@ class StepRecord:
         # id(tensor) -> (weakref, version, roles) for tensors that already carry our gradient
         # hook: one layer's output is the next one's input, and one hook serves both
         self.grad_roles: dict[int, tuple[Any, int, list[tuple[int, bool]]]] = {}
+        # (autograd node, call id, is_output) noted during the root module's training forward;
+        # their pre-hooks are registered in one go when that forward returns (mark_pending)
+        self.pending_marks: list[tuple[Any, int, bool]] = []
         # id(tensor) -> (weakref, version, index in act) of outputs already reduced, so a
         # layer's input that is another layer's output is not reduced twice
         self.out_stats: dict[int, tuple[Any, int, int]] = {}
@@ -221,6 +227,7 @@ class LayerHooks:
             for handle in rec.param_handles:
                 handle.remove()
             rec.param_handles.clear()
+            rec.pending_marks.clear()  # a forward that raised: its graph is not kept alive
 
     def remove(self) -> None:
         self.end()
@@ -281,7 +288,10 @@ class LayerHooks:
                 node = t.grad_fn
                 if node is not None:
                     inputs_need_grad = True
-                    self._on_grad(rec, t, node, call, False)
+                    if self.in_training_forward and not recompute:
+                        rec.pending_marks.append((node, call, False))
+                    else:
+                        self._on_grad(rec, t, node, call, False)
                 if self.activation_stats and not recompute and t.is_floating_point() and t.numel():
                     self._note_input(rec, t, call)
             if not inputs_need_grad and layer_index not in rec.param_hooked:
@@ -330,7 +340,10 @@ class LayerHooks:
                     else:
                         rec.act.append((call, low, high, None, 0))
                 if node is not None:
-                    self._on_grad(rec, t, node, call, True)
+                    if self.in_training_forward and call not in rec.recompute:
+                        rec.pending_marks.append((node, call, True))
+                    else:
+                        self._on_grad(rec, t, node, call, True)
             if entry[PARENT] >= 0:
                 entry[OUTER_END] = self._timer.mark()
         except Exception as exc:
@@ -356,6 +369,31 @@ class LayerHooks:
                 rec.param_handles.append(
                     p.register_post_accumulate_grad_hook(partial(self._param_done, rec, layer_index))
                 )
+
+    def mark_pending(self) -> None:
+        """The root module's training forward returned: register the backward marks noted
+        during it, one node pre-hook per autograd node. Done in one loop rather than one per
+        layer call: between matmuls the same Python work costs about twice as much (caches).
+        Holding the nodes until here keeps each one's identity (and so the grouping of the
+        roles that share it) exact; the graph holds them anyway."""
+        rec = self._rec
+        if rec is None or not rec.pending_marks:
+            return
+        try:
+            pending, rec.pending_marks = rec.pending_marks, []
+            roles_of: dict[int, list[tuple[int, bool]]] = {}
+            nodes = []
+            for node, call, is_output in pending:
+                roles = roles_of.get(id(node))
+                if roles is None:
+                    roles = roles_of[id(node)] = []
+                    nodes.append((node, roles))
+                roles.append((call, is_output))
+            ready = self._grad_ready
+            for node, roles in nodes:
+                node.register_prehook(partial(ready, rec, roles))
+        except Exception as exc:
+            self._health.report("forward hook", exc)
 
     def _on_grad(self, rec: StepRecord, t: torch.Tensor, node: Any, call: int,
                  is_output: bool) -> None:

@@ -376,7 +376,9 @@ class Profiler:
     def _on_root_output(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._detached or is_compiling() or self._hooks.replaying:
             return
-        self._hooks.in_training_forward = False
+        if self._hooks.in_training_forward:
+            self._hooks.in_training_forward = False
+            self._hooks.mark_pending()
         if self._hooks.paused or not torch.is_grad_enabled():
             return
         try:

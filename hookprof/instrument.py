@@ -395,6 +395,12 @@ class LayerHooks:
         except Exception as exc:
             self._health.report("forward hook", exc)
 
+    def drop_pending(self) -> None:
+        """Forget marks a forward noted but never registered (it raised)."""
+        rec = self._rec
+        if rec is not None and rec.pending_marks:
+            rec.pending_marks = []
+
     def _on_grad(self, rec: StepRecord, t: torch.Tensor, node: Any, call: int,
                  is_output: bool) -> None:
         """Note the moment t's gradient is ready (node: t.grad_fn): the start of the backward

@@ -335,6 +335,9 @@ class Profiler:
             return
         if self._hooks.replaying:
             return
+        # marks noted by a forward that raised (no root output hook ran) would keep that
+        # forward's graph alive: an out-of-memory retry must find its memory free
+        self._hooks.drop_pending()
         # evaluation passes (under no_grad / inference_mode, or with the model in eval mode)
         # are not training steps: the layer hooks ignore them until the next training forward
         evaluating = not torch.is_grad_enabled() or not module.training

@@ -4,8 +4,10 @@ must behave like the module's own forward to everything that looks at it."""
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import io
+import weakref
 
 import torch
 from torch import nn
@@ -86,3 +88,74 @@ def test_copies_of_the_attached_model_train_unprofiled(every_step):
         # neither the copies' forwards nor their optimizer steps were profiled
         assert snap.step == 3
         assert snap.layers["stem"].forward_calls_total == 3
+
+
+class _Token:
+    pass
+
+
+class _Keep(torch.autograd.Function):
+    """Identity whose autograd node holds a token: the token lives exactly as long as the
+    node (and so the graph) does."""
+
+    @staticmethod
+    def forward(ctx, x, token):
+        ctx.token = token
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Probe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tokens = []
+        self.check = False
+        self.earlier_graph_alive = None
+
+    def forward(self, x):
+        if self.check:  # is the graph of the previous forward still alive, mid-forward?
+            gc.collect()
+            self.earlier_graph_alive = self.tokens[-1]() is not None
+        token = _Token()
+        self.tokens.append(weakref.ref(token))
+        return _Keep.apply(x, token)
+
+
+class _FailingHead(nn.Linear):
+    fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise RuntimeError("out of memory (simulated)")
+        return super().forward(x)
+
+
+def test_a_forward_that_raises_leaves_no_graph_alive(every_step):
+    """An out-of-memory retry loop: the graph of the forward that raised must be freed before
+    the retry runs, although hookprof noted its nodes for backward marks."""
+    probe, head = _Probe(), _FailingHead(4, 1)
+    model = nn.Sequential(nn.Linear(4, 4), probe, head)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hookprof.attach(model, **every_step) as prof:
+        for step in range(3):
+            head.fail = step == 1
+            failed = False
+            try:
+                loss = model(torch.randn(8, 4)).square().mean()
+            except RuntimeError:
+                failed = True  # (the traceback keeps the failed frames alive in here)
+            if failed:
+                head.fail, probe.check = False, True
+                loss = model(torch.randn(8, 4)).square().mean()  # the retry
+                probe.check = False
+                assert probe.earlier_graph_alive is False, "the failed forward's graph lived on"
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        prof.flush()
+        snap = prof.snapshot()
+    assert snap.step == 3
+    assert snap.layers["1"].backward_calls_total == 3  # marks of the retried step still work

@@ -82,3 +82,21 @@ def test_frozen_layers_have_no_norm(every_step):
         snap = prof.snapshot()
     assert snap.layers["stem"].grad_norm is None
     assert math.isfinite(snap.layers["head"].grad_norm)
+
+
+def test_sparse_embedding_gradient_norm(every_step):
+    """nn.Embedding(sparse=True) gives a sparse gradient; its norm is that of the dense one."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Flatten(),
+                                torch.nn.Linear(24, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.tensor([[1, 2, 2], [7, 1, 49]])  # repeated rows: the gradient needs coalescing
+    with hookprof.attach(model, **every_step) as prof:
+        opt.zero_grad()
+        model(tokens).square().mean().backward()
+        assert model[0].weight.grad.is_sparse
+        expected = torch.linalg.vector_norm(model[0].weight.grad.to_dense()).item()
+        opt.step()
+        prof.flush()
+        got = prof.snapshot().layers["0"].grad_norm
+    assert math.isclose(got, expected, rel_tol=RTOL)

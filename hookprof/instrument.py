@@ -56,8 +56,7 @@ class StepRecord:
     backward hooks may run on autograd worker threads."""
 
     __slots__ = ("ref", "calls", "grad_ready", "param_done", "act", "param_hooked",
-                 "param_handles", "grad_roles", "pending_marks", "out_stats", "inputs",
-                 "recompute")
+                 "param_handles", "pending_marks", "out_stats", "inputs", "recompute")
 
     def __init__(self, ref: Any):
         self.ref = ref  # timer token taken when the step began
@@ -74,11 +73,9 @@ class StepRecord:
         self.act: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, int]] = []
         self.param_hooked: set[int] = set()
         self.param_handles: list[Any] = []
-        # id(tensor) -> (weakref, version, roles) for tensors that already carry our gradient
-        # hook: one layer's output is the next one's input, and one hook serves both
-        self.grad_roles: dict[int, tuple[Any, int, list[tuple[int, bool]]]] = {}
-        # (autograd node, call id, is_output) noted during the root module's training forward;
-        # their pre-hooks are registered in one go when that forward returns (mark_pending)
+        # (autograd node, call id, is_output) not yet hooked: during the root module's training
+        # forward they gather until it returns, so one pre-hook per node serves every role
+        # (one layer's output is the next one's input); elsewhere each call hooks its own
         self.pending_marks: list[tuple[Any, int, bool]] = []
         # id(tensor) -> (weakref, version, index in act) of outputs already reduced, so a
         # layer's input that is another layer's output is not reduced twice
@@ -288,14 +285,13 @@ class LayerHooks:
                 node = t.grad_fn
                 if node is not None:
                     inputs_need_grad = True
-                    if self.in_training_forward and not recompute:
-                        rec.pending_marks.append((node, call, False))
-                    else:
-                        self._on_grad(rec, t, node, call, False)
+                    rec.pending_marks.append((node, call, False))
                 if self.activation_stats and not recompute and t.is_floating_point() and t.numel():
                     self._note_input(rec, t, call)
             if not inputs_need_grad and layer_index not in rec.param_hooked:
                 self._hook_params(rec, layer_index)
+            if recompute or not self.in_training_forward:
+                self.mark_pending()
             stack.append(call)
             entry[START] = mark()  # last: our own work stays outside the span
             return True
@@ -340,10 +336,9 @@ class LayerHooks:
                     else:
                         rec.act.append((call, low, high, None, 0))
                 if node is not None:
-                    if self.in_training_forward and call not in rec.recompute:
-                        rec.pending_marks.append((node, call, True))
-                    else:
-                        self._on_grad(rec, t, node, call, True)
+                    rec.pending_marks.append((node, call, True))
+            if not self.in_training_forward or call in rec.recompute:
+                self.mark_pending()
             if entry[PARENT] >= 0:
                 entry[OUTER_END] = self._timer.mark()
         except Exception as exc:
@@ -371,11 +366,12 @@ class LayerHooks:
                 )
 
     def mark_pending(self) -> None:
-        """The root module's training forward returned: register the backward marks noted
-        during it, one node pre-hook per autograd node. Done in one loop rather than one per
-        layer call: between matmuls the same Python work costs about twice as much (caches).
-        Holding the nodes until here keeps each one's identity (and so the grouping of the
-        roles that share it) exact; the graph holds them anyway."""
+        """Register the noted backward marks, one node pre-hook per autograd node: at the end
+        of the root module's training forward (one loop rather than one per layer call:
+        between matmuls the same Python work costs about twice as much), or at once for calls
+        outside it. A pre-hook on the node that produced a tensor runs when its gradient is
+        ready, as a tensor hook would, for ~2 us less. Holding the nodes until here keeps each
+        one's identity (and so the grouping of roles) exact; the graph holds them anyway."""
         rec = self._rec
         if rec is None or not rec.pending_marks:
             return
@@ -400,23 +396,6 @@ class LayerHooks:
         rec = self._rec
         if rec is not None and rec.pending_marks:
             rec.pending_marks = []
-
-    def _on_grad(self, rec: StepRecord, t: torch.Tensor, node: Any, call: int,
-                 is_output: bool) -> None:
-        """Note the moment t's gradient is ready (node: t.grad_fn): the start of the backward
-        of the call that produced t (is_output), the end of the backward of a call that
-        consumed it."""
-        known = rec.grad_roles.get(id(t))
-        # same live tensor, same version: an in-place op since then (ReLU(inplace=True)) gives
-        # the tensor a new autograd node, which needs a hook of its own
-        if known is not None and known[0]() is t and known[1] == t._version:
-            known[2].append((call, is_output))
-            return
-        roles = [(call, is_output)]
-        # a pre-hook on the node that produced t runs when t's gradient is ready, as a tensor
-        # hook would, for ~2 us less per layer; it lives and dies with the graph
-        node.register_prehook(partial(self._grad_ready, rec, roles))
-        rec.grad_roles[id(t)] = (weakref.ref(t), t._version, roles)
 
     def _grad_ready(self, rec: StepRecord, roles: list[tuple[int, bool]], grad: Any) -> None:
         try:

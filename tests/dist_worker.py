@@ -20,7 +20,7 @@ def run_rank(rank: int, world: int, master_port: int, base_port: int, steps: int
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import hookprof
-    from models import DeepNet, seeded
+    from models import DeepNet, mse_step, seeded
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -30,11 +30,7 @@ def run_rank(rank: int, world: int, master_port: int, base_port: int, steps: int
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
         for _ in range(steps):
-            x, y = model.batch(g)
-            loss = torch.nn.functional.mse_loss(ddp(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            mse_step(ddp, opt, *model.batch(g))
         prof.flush()
         snap = prof.snapshot()
         out.put((rank, prof.url, {n: s.grad_norm for n, s in snap.layers.items()}))
@@ -54,7 +50,7 @@ def run_fsdp_rank(rank: int, world: int, master_port: int, base_port: int, steps
     from torch.distributed.fsdp import fully_shard
 
     import hookprof
-    from models import DeepNet, seeded
+    from models import DeepNet, mse_step, seeded
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -66,12 +62,7 @@ def run_fsdp_rank(rank: int, world: int, master_port: int, base_port: int, steps
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         g = torch.Generator().manual_seed(100 + rank)
         for _ in range(steps):
-            x, y = model.batch(g)
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            prof.step(loss)
+            prof.step(mse_step(model, opt, *model.batch(g)))
         prof.flush()
         snap = prof.snapshot()
         # the test's own collectives: full norms, per layer and global

@@ -98,6 +98,16 @@ def train(model: nn.Module, steps: int, *, prof=None, seed: int = 0, lr: float =
     return losses
 
 
+def mse_step(forward, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One plain training iteration (MSE loss, backward, optimizer step); returns the loss.
+    `forward` is the model or a wrapper of it (DDP)."""
+    loss = nn.functional.mse_loss(forward(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def seeded(cls, seed: int = 0, **kwargs):
     torch.manual_seed(seed)
     return cls(**kwargs)

@@ -15,7 +15,7 @@ import torch
 
 import hookprof
 from conftest import parse, samples, scrape
-from models import DeepNet, MixedNet, seeded, train
+from models import DeepNet, MixedNet, mse_step, seeded, train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -33,12 +33,7 @@ def test_20_scrapers_for_30_seconds_while_training():
         try:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                x, y = model.batch(g)
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                prof.step(loss)
+                prof.step(mse_step(model, opt, *model.batch(g)))
                 steps += 1
             out, _ = load.communicate(timeout=60)
         finally:

@@ -74,11 +74,62 @@ def samples(families: dict, name: str, sample_name: str | None = None) -> dict:
     }
 
 
-def promtool() -> str | None:
-    path = shutil.which("promtool")
-    if path is None and os.environ.get("CI"):
-        pytest.fail("promtool is missing in CI: .ci/run installs Debian's prometheus")
-    return path
+# the Debian package that provides each server binary the tests run
+DEBIAN_PACKAGE = {
+    "prometheus": "prometheus", "promtool": "prometheus",
+    "prometheus-alertmanager": "prometheus-alertmanager", "amtool": "prometheus-alertmanager",
+    "docker-compose": "docker-compose",
+}
+
+
+def require_binaries(*names: str) -> list[str]:
+    """Paths of the server binaries a test runs. Where one is missing the test is skipped,
+    naming what to install (a GPU box or a laptop need not have Prometheus); in CI, whose
+    .ci/run installs them, a missing one is a failure instead."""
+    found = [shutil.which(name) for name in names]
+    missing = [name for name, path in zip(names, found) if path is None]
+    if missing:
+        packages = " ".join(sorted({DEBIAN_PACKAGE.get(n, n) for n in missing}))
+        reason = f"{', '.join(missing)} not installed (apt-get install {packages})"
+        if os.environ.get("CI"):
+            pytest.fail(f"{reason}: .ci/run installs them in CI")
+        pytest.skip(reason)
+    return found
+
+
+def promtool() -> str:
+    return require_binaries("promtool")[0]
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def nvml_driver_present() -> bool:
+    """Whether NVML (nvidia-ml-py and an NVIDIA driver) answers on this machine."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return False
+    try:
+        return pynvml.nvmlDeviceGetCount() > 0
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    # tests marked cuda need a CUDA device: without one they are skipped, so CI (no GPU)
+    # runs the whole suite green and `python -m pytest -m cuda` on a GPU box runs them
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture

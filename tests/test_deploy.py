@@ -14,9 +14,10 @@ import sys
 import time
 
 import pytest
+import torch
 import yaml
 
-from conftest import parse, samples, scrape
+from conftest import parse, require_binaries, samples, scrape
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 COMPOSE_DIR = os.path.join(ROOT, "deploy", "compose")
@@ -25,12 +26,7 @@ K8S = os.path.join(ROOT, "deploy", "kubernetes")
 
 
 def tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} missing in CI: .ci/run installs it")
-        pytest.skip(f"{name} not installed")
-    return path
+    return require_binaries(name)[0]
 
 
 def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -196,29 +192,47 @@ def test_configmaps_carry_the_dashboards_and_the_script_the_job_mounts():
 
 @pytest.mark.slow
 def test_the_example_torchrun_script_trains_and_every_rank_serves_metrics():
+    """Two local ranks: gloo on the CPU without GPUs, and also on a node with fewer GPUs than
+    ranks, which the script says once."""
+    output = run_train_script(nproc=2, layers=3)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    short = "GPU(s) for 2 local ranks: training on the CPU with gloo"
+    assert output.count(short) == (1 if 0 < gpus < 2 else 0), output
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+def test_the_example_torchrun_script_with_one_gpu_per_rank():
+    """As in the Job: one GPU per local rank, NCCL."""
+    output = run_train_script(nproc=torch.cuda.device_count(), layers=3)
+    assert "training on the CPU" not in output
+
+
+def run_train_script(nproc: int, layers: int) -> str:
+    """Run deploy/kubernetes/train.py under torchrun until every rank has served 5 steps with
+    `layers` gradient norms; returns what the ranks printed."""
     from conftest import free_port_range
 
-    base = free_port_range(2)
+    base = free_port_range(nproc)
     env = {**os.environ, "HOOKPROF_PORT": str(base), "HOOKPROF_SAMPLE_EVERY": "1",
            "HOOKPROF_MIN_SAMPLE_INTERVAL_S": "0", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
          os.path.join(K8S, "train.py"), "--steps", "100000", "--width", "64"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:
         urls, output = {}, ""
         deadline = time.monotonic() + 120
-        while len(urls) < 2 and time.monotonic() < deadline:
+        while len(urls) < nproc and time.monotonic() < deadline:
             line = proc.stdout.readline()
             if not line:
                 break
-            output += line  # two ranks share the pipe: their lines can run together
+            output += line  # ranks share the pipe: their lines can run together
             urls = dict(re.findall(r"rank (\d+): metrics at (http://\S+?/metrics)", output))
-        assert set(urls) == {"0", "1"}, output
-        assert urls["0"].endswith(f":{base}/metrics") and urls["1"].endswith(f":{base + 1}/metrics")
-        norms = {}
+        assert set(urls) == {str(r) for r in range(nproc)}, output
         for rank, url in urls.items():
+            assert url.endswith(f":{base + int(rank)}/metrics")
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 f = parse(scrape(url))
@@ -227,8 +241,8 @@ def test_the_example_torchrun_script_trains_and_every_rank_serves_metrics():
                     break
                 time.sleep(0.2)
             assert steps == {frozenset({"rank": rank}.items()): steps[frozenset({"rank": rank}.items())]}
-            norms[rank] = samples(f, "hookprof_layer_gradient_norm")
-            assert len(norms[rank]) == 3  # the three Linear layers
+            assert len(samples(f, "hookprof_layer_gradient_norm")) == layers
+        return output
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

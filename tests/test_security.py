@@ -5,6 +5,7 @@ label values that survive any module name."""
 from __future__ import annotations
 
 import datetime
+import shutil
 import ssl
 import subprocess
 import urllib.error
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 import hookprof
-from conftest import parse, promtool, samples
+from conftest import parse, samples
 
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
@@ -142,7 +143,7 @@ def test_label_values_survive_any_module_name():
     families = parse(text)  # the official parser reads every escaped value back
     layers = {dict(k)["layer"] for k in samples(families, "hookprof_layer_gradient_norm")}
     assert layers == set(WEIRD_NAMES)
-    tool = promtool()
+    tool = shutil.which("promtool")  # the label checks above stand without it
     if tool is not None:
         result = subprocess.run([tool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stdout + result.stderr

@@ -1,6 +1,6 @@
 """An example training script for the Kubernetes Job (deploy/kubernetes/training-job.yaml):
-DDP over torchrun with hookprof attached in one line. Runs anywhere torchrun does: NCCL on
-GPUs, gloo on CPU.
+DDP over torchrun with hookprof attached in one line. Runs anywhere torchrun does: NCCL with
+one GPU per local rank, else gloo on the CPU (a node with fewer GPUs than ranks says so once).
 
     torchrun --standalone --nproc-per-node=2 train.py --steps 1000
 
@@ -25,9 +25,15 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # every rank of a node decides alike: NCCL needs a GPU of its own per rank
+    cuda = gpus >= local_world
+    if 0 < gpus < local_world and local_rank == 0:
+        print(f"train.py: {gpus} GPU(s) for {local_world} local ranks: training on the CPU with gloo",
+              flush=True)
+    dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

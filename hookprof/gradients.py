@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .layers import LayerTable
+from .transfer import index_to_device
 
 
 def local_tensor(grad: torch.Tensor) -> torch.Tensor:
@@ -53,7 +54,7 @@ class GradientNorms:
             key = (device, tuple(layers))
             index = self._index_cache.get(key)
             if index is None:
-                index = self._index_cache[key] = torch.tensor(layers, device=device)
+                index = self._index_cache[key] = index_to_device(layers, device)
             per_layer = torch.zeros(n, dtype=torch.float64, device=device)
             per_layer.index_add_(0, index, squares)
             out.append(per_layer)

@@ -44,6 +44,17 @@ def _start_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
     return host, ready
 
 
+def index_to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of `values` on `device`, without a sync: `torch.tensor(values,
+    device=cuda)` copies from pageable memory, which waits for the device (caught by
+    set_sync_debug_mode("error") on an H100); a pinned buffer copies asynchronously, and the
+    caching host allocator keeps it until the copy has run."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def wait_ready(ready: Any) -> None:
     # note: a CPU-GPU sync point, and the only one: it runs on the publisher thread
     if ready is not None:

@@ -92,9 +92,19 @@ def test_cuda_memory_gauges_equal_torch_allocator():
         assert samples(families, "hookprof_cuda_memory_reserved_bytes")[key] == reserved
 
 
-def _train_mlp(attach: bool, steps: int = 6):
-    """An MLP trained on cuda:0 with every step sampled; the loop runs under
-    set_sync_debug_mode("error"), so any host-device sync hookprof added raises."""
+EVERY_STEP = dict(sample_every=1, min_sample_interval_s=0.0, activation_interval_s=0.0)
+CONFIGS = {  # the settings whose device work differs
+    "every step": EVERY_STEP,
+    "default": {},  # sampled at step 1, then the every-step checks alone
+    "loss check": dict(nonfinite_check="loss"),
+    "warn policy": dict(EVERY_STEP, on_nonfinite="warn"),  # polls a device flag each step
+}
+
+
+def _train_mlp(overrides: dict | None, steps: int = 12):
+    """An MLP trained on cuda:0 (hookprof attached with `overrides`, or not at all when None);
+    the loop runs under set_sync_debug_mode("error"), so any host-device sync hookprof added
+    raises."""
     device = torch.device("cuda", 0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.GELU(),
@@ -103,8 +113,7 @@ def _train_mlp(attach: bool, steps: int = 6):
     g = torch.Generator(device=device).manual_seed(1)
     xs = [torch.randn(32, 64, device=device, generator=g) for _ in range(steps)]
     ys = [torch.randn(32, 1, device=device, generator=g) for _ in range(steps)]
-    prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
-                           activation_interval_s=0.0) if attach else None
+    prof = hookprof.attach(model, port=0, **overrides) if overrides is not None else None
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -118,11 +127,12 @@ def _train_mlp(attach: bool, steps: int = 6):
     return model, prof
 
 
-def test_training_on_cuda_adds_no_sync_and_reads_exact_norms_and_times_every_layer():
+@pytest.mark.parametrize("config", CONFIGS)
+def test_training_on_cuda_adds_no_sync_and_keeps_numerics(config):
     torch.use_deterministic_algorithms(True)
     try:
-        plain, _ = _train_mlp(attach=False)
-        model, prof = _train_mlp(attach=True)
+        plain, _ = _train_mlp(None)
+        model, prof = _train_mlp(CONFIGS[config])
     finally:
         torch.use_deterministic_algorithms(False)
     try:
@@ -133,7 +143,12 @@ def test_training_on_cuda_adds_no_sync_and_reads_exact_norms_and_times_every_lay
         prof.detach()
     for a, b in zip(plain.parameters(), model.parameters()):
         assert torch.equal(a, b)  # numerics unchanged
-    assert snap.step == snap.sampled_steps == 6
+    assert snap.step == 12 and snap.internal_errors == 0
+    assert snap.nonfinite_steps == {"forward": 0, "loss": 0, "backward": 0}
+    if config != "every step":
+        return
+    # every step sampled: every layer timed both ways, norms those of the last update
+    assert snap.sampled_steps == 12
     for index, layer in enumerate(model):
         stats = snap.layers[str(index)]
         assert stats.calls == 1 and stats.forward_seconds > 0 and stats.backward_seconds > 0, stats
@@ -141,4 +156,3 @@ def test_training_on_cuda_adds_no_sync_and_reads_exact_norms_and_times_every_lay
         if grads:
             expected = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])).item()
             assert stats.grad_norm == pytest.approx(expected, rel=1e-5)
-    assert snap.nonfinite_steps == {"forward": 0, "loss": 0, "backward": 0}

@@ -6,19 +6,16 @@ updates StepCounters, nothing else.
 
 from __future__ import annotations
 
-import bisect
 import math
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from .batch import HostBatch
 from .nonfinite import PHASE_INDEX, fold_counters
-from .instrument import END, LAYER, OUTER_END, OUTER_START, PARENT, START, StepRecord
+from .record import Packet, StepCounters, StepRecord
+from .timing import Timer
 from .snapshot import (
     PHASES,
-    STEP_DURATION_BUCKETS,
     LayerStats,
     NonFiniteEvent,
     Snapshot,
@@ -29,46 +26,6 @@ GRADSCALER_LAYER = "(gradscaler)"  # layer label of persistent GradScaler skippi
 FLAG_KINDS = ("vanishing", "exploding")
 
 
-class StepCounters:
-    """Per-step numbers the training thread updates on every step (sampled or not)."""
-
-    def __init__(self, max_skipped_steps: int = 10) -> None:
-        self._lock = threading.Lock()  # uncontended: ~0.1 us per step
-        self.steps = 0
-        self._counts = [0] * (len(STEP_DURATION_BUCKETS) + 1)
-        self._sum = 0.0
-        self._last_ts: float | None = None
-        self._max_skips = max_skipped_steps
-        self.skipped = 0
-        self._skips_in_a_row = 0
-        self.persistent_skips = 0  # skipped steps beyond max_skipped_steps in a row
-
-    def observe(self, seconds: float, wall_time: float, skipped: bool = False) -> int:
-        with self._lock:
-            self.steps += 1
-            self._counts[bisect.bisect_left(STEP_DURATION_BUCKETS, seconds)] += 1
-            self._sum += seconds
-            self._last_ts = wall_time
-            if skipped:
-                self.skipped += 1
-                self._skips_in_a_row += 1
-                if self._skips_in_a_row > self._max_skips:
-                    self.persistent_skips += 1
-            else:
-                self._skips_in_a_row = 0
-            return self.steps
-
-    def read(self) -> tuple[int, tuple[tuple[float, int], ...], float, float | None, int, int]:
-        with self._lock:
-            counts, total, last, steps = list(self._counts), self._sum, self._last_ts, self.steps
-            skipped, persistent = self.skipped, self.persistent_skips
-        cumulative, running = [], 0
-        for bound, count in zip((*STEP_DURATION_BUCKETS, math.inf), counts):
-            running += count
-            cumulative.append((bound, running))
-        return steps, tuple(cumulative), total, last, skipped, persistent
-
-
 @dataclass(slots=True)
 class ForwardFinding:
     producers: list[str]  # layers with finite inputs and non-finite outputs, in call order
@@ -76,21 +33,21 @@ class ForwardFinding:
     bwd_start_of_layer: dict[int, float]
 
 
-@dataclass(slots=True)
-class Packet:
-    """What the training thread hands the publisher: a sampled step, a replayed forward
-    (record, not sampled) or a drain of the non-finite counters alone (neither)."""
+class StepFigures:
+    """One step's per-layer figures, read from its record (lists indexed by layer)."""
 
-    step: int  # 1-based number of the step
-    batch: HostBatch | None = None  # set when the device-to-host copy is started
-    record: StepRecord | None = None
-    sampled: bool = True
-    grad_parts: int = 0  # how many per-device gradient vectors the batch holds
-    has_grad: frozenset[int] = frozenset()  # layers that had a gradient
-    act_order: list[int] = field(default_factory=list)  # record.act index of each value
-    counter_parts: int = 0  # how many non-finite counter blocks the batch holds
-    loss: float | None = None  # the loss when it was given as a Python number
-    loss_in_batch: bool = False
+    def __init__(self, n: int):
+        self.calls = [0] * n
+        self.fwd = [0.0] * n  # exclusive forward seconds
+        self.bwd = [0.0] * n  # exclusive backward seconds
+        self.bwd_calls = [0] * n
+        self.recompute = [0.0] * n  # activation checkpointing's forward recomputation
+        self.recompute_calls = [0] * n
+        self.absmax: list[list[float]] = [[] for _ in range(n)]  # per output
+        self.zeros = [0.0] * n  # zeros and values in the zero samples
+        self.numel = [0] * n
+        self.checked = False  # the step had activation statistics
+        self.finding: ForwardFinding | None = None
 
 
 def _nanmax(values: list[float]) -> float:
@@ -134,109 +91,106 @@ class Aggregator:
         self._exported: tuple[str, ...] = ()
         self._dirty = True
 
-    # ---- folding one sampled step ----
+    # ---- folding one packet ----
 
-    def fold(self, packet: Packet, timer: Any) -> None:
-        n = len(self.names)
+    def fold(self, packet: Packet, timer: Timer) -> None:
+        """Fold one packet in: a drain of the non-finite counters alone, a replayed forward
+        (its checks count, its timings do not) or a sampled step."""
         if packet.counter_parts:
             parts = [packet.batch.get(("counters", k)) for k in range(packet.counter_parts)]
-            self.counters = fold_counters(parts, n)
+            self.counters = fold_counters(parts, len(self.names))
         if packet.record is None and not packet.sampled:  # a drain of the counters alone
             self._update_incident(packet.step, None)
             self._dirty = True
             return
-        # a replayed forward (packet.sampled False): its checks count, its timings do not
+        figures = self._read_record(packet, timer)
+        for i, values in enumerate(figures.absmax):
+            if values and not math.isfinite(_nanmax(values)):
+                self.fwd_nonfinite[i] += 1
+        if not packet.sampled and figures.finding is not None:
+            self._replayed = (packet.step, figures.finding)
+        self._update_incident(packet.step, figures.finding)
+        self._dirty = True
+        if packet.sampled:
+            self._add_sampled_step(packet, figures)
 
-        calls = [0] * n
-        fwd = [0.0] * n
-        bwd = [0.0] * n
-        recompute = [0.0] * n
-        recompute_calls = [0] * n
-        absmax: list[list[float]] = [[] for _ in range(n)]
-        zeros = [0.0] * n
-        numel = [0] * n
-        forward = None
-
+    def _read_record(self, packet: Packet, timer: Timer) -> StepFigures:
+        """Per-layer figures of the packet's record: times resolved from the timer's tokens
+        (which go back to its pool), activation reductions read from the batch."""
+        figures = StepFigures(len(self.names))
         rec = packet.record
-        if rec is not None:
-            try:
-                call_fwd, call_bwd, bwd_start = self._resolve_times(rec, timer)
-            finally:
-                timer.release(rec.tokens())
-            for call, entry in enumerate(rec.calls):
-                layer = entry[LAYER]
-                if call in rec.recompute:  # reported apart, never as forward time
-                    recompute_calls[layer] += 1
-                    recompute[layer] += call_fwd[call]
-                else:
-                    calls[layer] += 1
-                    fwd[layer] += call_fwd[call]
-                if call in call_bwd and packet.sampled:
-                    bwd[layer] += call_bwd[call]
-                    self.bwd_calls_total[layer] += 1
-            # activation values back in record order: act index -> (abs max, non-zeros)
-            lows, highs = packet.batch.get("act_min"), packet.batch.get("act_max")
-            nonzero_values = iter(packet.batch.get("nonzero"))
-            act_max: dict[int, float] = {}
-            for position, i in enumerate(packet.act_order):
-                call, _, _, nz_tensor, count = rec.act[i]
-                act_max[i] = m = _nanmax([-lows[position], highs[position]])
-                if call < 0:
-                    continue  # an input's check, not a layer output
-                layer = rec.calls[call][LAYER]
-                absmax[layer].append(m)
-                if nz_tensor is not None:
-                    zeros[layer] += count - next(nonzero_values)
-                    numel[layer] += count
-            forward = self._forward_roles(rec, act_max, bwd_start)
+        if rec is None:  # a sampled step without per-layer hooks (a compiled model)
+            return figures
+        try:
+            call_fwd, call_bwd, bwd_start = self._resolve_times(rec, timer)
+        finally:
+            timer.release(rec.tokens())
+        for call_id, call in enumerate(rec.calls):
+            layer = call.layer
+            if call_id in rec.recompute:  # reported apart, never as forward time
+                figures.recompute_calls[layer] += 1
+                figures.recompute[layer] += call_fwd[call_id]
+            else:
+                figures.calls[layer] += 1
+                figures.fwd[layer] += call_fwd[call_id]
+            if call_id in call_bwd:
+                figures.bwd[layer] += call_bwd[call_id]
+                figures.bwd_calls[layer] += 1
+        # activation values back in record order: act index -> (abs max, non-zeros)
+        lows, highs = packet.batch.get("act_min"), packet.batch.get("act_max")
+        nonzero_values = iter(packet.batch.get("nonzero"))
+        act_max: dict[int, float] = {}
+        for position, i in enumerate(packet.act_order):
+            act = rec.act[i]
+            act_max[i] = m = _nanmax([-lows[position], highs[position]])
+            if act.call < 0:
+                continue  # an input's check, not a layer output
+            layer = rec.calls[act.call].layer
+            figures.absmax[layer].append(m)
+            if act.nonzero is not None:
+                figures.zeros[layer] += act.sample_size - next(nonzero_values)
+                figures.numel[layer] += act.sample_size
+        figures.checked = bool(rec.act)
+        figures.finding = self._forward_roles(rec, act_max, bwd_start)
+        return figures
 
+    def _add_sampled_step(self, packet: Packet, figures: StepFigures) -> None:
+        """A sampled step's times go into the totals; its figures become the last ones."""
+        n = len(self.names)
         squares = [0.0] * n
         for part in range(packet.grad_parts):
             for i, v in enumerate(packet.batch.get(("grad_sq", part))):
                 squares[i] += v
-
-        loss = packet.loss
-        if packet.loss_in_batch:
-            loss = packet.batch.get("loss")[0]
-
         for i in range(n):
-            if absmax[i] and not math.isfinite(_nanmax(absmax[i])):
-                self.fwd_nonfinite[i] += 1
-        if not packet.sampled and forward is not None:
-            self._replayed = (packet.step, forward)
-        self._update_incident(packet.step, forward)
-        self._dirty = True
-        if not packet.sampled:
-            return
-        for i in range(n):
-            self.fwd_total[i] += fwd[i]
-            self.fwd_calls_total[i] += calls[i]
-            self.bwd_total[i] += bwd[i]
-            self.recompute_total[i] += recompute[i]
-            self.recompute_calls_total[i] += recompute_calls[i]
+            self.fwd_total[i] += figures.fwd[i]
+            self.fwd_calls_total[i] += figures.calls[i]
+            self.bwd_total[i] += figures.bwd[i]
+            self.bwd_calls_total[i] += figures.bwd_calls[i]
+            self.recompute_total[i] += figures.recompute[i]
+            self.recompute_calls_total[i] += figures.recompute_calls[i]
         previous = self._last
-        checked = rec is not None and bool(rec.act)
+        # a sampled step without activation statistics (activation_interval_s) keeps the
+        # last ones, so the gauges do not blink out between them
+        keep_activations = not figures.checked and previous
         self._last = {
-            "calls": calls,
-            "fwd": fwd,
-            "recompute": recompute,
-            "bwd": bwd,
+            "calls": figures.calls,
+            "fwd": figures.fwd,
+            "recompute": figures.recompute,
+            "bwd": figures.bwd,
             "grad": [math.sqrt(squares[i]) if i in packet.has_grad else None for i in range(n)],
-            # a sampled step without activation statistics (activation_interval_s) keeps
-            # the last ones, so the gauges do not blink out between them
-            "zero_ratio": [zeros[i] / numel[i] if numel[i] else None for i in range(n)]
-            if checked or not previous else previous["zero_ratio"],
-            "absmax": [_nanmax(absmax[i]) if absmax[i] else None for i in range(n)]
-            if checked or not previous else previous["absmax"],
+            "zero_ratio": previous["zero_ratio"] if keep_activations else
+            [figures.zeros[i] / figures.numel[i] if figures.numel[i] else None for i in range(n)],
+            "absmax": previous["absmax"] if keep_activations else
+            [_nanmax(figures.absmax[i]) if figures.absmax[i] else None for i in range(n)],
         }
         if packet.has_grad:
             self.grad_norm = math.sqrt(sum(squares[i] for i in packet.has_grad))
             self._flag_gradients(squares, packet.has_grad)
+        loss = packet.batch.get("loss")[0] if packet.loss_in_batch else packet.loss
         if loss is not None:
             self.loss = loss
         self.sampled_steps += 1
         self.last_sampled_step = packet.step
-        self._dirty = True  # layers are rebuilt when the next snapshot is taken
 
     def _flag_gradients(self, squares: list[float], has_grad: frozenset[int]) -> None:
         low, high = self.grad_norm_bounds
@@ -258,21 +212,20 @@ class Aggregator:
         """Which calls of a sampled step produced a NaN/Inf (finite inputs, non-finite
         output) and which passed one on (non-finite inputs); plus the backward order."""
         out_bad: dict[int, bool] = {}
-        for i, entry in enumerate(rec.act):
-            call = entry[0]
-            if call >= 0 and not math.isfinite(act_max[i]):
-                out_bad[call] = True
+        for i, act in enumerate(rec.act):
+            if act.call >= 0 and not math.isfinite(act_max[i]):
+                out_bad[act.call] = True
         in_bad: dict[int, bool] = {}
         for call, i in rec.inputs:
             if not math.isfinite(act_max[i]):
                 in_bad[call] = True
         producers, propagators = [], []
         for call in sorted(out_bad):
-            layer = self.names[rec.calls[call][LAYER]]
+            layer = self.names[rec.calls[call].layer]
             (propagators if in_bad.get(call) else producers).append(layer)
         start_of_layer: dict[int, float] = {}
         for call, t in bwd_start.items():
-            layer = rec.calls[call][LAYER]
+            layer = rec.calls[call].layer
             start_of_layer[layer] = min(start_of_layer.get(layer, math.inf), t)
         return ForwardFinding(producers, propagators, start_of_layer)
 
@@ -316,7 +269,7 @@ class Aggregator:
         self.first_nonfinite = NonFiniteEvent(layer, phase, first_step, propagators)
 
     def _resolve_times(
-        self, rec: StepRecord, timer: Any
+        self, rec: StepRecord, timer: Timer
     ) -> tuple[list[float], dict[int, float], dict[int, float]]:
         """Per forward call: exclusive forward seconds; per call with a backward: exclusive
         backward seconds and backward start (seconds from rec.ref)."""
@@ -327,11 +280,11 @@ class Aggregator:
         ncalls = len(rec.calls)
         span = [0.0] * ncalls
         outer = [0.0] * ncalls
-        for c, entry in enumerate(rec.calls):
-            if entry[END] is not None and entry[START] is not None:
-                span[c] = max(at(entry[END]) - at(entry[START]), 0.0)
-                if entry[OUTER_END] is not None:
-                    outer[c] = max(at(entry[OUTER_END]) - at(entry[OUTER_START]), 0.0)
+        for c, call in enumerate(rec.calls):
+            if call.end is not None and call.start is not None:
+                span[c] = max(at(call.end) - at(call.start), 0.0)
+                if call.outer_end is not None:
+                    outer[c] = max(at(call.outer_end) - at(call.outer_start), 0.0)
                 else:
                     outer[c] = span[c]
 
@@ -351,7 +304,7 @@ class Aggregator:
         for c, s in start.items():
             if c >= ncalls:
                 continue
-            e = end_of.get(c, param_end.get(rec.calls[c][LAYER]))
+            e = end_of.get(c, param_end.get(rec.calls[c].layer))
             if e is not None and e >= s:
                 bspan[c] = e - s
 
@@ -360,7 +313,7 @@ class Aggregator:
         fwd_excl = list(span)
         bwd_excl = dict(bspan)
         for c in range(ncalls):
-            parent = rec.calls[c][PARENT]
+            parent = rec.calls[c].parent
             if parent < 0:
                 continue
             fwd_excl[parent] -= outer[c]

@@ -291,9 +291,12 @@ class MetricsServer:
 
 
 def make_registry(collector: Collector, *, process_metrics: bool = True,
-                  extra: tuple[Collector, ...] = ()) -> CollectorRegistry:
-    """A registry of its own per profiler, so two profilers never mix their series."""
-    registry = CollectorRegistry(auto_describe=False)
+                  extra: tuple[Collector, ...] = (),
+                  registry: CollectorRegistry | None = None) -> CollectorRegistry:
+    """A registry of its own per profiler, so two profilers never mix their series (or the
+    one given, e.g. a test's)."""
+    if registry is None:
+        registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     for other in extra:
         registry.register(other)

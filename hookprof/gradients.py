@@ -30,7 +30,7 @@ class GradientNorms:
         self._index_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
         # DTensor parameters (FSDP2, tensor parallel) have DTensor gradients: known at attach,
         # so plain models skip the per-gradient lookup (this loop runs every step)
-        self._distributed = any(type(p).__name__ == "DTensor" for p in table.params)
+        self._distributed = table.has_dtensor_params
 
     def layer_squares(self) -> tuple[list[torch.Tensor], frozenset[int]]:
         """Per device: (squared L2 norm of each layer's gradients over that device's

@@ -1,4 +1,5 @@
-"""What happens when a NaN/Inf is seen: the on_nonfinite policies."""
+"""The reaction to a NaN/Inf: noticing new non-finite steps at step boundaries, keeping an
+incident open (every step sampled) until its layer is known, and the on_nonfinite policies."""
 
 from __future__ import annotations
 
@@ -7,12 +8,78 @@ import json
 import math
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from . import transfer
 from .config import Config
 from .errors import NonFiniteError
-from .health import log
+from .faults import log
+from .nonfinite import Detector
 from .snapshot import NonFiniteEvent, Snapshot
+
+if TYPE_CHECKING:
+    from .publisher import Publisher
+
+
+class IncidentResponse:
+    """Owns the NaN reaction of one profiler. The training thread calls `at_step_end` at
+    each step boundary and asks `open` when planning a step; nothing else writes its state.
+
+    Under "record" the news comes with each sampled step's drain of the device counters;
+    the other policies read one flag per step back from the device, without waiting for it,
+    and bring the counters over as soon as it shows something new."""
+
+    def __init__(self, config: Config, rank: int, detector: Detector, publisher: "Publisher",
+                 drain_counters: Callable[[], None]):
+        self._config = config
+        self._rank = rank
+        self._detector = detector
+        self._publisher = publisher
+        self._drain_counters = drain_counters
+        self._known_bad = 0  # non-finite steps already reacted to
+        self._open_until = 0  # sample every step up to this step number
+        self._acted = False  # the policy acts once per run: the first incident matters
+        self._flags: list[tuple[torch.device, tuple[Any, Any]]] = []  # device flags in flight
+        self._device_bad: dict[torch.device, int] = {}  # last flag read back per device
+
+    def open(self, step: int) -> bool:
+        """Is an incident open at `step`: recent, and its layer not known yet?"""
+        if step > self._open_until:
+            return False
+        event = self._publisher.latest.first_nonfinite
+        return event is None or event.layer is None
+
+    def at_step_end(self, step: int) -> None:
+        """Notice new non-finite steps and act on them (may raise NonFiniteError)."""
+        policy = self._config.on_nonfinite
+        if policy != "record":
+            self._poll_flag()
+        snap = self._publisher.latest
+        bad = sum(snap.nonfinite_steps.values())
+        if bad <= self._known_bad:
+            return
+        self._known_bad = bad
+        self._open_until = step + self._config.incident_steps
+        event = snap.first_nonfinite
+        if policy != "record" and event is not None and not self._acted:
+            self._acted = True
+            apply(policy, event, snap, self._config, self._rank)
+
+    def _poll_flag(self) -> None:
+        for device, c in self._detector.by_device.items():
+            self._flags.append((device, transfer.peek(c.phase_bad.sum().reshape(1))))
+        while self._flags and transfer.is_ready(self._flags[0][1][1]):
+            device, (host, _) = self._flags.pop(0)
+            # a host tensor whose copy has completed: no sync; counts are cumulative
+            self._device_bad[device] = int(host.sum())
+        seen = self._detector.host_total() + sum(self._device_bad.values())
+        if seen > self._known_bad:
+            # something went bad: bring the counters over now so layer, phase and step are known
+            self._drain_counters()
+            self._publisher.flush()
 
 
 def describe(event: NonFiniteEvent, rank: int) -> str:

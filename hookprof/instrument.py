@@ -24,17 +24,20 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 import torch
 
 from .compiled import is_compiling
-from .health import Health
+from .faults import Faults
 from .layers import LayerTable
+from .record import Activation, Call, StepRecord
+from .tensors import iter_tensors
+from .timing import Timer
 
-_MAX_TENSORS_PER_CALL = 8  # outputs/inputs looked at per call; a tuple of 1,000 is not a layer
 ZERO_SAMPLE = 4096  # values per output the zero ratio is computed from
 
 
@@ -47,78 +50,9 @@ def zero_sample(d: torch.Tensor) -> torch.Tensor:
 
 _NO_ATTRIBUTE = object()  # a module without an instance attribute `forward` of its own
 
-# positions in a forward call's entry
-LAYER, PARENT, OUTER_START, START, END, OUTER_END = range(6)
-
-
-class StepRecord:
-    """What the hooks of one sampled step wrote. Appends only: list.append is atomic, and
-    backward hooks may run on autograd worker threads."""
-
-    __slots__ = ("ref", "calls", "grad_ready", "param_done", "act", "param_hooked",
-                 "param_handles", "pending_marks", "out_stats", "inputs", "recompute")
-
-    def __init__(self, ref: Any):
-        self.ref = ref  # timer token taken when the step began
-        # one entry per forward call (call id = position):
-        # [layer, parent call or -1, outer start, start, end, outer end]; "outer" tokens
-        # include our own hook work, which a parent call must not count as its own time
-        self.calls: list[list[Any]] = []
-        # (roles, token): a gradient was ready at token; roles lists (call id, is_output): for
-        # an output the call's backward starts there, for an input the call's backward ends
-        self.grad_ready: list[tuple[list[tuple[int, bool]], Any]] = []
-        self.param_done: list[tuple[int, Any]] = []  # (layer, token): a parameter's grad accumulated
-        # (call, min, max, non-zeros in the zero sample or None, sample size) per floating
-        # output; call is -1 for an input that was no instrumented layer's output
-        self.act: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, int]] = []
-        self.param_hooked: set[int] = set()
-        self.param_handles: list[Any] = []
-        # (autograd node, call id, is_output) not yet hooked: during the root module's training
-        # forward they gather until it returns, so one pre-hook per node serves every role
-        # (one layer's output is the next one's input); elsewhere each call hooks its own
-        self.pending_marks: list[tuple[Any, int, bool]] = []
-        # id(tensor) -> (weakref, version, index in act) of outputs already reduced, so a
-        # layer's input that is another layer's output is not reduced twice
-        self.out_stats: dict[int, tuple[Any, int, int]] = {}
-        self.inputs: list[tuple[int, int]] = []  # (call, index in act) of each floating input
-        # calls made while backward runs: activation checkpointing recomputing a forward
-        self.recompute: set[int] = set()
-
-    def tokens(self) -> Iterator[Any]:
-        """Every timer token in the record, so the timer can take pooled events back."""
-        yield self.ref
-        for entry in self.calls:
-            yield from (t for t in entry[OUTER_START:] if t is not None)
-        yield from (t for _, t in self.grad_ready)
-        yield from (t for _, t in self.param_done)
-
-
 # -1 unless the autograd engine runs a backward pass on this thread: a forward call then is
 # a recomputation (torch.utils.checkpoint, reentrant or not)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-def iter_tensors(value: Any, limit: int = _MAX_TENSORS_PER_CALL) -> Iterable[torch.Tensor]:
-    """Tensors in a module's inputs or outputs: tensors, tuples/lists, dict values."""
-    if isinstance(value, torch.Tensor):
-        return (value,)
-    if type(value) is tuple and len(value) == 1 and isinstance(value[0], torch.Tensor):
-        return value  # the common case: forward(x)
-    return _walk_tensors(value, limit)
-
-
-def _walk_tensors(value: Any, limit: int) -> Iterator[torch.Tensor]:
-    stack = [value]
-    found = 0
-    while stack and found < limit:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            found += 1
-            yield item
-        elif isinstance(item, (tuple, list)):
-            stack.extend(reversed(item))
-        elif isinstance(item, dict):
-            stack.extend(reversed(list(item.values())))
 
 
 class ForwardWrapper:
@@ -158,13 +92,13 @@ class LayerHooks:
     """The per-layer instrumentation of sampled steps. It stays installed across consecutive
     sampled steps (only the record changes) and is removed for unsampled ones."""
 
-    def __init__(self, table: LayerTable, timer: Any, health: Health, activation_stats: bool,
+    def __init__(self, table: LayerTable, timer: Timer, faults: Faults, activation_stats: bool,
                  root: torch.nn.Module | None = None):
         self._table = table
         self._timer = timer
-        self._health = health
+        self._faults = faults
         self._root = root
-        self.activation_stats = activation_stats  # switched per step by the profiler
+        self._activation_stats = activation_stats  # per step: begin(activation_stats=...)
         # dead units are a property of activation outputs: the zero ratio is taken for layers
         # without parameters of their own (ReLU, GELU, Dropout, pooling), not for Linear/Conv
         # outputs, which are almost never exactly zero
@@ -174,22 +108,67 @@ class LayerHooks:
         self._wrapped: list[tuple[torch.nn.Module, Any, Any]] = []
         self._rec: StepRecord | None = None
         self._local = threading.local()  # each thread's stack of open forward calls
-        self.replaying = False  # a forward replayed under no_grad to find a NaN's producer
-        self.paused = False  # inside an evaluation pass of the root module (set by the profiler)
+        # the three states below change only through the methods that say what happened:
+        # a forward replayed under no_grad to find a NaN's producer (replaying_into)
+        self._replaying = False
+        self._paused = False  # inside an evaluation pass of the root module
         # inside the root module's training forward: a region run under no_grad there is a
-        # reentrant activation checkpoint's first pass, part of the step (set by the profiler)
-        self.in_training_forward = False
+        # reentrant activation checkpoint's first pass, part of the step
+        self._in_training_forward = False
 
     @property
     def installed(self) -> bool:
         return bool(self._handles or self._wrapped)
 
-    def begin(self, rec: StepRecord, install: bool = True) -> None:
-        """Start recording a sampled step into `rec`, installing the hooks if needed."""
+    @property
+    def replaying(self) -> bool:
+        return self._replaying
+
+    def begin(self, rec: StepRecord, install: bool = True, *, activation_stats: bool | None = None) -> None:
+        """Start recording a sampled step into `rec`, installing the hooks if needed; with
+        `activation_stats`, switch the per-layer output checks for this step."""
         self._rec = rec
         self._local = threading.local()
+        if activation_stats is not None:
+            self._activation_stats = activation_stats
         if install:
             self.install()
+
+    def root_forward_began(self, training: bool) -> None:
+        """The root module's forward starts: a training pass (grad enabled, train mode) or
+        an evaluation pass, which the layer hooks ignore until the next training forward."""
+        # marks noted by a forward that raised (no root output hook ran) would keep that
+        # forward's graph alive: an out-of-memory retry must find its memory free
+        self.drop_pending()
+        self._paused = not training
+        self._in_training_forward = training
+
+    def root_output_arrived(self) -> bool:
+        """The root module's forward returned; True when it was a training pass. The
+        backward marks its calls noted are registered now, in one loop."""
+        if self._in_training_forward:
+            self._in_training_forward = False
+            self.mark_pending()
+        return not self._paused
+
+    @contextmanager
+    def replaying_into(self, rec: StepRecord) -> Iterator[None]:
+        """Record a replayed forward into `rec`, with the output checks on (they are what the
+        replay is for); afterwards the hooks are as they were."""
+        installed = self.installed
+        stats_were_on = self._activation_stats
+        self._replaying = True
+        self._activation_stats = True
+        try:
+            self.begin(rec)
+            yield
+        finally:
+            self._replaying = False
+            self._activation_stats = stats_were_on
+            if installed:
+                self.end()
+            else:
+                self.remove()
 
     def install(self) -> None:
         if self.installed:
@@ -258,8 +237,8 @@ class LayerHooks:
         if is_compiling():  # traced by Dynamo: no clock, no tensor reads, no graph break
             return False
         rec = self._rec
-        if rec is None or self.paused or self._health.broken or not (
-                torch.is_grad_enabled() or self.replaying or self.in_training_forward):
+        if rec is None or self._paused or self._faults.broken or not (
+                torch.is_grad_enabled() or self._replaying or self._in_training_forward):
             return False
         try:
             mark = self._timer.mark
@@ -269,13 +248,10 @@ class LayerHooks:
                 stack = self._local.stack = []
             # the outer marks (hook work included) matter only to a parent call, which must
             # not count our work as its own: a call without an instrumented parent skips them
-            if stack:
-                entry = [layer_index, stack[-1], mark(), None, None, None]
-            else:
-                entry = [layer_index, -1, None, None, None, None]
+            entry = Call(layer_index, stack[-1], mark()) if stack else Call(layer_index, -1)
             call = len(rec.calls)
             rec.calls.append(entry)
-            recompute = not self.replaying and _graph_task_id() != -1
+            recompute = not self._replaying and _graph_task_id() != -1
             if recompute:
                 rec.recompute.add(call)
             inputs_need_grad = False
@@ -286,17 +262,17 @@ class LayerHooks:
                 if node is not None:
                     inputs_need_grad = True
                     rec.pending_marks.append((node, call, False))
-                if self.activation_stats and not recompute and t.is_floating_point() and t.numel():
+                if self._activation_stats and not recompute and t.is_floating_point() and t.numel():
                     self._note_input(rec, t, call)
             if not inputs_need_grad and layer_index not in rec.param_hooked:
                 self._hook_params(rec, layer_index)
-            if recompute or not self.in_training_forward:
+            if recompute or not self._in_training_forward:
                 self.mark_pending()
             stack.append(call)
-            entry[START] = mark()  # last: our own work stays outside the span
+            entry.start = mark()  # last: our own work stays outside the span
             return True
         except Exception as exc:  # invariant 3: count, log once, switch off
-            self._health.report("forward pre-hook", exc)
+            self._faults.report("forward pre-hook", exc)
             return False
 
     def _leave(self, layer_index: int, output: Any) -> None:
@@ -306,11 +282,11 @@ class LayerHooks:
         try:
             end = self._timer.mark()  # first: our own work stays outside the span
         except Exception as exc:  # invariant 3 holds for the clock too
-            self._health.report("forward hook", exc)
+            self._faults.report("forward hook", exc)
             return
         rec = self._rec
-        if rec is None or self.paused or self._health.broken or not (
-                torch.is_grad_enabled() or self.replaying or self.in_training_forward):
+        if rec is None or self._paused or self._faults.broken or not (
+                torch.is_grad_enabled() or self._replaying or self._in_training_forward):
             return
         try:
             stack = getattr(self._local, "stack", None)
@@ -318,8 +294,8 @@ class LayerHooks:
                 return  # the call began before this step's recording did
             call = stack.pop()
             entry = rec.calls[call]
-            entry[END] = end
-            stats = self.activation_stats and call not in rec.recompute  # seen on the first pass
+            entry.end = end
+            stats = self._activation_stats and call not in rec.recompute  # seen on the first pass
             for t in iter_tensors(output):
                 node = t.grad_fn
                 if stats and t.is_floating_point() and t.numel():
@@ -332,17 +308,17 @@ class LayerHooks:
                     rec.out_stats[id(t)] = (weakref.ref(t), t._version, len(rec.act))
                     if self._zero_ratio[layer_index]:
                         sample = zero_sample(d)
-                        rec.act.append((call, low, high, torch.count_nonzero(sample), sample.numel()))
+                        rec.act.append(Activation(call, low, high, torch.count_nonzero(sample), sample.numel()))
                     else:
-                        rec.act.append((call, low, high, None, 0))
+                        rec.act.append(Activation(call, low, high, None, 0))
                 if node is not None:
                     rec.pending_marks.append((node, call, True))
-            if not self.in_training_forward or call in rec.recompute:
+            if not self._in_training_forward or call in rec.recompute:
                 self.mark_pending()
-            if entry[PARENT] >= 0:
-                entry[OUTER_END] = self._timer.mark()
+            if entry.parent >= 0:
+                entry.outer_end = self._timer.mark()
         except Exception as exc:
-            self._health.report("forward hook", exc)
+            self._faults.report("forward hook", exc)
 
     def _note_input(self, rec: StepRecord, t: torch.Tensor, call: int) -> None:
         """Finiteness of a call's input, to tell the layer that produced a NaN (finite inputs,
@@ -354,7 +330,7 @@ class LayerHooks:
             return
         low, high = torch.aminmax(t.detach())
         rec.inputs.append((call, len(rec.act)))
-        rec.act.append((-1, low, high, None, 0))
+        rec.act.append(Activation(-1, low, high, None, 0))
 
     def _hook_params(self, rec: StepRecord, layer_index: int) -> None:
         rec.param_hooked.add(layer_index)
@@ -389,7 +365,7 @@ class LayerHooks:
             for node, roles in nodes:
                 node.register_prehook(partial(ready, rec, roles))
         except Exception as exc:
-            self._health.report("forward hook", exc)
+            self._faults.report("forward hook", exc)
 
     def drop_pending(self) -> None:
         """Forget marks a forward noted but never registered (it raised)."""
@@ -401,10 +377,10 @@ class LayerHooks:
         try:
             rec.grad_ready.append((roles, self._timer.mark()))  # roles are expanded off-thread
         except Exception as exc:
-            self._health.report("backward hook", exc)
+            self._faults.report("backward hook", exc)
 
     def _param_done(self, rec: StepRecord, layer_index: int, param: torch.Tensor) -> None:
         try:
             rec.param_done.append((layer_index, self._timer.mark()))
         except Exception as exc:
-            self._health.report("gradient hook", exc)
+            self._faults.report("gradient hook", exc)

@@ -67,5 +67,10 @@ class LayerTable:
     def names(self) -> list[str]:
         return [layer.name for layer in self.layers]
 
+    @property
+    def has_dtensor_params(self) -> bool:
+        """FSDP2 or tensor parallel: parameters (and so gradients) are DTensor shards."""
+        return any(type(p).__name__ == "DTensor" for p in self.params)
+
     def param_devices(self) -> set[torch.device]:
         return {p.device for p in self.params}

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .instrument import iter_tensors
+from .tensors import iter_tensors
 
 PHASE_INDEX = {"forward": 0, "backward": 1, "loss": 2}
 

@@ -1,9 +1,12 @@
-"""`attach()` and the Profiler: step boundaries, sampling, and the hand-off to the publisher.
+"""`attach()` and the Profiler: the life of one step, and the wiring of everything else.
 
-The training thread does three things here: count the step, decide once whether the next
-step is sampled (and install or remove the per-layer hooks accordingly), and at the end of
-a sampled step start one batched device-to-host copy. Everything else happens on the
-publisher thread.
+The training thread does little here: at the root module's forward it notes that a step
+began; at the step boundary (a torch.optim step of this model's parameters, or
+`prof.step()`) it reads the gradients on the device, counts the step, packs a sampled step's
+scalars for their one device-to-host copy, lets the incident response look at what the
+publisher knows, and plans the next step (sampled or not, hooks in or out). Per-layer hooks
+(instrument.py), folding (aggregate.py, on the publisher thread) and serving (exporter.py,
+server.py) live elsewhere.
 """
 
 from __future__ import annotations
@@ -15,20 +18,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from prometheus_client import CollectorRegistry
 from torch import nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
 
-from .aggregate import Aggregator, Packet, StepCounters
-from . import transfer
-from .batch import ScalarBatch
-from .config import Config, env_disabled
-from .distributed import detect_local_rank, detect_rank
-from .errors import AlreadyAttachedError, DetachedError, NonFiniteError
-from .nonfinite import Detector, loss_flag, nonfinite_flags
-from . import incident as incident_policy
+from .aggregate import Aggregator
 from .compiled import (
     CompileProbe,
     explain_attached_after_compile,
@@ -36,17 +33,23 @@ from .compiled import (
     is_compiling,
     unwrap_compiled,
 )
+from .config import Config, env_disabled
+from .distributed import detect_local_rank, detect_rank
+from .errors import AlreadyAttachedError, DetachedError, NonFiniteError
 from .exporter import MetricsServer, SnapshotCollector, make_registry
-from .system import SystemCollector, SystemSampler
+from .faults import Faults, ThreadSupervisor
 from .gradients import GradientNorms
-from .health import Health
-from .instrument import LayerHooks, StepRecord
+from .incident import IncidentResponse
+from .instrument import LayerHooks
 from .layers import LayerTable
+from .nonfinite import Detector, loss_flag, nonfinite_flags
 from .publisher import Publisher
+from .record import PendingStep, StepCounters, StepRecord, pack_step
 from .replay import ForwardReplay
-from .sampling import Sampler
+from .sampling import UNSAMPLED, StepPlanner
 from .snapshot import Snapshot
-from .timing import timer_for
+from .system import SystemCollector, SystemSampler
+from .timing import Timer, timer_for
 
 _live: set["Profiler"] = set()  # profilers not yet detached: the only global state
 _live_lock = threading.Lock()
@@ -81,6 +84,10 @@ class Profiler:
     Steps are counted at each `torch.optim` optimizer step that updates this model's
     parameters (global optimizer hooks), so a plain training loop needs no other call.
     Calling `step(loss)` marks boundaries explicitly instead, from its first call on.
+
+    The keyword arguments are collaborators a test (or an embedding program) may replace:
+    the host clocks, the timer of layer calls, the prometheus_client registry the metrics
+    are registered in, and the publisher (a class or factory with Publisher's signature).
     """
 
     enabled = True
@@ -92,7 +99,9 @@ class Profiler:
         *,
         clock: Callable[[], int] = time.perf_counter_ns,
         wall_clock: Callable[[], float] = time.time,
-        timer: Any = None,
+        timer: Timer | None = None,
+        registry: CollectorRegistry | None = None,
+        publisher: Callable[..., Publisher] = Publisher,
     ):
         model, self._compiled = unwrap_compiled(model)
         self.model = model
@@ -115,24 +124,20 @@ class Profiler:
         self._param_ids = frozenset(id(p) for p in self.table.params)
         self.rank = config.rank if config.rank is not None else detect_rank()
         local_rank = config.local_rank if config.local_rank is not None else detect_local_rank()
-        self.timer = timer if timer is not None else timer_for(self.table.param_devices())
-        self._health = Health()
+        self.timer: Timer = timer if timer is not None else timer_for(self.table.param_devices())
+
+        # the parts, each the one owner of its state
+        self._faults = Faults()
         self._counters = StepCounters(config.max_skipped_steps)
-        self._sampler = Sampler(config.sample_every, config.min_sample_interval_s)
+        self._planner = StepPlanner(config.sample_every, config.min_sample_interval_s,
+                                    config.activation_stats, config.activation_interval_s)
         self._gradients = GradientNorms(self.table)
         self._detector = Detector(len(self.table))
-        self._replay = ForwardReplay(model)
-        # the root module is a layer of its own when it owns parameters directly
-        self._root_layer = next((layer.index for layer in self.table.layers if layer.module is model), None)
-        if any(type(p).__name__ == "DTensor" for p in self.table.params):
-            # FSDP2 / tensor parallel: re-running the forward on one rank would start
-            # all-gathers the other ranks never join. A forward NaN is localised on the
-            # following (sampled) steps instead.
-            self._replay.done = True
-        self._forward_peek: Any = None  # (host flag, ready event) of this step's output check
-        # a parameter whose gradient tells "backward ran, then zero_grad" (GradScaler skips)
-        self._sentinel = next((p for p in self.table.params if p.requires_grad), None)
-        self._hooks = LayerHooks(self.table, self.timer, self._health, config.activation_stats,
+        # FSDP2 / tensor parallel: re-running the forward on one rank would start all-gathers
+        # the other ranks never join, so a forward NaN is localised on the following
+        # (sampled) steps instead
+        self._replay = ForwardReplay(model, enabled=not self.table.has_dtensor_params)
+        self._hooks = LayerHooks(self.table, self.timer, self._faults, config.activation_stats,
                                  root=model)
         aggregator = Aggregator(
             self.table.names,
@@ -141,14 +146,18 @@ class Profiler:
             config.max_layers,
             (config.vanishing_grad_norm, config.exploding_grad_norm),
         )
-        self._publisher = Publisher(
+        self._publisher = publisher(
             aggregator,
             self._counters,
-            self._health,
+            self._faults,
             self.timer,
             config.publish_interval_s,
             name=f"hookprof-publisher-rank{self.rank}",
         )
+        self._incidents = IncidentResponse(config, self.rank, self._detector, self._publisher,
+                                           self._drain_counters)
+        self._supervisor = ThreadSupervisor(self._faults)
+        self._supervisor.watch("publisher", self._publisher)
         self.collector = SnapshotCollector(lambda: self._publisher.latest, torch.__version__,
                                            lambda: self._publisher.alive)
         self._system: SystemSampler | None = None
@@ -161,30 +170,28 @@ class Profiler:
             )
             extra = (SystemCollector(lambda: self._system.latest, self.rank),)
         self.registry = make_registry(self.collector, process_metrics=config.system_metrics,
-                                      extra=extra)
+                                      extra=extra, registry=registry)
 
-        # step state, touched by the training thread only
-        self._sampled = False
-        self._rec: StepRecord | None = None
-        self._grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None
-        self._pending: tuple[ScalarBatch, Packet] | None = None  # ended, not yet sent
-        self._step_start_ns: int | None = None
-        self._forward_seen = False
-        self._root_seen = False
-        self._closed_by_optimizer = False
-        self._manual = False
-        self._detached = False
-        self._optimizer_seen = False  # an optimizer owning our parameters has stepped
-        self._stepped = False  # ... in the current step
-        self._known_bad = 0  # non-finite steps the training thread has already reacted to
-        self._incident_until = 0  # sample every step up to this step number
-        self._flags: list[Any] = []  # per-step device flags in flight (policies but "record")
-        self._acted = False
-        self._checked = False  # this step has per-layer output checks
-        self._last_checked_ns = -(1 << 62)
-        self._check_interval_ns = int(config.activation_interval_s * 1e9)
-        self._device_bad: dict[torch.device, int] = {}  # last flag read back per device
+        # the root layer, when the root module owns parameters directly, keeps a hook pair
+        self._root_layer = next((layer.index for layer in self.table.layers if layer.module is model), None)
+        # a parameter whose gradient tells "backward ran, then zero_grad" (GradScaler skips)
+        self._sentinel = next((p for p in self.table.params if p.requires_grad), None)
         self._opt_owns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+        # the current step, touched by the training thread only
+        self._plan = UNSAMPLED  # sampled? with output checks?
+        self._rec: StepRecord | None = None  # what a sampled step's hooks write
+        self._grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None
+        self._pending: PendingStep | None = None  # a sampled step ended, not yet sent
+        self._step_start_ns: int | None = None
+        # step boundaries: who ends a step, and what this one has seen so far
+        self._manual = False  # prof.step() has been called: only it ends steps
+        self._root_seen = False  # the root module's forward has run at least once
+        self._forward_seen = False  # ... in this step
+        self._optimizer_seen = False  # an optimizer owning our parameters has stepped
+        self._stepped = False  # ... in this step
+        self._closed_by_optimizer = False  # this step was ended by the optimizer hook
+        self._detached = False
 
         self._server: MetricsServer | None = None
         self._handles: list[Any] = []
@@ -195,6 +202,7 @@ class Profiler:
                     self.registry, config.addr, port, version=self._page_version,
                     certfile=config.tls_certfile,
                     keyfile=config.tls_keyfile, client_cafile=config.tls_client_cafile)
+                self._supervisor.watch("metrics server", self._server)
             if self._compiled:
                 # a hook added now would force a recompile, and do nothing in the graph
                 explain_attached_after_compile()
@@ -230,6 +238,11 @@ class Profiler:
     def detached(self) -> bool:
         return self._detached
 
+    @property
+    def steps(self) -> int:
+        """Steps counted so far (a host counter: never waits)."""
+        return self._counters.steps
+
     def snapshot(self) -> Snapshot:
         """The latest published statistics (see hookprof.Snapshot). Call `flush()` first to
         include everything up to now."""
@@ -256,9 +269,9 @@ class Profiler:
                 self._closed_by_optimizer = False
                 self._check_loss(loss, self._counters.steps)
                 if self._pending is not None and loss is not None:
-                    self._add_loss(self._pending, loss)
+                    self._pending.add_loss(loss)
                 self._dispatch()
-                self._react(self._counters.steps)
+                self._incidents.at_step_end(self._counters.steps)
                 return
             self._check_loss(loss, self._counters.steps + 1)
             skipped = self._optimizer_seen and not self._stepped and self._forward_seen
@@ -267,7 +280,7 @@ class Profiler:
         except NonFiniteError:
             raise
         except Exception as exc:
-            self._health.report("step boundary", exc)
+            self._faults.report("step boundary", exc)
 
     def detach(self) -> None:
         """Remove every hook, send the last sample, stop the thread and the server. Idempotent."""
@@ -278,7 +291,7 @@ class Profiler:
             self._dispatch()
             self._drain_counters()  # counters of the steps since the last sample
         except Exception as exc:
-            self._health.report("detach", exc, disable=False)
+            self._faults.report("detach", exc, disable=False)
         self._teardown()
 
     def __enter__(self) -> "Profiler":
@@ -292,42 +305,33 @@ class Profiler:
         state = "detached" if self._detached else "attached"
         return f"<hookprof.Profiler {type(self.model).__qualname__} rank={self.rank} {where} {state}>"
 
-    # ---------------- step machinery (training thread) ----------------
-
-    def _teardown(self) -> None:
-        self._detached = True
-        self._hooks.remove()
-        if self._rec is not None:  # a sampled step that never ended: its events go back
-            self.timer.release(self._rec.tokens())
-            self._rec = None
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._publisher.stop()
-        if self._system is not None:
-            self._system.stop()
-        if self._server is not None:
-            self._server.close()
-        with _live_lock:
-            _live.discard(self)
-
-    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        groups = optimizer.param_groups
-        key = sum(len(g["params"]) for g in groups)
-        cached = self._opt_owns.get(optimizer)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        owns = any(id(p) in self._param_ids for g in groups for p in g["params"])
-        self._opt_owns[optimizer] = (key, owns)
-        return owns
-
     def __deepcopy__(self, memo: dict) -> "Profiler":
         return _inert_copy()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_inert_copy, ())
 
+    # ---------------- the life of one step (training thread) ----------------
+
+    def _begin_step(self, number: int, now_ns: int) -> None:
+        """Plan step `number`: sampled or not, with output checks or not; hooks in or out."""
+        if self._compile_probe.seen and not self._compiled:
+            self._compiled = True
+            explain_compiled_forward()
+        incident = self._incidents.open(number)  # an open incident samples every step
+        self._plan = self._planner.plan(number, now_ns, incident=incident, broken=self._faults.broken)
+        self._grad_squares = None
+        if self._plan.sampled and not self._compiled:
+            self._rec = StepRecord(self.timer.mark())
+            # the first step's hooks go in at its first eager forward (_on_root_forward):
+            # a model compiled after attach() must never see them, or Dynamo recompiles
+            self._hooks.begin(self._rec, install=number > 1, activation_stats=self._plan.checked)
+        elif self._hooks.installed:
+            self._hooks.remove()
+
     def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """The root module's forward begins: the step has begun (or a new one, when the
+        GradScaler skipped the last); its inputs are kept for a replay."""
         if self._detached:  # a copy of the model (see _inert_copy)
             return
         if is_compiling():
@@ -335,18 +339,14 @@ class Profiler:
             return
         if self._hooks.replaying:
             return
-        # marks noted by a forward that raised (no root output hook ran) would keep that
-        # forward's graph alive: an out-of-memory retry must find its memory free
-        self._hooks.drop_pending()
         # evaluation passes (under no_grad / inference_mode, or with the model in eval mode)
-        # are not training steps: the layer hooks ignore them until the next training forward
-        evaluating = not torch.is_grad_enabled() or not module.training
-        self._hooks.paused = evaluating
-        self._hooks.in_training_forward = not evaluating
-        if evaluating:
+        # are not training steps
+        training = torch.is_grad_enabled() and module.training
+        self._hooks.root_forward_began(training)
+        if not training:
             return
         try:
-            if not self._replay.done and not self._checked:
+            if not self._plan.checked:  # an unchecked step may need a replay
                 self._replay.capture(args, kwargs)
             self._root_seen = True
             if self._rec is not None and not self._hooks.installed:
@@ -365,7 +365,7 @@ class Profiler:
                 if self._step_start_ns is None:
                     self._step_start_ns = self._clock()
         except Exception as exc:
-            self._health.report("forward pre-hook", exc)
+            self._faults.report("forward pre-hook", exc)
 
     def _skipped_by_scaler(self) -> bool:
         return (
@@ -377,12 +377,11 @@ class Profiler:
         )
 
     def _on_root_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The root module's forward returned: check its output (every step)."""
         if self._detached or is_compiling() or self._hooks.replaying:
             return
-        if self._hooks.in_training_forward:
-            self._hooks.in_training_forward = False
-            self._hooks.mark_pending()
-        if self._hooks.paused or not torch.is_grad_enabled():
+        training = self._hooks.root_output_arrived()
+        if not training or not torch.is_grad_enabled():
             return
         try:
             # every step: one reduction of the model's output, counted where its result is
@@ -390,65 +389,29 @@ class Profiler:
             step = self._counters.steps + 1
             for flag in flags:
                 self._detector.add_flag("forward", flag, step)
-            if flags and not self._replay.done and not self._checked:
-                if any(f is True for f in flags):
-                    self._forward_peek = (True, None)
-                    self._maybe_replay()  # known at once: the parameters are still this step's
-                else:
-                    on_device = [f for f in flags if isinstance(f, torch.Tensor)]
-                    if on_device:
-                        self._forward_peek = transfer.peek(torch.stack(on_device).any())
+            if flags and not self._plan.checked and self._replay.note_output(flags):
+                self._replay_forward()  # known at once: the parameters are still this step's
             # the last sampled step goes to the publisher here rather than before this
             # forward: its Python work then overlaps the backward pass, which seldom needs
             # the GIL, not the forward, which needs it at every module call
             self._dispatch()
         except Exception as exc:
-            self._health.report("forward hook", exc)
-
-    def _maybe_replay(self) -> None:
-        """If this step's output went non-finite on an unsampled step, replay its forward with
-        the per-layer checks on, before the optimizer changes the parameters."""
-        peek, self._forward_peek = self._forward_peek, None
-        if peek is None or not transfer.is_ready(peek[1]):
-            return
-        host_flag = peek[0]
-        if not bool(host_flag):  # a host tensor (or a completed copy): no device sync
-            return
-        rec = StepRecord(self.timer.mark())
-        if self._replay.run(self._hooks, rec):
-            self._submit_replay(rec)
-
-    def _submit_replay(self, rec: StepRecord) -> None:
-        batch = ScalarBatch()
-        act_order = self._add_activations(batch, rec)
-        blocks = self._add_counters(batch)
-        packet = Packet(step=self._counters.steps + 1, record=rec, sampled=False,
-                        act_order=act_order, counter_parts=blocks)
-        packet.batch = batch.send()
-        self._publisher.submit(packet)
-
-    def _check_loss(self, loss: Any, step: int) -> None:
-        if loss is None:
-            return
-        self._detector.add_flag("loss", loss_flag(loss), step)
-
-    def _in_step(self) -> bool:
-        # the root forward pre-hook tells a new step from a second optimizer of the same
-        # step; a model driven without calling its root falls back to "every step ends one"
-        return self._forward_seen or not self._root_seen
+            self._faults.report("forward hook", exc)
 
     def _on_optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """An optimizer is about to update: the gradients are final, the parameters still
+        this step's (the last moment for a replay)."""
         if is_compiling():  # a compiled optimizer step: nothing to do inside its graph
             return
         try:
             if self._in_step() and self._owns(optimizer):
                 self._optimizer_seen = self._stepped = True
-                if self._forward_peek is not None:
-                    self._maybe_replay()
+                if self._replay.waiting:
+                    self._replay_forward()
                 if self._grad_squares is None:
                     self._take_gradients()
         except Exception as exc:
-            self._health.report("optimizer pre-hook", exc)
+            self._faults.report("optimizer pre-hook", exc)
 
     def _on_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if is_compiling():
@@ -459,193 +422,104 @@ class Profiler:
         except NonFiniteError:
             raise
         except Exception as exc:
-            self._health.report("optimizer hook", exc)
-
-    def _take_gradients(self) -> None:
-        """Per-layer squared gradient norms, folded into the device counters: on every step
-        with nonfinite_check="all", else on sampled steps."""
-        if self._health.broken or not (self._sampled or self.config.nonfinite_check == "all"):
-            return
-        self._grad_squares = self._gradients.layer_squares()
-        self._detector.add_layer_squares(self._grad_squares[0], self._counters.steps + 1)
-
-    def _begin_step(self, number: int, now_ns: int) -> None:
-        if self._compile_probe.seen and not self._compiled:
-            self._compiled = True
-            explain_compiled_forward()
-        # an open incident (a NaN/Inf whose layer is not known yet) samples every step
-        incident = number <= self._incident_until and not self._localised()
-        self._sampled = not self._health.broken and (
-            self._sampler.should_sample(number, now_ns) or incident
-        )
-        # per-layer output checks on this step? (rate-limited apart from sampling)
-        self._checked = self._sampled and self.config.activation_stats and (
-            incident or now_ns - self._last_checked_ns >= self._check_interval_ns
-        )
-        if self._checked:
-            self._last_checked_ns = now_ns
-        self._hooks.activation_stats = self._checked
-        self._grad_squares = None
-        if self._sampled and not self._compiled:
-            self._rec = StepRecord(self.timer.mark())
-            # the first step's hooks go in at its first eager forward (_on_root_forward):
-            # a model compiled after attach() must never see them, or Dynamo recompiles
-            self._hooks.begin(self._rec, install=number > 1)
-        elif self._hooks.installed:
-            self._hooks.remove()
+            self._faults.report("optimizer hook", exc)
 
     def _end_step(self, loss: Any, *, by_optimizer: bool, skipped: bool = False) -> None:
-        if self._forward_peek is not None and not skipped:
-            self._maybe_replay()  # no optimizer hook ran: the parameters are still this step's
+        """The step boundary: count the step, pack a sampled step, react, plan the next."""
+        if self._replay.waiting and not skipped:
+            self._replay_forward()  # no optimizer hook ran: the parameters are still this step's
         now = self._clock()
         start = self._step_start_ns if self._step_start_ns is not None else now
         if not skipped and self._grad_squares is None:
             self._take_gradients()  # no optimizer hook ran (prof.step() without one)
         number = self._counters.observe((now - start) * 1e-9, self._wall_clock(), skipped)
         self._stepped = False
-        if self._sampled:
+        if self._plan.sampled:
             self._hooks.end()
-            if not self._health.broken:  # a step whose hooks failed half-way is no sample
+            if not self._faults.broken:  # a step whose hooks failed half-way is no sample
                 self._dispatch()  # a sample still pending from an earlier step goes first
-                self._pending = self._build_packet(number, loss)
+                self._pending = pack_step(number, self._rec, self._detector.blocks(),
+                                          grad_squares=self._grad_squares, loss=loss)
             elif self._rec is not None:
                 self.timer.release(self._rec.tokens())
         self._rec = None
         self._step_start_ns = now
         self._forward_seen = False
         self._closed_by_optimizer = by_optimizer
-        self._react(number)
+        self._incidents.at_step_end(number)
         self._begin_step(number + 1, now)
 
-    def _localised(self) -> bool:
-        event = self._publisher.latest.first_nonfinite
-        return event is not None and event.layer is not None
+    # ---------------- what the step boundary calls on ----------------
 
-    def _react(self, number: int) -> None:
-        """At a step boundary: notice new NaN/Inf steps and act on them. Under "record" the
-        news comes with each sampled step's drain; the other policies read one flag per step
-        back from the device, without waiting for it."""
-        if self.config.on_nonfinite != "record":
-            self._poll_flag()
-        snap = self._publisher.latest
-        bad = sum(snap.nonfinite_steps.values())
-        if bad <= self._known_bad:
+    def _in_step(self) -> bool:
+        # the root forward pre-hook tells a new step from a second optimizer of the same
+        # step; a model driven without calling its root falls back to "every step ends one"
+        return self._forward_seen or not self._root_seen
+
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        groups = optimizer.param_groups
+        key = sum(len(g["params"]) for g in groups)
+        cached = self._opt_owns.get(optimizer)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        owns = any(id(p) in self._param_ids for g in groups for p in g["params"])
+        self._opt_owns[optimizer] = (key, owns)
+        return owns
+
+    def _take_gradients(self) -> None:
+        """Per-layer squared gradient norms, folded into the device counters: on every step
+        with nonfinite_check="all", else on sampled steps."""
+        if self._faults.broken or not (self._plan.sampled or self.config.nonfinite_check == "all"):
             return
-        self._known_bad = bad
-        self._incident_until = number + self.config.incident_steps
-        event = snap.first_nonfinite
-        if self.config.on_nonfinite != "record" and event is not None and not self._acted:
-            self._acted = True  # once per run: the first incident is the one that matters
-            incident_policy.apply(self.config.on_nonfinite, event, snap, self.config, self.rank)
+        self._grad_squares = self._gradients.layer_squares()
+        self._detector.add_layer_squares(self._grad_squares[0], self._counters.steps + 1)
 
-    def _poll_flag(self) -> None:
-        for device, c in self._detector.by_device.items():
-            self._flags.append((device, transfer.peek(c.phase_bad.sum().reshape(1))))
-        while self._flags and transfer.is_ready(self._flags[0][1][1]):
-            device, (host, _) = self._flags.pop(0)
-            # a host tensor whose copy has completed: no sync; counts are cumulative
-            self._device_bad[device] = int(host.sum())
-        seen = self._detector.host_total() + sum(self._device_bad.values())
-        if seen > self._known_bad:
-            # something went bad: bring the counters over now so layer, phase and step are known
-            self._drain_counters()
-            self._publisher.flush()
+    def _check_loss(self, loss: Any, step: int) -> None:
+        if loss is None:
+            return
+        self._detector.add_flag("loss", loss_flag(loss), step)
 
-    def _add_counters(self, batch: ScalarBatch) -> int:
-        blocks = self._detector.blocks()
-        for k, block in enumerate(blocks):
-            batch.add(("counters", k), block)
-        return len(blocks)
+    def _replay_forward(self) -> None:
+        """If this step's output went non-finite on an unchecked step, replay its forward
+        with the per-layer checks on, before the optimizer changes the parameters."""
+        rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.mark()))
+        if rec is not None:
+            replayed = pack_step(self._counters.steps + 1, rec, self._detector.blocks(), sampled=False)
+            self._publisher.submit(replayed.send())
 
     def _drain_counters(self) -> None:
-        batch = ScalarBatch()
-        blocks = self._add_counters(batch)
-        packet = Packet(step=self._counters.steps, batch=batch.send(), sampled=False,
-                        counter_parts=blocks)
-        self._publisher.submit(packet)
-
-    def _build_packet(self, number: int, loss: Any) -> tuple[ScalarBatch, Packet]:
-        batch = ScalarBatch()
-        parts, has_grad = self._grad_squares or ([], frozenset())
-        for k, part in enumerate(parts):
-            batch.add(("grad_sq", k), part)
-        rec = self._rec
-        act_order = self._add_activations(batch, rec) if rec is not None else []
-        blocks = self._add_counters(batch)
-        packet = Packet(step=number, record=rec, grad_parts=len(parts), has_grad=has_grad,
-                        act_order=act_order, counter_parts=blocks)
-        pending = (batch, packet)
-        if loss is not None:
-            self._add_loss(pending, loss)
-        return pending
-
-    @staticmethod
-    def _add_activations(batch: ScalarBatch, rec: StepRecord) -> list[int]:
-        """Stack a record's activation reductions, one stack per device; returns which
-        record entry each stacked value is."""
-        act_order: list[int] = []
-        by_device: dict[torch.device, list[int]] = {}
-        for i, entry in enumerate(rec.act):
-            by_device.setdefault(entry[1].device, []).append(i)
-        for indices in by_device.values():
-            act_order.extend(indices)
-            batch.add("act_min", torch.stack([rec.act[i][1] for i in indices]))
-            batch.add("act_max", torch.stack([rec.act[i][2] for i in indices]))
-            nonzero = [rec.act[i][3] for i in indices if rec.act[i][3] is not None]
-            if nonzero:
-                batch.add("nonzero", torch.stack(nonzero))
-        return act_order
-
-    @staticmethod
-    def _add_loss(pending: tuple[ScalarBatch, Packet], loss: Any) -> None:
-        batch, packet = pending
-        if isinstance(loss, torch.Tensor):
-            batch.add("loss", loss.detach().reshape(-1)[:1])
-            packet.loss_in_batch = True
-        else:
-            packet.loss = float(loss)
+        """Send the non-finite counters alone (no sampled step to carry them)."""
+        drain = pack_step(self._counters.steps, None, self._detector.blocks(), sampled=False)
+        self._publisher.submit(drain.send())
 
     def _dispatch(self) -> None:
         """Start the one device-to-host copy of a finished sampled step and hand it over."""
-        self._check_threads()
+        self._supervisor.check()
         pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        batch, packet = pending
-        packet.batch = batch.send()
-        self._publisher.submit(packet)
-
+        if pending is not None:
+            self._publisher.submit(pending.send())
 
     def _page_version(self) -> tuple[Any, ...]:
         """What the /metrics page is made from: it is re-rendered when any of these changes."""
         system = self._system.latest if self._system is not None else None
         return (self._publisher.latest, system, self._publisher.alive)
 
-    def _check_threads(self) -> None:
-        """hookprof's own threads end only when detach() stops them: one that ended anyway
-        (its loop catches every Exception, so something stronger killed it) is reported
-        (log, hookprof_internal_errors_total; the publisher also as
-        hookprof_publisher_thread_up 0) and started again, a few times at most."""
-        if not self._publisher.alive:
-            self._revive("publisher", self._publisher)
-        if self._server is not None and not self._server.alive:
-            self._revive("metrics server", self._server)
-
-    def _revive(self, what: str, part: Any) -> None:
-        err = RuntimeError(f"hookprof {what} thread died")
-        if part.restarts >= MAX_RESTARTS:
-            if part.restarts == MAX_RESTARTS:
-                self._health.report(f"{what} thread (not restarted again)", err, disable=False)
-                part.restarts += 1
-            return
-        self._health.report(f"{what} thread (restart {part.restarts + 1})", err, disable=False)
-        try:
-            part.restart()
-        except Exception as exc:  # e.g. the port was taken meanwhile: reported, not raised
-            self._health.report(f"{what} thread restart", exc, disable=False)
-
-
-MAX_RESTARTS = 3  # per thread
+    def _teardown(self) -> None:
+        self._detached = True
+        self._hooks.remove()
+        if self._rec is not None:  # a sampled step that never ended: its events go back
+            self.timer.release(self._rec.tokens())
+            self._rec = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._publisher.stop()
+        if self._system is not None:
+            self._system.stop()
+        if self._server is not None:
+            self._server.close()
+        with _live_lock:
+            _live.discard(self)
 
 
 def _inert_copy() -> Profiler:

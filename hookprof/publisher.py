@@ -8,9 +8,11 @@ import threading
 import time
 from typing import Any
 
-from .aggregate import Aggregator, Packet, StepCounters
-from .health import Health
+from .aggregate import Aggregator
+from .faults import Faults
+from .record import Packet, StepCounters
 from .snapshot import Snapshot
+from .timing import Timer
 
 _STOP = object()
 
@@ -20,18 +22,18 @@ class Publisher:
         self,
         aggregator: Aggregator,
         counters: StepCounters,
-        health: Health,
-        timer: Any,
+        faults: Faults,
+        timer: Timer,
         interval_s: float,
         name: str = "hookprof-publisher",
     ):
         self._aggregator = aggregator
         self._counters = counters
-        self._health = health
+        self._faults = faults
         self._timer = timer
         self._interval_s = interval_s
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.latest: Snapshot = aggregator.snapshot(counters, health.errors)
+        self.latest: Snapshot = aggregator.snapshot(counters, faults.errors)
         self._name = name
         self.restarts = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -52,6 +54,10 @@ class Publisher:
     def submit(self, packet: Packet) -> None:
         self._queue.put(packet)
 
+    def fold(self, packet: Packet) -> None:
+        """Fold one packet into the totals (on the publisher thread)."""
+        self._aggregator.fold(packet, self._timer)
+
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Block until everything submitted so far is folded and published."""
         if not self._thread.is_alive():
@@ -67,7 +73,7 @@ class Publisher:
             self._thread.join(timeout)
 
     def _publish(self) -> None:
-        self.latest = self._aggregator.snapshot(self._counters, self._health.errors)
+        self.latest = self._aggregator.snapshot(self._counters, self._faults.errors)
 
     def _run(self) -> None:
         # snapshots are rebuilt at most once per interval (or on flush): on a busy 2-core
@@ -84,12 +90,12 @@ class Publisher:
                     self._publish()
                     return
                 if isinstance(item, Packet):
-                    self._aggregator.fold(item, self._timer)
+                    self.fold(item)
                 if not isinstance(item, Packet) or time.monotonic() - last_publish >= self._interval_s:
                     self._publish()
                     last_publish = time.monotonic()
             except Exception as exc:  # never die: a lost sample is better than no exporter
-                self._health.report("publisher thread", exc, disable=False)
+                self._faults.report("publisher thread", exc, disable=False)
             finally:
                 if isinstance(item, threading.Event):
                     item.set()

@@ -1,32 +1,49 @@
-"""Running one step's forward again, to find the layer that produced a NaN/Inf on a step
-that had no per-layer checks.
+"""Finding the layer that produced a NaN/Inf on a step that had no per-layer checks, by
+running that step's forward once more.
 
 Every training forward keeps a reference to the root module's inputs and the RNG state at
-its start (a few microseconds). When the step's output turns out non-finite, the same forward
-runs once more under `torch.no_grad()` with the per-layer checks installed, the same RNG
-state (so dropout draws the same masks) and the same, not yet updated, parameters; buffers
-such as BatchNorm's running statistics and the RNG are put back afterwards, so training goes
-on exactly as it would have. This happens at most once per run.
+its start (a few microseconds). Its output check (one flag, read without waiting) tells
+whether the step's output went non-finite; if it did, the same forward runs once more under
+`torch.no_grad()` with the per-layer checks installed, the same RNG state (so dropout draws
+the same masks) and the same, not yet updated, parameters. Buffers such as BatchNorm's
+running statistics and the RNG are put back afterwards, so training goes on exactly as it
+would have. This happens at most once per run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import transfer
+from .instrument import LayerHooks
+from .record import StepRecord
+
 
 class ForwardReplay:
-    def __init__(self, model: nn.Module):
+    """The replay's state: the captured forward, this step's output flag, and whether the
+    one replay of the run has happened (`enabled=False`: never, e.g. under DTensor)."""
+
+    def __init__(self, model: nn.Module, enabled: bool = True):
         self.model = model
         self.args: tuple | None = None
         self.kwargs: dict | None = None
         self._cpu_rng: torch.Tensor | None = None
         self._cuda_rng: list[torch.Tensor] | None = None
-        self.done = False
+        self.done = not enabled
+        self._flag: tuple[Any, Any] | None = None  # (host flag, ready event) of the output check
+
+    @property
+    def waiting(self) -> bool:
+        """An output flag of this step has not been looked at yet."""
+        return self._flag is not None
 
     def capture(self, args: tuple, kwargs: dict) -> None:
+        if self.done:
+            return
         self.args, self.kwargs = args, kwargs
         self._cpu_rng = torch.get_rng_state()
         self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -34,32 +51,46 @@ class ForwardReplay:
     def clear(self) -> None:
         self.args = self.kwargs = None
 
-    def run(self, hooks: Any, rec: Any) -> bool:
-        """Replay the captured forward into `rec` through `hooks`. False if nothing to replay."""
+    def note_output(self, flags: list[bool | torch.Tensor]) -> bool:
+        """The step's output checks (see nonfinite.nonfinite_flags). True when one is already
+        known bad on the host: the replay can run at once. A device flag is peeked at, to be
+        read when its copy has completed (`run_if_bad`)."""
+        if self.done:
+            return False
+        if any(f is True for f in flags):
+            self._flag = (True, None)
+            return True
+        on_device = [f for f in flags if isinstance(f, torch.Tensor)]
+        if on_device:
+            self._flag = transfer.peek(torch.stack(on_device).any())
+        return False
+
+    def run_if_bad(self, hooks: LayerHooks, new_record: Callable[[], StepRecord]) -> StepRecord | None:
+        """If this step's output went non-finite, replay its forward into a new record and
+        return it; None when it did not, when its flag is not on the host yet (never
+        waited for), or when there is nothing to replay."""
+        flag, self._flag = self._flag, None
+        if flag is None or not transfer.is_ready(flag[1]):
+            return None
+        if not bool(flag[0]):  # a host value (or a completed copy): no device sync
+            return None
+        rec = new_record()
+        return rec if self._run(hooks, rec) else None
+
+    def _run(self, hooks: LayerHooks, rec: StepRecord) -> bool:
         if self.args is None or self.done:
             return False
         self.done = True
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if self._cuda_rng is not None else None
         buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        installed = hooks.installed
-        stats_were_on = hooks.activation_stats
         try:
             torch.set_rng_state(self._cpu_rng)
             if self._cuda_rng is not None:
                 torch.cuda.set_rng_state_all(self._cuda_rng)
-            hooks.replaying = True
-            hooks.activation_stats = True  # the output checks are what the replay is for
-            hooks.begin(rec)
-            with torch.no_grad():
+            with hooks.replaying_into(rec), torch.no_grad():
                 self.model(*self.args, **(self.kwargs or {}))
         finally:
-            hooks.replaying = False
-            hooks.activation_stats = stats_were_on
-            if installed:
-                hooks.end()
-            else:
-                hooks.remove()
             with torch.no_grad():
                 for buffer, saved in buffers:
                     buffer.copy_(saved)

@@ -1,6 +1,8 @@
-"""The once-per-step decision: is the next step a sampled one?"""
+"""The once-per-step decisions: is the next step sampled, and does it check layer outputs?"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 
 class Sampler:
@@ -25,3 +27,35 @@ class Sampler:
         self._last_step = step
         self._last_ns = now_ns
         return True
+
+
+class StepPlan(NamedTuple):
+    """What one step records beyond the every-step checks."""
+
+    sampled: bool  # per-layer timing hooks on, gradient norms read
+    checked: bool  # also per-layer output checks (activation statistics)
+
+
+UNSAMPLED = StepPlan(False, False)
+
+
+class StepPlanner:
+    """Sampling, plus the separate rate limit of activation statistics
+    (`activation_interval_s`). An open incident (a NaN/Inf whose layer is not known yet)
+    samples and checks every step; nothing is sampled once hookprof's hooks have failed."""
+
+    def __init__(self, every: int, min_interval_s: float, activation_stats: bool,
+                 activation_interval_s: float):
+        self._sampler = Sampler(every, min_interval_s)
+        self._activation_stats = activation_stats
+        self._check_interval_ns = int(activation_interval_s * 1e9)
+        self._last_checked_ns = -(1 << 62)
+
+    def plan(self, step: int, now_ns: int, *, incident: bool, broken: bool) -> StepPlan:
+        sampled = not broken and (self._sampler.should_sample(step, now_ns) or incident)
+        checked = sampled and self._activation_stats and (
+            incident or now_ns - self._last_checked_ns >= self._check_interval_ns
+        )
+        if checked:
+            self._last_checked_ns = now_ns
+        return StepPlan(sampled, checked)

@@ -9,9 +9,24 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+
+class Timer(Protocol):
+    """What hooks and the publisher need of a clock."""
+
+    kind: str
+
+    def mark(self) -> Any:
+        """A timestamp token, taken at once (any thread, never waits)."""
+
+    def seconds(self, ref: Any, token: Any) -> float:
+        """Seconds from `ref` to `token`; may wait for the device (publisher thread only)."""
+
+    def release(self, tokens: Iterable[Any]) -> None:
+        """Tokens that are no longer needed (pooled events go back)."""
 
 
 class CpuTimer:

@@ -1,7 +1,10 @@
-"""The one place where hookprof moves data from the device to the host.
+"""Every movement of data between the device and the host: one batched copy per sampled step.
 
-Every sampled step concatenates its scalars into one tensor per device and calls
-`to_host` once for it; tests count the calls through `transfer_count()`.
+A sampled step gathers its device scalars in a ScalarBatch, which concatenates them into one
+tensor per device and calls `to_host` once for each (tests count the calls through
+`transfer_count()`); the publisher thread waits on the HostBatch and reads values by key.
+Small one-value peeks (the per-step output check) and host-to-device index copies live here
+too, each without a sync on the training thread.
 """
 
 from __future__ import annotations
@@ -72,3 +75,54 @@ def peek(flag: torch.Tensor) -> tuple[torch.Tensor, Any]:
     the per-step forward check, so a NaN can be localised before the optimizer step, and by
     the on_nonfinite policies; not counted with the per-sampled-step batches."""
     return _start_copy(flag)
+
+
+class ScalarBatch:
+    """Named groups of device scalars, concatenated per device and sent to the host with one
+    `transfer.to_host` call per device (one in all for a single-device model)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[torch.device, list[torch.Tensor]] = {}
+        self._sizes: dict[torch.device, int] = {}
+        self._where: dict[Any, list[tuple[torch.device, int, int]]] = {}
+
+    def add(self, key: Any, values: torch.Tensor) -> None:
+        """Append a 0-d or 1-d tensor under `key` (a key may collect several tensors)."""
+        flat = values.reshape(-1)
+        device = flat.device
+        offset = self._sizes.get(device, 0)
+        self._parts.setdefault(device, []).append(flat)
+        self._sizes[device] = offset + flat.numel()
+        self._where.setdefault(key, []).append((device, offset, flat.numel()))
+
+    def send(self) -> "HostBatch":
+        sent = {}
+        for device, parts in self._parts.items():
+            # cat promotes int64 counts and low-precision floats; float64 holds both exactly
+            flat = torch.cat(parts).to(torch.float64)
+            sent[device] = to_host(flat)
+        return HostBatch(self._where, sent)
+
+
+class HostBatch:
+    """The host side: wait once, then look the values up by key."""
+
+    def __init__(self, where: dict[Any, list[tuple[torch.device, int, int]]], sent: dict):
+        self._where = where
+        self._sent = sent
+        self._lists: dict[torch.device, list[float]] | None = None
+
+    def wait(self) -> None:
+        if self._lists is None:
+            for _, ready in self._sent.values():
+                wait_ready(ready)
+            # host tensors only (the copy above has completed): no device is touched here
+            self._lists = {d: host.tolist() for d, (host, _) in self._sent.items()}
+
+    def get(self, key: Any) -> list[float]:
+        self.wait()
+        assert self._lists is not None
+        out: list[float] = []
+        for device, offset, n in self._where.get(key, ()):
+            out.extend(self._lists[device][offset : offset + n])
+        return out

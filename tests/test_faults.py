@@ -67,7 +67,7 @@ def test_publisher_thread_death_is_reported_and_the_thread_restarted(caplog, eve
 
 
 def test_a_thread_that_keeps_dying_is_restarted_a_few_times_then_left_reported(caplog, every_step):
-    from hookprof.profiler import MAX_RESTARTS as MAX_PUBLISHER_RESTARTS
+    from hookprof.faults import MAX_RESTARTS as MAX_PUBLISHER_RESTARTS
 
     model = seeded(DeepNet)
     prof = hookprof.attach(model, **every_step)

@@ -1,0 +1,82 @@
+"""hookprof's own faults (not the model's): internal errors counted, logged once and never
+raised into training, and the watch over hookprof's background threads."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Protocol
+
+log = logging.getLogger("hookprof")
+
+
+class Faults:
+    """Shared by every hook of one profiler. The first internal error switches the per-layer
+    instrumentation off for good (DESIGN.md invariant 3); step counting and the exporter
+    keep working so the failure is visible as `hookprof_internal_errors_total`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.errors = 0
+        self.broken = False
+        self._logged: set[str] = set()
+
+    def report(self, where: str, exc: BaseException, *, disable: bool = True) -> None:
+        with self._lock:
+            self.errors += 1
+            self.broken = self.broken or disable
+            first = where not in self._logged
+            self._logged.add(where)
+        if first:
+            log.error(
+                "hookprof: internal error in %s%s; training continues unaffected",
+                where,
+                "; per-layer instrumentation is now off" if disable else "",
+                exc_info=exc,
+            )
+
+
+MAX_RESTARTS = 3  # per thread
+
+
+class Restartable(Protocol):
+    """A background part of hookprof that runs a thread of its own."""
+
+    restarts: int
+
+    @property
+    def alive(self) -> bool: ...
+
+    def restart(self) -> None: ...
+
+
+class ThreadSupervisor:
+    """hookprof's own threads end only when detach() stops them: one that ended anyway (its
+    loop catches every Exception, so something stronger killed it) is reported (log,
+    hookprof_internal_errors_total) and started again, a few times at most. Checked by the
+    training thread at step boundaries: a dict walk, no waiting."""
+
+    def __init__(self, faults: Faults):
+        self._faults = faults
+        self._watched: dict[str, Restartable] = {}
+
+    def watch(self, what: str, part: Restartable) -> None:
+        self._watched[what] = part
+
+    def check(self) -> None:
+        for what, part in self._watched.items():
+            if not part.alive:
+                self._revive(what, part)
+
+    def _revive(self, what: str, part: Restartable) -> None:
+        err = RuntimeError(f"hookprof {what} thread died")
+        if part.restarts >= MAX_RESTARTS:
+            if part.restarts == MAX_RESTARTS:
+                self._faults.report(f"{what} thread (not restarted again)", err, disable=False)
+                part.restarts += 1
+            return
+        self._faults.report(f"{what} thread (restart {part.restarts + 1})", err, disable=False)
+        try:
+            part.restart()
+        except Exception as exc:  # e.g. the port was taken meanwhile: reported, not raised
+            self._faults.report(f"{what} thread restart", exc, disable=False)

@@ -1,0 +1,206 @@
+"""One step on its way to the publisher: what the hooks of a sampled step wrote (a StepRecord
+of named Calls and Activations), the per-step counters, and the packing of one step's device
+scalars into the Packet the publisher folds.
+
+The training thread writes records and counters; `pack_step` gathers a finished step's
+scalars (gradient squares, activation reductions, non-finite counters, the loss) into one
+ScalarBatch, whose single device-to-host copy starts when the step is sent.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from .snapshot import STEP_DURATION_BUCKETS
+from .transfer import HostBatch, ScalarBatch
+
+
+class Call:
+    """One forward call of a layer on a sampled step. Tokens are the timer's marks; the
+    "outer" ones include hookprof's own work around the call, which a parent call must not
+    count as its own time (taken only for calls with an instrumented parent)."""
+
+    __slots__ = ("layer", "parent", "outer_start", "start", "end", "outer_end")
+
+    def __init__(self, layer: int, parent: int, outer_start: Any = None):
+        self.layer = layer  # index in the LayerTable
+        self.parent = parent  # the enclosing instrumented call's id, or -1
+        self.outer_start = outer_start
+        self.start: Any = None
+        self.end: Any = None
+        self.outer_end: Any = None
+
+    def tokens(self) -> Iterator[Any]:
+        return (t for t in (self.outer_start, self.start, self.end, self.outer_end) if t is not None)
+
+
+class Activation(NamedTuple):
+    """Device-side reductions of one floating tensor a call produced (or received)."""
+
+    call: int  # the call whose output it is; -1 for an input that was no layer's output
+    low: torch.Tensor  # min, 0-d, on the device
+    high: torch.Tensor  # max
+    nonzero: torch.Tensor | None  # non-zeros in the zero sample (activation layers only)
+    sample_size: int  # values in that sample
+
+
+class StepRecord:
+    """What the hooks of one sampled step wrote. Appends only: list.append is atomic, and
+    backward hooks may run on autograd worker threads."""
+
+    __slots__ = ("ref", "calls", "grad_ready", "param_done", "act", "param_hooked",
+                 "param_handles", "pending_marks", "out_stats", "inputs", "recompute")
+
+    def __init__(self, ref: Any):
+        self.ref = ref  # timer token taken when the step began
+        self.calls: list[Call] = []  # one per forward call; a call's id is its position
+        # (roles, token): a gradient was ready at token; roles lists (call id, is_output): for
+        # an output the call's backward starts there, for an input the call's backward ends
+        self.grad_ready: list[tuple[list[tuple[int, bool]], Any]] = []
+        self.param_done: list[tuple[int, Any]] = []  # (layer, token): a parameter's grad accumulated
+        self.act: list[Activation] = []
+        self.param_hooked: set[int] = set()
+        self.param_handles: list[Any] = []
+        # (autograd node, call id, is_output) not yet hooked: during the root module's training
+        # forward they gather until it returns, so one pre-hook per node serves every role
+        # (one layer's output is the next one's input); elsewhere each call hooks its own
+        self.pending_marks: list[tuple[Any, int, bool]] = []
+        # id(tensor) -> (weakref, version, index in act) of outputs already reduced, so a
+        # layer's input that is another layer's output is not reduced twice
+        self.out_stats: dict[int, tuple[Any, int, int]] = {}
+        self.inputs: list[tuple[int, int]] = []  # (call, index in act) of each floating input
+        # calls made while backward runs: activation checkpointing recomputing a forward
+        self.recompute: set[int] = set()
+
+    def tokens(self) -> Iterator[Any]:
+        """Every timer token in the record, so the timer can take pooled events back."""
+        yield self.ref
+        for call in self.calls:
+            yield from call.tokens()
+        yield from (t for _, t in self.grad_ready)
+        yield from (t for _, t in self.param_done)
+
+
+class StepCounters:
+    """Per-step numbers the training thread updates on every step (sampled or not)."""
+
+    def __init__(self, max_skipped_steps: int = 10) -> None:
+        self._lock = threading.Lock()  # uncontended: ~0.1 us per step
+        self.steps = 0
+        self._counts = [0] * (len(STEP_DURATION_BUCKETS) + 1)
+        self._sum = 0.0
+        self._last_ts: float | None = None
+        self._max_skips = max_skipped_steps
+        self.skipped = 0
+        self._skips_in_a_row = 0
+        self.persistent_skips = 0  # skipped steps beyond max_skipped_steps in a row
+
+    def observe(self, seconds: float, wall_time: float, skipped: bool = False) -> int:
+        with self._lock:
+            self.steps += 1
+            self._counts[bisect.bisect_left(STEP_DURATION_BUCKETS, seconds)] += 1
+            self._sum += seconds
+            self._last_ts = wall_time
+            if skipped:
+                self.skipped += 1
+                self._skips_in_a_row += 1
+                if self._skips_in_a_row > self._max_skips:
+                    self.persistent_skips += 1
+            else:
+                self._skips_in_a_row = 0
+            return self.steps
+
+    def read(self) -> tuple[int, tuple[tuple[float, int], ...], float, float | None, int, int]:
+        with self._lock:
+            counts, total, last, steps = list(self._counts), self._sum, self._last_ts, self.steps
+            skipped, persistent = self.skipped, self.persistent_skips
+        cumulative, running = [], 0
+        for bound, count in zip((*STEP_DURATION_BUCKETS, math.inf), counts):
+            running += count
+            cumulative.append((bound, running))
+        return steps, tuple(cumulative), total, last, skipped, persistent
+
+
+@dataclass(slots=True)
+class Packet:
+    """What the training thread hands the publisher: a sampled step, a replayed forward
+    (record, not sampled) or a drain of the non-finite counters alone (neither)."""
+
+    step: int  # 1-based number of the step
+    batch: HostBatch | None = None  # set when the device-to-host copy is started
+    record: StepRecord | None = None
+    sampled: bool = True
+    grad_parts: int = 0  # how many per-device gradient vectors the batch holds
+    has_grad: frozenset[int] = frozenset()  # layers that had a gradient
+    act_order: list[int] = field(default_factory=list)  # record.act index of each value
+    counter_parts: int = 0  # how many non-finite counter blocks the batch holds
+    loss: float | None = None  # the loss when it was given as a Python number
+    loss_in_batch: bool = False
+
+
+class PendingStep:
+    """A finished sampled step whose scalars are gathered but not yet sent: the copy starts
+    at `send()`, so a loss given after the optimizer step (`prof.step(loss)`) still joins it."""
+
+    __slots__ = ("batch", "packet")
+
+    def __init__(self, batch: ScalarBatch, packet: Packet):
+        self.batch = batch
+        self.packet = packet
+
+    def add_loss(self, loss: Any) -> None:
+        if isinstance(loss, torch.Tensor):
+            self.batch.add("loss", loss.detach().reshape(-1)[:1])
+            self.packet.loss_in_batch = True
+        else:
+            self.packet.loss = float(loss)
+
+    def send(self) -> Packet:
+        """Start the step's one device-to-host copy; the packet is then the publisher's."""
+        self.packet.batch = self.batch.send()
+        return self.packet
+
+
+def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.Tensor], *,
+              grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None,
+              loss: Any = None, sampled: bool = True) -> PendingStep:
+    """Gather one step's device scalars: per-device gradient squares, the record's activation
+    reductions, the non-finite counter blocks and the loss. Also for a replayed forward
+    (`sampled=False` with a record) and a drain of the counters alone (neither)."""
+    batch = ScalarBatch()
+    parts, has_grad = grad_squares or ([], frozenset())
+    for k, part in enumerate(parts):
+        batch.add(("grad_sq", k), part)
+    act_order = _add_activations(batch, record) if record is not None else []
+    for k, block in enumerate(counter_blocks):
+        batch.add(("counters", k), block)
+    packet = Packet(step=step, record=record, sampled=sampled, grad_parts=len(parts),
+                    has_grad=has_grad, act_order=act_order, counter_parts=len(counter_blocks))
+    pending = PendingStep(batch, packet)
+    if loss is not None:
+        pending.add_loss(loss)
+    return pending
+
+
+def _add_activations(batch: ScalarBatch, record: StepRecord) -> list[int]:
+    """Stack a record's activation reductions, one stack per device; returns which record
+    entry each stacked value is."""
+    act_order: list[int] = []
+    by_device: dict[torch.device, list[int]] = {}
+    for i, a in enumerate(record.act):
+        by_device.setdefault(a.low.device, []).append(i)
+    for indices in by_device.values():
+        act_order.extend(indices)
+        batch.add("act_min", torch.stack([record.act[i].low for i in indices]))
+        batch.add("act_max", torch.stack([record.act[i].high for i in indices]))
+        nonzero = [record.act[i].nonzero for i in indices if record.act[i].nonzero is not None]
+        if nonzero:
+            batch.add("nonzero", torch.stack(nonzero))
+    return act_order

@@ -1,0 +1,33 @@
+"""Finding the tensors in a module's inputs and outputs (tensors, sequences, mappings)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+_MAX_TENSORS_PER_CALL = 8  # outputs/inputs looked at per call; a tuple of 1,000 is not a layer
+
+
+def iter_tensors(value: Any, limit: int = _MAX_TENSORS_PER_CALL) -> Iterable[torch.Tensor]:
+    """Tensors in a module's inputs or outputs: tensors, tuples/lists, dict values."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if type(value) is tuple and len(value) == 1 and isinstance(value[0], torch.Tensor):
+        return value  # the common case: forward(x)
+    return _walk_tensors(value, limit)
+
+
+def _walk_tensors(value: Any, limit: int) -> Iterator[torch.Tensor]:
+    stack = [value]
+    found = 0
+    while stack and found < limit:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found += 1
+            yield item
+        elif isinstance(item, (tuple, list)):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))

@@ -1,4 +1,4 @@
-"""torch.compile and hookprof.
+"""Working under torch.compile: spotting a compiled model or a traced hook, saying what is off.
 
 Per-layer hooks cannot time anything inside a compiled graph, and a hook that calls
 `time.perf_counter_ns` or reads a tensor breaks the graph. So every module hook returns at

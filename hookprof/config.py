@@ -7,7 +7,7 @@ import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from .errors import ConfigError
 
@@ -16,8 +16,10 @@ ENV_PREFIX = "HOOKPROF_"
 # 8479 lies outside 9100-9999, the range of the Prometheus "default port allocations" list,
 # so it clashes with no registered exporter (node_exporter 9100, dcgm-exporter 9400, ...).
 DEFAULT_PORT = 8479
-NONFINITE_CHECKS = ("all", "loss")
-NONFINITE_POLICIES = ("record", "warn", "raise", "dump")
+NonfiniteCheck = Literal["all", "loss"]
+NonfinitePolicy = Literal["record", "warn", "raise", "dump"]
+NONFINITE_CHECKS: tuple[str, ...] = typing.get_args(NonfiniteCheck)
+NONFINITE_POLICIES: tuple[str, ...] = typing.get_args(NonfinitePolicy)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -74,13 +76,13 @@ class Config:
     local_rank: int | None = None
     """Offset added to `port`. None: $LOCAL_RANK, else 0."""
 
-    nonfinite_check: str = "all"
+    nonfinite_check: NonfiniteCheck = "all"
     """"all": every step, every layer's gradients, the loss and the model's output are checked
     for NaN/Inf on the device (one read of every gradient per step: the physical floor).
     "loss": every step only the loss and the model's output; per-layer gradients on sampled
     steps. Either way nothing waits for the device."""
 
-    on_nonfinite: str = "record"
+    on_nonfinite: NonfinitePolicy = "record"
     """What to do when a NaN/Inf is seen: "record" (count and export, never disturb
     training), "warn" (one log line naming layer, phase and step), "raise" (raise
     hookprof.NonFiniteError at the next step boundary), "dump" (write a JSON report of every
@@ -203,6 +205,8 @@ _FALSE = {"0", "false", "no", "off", ""}
 
 def _parse(field: str, source: str, raw: str, hint: Any) -> Any:
     text = raw.strip()
+    if typing.get_origin(hint) is Literal:
+        return text  # which words are allowed is checked by Config.__post_init__
     optional = type(None) in typing.get_args(hint)
     base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
     if optional and text.lower() in ("", "none"):
@@ -223,6 +227,8 @@ _WORDS = {int: "an integer", float: "a number", str: "a string"}
 
 
 def _check_type(field: str, value: Any, hint: Any) -> None:
+    if typing.get_origin(hint) is Literal:
+        hint = str  # the words themselves are checked by Config.__post_init__
     allowed = typing.get_args(hint) or (hint,)
     for kind in allowed:
         if kind is type(None) and value is None:

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from ._version import __version__
 from .errors import PortInUseError
+from .faults import log
 from .snapshot import LAYER_PHASES, PHASES, Snapshot
 from .server import CachedPage, make_app, serve, tls_context
 from .system import PsutilProcessCollector, has_proc_fs
@@ -30,19 +31,29 @@ class SnapshotCollector(Collector):
     or the hooks; reads one immutable object."""
 
     def __init__(self, get_snapshot: Callable[[], Snapshot], torch_version: str,
-                 publisher_alive: Callable[[], bool] = lambda: True):
+                 publisher_alive: Callable[[], bool] = lambda: True, rank: int = 0):
         self._get_snapshot = get_snapshot
         self._torch_version = torch_version
         self._publisher_alive = publisher_alive
+        self._failed = False  # logged once
+        self._rank = str(rank)  # for the series that go out even when the snapshot fails
 
     def describe(self) -> list[Metric]:
         return []  # names are dynamic per snapshot; skip the registry's duplicate check
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._get_snapshot()
-        rank = str(snap.rank)
-        yield from self._step_metrics(snap, rank)
-        yield from self._layer_metrics(snap, rank)
+        rank = self._rank
+        try:
+            snap = self._get_snapshot()
+            rank = str(snap.rank)
+            # built whole before the first yield: a failure leaves no half-rendered page
+            families = [*self._step_metrics(snap, rank), *self._layer_metrics(snap, rank)]
+        except Exception:  # a scrape must not fail: the thread gauge and build info still go out
+            families = []
+            if not self._failed:
+                self._failed = True
+                log.error("hookprof: rendering the snapshot failed; serving the rest", exc_info=True)
+        yield from families
 
         # read at scrape time, not from the snapshot: a dead publisher publishes nothing
         up = GaugeMetricFamily(

@@ -1,5 +1,7 @@
-"""hookprof's own faults (not the model's): internal errors counted, logged once and never
-raised into training, and the watch over hookprof's background threads."""
+"""hookprof's own faults, not the model's: internal errors and the watch over its threads.
+
+Internal errors are counted, logged once and never raised into training; a background
+thread that died is reported and restarted a few times."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The reaction to a NaN/Inf: noticing new non-finite steps at step boundaries, keeping an
-incident open (every step sampled) until its layer is known, and the on_nonfinite policies."""
+"""The reaction to a NaN/Inf: noticing it, keeping the incident open, the on_nonfinite policies.
+
+New non-finite steps are noticed at step boundaries; an incident stays open (every step
+sampled) until its layer is known; the first one is acted on by the configured policy."""
 
 from __future__ import annotations
 

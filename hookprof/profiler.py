@@ -159,7 +159,7 @@ class Profiler:
         self._supervisor = ThreadSupervisor(self._faults)
         self._supervisor.watch("publisher", self._publisher)
         self.collector = SnapshotCollector(lambda: self._publisher.latest, torch.__version__,
-                                           lambda: self._publisher.alive)
+                                           lambda: self._publisher.alive, rank=self.rank)
         self._system: SystemSampler | None = None
         extra: tuple[Any, ...] = ()
         if config.system_metrics:

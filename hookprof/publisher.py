@@ -1,5 +1,7 @@
-"""The background daemon thread: waits for each sampled step's device copy, folds it in,
-and publishes an immutable Snapshot by swapping one reference."""
+"""The background daemon thread that folds sampled steps in and publishes Snapshots.
+
+It waits for each sampled step's device copy, folds it into the totals, and publishes an
+immutable Snapshot by swapping one reference."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""One step on its way to the publisher: what the hooks of a sampled step wrote (a StepRecord
-of named Calls and Activations), the per-step counters, and the packing of one step's device
-scalars into the Packet the publisher folds.
+"""One step's record and its packing for the publisher.
+
+What the hooks of a sampled step wrote (a StepRecord of named Calls and Activations), the
+per-step counters, and the packing of one step's device scalars into the Packet the
+publisher folds.
 
 The training thread writes records and counters; `pack_step` gathers a finished step's
 scalars (gradient squares, activation reductions, non-finite counters, the loss) into one

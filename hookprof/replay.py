@@ -1,5 +1,4 @@
-"""Finding the layer that produced a NaN/Inf on a step that had no per-layer checks, by
-running that step's forward once more.
+"""The forward replay: naming the layer behind a NaN/Inf on a step without per-layer checks.
 
 Every training forward keeps a reference to the root module's inputs and the RNG state at
 its start (a few microseconds). Its output check (one flag, read without waiting) tells

@@ -1,5 +1,7 @@
-"""The immutable, host-side picture of a run that `Profiler.snapshot()` returns and the
-exporter renders. Published by the background thread as a whole (one reference swap)."""
+"""The Snapshot: the immutable, host-side picture of a run that users and the exporter read.
+
+`Profiler.snapshot()` returns it and the exporter renders it; the background thread
+publishes it as a whole (one reference swap)."""
 
 from __future__ import annotations
 

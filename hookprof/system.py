@@ -1,5 +1,7 @@
-"""Host, process and GPU statistics, sampled by a background thread at a fixed interval
-(never per training step) and rendered at scrape time from the latest immutable sample.
+"""Host, process and GPU statistics, sampled by a background thread.
+
+Sampled at a fixed interval (never per training step) and rendered at scrape time from the
+latest immutable sample.
 
 - Process CPU seconds, RSS and open files come from prometheus_client's ProcessCollector
   (`process_*`), which reads /proc; where there is no /proc, `PsutilProcessCollector` exports

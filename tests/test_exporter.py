@@ -3,6 +3,7 @@ and an exposition promtool accepts."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 
 import pytest
@@ -182,3 +183,69 @@ def test_max_layers_keeps_top_by_time_and_every_nonfinite_layer():
     served = {dict(k)["layer"] for k in samples(f, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds_count")}
     assert served == exported
     assert samples(f, "hookprof_layers_exported")[frozenset({"rank": "0"}.items())] == 5
+
+
+def hand_built_snapshot() -> hookprof.Snapshot:
+    """A snapshot written out by hand: what the exporter shows depends on nothing else."""
+    from types import MappingProxyType
+
+    layer = hookprof.LayerStats(
+        name="blocks.0.fc", module="Linear", calls=2, forward_seconds=0.003, backward_seconds=0.005,
+        grad_norm=1.5, forward_seconds_total=0.25, forward_calls_total=40,
+        backward_seconds_total=0.5, backward_calls_total=20,
+        nonfinite=MappingProxyType({"forward": 0, "backward": 3}),
+    )
+    return hookprof.Snapshot(
+        rank=3, step=20, sampled_steps=4, step_duration_buckets=((0.01, 5), (float("inf"), 20)),
+        step_duration_sum=1.25, loss=0.75, grad_norm=2.5,
+        nonfinite_steps=MappingProxyType({"forward": 0, "backward": 3, "loss": 0}), skipped_steps=1,
+        layers=MappingProxyType({"blocks.0.fc": layer}), exported_layers=("blocks.0.fc",),
+        first_nonfinite=hookprof.NonFiniteEvent("blocks.0.fc", "backward", 17),
+    )
+
+
+def test_a_hand_built_snapshot_renders_to_exactly_its_values():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from hookprof.exporter import SnapshotCollector
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(hand_built_snapshot, "9.9", rank=3))
+    f = parse(generate_latest(registry).decode())
+    rank = {"rank": "3"}
+    layer = {**rank, "layer": "blocks.0.fc", "module": "Linear"}
+    key = lambda labels: frozenset(labels.items())  # noqa: E731
+    assert samples(f, "hookprof_steps", "hookprof_steps_total") == {key(rank): 20}
+    assert samples(f, "hookprof_sampled_steps", "hookprof_sampled_steps_total") == {key(rank): 4}
+    assert samples(f, "hookprof_skipped_steps", "hookprof_skipped_steps_total") == {key(rank): 1}
+    assert samples(f, "hookprof_loss") == {key(rank): 0.75}
+    assert samples(f, "hookprof_gradient_norm") == {key(rank): 2.5}
+    assert samples(f, "hookprof_step_duration_seconds", "hookprof_step_duration_seconds_count") == {key(rank): 20}
+    assert samples(f, "hookprof_step_duration_seconds", "hookprof_step_duration_seconds_sum") == {key(rank): 1.25}
+    assert samples(f, "hookprof_nonfinite_steps", "hookprof_nonfinite_steps_total") == {
+        key({**rank, "phase": p}): v for p, v in (("forward", 0), ("backward", 3), ("loss", 0))}
+    assert samples(f, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds_sum") == {key(layer): 0.25}
+    assert samples(f, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds_count") == {key(layer): 40}
+    assert samples(f, "hookprof_layer_backward_seconds", "hookprof_layer_backward_seconds_sum") == {key(layer): 0.5}
+    assert samples(f, "hookprof_layer_gradient_norm") == {key({**rank, "layer": "blocks.0.fc"}): 1.5}
+    assert samples(f, "hookprof_first_nonfinite_info") == {
+        key({**rank, "layer": "blocks.0.fc", "phase": "backward", "step": "17"}): 1.0}
+    assert samples(f, "hookprof_build_info") == {key({"version": hookprof.__version__, "torch_version": "9.9"}): 1.0}
+
+
+def test_a_snapshot_that_fails_to_render_leaves_a_valid_page_and_logs_once(caplog):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from hookprof.exporter import SnapshotCollector
+
+    def broken():
+        raise RuntimeError("injected")
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(broken, "9.9", rank=3))
+    with caplog.at_level(logging.ERROR, logger="hookprof"):
+        pages = [generate_latest(registry).decode() for _ in range(3)]
+    f = parse(pages[-1])
+    assert set(f) == {"hookprof_publisher_thread_up", "hookprof_build_info"}
+    assert samples(f, "hookprof_publisher_thread_up") == {frozenset({"rank": "3"}.items()): 1.0}
+    assert sum("rendering the snapshot failed" in r.getMessage() for r in caplog.records) == 1

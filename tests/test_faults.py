@@ -11,6 +11,7 @@ import torch
 
 import hookprof
 from conftest import parse, samples, scrape
+from hookprof.publisher import Publisher
 from models import DeepNet, seeded, train
 
 
@@ -22,38 +23,51 @@ def up(prof) -> float:
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 
 
+class DyingPublisher(Publisher):
+    """A publisher whose thread is killed by its fold number `die_at` (or every fold from
+    `die_from` on): SystemExit, something stronger than the Exception its loop catches."""
+
+    die_at: int | None = None
+    die_from: int | None = None
+    instances: list["DyingPublisher"] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.folds = 0
+        DyingPublisher.instances = [self]
+
+    def fold(self, packet):
+        self.folds += 1
+        if self.folds == self.die_at or (self.die_from is not None and self.folds >= self.die_from):
+            raise SystemExit("something stronger than an Exception")  # ends a thread quietly
+        super().fold(packet)
+
+
+def attach_dying(model, every_step, **dying):
+    publisher = type("Dying", (DyingPublisher,), dying)
+    prof = hookprof.Profiler(model, hookprof.Config(**every_step), publisher=publisher)
+    return prof, publisher.instances[0]
+
+
 def test_publisher_thread_death_is_reported_and_the_thread_restarted(caplog, every_step):
     reference = seeded(DeepNet)
     train(reference, 2)  # the same calls as below (each makes its own optimizer and batches)
     train(reference, 8)
     model = seeded(DeepNet)
-    prof = hookprof.attach(model, **every_step)
+    prof, publisher = attach_dying(model, every_step, die_at=2)
     try:
         assert up(prof) == 1.0
-        aggregator = prof._publisher._aggregator
-        real_fold = aggregator.fold
-
-        folds = []
-
-        def dying_fold(*args, **kwargs):
-            folds.append(1)
-            if len(folds) == 1:
-                return real_fold(*args, **kwargs)
-            aggregator.fold = real_fold
-            raise SystemExit("something stronger than an Exception")  # ends a thread quietly
-
-        aggregator.fold = dying_fold
         train(model, 2, prof=prof, explicit_step=True)  # the step-2 packet kills the thread
         deadline = time.monotonic() + 10
-        while prof._publisher.alive and time.monotonic() < deadline:
+        while publisher.alive and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not prof._publisher.alive
+        assert not publisher.alive
         assert up(prof) == 0.0  # visible at once in the scrape
 
         with caplog.at_level(logging.ERROR, logger="hookprof"):
             train(model, 8, prof=prof, explicit_step=True)  # the next step notices
             prof.flush()
-        assert prof._publisher.alive and up(prof) == 1.0
+        assert publisher.alive and up(prof) == 1.0
         assert any("publisher thread" in r.getMessage() for r in caplog.records)
         snap = prof.snapshot()
         assert snap.internal_errors == 1
@@ -70,20 +84,16 @@ def test_a_thread_that_keeps_dying_is_restarted_a_few_times_then_left_reported(c
     from hookprof.faults import MAX_RESTARTS as MAX_PUBLISHER_RESTARTS
 
     model = seeded(DeepNet)
-    prof = hookprof.attach(model, **every_step)
+    prof, publisher = attach_dying(model, every_step, die_from=1)
     try:
-        def always_dying(*args, **kwargs):
-            raise SystemExit("again")
-
-        prof._publisher._aggregator.fold = always_dying
         with caplog.at_level(logging.ERROR, logger="hookprof"):
             for _ in range(MAX_PUBLISHER_RESTARTS + 3):
                 train(model, 1, prof=prof, explicit_step=True)
                 deadline = time.monotonic() + 10
-                while prof._publisher.alive and time.monotonic() < deadline:
+                while publisher.alive and time.monotonic() < deadline:
                     time.sleep(0.01)
                 train(model, 1, prof=prof, explicit_step=True)
-        assert prof._publisher.restarts == MAX_PUBLISHER_RESTARTS + 1
+        assert publisher.restarts == MAX_PUBLISHER_RESTARTS + 1
         assert up(prof) == 0.0
         messages = [r.getMessage() for r in caplog.records if "publisher thread" in r.getMessage()]
         assert len(messages) == MAX_PUBLISHER_RESTARTS + 1, messages

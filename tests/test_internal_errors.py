@@ -8,6 +8,8 @@ import logging
 import torch
 
 import hookprof
+from hookprof.publisher import Publisher
+from hookprof.timing import CpuTimer
 from conftest import parse, samples, scrape
 from models import MixedNet, seeded, train
 
@@ -17,17 +19,25 @@ def test_failure_inside_a_hook_is_counted_and_training_is_unchanged(caplog):
     train(reference, 12)
 
     model = seeded(MixedNet)
-    prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0)
-    real_mark = prof.timer.mark
-    calls = {"n": 0}
+    attached: list[hookprof.Profiler] = []
 
-    def failing_mark():
-        calls["n"] += 1
-        if calls["n"] == 10 and prof._counters.steps == 0:  # inside the first step's hooks
-            raise RuntimeError("injected failure")
-        return real_mark()
+    class FailingTimer(CpuTimer):
+        """The host clock, failing once at its 10th read if that falls in the first step."""
 
-    prof.timer.mark = failing_mark
+        def __init__(self):
+            super().__init__()
+            self.reads = 0
+            self._clock, self.mark = self.mark, self._failing_mark
+
+        def _failing_mark(self):
+            self.reads += 1
+            if self.reads == 10 and attached[0].steps == 0:  # inside the first step's hooks
+                raise RuntimeError("injected failure")
+            return self._clock()
+
+    config = hookprof.Config(port=0, sample_every=1, min_sample_interval_s=0.0)
+    prof = hookprof.Profiler(model, config, timer=FailingTimer())
+    attached.append(prof)
     with caplog.at_level(logging.ERROR, logger="hookprof"):
         train(model, 12, prof=prof, explicit_step=True)
     prof.flush()
@@ -47,23 +57,27 @@ def test_failure_inside_a_hook_is_counted_and_training_is_unchanged(caplog):
     assert len(records) == 1 and "injected failure" in caplog.text
 
 
-def test_failure_in_the_publisher_thread_is_counted_and_it_keeps_running(monkeypatch):
-    model = seeded(MixedNet)
-    with hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0) as prof:
-        aggregator = prof._publisher._aggregator
-        real_fold = aggregator.fold
-        state = {"failed": False}
+def test_failure_in_the_publisher_thread_is_counted_and_it_keeps_running():
+    publishers: list[Publisher] = []
 
-        def fold_failing_once(packet, timer):
-            if not state["failed"]:
-                state["failed"] = True
+    class FailingOncePublisher(Publisher):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.failed = False
+            publishers.append(self)
+
+        def fold(self, packet):
+            if not self.failed:
+                self.failed = True
                 raise ValueError("injected fold failure")
-            return real_fold(packet, timer)
+            super().fold(packet)
 
-        monkeypatch.setattr(aggregator, "fold", fold_failing_once)
+    model = seeded(MixedNet)
+    config = hookprof.Config(port=0, sample_every=1, min_sample_interval_s=0.0)
+    with hookprof.Profiler(model, config, publisher=FailingOncePublisher) as prof:
         train(model, 3)
         prof.flush()
         snap = prof.snapshot()
-        assert prof._publisher.alive
+        assert publishers[0].alive
     assert snap.internal_errors == 1
     assert snap.step == 3 and snap.sampled_steps == 2  # the failed sample is lost, no more

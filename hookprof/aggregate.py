@@ -100,6 +100,9 @@ class Aggregator:
             parts = [packet.batch.get(("counters", k)) for k in range(packet.counter_parts)]
             self.counters = fold_counters(parts, len(self.names))
         if packet.record is None and not packet.sampled:  # a drain of the counters alone
+            loss = self._loss_of(packet)
+            if loss is not None and packet.step == self.last_sampled_step:
+                self.loss = loss  # prof.step(loss) after the optimizer ended a sampled step
             self._update_incident(packet.step, None)
             self._dirty = True
             return
@@ -186,11 +189,15 @@ class Aggregator:
         if packet.has_grad:
             self.grad_norm = math.sqrt(sum(squares[i] for i in packet.has_grad))
             self._flag_gradients(squares, packet.has_grad)
-        loss = packet.batch.get("loss")[0] if packet.loss_in_batch else packet.loss
+        loss = self._loss_of(packet)
         if loss is not None:
             self.loss = loss
         self.sampled_steps += 1
         self.last_sampled_step = packet.step
+
+    @staticmethod
+    def _loss_of(packet: Packet) -> float | None:
+        return packet.batch.get("loss")[0] if packet.loss_in_batch else packet.loss
 
     def _flag_gradients(self, squares: list[float], has_grad: frozenset[int]) -> None:
         low, high = self.grad_norm_bounds
@@ -219,15 +226,16 @@ class Aggregator:
         for call, i in rec.inputs:
             if not math.isfinite(act_max[i]):
                 in_bad[call] = True
-        producers, propagators = [], []
+        producers: dict[str, None] = {}  # ordered sets: a module called twice is named once
+        propagators: dict[str, None] = {}
         for call in sorted(out_bad):
             layer = self.names[rec.calls[call].layer]
-            (propagators if in_bad.get(call) else producers).append(layer)
+            (propagators if in_bad.get(call) else producers)[layer] = None
         start_of_layer: dict[int, float] = {}
         for call, t in bwd_start.items():
             layer = rec.calls[call].layer
             start_of_layer[layer] = min(start_of_layer.get(layer, math.inf), t)
-        return ForwardFinding(producers, propagators, start_of_layer)
+        return ForwardFinding(list(producers), [p for p in propagators if p not in producers], start_of_layer)
 
     def _update_incident(self, step: int, forward: ForwardFinding | None) -> None:
         """Keep the first NaN/Inf of the run: its step and phase from the device counters

@@ -49,16 +49,24 @@ class DeviceCounters:
 
 
 def nonfinite_flags(value: Any) -> list[bool | torch.Tensor]:
-    """Does any floating tensor in `value` hold a NaN or Inf? One reduction per tensor: a sum
-    is non-finite when any element is (it can also overflow, for outputs whose values add up
-    past ~3e38, which is trouble of its own). A tensor on the CPU gives a Python bool (reading
-    it waits for nothing); one on an accelerator a 0-d bool that stays there."""
-    flags: list[bool | torch.Tensor] = []
+    """Does any floating tensor in `value` (any output structure) hold a NaN or Inf? One flag
+    per device, so a step counts once however many tensors it returns: a Python bool for the
+    CPU tensors (reading it waits for nothing), a 0-d bool that stays on each accelerator.
+    One reduction per tensor: a sum is non-finite when any element is (it can also overflow,
+    for outputs whose values add up past ~3e38, which is trouble of its own)."""
+    host: bool | None = None
+    on_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in iter_tensors(value):
         if not t.is_floating_point() or not t.numel():
             continue
         total = t.detach().sum()
-        flags.append(not math.isfinite(float(total)) if total.device.type == "cpu" else ~torch.isfinite(total))
+        if total.device.type == "cpu":
+            host = bool(host) or not math.isfinite(float(total))
+        else:
+            on_device.setdefault(total.device, []).append(total)
+    flags: list[bool | torch.Tensor] = [] if host is None else [host]
+    for totals in on_device.values():
+        flags.append(~torch.isfinite(totals[0] if len(totals) == 1 else torch.stack(totals)).all())
     return flags
 
 

@@ -38,13 +38,14 @@ from .distributed import detect_local_rank, detect_rank
 from .errors import AlreadyAttachedError, DetachedError, NonFiniteError
 from .exporter import MetricsServer, SnapshotCollector, make_registry
 from .faults import Faults, ThreadSupervisor
+from . import gradscaler
 from .gradients import GradientNorms
 from .incident import IncidentResponse
 from .instrument import LayerHooks
 from .layers import LayerTable
 from .nonfinite import Detector, loss_flag, nonfinite_flags
 from .publisher import Publisher
-from .record import PendingStep, StepCounters, StepRecord, pack_step
+from .record import StepCounters, StepRecord, pack_step
 from .replay import ForwardReplay
 from .sampling import UNSAMPLED, StepPlanner
 from .snapshot import Snapshot
@@ -174,22 +175,21 @@ class Profiler:
 
         # the root layer, when the root module owns parameters directly, keeps a hook pair
         self._root_layer = next((layer.index for layer in self.table.layers if layer.module is model), None)
-        # a parameter whose gradient tells "backward ran, then zero_grad" (GradScaler skips)
-        self._sentinel = next((p for p in self.table.params if p.requires_grad), None)
         self._opt_owns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
         # the current step, touched by the training thread only
         self._plan = UNSAMPLED  # sampled? with output checks?
         self._rec: StepRecord | None = None  # what a sampled step's hooks write
         self._grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None
-        self._pending: PendingStep | None = None  # a sampled step ended, not yet sent
+        self._last_sent = 0  # the number of the last sampled step sent to the publisher
+        self._unfolded = False  # ... and the publisher has not been nudged to fold it yet
         self._step_start_ns: int | None = None
         # step boundaries: who ends a step, and what this one has seen so far
         self._manual = False  # prof.step() has been called: only it ends steps
         self._root_seen = False  # the root module's forward has run at least once
         self._forward_seen = False  # ... in this step
-        self._optimizer_seen = False  # an optimizer owning our parameters has stepped
-        self._stepped = False  # ... in this step
+        self._stepped = False  # an optimizer owning our parameters stepped in this step
+        self._scaler_skipped = False  # a GradScaler skipped such an optimizer in this step
         self._closed_by_optimizer = False  # this step was ended by the optimizer hook
         self._detached = False
 
@@ -213,6 +213,7 @@ class Profiler:
                 self._handles.append(model.register_forward_hook(self._on_root_output))
             self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
             self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
+            self._handles.append(gradscaler.watch(self._on_scaler_decision))
             self._begin_step(1, self._clock())
             self._publisher.start()
             if self._system is not None:
@@ -249,9 +250,10 @@ class Profiler:
         return self._publisher.latest
 
     def flush(self, timeout: float | None = 10.0) -> bool:
-        """Send any finished sampled step and wait until the publisher has folded it in."""
+        """Make `snapshot()` current: bring the every-step counters over and wait until the
+        publisher has folded in everything up to now (on a GPU this waits for the device)."""
         if not self._detached:
-            self._dispatch()
+            self._drain_counters()
         return self._publisher.flush(timeout)
 
     def step(self, loss: Any = None) -> None:
@@ -267,16 +269,18 @@ class Profiler:
             if self._closed_by_optimizer and not self._forward_seen:
                 # the optimizer hook already ended this step: this call adds its loss
                 self._closed_by_optimizer = False
-                self._check_loss(loss, self._counters.steps)
-                if self._pending is not None and loss is not None:
-                    self._pending.add_loss(loss)
-                self._dispatch()
-                self._incidents.at_step_end(self._counters.steps)
+                number = self._counters.steps
+                self._check_loss(loss, number)
+                if loss is not None and self._last_sent == number:  # it was a sampled step
+                    # sent on its own (a copy of one value on an accelerator): this happens
+                    # once, when prof.step() calls begin after optimizer steps ended them
+                    late = pack_step(number, None, [], loss=loss, sampled=False)
+                    self._publisher.submit(late.send())
+                self._incidents.at_step_end(number)
                 return
             self._check_loss(loss, self._counters.steps + 1)
-            skipped = self._optimizer_seen and not self._stepped and self._forward_seen
+            skipped = self._scaler_skipped and not self._stepped
             self._end_step(loss, by_optimizer=False, skipped=skipped)
-            self._dispatch()
         except NonFiniteError:
             raise
         except Exception as exc:
@@ -288,7 +292,6 @@ class Profiler:
             return
         self._detached = True
         try:
-            self._dispatch()
             self._drain_counters()  # counters of the steps since the last sample
         except Exception as exc:
             self._faults.report("detach", exc, disable=False)
@@ -355,10 +358,6 @@ class Profiler:
                     # this call's pre-hooks were fixed before ours ran: start the root's own
                     # timing by hand (its post-hook is picked up after forward, as usual)
                     self._hooks.start_call(self._root_layer, module, args)
-            if self._forward_seen and self._skipped_by_scaler():
-                # the last iteration ran backward and zero_grad but no optimizer step: the
-                # GradScaler skipped it (its gradients held an Inf/NaN). A step, not an incident.
-                self._end_step(None, by_optimizer=False, skipped=True)
             if not self._forward_seen:
                 self._forward_seen = True
                 self._closed_by_optimizer = False
@@ -366,15 +365,6 @@ class Profiler:
                     self._step_start_ns = self._clock()
         except Exception as exc:
             self._faults.report("forward pre-hook", exc)
-
-    def _skipped_by_scaler(self) -> bool:
-        return (
-            not self._manual
-            and self._optimizer_seen
-            and not self._stepped
-            and self._sentinel is not None
-            and self._sentinel.grad is None
-        )
 
     def _on_root_output(self, module: nn.Module, args: Any, output: Any) -> None:
         """The root module's forward returned: check its output (every step)."""
@@ -391,10 +381,13 @@ class Profiler:
                 self._detector.add_flag("forward", flag, step)
             if flags and not self._plan.checked and self._replay.note_output(flags):
                 self._replay_forward()  # known at once: the parameters are still this step's
-            # the last sampled step goes to the publisher here rather than before this
-            # forward: its Python work then overlaps the backward pass, which seldom needs
-            # the GIL, not the forward, which needs it at every module call
-            self._dispatch()
+            # the publisher folds the last sampled step now: its Python work then overlaps
+            # the backward pass, which seldom needs the GIL, not the forward, which needs it
+            # at every module call
+            self._supervisor.check()
+            if self._unfolded:
+                self._unfolded = False
+                self._publisher.nudge()
         except Exception as exc:
             self._faults.report("forward hook", exc)
 
@@ -405,7 +398,7 @@ class Profiler:
             return
         try:
             if self._in_step() and self._owns(optimizer):
-                self._optimizer_seen = self._stepped = True
+                self._stepped = True
                 if self._replay.waiting:
                     self._replay_forward()
                 if self._grad_squares is None:
@@ -424,6 +417,23 @@ class Profiler:
         except Exception as exc:
             self._faults.report("optimizer hook", exc)
 
+    def _on_scaler_decision(self, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
+        """A GradScaler decided an optimizer's step: a skip (its gradients overflowed) ends
+        the step as a skipped one, as the optimizer's own step would have ended it. A step,
+        not an incident, unless skips go on for more than max_skipped_steps in a row."""
+        if not skipped or self._detached:
+            return
+        try:
+            if self._in_step() and self._owns(optimizer):
+                if self._manual:
+                    self._scaler_skipped = True  # prof.step() ends it
+                else:
+                    self._end_step(None, by_optimizer=True, skipped=True)
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            self._faults.report("GradScaler hook", exc)
+
     def _end_step(self, loss: Any, *, by_optimizer: bool, skipped: bool = False) -> None:
         """The step boundary: count the step, pack a sampled step, react, plan the next."""
         if self._replay.waiting and not skipped:
@@ -433,19 +443,23 @@ class Profiler:
         if not skipped and self._grad_squares is None:
             self._take_gradients()  # no optimizer hook ran (prof.step() without one)
         number = self._counters.observe((now - start) * 1e-9, self._wall_clock(), skipped)
-        self._stepped = False
+        self._stepped = self._scaler_skipped = False
         if self._plan.sampled:
             self._hooks.end()
             if not self._faults.broken:  # a step whose hooks failed half-way is no sample
-                self._dispatch()  # a sample still pending from an earlier step goes first
-                self._pending = pack_step(number, self._rec, self._detector.blocks(),
-                                          grad_squares=self._grad_squares, loss=loss)
+                # its one device-to-host copy starts now; the publisher folds it when nudged
+                # (the next forward's end) or within publish_interval_s, whichever comes first
+                sampled = pack_step(number, self._rec, self._detector.blocks(),
+                                    grad_squares=self._grad_squares, loss=loss)
+                self._publisher.submit(sampled.send())
+                self._last_sent, self._unfolded = number, True
             elif self._rec is not None:
                 self.timer.release(self._rec.tokens())
         self._rec = None
         self._step_start_ns = now
         self._forward_seen = False
         self._closed_by_optimizer = by_optimizer
+        self._supervisor.check()
         self._incidents.at_step_end(number)
         self._begin_step(number + 1, now)
 
@@ -491,13 +505,6 @@ class Profiler:
         """Send the non-finite counters alone (no sampled step to carry them)."""
         drain = pack_step(self._counters.steps, None, self._detector.blocks(), sampled=False)
         self._publisher.submit(drain.send())
-
-    def _dispatch(self) -> None:
-        """Start the one device-to-host copy of a finished sampled step and hand it over."""
-        self._supervisor.check()
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._publisher.submit(pending.send())
 
     def _page_version(self) -> tuple[Any, ...]:
         """What the /metrics page is made from: it is re-rendered when any of these changes."""

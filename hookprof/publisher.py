@@ -1,7 +1,11 @@
 """The background daemon thread that folds sampled steps in and publishes Snapshots.
 
 It waits for each sampled step's device copy, folds it into the totals, and publishes an
-immutable Snapshot by swapping one reference."""
+immutable Snapshot by swapping one reference. A packet arrives when its step ends; it is
+folded when the training thread nudges (at the end of the next forward, so the Python work
+overlaps the backward pass, which seldom needs the GIL, rather than the forward, which needs
+it at every module call), or at the latest `interval_s` after it arrived: the last step of a
+run that stops or hangs is published all the same."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from .snapshot import Snapshot
 from .timing import Timer
 
 _STOP = object()
+_NUDGE = object()
 
 
 class Publisher:
@@ -35,6 +40,8 @@ class Publisher:
         self._timer = timer
         self._interval_s = interval_s
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._waiting: list[Packet] = []  # arrived, not folded yet (kept across a restart)
+        self._oldest = 0.0  # when the oldest waiting packet arrived (monotonic)
         self.latest: Snapshot = aggregator.snapshot(counters, faults.errors)
         self._name = name
         self.restarts = 0
@@ -55,6 +62,10 @@ class Publisher:
 
     def submit(self, packet: Packet) -> None:
         self._queue.put(packet)
+
+    def nudge(self) -> None:
+        """Fold what has arrived now (the training thread is about to run a backward)."""
+        self._queue.put(_NUDGE)
 
     def fold(self, packet: Packet) -> None:
         """Fold one packet into the totals (on the publisher thread)."""
@@ -82,18 +93,27 @@ class Publisher:
         # machine every millisecond of Python here is taken from the training threads
         last_publish = time.monotonic()
         while True:
-            wait = self._interval_s - (time.monotonic() - last_publish)
+            now = time.monotonic()
+            due = last_publish + self._interval_s
+            if self._waiting:
+                due = min(due, self._oldest + self._interval_s)
             try:
-                item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+                item = self._queue.get(timeout=due - now) if due > now else self._queue.get_nowait()
             except queue.Empty:
                 item = None
             try:
+                if isinstance(item, Packet):
+                    if not self._waiting:
+                        self._oldest = time.monotonic()
+                    self._waiting.append(item)
+                    continue
+                now = time.monotonic()
+                if item is not None or now - self._oldest >= self._interval_s:
+                    self._fold_waiting()  # nudged, flushed, stopping, or waited long enough
                 if item is _STOP:
                     self._publish()
                     return
-                if isinstance(item, Packet):
-                    self.fold(item)
-                if not isinstance(item, Packet) or time.monotonic() - last_publish >= self._interval_s:
+                if item is not _NUDGE or now - last_publish >= self._interval_s:
                     self._publish()
                     last_publish = time.monotonic()
             except Exception as exc:  # never die: a lost sample is better than no exporter
@@ -101,3 +121,11 @@ class Publisher:
             finally:
                 if isinstance(item, threading.Event):
                     item.set()
+
+    def _fold_waiting(self) -> None:
+        while self._waiting:
+            packet = self._waiting.pop(0)
+            try:
+                self.fold(packet)
+            except Exception as exc:  # one bad packet costs that packet only
+                self._faults.report("publisher thread", exc, disable=False)

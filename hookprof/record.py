@@ -148,8 +148,7 @@ class Packet:
 
 
 class PendingStep:
-    """A finished sampled step whose scalars are gathered but not yet sent: the copy starts
-    at `send()`, so a loss given after the optimizer step (`prof.step(loss)`) still joins it."""
+    """One step's scalars, gathered into a ScalarBatch; `send()` starts their copy."""
 
     __slots__ = ("batch", "packet")
 
@@ -158,9 +157,11 @@ class PendingStep:
         self.packet = packet
 
     def add_loss(self, loss: Any) -> None:
-        if isinstance(loss, torch.Tensor):
-            self.batch.add("loss", loss.detach().reshape(-1)[:1])
+        if isinstance(loss, torch.Tensor) and loss.device.type != "cpu":
+            self.batch.add("loss", loss.detach().reshape(-1)[:1])  # rides the step's one copy
             self.packet.loss_in_batch = True
+        elif isinstance(loss, torch.Tensor):
+            self.packet.loss = float(loss.detach().reshape(-1)[0])  # on the host already
         else:
             self.packet.loss = float(loss)
 

@@ -4,9 +4,11 @@ Every training forward keeps a reference to the root module's inputs and the RNG
 its start (a few microseconds). Its output check (one flag, read without waiting) tells
 whether the step's output went non-finite; if it did, the same forward runs once more under
 `torch.no_grad()` with the per-layer checks installed, the same RNG state (so dropout draws
-the same masks) and the same, not yet updated, parameters. Buffers such as BatchNorm's
-running statistics and the RNG are put back afterwards, so training goes on exactly as it
-would have. This happens at most once per run.
+the same masks) and the same, not yet updated, parameters. Buffers (BatchNorm's running
+statistics, a layer's constant `scale`) are swapped for clones while it runs, so the replay
+neither changes them nor bumps the version counter of tensors autograd saved for the step's
+backward (an in-place restore did, and the user's backward then raised); the RNG is put back
+afterwards. Training goes on exactly as it would have. This happens at most once per run.
 """
 
 from __future__ import annotations
@@ -82,17 +84,20 @@ class ForwardReplay:
         self.done = True
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if self._cuda_rng is not None else None
-        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        originals = [(m, name, b) for m in self.model.modules() for name, b in m._buffers.items()
+                     if b is not None]
         try:
+            with torch.no_grad():
+                for module, name, buffer in originals:
+                    module._buffers[name] = buffer.clone()  # the replay writes here, if anywhere
             torch.set_rng_state(self._cpu_rng)
             if self._cuda_rng is not None:
                 torch.cuda.set_rng_state_all(self._cuda_rng)
             with hooks.replaying_into(rec), torch.no_grad():
                 self.model(*self.args, **(self.kwargs or {}))
         finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
+            for module, name, buffer in originals:  # the very same tensors, untouched
+                module._buffers[name] = buffer
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)

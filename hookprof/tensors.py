@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -11,7 +12,8 @@ _MAX_TENSORS_PER_CALL = 8  # outputs/inputs looked at per call; a tuple of 1,000
 
 
 def iter_tensors(value: Any, limit: int = _MAX_TENSORS_PER_CALL) -> Iterable[torch.Tensor]:
-    """Tensors in a module's inputs or outputs: tensors, tuples/lists, dict values."""
+    """Tensors in a module's inputs or outputs: tensors, tuples/lists (named tuples too),
+    mapping values (HF ModelOutput is an OrderedDict) and dataclass fields."""
     if isinstance(value, torch.Tensor):
         return (value,)
     if type(value) is tuple and len(value) == 1 and isinstance(value[0], torch.Tensor):
@@ -31,3 +33,5 @@ def _walk_tensors(value: Any, limit: int) -> Iterator[torch.Tensor]:
             stack.extend(reversed(item))
         elif isinstance(item, dict):
             stack.extend(reversed(list(item.values())))
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            stack.extend(reversed([getattr(item, f.name) for f in dataclasses.fields(item)]))

@@ -7,6 +7,7 @@ import threading
 import torch
 import torch.nn.modules.module as module_globals
 import torch.optim.optimizer as optimizer_globals
+from torch.amp.grad_scaler import GradScaler
 
 import hookprof
 from conftest import port_is_free, free_port, scrape
@@ -58,10 +59,12 @@ def test_detach_leaves_nothing_behind():
     model = seeded(MixedNet)
     before = model_state(model)
     globals_before = [len(d) for d in GLOBAL_HOOK_DICTS]
+    scaler_decides = GradScaler._maybe_opt_step
     port = free_port()
     prof = hookprof.attach(model, port=port, sample_every=2, min_sample_interval_s=0.0)
     assert not port_is_free(port)
     assert [len(d) for d in GLOBAL_HOOK_DICTS] != globals_before
+    assert GradScaler._maybe_opt_step is not scaler_decides  # watched while attached
     assert hookprof_threads()
     train(model, 5)  # ends on an unsampled step ...
     model(model.batch(torch.Generator())[0])  # ... and a sampled one left half-done
@@ -69,6 +72,7 @@ def test_detach_leaves_nothing_behind():
 
     assert model_state(model) == before
     assert [len(d) for d in GLOBAL_HOOK_DICTS] == globals_before
+    assert GradScaler._maybe_opt_step is scaler_decides  # torch's own method again
     assert port_is_free(port)
     assert hookprof_threads() == []
     assert prof.detached

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExc
 
 
 class DyingPublisher(Publisher):
-    """A publisher whose thread is killed by its fold number `die_at` (or every fold from
-    `die_from` on): SystemExit, something stronger than the Exception its loop catches."""
+    """A publisher whose thread is killed by the sampled packet of step `die_at` (or by every
+    fold from the `die_from`th on): SystemExit, stronger than the Exception its loop catches."""
 
     die_at: int | None = None
     die_from: int | None = None
@@ -38,7 +38,8 @@ class DyingPublisher(Publisher):
 
     def fold(self, packet):
         self.folds += 1
-        if self.folds == self.die_at or (self.die_from is not None and self.folds >= self.die_from):
+        if (packet.sampled and packet.step == self.die_at) or (
+                self.die_from is not None and self.folds >= self.die_from):
             raise SystemExit("something stronger than an Exception")  # ends a thread quietly
         super().fold(packet)
 

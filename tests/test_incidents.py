@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 import torch
@@ -98,15 +99,44 @@ def test_counters_reach_the_exporter_with_the_next_sample():
         if step == 2:
             m.head.bias.grad[0] = float("nan")
 
-    with hookprof.attach(model, port=0, sample_every=3, min_sample_interval_s=0.0) as prof:
+    with hookprof.attach(model, port=0, sample_every=3, min_sample_interval_s=0.0,
+                         publish_interval_s=0.05) as prof:
         run(model, 2, prof=prof, poison=poison)  # step 2 is not sampled
-        prof.flush()
-        assert prof.snapshot().nonfinite_steps["backward"] == 0  # not drained yet
-        run(model, 2, prof=prof)  # step 4 is sampled and drains the counters
-        prof.flush()
-        snap = prof.snapshot()
+        time.sleep(0.5)  # ten publish intervals: what is published has step 2 ...
+        assert prof.snapshot().step == 2
+        assert prof.snapshot().nonfinite_steps["backward"] == 0  # ... not its device counters
+        run(model, 2, prof=prof)  # step 4 is sampled and carries the counters
+        snap = wait_for(lambda: (lambda s: s if s.step == 4 and s.nonfinite_steps["backward"] else None)(
+            prof.snapshot()))
     assert snap.first_nonfinite == NonFiniteEvent("head", "backward", 2)
     assert snap.nonfinite_steps["backward"] >= 1
+
+
+def test_flush_brings_the_counters_over_without_a_sample():
+    """Issue 11: flush() makes the snapshot current, device counters included."""
+    model = seeded(DeepNet)
+
+    def poison(step, m):
+        if step == 2:
+            m.head.bias.grad[0] = float("nan")
+
+    with hookprof.attach(model, **RARELY) as prof:
+        run(model, 3, prof=prof, poison=poison)  # only step 1 is sampled
+        prof.flush()
+        snap = prof.snapshot()
+    assert snap.step == 3 and snap.sampled_steps == 1
+    assert snap.first_nonfinite == NonFiniteEvent("head", "backward", 2)
+    assert snap.nonfinite_steps["backward"] == 2  # steps 2 and 3 (the NaN reached the weights)
+
+
+def wait_for(check, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
 
 
 def test_raise_policy_stops_at_the_next_step_boundary():

@@ -1,0 +1,86 @@
+"""GradScaler's skip decisions, seen where the scaler makes them instead of guessed.
+
+A GradScaler skips the update of a step whose gradients overflowed. With a plain optimizer
+it skips by not calling `optimizer.step()`: no optimizer hook runs, and nothing in the shape
+of the loop tells a skipped step from a model called several times per step (siamese nets,
+GAN discriminators) or a hand-written update. So hookprof watches the one method where the
+scaler decides, `GradScaler._maybe_opt_step`, and a global optimizer pre-hook tells whether
+the optimizer then stepped. The wrapper sits on the class while at least one profiler
+watches and is removed with the last (detach leaves torch as it was); it adds no device
+work (the scaler has already read its flag when it decides).
+
+Fused optimizers (`_step_supports_amp_scaling`) are always stepped and skip on the device
+through `optimizer.found_inf`: not a host decision, so not seen here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+try:
+    from torch.amp.grad_scaler import GradScaler
+except ImportError:  # torch < 2.3 keeps it under torch.cuda.amp only
+    GradScaler = None  # type: ignore[assignment,misc]
+
+Watcher = Callable[[Any, bool], None]  # (optimizer, skipped)
+
+_lock = threading.Lock()
+_watchers: list[Watcher] = []
+_installed: tuple[Any, Any] | None = None  # (the original method, the step hook's handle)
+_stepped: set[int] = set()  # ids of optimizers stepped inside a scaler's decision
+
+
+class Watch:
+    """What `watch()` returns: `remove()` ends it (idempotent)."""
+
+    def __init__(self, watcher: Watcher):
+        self._watcher: Watcher | None = watcher
+
+    def remove(self) -> None:
+        global _installed
+        with _lock:
+            if self._watcher is None:
+                return
+            _watchers.remove(self._watcher)
+            self._watcher = None
+            if not _watchers and _installed is not None:
+                original, handle = _installed
+                GradScaler._maybe_opt_step = original
+                handle.remove()
+                _installed = None
+
+
+def watch(watcher: Watcher) -> Watch:
+    """Call `watcher(optimizer, skipped)` after each GradScaler decision of this process."""
+    global _installed
+    with _lock:
+        if GradScaler is not None and _installed is None:
+            original = GradScaler.__dict__["_maybe_opt_step"]
+            handle = register_optimizer_step_pre_hook(_note_step)
+            GradScaler._maybe_opt_step = _deciding(original)
+            _installed = (original, handle)
+        _watchers.append(watcher)
+    return Watch(watcher)
+
+
+def _note_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _stepped.add(id(optimizer))
+
+
+def _deciding(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _maybe_opt_step(self: Any, optimizer: Any, optimizer_state: Any, *args: Any, **kwargs: Any) -> Any:
+        key = id(optimizer)
+        _stepped.discard(key)
+        result = original(self, optimizer, optimizer_state, *args, **kwargs)
+        skipped = key not in _stepped
+        _stepped.discard(key)
+        for watcher in list(_watchers):
+            watcher(optimizer, skipped)
+        return result
+
+    _maybe_opt_step.__wrapped__ = original  # type: ignore[attr-defined]
+    return _maybe_opt_step

@@ -1,0 +1,215 @@
+"""Training loops as users write them (issue 11): BatchNorm and buffers under the forward
+replay, models called several times per step, GradScaler skips that really happened, outputs
+with several tensors, modules called twice. Each test reproduced a defect before its fix."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import hookprof
+
+RARELY = dict(port=0, sample_every=1000, min_sample_interval_s=3600.0)  # step 1 only
+
+
+def nan_rows(x: torch.Tensor, at: bool) -> torch.Tensor:
+    if at:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    return x
+
+
+class Scaled(nn.Module):
+    """A layer that multiplies by a buffer (saved for backward, like BatchNorm's statistics)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.register_buffer("scale", torch.full((dim,), 0.5))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class PoisonAt(nn.Module):
+    """Makes its output NaN while `.step` is in `at` (set by the loop, so a replay of the
+    step reproduces it)."""
+
+    def __init__(self, at: set[int]):
+        super().__init__()
+        self.at, self.step = at, 0
+
+    def forward(self, x):
+        return x + float("nan") if self.step in self.at else x
+
+
+def bn_model(poison: PoisonAt | None = None) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.BatchNorm1d(16), Scaled(16), nn.ReLU()]
+    if poison is not None:
+        layers.append(poison)
+    return nn.Sequential(*layers, nn.Linear(16, 1))
+
+
+def train_bn(model: nn.Module, steps: int, prof=None, poison=None, nan_input_at=()):
+    g = torch.Generator().manual_seed(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(1, steps + 1):
+        if poison is not None:
+            poison.step = step
+        x = nan_rows(torch.randn(32, 8, generator=g), step in nan_input_at)
+        y = torch.randn(32, 1, generator=g)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+
+
+def test_forward_replay_leaves_batchnorm_and_buffer_layers_trainable():
+    """Case 1: the replay restored buffers with copy_, which bumped the version of tensors
+    autograd had saved for the step's backward: loss.backward() raised."""
+    reference_poison = PoisonAt({3})
+    reference = bn_model(reference_poison)
+    train_bn(reference, 6, poison=reference_poison)
+
+    poison = PoisonAt({3})
+    model = bn_model(poison)
+    with hookprof.attach(model, **RARELY) as prof:
+        train_bn(model, 6, prof=prof, poison=poison)  # raised at step 3 before the fix
+        prof.flush()
+        snap = prof.snapshot()
+    assert snap.step == 6
+    assert snap.first_nonfinite.layer == "4" and snap.first_nonfinite.step == 3  # PoisonAt
+    assert snap.first_nonfinite.phase == "forward"
+    # the replay changed nothing: running statistics and parameters as without hookprof
+    for (name, a), b in zip(reference.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b) or (a.isnan().any() and torch.equal(a.isnan(), b.isnan())), name
+
+
+class Siamese(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.encoder(x)
+
+
+@pytest.mark.parametrize("calls", [2, 3])
+def test_a_model_called_several_times_per_step_counts_one_step_and_no_skips(calls):
+    """Case 2: with zero_grad() before the forwards (siamese, triplet), each extra call ended
+    a "step" counted as a GradScaler skip, with no GradScaler anywhere."""
+    torch.manual_seed(0)
+    model = Siamese()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(2)
+    with hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0) as prof:
+        for _ in range(30):
+            opt.zero_grad()
+            outs = [model(torch.randn(16, 8, generator=g)) for _ in range(calls)]
+            loss = sum((outs[0] - o).pow(2).mean() for o in outs[1:]) + outs[0].pow(2).mean()
+            loss.backward()
+            opt.step()
+        prof.flush()
+        snap = prof.snapshot()
+    assert snap.step == 30
+    assert snap.skipped_steps == 0
+    assert snap.nonfinite_steps == {"forward": 0, "backward": 0, "loss": 0}
+    assert snap.layers["encoder.0"].calls == calls  # every call of the last step recorded
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.a = nn.Linear(8, 1)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.a(h), self.b(h)
+
+
+def test_a_bad_forward_step_counts_once_whatever_the_number_of_outputs():
+    """Case 4: a model returning two tensors counted 2 per bad step."""
+    torch.manual_seed(0)
+    model = TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(3)
+    with hookprof.attach(model, **RARELY) as prof:
+        for step in range(1, 6):
+            x = nan_rows(torch.randn(4, 8, generator=g), step == 3)
+            opt.zero_grad()
+            a, b = model(x)
+            (a.mean() + b.mean()).backward()
+            opt.step()
+        prof.flush()
+        snap = prof.snapshot()
+    # step 3's NaN poisons every parameter: steps 3, 4 and 5 are bad, once each
+    assert snap.nonfinite_steps["forward"] == 3
+
+
+class Twice(nn.Module):
+    def __init__(self, poison: PoisonAt):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.poison = poison
+        self.shared = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        x = self.poison(self.first(x))
+        x = self.shared(torch.relu(self.shared(x)))  # the same module called twice
+        return self.head(x)
+
+
+def test_propagators_name_each_module_once():
+    """Case 10: NonFiniteEvent.propagators repeated modules called twice."""
+    poison = PoisonAt({2})
+    torch.manual_seed(0)
+    model = Twice(poison)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(4)
+    with hookprof.attach(model, **RARELY) as prof:
+        for step in range(1, 4):
+            poison.step = step
+            opt.zero_grad()
+            model(torch.randn(4, 4, generator=g)).mean().backward()
+            opt.step()
+        prof.flush()
+        event = prof.snapshot().first_nonfinite
+    assert event.layer == "poison" and event.step == 2
+    assert event.propagators == ("shared", "head")
+
+
+def test_the_last_step_is_published_without_another_step_or_a_flush():
+    """Case 5: the last sampled step was withheld from /metrics until the next forward,
+    flush() or detach(): a run that stopped or hung stayed one step behind for ever."""
+    from conftest import parse, samples, scrape
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(5)
+    with hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
+                         publish_interval_s=0.2) as prof:
+        for _ in range(4):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(torch.randn(8, 8, generator=g)), torch.zeros(8, 1)).backward()
+            opt.step()
+        ended = time.monotonic()
+        rank = frozenset({"rank": "0"}.items())
+        while time.monotonic() - ended < 5.0:  # training has stopped: nothing else happens
+            f = parse(scrape(prof.url))
+            if samples(f, "hookprof_sampled_steps", "hookprof_sampled_steps_total")[rank] == 4:
+                break
+            time.sleep(0.02)
+        waited = time.monotonic() - ended
+        assert samples(f, "hookprof_sampled_steps", "hookprof_sampled_steps_total")[rank] == 4
+        assert samples(f, "hookprof_steps", "hookprof_steps_total")[rank] == 4
+        expected = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model[2].parameters()]))
+        got = samples(f, "hookprof_layer_gradient_norm")[frozenset({"rank": "0", "layer": "2"}.items())]
+        assert got == pytest.approx(expected.item(), rel=1e-5)  # the last step's own norms
+    assert waited < 2.0  # within a few publish intervals of the step's end (0.2 s each)

@@ -132,7 +132,8 @@ def seeded_regressor(**kwargs) -> Regressor:
 def run_ddp_rank(rank: int, world: int, master_port: int, base_port: int, steps: int, out, go_home):
     """One of `world` ranks of Trainer.fit(strategy="ddp") over gloo, launched as torchrun
     launches it (TORCHELASTIC_RUN_ID set, so Lightning starts no processes of its own), with
-    hookprof attached to the LightningModule exactly as in a single-process script."""
+    hookprof attached to the LightningModule exactly as in a single-process script (on a
+    free port of its own: base_port, part of run_two's signature, is not used)."""
     import os
 
     from dist_worker import _environment

@@ -146,3 +146,24 @@ def run_optionally_profiled(model: nn.Module, settings: dict | None, steps: int,
     finally:
         if prof is not None:
             prof.detach()
+
+
+def layer_norms(model: nn.Module) -> dict[str, float]:
+    """{qualified name: L2 norm of that module's own parameters' gradients}, computed apart
+    from hookprof (in float64) from whatever `.grad` holds now; modules without gradients are
+    left out, as hookprof leaves their grad_norm at None."""
+    norms = {}
+    for name, module in model.named_modules():
+        grads = [p.grad.double().flatten() for p in module.parameters(recurse=False) if p.grad is not None]
+        if grads:
+            norms[name] = torch.linalg.vector_norm(torch.cat(grads)).item()
+    return norms
+
+
+def hookprof_norms(prof) -> tuple[int, int | None, dict[str, float]]:
+    """hookprof's view of the step that just ended: (steps counted, last sampled step,
+    {layer: gradient norm} for the layers that have one). Flushes first, so it is current."""
+    prof.flush()
+    snap = prof.snapshot()
+    norms = {name: s.grad_norm for name, s in snap.layers.items() if s.grad_norm is not None}
+    return snap.step, snap.last_sampled_step, norms

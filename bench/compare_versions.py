@@ -222,9 +222,15 @@ def main(argv: list[str] | None = None) -> int:
             # sampled steps cost more than others, so a version that samples more is slower for
             # that reason alone; sampling also follows the (per-configuration) clock, so counts
             # can differ by a step or so between any two runs
-            sampled = {k: [r["workloads"][key].get("sampled_of_steps") for r in runs[k]] for k in runs}
-            if sampled["old"] != sampled["new"]:
-                print(f"note: [sampled, total] steps per round differ: old {sampled['old']}, new {sampled['new']}")
+            sampled = {k: {} for k in runs}
+            for k in runs:
+                for r in runs[k]:
+                    for c, (n, total) in (r["workloads"][key].get("sampled_of_steps") or {}).items():
+                        a, b = sampled[k].get(c, (0, 0))
+                        sampled[k][c] = (a + n, b + total)
+            print("sampled steps, all rounds: " + ", ".join(
+                f"{c} old {n}/{t} new {sampled['new'].get(c, (0, 0))[0]}/{sampled['new'].get(c, (0, 0))[1]}"
+                for c, (n, t) in sampled["old"].items()))
 
         if args.out:
             with open(args.out, "w") as f:

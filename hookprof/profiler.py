@@ -391,20 +391,50 @@ class Profiler:
         except Exception as exc:
             self._faults.report("forward hook", exc)
 
-    def _on_optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _on_optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         """An optimizer is about to update: the gradients are final, the parameters still
-        this step's (the last moment for a replay)."""
+        this step's (the last moment for a replay). With a closure (LBFGS, Lightning's
+        automatic optimization, sharpness-aware optimizers) the step's forward and backward
+        have not run yet: they run inside the closure, so the closure is wrapped and the
+        gradients are read after it returns."""
         if is_compiling():  # a compiled optimizer step: nothing to do inside its graph
-            return
+            return None
         try:
-            if self._in_step() and self._owns(optimizer):
-                self._stepped = True
-                if self._replay.waiting:
-                    self._replay_forward()
-                if self._grad_squares is None:
-                    self._take_gradients()
+            if not self._owns(optimizer):
+                return None
+            # args are those of the unbound step: (optimizer, closure?, ...)
+            closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
+            if callable(closure):
+                wrapped = self._after_closure(closure)
+                if "closure" in kwargs:
+                    return args, {**kwargs, "closure": wrapped}
+                return (args[0], wrapped, *args[2:]), kwargs
+            if self._in_step():
+                self._before_update()
         except Exception as exc:
             self._faults.report("optimizer pre-hook", exc)
+        return None
+
+    def _after_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        def closure_then_read() -> Any:
+            result = closure()
+            try:  # called once or several times (LBFGS): the last read is the update's
+                if self._in_step():
+                    self._grad_squares = None
+                    self._before_update()
+            except Exception as exc:
+                self._faults.report("optimizer closure", exc)
+            return result
+
+        return closure_then_read
+
+    def _before_update(self) -> None:
+        """This step's gradients are final and its parameters not updated yet."""
+        self._stepped = True
+        if self._replay.waiting:
+            self._replay_forward()
+        if self._grad_squares is None:
+            self._read_gradients()
 
     def _on_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if is_compiling():
@@ -440,8 +470,11 @@ class Profiler:
             self._replay_forward()  # no optimizer hook ran: the parameters are still this step's
         now = self._clock()
         start = self._step_start_ns if self._step_start_ns is not None else now
-        if not skipped and self._grad_squares is None:
-            self._take_gradients()  # no optimizer hook ran (prof.step() without one)
+        if not skipped:
+            if self._grad_squares is None:
+                self._read_gradients()  # no optimizer hook ran (prof.step() without one)
+            if self._grad_squares is not None:  # once per step, however often they were read
+                self._detector.add_layer_squares(self._grad_squares[0], self._counters.steps + 1)
         number = self._counters.observe((now - start) * 1e-9, self._wall_clock(), skipped)
         self._stepped = self._scaler_skipped = False
         if self._plan.sampled:
@@ -480,13 +513,12 @@ class Profiler:
         self._opt_owns[optimizer] = (key, owns)
         return owns
 
-    def _take_gradients(self) -> None:
-        """Per-layer squared gradient norms, folded into the device counters: on every step
-        with nonfinite_check="all", else on sampled steps."""
+    def _read_gradients(self) -> None:
+        """Per-layer squared gradient norms on the device (checked at the step's end): on
+        every step with nonfinite_check="all", else on sampled steps."""
         if self._faults.broken or not (self._plan.sampled or self.config.nonfinite_check == "all"):
             return
         self._grad_squares = self._gradients.layer_squares()
-        self._detector.add_layer_squares(self._grad_squares[0], self._counters.steps + 1)
 
     def _check_loss(self, loss: Any, step: int) -> None:
         if loss is None:

@@ -59,10 +59,8 @@ def profiled_fit(module, steps: int, tmp_path, settings=ISSUE_SETTINGS, callback
     return prof.snapshot(), reader
 
 
-# today: step 1 shows no norms at all, and every step N >= 2 shows exactly step N-1's
-# (hookprof reads .grad at the optimizer's pre-hook, before Lightning's closure has run
-# step N's zero_grad and backward)
-@pytest.mark.xfail(strict=True, reason="issue 18 (1): norms read before the closure's backward, one step late")
+# issue 18 (1): hookprof read .grad at the optimizer's pre-hook, before Lightning's closure
+# had run step N's zero_grad and backward: no norms at step 1, step N-1's at step N
 def test_automatic_optimization_norms_are_those_of_each_step(tmp_path):
     reference = seeded_regressor()
     fit(reference, STEPS, root_dir=tmp_path)
@@ -78,13 +76,11 @@ def test_automatic_optimization_norms_are_those_of_each_step(tmp_path):
     assert_norms_per_step(reader.seen, model.before_step)
 
 
-# today, with both settings: nonfinite_steps == {"forward": 0, "backward": 3, "loss": 0}
-# (steps 8-10) and first_nonfinite == ("body.5", "backward", 8): the root's forward never
-# runs, so no output check, and step 7's NaN gradients are read at step 8's pre-hook (with
-# every step checked, the layers' own forward counts do see it: body.3, body.4 and body.5
-# 4 steps each (7-10), body.0-2 3 each (8-10); but no step is counted as forward and no
-# producer is named)
-@pytest.mark.xfail(strict=True, reason="issue 18 (1)+(2): forward NaN not counted; named body.5, backward, step 8")
+# today (closure steps fixed): first_nonfinite == ("body.5", "backward", 7) and no step
+# counted as forward: the root's forward never runs under Lightning's automatic
+# optimization, so there is no output check and no producer (with every step checked, the
+# layers' own forward counts do see it, but nothing names body.3 as the producer)
+@pytest.mark.xfail(strict=True, reason="issue 18 (2): forward NaN not counted without a root forward; named body.5, backward")
 @pytest.mark.parametrize("settings", [ISSUE_SETTINGS, dict(ISSUE_SETTINGS, activation_interval_s=0.0)],
                          ids=["issue-settings", "every-step-checked"])
 def test_forward_nan_in_a_middle_layer_is_named_with_its_step(settings, tmp_path):
@@ -119,10 +115,8 @@ def clipped(model, step: int) -> dict[str, float]:
 # _clip_gradients), so under gradient_clip_val the expected norms are the clipped ones,
 # computed here from the hook's unclipped norms; ReadEachStep.after_step (the .grad left
 # after the update) confirms that this is what the optimizer read.
-# today: accumulation shows the first micro-batch's gradients alone (read at the pre-hook,
-# before the closure's backward of the second one added to them); clipping and bf16 show
-# step N-1's (clipped) gradients at step N and none at step 1
-@pytest.mark.xfail(strict=True, reason="issue 18 (1): norms read before the closure's backward")
+# issue 18 (1): accumulation showed the first micro-batch's gradients alone, clipping and
+# bf16 step N-1's gradients at step N and none at step 1 (all read before the closure)
 @pytest.mark.parametrize("trainer_kwargs", [
     dict(accumulate_grad_batches=2),
     dict(gradient_clip_val=1.0),
@@ -144,12 +138,10 @@ def test_norms_under_trainer_settings_are_those_the_update_reads(trainer_kwargs,
     assert_norms_per_step(reader.seen, expected)
 
 
-# today: step 1 shows no norms on either rank (its pre-hook came before any root forward,
-# so it read .grad there, before the closure); steps 2-4 are right, because under DDP the
-# root's forward does run (Lightning's _ForwardRedirection calls training_step through
-# DDP.forward -> LightningModule.__call__) and those steps' norms are read at the post-hook
+# issue 18 (1): step 1 showed no norms on either rank (read at the pre-hook, before the
+# closure); under DDP the root's forward does run (Lightning's _ForwardRedirection calls
+# training_step through DDP.forward -> LightningModule.__call__)
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 18 (1): step 1's norms read at the pre-hook, before the closure")
 def test_ddp_two_ranks_report_the_all_reduced_norms_of_each_step():
     """Trainer(strategy="ddp", devices=2) over gloo, each rank launched as torchrun would:
     the norms after DDP's all-reduce, the same on both ranks, step by step."""

@@ -48,10 +48,8 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-# today, both: step 1 shows no norms (read at the pre-hook, before the closure's backward,
-# while .grad is still None); steps 2-5 are right (read at the post-hook, as the root's
-# forward ran inside the closure)
-@pytest.mark.xfail(strict=True, reason="issue 18 (1): step 1's norms read at the pre-hook, before the closure")
+# issue 18 (1): step 1 showed no norms (read at the pre-hook, before the closure's
+# backward, while .grad was still None)
 @pytest.mark.parametrize("make_opt", [lbfgs, sgd], ids=["lbfgs", "sgd-closure"])
 def test_closure_steps_report_the_norms_of_the_closures_last_backward(make_opt):
     steps = 5

@@ -37,7 +37,7 @@ from .config import Config, env_disabled
 from .distributed import detect_local_rank, detect_rank
 from .errors import AlreadyAttachedError, DetachedError, NonFiniteError
 from .exporter import MetricsServer, SnapshotCollector, make_registry
-from .faults import Faults, ThreadSupervisor
+from .faults import Faults, ThreadSupervisor, log
 from . import gradscaler
 from .gradients import GradientNorms
 from .incident import IncidentResponse
@@ -188,6 +188,8 @@ class Profiler:
         self._manual = False  # prof.step() has been called: only it ends steps
         self._root_seen = False  # the root module's forward has run at least once
         self._forward_seen = False  # ... in this step
+        self._forwards = 0  # training forwards of the root in this step
+        self._told_no_steps = False  # the "no step signal" line was logged
         self._stepped = False  # an optimizer owning our parameters stepped in this step
         self._scaler_skipped = False  # a GradScaler skipped such an optimizer in this step
         self._closed_by_optimizer = False  # this step was ended by the optimizer hook
@@ -363,6 +365,9 @@ class Profiler:
                 self._closed_by_optimizer = False
                 if self._step_start_ns is None:
                     self._step_start_ns = self._clock()
+            self._forwards += 1
+            if self._forwards == MAX_FORWARDS_PER_STEP:
+                self._no_step_signal()
         except Exception as exc:
             self._faults.report("forward pre-hook", exc)
 
@@ -491,6 +496,7 @@ class Profiler:
         self._rec = None
         self._step_start_ns = now
         self._forward_seen = False
+        self._forwards = 0
         self._closed_by_optimizer = by_optimizer
         self._supervisor.check()
         self._incidents.at_step_end(number)
@@ -538,6 +544,25 @@ class Profiler:
         drain = pack_step(self._counters.steps, None, self._detector.blocks(), sampled=False)
         self._publisher.submit(drain.send())
 
+    def _no_step_signal(self) -> None:
+        """So many forwards without a step boundary: no torch.optim optimizer steps this
+        model's parameters and nobody calls prof.step(). Per-layer work stops here (the
+        step's record would grow with every call, its hooks cost every call) until a step
+        boundary comes; said once."""
+        if self._rec is not None:
+            self._hooks.remove()
+            self.timer.release(self._rec.tokens())
+            self._rec = None
+            self._plan = UNSAMPLED
+        if not self._told_no_steps:
+            self._told_no_steps = True
+            log.warning(
+                "hookprof: %d forwards of %s without a step boundary: no torch.optim optimizer "
+                "steps its parameters and prof.step() is not called, so hookprof cannot tell "
+                "steps apart; per-layer timing and gradient norms are off until one comes. "
+                "Call prof.step(loss) once per training step (after the parameter update).",
+                MAX_FORWARDS_PER_STEP, type(self.model).__qualname__)
+
     def _page_version(self) -> tuple[Any, ...]:
         """What the /metrics page is made from: it is re-rendered when any of these changes."""
         system = self._system.latest if self._system is not None else None
@@ -559,6 +584,11 @@ class Profiler:
             self._server.close()
         with _live_lock:
             _live.discard(self)
+
+
+# more training forwards than this between two step boundaries means there are none
+# (gradient accumulation over 1,000 micro-batches is far beyond what runs use)
+MAX_FORWARDS_PER_STEP = 1000
 
 
 def _inert_copy() -> Profiler:

@@ -213,3 +213,34 @@ def test_the_last_step_is_published_without_another_step_or_a_flush():
         got = samples(f, "hookprof_layer_gradient_norm")[frozenset({"rank": "0", "layer": "2"}.items())]
         assert got == pytest.approx(expected.item(), rel=1e-5)  # the last step's own norms
     assert waited < 2.0  # within a few publish intervals of the step's end (0.2 s each)
+
+
+def test_a_loop_without_step_signal_stays_bounded_and_says_what_it_needs(caplog):
+    """Case 3: a hand-written update (no torch.optim, no prof.step()) gave 0 steps, no word,
+    hooks installed for ever and a step record growing with every call."""
+    import logging
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    g = torch.Generator().manual_seed(6)
+    with caplog.at_level(logging.WARNING, logger="hookprof"):
+        with hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0) as prof:
+            for _ in range(1200):
+                loss = nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 1))
+                loss.backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.01 * p.grad
+                        p.grad = None
+            # per-layer work stopped: no wrapper left on the layers, nothing recorded
+            assert all("forward" not in m.__dict__ for m in model)
+            assert prof.steps == 0
+            prof.step(loss)  # the signal it asked for: from here on steps are counted
+            model(torch.randn(4, 8, generator=g)).sum().backward()
+            prof.step()
+            prof.flush()
+            snap = prof.snapshot()
+    lines = [r.getMessage() for r in caplog.records if "without a step boundary" in r.getMessage()]
+    assert len(lines) == 1 and "prof.step(" in lines[0]
+    assert snap.step == 2 and snap.sampled_steps == 1  # step 2 sampled again, normally
+    assert snap.layers["0"].calls == 1 and snap.layers["0"].grad_norm is not None

@@ -12,7 +12,8 @@ from types import MappingProxyType
 from typing import Any
 
 from .nonfinite import PHASE_INDEX, fold_counters
-from .record import Packet, StepCounters, StepRecord
+from .layers import INPUT_NAME
+from .record import ROOT_INPUT, Packet, StepCounters, StepRecord
 from .timing import Timer
 from .snapshot import (
     PHASES,
@@ -28,9 +29,12 @@ FLAG_KINDS = ("vanishing", "exploding")
 
 @dataclass(slots=True)
 class ForwardFinding:
-    producers: list[str]  # layers with finite inputs and non-finite outputs, in call order
-    propagators: list[str]  # layers with non-finite inputs and outputs
+    # innermost calls first: "(input)" when the root's inputs were non-finite, then layers
+    # or container modules with finite inputs and a non-finite output
+    producers: list[str]
+    propagators: list[str]  # layers with non-finite inputs and outputs, in call order
     bwd_start_of_layer: dict[int, float]
+    last_finite_child: str | None = None  # of producers[0], when it is a container
 
 
 class StepFigures:
@@ -62,8 +66,10 @@ def _nanmax(values: list[float]) -> float:
 
 class Aggregator:
     def __init__(self, names: list[str], module_types: list[str], rank: int, max_layers: int,
-                 grad_norm_bounds: tuple[float, float] = (1e-6, 1e3)):
+                 grad_norm_bounds: tuple[float, float] = (1e-6, 1e3), container_names: list[str] = ()):
         n = len(names)
+        # names of recorded calls: layers, then container modules (hooked by the replay only)
+        self._call_names = list(names) + list(container_names)
         self.grad_norm_bounds = grad_norm_bounds
         # sampled steps on which a layer's gradient norm was below / above the bounds
         self.flagged = {k: [0] * n for k in FLAG_KINDS}
@@ -128,8 +134,11 @@ class Aggregator:
             call_fwd, call_bwd, bwd_start = self._resolve_times(rec, timer)
         finally:
             timer.release(rec.tokens())
+        n = len(self.names)
         for call_id, call in enumerate(rec.calls):
             layer = call.layer
+            if layer >= n:
+                continue  # a container module's call (replay): it only tells who made a NaN
             if call_id in rec.recompute:  # reported apart, never as forward time
                 figures.recompute_calls[layer] += 1
                 figures.recompute[layer] += call_fwd[call_id]
@@ -149,6 +158,8 @@ class Aggregator:
             if act.call < 0:
                 continue  # an input's check, not a layer output
             layer = rec.calls[act.call].layer
+            if layer >= n:
+                continue
             figures.absmax[layer].append(m)
             if act.nonzero is not None:
                 figures.zeros[layer] += act.sample_size - next(nonzero_values)
@@ -216,26 +227,37 @@ class Aggregator:
     def _forward_roles(
         self, rec: StepRecord, act_max: dict[int, float], bwd_start: dict[int, float]
     ) -> ForwardFinding:
-        """Which calls of a sampled step produced a NaN/Inf (finite inputs, non-finite
-        output) and which passed one on (non-finite inputs); plus the backward order."""
-        out_bad: dict[int, bool] = {}
+        """Who made a NaN/Inf on a checked or replayed step: the root's inputs ("(input)"),
+        else the innermost call with finite inputs and a non-finite output (the first to end:
+        a layer, or a container module whose own code made it); the layers it then flowed
+        through (non-finite inputs and output); plus the backward order."""
+        out_bad: set[int] = set()
+        root_input_bad = False
         for i, act in enumerate(rec.act):
-            if act.call >= 0 and not math.isfinite(act_max[i]):
-                out_bad[act.call] = True
-        in_bad: dict[int, bool] = {}
-        for call, i in rec.inputs:
             if not math.isfinite(act_max[i]):
-                in_bad[call] = True
-        producers: dict[str, None] = {}  # ordered sets: a module called twice is named once
-        propagators: dict[str, None] = {}
-        for call in sorted(out_bad):
-            layer = self.names[rec.calls[call].layer]
-            (propagators if in_bad.get(call) else producers)[layer] = None
+                if act.call >= 0:
+                    out_bad.add(act.call)
+                elif act.call == ROOT_INPUT:
+                    root_input_bad = True
+        in_bad = {call for call, i in rec.inputs if not math.isfinite(act_max[i])}
+        n = len(self.names)
+        names = self._call_names
+        # ordered sets: a module called twice is named once
+        producers: dict[str, None] = dict.fromkeys([INPUT_NAME] if root_input_bad else [])
+        made = [c for c in rec.ended if c in out_bad and c not in in_bad]
+        producers.update(dict.fromkeys(names[rec.calls[c].layer] for c in made))
+        propagators = dict.fromkeys(names[rec.calls[c].layer] for c in sorted(out_bad)
+                                    if c in in_bad and rec.calls[c].layer < n)
+        last_finite_child = None
+        if made and not root_input_bad and rec.calls[made[0]].layer >= n:
+            children = [c for c in rec.ended if rec.calls[c].parent == made[0] and c not in out_bad]
+            last_finite_child = names[rec.calls[children[-1]].layer] if children else None
         start_of_layer: dict[int, float] = {}
         for call, t in bwd_start.items():
             layer = rec.calls[call].layer
             start_of_layer[layer] = min(start_of_layer.get(layer, math.inf), t)
-        return ForwardFinding(list(producers), [p for p in propagators if p not in producers], start_of_layer)
+        return ForwardFinding(list(producers), [p for p in propagators if p not in producers],
+                              start_of_layer, last_finite_child)
 
     def _update_incident(self, step: int, forward: ForwardFinding | None) -> None:
         """Keep the first NaN/Inf of the run: its step and phase from the device counters
@@ -250,7 +272,7 @@ class Aggregator:
         if not firsts:
             return
         first_step, _, phase = min(firsts)
-        layer, propagators = None, ()
+        layer, propagators, last_finite_child = None, (), None
         if phase == "forward":
             seen = [(step, forward)] if forward is not None else []
             if self._replayed is not None:
@@ -261,6 +283,7 @@ class Aggregator:
                 # was applied in between: after that, every layer's parameters are suspect
                 if finding.producers and (at == first_step or not poisoned):
                     layer, propagators = finding.producers[0], tuple(finding.propagators)
+                    last_finite_child = finding.last_finite_child
                     break
         elif phase == "loss":
             layer = LOSS_LAYER
@@ -274,7 +297,7 @@ class Aggregator:
                 first = min(bad, key=lambda i: (starts.get(i, math.inf), -i))
                 layer = self.names[first]
                 propagators = tuple(self.names[i] for i in bad if i != first)
-        self.first_nonfinite = NonFiniteEvent(layer, phase, first_step, propagators)
+        self.first_nonfinite = NonFiniteEvent(layer, phase, first_step, propagators, last_finite_child)
 
     def _resolve_times(
         self, rec: StepRecord, timer: Timer

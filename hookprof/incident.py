@@ -87,6 +87,8 @@ class IncidentResponse:
 def describe(event: NonFiniteEvent, rank: int) -> str:
     where = f"layer {event.layer}" if event.layer else "a layer not yet localised"
     text = f"NaN/Inf in the {event.phase} phase at step {event.step} on rank {rank}, first in {where}"
+    if event.last_finite_child:
+        text += f", after its child {event.last_finite_child} ran finite"
     if event.propagators:
         text += f" (then {', '.join(event.propagators[:5])}{' ...' if len(event.propagators) > 5 else ''})"
     return text

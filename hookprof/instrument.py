@@ -34,7 +34,7 @@ import torch
 from .compiled import is_compiling
 from .faults import Faults
 from .layers import LayerTable
-from .record import Activation, Call, StepRecord
+from .record import ROOT_INPUT, Activation, Call, StepRecord
 from .tensors import iter_tensors
 from .timing import Timer
 
@@ -102,7 +102,7 @@ class LayerHooks:
         # dead units are a property of activation outputs: the zero ratio is taken for layers
         # without parameters of their own (ReLU, GELU, Dropout, pooling), not for Linear/Conv
         # outputs, which are almost never exactly zero
-        self._zero_ratio = [not layer.param_indices for layer in table.layers]
+        self._zero_ratio = [not layer.param_indices for layer in table.layers] + [False] * len(table.containers)
         self._handles: list[Any] = []  # hook handles (root layer, modules that refuse a wrapper)
         # (module, wrapper, the instance attribute `forward` it replaced or _NO_ATTRIBUTE)
         self._wrapped: list[tuple[torch.nn.Module, Any, Any]] = []
@@ -154,21 +154,45 @@ class LayerHooks:
     @contextmanager
     def replaying_into(self, rec: StepRecord) -> Iterator[None]:
         """Record a replayed forward into `rec`, with the output checks on (they are what the
-        replay is for); afterwards the hooks are as they were."""
+        replay is for) and the container modules hooked too (calls numbered after the layers),
+        so a NaN made by a container's own code between its children is seen there;
+        afterwards the hooks are as they were."""
         installed = self.installed
         stats_were_on = self._activation_stats
         self._replaying = True
         self._activation_stats = True
+        containers: list[Any] = []
         try:
             self.begin(rec)
+            first = len(self._table.layers)
+            for k, (_, module) in enumerate(self._table.containers):
+                containers.append(module.register_forward_pre_hook(partial(self._pre, first + k)))
+                containers.append(module.register_forward_hook(partial(self._post, first + k),
+                                                               always_call=True))
             yield
         finally:
+            for handle in containers:
+                handle.remove()
             self._replaying = False
             self._activation_stats = stats_were_on
             if installed:
                 self.end()
             else:
                 self.remove()
+
+    def note_root_inputs(self, args: Any, kwargs: Any) -> None:
+        """Check the root module's inputs on a step with output checks: a NaN/Inf already in
+        them was made by none of the model's modules (its producer is "(input)")."""
+        rec = self._rec
+        if rec is None or not self._activation_stats:
+            return
+        try:
+            for t in iter_tensors((args, kwargs)):
+                if t.is_floating_point() and t.numel():
+                    low, high = torch.aminmax(t.detach())
+                    rec.act.append(Activation(ROOT_INPUT, low, high, None, 0))
+        except Exception as exc:
+            self._faults.report("forward pre-hook", exc)
 
     def install(self) -> None:
         if self.installed:
@@ -264,7 +288,7 @@ class LayerHooks:
                     rec.pending_marks.append((node, call, False))
                 if self._activation_stats and not recompute and t.is_floating_point() and t.numel():
                     self._note_input(rec, t, call)
-            if not inputs_need_grad and layer_index not in rec.param_hooked:
+            if not inputs_need_grad and layer_index not in rec.param_hooked and layer_index < len(self._table):
                 self._hook_params(rec, layer_index)
             if recompute or not self._in_training_forward:
                 self.mark_pending()
@@ -296,6 +320,8 @@ class LayerHooks:
             entry = rec.calls[call]
             entry.end = end
             stats = self._activation_stats and call not in rec.recompute  # seen on the first pass
+            if stats:
+                rec.ended.append(call)
             for t in iter_tensors(output):
                 node = t.grad_fn
                 if stats and t.is_floating_point() and t.numel():

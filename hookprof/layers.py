@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 ROOT_NAME = "(root)"  # the qualified name of the root module is "", which reads badly in a label
+INPUT_NAME = "(input)"  # the producer of a NaN/Inf already in the root module's inputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,9 @@ class LayerTable:
         self.params: list[nn.Parameter] = []
         self.param_names: list[str] = []
         self.param_layer: list[int] = []  # layer index of each parameter
+        # the other modules (non-leaf, no parameters of their own, the root among them):
+        # (name, module); their own code can make a NaN between their children's calls
+        self.containers: list[tuple[str, nn.Module]] = []
         seen: set[int] = set()
         for name, module in model.named_modules():
             own = [
@@ -42,6 +46,7 @@ class LayerTable:
             ]
             is_leaf = next(iter(module.children()), None) is None
             if not (is_leaf or own):
+                self.containers.append((name or ROOT_NAME, module))
                 continue
             index = len(self.layers)
             first = len(self.params)

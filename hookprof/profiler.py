@@ -146,6 +146,7 @@ class Profiler:
             self.rank,
             config.max_layers,
             (config.vanishing_grad_norm, config.exploding_grad_norm),
+            container_names=[name for name, _ in self.table.containers],
         )
         self._publisher = publisher(
             aggregator,
@@ -360,6 +361,8 @@ class Profiler:
                     # this call's pre-hooks were fixed before ours ran: start the root's own
                     # timing by hand (its post-hook is picked up after forward, as usual)
                     self._hooks.start_call(self._root_layer, module, args)
+            if self._plan.checked:  # a NaN in the batch is the input's, not a layer's
+                self._hooks.note_root_inputs(args, kwargs)
             if not self._forward_seen:
                 self._forward_seen = True
                 self._closed_by_optimizer = False

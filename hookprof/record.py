@@ -43,10 +43,14 @@ class Call:
         return (t for t in (self.outer_start, self.start, self.end, self.outer_end) if t is not None)
 
 
+ROOT_INPUT = -2  # Activation.call of the root module's inputs
+
+
 class Activation(NamedTuple):
     """Device-side reductions of one floating tensor a call produced (or received)."""
 
-    call: int  # the call whose output it is; -1 for an input that was no layer's output
+    call: int  # the call whose output it is; -1 for an input that was no layer's output,
+    # ROOT_INPUT for an input of the root module
     low: torch.Tensor  # min, 0-d, on the device
     high: torch.Tensor  # max
     nonzero: torch.Tensor | None  # non-zeros in the zero sample (activation layers only)
@@ -58,7 +62,7 @@ class StepRecord:
     backward hooks may run on autograd worker threads."""
 
     __slots__ = ("ref", "calls", "grad_ready", "param_done", "act", "param_hooked",
-                 "param_handles", "pending_marks", "out_stats", "inputs", "recompute")
+                 "param_handles", "pending_marks", "out_stats", "inputs", "recompute", "ended")
 
     def __init__(self, ref: Any):
         self.ref = ref  # timer token taken when the step began
@@ -80,6 +84,7 @@ class StepRecord:
         self.inputs: list[tuple[int, int]] = []  # (call, index in act) of each floating input
         # calls made while backward runs: activation checkpointing recomputing a forward
         self.recompute: set[int] = set()
+        self.ended: list[int] = []  # call ids as they ended (with output checks on): inner first
 
     def tokens(self) -> Iterator[Any]:
         """Every timer token in the record, so the timer can take pooled events back."""

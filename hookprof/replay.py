@@ -94,6 +94,7 @@ class ForwardReplay:
             if self._cuda_rng is not None:
                 torch.cuda.set_rng_state_all(self._cuda_rng)
             with hooks.replaying_into(rec), torch.no_grad():
+                hooks.note_root_inputs(self.args, self.kwargs)
                 self.model(*self.args, **(self.kwargs or {}))
         finally:
             for module, name, buffer in originals:  # the very same tensors, untouched

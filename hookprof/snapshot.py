@@ -62,8 +62,10 @@ class LayerStats:
 @dataclass(frozen=True, slots=True)
 class NonFiniteEvent:
     """The first NaN/Inf of a run. `step` and `phase` are exact (device counters, every
-    step). `layer` is the layer that produced it: for "forward", the first layer with finite
-    inputs and a non-finite output; for "backward", the first layer whose gradient went
+    step). `layer` is what produced it: for "forward", "(input)" when the root module's
+    inputs already held it, else the innermost module call with finite inputs and a
+    non-finite output (a layer, or a container module whose own code made it between its
+    children's calls); for "backward", the first layer whose gradient went
     non-finite; "(loss)" for the loss alone; None while not yet localised (a forward NaN on a
     step without per-layer checks: hookprof then samples every step to find it)."""
 
@@ -71,6 +73,9 @@ class NonFiniteEvent:
     phase: str
     step: int
     propagators: tuple[str, ...] = ()
+    last_finite_child: str | None = None
+    """For a producer that is a container module (its own code made the value between its
+    children's calls): the last of its children whose output was still finite."""
     """Layers the value flowed through on the step where the layer was found."""
 
 

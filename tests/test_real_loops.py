@@ -4,6 +4,7 @@ with several tensors, modules called twice. Each test reproduced a defect before
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -244,3 +245,114 @@ def test_a_loop_without_step_signal_stays_bounded_and_says_what_it_needs(caplog)
     assert len(lines) == 1 and "prof.step(" in lines[0]
     assert snap.step == 2 and snap.sampled_steps == 1  # step 2 sampled again, normally
     assert snap.layers["0"].calls == 1 and snap.layers["0"].grad_norm is not None
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.stem(x)))
+
+
+def loop(model, steps, prof, *, nan_input_at=(), poison=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(7)
+    for step in range(1, steps + 1):
+        if poison is not None:
+            poison.step = step
+        x = nan_rows(torch.randn(4, 8, generator=g), step in nan_input_at)
+        opt.zero_grad()
+        out = model(x)
+        tensors = [out] if isinstance(out, torch.Tensor) else [out.a, out.b]
+        sum(t.mean() for t in tensors).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("settings", [RARELY, dict(port=0, sample_every=1, min_sample_interval_s=0.0,
+                                                    activation_interval_s=0.0)],
+                         ids=["replayed", "checked-step"])
+def test_a_nan_in_the_batch_is_the_inputs(settings):
+    """Case 8: a NaN in the input batch was never attributed (layer None for ever)."""
+    torch.manual_seed(0)
+    model = Embed()
+    with hookprof.attach(model, **settings) as prof:
+        loop(model, 5, prof, nan_input_at={3})
+        prof.flush()
+        event = prof.snapshot().first_nonfinite
+    assert (event.layer, event.phase, event.step) == ("(input)", "forward", 3)
+    assert event.propagators == ("stem", "head")
+
+
+class Attention(nn.Module):
+    """Its own code (a softmax written by hand) overflows between its children's calls."""
+
+    def __init__(self, at: set[int]):
+        super().__init__()
+        self.q, self.k, self.v, self.proj = (nn.Linear(8, 8) for _ in range(4))
+        self.at, self.step = at, 0
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).T * (1e4 if self.step in self.at else 1.0)
+        weights = torch.exp(scores)  # inf at the bad step ...
+        weights = weights / weights.sum(dim=-1, keepdim=True)  # ... and inf / inf = NaN
+        return self.proj(weights @ self.v(x))
+
+
+class WithAttention(nn.Module):
+    def __init__(self, at: set[int]):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.attn = Attention(at)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.attn(self.embed(x)))
+
+
+def test_a_nan_made_by_a_container_modules_own_code_names_it():
+    """Case 8: a NaN made by a non-leaf module's own code (exp of a large attention score,
+    then a division) between its children was never attributed."""
+    torch.manual_seed(0)
+    model = WithAttention({3})
+    with hookprof.attach(model, **RARELY) as prof:
+        loop(model, 4, prof, poison=model.attn)
+        prof.flush()
+        event = prof.snapshot().first_nonfinite
+    assert (event.layer, event.phase, event.step) == ("attn", "forward", 3)
+    assert event.last_finite_child == "attn.v"  # the last child that ran finite
+    assert event.propagators == ("attn.proj", "head")
+
+
+@dataclasses.dataclass
+class TwoOutputs:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+class DataclassNet(nn.Module):
+    def __init__(self, poison: PoisonAt):
+        super().__init__()
+        self.a = nn.Linear(8, 1)
+        self.poison = poison
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return TwoOutputs(self.poison(self.a(x)), self.b(x))
+
+
+def test_a_dataclass_output_is_checked_and_its_producer_named():
+    """Case 7: a @dataclass output was not checked, and a NaN made in `a` was reported as
+    ('b', 'backward')."""
+    poison = PoisonAt({3})
+    torch.manual_seed(0)
+    model = DataclassNet(poison)
+    with hookprof.attach(model, **RARELY) as prof:
+        loop(model, 4, prof, poison=poison)
+        prof.flush()
+        snap = prof.snapshot()
+    event = snap.first_nonfinite
+    assert (event.layer, event.phase, event.step) == ("poison", "forward", 3)
+    assert snap.nonfinite_steps["forward"] >= 1

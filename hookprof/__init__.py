@@ -14,12 +14,13 @@ from .errors import (
     NonFiniteError,
     PortInUseError,
 )
-from .profiler import DisabledProfiler, Profiler, attach
+from .profiler import DisabledProfiler, Profiler, attach, detach_all
 from .snapshot import LayerStats, NonFiniteEvent, Snapshot
 
 __all__ = [
     "__version__",
     "attach",
+    "detach_all",
     "Config",
     "Profiler",
     "DisabledProfiler",

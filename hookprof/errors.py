@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 from typing import Any
 
 
@@ -38,13 +40,20 @@ class AlreadyAttachedError(HookprofError, RuntimeError):
 class PortInUseError(HookprofError, OSError):
     """The metrics port could not be bound."""
 
-    def __init__(self, addr: str, port: int, cause: OSError):
+    def __init__(self, addr: str, port: int, cause: OSError | None = None, *, holder: str | None = None):
         self.addr = addr
         self.port = port
+        self.holder = holder  # the model class of the hookprof profiler that serves it, if one does
+        if holder is not None:
+            why = (f"an earlier hookprof profiler in this process serves it, attached to {holder}; "
+                   "release it with that profiler's detach() or hookprof.detach_all() (for a "
+                   "notebook cell run again), or choose another")
+        else:
+            why = f"{cause.strerror or cause if cause is not None else 'in use'}. Choose another"
         super().__init__(
-            cause.errno,
-            f"cannot serve metrics on {addr}:{port}: {cause.strerror or cause}. Choose another "
-            "port with hookprof.attach(model, port=...) or HOOKPROF_PORT (port=0 picks a free one)",
+            cause.errno if cause is not None else errno.EADDRINUSE,
+            f"cannot serve metrics on {addr}:{port}: {why} port with hookprof.attach(model, "
+            "port=...) or HOOKPROF_PORT (port=0 picks a free one)",
         )
 
 

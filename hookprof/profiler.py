@@ -35,7 +35,7 @@ from .compiled import (
 )
 from .config import Config, env_disabled
 from .distributed import detect_local_rank, detect_rank
-from .errors import AlreadyAttachedError, DetachedError, NonFiniteError
+from .errors import AlreadyAttachedError, DetachedError, NonFiniteError, PortInUseError
 from .exporter import MetricsServer, SnapshotCollector, make_registry
 from .faults import Faults, ThreadSupervisor, log
 from . import gradscaler
@@ -201,6 +201,9 @@ class Profiler:
         try:
             if config.serve:
                 port = config.port + local_rank if config.port else 0
+                holder = _serving(config.addr, port)
+                if holder is not None:
+                    raise PortInUseError(config.addr, port, holder=type(holder.model).__qualname__)
                 self._server = MetricsServer(
                     self.registry, config.addr, port, version=self._page_version,
                     certfile=config.tls_certfile,
@@ -587,6 +590,25 @@ class Profiler:
             self._server.close()
         with _live_lock:
             _live.discard(self)
+
+
+def detach_all() -> int:
+    """Detach every profiler of this process (a notebook cell that attached again, a test's
+    cleanup). Returns how many were detached."""
+    with _live_lock:
+        live = list(_live)
+    for prof in live:
+        prof.detach()
+    return len(live)
+
+
+def _serving(addr: str, port: int) -> "Profiler | None":
+    """The live profiler of this process that serves (addr, port), if any."""
+    if not port:
+        return None
+    with _live_lock:
+        return next((p for p in _live if p.port == port and p._server is not None
+                     and p._server.addr == addr), None)
 
 
 # more training forwards than this between two step boundaries means there are none

@@ -61,9 +61,23 @@ def test_port_held_by_another_profiler():
     first_model, second_model = seeded(DeepNet), seeded(DeepNet)
     with hookprof.attach(first_model, port=port):
         before = model_state(second_model)
-        with pytest.raises(hookprof.PortInUseError, match=str(port)):
+        with pytest.raises(hookprof.PortInUseError, match=str(port)) as info:
             hookprof.attach(second_model, port=port)
         assert model_state(second_model) == before
+    # issue 11 case 6: the message says who holds it and what releases it
+    assert info.value.holder == "DeepNet"
+    assert "earlier hookprof profiler in this process" in str(info.value)
+    assert "hookprof.detach_all()" in str(info.value)
+
+
+def test_a_notebook_cell_run_twice_is_released_by_detach_all():
+    port = free_port()
+    first = hookprof.attach(seeded(DeepNet), port=port)  # the cell's first run
+    with pytest.raises(hookprof.PortInUseError):
+        hookprof.attach(seeded(DeepNet), port=port)  # run again: the message says what to do
+    assert hookprof.detach_all() == 1 and first.detached
+    with hookprof.attach(seeded(DeepNet), port=port) as again:
+        assert again.port == port
 
 
 def test_attaching_twice_names_the_existing_profiler():

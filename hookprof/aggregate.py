@@ -401,7 +401,8 @@ class Aggregator:
         # forward: sampled steps' output checks; backward: the device counters (every step)
         return {"forward": self.fwd_nonfinite[i], "backward": self.counters["layer_bad"][i]}
 
-    def snapshot(self, counters: StepCounters, internal_errors: int) -> Snapshot:
+    def snapshot(self, counters: StepCounters, internal_errors: int,
+                 notices: tuple[str, ...] = ()) -> Snapshot:
         if self._dirty:
             self._rebuild_layers()
             self._dirty = False
@@ -429,4 +430,5 @@ class Aggregator:
             exported_layers=self._exported,
             first_nonfinite=first,
             gradient_flagged_steps=MappingProxyType(dict(self.flagged_steps)),
+            notices=notices,
         )

@@ -14,6 +14,7 @@ eagerly), the loss passed to `Profiler.step(loss)`, and system metrics.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,9 +55,10 @@ COMPILED_NOTE = (
 )
 
 
-def explain_attached_after_compile() -> None:
-    log.warning("hookprof: the model was compiled before attach(): %s", COMPILED_NOTE)
+def explain_attached_after_compile(notices: Any) -> None:
+    notices.say("compiled", f"the model was compiled before attach(): {COMPILED_NOTE}")
 
 
-def explain_compiled_forward() -> None:
-    log.info("hookprof: the model's forward runs under torch.compile: %s", COMPILED_NOTE)
+def explain_compiled_forward(notices: Any) -> None:
+    notices.say("compiled", f"the model's forward runs under torch.compile: {COMPILED_NOTE}",
+                logging.INFO)

@@ -37,7 +37,8 @@ from .config import Config, env_disabled
 from .distributed import detect_local_rank, detect_rank
 from .errors import AlreadyAttachedError, DetachedError, NonFiniteError, PortInUseError
 from .exporter import MetricsServer, SnapshotCollector, make_registry
-from .faults import Faults, ThreadSupervisor, log
+from .faults import Faults, ThreadSupervisor
+from .notices import Notices
 from . import gradscaler
 from .gradients import GradientNorms
 from .incident import IncidentResponse
@@ -129,6 +130,7 @@ class Profiler:
 
         # the parts, each the one owner of its state
         self._faults = Faults()
+        self._notices = Notices()
         self._counters = StepCounters(config.max_skipped_steps)
         self._planner = StepPlanner(config.sample_every, config.min_sample_interval_s,
                                     config.activation_stats, config.activation_interval_s)
@@ -155,6 +157,7 @@ class Profiler:
             self.timer,
             config.publish_interval_s,
             name=f"hookprof-publisher-rank{self.rank}",
+            notices=self._notices,
         )
         self._incidents = IncidentResponse(config, self.rank, self._detector, self._publisher,
                                            self._drain_counters)
@@ -190,7 +193,6 @@ class Profiler:
         self._root_seen = False  # the root module's forward has run at least once
         self._forward_seen = False  # ... in this step
         self._forwards = 0  # training forwards of the root in this step
-        self._told_no_steps = False  # the "no step signal" line was logged
         self._stepped = False  # an optimizer owning our parameters stepped in this step
         self._scaler_skipped = False  # a GradScaler skipped such an optimizer in this step
         self._closed_by_optimizer = False  # this step was ended by the optimizer hook
@@ -211,7 +213,7 @@ class Profiler:
                 self._supervisor.watch("metrics server", self._server)
             if self._compiled:
                 # a hook added now would force a recompile, and do nothing in the graph
-                explain_attached_after_compile()
+                explain_attached_after_compile(self._notices)
             else:
                 self._handles.append(
                     model.register_forward_pre_hook(self._on_root_forward, prepend=True, with_kwargs=True)
@@ -326,7 +328,7 @@ class Profiler:
         """Plan step `number`: sampled or not, with output checks or not; hooks in or out."""
         if self._compile_probe.seen and not self._compiled:
             self._compiled = True
-            explain_compiled_forward()
+            explain_compiled_forward(self._notices)
         incident = self._incidents.open(number)  # an open incident samples every step
         self._plan = self._planner.plan(number, now_ns, incident=incident, broken=self._faults.broken)
         self._grad_squares = None
@@ -486,6 +488,13 @@ class Profiler:
                 self._read_gradients()  # no optimizer hook ran (prof.step() without one)
             if self._grad_squares is not None:  # once per step, however often they were read
                 self._detector.add_layer_squares(self._grad_squares[0], self._counters.steps + 1)
+                if not self._grad_squares[1] and self._forward_seen:
+                    self._notices.say("no gradients", (
+                        f"no parameter of {type(self.model).__qualname__} had a gradient at the "
+                        "end of a step that ran its forward, so gradient norms and the "
+                        "per-layer backward check have nothing to read: end steps after the "
+                        "backward and before zero_grad() (prof.step() there, or a torch.optim "
+                        "step); gradients computed functionally (torch.func) are not in .grad"))
         number = self._counters.observe((now - start) * 1e-9, self._wall_clock(), skipped)
         self._stepped = self._scaler_skipped = False
         if self._plan.sampled:
@@ -560,14 +569,12 @@ class Profiler:
             self.timer.release(self._rec.tokens())
             self._rec = None
             self._plan = UNSAMPLED
-        if not self._told_no_steps:
-            self._told_no_steps = True
-            log.warning(
-                "hookprof: %d forwards of %s without a step boundary: no torch.optim optimizer "
-                "steps its parameters and prof.step() is not called, so hookprof cannot tell "
-                "steps apart; per-layer timing and gradient norms are off until one comes. "
-                "Call prof.step(loss) once per training step (after the parameter update).",
-                MAX_FORWARDS_PER_STEP, type(self.model).__qualname__)
+        self._notices.say("no steps", (
+            f"{MAX_FORWARDS_PER_STEP} forwards of {type(self.model).__qualname__} without a step "
+            "boundary: no torch.optim optimizer steps its parameters and prof.step() is not "
+            "called, so hookprof cannot tell steps apart; per-layer timing and gradient norms "
+            "are off until one comes. Call prof.step(loss) once per training step (after the "
+            "parameter update)."))
 
     def _page_version(self) -> tuple[Any, ...]:
         """What the /metrics page is made from: it is re-rendered when any of these changes."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from .aggregate import Aggregator
 from .faults import Faults
+from .notices import Notices
 from .record import Packet, StepCounters
 from .snapshot import Snapshot
 from .timing import Timer
@@ -33,16 +34,18 @@ class Publisher:
         timer: Timer,
         interval_s: float,
         name: str = "hookprof-publisher",
+        notices: Notices | None = None,
     ):
         self._aggregator = aggregator
         self._counters = counters
         self._faults = faults
         self._timer = timer
         self._interval_s = interval_s
+        self._notices = notices if notices is not None else Notices()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: list[Packet] = []  # arrived, not folded yet (kept across a restart)
         self._oldest = 0.0  # when the oldest waiting packet arrived (monotonic)
-        self.latest: Snapshot = aggregator.snapshot(counters, faults.errors)
+        self.latest: Snapshot = aggregator.snapshot(counters, faults.errors, self._notices.all())
         self._name = name
         self.restarts = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -86,7 +89,7 @@ class Publisher:
             self._thread.join(timeout)
 
     def _publish(self) -> None:
-        self.latest = self._aggregator.snapshot(self._counters, self._faults.errors)
+        self.latest = self._aggregator.snapshot(self._counters, self._faults.errors, self._notices.all())
 
     def _run(self) -> None:
         # snapshots are rebuilt at most once per interval (or on flush): on a busy 2-core

@@ -107,4 +107,7 @@ class Snapshot:
     first_nonfinite: NonFiniteEvent | None = None
     """The first non-finite value seen: layer, phase and step."""
     gradient_flagged_steps: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    notices: tuple[str, ...] = ()
+    """What hookprof could not see in this set-up (each also logged once): a figure it
+    names is missing for that reason, not measured as None or zero."""
     """"vanishing" / "exploding" -> sampled steps on which any layer was flagged."""

@@ -81,6 +81,7 @@ def test_compile_adds_no_graph_break_and_keeps_step_figures(when, every_step, ca
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "torch.compile" in messages or "compiled before attach" in messages
     assert "gradient norms" in messages  # says what still works
+    assert len(snap.notices) == 1 and "per-layer forward/backward times" in snap.notices[0]  # kept
     if when == "after":
         assert not model._forward_hooks and not model._forward_pre_hooks  # nothing added to it
 

@@ -245,6 +245,34 @@ def test_a_loop_without_step_signal_stays_bounded_and_says_what_it_needs(caplog)
     assert len(lines) == 1 and "prof.step(" in lines[0]
     assert snap.step == 2 and snap.sampled_steps == 1  # step 2 sampled again, normally
     assert snap.layers["0"].calls == 1 and snap.layers["0"].grad_norm is not None
+    assert [n for n in snap.notices if "without a step boundary" in n] == [lines[0].removeprefix("hookprof: ")]
+
+
+def test_steps_ended_after_zero_grad_say_why_norms_are_missing(caplog):
+    """Case 3: prof.step() after clearing the gradients gave steps without norms or backward
+    checks, and nothing said so."""
+    import logging
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(8)
+    with caplog.at_level(logging.WARNING, logger="hookprof"):
+        with hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0) as prof:
+            for _ in range(3):
+                loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
+                loss.backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.01 * p.grad
+                opt.zero_grad()  # cleared before the step ends
+                prof.step(loss)
+            prof.flush()
+            snap = prof.snapshot()
+    assert snap.step == 3 and snap.layers["0"].grad_norm is None
+    said = [r.getMessage() for r in caplog.records if "had a gradient" in r.getMessage()]
+    assert len(said) == 1 and "zero_grad" in said[0]
+    assert [n for n in snap.notices if "had a gradient" in n] == [said[0].removeprefix("hookprof: ")]
 
 
 class Embed(nn.Module):

@@ -36,7 +36,7 @@ from .compiled import (
     is_compiling,
     unwrap_compiled,
 )
-from .exporter import MetricsServer, SnapshotCollector, make_registry
+from .exporter import SnapshotCollector, make_registry
 from .system import SystemCollector, SystemSampler
 from .gradients import GradientNorms
 from .health import Health
@@ -45,6 +45,7 @@ from .layers import LayerTable
 from .publisher import Publisher
 from .replay import ForwardReplay
 from .sampling import Sampler
+from .server import MetricsServer
 from .snapshot import Snapshot
 from .timing import timer_for
 

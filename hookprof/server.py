@@ -1,5 +1,5 @@
-"""The /metrics HTTP server: prometheus_client's threading WSGI server and exposition
-formats, with the rendered page cached.
+"""The /metrics HTTP server: MetricsServer on prometheus_client's threading WSGI server and
+exposition formats, with the rendered page cached.
 
 Why a cache: formatting the exposition is pure Python and holds the GIL (8 ms for a 49-layer
 model, 46 ms at 500 layers), so twenty scrapers in a loop took most of the training thread's
@@ -10,6 +10,7 @@ or when it is older than `max_age_s` (process CPU and memory move continuously).
 
 from __future__ import annotations
 
+import errno
 import gzip
 import socket
 import ssl
@@ -19,9 +20,11 @@ from collections.abc import Callable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.openmetrics import exposition as openmetrics
+
+from .errors import PortInUseError
 
 
 class CachedPage:
@@ -103,3 +106,47 @@ def serve(app: Callable, addr: str, port: int, context: ssl.SSLContext | None):
     thread = threading.Thread(target=httpd.serve_forever, name="hookprof-http", daemon=True)
     thread.start()
     return httpd, thread
+
+
+class MetricsServer:
+    """The /metrics endpoint on one (addr, port), with a clean stop."""
+
+    def __init__(self, registry: CollectorRegistry, addr: str, port: int, *,
+                 version: Callable[[], tuple[Any, ...]] = tuple,
+                 certfile: str | None = None, keyfile: str | None = None,
+                 client_cafile: str | None = None):
+        self.page = CachedPage(registry, version)
+        self._context = tls_context(certfile, keyfile, client_cafile) if certfile is not None else None
+        self.addr = addr
+        self.restarts = 0
+        self._start(port)
+        self.port: int = self._server.server_address[1]
+        self.scheme = "https" if self._context is not None else "http"
+
+    def _start(self, port: int) -> None:
+        try:
+            self._server, self._thread = serve(make_app(self.page), self.addr, port, self._context)
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                raise PortInUseError(self.addr, port, exc) from exc
+            raise
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def restart(self) -> None:
+        """Serve again on the same port after the serving thread ended."""
+        self.restarts += 1
+        self._server.server_close()
+        self._start(self.port)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        return f"{self.scheme}://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5.0)

@@ -45,7 +45,7 @@ from .layers import LayerTable
 from .publisher import Publisher
 from .replay import ForwardReplay
 from .sampling import Sampler
-from .server import MetricsServer
+from .server import Limits, MetricsServer
 from .snapshot import Snapshot
 from .timing import timer_for
 
@@ -195,7 +195,8 @@ class Profiler:
                 self._server = MetricsServer(
                     self.registry, config.addr, port, version=self._page_version,
                     certfile=config.tls_certfile,
-                    keyfile=config.tls_keyfile, client_cafile=config.tls_client_cafile)
+                    keyfile=config.tls_keyfile, client_cafile=config.tls_client_cafile,
+                    limits=Limits.from_config(config))
             if self._compiled:
                 # a hook added now would force a recompile, and do nothing in the graph
                 explain_attached_after_compile()

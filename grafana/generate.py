@@ -254,6 +254,15 @@ def build() -> dict:
         q(f"hookprof_layers{{{RANKS}}}", "instrumented rank {{rank}}", "A"),
         q(f"hookprof_layers_exported{{{RANKS}}}", "exported rank {{rank}}", "B"),
         width=8))
+    board = board.with_panel(series(
+        "Rejected connections to /metrics",
+        "Connections the metrics endpoint refused or closed before answering, by reason: timeouts "
+        "(a client that never finishes its TLS handshake or request), failed TLS handshakes (no or an "
+        "untrusted client certificate), bad requests, and the http_max_requests / http_max_connections "
+        "limits. A rise here with missed scrapes is a broken or hostile client, not a slow trainer.",
+        q(f"sum by (instance, reason) (increase(hookprof_http_connections_rejected_total{{{TARGET}}}[{rate}]))",
+          "{{reason}} {{instance}}"),
+        width=24))
     return json.loads(json.dumps(board.build(), cls=JSONEncoder))
 
 

@@ -48,6 +48,27 @@ class Config:
     """PEM CA bundle: when set, only clients presenting a certificate signed by it can
     connect (mutual TLS; Prometheus: `tls_config.cert_file`/`key_file`). Needs TLS on."""
 
+    http_max_requests: int = 40
+    """Requests answered at once (one short-lived thread each, node_exporter's
+    `--web.max-requests` default). A complete request beyond it is answered 503 at once."""
+
+    http_max_connections: int = 128
+    """Connections held open at once, idle ones included (one file descriptor each: the
+    training process needs its own). A new connection beyond it closes the oldest one that
+    is not being answered. Must be above `http_max_requests`."""
+
+    http_header_timeout_s: float = 10.0
+    """A connection must complete its TLS handshake and send a whole request head within
+    this many seconds of being accepted (or of a keep-alive request's first byte)."""
+
+    http_idle_timeout_s: float = 120.0
+    """A keep-alive connection with no new request for this long is closed. Above the
+    usual 60 s scrape interval, so Prometheus reuses its connection."""
+
+    http_write_timeout_s: float = 10.0
+    """A response must be taken by the client within this many seconds (Prometheus's
+    default scrape timeout), or the connection is closed."""
+
     sample_every: int = 10
     """A step is sampled (per-layer hooks installed) only when at least this many steps
     have passed since the last sampled step ..."""
@@ -130,6 +151,7 @@ class Config:
         _check_range("port", self.port, 0 <= self.port <= 65535, "an integer in [0, 65535]")
         _check_range("addr", self.addr, bool(self.addr.strip()), "a non-empty host address")
         _check_tls(self)
+        _check_http(self)
         _check_range("sample_every", self.sample_every, self.sample_every >= 1, ">= 1")
         _check_range(
             "min_sample_interval_s",
@@ -256,6 +278,16 @@ def _check_tls(config: Config) -> None:
     for name in ("tls_certfile", "tls_keyfile", "tls_client_cafile"):
         path = getattr(config, name)
         _check_range(name, path, path is None or os.path.isfile(path), "a path to an existing file")
+
+
+def _check_http(config: Config) -> None:
+    _check_range("http_max_requests", config.http_max_requests, config.http_max_requests >= 1, ">= 1")
+    _check_range("http_max_connections", config.http_max_connections,
+                 config.http_max_connections > config.http_max_requests,
+                 f"above http_max_requests ({config.http_max_requests})")
+    for name in ("http_header_timeout_s", "http_idle_timeout_s", "http_write_timeout_s"):
+        value = getattr(config, name)
+        _check_range(name, value, value > 0, "> 0")
 
 
 def _check_range(field: str, value: Any, ok: bool, expected: str) -> None:

@@ -1,9 +1,9 @@
-"""Prometheus exposition: a custom Collector that renders the latest Snapshot, and the HTTP
-server. Names, types and labels are the metric contract in DESIGN.md."""
+"""Prometheus exposition: a custom Collector that renders the latest Snapshot, and the
+per-profiler registry (the HTTP server is hookprof/server.py). Names, types and labels are
+the metric contract in DESIGN.md."""
 
 from __future__ import annotations
 
-import errno
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,10 +19,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from ._version import __version__
-from .errors import PortInUseError
 from .faults import log
 from .snapshot import LAYER_PHASES, PHASES, Snapshot
-from .server import CachedPage, make_app, serve, tls_context
 from .system import PsutilProcessCollector, has_proc_fs
 
 
@@ -255,50 +253,6 @@ class SnapshotCollector(Collector):
 
 def _le(bound: float) -> str:
     return "+Inf" if math.isinf(bound) else repr(float(bound))
-
-
-class MetricsServer:
-    """The /metrics endpoint on one (addr, port), with a clean stop (hookprof/server.py)."""
-
-    def __init__(self, registry: CollectorRegistry, addr: str, port: int, *,
-                 version: Callable[[], tuple[Any, ...]] = tuple,
-                 certfile: str | None = None, keyfile: str | None = None,
-                 client_cafile: str | None = None):
-        self.page = CachedPage(registry, version)
-        self._context = tls_context(certfile, keyfile, client_cafile) if certfile is not None else None
-        self.addr = addr
-        self.restarts = 0
-        self._start(port)
-        self.port: int = self._server.server_address[1]
-        self.scheme = "https" if self._context is not None else "http"
-
-    def _start(self, port: int) -> None:
-        try:
-            self._server, self._thread = serve(make_app(self.page), self.addr, port, self._context)
-        except OSError as exc:
-            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                raise PortInUseError(self.addr, port, exc) from exc
-            raise
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def restart(self) -> None:
-        """Serve again on the same port after the serving thread ended."""
-        self.restarts += 1
-        self._server.server_close()
-        self._start(self.port)
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.addr}]" if ":" in self.addr else self.addr
-        return f"{self.scheme}://{host}:{self.port}/metrics"
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5.0)
 
 
 def make_registry(collector: Collector, *, process_metrics: bool = True,

@@ -36,7 +36,7 @@ from .compiled import (
 from .config import Config, env_disabled
 from .distributed import detect_local_rank, detect_rank
 from .errors import AlreadyAttachedError, DetachedError, NonFiniteError, PortInUseError
-from .exporter import MetricsServer, SnapshotCollector, make_registry
+from .exporter import SnapshotCollector, make_registry
 from .faults import Faults, ThreadSupervisor
 from .notices import Notices
 from . import gradscaler
@@ -49,6 +49,7 @@ from .publisher import Publisher
 from .record import StepCounters, StepRecord, pack_step
 from .replay import ForwardReplay
 from .sampling import UNSAMPLED, StepPlanner
+from .server import Limits, MetricsServer
 from .snapshot import Snapshot
 from .system import SystemCollector, SystemSampler
 from .timing import Timer, timer_for
@@ -209,7 +210,8 @@ class Profiler:
                 self._server = MetricsServer(
                     self.registry, config.addr, port, version=self._page_version,
                     certfile=config.tls_certfile,
-                    keyfile=config.tls_keyfile, client_cafile=config.tls_client_cafile)
+                    keyfile=config.tls_keyfile, client_cafile=config.tls_client_cafile,
+                    limits=Limits.from_config(config))
                 self._supervisor.watch("metrics server", self._server)
             if self._compiled:
                 # a hook added now would force a recompile, and do nothing in the graph

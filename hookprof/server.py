@@ -1,5 +1,5 @@
-"""The /metrics HTTP server: prometheus_client's threading WSGI server and exposition
-formats, with the rendered page cached.
+"""The /metrics endpoint: MetricsServer (hookprof/httpd.py serving prometheus_client's
+exposition formats), the rendered page cached, and the endpoint's own connection counters.
 
 Why a cache: formatting the exposition is pure Python and holds the GIL (8 ms for a 49-layer
 model, 46 ms at 500 layers), so twenty scrapers in a loop took most of the training thread's
@@ -10,18 +10,21 @@ or when it is older than `max_age_s` (process CPU and memory move continuously).
 
 from __future__ import annotations
 
+import errno
 import gzip
-import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.registry import Collector
+
+from .errors import PortInUseError
+from .httpd import REJECT_REASONS, Limits, Server
 
 
 class CachedPage:
@@ -55,11 +58,6 @@ class CachedPage:
             return body
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # no line per scrape on stderr
-        pass
-
-
 def make_app(page: CachedPage) -> Callable:
     def app(environ: dict, start_response: Callable) -> list[bytes]:
         if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
@@ -91,15 +89,92 @@ def tls_context(certfile: str, keyfile: str | None, client_cafile: str | None) -
     return context
 
 
-def serve(app: Callable, addr: str, port: int, context: ssl.SSLContext | None):
-    """Start the server on a daemon thread; returns (server, thread)."""
 
-    class Server(ThreadingWSGIServer):
-        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
 
-    httpd = make_server(addr, port, app, Server, handler_class=_QuietHandler)
-    if context is not None:
-        httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
-    thread = threading.Thread(target=httpd.serve_forever, name="hookprof-http", daemon=True)
-    thread.start()
-    return httpd, thread
+class ConnectionCounters(Collector):
+    """hookprof_http_connections_rejected_total{reason}: connections the endpoint refused or
+    closed, by reason (hookprof/httpd.py REJECT_REASONS), each pre-initialised to 0 so that
+    increase() sees the first one. Counted by the server's threads, read at scrape time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(REJECT_REASONS, 0)
+
+    def add(self, reason: str) -> None:
+        with self._lock:
+            self._counts[reason] += 1
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "hookprof_http_connections_rejected",
+            "Connections to the metrics endpoint refused or closed before a response, by reason "
+            "(limits and timeouts: Config.http_*)",
+            labels=["reason"],
+        )
+        for reason, count in self.counts().items():
+            family.add_metric([reason], count)
+        yield family
+
+
+class MetricsServer:
+    """The /metrics endpoint on one (addr, port), with a clean stop. Its connection counters
+    are registered in `registry`, so they are on the page they protect."""
+
+    def __init__(self, registry: CollectorRegistry, addr: str, port: int, *,
+                 version: Callable[[], tuple[Any, ...]] = tuple,
+                 certfile: str | None = None, keyfile: str | None = None,
+                 client_cafile: str | None = None, limits: Limits | None = None):
+        from .config import Config
+
+        self.page = CachedPage(registry, version)
+        self.limits = limits if limits is not None else Limits.from_config(Config())
+        self.connections = ConnectionCounters()
+        self._context = tls_context(certfile, keyfile, client_cafile) if certfile is not None else None
+        self.addr = addr
+        self.restarts = 0
+        self._start(port)
+        registry.register(self.connections)
+        self.port: int = self._server.server_address[1]
+        self.scheme = "https" if self._context is not None else "http"
+
+    def _start(self, port: int) -> None:
+        try:
+            self._server = Server(self.addr, port, make_app(self.page), self.limits,
+                                  context=self._context, on_reject=self.connections.add)
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                raise PortInUseError(self.addr, port, exc) from exc
+            raise
+        self._thread = threading.Thread(target=self._server.serve_forever, name="hookprof-http", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        # in a forked child the server is the parent's: it never serves there, so there is
+        # nothing to watch or restart
+        return self._server.forked or self._thread.is_alive()
+
+    def restart(self) -> None:
+        """Serve again on the same port after the serving thread ended."""
+        if self._server.forked:
+            return
+        self.restarts += 1
+        self._server.server_close()
+        self._start(self.port)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        return f"{self.scheme}://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5.0)

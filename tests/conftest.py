@@ -133,6 +133,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def pki(tmp_path):
+    """Certificates made for this test (tests/certs.py): paths of a CA, and (cert, key) of a
+    server (127.0.0.1), a client the CA signed, and a stranger another CA signed."""
+    pytest.importorskip("cryptography.x509")
+    from certs import make_pki
+
+    return make_pki(tmp_path)
+
+
+@pytest.fixture
 def every_step():
     """Config overrides that sample every step, with activation statistics on every one of
     them, and serve on a free port."""

@@ -35,6 +35,11 @@ def test_defaults_are_documented_values():
         ("addr", " ", "addr must be a non-empty host address, got ' '"),
         ("on_nonfinite", "explode", "on_nonfinite must be one of ('record', 'warn', 'raise', 'dump'), got 'explode'"),
         ("nonfinite_check", "none", "nonfinite_check must be one of ('all', 'loss'), got 'none'"),
+        ("http_max_requests", 0, "http_max_requests must be >= 1, got 0"),
+        ("http_max_connections", 40, "http_max_connections must be above http_max_requests (40), got 40"),
+        ("http_header_timeout_s", 0, "http_header_timeout_s must be > 0, got 0"),
+        ("http_idle_timeout_s", -1.0, "http_idle_timeout_s must be > 0, got -1.0"),
+        ("http_write_timeout_s", 0.0, "http_write_timeout_s must be > 0, got 0.0"),
     ],
 )
 def test_invalid_values_name_the_field(field, value, message):
@@ -71,6 +76,11 @@ def test_environment_variables_fill_every_field():
         "HOOKPROF_TLS_CERTFILE": __file__,  # any existing file: only existence is checked here
         "HOOKPROF_TLS_KEYFILE": __file__,
         "HOOKPROF_TLS_CLIENT_CAFILE": __file__,
+        "HOOKPROF_HTTP_MAX_REQUESTS": "8",
+        "HOOKPROF_HTTP_MAX_CONNECTIONS": "32",
+        "HOOKPROF_HTTP_HEADER_TIMEOUT_S": "2.5",
+        "HOOKPROF_HTTP_IDLE_TIMEOUT_S": "30",
+        "HOOKPROF_HTTP_WRITE_TIMEOUT_S": "4",
         "UNRELATED": "x",
     }
     c = Config.from_env(env)
@@ -82,6 +92,8 @@ def test_environment_variables_fill_every_field():
         vanishing_grad_norm=1e-8, exploding_grad_norm=100.0, activation_interval_s=0.25,
         system_metrics=False, gpu_metrics=False, system_interval_s=0.5,
         tls_certfile=__file__, tls_keyfile=__file__, tls_client_cafile=__file__,
+        http_max_requests=8, http_max_connections=32, http_header_timeout_s=2.5,
+        http_idle_timeout_s=30.0, http_write_timeout_s=4.0,
     )
     # every field has a variable: a new field without one fails here
     assert {f.name for f in dataclasses.fields(Config)} == {

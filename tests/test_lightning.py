@@ -156,3 +156,37 @@ def test_ddp_two_ranks_report_the_all_reduced_norms_of_each_step():
             frozenset({"rank": str(rank)}.items()): steps
         }
         assert_norms_per_step(seen, before_step)
+
+
+class ScaleAfterEachStep(lightning.Callback):
+    """The GradScaler's scale after each step's update(): a skip halves it."""
+
+    def __init__(self, scaler):
+        self.scaler = scaler
+        self.scales: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.scales.append(self.scaler.get_scale())  # the test's own sync, not hookprof's
+
+
+@pytest.mark.cuda
+def test_16_mixed_with_its_scaler_on_a_gpu_counts_the_scalers_skips(tmp_path):
+    """precision="16-mixed" on CUDA: Lightning runs the closure, unscales and calls
+    on_before_optimizer_step outside optimizer.step, then scaler.step(): hookprof's skipped
+    steps are the scaler's own, and an updating step's norms are the unscaled gradients."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    steps = 12
+    init_scale = 2.0**24  # the first steps overflow in fp16 and are skipped
+    scaler = torch.amp.GradScaler("cuda", init_scale=init_scale)
+    scales = ScaleAfterEachStep(scaler)
+    model = seeded_regressor()
+    snap, reader = profiled_fit(model, steps, tmp_path, callbacks=[scales], accelerator="cuda",
+                                plugins=[MixedPrecision("16-mixed", "cuda", scaler)])
+    skipped = [after < before for before, after in zip([init_scale, *scales.scales], scales.scales)]
+    assert snap.step == steps and 0 < sum(skipped) < steps
+    assert snap.skipped_steps == sum(skipped)
+    assert snap.nonfinite_steps == {"forward": 0, "backward": 0, "loss": 0}  # a skip is no incident
+    for step, (_, _, norms) in reader.seen.items():
+        if not skipped[step - 1]:
+            assert norms == pytest.approx(model.before_step[step - 1], rel=1e-5), f"step {step}"

@@ -34,6 +34,11 @@ class Config:
     """Address the metrics server binds. Loopback by default: set "0.0.0.0" (or a pod IP)
     to let a Prometheus on another host scrape it."""
 
+    name: str | None = None
+    """The `model` label of this model's series: by default its class name. Made unique in
+    the process (a second `Net` is served as `Net-2`), as every model of a process shares one
+    endpoint."""
+
     serve: bool = True
     """Start the HTTP server. With False, register `Profiler.collector` in your own
     prometheus_client registry instead."""
@@ -150,6 +155,8 @@ class Config:
             _check_type(field.name, getattr(self, field.name), _FIELD_TYPES[field.name])
         _check_range("port", self.port, 0 <= self.port <= 65535, "an integer in [0, 65535]")
         _check_range("addr", self.addr, bool(self.addr.strip()), "a non-empty host address")
+        if self.name is not None:
+            _check_range("name", self.name, bool(self.name.strip()), "a non-empty name, or None for the class name")
         _check_tls(self)
         _check_http(self)
         _check_range("sample_every", self.sample_every, self.sample_every >= 1, ">= 1")

@@ -26,20 +26,35 @@ from .system import PsutilProcessCollector, has_proc_fs
 
 class SnapshotCollector(Collector):
     """Builds metric families from `get_snapshot()` at scrape time. Never touches the device
-    or the hooks; reads one immutable object."""
+    or the hooks; reads one immutable object. With `model`, every series it makes carries
+    that `model` label (several models share a process's endpoint); `build_info` False
+    leaves hookprof_build_info to the endpoint, which serves it once."""
 
     def __init__(self, get_snapshot: Callable[[], Snapshot], torch_version: str,
-                 publisher_alive: Callable[[], bool] = lambda: True, rank: int = 0):
+                 publisher_alive: Callable[[], bool] = lambda: True, rank: int = 0,
+                 model: str | None = None, build_info: bool = True):
         self._get_snapshot = get_snapshot
         self._torch_version = torch_version
         self._publisher_alive = publisher_alive
         self._failed = False  # logged once
         self._rank = str(rank)  # for the series that go out even when the snapshot fails
+        self._model = model
+        self._build_info = build_info
 
     def describe(self) -> list[Metric]:
         return []  # names are dynamic per snapshot; skip the registry's duplicate check
 
     def collect(self) -> Iterator[Metric]:
+        if self._model is None:
+            yield from self._families()
+            return
+        for family in self._families():
+            if family.name != "hookprof_build_info":
+                family.samples = [s._replace(labels={**s.labels, "model": self._model})
+                                  for s in family.samples]
+            yield family
+
+    def _families(self) -> Iterator[Metric]:
         rank = self._rank
         try:
             snap = self._get_snapshot()
@@ -62,6 +77,8 @@ class SnapshotCollector(Collector):
         up.add_metric([rank], 1.0 if self._publisher_alive() else 0.0)
         yield up
 
+        if not self._build_info:
+            return
         build = GaugeMetricFamily(
             "hookprof_build_info",
             "hookprof and torch versions",

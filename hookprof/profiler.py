@@ -35,7 +35,7 @@ from .compiled import (
 )
 from .config import Config, env_disabled
 from .distributed import detect_local_rank, detect_rank
-from .errors import AlreadyAttachedError, DetachedError, NonFiniteError, PortInUseError
+from .errors import AlreadyAttachedError, DetachedError, NonFiniteError
 from .exporter import SnapshotCollector, make_registry
 from .faults import Faults, ThreadSupervisor
 from .notices import Notices
@@ -49,11 +49,13 @@ from .publisher import Publisher
 from .record import StepCounters, StepRecord, pack_step
 from .replay import ForwardReplay
 from .sampling import UNSAMPLED, StepPlanner
-from .server import Limits, MetricsServer
+from . import endpoint
+from .endpoint import Endpoint, Member
 from .snapshot import Snapshot
 from .system import SystemCollector, SystemSampler
 from .timing import Timer, timer_for
 
+_names: set[str] = set()  # the `model` labels of live profilers
 _live: set["Profiler"] = set()  # profilers not yet detached: the only global state
 _live_lock = threading.Lock()
 
@@ -164,19 +166,26 @@ class Profiler:
                                            self._drain_counters)
         self._supervisor = ThreadSupervisor(self._faults)
         self._supervisor.watch("publisher", self._publisher)
-        self.collector = SnapshotCollector(lambda: self._publisher.latest, torch.__version__,
-                                           lambda: self._publisher.alive, rank=self.rank)
+        with _live_lock:  # the `model` label: unique among the models of this process
+            self.name = _unique_name(config.name or type(model).__qualname__)
+        publisher = self._publisher
+        self.collector = SnapshotCollector(lambda: publisher.latest, torch.__version__,
+                                           lambda: publisher.alive, rank=self.rank, model=self.name)
+        # serving: the process's endpoint owns the page, the system sampler and the registry
+        # (self.registry is then the endpoint's); otherwise they are this profiler's own
+        self._endpoint: Endpoint | None = None
         self._system: SystemSampler | None = None
-        extra: tuple[Any, ...] = ()
-        if config.system_metrics:
-            self._system = SystemSampler(
-                config.system_interval_s,
-                gpus=config.gpu_metrics and local_rank == 0,  # one series per GPU per node
-                name=f"hookprof-system-rank{self.rank}",
-            )
-            extra = (SystemCollector(lambda: self._system.latest, self.rank),)
-        self.registry = make_registry(self.collector, process_metrics=config.system_metrics,
-                                      extra=extra, registry=registry)
+        if not config.serve:
+            extra: tuple[Any, ...] = ()
+            if config.system_metrics:
+                self._system = SystemSampler(
+                    config.system_interval_s,
+                    gpus=config.gpu_metrics and local_rank == 0,  # one series per GPU per node
+                    name=f"hookprof-system-rank{self.rank}",
+                )
+                extra = (SystemCollector(lambda: self._system.latest, self.rank),)
+            self.registry = make_registry(self.collector, process_metrics=config.system_metrics,
+                                          extra=extra, registry=registry)
 
         # the root layer, when the root module owns parameters directly, keeps a hook pair
         self._root_layer = next((layer.index for layer in self.table.layers if layer.module is model), None)
@@ -199,20 +208,17 @@ class Profiler:
         self._closed_by_optimizer = False  # this step was ended by the optimizer hook
         self._detached = False
 
-        self._server: MetricsServer | None = None
         self._handles: list[Any] = []
         try:
             if config.serve:
                 port = config.port + local_rank if config.port else 0
-                holder = _serving(config.addr, port)
-                if holder is not None:
-                    raise PortInUseError(config.addr, port, holder=type(holder.model).__qualname__)
-                self._server = MetricsServer(
-                    self.registry, config.addr, port, version=self._page_version,
-                    certfile=config.tls_certfile,
-                    keyfile=config.tls_keyfile, client_cafile=config.tls_client_cafile,
-                    limits=Limits.from_config(config))
-                self._supervisor.watch("metrics server", self._server)
+                self._tell_of_earlier(model)
+                member = Member(self.name, SnapshotCollector(
+                    lambda: publisher.latest, torch.__version__, lambda: publisher.alive,
+                    rank=self.rank, model=self.name, build_info=False), self._page_version)
+                self._endpoint = endpoint.join(member, config, port, self.rank, local_rank)
+                self.registry = self._endpoint.registry
+                self._supervisor.watch("metrics server", self._endpoint)
             if self._compiled:
                 # a hook added now would force a recompile, and do nothing in the graph
                 explain_attached_after_compile(self._notices)
@@ -238,16 +244,22 @@ class Profiler:
 
     @property
     def url(self) -> str | None:
-        """http://addr:port/metrics, or None when not serving."""
-        return self._server.url if self._server is not None else None
+        """http://addr:port/metrics (shared by every model of the process that asked for the
+        same port), or None when not serving."""
+        return self._endpoint.url if self._endpoint is not None else None
 
     @property
     def port(self) -> int | None:
-        return self._server.port if self._server is not None else None
+        return self._endpoint.port if self._endpoint is not None else None
 
     @property
     def detached(self) -> bool:
         return self._detached
+
+    @property
+    def _server(self) -> Any:
+        """The process endpoint's MetricsServer (tests and benchmarks look at its page)."""
+        return self._endpoint.server if self._endpoint is not None else None
 
     @property
     def steps(self) -> int:
@@ -579,9 +591,20 @@ class Profiler:
             "parameter update)."))
 
     def _page_version(self) -> tuple[Any, ...]:
-        """What the /metrics page is made from: it is re-rendered when any of these changes."""
-        system = self._system.latest if self._system is not None else None
-        return (self._publisher.latest, system, self._publisher.alive)
+        """What this model's part of the /metrics page is made from: the page is re-rendered
+        when any of these changes."""
+        return (self._publisher.latest, self._publisher.alive)
+
+    def _tell_of_earlier(self, model: nn.Module) -> None:
+        """A profiler of a model of the same class is still attached: a second model of a
+        kind, or a notebook cell run again (whose earlier model would be served for ever)."""
+        with _live_lock:
+            earlier = [p.name for p in _live if type(p.model) is type(model)]
+        if earlier:
+            self._notices.say("earlier profiler", (
+                f"another {type(model).__qualname__} is attached in this process (served as "
+                f"model={earlier[0]!r}); this one is served as model={self.name!r}. If a notebook "
+                "cell ran again, hookprof.detach_all() releases the earlier one"))
 
     def _teardown(self) -> None:
         self._detached = True
@@ -595,10 +618,11 @@ class Profiler:
         self._publisher.stop()
         if self._system is not None:
             self._system.stop()
-        if self._server is not None:
-            self._server.close()
+        if self._endpoint is not None:
+            self._endpoint.leave(self.name)
         with _live_lock:
             _live.discard(self)
+            _names.discard(getattr(self, "name", None))
 
 
 def detach_all() -> int:
@@ -611,13 +635,15 @@ def detach_all() -> int:
     return len(live)
 
 
-def _serving(addr: str, port: int) -> "Profiler | None":
-    """The live profiler of this process that serves (addr, port), if any."""
-    if not port:
-        return None
-    with _live_lock:
-        return next((p for p in _live if p.port == port and p._server is not None
-                     and p._server.addr == addr), None)
+def _unique_name(base: str) -> str:
+    """`base`, or `base-2`, `base-3`, ... : the first not taken by a live profiler. Called
+    under _live_lock; the name is held until detach."""
+    name, k = base, 1
+    while name in _names:
+        k += 1
+        name = f"{base}-{k}"
+    _names.add(name)
+    return name
 
 
 # more training forwards than this between two step boundaries means there are none
@@ -646,6 +672,7 @@ class DisabledProfiler:
     def __init__(self, model: nn.Module, config: Config):
         self.model = model
         self.config = config
+        self.name = config.name or type(model).__qualname__
         self.rank = 0
         self._detached = False
 

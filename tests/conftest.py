@@ -61,17 +61,32 @@ def parse(text: str) -> dict:
     return {family.name: family for family in text_string_to_metric_families(text)}
 
 
-def samples(families: dict, name: str, sample_name: str | None = None) -> dict:
+ONE_MODEL = object()
+
+
+def samples(families: dict, name: str, sample_name: str | None = None, *, model=ONE_MODEL) -> dict:
     """{frozenset(labels.items()): value} for one family's samples named sample_name
-    ({} when the family is absent)."""
+    ({} when the family is absent). Per-model series carry a `model` label: by default the
+    page must hold a single model, whose label is left out of the keys (checked, so two
+    models never collapse onto one key); `model="G"` keeps G's samples, label left out;
+    `model=None` keeps every label."""
     sample_name = sample_name or name
     if name not in families:
         return {}
-    return {
-        frozenset(s.labels.items()): s.value
-        for s in families[name].samples
-        if s.name == sample_name
-    }
+    out, models = {}, set()
+    for s in families[name].samples:
+        if s.name != sample_name:
+            continue
+        labels = dict(s.labels)
+        if model is not None and "model" in labels:
+            which = labels.pop("model")
+            if model is ONE_MODEL:
+                models.add(which)
+            elif which != model:
+                continue
+        out[frozenset(labels.items())] = s.value
+    assert len(models) <= 1, f"{name}: models {sorted(models)} on one page: pass model=..."
+    return out
 
 
 # the Debian package that provides each server binary the tests run

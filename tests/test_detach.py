@@ -83,7 +83,7 @@ def test_detach_leaves_nothing_behind():
         train(model, 2)
         again.flush()
         assert again.snapshot().step == 2
-        assert 'hookprof_steps_total{rank="0"} 2.0' in scrape(again.url)
+        assert 'hookprof_steps_total{model="MixedNet",rank="0"} 2.0' in scrape(again.url)
     assert model_state(model) == before
 
 

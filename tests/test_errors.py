@@ -56,13 +56,13 @@ def test_port_in_use_names_port_and_setting():
     assert_nothing_attached(model, before, globals_before)
 
 
-def test_port_held_by_another_profiler():
+def test_a_port_this_process_serves_on_another_address_names_the_holder():
     port = free_port()
     first_model, second_model = seeded(DeepNet), seeded(DeepNet)
-    with hookprof.attach(first_model, port=port):
+    with hookprof.attach(first_model, port=port, addr="0.0.0.0"):
         before = model_state(second_model)
         with pytest.raises(hookprof.PortInUseError, match=str(port)) as info:
-            hookprof.attach(second_model, port=port)
+            hookprof.attach(second_model, port=port)  # 127.0.0.1: the port is taken by us
         assert model_state(second_model) == before
     # issue 11 case 6: the message says who holds it and what releases it
     assert info.value.holder == "DeepNet"
@@ -70,14 +70,29 @@ def test_port_held_by_another_profiler():
     assert "hookprof.detach_all()" in str(info.value)
 
 
-def test_a_notebook_cell_run_twice_is_released_by_detach_all():
+def test_settings_that_differ_from_the_endpoint_a_model_joins_are_refused():
+    port = free_port()
+    with hookprof.attach(seeded(DeepNet), port=port):
+        second = seeded(DeepNet)
+        with pytest.raises(hookprof.ConfigError, match="http_max_requests"):
+            hookprof.attach(second, port=port, http_max_requests=7)
+
+
+def test_a_notebook_cell_run_twice_is_told_and_released_by_detach_all(caplog):
+    import logging
+
     port = free_port()
     first = hookprof.attach(seeded(DeepNet), port=port)  # the cell's first run
-    with pytest.raises(hookprof.PortInUseError):
-        hookprof.attach(seeded(DeepNet), port=port)  # run again: the message says what to do
-    assert hookprof.detach_all() == 1 and first.detached
+    with caplog.at_level(logging.INFO, logger="hookprof"):
+        second = hookprof.attach(seeded(DeepNet), port=port)  # run again: served beside it
+    assert second.name == "DeepNet-2" and second.url == first.url
+    said = [r.getMessage() for r in caplog.records if "another DeepNet" in r.getMessage()]
+    assert len(said) == 1 and "hookprof.detach_all()" in said[0]
+    second.flush()
+    assert any("another DeepNet" in n for n in second.snapshot().notices)
+    assert hookprof.detach_all() == 2 and first.detached and second.detached
     with hookprof.attach(seeded(DeepNet), port=port) as again:
-        assert again.port == port
+        assert again.port == port and again.name == "DeepNet"  # the name is free again
 
 
 def test_attaching_twice_names_the_existing_profiler():

@@ -148,13 +148,12 @@ def gan_steps(gen, disc, iterations: int, critic_steps: int) -> None:
 
 
 def steps_by_model(text: str) -> dict[str, float]:
-    exported = samples(parse(text), "hookprof_steps", "hookprof_steps_total")
+    exported = samples(parse(text), "hookprof_steps", "hookprof_steps_total", model=None)
     return {dict(labels).get("model"): value for labels, value in exported.items()}
 
 
-# today: the second attach raises PortInUseError (each profiler binds the configured port
-# for itself) and no series carries a model label
-@pytest.mark.xfail(strict=True, reason="issue 18 (3): the second attach with default ports raises PortInUseError")
+# issue 18 (3): the second attach raised PortInUseError (each profiler bound the configured
+# port for itself) and no series carried a model label
 def test_a_gan_attached_twice_with_default_ports_serves_both_from_one_endpoint(monkeypatch):
     # the default port, given no port at attach; taken from the environment only so that
     # another test run on this machine cannot hold it
@@ -168,14 +167,13 @@ def test_a_gan_attached_twice_with_default_ports_serves_both_from_one_endpoint(m
         text = scrape(prof_g.url)
     # the model label: a name given at attach, by default the class name
     assert steps_by_model(text) == {"Generator": 3, "Discriminator": 6}
-    norms = samples(parse(text), "hookprof_layer_gradient_norm")
+    norms = samples(parse(text), "hookprof_layer_gradient_norm", model=None)
     layers = {(dict(labels)["model"], dict(labels)["layer"]) for labels in norms}
     assert layers == {("Generator", "net.0"), ("Generator", "net.2"),
                       ("Discriminator", "net.0"), ("Discriminator", "net.2")}
 
 
-# today: PortInUseError at the second attach, as above
-@pytest.mark.xfail(strict=True, reason="issue 18 (3): the second attach with default ports raises PortInUseError")
+# issue 18 (3): PortInUseError at the second attach, as above
 def test_two_models_of_one_class_get_distinct_model_labels(monkeypatch):
     monkeypatch.setenv("HOOKPROF_PORT", str(free_port()))
     first, second = seeded(DeepNet), seeded(DeepNet, seed=1)
@@ -194,3 +192,23 @@ def test_two_models_of_one_class_get_distinct_model_labels(monkeypatch):
     assert counts["DeepNet"] == 2
     (other,) = set(counts) - {"DeepNet"}
     assert other.startswith("DeepNet") and counts[other] == 1
+
+
+def test_detaching_one_model_leaves_the_others_served_and_the_last_frees_the_port():
+    import socket
+
+    port = free_port()
+    gen, disc = seeded(Generator), seeded(Discriminator)
+    prof_g = hookprof.attach(gen, port=port)
+    prof_d = hookprof.attach(disc, port=port)
+    try:
+        gan_steps(gen, disc, iterations=2, critic_steps=1)
+        prof_d.detach()
+        prof_g.flush()
+        counts = steps_by_model(scrape(prof_g.url))
+        assert counts == {"Generator": 2}  # D's series are gone, G's still served
+    finally:
+        prof_g.detach()
+        prof_d.detach()
+    with pytest.raises(ConnectionRefusedError):  # the last model out closed the endpoint
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()

@@ -29,10 +29,15 @@ UID = "hookprof-training"
 
 DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
 # selectors shared by every query: hookprof series carry `rank`; process_* and GPU series
-# are per scrape target (one target per rank) and carry job/instance only
+# are per scrape target (one target per rank) and carry job/instance only; the series of an
+# attached model (steps, loss, gradients, layers, NaN/Inf, exporter health) also carry
+# `model`, one process serving several (a GAN's generator and discriminator). The model
+# variable's "All" is ".*", which also matches series without the label (from a hookprof
+# that predates it), so the board works with both
 TARGET = 'job=~"$job", instance=~"$instance"'
 RANKS = TARGET + ', rank=~"$rank"'
-LAYERS = RANKS + ', layer=~"$layer"'
+MODELS = RANKS + ', model=~"$model"'
+LAYERS = MODELS + ', layer=~"$layer"'
 
 
 def q(expr: str, legend: str = "__auto", ref: str = "A", *, instant: bool = False, table_format: bool = False):
@@ -72,7 +77,7 @@ def top_layers(title: str, description: str, expr: str, unit: str = "s"):
     return (
         bargauge.Panel().title(title).description(description).datasource(DS).unit(unit)
         .span(12).height(10)
-        .with_target(q(expr, "{{layer}}", instant=True))
+        .with_target(q(expr, "{{model}} {{layer}}", instant=True))
         .orientation(common_models.VizOrientation.HORIZONTAL)
         .display_mode(common_models.BarGaugeDisplayMode.GRADIENT)
         .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
@@ -81,9 +86,9 @@ def top_layers(title: str, description: str, expr: str, unit: str = "s"):
 
 
 def mean_per_call(metric: str, window: str, selector: str) -> str:
-    """Mean seconds per call of a per-layer summary, per layer, over `window`."""
-    return (f"sum by (layer) (rate({metric}_sum{{{selector}}}[{window}]))\n"
-            f"  / sum by (layer) (rate({metric}_count{{{selector}}}[{window}]))")
+    """Mean seconds per call of a per-layer summary, per model and layer, over `window`."""
+    return (f"sum by (model, layer) (rate({metric}_sum{{{selector}}}[{window}]))\n"
+            f"  / sum by (model, layer) (rate({metric}_count{{{selector}}}[{window}]))")
 
 
 def variables():
@@ -99,10 +104,14 @@ def variables():
     return [
         dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus"),
         labels("job", "Job", "label_values(hookprof_steps_total, job)"),
-        labels("instance", "Instance", 'label_values(hookprof_steps_total{job=~"$job"}, instance)'),
-        labels("rank", "Rank", 'label_values(hookprof_steps_total{job=~"$job", instance=~"$instance"}, rank)'),
+        # a name per hookprof.attach(): the class name by default ("Generator", "DeepNet-2")
+        labels("model", "Model", 'label_values(hookprof_steps_total{job=~"$job"}, model)'),
+        labels("instance", "Instance", 'label_values(hookprof_steps_total{job=~"$job", model=~"$model"}, instance)'),
+        labels("rank", "Rank",
+               'label_values(hookprof_steps_total{job=~"$job", model=~"$model", instance=~"$instance"}, rank)'),
         labels("layer", "Layer",
-               'label_values(hookprof_layer_forward_seconds_count{job=~"$job", instance=~"$instance", rank=~"$rank"}, layer)'),
+               'label_values(hookprof_layer_forward_seconds_count{job=~"$job", model=~"$model", instance=~"$instance", '
+               'rank=~"$rank"}, layer)'),
         dashboard.CustomVariable("topk").label("Top layers").values("10,20,50,100").current(
             _option("10")),
     ]
@@ -128,29 +137,32 @@ def build() -> dict:
 
     board = board.with_row(dashboard.Row("Training"))
     board = board.with_panel(series(
-        "Steps per second", "Optimizer steps (or Profiler.step calls) per second, per rank.",
-        q(f"sum by (rank) (rate(hookprof_steps_total{{{RANKS}}}[{rate}]))", "rank {{rank}}"),
+        "Steps per second", "Optimizer steps (or Profiler.step calls) per second, per model and rank.",
+        q(f"sum by (model, rank) (rate(hookprof_steps_total{{{MODELS}}}[{rate}]))", "{{model}} rank {{rank}}"),
         unit="short", width=8))
     board = board.with_panel(series(
-        "Step duration", "p50 and p95 of the wall time between step boundaries, per rank.",
-        q(f"histogram_quantile(0.95, sum by (le, rank) (rate(hookprof_step_duration_seconds_bucket{{{RANKS}}}[{rate}])))",
-          "p95 rank {{rank}}", "A"),
-        q(f"histogram_quantile(0.5, sum by (le, rank) (rate(hookprof_step_duration_seconds_bucket{{{RANKS}}}[{rate}])))",
-          "p50 rank {{rank}}", "B"),
+        "Step duration", "p50 and p95 of the wall time between step boundaries, per model and rank.",
+        q(f"histogram_quantile(0.95, sum by (le, model, rank) "
+          f"(rate(hookprof_step_duration_seconds_bucket{{{MODELS}}}[{rate}])))",
+          "p95 {{model}} rank {{rank}}", "A"),
+        q(f"histogram_quantile(0.5, sum by (le, model, rank) "
+          f"(rate(hookprof_step_duration_seconds_bucket{{{MODELS}}}[{rate}])))",
+          "p50 {{model}} rank {{rank}}", "B"),
         unit="s", width=8))
     board = board.with_panel(single(
-        "Steps", "Steps completed, all selected ranks.",
-        q(f"max(hookprof_steps_total{{{RANKS}}})", "steps", instant=True), width=4))
+        "Steps", "Steps completed per model (a GAN's generator and discriminator count their own), "
+        "on the most advanced selected rank.",
+        q(f"max by (model) (hookprof_steps_total{{{MODELS}}})", "{{model}}", instant=True), width=4))
     board = board.with_panel(single(
-        "Since last step", "Seconds since the most recent step on the slowest selected rank.",
-        q(f"time() - min(hookprof_last_step_timestamp_seconds{{{RANKS}}})", "age", instant=True),
+        "Since last step", "Seconds since the most recent step of each model on its slowest selected rank.",
+        q(f"time() - min by (model) (hookprof_last_step_timestamp_seconds{{{MODELS}}})", "{{model}}", instant=True),
         unit="s", width=4))
     board = board.with_panel(series(
         "Loss", "Loss passed to Profiler.step(loss=...), at sampled steps.",
-        q(f"hookprof_loss{{{RANKS}}}", "rank {{rank}}"), width=12))
+        q(f"hookprof_loss{{{MODELS}}}", "{{model}} rank {{rank}}"), width=12))
     board = board.with_panel(series(
         "Global gradient norm", "L2 norm over all parameters' gradients at the last sampled step (log scale).",
-        q(f"hookprof_gradient_norm{{{RANKS}}}", "rank {{rank}}"), log_scale=True, width=12))
+        q(f"hookprof_gradient_norm{{{MODELS}}}", "{{model}} rank {{rank}}"), log_scale=True, width=12))
 
     board = board.with_row(dashboard.Row("Layers"))
     board = board.with_panel(top_layers(
@@ -163,48 +175,50 @@ def build() -> dict:
         f"topk($topk, {mean_per_call('hookprof_layer_backward_seconds', '$__range', LAYERS)})"))
     board = board.with_panel(series(
         "Forward latency per layer", "Mean forward seconds per call; the $topk slowest layers at each instant.",
-        q(f"topk($topk, {mean_per_call('hookprof_layer_forward_seconds', rate, LAYERS)})", "{{layer}}"),
+        q(f"topk($topk, {mean_per_call('hookprof_layer_forward_seconds', rate, LAYERS)})", "{{model}} {{layer}}"),
         unit="s"))
     board = board.with_panel(series(
         "Backward latency per layer", "Mean backward seconds per call; the $topk slowest layers at each instant.",
-        q(f"topk($topk, {mean_per_call('hookprof_layer_backward_seconds', rate, LAYERS)})", "{{layer}}"),
+        q(f"topk($topk, {mean_per_call('hookprof_layer_backward_seconds', rate, LAYERS)})", "{{model}} {{layer}}"),
         unit="s"))
     board = board.with_panel(series(
         "Gradient norm per layer",
         "L2 norm of each layer's own parameters' gradients at the last sampled step; the $topk largest. "
-        "Under FSDP each rank exports its shard's norm: combine with sqrt(sum by (layer) (x^2)).",
-        q(f"topk($topk, max by (layer) (hookprof_layer_gradient_norm{{{LAYERS}}}))", "{{layer}}"),
+        "Under FSDP each rank exports its shard's norm: combine with sqrt(sum by (model, layer) (x^2)).",
+        q(f"topk($topk, max by (model, layer) (hookprof_layer_gradient_norm{{{LAYERS}}}))", "{{model}} {{layer}}"),
         log_scale=True))
     board = board.with_panel(series(
         "Dead activations per layer",
         "Share of exactly-zero outputs of parameter-free layers (ReLU, dropout, pooling); the $topk highest.",
-        q(f"topk($topk, max by (layer) (hookprof_layer_activation_zero_ratio{{{LAYERS}}}))", "{{layer}}"),
+        q(f"topk($topk, max by (model, layer) (hookprof_layer_activation_zero_ratio{{{LAYERS}}}))",
+          "{{model}} {{layer}}"),
         unit="percentunit"))
 
     board = board.with_row(dashboard.Row("NaN / Inf and gradient health"))
     board = board.with_panel(
         table.Panel().title("First non-finite layer")
-        .description("Where each rank's first NaN/Inf appeared: the producing layer, the phase and the step.")
+        .description("Where each model's first NaN/Inf appeared on each rank: the producing layer, the phase and the step.")
         .datasource(DS).span(12).height(8)
-        .with_target(q(f"max by (job, instance, rank, layer, phase, step) (hookprof_first_nonfinite_info{{{RANKS}}})",
-                       instant=True, table_format=True))
+        .with_target(q("max by (job, instance, rank, model, layer, phase, step) "
+                       f"(hookprof_first_nonfinite_info{{{MODELS}}})", instant=True, table_format=True))
         .with_transformation(DataTransformerConfig(id_val="organize", options={
             "excludeByName": {"Time": True, "Value": True},
-            "indexByName": {"rank": 0, "layer": 1, "phase": 2, "step": 3, "instance": 4, "job": 5},
+            "indexByName": {"model": 0, "rank": 1, "layer": 2, "phase": 3, "step": 4, "instance": 5, "job": 6},
         })))
     board = board.with_panel(series(
         "Non-finite steps", "Steps whose model output (forward), gradients (backward) or loss held a NaN/Inf.",
-        q(f"sum by (rank, phase) (increase(hookprof_nonfinite_steps_total{{{RANKS}}}[{rate}]))",
-          "{{phase}} rank {{rank}}"), width=12))
+        q(f"sum by (model, rank, phase) (increase(hookprof_nonfinite_steps_total{{{MODELS}}}[{rate}]))",
+          "{{model}} {{phase}} rank {{rank}}"), width=12))
     board = board.with_panel(series(
         "GradScaler skipped steps", "Optimizer steps GradScaler skipped because its gradients overflowed.",
-        q(f"sum by (rank) (increase(hookprof_skipped_steps_total{{{RANKS}}}[{rate}]))", "rank {{rank}}"),
+        q(f"sum by (model, rank) (increase(hookprof_skipped_steps_total{{{MODELS}}}[{rate}]))",
+          "{{model}} rank {{rank}}"),
         width=12))
     board = board.with_panel(series(
         "Vanishing / exploding gradients",
         "Sampled steps on which some layer's gradient norm fell below vanishing_grad_norm or rose above exploding_grad_norm.",
-        q(f"sum by (rank, kind) (increase(hookprof_gradient_flagged_steps_total{{{RANKS}}}[{rate}]))",
-          "{{kind}} rank {{rank}}"), width=12))
+        q(f"sum by (model, rank, kind) (increase(hookprof_gradient_flagged_steps_total{{{MODELS}}}[{rate}]))",
+          "{{model}} {{kind}} rank {{rank}}"), width=12))
 
     board = board.with_row(dashboard.Row("System"))
     board = board.with_panel(series(
@@ -243,16 +257,17 @@ def build() -> dict:
         "Scrape targets up",
         "1 while Prometheus can scrape the rank's /metrics endpoint, and while hookprof's publisher thread is alive.",
         q(f"up{{{TARGET}}}", "scrape {{instance}}", "A"),
-        q(f"hookprof_publisher_thread_up{{{RANKS}}}", "publisher rank {{rank}}", "B"),
+        q(f"hookprof_publisher_thread_up{{{MODELS}}}", "publisher {{model}} rank {{rank}}", "B"),
         width=8))
     board = board.with_panel(series(
         "hookprof internal errors", "Errors inside hookprof's own hooks (training continues; per-layer hooks switch off).",
-        q(f"sum by (rank) (increase(hookprof_internal_errors_total{{{RANKS}}}[{rate}]))", "rank {{rank}}"),
+        q(f"sum by (model, rank) (increase(hookprof_internal_errors_total{{{MODELS}}}[{rate}]))",
+          "{{model}} rank {{rank}}"),
         width=8))
     board = board.with_panel(series(
         "Layers exported", "Instrumented layers and the layers exported under the max_layers budget.",
-        q(f"hookprof_layers{{{RANKS}}}", "instrumented rank {{rank}}", "A"),
-        q(f"hookprof_layers_exported{{{RANKS}}}", "exported rank {{rank}}", "B"),
+        q(f"hookprof_layers{{{MODELS}}}", "instrumented {{model}} rank {{rank}}", "A"),
+        q(f"hookprof_layers_exported{{{MODELS}}}", "exported {{model}} rank {{rank}}", "B"),
         width=8))
     board = board.with_panel(series(
         "Rejected connections to /metrics",

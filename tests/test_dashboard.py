@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -30,9 +31,9 @@ def test_committed_json_is_what_the_generator_writes():
 
 def test_variables_and_datasource(board):
     variables = {v["name"]: v for v in board["templating"]["list"]}
-    assert {"datasource", "job", "instance", "rank", "layer", "topk"} <= set(variables)
+    assert {"datasource", "job", "model", "instance", "rank", "layer", "topk"} <= set(variables)
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    for name in ("job", "instance", "rank", "layer"):
+    for name in ("job", "model", "instance", "rank", "layer"):
         v = variables[name]
         assert v["type"] == "query" and v["multi"] and v["includeAll"] and v["allValue"] == ".*", name
         assert v["datasource"]["uid"] == "${datasource}", name
@@ -68,6 +69,46 @@ def test_per_layer_panels_are_bounded_for_1000_layers(board):
             if "hookprof_layer_" in expr:
                 assert expr.startswith("topk($topk,"), (panel["title"], expr)
                 assert 'layer=~"$layer"' in expr, (panel["title"], expr)
+
+
+# per attached model (they carry `model`) or per process and host (they do not): issue 18
+PER_MODEL = re.compile(r"\bhookprof_(?:steps|sampled_steps|step_duration_seconds|last_step_timestamp_seconds|loss"
+                       r"|gradient_norm|nonfinite_steps|skipped_steps|gradient_flagged_steps|layer_\w+"
+                       r"|first_nonfinite_info|layers|layers_exported|internal_errors|publisher_thread_up)")
+PER_PROCESS = re.compile(r"\b(?:up|process_\w+|hookprof_(?:host|gpu|cuda_memory)_\w+"
+                         r"|hookprof_http_connections_rejected_total|hookprof_build_info)\b")
+
+
+def test_model_variable_selects_every_per_model_query_and_keeps_models_apart(board):
+    variables = [v["name"] for v in board["templating"]["list"]]
+    assert variables.index("job") < variables.index("model") < variables.index("layer")
+    (model,) = [v for v in board["templating"]["list"] if v["name"] == "model"]
+    assert model["query"]["query"] == 'label_values(hookprof_steps_total{job=~"$job"}, model)'
+    # the variables after it are narrowed by it
+    for v in board["templating"]["list"][variables.index("model") + 1:]:
+        if v["type"] == "query":
+            assert 'model=~"$model"' in v["query"]["query"], v["name"]
+    per_model = 0
+    for panel in board["panels"]:
+        for t in panel.get("targets", []):
+            expr, legend = t["expr"], t.get("legendFormat", "")
+            if PER_MODEL.search(expr):
+                per_model += 1
+                # every selector of a per-model metric filters on the variable
+                for selector in re.findall(r"\bhookprof_\w+(\{[^}]*\})?", expr):
+                    assert 'model=~"$model"' in selector, (panel["title"], expr)
+                # aggregations keep the model, and legends name it, so G and D stay apart
+                for by in re.findall(r"\bby \(([^)]*)\)", expr):
+                    assert "model" in [x.strip() for x in by.split(",")], (panel["title"], expr)
+                assert panel["type"] == "table" or "{{model}}" in legend, (panel["title"], legend)
+            elif PER_PROCESS.search(expr):
+                assert "model" not in expr and "{{model}}" not in legend, (panel["title"], expr)
+            else:
+                raise AssertionError(f"{panel['title']}: neither per model nor per process: {expr}")
+    assert per_model >= 20
+    (table_panel,) = [p for p in board["panels"] if p["title"] == "First non-finite layer"]
+    (organize,) = table_panel["transformations"]
+    assert organize["options"]["indexByName"]["model"] == 0
 
 
 def test_layout_has_no_overlapping_panels(board):

@@ -24,8 +24,10 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 DASHBOARD = os.path.join(ROOT, "grafana", "dashboards", "hookprof-training.json")
 JOB = "hookprof-demo"
 # what Grafana puts in place of each variable: one concrete job, "All" (".*") elsewhere,
-# and windows a 1 s scrape interval fills ($__rate_interval is 4 scrape intervals at least)
-VARIABLES = {"$job": JOB, "$instance": ".*", "$rank": ".*", "$layer": ".*", "$topk": "10",
+# and windows a 1 s scrape interval fills ($__rate_interval is 4 scrape intervals at least).
+# model=~".*" also matches series without a `model` label (Prometheus 2.42): every panel
+# returning data below shows the board works with an exporter that does not emit it yet
+VARIABLES = {"$job": JOB, "$model": ".*", "$instance": ".*", "$rank": ".*", "$layer": ".*", "$topk": "10",
              "$__rate_interval": "5s", "$__range": "1m"}
 
 
@@ -106,11 +108,38 @@ def test_every_variable_query_lists_values(prometheus_on_demo):
         url = (f"http://127.0.0.1:{prometheus_on_demo}/api/v1/label/{label}/values?"
                + urllib.parse.urlencode({"match[]": selector}))
         values = set(get_json(url)["data"])
+        if var["name"] == "model" and not values:
+            # issue 18: until the exporter emits `model` this lists nothing, and Grafana
+            # offers only "All" (".*"), which the panel queries above show to work
+            continue
         assert values, f"variable {var['name']} lists nothing: {var['query']['query']}"
         if var["name"] in expected:
             assert values == expected[var["name"]], (var["name"], values)
         if var["name"] == "layer":
             assert {"mlp.0", "mlp.2"} <= values
+
+
+# per process and host: never a `model` label (issue 18); every other hookprof_* series has one
+PER_PROCESS = "hookprof_(host|gpu|cuda_memory)_.*|hookprof_build_info|hookprof_http_connections_rejected_total"
+
+
+def test_per_process_series_carry_no_model_label(prometheus_on_demo):
+    wrong = query(prometheus_on_demo, f'group by (__name__) ({{job="{JOB}", __name__=~"process_.*|{PER_PROCESS}", '
+                                      'model!=""})')
+    assert not wrong, [r["metric"]["__name__"] for r in wrong]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 18: the exporter does not emit `model` yet; "
+                                       "remove this mark when it does (an XPASS fails the run)")
+def test_every_per_model_series_carries_the_model_label(prometheus_on_demo):
+    unlabelled = query(prometheus_on_demo, f'group by (__name__) ({{job="{JOB}", __name__=~"hookprof_.*", '
+                                           f'__name__!~"{PER_PROCESS}", model=""}})')
+    assert not unlabelled, sorted(r["metric"]["__name__"] for r in unlabelled)
+    (var,) = [v for v in dashboard()["templating"]["list"] if v["name"] == "model"]
+    m = re.fullmatch(r"label_values\((.+), model\)", var["query"]["query"])
+    url = (f"http://127.0.0.1:{prometheus_on_demo}/api/v1/label/model/values?"
+           + urllib.parse.urlencode({"match[]": substitute(m.group(1))}))
+    assert len(get_json(url)["data"]) == 1  # the demo attaches one model
 
 
 def test_every_alert_rule_evaluates_and_its_series_exist(prometheus_on_demo):

@@ -32,52 +32,34 @@ except ImportError:
         "hookprof.integrations.huggingface needs transformers: pip install transformers"
     ) from None
 
-import hookprof
-
-from .scalars import PREFIX, SampledSteps
+from .scalars import PREFIX, ProfiledTraining
 
 
-class HookprofTrainerCallback(TrainerCallback):
+class HookprofTrainerCallback(ProfiledTraining, TrainerCallback):
     """Attaches hookprof to the model at `on_train_begin` and detaches it at `on_train_end`.
 
-    Keyword arguments are `hookprof.Config` fields (`port`, `sample_every`, ...), as for
-    `hookprof.attach`. `profiler` is the profiler of the current (or last) training run: its
-    `snapshot()` stays readable after detach.
+    `HookprofTrainerCallback(sample_every=50, ...)`: Config fields, `profiler` and
+    `last_logged` as in ProfiledTraining.
 
     At each log the scalars of hookprof's last sampled step, if not logged before, are added:
     `hookprof/grad_norm`, `hookprof/nonfinite_steps/<phase>`, `hookprof/skipped_steps`,
     `hookprof/step_time_s` (mean of the steps since the previous log) and
     `hookprof/sampled_step` (the step they were taken at)."""
 
-    def __init__(self, **config_overrides: Any):
-        self.config_overrides = config_overrides
-        self.profiler: hookprof.Profiler | hookprof.DisabledProfiler | None = None
-        self._samples: SampledSteps | None = None
-
-    @property
-    def last_logged(self) -> hookprof.Snapshot | None:
-        """The snapshot whose scalars were logged last."""
-        return self._samples.taken if self._samples is not None else None
-
     def scalars(self) -> dict[str, float]:
         """The scalars of a sampled step not logged yet ({} when there is none). Each sampled
         step is handed out once."""
-        if self._samples is None or self.profiler is None or self.profiler.detached:
-            return {}
         # note: flush waits for hookprof's publisher (on a GPU, for the device); Trainer has
         # just synced for its own loss (`.item()`) at every log, so this adds little
-        taken = self._samples.take(flush=True)
+        taken = self._take(flush=True)
         if taken is None:
             return {}
         step, scalars = taken
         return {**scalars, PREFIX + "sampled_step": step}
 
     def on_train_begin(self, args, state, control, model=None, **kwargs) -> None:
-        if self.profiler is not None:
-            self.profiler.detach()
         # `model` is Trainer.model, the model itself, never its DDP/DeepSpeed wrapper
-        self.profiler = hookprof.attach(model, **self.config_overrides)
-        self._samples = SampledSteps(self.profiler)
+        self._attach(model)
 
     def on_log(self, args, state, control, logs=None, **kwargs) -> None:
         scalars = self.scalars()
@@ -88,8 +70,7 @@ class HookprofTrainerCallback(TrainerCallback):
             state.log_history[-1].update(scalars)  # Trainer.log appended a copy of logs there
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
-        if self.profiler is not None:
-            self.profiler.detach()
+        self._detach()
 
 
 class HookprofTrainerMixin:

@@ -16,18 +16,15 @@ try:
 except ImportError:
     raise ImportError("hookprof.integrations.lightning needs Lightning: pip install lightning") from None
 
-import hookprof
-
-from .scalars import SampledSteps
+from .scalars import ProfiledTraining
 
 
-class HookprofCallback(pl.Callback):
+class HookprofCallback(ProfiledTraining, pl.Callback):
     """Attaches hookprof to the LightningModule when fit starts, on every rank, and detaches
     it when fit ends, fails or is interrupted.
 
-    Keyword arguments are `hookprof.Config` fields (`port`, `sample_every`, ...), as for
-    `hookprof.attach`. `profiler` is the profiler of the current (or last) fit: its
-    `snapshot()` stays readable after detach.
+    `HookprofCallback(sample_every=50, ...)`: Config fields, `profiler` and `last_logged` as
+    in ProfiledTraining.
 
     After each sampled step (at most once per step, read from the published snapshot with no
     wait) every logger of the trainer gets `hookprof/grad_norm`,
@@ -36,22 +33,10 @@ class HookprofCallback(pl.Callback):
     is logged when training ends or fails. Loggers log on rank 0 only, as Lightning's do.
     """
 
-    def __init__(self, **config_overrides: Any):
-        self.config_overrides = config_overrides
-        self.profiler: hookprof.Profiler | hookprof.DisabledProfiler | None = None
-        self._samples: SampledSteps | None = None
-
-    @property
-    def last_logged(self) -> hookprof.Snapshot | None:
-        """The snapshot whose scalars the loggers got last."""
-        return self._samples.taken if self._samples is not None else None
-
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after strategy.setup: parameters are on their device (hookprof picks its timer from
         # them), and pl_module is the LightningModule itself, not its DDP wrapper
-        self._detach()
-        self.profiler = hookprof.attach(pl_module, **self.config_overrides)
-        self._samples = SampledSteps(self.profiler)
+        self._attach(pl_module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -77,9 +62,7 @@ class HookprofCallback(pl.Callback):
         self._detach()  # idempotent: on_fit_end has normally run
 
     def _log(self, trainer: pl.Trainer, *, flush: bool) -> None:
-        if self._samples is None or self.profiler is None or self.profiler.detached:
-            return
-        taken = self._samples.take(flush=flush)
+        taken = self._take(flush=flush)
         if taken is None:
             return
         step, scalars = taken
@@ -88,7 +71,3 @@ class HookprofCallback(pl.Callback):
         # reaches them once, at the step it belongs to
         for logger in trainer.loggers:
             logger.log_metrics(scalars, step=step)
-
-    def _detach(self) -> None:
-        if self.profiler is not None:
-            self.profiler.detach()

@@ -1,8 +1,14 @@
-"""The headline scalars both trainer integrations log: one place decides their names and
-values, and hands each sampled step out once."""
+"""What both trainer integrations share: the headline scalars they log (one place decides
+their names and values) and the profiler they own for a training run, whose sampled steps
+they hand out once each."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from torch import nn
+
+from ..profiler import DisabledProfiler, Profiler, attach
 from ..snapshot import PHASES, Snapshot
 
 PREFIX = "hookprof/"
@@ -32,28 +38,40 @@ def headline(snap: Snapshot, previous: Snapshot | None = None) -> dict[str, floa
     return scalars
 
 
-class SampledSteps:
-    """Reads a profiler's latest snapshot and hands out its scalars once per sampled step.
+class ProfiledTraining:
+    """What both callbacks share: the profiler they attach for each training run, and the
+    scalars of its sampled steps, each sampled step handed out once.
 
-    `snapshot()` never waits (the background thread publishes it), so a trainer's batch-end
-    hook can call `take()` every step; it returns something only when the snapshot shows a
-    sampled step that was not handed out yet."""
+    Keyword arguments are `hookprof.Config` fields, as for `hookprof.attach`. `profiler` is
+    the profiler of the current (or last) run: its `snapshot()` stays readable after detach."""
 
-    def __init__(self, profiler):
-        self.profiler = profiler
-        self.taken: Snapshot | None = None
-        """The snapshot whose scalars were handed out last."""
+    def __init__(self, **config_overrides: Any):
+        self.config_overrides = config_overrides
+        self.profiler: Profiler | DisabledProfiler | None = None
+        self.last_logged: Snapshot | None = None  # the snapshot whose scalars were handed out last
 
-    def take(self, *, flush: bool = False) -> tuple[int, dict[str, float]] | None:
-        """(the sampled step, its scalars), or None when no new sampled step has been
-        published. `flush=True` first waits for the publisher (at the end of training)."""
-        if flush and not self.profiler.detached:
+    def _attach(self, model: nn.Module) -> None:
+        self._detach()  # a run that failed without telling its callbacks
+        self.profiler = attach(model, **self.config_overrides)
+        self.last_logged = None
+
+    def _detach(self) -> None:
+        if self.profiler is not None:
+            self.profiler.detach()
+
+    def _take(self, *, flush: bool) -> tuple[int, dict[str, float]] | None:
+        """(the sampled step, its scalars), or None when no sampled step has been published
+        since the last call. `snapshot()` never waits (the background thread publishes it),
+        so a trainer's batch-end hook can call this every step; `flush=True` first waits for
+        the publisher."""
+        if self.profiler is None or self.profiler.detached:
+            return None
+        if flush:
             self.profiler.flush()
         snap = self.profiler.snapshot()
         step = snap.last_sampled_step
-        last = self.taken.last_sampled_step if self.taken is not None else None
-        if step is None or step == last:
+        if step is None or (self.last_logged is not None and step == self.last_logged.last_sampled_step):
             return None
-        scalars = headline(snap, self.taken)
-        self.taken = snap
+        scalars = headline(snap, self.last_logged)
+        self.last_logged = snap
         return step, scalars

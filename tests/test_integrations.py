@@ -250,8 +250,6 @@ def hf_reference(tmp_path_factory):
 
 @pytest.mark.parametrize("mixin", [False, True], ids=["callback", "callback+mixin"])
 def test_hf_callback_attaches_for_train_and_logs_the_snapshot(mixin, hf_reference, tmp_path):
-    reference = hf_reference
-
     from transformers import TrainerCallback
 
     from hookprof.integrations.huggingface import HookprofTrainerCallback
@@ -272,8 +270,8 @@ def test_hf_callback_attaches_for_train_and_logs_the_snapshot(mixin, hf_referenc
     # attached to the model for every step, gone after training (the model holds what training
     # without hookprof leaves on it), training unchanged
     assert seen == [True] * HF_STEPS
-    assert callback.profiler.detached and model_state(model) == model_state(reference)
-    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+    assert callback.profiler.detached and model_state(model) == model_state(hf_reference)
+    for (name, a), b in zip(hf_reference.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
 
     final = callback.profiler.snapshot()

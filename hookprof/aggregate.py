@@ -242,14 +242,17 @@ class Aggregator:
         in_bad = {call for call, i in rec.inputs if not math.isfinite(act_max[i])}
         n = len(self.names)
         names = self._call_names
-        # ordered sets: a module called twice is named once
-        producers: dict[str, None] = dict.fromkeys([INPUT_NAME] if root_input_bad else [])
+        # ordered sets: a module called twice is named once. "(input)" only when no module
+        # made one from finite inputs: a root input may hold -inf on purpose (an additive
+        # attention mask) while a layer is what went wrong
         made = [c for c in rec.ended if c in out_bad and c not in in_bad]
-        producers.update(dict.fromkeys(names[rec.calls[c].layer] for c in made))
+        producers: dict[str, None] = dict.fromkeys(names[rec.calls[c].layer] for c in made)
+        if root_input_bad and not producers:
+            producers[INPUT_NAME] = None
         propagators = dict.fromkeys(names[rec.calls[c].layer] for c in sorted(out_bad)
                                     if c in in_bad and rec.calls[c].layer < n)
         last_finite_child = None
-        if made and not root_input_bad and rec.calls[made[0]].layer >= n:
+        if made and rec.calls[made[0]].layer >= n:
             children = [c for c in rec.ended if rec.calls[c].parent == made[0] and c not in out_bad]
             last_finite_child = names[rec.calls[children[-1]].layer] if children else None
         start_of_layer: dict[int, float] = {}

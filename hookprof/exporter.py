@@ -274,23 +274,26 @@ def _le(bound: float) -> str:
 
 def make_registry(collector: Collector, *, process_metrics: bool = True,
                   extra: tuple[Collector, ...] = (),
-                  registry: CollectorRegistry | None = None) -> CollectorRegistry:
+                  registry: CollectorRegistry | None = None,
+                  registered: list[Collector] | None = None) -> CollectorRegistry:
     """A registry of its own per profiler, so two profilers never mix their series (or the
-    one given, e.g. a test's)."""
+    one given, e.g. a caller's: `registered` then lists what was put in, to take out again)."""
     if registry is None:
         registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
-    for other in extra:
-        registry.register(other)
+    collectors = [collector, *extra]
     if process_metrics:
         # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...:
         # prometheus_client reads them from /proc; elsewhere psutil supplies the same names
         if has_proc_fs():
             from prometheus_client import ProcessCollector
 
-            ProcessCollector(registry=registry)
+            collectors.append(ProcessCollector(registry=None))
         else:
-            registry.register(PsutilProcessCollector())
+            collectors.append(PsutilProcessCollector())
+    for c in collectors:
+        registry.register(c)
+    if registered is not None:
+        registered.extend(collectors)
     return registry
 
 

@@ -61,6 +61,7 @@ class ThreadSupervisor:
     def __init__(self, faults: Faults):
         self._faults = faults
         self._watched: dict[str, Restartable] = {}
+        self._given_up: set[str] = set()  # reported as not restarted again
 
     def watch(self, what: str, part: Restartable) -> None:
         self._watched[what] = part
@@ -73,9 +74,9 @@ class ThreadSupervisor:
     def _revive(self, what: str, part: Restartable) -> None:
         err = RuntimeError(f"hookprof {what} thread died")
         if part.restarts >= MAX_RESTARTS:
-            if part.restarts == MAX_RESTARTS:
+            if what not in self._given_up:
+                self._given_up.add(what)
                 self._faults.report(f"{what} thread (not restarted again)", err, disable=False)
-                part.restarts += 1
             return
         self._faults.report(f"{what} thread (restart {part.restarts + 1})", err, disable=False)
         try:

@@ -159,6 +159,7 @@ class LayerHooks:
         afterwards the hooks are as they were."""
         installed = self.installed
         stats_were_on = self._activation_stats
+        step_rec, step_local = self._rec, self._local  # a sampled step's own, if one is open
         self._replaying = True
         self._activation_stats = True
         containers: list[Any] = []
@@ -176,7 +177,9 @@ class LayerHooks:
             self._replaying = False
             self._activation_stats = stats_were_on
             if installed:
-                self.end()
+                self.end()  # the replay's record: its parameter hooks go
+                # the sampled step goes on recording (its own hooks are removed at its end)
+                self._rec, self._local = step_rec, step_local
             else:
                 self.remove()
 
@@ -190,6 +193,8 @@ class LayerHooks:
             for t in iter_tensors((args, kwargs)):
                 if t.is_floating_point() and t.numel():
                     low, high = torch.aminmax(t.detach())
+                    # known like a layer's output: a layer taking it reuses this reduction
+                    rec.out_stats[id(t)] = (weakref.ref(t), t._version, len(rec.act))
                     rec.act.append(Activation(ROOT_INPUT, low, high, None, 0))
         except Exception as exc:
             self._faults.report("forward pre-hook", exc)

@@ -175,6 +175,7 @@ class Profiler:
         # (self.registry is then the endpoint's); otherwise they are this profiler's own
         self._endpoint: Endpoint | None = None
         self._system: SystemSampler | None = None
+        self._registered: list[Any] = []  # collectors put in a caller's registry: taken out at detach
         if not config.serve:
             extra: tuple[Any, ...] = ()
             if config.system_metrics:
@@ -185,7 +186,8 @@ class Profiler:
                 )
                 extra = (SystemCollector(lambda: self._system.latest, self.rank),)
             self.registry = make_registry(self.collector, process_metrics=config.system_metrics,
-                                          extra=extra, registry=registry)
+                                          extra=extra, registry=registry,
+                                          registered=self._registered if registry is not None else None)
 
         # the root layer, when the root module owns parameters directly, keeps a hook pair
         self._root_layer = next((layer.index for layer in self.table.layers if layer.module is model), None)
@@ -355,8 +357,8 @@ class Profiler:
             self._hooks.remove()
 
     def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        """The root module's forward begins: the step has begun (or a new one, when the
-        GradScaler skipped the last); its inputs are kept for a replay."""
+        """The root module's forward begins: the step has begun; its inputs are kept for a
+        replay."""
         if self._detached:  # a copy of the model (see _inert_copy)
             return
         if is_compiling():
@@ -422,8 +424,9 @@ class Profiler:
         """An optimizer is about to update: the gradients are final, the parameters still
         this step's (the last moment for a replay). With a closure (LBFGS, Lightning's
         automatic optimization, sharpness-aware optimizers) the step's forward and backward
-        have not run yet: they run inside the closure, so the closure is wrapped and the
-        gradients are read after it returns."""
+        have not run yet: they run inside the closure, so the closure is wrapped (a replay
+        check after each call) and the gradients are read once, when the step ends, after
+        the closure's last backward (an optimizer step leaves .grad as it found it)."""
         if is_compiling():  # a compiled optimizer step: nothing to do inside its graph
             return None
         try:
@@ -444,11 +447,14 @@ class Profiler:
 
     def _after_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         def closure_then_read() -> Any:
+            self._forwards = 0  # LBFGS calls it thousands of times in one step
             result = closure()
-            try:  # called once or several times (LBFGS): the last read is the update's
+            try:  # called once or several times (LBFGS); the parameters are still this step's
                 if self._in_step():
-                    self._grad_squares = None
-                    self._before_update()
+                    self._stepped = True
+                    self._grad_squares = None  # read once, at the step's end (.grad untouched)
+                    if self._replay.waiting:
+                        self._replay_forward()
             except Exception as exc:
                 self._faults.report("optimizer closure", exc)
             return result
@@ -620,6 +626,9 @@ class Profiler:
             self._system.stop()
         if self._endpoint is not None:
             self._endpoint.leave(self.name)
+        for collector in self._registered:
+            self.registry.unregister(collector)
+        self._registered = []
         with _live_lock:
             _live.discard(self)
             _names.discard(getattr(self, "name", None))
@@ -679,6 +688,8 @@ class DisabledProfiler:
     @property
     def detached(self) -> bool:
         return self._detached
+
+    steps = 0
 
     def snapshot(self) -> Snapshot:
         return Snapshot()

@@ -94,11 +94,11 @@ def test_the_first_nonfinite_table_names_the_injected_layer(prometheus_on_demo):
     (expr,) = [e for t, e in panel_queries(dashboard()) if t == "First non-finite layer"]
     (row,) = query(prometheus_on_demo, substitute(expr))
     assert row["metric"]["layer"] == "mlp.2" and row["metric"]["phase"] == "forward"
-    assert row["metric"]["step"] == "150"
+    assert row["metric"]["step"] == "150" and row["metric"]["model"] == "DemoNet"
 
 
 def test_every_variable_query_lists_values(prometheus_on_demo):
-    expected = {"job": {JOB}, "rank": {"0"}}
+    expected = {"job": {JOB}, "rank": {"0"}, "model": {"DemoNet"}}
     for var in dashboard()["templating"]["list"]:
         if var["type"] != "query":
             continue
@@ -108,10 +108,6 @@ def test_every_variable_query_lists_values(prometheus_on_demo):
         url = (f"http://127.0.0.1:{prometheus_on_demo}/api/v1/label/{label}/values?"
                + urllib.parse.urlencode({"match[]": selector}))
         values = set(get_json(url)["data"])
-        if var["name"] == "model" and not values:
-            # issue 18: until the exporter emits `model` this lists nothing, and Grafana
-            # offers only "All" (".*"), which the panel queries above show to work
-            continue
         assert values, f"variable {var['name']} lists nothing: {var['query']['query']}"
         if var["name"] in expected:
             assert values == expected[var["name"]], (var["name"], values)
@@ -129,8 +125,6 @@ def test_per_process_series_carry_no_model_label(prometheus_on_demo):
     assert not wrong, [r["metric"]["__name__"] for r in wrong]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: the exporter does not emit `model` yet; "
-                                       "remove this mark when it does (an XPASS fails the run)")
 def test_every_per_model_series_carries_the_model_label(prometheus_on_demo):
     unlabelled = query(prometheus_on_demo, f'group by (__name__) ({{job="{JOB}", __name__=~"hookprof_.*", '
                                            f'__name__!~"{PER_PROCESS}", model=""}})')

@@ -62,7 +62,7 @@ def test_nan_alert_names_rank_layer_and_phase_then_exporter_down(tmp_path, serve
         alert = wait_for("the NaN alert at the webhook", nan_alert, timeout=90)
         latency = time.monotonic() - injected_at
         labels = alert["labels"]
-        assert labels["rank"] == "0"
+        assert labels["rank"] == "0" and labels["model"] == "DemoNet"
         assert labels["layer"] == "mlp.0"
         assert labels["step"] == step
         assert "First offending layer: mlp.0 at step " + step in alert["annotations"]["description"]

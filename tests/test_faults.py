@@ -94,7 +94,7 @@ def test_a_thread_that_keeps_dying_is_restarted_a_few_times_then_left_reported(c
                 while publisher.alive and time.monotonic() < deadline:
                     time.sleep(0.01)
                 train(model, 1, prof=prof, explicit_step=True)
-        assert publisher.restarts == MAX_PUBLISHER_RESTARTS + 1
+        assert publisher.restarts == MAX_PUBLISHER_RESTARTS  # then reported, not restarted again
         assert up(prof) == 0.0
         messages = [r.getMessage() for r in caplog.records if "publisher thread" in r.getMessage()]
         assert len(messages) == MAX_PUBLISHER_RESTARTS + 1, messages

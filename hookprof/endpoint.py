@@ -97,10 +97,6 @@ class Endpoint:
     def restarts(self) -> int:
         return self.server.restarts
 
-    @restarts.setter
-    def restarts(self, value: int) -> None:
-        self.server.restarts = value
-
     def restart(self) -> None:
         with self._restart_lock:  # two models' step boundaries may notice it at once
             if not self.server.alive:

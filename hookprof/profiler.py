@@ -298,8 +298,7 @@ class Profiler:
                 if loss is not None and self._last_sent == number:  # it was a sampled step
                     # sent on its own (a copy of one value on an accelerator): this happens
                     # once, when prof.step() calls begin after optimizer steps ended them
-                    late = pack_step(number, None, [], loss=loss, sampled=False)
-                    self._publisher.submit(late.send())
+                    self._publisher.submit(pack_step(number, None, [], loss=loss, sampled=False))
                 self._incidents.at_step_end(number)
                 return
             self._check_loss(loss, self._counters.steps + 1)
@@ -413,7 +412,6 @@ class Profiler:
             # the publisher folds the last sampled step now: its Python work then overlaps
             # the backward pass, which seldom needs the GIL, not the forward, which needs it
             # at every module call
-            self._supervisor.check()
             if self._unfolded:
                 self._unfolded = False
                 self._publisher.nudge()
@@ -522,9 +520,8 @@ class Profiler:
             if not self._faults.broken:  # a step whose hooks failed half-way is no sample
                 # its one device-to-host copy starts now; the publisher folds it when nudged
                 # (the next forward's end) or within publish_interval_s, whichever comes first
-                sampled = pack_step(number, self._rec, self._detector.blocks(),
-                                    grad_squares=self._grad_squares, loss=loss)
-                self._publisher.submit(sampled.send())
+                self._publisher.submit(pack_step(number, self._rec, self._detector.blocks(),
+                                                 grad_squares=self._grad_squares, loss=loss))
                 self._last_sent, self._unfolded = number, True
             elif self._rec is not None:
                 self.timer.release(self._rec.tokens())
@@ -571,13 +568,13 @@ class Profiler:
         with the per-layer checks on, before the optimizer changes the parameters."""
         rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.mark()))
         if rec is not None:
-            replayed = pack_step(self._counters.steps + 1, rec, self._detector.blocks(), sampled=False)
-            self._publisher.submit(replayed.send())
+            self._publisher.submit(pack_step(self._counters.steps + 1, rec, self._detector.blocks(),
+                                             sampled=False))
 
     def _drain_counters(self) -> None:
         """Send the non-finite counters alone (no sampled step to carry them)."""
-        drain = pack_step(self._counters.steps, None, self._detector.blocks(), sampled=False)
-        self._publisher.submit(drain.send())
+        self._publisher.submit(pack_step(self._counters.steps, None, self._detector.blocks(),
+                                         sampled=False))
 
     def _no_step_signal(self) -> None:
         """So many forwards without a step boundary: no torch.optim optimizer steps this

@@ -6,7 +6,7 @@ publisher folds.
 
 The training thread writes records and counters; `pack_step` gathers a finished step's
 scalars (gradient squares, activation reductions, non-finite counters, the loss) into one
-ScalarBatch, whose single device-to-host copy starts when the step is sent.
+ScalarBatch and starts its single device-to-host copy.
 """
 
 from __future__ import annotations
@@ -152,36 +152,13 @@ class Packet:
     loss_in_batch: bool = False
 
 
-class PendingStep:
-    """One step's scalars, gathered into a ScalarBatch; `send()` starts their copy."""
-
-    __slots__ = ("batch", "packet")
-
-    def __init__(self, batch: ScalarBatch, packet: Packet):
-        self.batch = batch
-        self.packet = packet
-
-    def add_loss(self, loss: Any) -> None:
-        if isinstance(loss, torch.Tensor) and loss.device.type != "cpu":
-            self.batch.add("loss", loss.detach().reshape(-1)[:1])  # rides the step's one copy
-            self.packet.loss_in_batch = True
-        elif isinstance(loss, torch.Tensor):
-            self.packet.loss = float(loss.detach().reshape(-1)[0])  # on the host already
-        else:
-            self.packet.loss = float(loss)
-
-    def send(self) -> Packet:
-        """Start the step's one device-to-host copy; the packet is then the publisher's."""
-        self.packet.batch = self.batch.send()
-        return self.packet
-
-
 def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.Tensor], *,
               grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None,
-              loss: Any = None, sampled: bool = True) -> PendingStep:
-    """Gather one step's device scalars: per-device gradient squares, the record's activation
-    reductions, the non-finite counter blocks and the loss. Also for a replayed forward
-    (`sampled=False` with a record) and a drain of the counters alone (neither)."""
+              loss: Any = None, sampled: bool = True) -> Packet:
+    """Gather one step's device scalars (per-device gradient squares, the record's activation
+    reductions, the non-finite counter blocks, the loss) and start their one device-to-host
+    copy; the returned packet is the publisher's. Also for a replayed forward (`sampled=False`
+    with a record) and a drain of the counters alone (neither)."""
     batch = ScalarBatch()
     parts, has_grad = grad_squares or ([], frozenset())
     for k, part in enumerate(parts):
@@ -191,10 +168,13 @@ def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.T
         batch.add(("counters", k), block)
     packet = Packet(step=step, record=record, sampled=sampled, grad_parts=len(parts),
                     has_grad=has_grad, act_order=act_order, counter_parts=len(counter_blocks))
-    pending = PendingStep(batch, packet)
-    if loss is not None:
-        pending.add_loss(loss)
-    return pending
+    if isinstance(loss, torch.Tensor) and loss.device.type != "cpu":
+        batch.add("loss", loss.detach().reshape(-1)[:1])  # rides the step's one copy
+        packet.loss_in_batch = True
+    elif loss is not None:  # a number, or a CPU tensor: on the host already
+        packet.loss = float(loss.detach().reshape(-1)[0]) if isinstance(loss, torch.Tensor) else float(loss)
+    packet.batch = batch.send()
+    return packet
 
 
 def _add_activations(batch: ScalarBatch, record: StepRecord) -> list[int]:

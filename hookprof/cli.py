@@ -1,4 +1,4 @@
-"""The `hookprof` command: `hookprof --version`, `hookprof demo`."""
+"""The `hookprof` command: `hookprof --version`, `hookprof demo`, `hookprof report`."""
 
 from __future__ import annotations
 
@@ -25,9 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--nan-layer", default="mlp.0", help="qualified module name for --nan-at-step and SIGUSR1")
     demo.add_argument("--step-delay", type=float, default=0.0, help="sleep this long per step (seconds)")
     demo.add_argument("--seed", type=int, default=0)
+    add_report_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return run_demo(args)
+    if args.command == "report":
+        return run_report(args)
     parser.print_help()
     return 0
 
@@ -95,6 +98,35 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         prof.detach()
     print(f"hookprof demo: stopped after {step} steps", flush=True)
+    return 0
+
+
+def add_report_parser(sub: argparse._SubParsersAction) -> None:
+    from .config import DEFAULT_PORT
+
+    report = sub.add_parser("report", help="write the run report (one HTML file) of a running hookprof endpoint")
+    report.add_argument("url", nargs="?", default=f"http://127.0.0.1:{DEFAULT_PORT}",
+                        help="the endpoint: host:port, its base URL or its /metrics URL (default %(default)s)")
+    report.add_argument("-o", "--output", default="run.html", help="the HTML file to write (default %(default)s)")
+    report.add_argument("--cacert", help="CA certificate that signed the server's (https)")
+    report.add_argument("--cert", help="client certificate, where the server asks for one (mutual TLS)")
+    report.add_argument("--key", help="the client certificate's key (when not in --cert)")
+    report.add_argument("--timeout", type=float, default=10.0, help="seconds (default %(default)s)")
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from .report import fetch, history_url
+    from .report_html import render
+
+    try:
+        documents = fetch(args.url, cacert=args.cacert, cert=args.cert, key=args.key, timeout=args.timeout)
+    except (OSError, ValueError) as exc:  # URLError is an OSError; a bad body a ValueError
+        print(f"hookprof report: could not read {history_url(args.url)}: {exc}", file=sys.stderr)
+        return 1
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write(render(documents, source=history_url(args.url)))
+    names = ", ".join(d["model"] for d in documents) or "no model"
+    print(f"hookprof report: wrote {args.output} ({names})")
     return 0
 
 

@@ -41,6 +41,7 @@ from .faults import Faults, ThreadSupervisor
 from .notices import Notices
 from . import gradscaler
 from .gradients import GradientNorms
+from .history import LAYER_SLOTS, History
 from .incident import IncidentResponse
 from .instrument import LayerHooks
 from .layers import LayerTable
@@ -153,6 +154,8 @@ class Profiler:
             (config.vanishing_grad_norm, config.exploding_grad_norm),
             container_names=[name for name, _ in self.table.containers],
         )
+        # the report's bounded history, fed by the publisher thread after each fold
+        self._history = History(self.table.names, layer_slots=min(LAYER_SLOTS, config.max_layers))
         self._publisher = publisher(
             aggregator,
             self._counters,
@@ -161,6 +164,7 @@ class Profiler:
             config.publish_interval_s,
             name=f"hookprof-publisher-rank{self.rank}",
             notices=self._notices,
+            history=self._history,
         )
         self._incidents = IncidentResponse(config, self.rank, self._detector, self._publisher,
                                            self._drain_counters)
@@ -217,7 +221,8 @@ class Profiler:
                 self._tell_of_earlier(model)
                 member = Member(self.name, SnapshotCollector(
                     lambda: publisher.latest, torch.__version__, lambda: publisher.alive,
-                    rank=self.rank, model=self.name, build_info=False), self._page_version)
+                    rank=self.rank, model=self.name, build_info=False), self._page_version,
+                    document=self.report_document)
                 self._endpoint = endpoint.join(member, config, port, self.rank, local_rank)
                 self.registry = self._endpoint.registry
                 self._supervisor.watch("metrics server", self._endpoint)
@@ -279,6 +284,27 @@ class Profiler:
         if not self._detached:
             self._drain_counters()
         return self._publisher.flush(timeout)
+
+    def report_document(self) -> dict[str, Any]:
+        """The run report's data for this model: its bounded history and per-layer totals
+        (what /history.json serves; see hookprof/report.py)."""
+        from .report import document
+
+        return document(self.name, self._publisher.latest, self._history)
+
+    def report(self, path: str | None = None) -> str:
+        """With `path`: write the run report there, one self-contained HTML file (step time,
+        loss and gradient norm over the run, per-layer time, gradient norm per layer over
+        time, the NaN timeline), and return the path. Without: the snapshot as text."""
+        if path is None:
+            return str(self.snapshot())
+        from .report_html import render
+
+        self.flush()
+        page = render([self.report_document()])
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(page)
+        return path
 
     def step(self, loss: Any = None) -> None:
         """Mark a step boundary; `loss` (tensor or number) is exported on sampled steps.
@@ -697,6 +723,15 @@ class DisabledProfiler:
     def step(self, loss: Any = None) -> None:
         if self._detached:
             raise DetachedError("Profiler.step() called after detach(); attach the model again")
+
+    def report(self, path: str | None = None) -> str:
+        if path is None:
+            return str(self.snapshot())
+        from .report_html import render
+
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(render([], source="a disabled profiler (HOOKPROF_DISABLE)"))
+        return path
 
     def detach(self) -> None:
         self._detached = True

@@ -11,7 +11,7 @@ import math
 import time
 from typing import Any
 
-WIDTH, HEIGHT = 560, 170  # one line chart
+WIDTH, HEIGHT = 440, 170  # one line chart: two side by side in a 1000-pixel window
 PAD_L, PAD_R, PAD_T, PAD_B = 58, 12, 10, 26
 BAR_LAYERS = 25  # the busiest layers drawn as bars
 HEAT_COLUMNS = 96  # points per heatmap row, merged (maximum) beyond that
@@ -40,6 +40,15 @@ def _data(v: float | None) -> str:
     return _num(v, digits=9)
 
 
+def _tick(v: float) -> str:
+    """An axis label short enough for the margin: 3 significant digits, no exponent between
+    0.001 and 100,000."""
+    if v == 0 or not 1e-3 <= abs(v) < 1e5:
+        return f"{v:.3g}"
+    decimals = max(0, 2 - math.floor(math.log10(abs(v))))
+    return f"{v:.{decimals}f}"
+
+
 def _finite(values: list[float | None]) -> list[float]:
     return [v for v in values if v is not None and math.isfinite(v)]
 
@@ -66,8 +75,7 @@ class Scale:
         return 10 ** v if self.log else v
 
 
-def line_chart(kind: str, title: str, steps: list[float], values: list[float | None],
-               unit: str = "") -> str:
+def line_chart(kind: str, title: str, steps: list[float], values: list[float | None]) -> str:
     """Values over steps: a line through the finite ones, a red mark at the top for each
     non-finite one. Gradient norms go on a log axis when they span more than 1000x."""
     finite = _finite(values)
@@ -89,14 +97,14 @@ def line_chart(kind: str, title: str, steps: list[float], values: list[float | N
             pts.append(f"{xs(s):.1f},{ys(v):.1f}")
     out = [head, f'<svg class="chart" data-kind="{kind}" data-log="{int(log)}" width="{WIDTH}" '
                  f'height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" role="img">',
-           _axes(xs, ys, unit),
+           _axes(xs, ys),
            f'<polyline class="line" data-steps="{" ".join(f"{s:g}" for s in steps)}" '
            f'data-values="{" ".join(_data(v) for v in values)}" points="{" ".join(pts)}"/>',
            *bad, "</svg></div>"]
     return "".join(out)
 
 
-def _axes(xs: Scale, ys: Scale, unit: str) -> str:
+def _axes(xs: Scale, ys: Scale) -> str:
     y0, x0 = HEIGHT - PAD_B, PAD_L
     parts = [f'<line class="axis" x1="{x0}" y1="{y0}" x2="{WIDTH - PAD_R}" y2="{y0}"/>',
              f'<line class="axis" x1="{x0}" y1="{PAD_T}" x2="{x0}" y2="{y0}"/>']
@@ -104,7 +112,7 @@ def _axes(xs: Scale, ys: Scale, unit: str) -> str:
         v = ys.value(t)
         y = ys.a + t * (ys.b - ys.a)
         parts.append(f'<text class="ytick" data-value="{v:.9g}" x="{x0 - 4}" y="{y + 4:.1f}" '
-                     f'text-anchor="end">{v:.3g}{unit}</text>')
+                     f'text-anchor="end">{_tick(v)}</text>')
         s = xs.value(t)
         x = xs.a + t * (xs.b - xs.a)
         parts.append(f'<text x="{x:.1f}" y="{y0 + 16}" text-anchor="middle">{s:.0f}</text>')
@@ -248,7 +256,7 @@ def model_section(doc: dict[str, Any]) -> str:
         f'<table class="kv">{rows}</table>',
         "<h2>NaN/Inf timeline</h2>", nan_timeline(doc, steps),
         "<h2>Over the run</h2><div class=grid>",
-        line_chart("step_seconds", "Step time (ms, mean over the steps a point covers)", steps, ms, " ms"),
+        line_chart("step_seconds", "Step time (ms, mean over the steps a point covers)", steps, ms),
         line_chart("loss", "Loss", steps, pts["loss"]),
         line_chart("grad_norm", "Global gradient norm (maximum over a point)", steps, pts["grad_norm"]),
         "</div>",

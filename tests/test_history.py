@@ -12,7 +12,7 @@ import tracemalloc
 import torch
 
 from hookprof.aggregate import Aggregator
-from hookprof.history import History
+from hookprof.history import RERANK_POINTS, History
 from hookprof.record import StepCounters, pack_step
 from hookprof.timing import CpuTimer
 
@@ -121,18 +121,22 @@ def test_a_non_finite_value_survives_merging():
 
 def test_per_layer_series_are_bounded_and_follow_the_busiest_and_the_bad_layers():
     names = [f"layer{i}" for i in range(100)]
-    history = History(names, max_points=16, layer_slots=8)
+    history = History(names, max_points=64, layer_slots=8)
     feed = Feed(100, history)
     # layer i's time grows with i: the eight busiest are 92..99
     feed.aggregator.fwd_total[:] = [float(i) for i in range(100)]
     feed.run(5)
     tracked = [row["name"] for row in history.view()["layers"]]
     assert sorted(tracked) == sorted(names[92:])
-    feed.aggregator.fwd_nonfinite[3] = 1  # layer3 went non-finite: it takes a slot
-    feed.run(1)
+    # layer3's output went non-finite on a sampled step (what Aggregator.fold counts): it takes
+    # the least busy slot when the layers are ranked again, every RERANK_POINTS points
+    feed.aggregator.fwd_nonfinite[3] = 1
+    feed.run(RERANK_POINTS)
     view = history.view()
     tracked = [row["name"] for row in view["layers"]]
     assert len(tracked) == 8 and "layer3" in tracked and "layer92" not in tracked
     row = view["layers"][tracked.index("layer3")]
-    assert row["grad_norm"][:-1] == [None] * (len(row["grad_norm"]) - 1)  # no values from before
-    assert math.isclose(row["grad_norm"][-1], grad_at(6, 3), rel_tol=1e-9)
+    ranked_at = RERANK_POINTS + 1  # the point at which it was ranked again
+    assert row["grad_norm"][:ranked_at - 1] == [None] * (ranked_at - 1)  # nothing from before its slot
+    for step in range(ranked_at, 5 + RERANK_POINTS + 1):
+        assert math.isclose(row["grad_norm"][step - 1], grad_at(step, 3), rel_tol=1e-9)

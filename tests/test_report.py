@@ -363,3 +363,20 @@ def test_a_real_browser_renders_the_page_without_errors(tmp_path):
     white = sum(p == b"\xff\xff\xff" for p in pixels)
     assert red > 500 and blue > 500, (red, blue)
     assert white < len(pixels) * 0.99  # a blank page is all white
+
+
+def test_a_report_after_detach_and_under_hookprof_disable(tmp_path, monkeypatch):
+    prof, losses = train(steps=6, nan_at=0)
+    prof.detach()
+    page = open(prof.report(str(tmp_path / "after.html")), encoding="utf-8").read()
+    el = Elements(page)
+    (loss_chart,) = el.find("svg", **{"data-kind": "loss"})
+    drawn = [number(v) for v in _line_of(el, loss_chart)["data-values"].split()]
+    assert [round(v, 5) for v in drawn] == [round(v, 5) for v in losses]
+    assert "No NaN or Inf in any step so far" in page
+
+    monkeypatch.setenv("HOOKPROF_DISABLE", "1")
+    disabled = hookprof.attach(DemoNet())
+    path = disabled.report(str(tmp_path / "disabled.html"))
+    assert "disabled profiler (HOOKPROF_DISABLE)" in open(path, encoding="utf-8").read()
+    assert disabled.report() == str(hookprof.Snapshot())

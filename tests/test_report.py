@@ -380,3 +380,36 @@ def test_a_report_after_detach_and_under_hookprof_disable(tmp_path, monkeypatch)
     path = disabled.report(str(tmp_path / "disabled.html"))
     assert "disabled profiler (HOOKPROF_DISABLE)" in open(path, encoding="utf-8").read()
     assert disabled.report() == str(hookprof.Snapshot())
+
+
+def test_one_endpoint_two_models_two_sections(tmp_path):
+    from conftest import free_port
+    from hookprof.report import fetch
+    from hookprof.report_html import render
+
+    port = free_port()
+    torch.manual_seed(0)
+    models = {"G": DemoNet(), "D": DemoNet(dim=32)}
+    profs = {name: hookprof.attach(m, port=port, name=name, sample_every=1, min_sample_interval_s=0.0)
+             for name, m in models.items()}
+    try:
+        generator = torch.Generator().manual_seed(0)
+        steps = {"G": 3, "D": 5}
+        for name, m in models.items():
+            optimizer = torch.optim.SGD(m.parameters(), lr=0.01)
+            for _ in range(steps[name]):
+                tokens, labels = m.batch(generator)
+                torch.nn.functional.cross_entropy(m(tokens), labels).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            profs[name].flush()
+        documents = fetch(f"127.0.0.1:{port}")
+    finally:
+        for prof in profs.values():
+            prof.detach()
+    assert {d["model"]: d["steps"] for d in documents} == steps
+    assert {d["model"]: len(d["history"]["points"]["step"]) for d in documents} == steps
+    el = Elements(render(documents))
+    assert sorted(a["data-model"] for a in el.find("section")) == ["D", "G"]
+    assert len(el.find("svg", **{"data-kind": "step_seconds"})) == 2
+    assert not el.find("svg", **{"data-kind": "loss"})  # no loss given: "no values yet", no empty chart

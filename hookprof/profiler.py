@@ -11,6 +11,8 @@ server.py) live elsewhere.
 
 from __future__ import annotations
 
+import gc
+import logging
 import threading
 import time
 import weakref
@@ -57,6 +59,7 @@ from .timing import Timer, timer_for
 
 _names: set[str] = set()  # the `model` labels of live profilers
 _live: set["Profiler"] = set()  # profilers not yet detached: the only global state
+log = logging.getLogger("hookprof")
 _live_lock = threading.Lock()
 
 
@@ -109,12 +112,17 @@ class Profiler:
         publisher: Callable[..., Publisher] = Publisher,
     ):
         model, self._compiled = unwrap_compiled(model)
-        self.model = model
+        # the model is held weakly (as in the layer table, the replay and the hooks): when
+        # its owner drops it (a notebook cell run again), the next attach() finds it gone and
+        # releases this profiler instead of serving a dead model for ever
+        self._model_ref = weakref.ref(model)
+        self.model_type = type(model).__qualname__
         self.config = config
         self._compile_probe = CompileProbe()
         self._clock = clock
         self._wall_clock = wall_clock
         self._module_ids = frozenset(id(m) for m in model.modules())
+        _release_orphans()
         with _live_lock:
             for other in _live:
                 if not other._module_ids.isdisjoint(self._module_ids):
@@ -245,6 +253,12 @@ class Profiler:
     # ---------------- public API ----------------
 
     @property
+    def model(self) -> nn.Module | None:
+        """The profiled model; None once its owner dropped it (the profiler is then released
+        at the next attach(), or by detach() / hookprof.detach_all())."""
+        return self._model_ref()
+
+    @property
     def url(self) -> str | None:
         """http://addr:port/metrics (shared by every model of the process that asked for the
         same port), or None when not serving."""
@@ -329,7 +343,7 @@ class Profiler:
     def __repr__(self) -> str:
         where = self.url or "not serving"
         state = "detached" if self._detached else "attached"
-        return f"<hookprof.Profiler {type(self.model).__qualname__} rank={self.rank} {where} {state}>"
+        return f"<hookprof.Profiler {self.model_type} rank={self.rank} {where} {state}>"
 
     def __deepcopy__(self, memo: dict) -> "Profiler":
         return _inert_copy()
@@ -508,7 +522,7 @@ class Profiler:
                 self._detector.add_layer_squares(self._grad_squares[0], self._counters.steps + 1)
                 if not self._grad_squares[1] and self._forward_seen:
                     self._notices.say("no gradients", (
-                        f"no parameter of {type(self.model).__qualname__} had a gradient at the "
+                        f"no parameter of {self.model_type} had a gradient at the "
                         "end of a step that ran its forward, so gradient norms and the "
                         "per-layer backward check have nothing to read: end steps after the "
                         "backward and before zero_grad() (prof.step() there, or a torch.optim "
@@ -587,7 +601,7 @@ class Profiler:
             self._rec = None
             self._plan = UNSAMPLED
         self._notices.say("no steps", (
-            f"{MAX_FORWARDS_PER_STEP} forwards of {type(self.model).__qualname__} without a step "
+            f"{MAX_FORWARDS_PER_STEP} forwards of {self.model_type} without a step "
             "boundary: no torch.optim optimizer steps its parameters and prof.step() is not "
             "called, so hookprof cannot tell steps apart; per-layer timing and gradient norms "
             "are off until one comes. Call prof.step(loss) once per training step (after the "
@@ -602,7 +616,7 @@ class Profiler:
         """A profiler of a model of the same class is still attached: a second model of a
         kind, or a notebook cell run again (whose earlier model would be served for ever)."""
         with _live_lock:
-            earlier = [p.name for p in _live if type(p.model) is type(model)]
+            earlier = [p.name for p in _live if p.model_type == self.model_type]
         if earlier:
             self._notices.say("earlier profiler", (
                 f"another {type(model).__qualname__} is attached in this process (served as "
@@ -639,6 +653,28 @@ def detach_all() -> int:
     for prof in live:
         prof.detach()
     return len(live)
+
+
+def _release_orphans() -> None:
+    """Detach every live profiler whose model is gone: a notebook cell that runs
+    `model = Net(); prof = hookprof.attach(model)` again drops the earlier model, and its
+    profiler would otherwise keep the port, its threads and its global optimizer hooks for
+    ever. Called at attach(), on the attaching thread."""
+    with _live_lock:
+        live = list(_live)
+    if not live:
+        return
+    if any(p._model_ref() is not None for p in live):
+        # a dropped model can be held a little longer by a reference cycle of its own:
+        # collect once, here, where a pause is expected (one full collection per attach,
+        # only while another profiler is live)
+        gc.collect()
+    for prof in live:
+        if prof._model_ref() is None and not prof._detached:
+            log.info("hookprof: released the profiler of %s (model=%r): its model is gone (a "
+                     "notebook cell run again, or a model dropped without detach())",
+                     prof.model_type, prof.name)
+            prof.detach()
 
 
 def _unique_name(base: str) -> str:

@@ -13,6 +13,7 @@ afterwards. Training goes on exactly as it would have. This happens at most once
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ class ForwardReplay:
     one replay of the run has happened (`enabled=False`: never, e.g. under DTensor)."""
 
     def __init__(self, model: nn.Module, enabled: bool = True):
-        self.model = model
+        self._model_ref = weakref.ref(model)  # weakly: see layers.Layer.module_ref
         self.args: tuple | None = None
         self.kwargs: dict | None = None
         self._cpu_rng: torch.Tensor | None = None
@@ -79,12 +80,13 @@ class ForwardReplay:
         return rec if self._run(hooks, rec) else None
 
     def _run(self, hooks: LayerHooks, rec: StepRecord) -> bool:
-        if self.args is None or self.done:
+        model = self._model_ref()
+        if self.args is None or self.done or model is None:
             return False
         self.done = True
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if self._cuda_rng is not None else None
-        originals = [(m, name, b) for m in self.model.modules() for name, b in m._buffers.items()
+        originals = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
                      if b is not None]
         try:
             with torch.no_grad():
@@ -95,7 +97,7 @@ class ForwardReplay:
                 torch.cuda.set_rng_state_all(self._cuda_rng)
             with hooks.replaying_into(rec), torch.no_grad():
                 hooks.note_root_inputs(self.args, self.kwargs)
-                self.model(*self.args, **(self.kwargs or {}))
+                model(*self.args, **(self.kwargs or {}))
         finally:
             for module, name, buffer in originals:  # the very same tensors, untouched
                 module._buffers[name] = buffer

@@ -43,6 +43,7 @@ from .faults import Faults, ThreadSupervisor
 from .notices import Notices
 from . import gradscaler
 from .gradients import GradientNorms
+from .guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
 from .incident import IncidentResponse
 from .instrument import LayerHooks
 from .layers import LayerTable
@@ -147,10 +148,17 @@ class Profiler:
                                     config.activation_stats, config.activation_interval_s)
         self._gradients = GradientNorms(self.table)
         self._detector = Detector(len(self.table))
+        # a GradScaler's skips of a fused optimizer, and the updates held back on the
+        # device (on_nonfinite "skip"/"raise"), are counted on the device
+        self._scaler_skips = SkipCounters(config.max_skipped_steps)
+        self._held_back = SkipCounters(config.max_skipped_steps)
+        self._guard = (UpdateGuard(config.nonfinite_sync, self._notices.say)
+                       if config.on_nonfinite in ("skip", "raise") else None)
         # FSDP2 / tensor parallel: re-running the forward on one rank would start all-gathers
         # the other ranks never join, so a forward NaN is localised on the following
         # (sampled) steps instead
-        self._replay = ForwardReplay(model, enabled=not self.table.has_dtensor_params)
+        self._replay = ForwardReplay(model, enabled=not self.table.has_dtensor_params,
+                                     keep_late=self._guard is not None)
         self._hooks = LayerHooks(self.table, self.timer, self._faults, config.activation_stats,
                                  root=model)
         aggregator = Aggregator(
@@ -205,6 +213,8 @@ class Profiler:
         self._plan = UNSAMPLED  # sampled? with output checks?
         self._rec: StepRecord | None = None  # what a sampled step's hooks write
         self._grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None
+        self._scaler_view: ScalerView | None = None  # a fused optimizer's GradScaler state
+        self._output_flags: list[bool | torch.Tensor] = []  # this step's output checks
         self._last_sent = 0  # the number of the last sampled step sent to the publisher
         self._unfolded = False  # ... and the publisher has not been nudged to fold it yet
         self._step_start_ns: int | None = None
@@ -361,6 +371,8 @@ class Profiler:
         incident = self._incidents.open(number)  # an open incident samples every step
         self._plan = self._planner.plan(number, now_ns, incident=incident, broken=self._faults.broken)
         self._grad_squares = None
+        self._scaler_view = None
+        self._output_flags = []
         if self._plan.sampled and not self._compiled:
             self._rec = StepRecord(self.timer.mark())
             # the first step's hooks go in at its first eager forward (_on_root_forward):
@@ -419,6 +431,8 @@ class Profiler:
             # every step: one reduction of the model's output, counted where its result is
             flags = nonfinite_flags(output)
             step = self._counters.steps + 1
+            if self._guard is not None:
+                self._output_flags.extend(flags)
             for flag in flags:
                 self._detector.add_flag("forward", flag, step)
             if flags and not self._plan.checked and self._replay.note_output(flags):
@@ -452,7 +466,7 @@ class Profiler:
                     return args, {**kwargs, "closure": wrapped}
                 return (args[0], wrapped, *args[2:]), kwargs
             if self._in_step():
-                self._before_update()
+                self._before_update(optimizer)
         except Exception as exc:
             self._faults.report("optimizer pre-hook", exc)
         return None
@@ -473,18 +487,32 @@ class Profiler:
 
         return closure_then_read
 
-    def _before_update(self) -> None:
+    def _before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """This step's gradients are final and its parameters not updated yet."""
         self._stepped = True
-        if self._replay.waiting:
+        if self._replay.waiting or self._replay.late:
             self._replay_forward()
         if self._grad_squares is None:
             self._read_gradients()
+        view = ScalerView(optimizer)
+        if view.active:  # inside GradScaler.step with a fused optimizer: its skip is on the device
+            self._scaler_view = view
+            self._scaler_skips.add(view.found_inf)
+            if self._grad_squares is not None:
+                self._grad_squares = (view.unscale(self._grad_squares[0]), self._grad_squares[1])
+        if self._guard is not None:
+            squares = self._grad_squares[0] if self._grad_squares is not None else []
+            flags = self._output_flags + host_flags_of_squares(view.mask(squares))
+            held = self._guard.before_update(optimizer, self.table.params, flags)
+            if held is not None:
+                self._held_back.add(held)
 
     def _on_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if is_compiling():
             return
         try:
+            if self._guard is not None:
+                self._guard.after_update()
             if not self._manual and self._in_step() and self._owns(optimizer):
                 self._end_step(None, by_optimizer=True)
         except NonFiniteError:
@@ -511,7 +539,7 @@ class Profiler:
 
     def _end_step(self, loss: Any, *, by_optimizer: bool, skipped: bool = False) -> None:
         """The step boundary: count the step, pack a sampled step, react, plan the next."""
-        if self._replay.waiting and not skipped:
+        if (self._replay.waiting or self._replay.late) and not skipped:
             self._replay_forward()  # no optimizer hook ran: the parameters are still this step's
         now = self._clock()
         start = self._step_start_ns if self._step_start_ns is not None else now
@@ -519,7 +547,10 @@ class Profiler:
             if self._grad_squares is None:
                 self._read_gradients()  # no optimizer hook ran (prof.step() without one)
             if self._grad_squares is not None:  # once per step, however often they were read
-                self._detector.add_layer_squares(self._grad_squares[0], self._counters.steps + 1)
+                checked = self._grad_squares[0]
+                if self._scaler_view is not None:  # a step the scaler skips is no incident
+                    checked = self._scaler_view.mask(checked)
+                self._detector.add_layer_squares(checked, self._counters.steps + 1)
                 if not self._grad_squares[1] and self._forward_seen:
                     self._notices.say("no gradients", (
                         f"no parameter of {self.model_type} had a gradient at the "
@@ -528,13 +559,15 @@ class Profiler:
                         "backward and before zero_grad() (prof.step() there, or a torch.optim "
                         "step); gradients computed functionally (torch.func) are not in .grad"))
         number = self._counters.observe((now - start) * 1e-9, self._wall_clock(), skipped)
+        if self._guard is not None:
+            self._counters.held_back = self._guard.held_back
         self._stepped = self._scaler_skipped = False
         if self._plan.sampled:
             self._hooks.end()
             if not self._faults.broken:  # a step whose hooks failed half-way is no sample
                 # its one device-to-host copy starts now; the publisher folds it when nudged
                 # (the next forward's end) or within publish_interval_s, whichever comes first
-                self._publisher.submit(pack_step(number, self._rec, self._detector.blocks(),
+                self._publisher.submit(pack_step(number, self._rec, self._detector.blocks(), counts=self._device_counts(),
                                                  grad_squares=self._grad_squares, loss=loss))
                 self._last_sent, self._unfolded = number, True
             elif self._rec is not None:
@@ -580,14 +613,23 @@ class Profiler:
     def _replay_forward(self) -> None:
         """If this step's output went non-finite on an unchecked step, replay its forward
         with the per-layer checks on, before the optimizer changes the parameters."""
-        rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.mark()))
+        step = self._counters.steps + 1
+        rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.mark()), step)
+        if rec is None and self._replay.keep_late:  # an earlier step's flag may have arrived
+            late = self._replay.run_late(self._hooks, lambda: StepRecord(self.timer.mark()))
+            if late is not None:
+                step, rec = late
         if rec is not None:
-            self._publisher.submit(pack_step(self._counters.steps + 1, rec, self._detector.blocks(),
-                                             sampled=False))
+            self._publisher.submit(pack_step(step, rec, self._detector.blocks(),
+                                             counts=self._device_counts(), sampled=False))
+
+    def _device_counts(self) -> dict[str, list[torch.Tensor]]:
+        """The device counters drained beside the non-finite ones (aggregate.fold reads them)."""
+        return {"scaler_skips": self._scaler_skips.blocks(), "held_back": self._held_back.blocks()}
 
     def _drain_counters(self) -> None:
         """Send the non-finite counters alone (no sampled step to carry them)."""
-        self._publisher.submit(pack_step(self._counters.steps, None, self._detector.blocks(),
+        self._publisher.submit(pack_step(self._counters.steps, None, self._detector.blocks(), counts=self._device_counts(),
                                          sampled=False))
 
     def _no_step_signal(self) -> None:

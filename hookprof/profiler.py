@@ -229,6 +229,10 @@ class Profiler:
         self._detached = False
 
         self._handles: list[Any] = []
+        # hooks on the root's children, for loops that never call the root's forward
+        # (Lightning's training_step, model.compute_loss(x)): removed at its first one
+        self._entry_handles: list[Any] = []
+        self._entry: nn.Module | None = None  # the entry call in progress
         try:
             if config.serve:
                 port = config.port + local_rank if config.port else 0
@@ -247,6 +251,7 @@ class Profiler:
                     model.register_forward_pre_hook(self._on_root_forward, prepend=True, with_kwargs=True)
                 )
                 self._handles.append(model.register_forward_hook(self._on_root_output))
+                self._entry_handles = self._hook_entries(model)
             self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
             self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
             self._handles.append(gradscaler.watch(self._on_scaler_decision))
@@ -381,7 +386,43 @@ class Profiler:
         elif self._hooks.installed:
             self._hooks.remove()
 
+    def _hook_entries(self, model: nn.Module) -> list[Any]:
+        handles = []
+        for child in model.children():
+            handles.append(child.register_forward_pre_hook(self._on_entry_forward, with_kwargs=True))
+            handles.append(child.register_forward_hook(self._on_entry_output, always_call=True))
+        return handles
+
+    def _drop_entry_hooks(self) -> None:
+        for handle in self._entry_handles:
+            handle.remove()
+        self._entry_handles = []
+        self._entry = None
+
+    def _on_entry_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """A child of the root is called from outside any call of the model's modules: the
+        loop drives the model without its root forward (training_step, compute_loss), and
+        this call is the step's forward as far as hookprof can see. It gets what a root call
+        gets: the step begins, its inputs are checked and kept for a replay, its output is
+        checked (a NaN in them is the input's; one made by the root's own code between two
+        entry calls is seen as a non-finite input of the second)."""
+        if self._entry is not None or self._detached or self._hooks.replaying:
+            return
+        self._entry = module
+        self._forward_began(module, args, kwargs, own_layer=None)
+
+    def _on_entry_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._entry is not module:
+            return
+        self._entry = None
+        self._on_root_output(module, args, output)
+
     def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._entry_handles and torch.is_grad_enabled() and module.training:
+            self._drop_entry_hooks()  # the root's own forward runs: it is the step's forward
+        self._forward_began(module, args, kwargs, own_layer=self._root_layer)
+
+    def _forward_began(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None) -> None:
         """The root module's forward begins: the step has begun; its inputs are kept for a
         replay."""
         if self._detached:  # a copy of the model (see _inert_copy)
@@ -399,14 +440,16 @@ class Profiler:
             return
         try:
             if not self._plan.checked:  # an unchecked step may need a replay
-                self._replay.capture(args, kwargs)
+                self._replay.capture(args, kwargs, module)
             self._root_seen = True
-            if self._rec is not None and not self._hooks.installed:
+            if self._rec is not None and not self._hooks.installed and module is self.model:
+                # (an entry call's own forward was looked up before its pre-hooks ran: a
+                # wrapper installed now would be missed, so step 1's layers go unrecorded)
                 self._hooks.install()
-                if self._root_layer is not None:
+                if own_layer is not None:
                     # this call's pre-hooks were fixed before ours ran: start the root's own
                     # timing by hand (its post-hook is picked up after forward, as usual)
-                    self._hooks.start_call(self._root_layer, module, args)
+                    self._hooks.start_call(own_layer, module, args)
             if self._plan.checked:  # a NaN in the batch is the input's, not a layer's
                 self._hooks.note_root_inputs(args, kwargs)
             if not self._forward_seen:
@@ -430,11 +473,7 @@ class Profiler:
         try:
             # every step: one reduction of the model's output, counted where its result is
             flags = nonfinite_flags(output)
-            step = self._counters.steps + 1
-            if self._guard is not None:
-                self._output_flags.extend(flags)
-            for flag in flags:
-                self._detector.add_flag("forward", flag, step)
+            self._output_flags.extend(flags)  # counted once per step, at its end
             if flags and not self._plan.checked and self._replay.note_output(flags):
                 self._replay_forward()  # known at once: the parameters are still this step's
             # the publisher folds the last sampled step now: its Python work then overlaps
@@ -558,6 +597,7 @@ class Profiler:
                         "per-layer backward check have nothing to read: end steps after the "
                         "backward and before zero_grad() (prof.step() there, or a torch.optim "
                         "step); gradients computed functionally (torch.func) are not in .grad"))
+        self._count_output_flags(self._counters.steps + 1)
         number = self._counters.observe((now - start) * 1e-9, self._wall_clock(), skipped)
         if self._guard is not None:
             self._counters.held_back = self._guard.held_back
@@ -623,6 +663,22 @@ class Profiler:
             self._publisher.submit(pack_step(step, rec, self._detector.blocks(),
                                              counts=self._device_counts(), sampled=False))
 
+    def _count_output_flags(self, step: int) -> None:
+        """A step is non-finite in its forward once, however many forwards (siamese nets,
+        a discriminator on real and fake, entry calls) and output tensors it had: one flag
+        per device, one host bool."""
+        flags, self._output_flags = self._output_flags, []
+        if not flags:
+            return
+        host = any(f is True for f in flags)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for f in flags:
+            if isinstance(f, torch.Tensor):
+                by_device.setdefault(f.device, []).append(f.reshape(()))
+        self._detector.add_flag("forward", host, step)
+        for parts in by_device.values():
+            self._detector.add_flag("forward", parts[0] if len(parts) == 1 else torch.stack(parts).any(), step)
+
     def _device_counts(self) -> dict[str, list[torch.Tensor]]:
         """The device counters drained beside the non-finite ones (aggregate.fold reads them)."""
         return {"scaler_skips": self._scaler_skips.blocks(), "held_back": self._held_back.blocks()}
@@ -674,6 +730,7 @@ class Profiler:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._drop_entry_hooks()
         self._publisher.stop()
         if self._system is not None:
             self._system.stop()

@@ -41,6 +41,7 @@ class ForwardReplay:
 
     def __init__(self, model: nn.Module, enabled: bool = True, keep_late: bool = False):
         self._model_ref = weakref.ref(model)  # weakly: see layers.Layer.module_ref
+        self.module: nn.Module | None = None  # what the kept inputs go to (None: the model)
         self.args: tuple | None = None
         self.kwargs: dict | None = None
         self._cpu_rng: torch.Tensor | None = None
@@ -48,8 +49,8 @@ class ForwardReplay:
         self.done = not enabled
         self._flag: tuple[Any, Any] | None = None  # (host flag, ready event) of the output check
         self.keep_late = keep_late
-        # (step, flag, args, kwargs, cpu rng, cuda rng) of steps whose flag is on its way
-        self._late: deque[tuple[int, tuple[Any, Any], tuple, dict | None, Any, Any]] = deque(maxlen=MAX_LATE)
+        # (step, flag, module, args, kwargs, cpu rng, cuda rng) of steps whose flag is on its way
+        self._late: deque[tuple[Any, ...]] = deque(maxlen=MAX_LATE)
 
     @property
     def waiting(self) -> bool:
@@ -61,15 +62,19 @@ class ForwardReplay:
         """Steps whose output flag is still on its way are kept (keep_late)."""
         return bool(self._late)
 
-    def capture(self, args: tuple, kwargs: dict) -> None:
+    def capture(self, args: tuple, kwargs: dict, module: nn.Module | None = None) -> None:
+        """Keep a training forward's inputs: of the root, or of the entry call `module` (a
+        child of the root, when the loop never calls the root itself)."""
         if self.done:
             return
         self.args, self.kwargs = args, kwargs
+        self.module = module
         self._cpu_rng = torch.get_rng_state()
         self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
     def clear(self) -> None:
         self.args = self.kwargs = None
+        self.module = None
 
     def note_output(self, flags: list[bool | torch.Tensor]) -> bool:
         """The step's output checks (see nonfinite.nonfinite_flags). True when one is already
@@ -95,7 +100,8 @@ class ForwardReplay:
             return None
         if not transfer.is_ready(flag[1]):
             if self.keep_late and not self.done and self.args is not None:
-                self._late.append((step, flag, self.args, self.kwargs, self._cpu_rng, self._cuda_rng))
+                self._late.append((step, flag, self.module, self.args, self.kwargs, self._cpu_rng,
+                                   self._cuda_rng))
             return None
         if not bool(flag[0]):  # a host value (or a completed copy): no device sync
             return None
@@ -108,16 +114,17 @@ class ForwardReplay:
         replayed (on the current weights, finite since its update was held back). Returns
         (its step, the record). Never waits: a flag still on its way stays queued."""
         while self._late and not self.done:
-            step, flag, args, kwargs, cpu_rng, cuda_rng = self._late[0]
+            step, flag, module, args, kwargs, cpu_rng, cuda_rng = self._late[0]
             if not transfer.is_ready(flag[1]):
                 return None
             self._late.popleft()
             if bool(flag[0]):
-                current = self.args, self.kwargs, self._cpu_rng, self._cuda_rng
-                self.args, self.kwargs, self._cpu_rng, self._cuda_rng = args, kwargs, cpu_rng, cuda_rng
+                current = self.module, self.args, self.kwargs, self._cpu_rng, self._cuda_rng
+                self.module, self.args, self.kwargs, self._cpu_rng, self._cuda_rng = (
+                    module, args, kwargs, cpu_rng, cuda_rng)
                 rec = new_record()
                 ran = self._run(hooks, rec)
-                self.args, self.kwargs, self._cpu_rng, self._cuda_rng = current
+                self.module, self.args, self.kwargs, self._cpu_rng, self._cuda_rng = current
                 return (step, rec) if ran else None
         if self.done:
             self._late.clear()
@@ -127,6 +134,7 @@ class ForwardReplay:
         model = self._model_ref()
         if self.args is None or self.done or model is None:
             return False
+        target = self.module if self.module is not None else model
         self.done = True
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if self._cuda_rng is not None else None
@@ -141,7 +149,7 @@ class ForwardReplay:
                 torch.cuda.set_rng_state_all(self._cuda_rng)
             with hooks.replaying_into(rec), torch.no_grad():
                 hooks.note_root_inputs(self.args, self.kwargs)
-                model(*self.args, **(self.kwargs or {}))
+                target(*self.args, **(self.kwargs or {}))
         finally:
             for module, name, buffer in originals:  # the very same tensors, untouched
                 module._buffers[name] = buffer

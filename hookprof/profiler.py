@@ -659,7 +659,8 @@ class Profiler:
         """If this step's output went non-finite on an unchecked step, replay its forward
         with the per-layer checks on, before the optimizer changes the parameters."""
         step = self._counters.steps + 1
-        rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.mark()), step)
+        rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.mark()), step,
+                                      wait=self.config.nonfinite_sync)
         if rec is None and self._replay.keep_late:  # an earlier step's flag may have arrived
             late = self._replay.run_late(self._hooks, lambda: StepRecord(self.timer.mark()))
             if late is not None:

@@ -52,7 +52,9 @@ from .sampling import UNSAMPLED, StepPlanner
 from . import endpoint
 from .endpoint import Endpoint, Member
 from .snapshot import Snapshot
+from . import summary
 from .system import SystemCollector, SystemSampler
+from .table import report_text
 from .timing import Timer, timer_for
 
 _names: set[str] = set()  # the `model` labels of live profilers
@@ -238,6 +240,8 @@ class Profiler:
                 self._system.start()
             with _live_lock:
                 _live.add(self)
+            if config.summary_at_exit:
+                summary.watch(self)
         except BaseException:
             self._teardown()
             raise
@@ -319,6 +323,16 @@ class Profiler:
         except Exception as exc:
             self._faults.report("detach", exc, disable=False)
         self._teardown()
+        if self.config.summary_at_exit:
+            summary.say(summary.summary_text(self.snapshot(), self.name))
+
+    def report(self, path: str | None = None) -> str:
+        """The per-layer table as text: a header (steps, step time, loss, gradient norm,
+        NaN/Inf and the first offender), then every layer by share of step time. Brings the
+        snapshot up to date first (flush(): on a GPU this waits for the device)."""
+        if not self._detached:
+            self.flush()
+        return report_text(self.snapshot(), self.name)
 
     def __enter__(self) -> "Profiler":
         return self
@@ -629,6 +643,7 @@ class Profiler:
         with _live_lock:
             _live.discard(self)
             _names.discard(getattr(self, "name", None))
+        summary.forget(self)
 
 
 def detach_all() -> int:
@@ -700,6 +715,9 @@ class DisabledProfiler:
 
     def detach(self) -> None:
         self._detached = True
+
+    def report(self, path: str | None = None) -> str:
+        return "hookprof is disabled (HOOKPROF_DISABLE or Config.disable): nothing was recorded"
 
     def __enter__(self) -> "DisabledProfiler":
         return self

@@ -170,6 +170,17 @@ def test_rows_from_metric_text_match_hand_arithmetic():
     assert r1.header.step_quantile(0.5) == pytest.approx(0.01 + 0.09 * 0.5)
 
 
+def test_a_page_with_two_models_gets_a_model_column():
+    # rank 1's series relabelled as a second model of rank 0 (one process, two models)
+    page = "\n".join(line.replace('model="M"', 'model="M-2"').replace('rank="1"', 'rank="0"')
+                      if 'rank="1"' in line else line for line in PAGE.splitlines())
+    tables = from_metrics(page)
+    assert [(t.header.model, t.header.rank) for t in tables] == [("M", 0), ("M-2", 0)]
+    lines = render_table(tables, by="layer").splitlines()
+    assert lines[4].split()[:3] == ["rank", "model", "layer"]
+    assert [line.split()[:3] for line in lines[5:]] == [["0", "M", "fc"], ["0", "M-2", "fc"]]
+
+
 def test_steps_per_second_and_recent_quantiles_from_two_looks():
     (before,) = from_metrics(PAGE.replace('rank="1"', 'rank="9"').replace(
         'hookprof_steps_total{model="M",rank="0"} 100', 'hookprof_steps_total{model="M",rank="0"} 60'

@@ -16,6 +16,7 @@ import torch
 
 import hookprof
 from conftest import scrape
+from models import train
 from hookprof.demo import DemoNet, InjectNonFinite
 from hookprof.exporter import SnapshotCollector, make_registry, render
 from hookprof.snapshot import LayerStats, NonFiniteEvent, Snapshot
@@ -249,18 +250,6 @@ def test_render_cuts_long_tables_and_says_so():
     assert lines[-1] == "... 35 more layers not shown"
 
 
-def train(model, prof, steps, generator=None):
-    generator = generator or torch.Generator().manual_seed(0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(steps):
-        tokens, labels = model.batch(generator)
-        loss = torch.nn.functional.cross_entropy(model(tokens), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        prof.step(loss)
-
-
 @pytest.fixture
 def every_step():
     return {"sample_every": 1, "min_sample_interval_s": 0.0, "activation_interval_s": 0.0,
@@ -272,7 +261,7 @@ def test_a_real_run_reads_the_same_from_its_page_and_its_snapshot(every_step):
     model = DemoNet()
     prof = hookprof.attach(model, summary_at_exit=False, **every_step)
     try:
-        train(model, prof, 12)
+        train(model, 12, prof=prof, explicit_step=True)
         assert prof.flush()
         (page,) = from_metrics(scrape(prof.url))
         direct = from_snapshot(prof.snapshot(), model=prof.name)
@@ -302,7 +291,7 @@ def test_detach_logs_a_summary_naming_the_first_offender(every_step, caplog):
     model = DemoNet()
     InjectNonFinite(model.mlp[0], {5}, count_calls=True)
     prof = hookprof.attach(model, **every_step)
-    train(model, prof, 8)
+    train(model, 8, prof=prof, explicit_step=True)
     with caplog.at_level(logging.INFO, logger="hookprof"):
         prof.detach()
     (text,) = [r.getMessage() for r in caplog.records if "hookprof summary" in r.getMessage()]
@@ -323,7 +312,7 @@ def test_summary_opt_out_and_nothing_left_watched(every_step, caplog):
     model = DemoNet()
     prof = hookprof.attach(model, summary_at_exit=False, **every_step)
     assert not summary._registered  # nothing watched: no exit hook
-    train(model, prof, 2)
+    train(model, 2, prof=prof, explicit_step=True)
     with caplog.at_level(logging.INFO, logger="hookprof"):
         prof.detach()
     assert not [r for r in caplog.records if "hookprof summary" in r.getMessage()]

@@ -148,8 +148,14 @@ def view(state: ViewState, height: int) -> Any:
     if state.name_filter:
         rows = filter_rows(rows, state.name_filter)
     room = max(height - len(lines) - 7, 3)  # table head and borders, the two footer lines
-    shown, left_out = choose(sort_rows(rows, state.by, state.reverse), room)
-    titles, body = row_cells(shown[:room], several_runs=len(state.tables) > 1)
+    ordered = sort_rows(rows, state.by, state.reverse)
+    limit = room
+    shown, left_out = choose(ordered, limit)
+    while len(shown) > room and limit > 0:  # make room for the offenders choose() adds
+        limit -= 1
+        shown, left_out = choose(ordered, limit)
+    shown = shown[:room]
+    titles, body = row_cells(shown, several_runs=len(state.tables) > 1)
     sorted_title = COLUMNS[state.by][0]
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, expand=False)
     for title in titles:
@@ -162,10 +168,11 @@ def view(state: ViewState, height: int) -> Any:
     for row, values in zip(shown, body):
         table.add_row(*values, style="red" if (row.first or row.nonfinite) else None)
 
-    shown_count = min(len(shown), room)
-    status = f"{shown_count} of {len(rows)} layers"
-    if left_out or shown_count < len(shown):
-        status += " (taller terminal for more)"
+    status = f"{len(shown)} of {len(rows)} layers"
+    if len(shown) < len(rows):
+        status += " (a taller terminal shows more)"
+    if state.looked_at is not None:
+        status += time.strftime("   read at %H:%M:%S", time.localtime(state.looked_at))
     if state.typing:
         status += f"   filter: {state.name_filter}_  (Enter: keep, Esc: clear)"
     elif state.name_filter:

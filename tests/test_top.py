@@ -258,3 +258,27 @@ def test_tls_failures_say_what_to_do(tls_demo, case):
                 "no client certificate": "pass --cert and --key",
                 "plain http": "use https:// and --cacert"}[case]
     assert expected in out.stderr, out.stderr
+
+
+def test_a_short_terminal_still_shows_the_offender():
+    """The live view's screen, drawn by rich into a 15-line console: the costliest layers
+    that fit, and the first NaN offender however low it sorts."""
+    from types import MappingProxyType
+
+    from rich.console import Console
+
+    from hookprof.snapshot import LayerStats, NonFiniteEvent, Snapshot
+    from hookprof.table import from_snapshot
+    from hookprof.top import ViewState, view
+
+    layers = {f"l{i}": LayerStats(name=f"l{i}", module="Linear", forward_seconds_total=0.001 * (40 - i),
+                                  forward_calls_total=1) for i in range(40)}
+    snap = Snapshot(step=10, sampled_steps=1, step_duration_sum=10.0, layers=MappingProxyType(layers),
+                    first_nonfinite=NonFiniteEvent("l39", "forward", 7))
+    console = Console(width=120, height=15, record=True, file=open(os.devnull, "w"))
+    console.print(view(ViewState(tables=[from_snapshot(snap)], looked_at=0.0), console.size.height))
+    screen = console.export_text()
+    names = [line.split()[0] for line in screen.splitlines() if re.match(r"\s*l\d+\s", line)]
+    # 15 lines: 2 of header, 7 of table frame and footer, 6 rows: five by share, then l39
+    assert names == ["l0", "l1", "l2", "l3", "l4", "l39"]
+    assert "6 of 40 layers (a taller terminal shows more)" in screen

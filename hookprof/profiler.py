@@ -57,7 +57,6 @@ from .endpoint import Endpoint, Member
 from .snapshot import Snapshot
 from . import summary
 from .system import SystemCollector, SystemSampler
-from .table import report_text
 from .timing import Timer, timer_for
 
 _names: set[str] = set()  # the `model` labels of live profilers
@@ -361,6 +360,8 @@ class Profiler:
         snapshot up to date first (flush(): on a GPU this waits for the device)."""
         if path is not None:  # the HTML run report goes here (issue 14's other half)
             raise NotImplementedError("Profiler.report(path): the HTML report is not in this build")
+        from .table import report_text  # the table's code loads when first shown
+
         if not self._detached:
             self.flush()
         return report_text(self.snapshot(), self.name)

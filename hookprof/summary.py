@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from .faults import log
 from .snapshot import Snapshot
-from .table import fmt_seconds, fmt_share, from_snapshot, nonfinite_line, sort_rows
 
 if TYPE_CHECKING:
     from .profiler import Profiler
@@ -30,6 +29,9 @@ _registered = False
 
 
 def summary_text(snap: Snapshot, model: str = "") -> str:
+    # the table's code loads here, at detach or exit, not with `import hookprof`
+    from .table import fmt_seconds, fmt_share, from_snapshot, nonfinite_line, sort_rows
+
     table = from_snapshot(snap, model)
     h = table.header
     who = f"{model}, rank {h.rank}" if model else f"rank {h.rank}"

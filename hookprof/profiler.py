@@ -352,7 +352,10 @@ class Profiler:
             self._faults.report("detach", exc, disable=False)
         self._teardown()
         if self.config.summary_at_exit:
-            summary.say(summary.summary_text(self.snapshot(), self.name))
+            try:  # a summary must never make detach() fail
+                summary.say(summary.summary_text(self.snapshot(), self.name))
+            except Exception as exc:
+                self._faults.report("summary", exc, disable=False)
 
     def report(self, path: str | None = None) -> str:
         """The per-layer table as text: a header (steps, step time, loss, gradient norm,

@@ -55,6 +55,7 @@ from .sampling import UNSAMPLED, StepPlanner
 from . import endpoint
 from .endpoint import Endpoint, Member
 from .snapshot import Snapshot
+from . import summary
 from .system import SystemCollector, SystemSampler
 from .timing import Timer, timer_for
 
@@ -261,6 +262,8 @@ class Profiler:
                 self._system.start()
             with _live_lock:
                 _live.add(self)
+            if config.summary_at_exit:
+                summary.watch(self)
         except BaseException:
             self._teardown()
             raise
@@ -348,6 +351,23 @@ class Profiler:
         except Exception as exc:
             self._faults.report("detach", exc, disable=False)
         self._teardown()
+        if self.config.summary_at_exit:
+            try:  # a summary must never make detach() fail
+                summary.say(summary.summary_text(self.snapshot(), self.name))
+            except Exception as exc:
+                self._faults.report("summary", exc, disable=False)
+
+    def report(self, path: str | None = None) -> str:
+        """The per-layer table as text: a header (steps, step time, loss, gradient norm,
+        NaN/Inf and the first offender), then every layer by share of step time. Brings the
+        snapshot up to date first (flush(): on a GPU this waits for the device)."""
+        if path is not None:  # the HTML run report goes here (issue 14's other half)
+            raise NotImplementedError("Profiler.report(path): the HTML report is not in this build")
+        from .table import report_text  # the table's code loads when first shown
+
+        if not self._detached:
+            self.flush()
+        return report_text(self.snapshot(), self.name)
 
     def __enter__(self) -> "Profiler":
         return self
@@ -748,6 +768,7 @@ class Profiler:
         with _live_lock:
             _live.discard(self)
             _names.discard(getattr(self, "name", None))
+        summary.forget(self)
 
 
 def detach_all() -> int:
@@ -841,6 +862,9 @@ class DisabledProfiler:
 
     def detach(self) -> None:
         self._detached = True
+
+    def report(self, path: str | None = None) -> str:
+        return "hookprof is disabled (HOOKPROF_DISABLE or Config.disable): nothing was recorded"
 
     def __enter__(self) -> "DisabledProfiler":
         return self

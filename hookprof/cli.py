@@ -1,4 +1,4 @@
-"""The `hookprof` command: `hookprof --version`, `hookprof demo`, `hookprof report`."""
+"""The `hookprof` command: `hookprof --version`, `hookprof demo`, `hookprof top`, `hookprof report`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 from ._version import __version__
 
@@ -25,20 +26,71 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--nan-layer", default="mlp.0", help="qualified module name for --nan-at-step and SIGUSR1")
     demo.add_argument("--step-delay", type=float, default=0.0, help="sleep this long per step (seconds)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--exit", action="store_true",
+                      help="exit after the last step (default: keep serving until Ctrl-C)")
+    add_top_parser(sub)
     add_report_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return run_demo(args)
+    if args.command == "top":
+        return run_top(args)
     if args.command == "report":
         return run_report(args)
     parser.print_help()
     return 0
 
 
+def add_top_parser(sub: Any) -> None:
+    from .scrape import DEFAULT_URL
+    from .table import COLUMNS
+
+    top = sub.add_parser("top", help="live per-layer view of hookprof endpoints (one per rank)",
+                         description="Live per-layer table of one or more hookprof endpoints. "
+                                     "The live view needs rich: pip install 'hookprof[top]'.")
+    top.add_argument("urls", nargs="*", metavar="URL",
+                     help=f"endpoints to read, one per rank (default {DEFAULT_URL}); host:port is enough")
+    top.add_argument("--once", action="store_true",
+                     help="print one plain table and exit (no terminal needed; exit status 1 if an endpoint cannot be read)")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    top.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each endpoint (default 5)")
+    top.add_argument("--sort", choices=sorted(COLUMNS), default="share", help="column to sort by (default share)")
+    top.add_argument("--reverse", action="store_true", help="reverse the sort order")
+    top.add_argument("--filter", default="", help="show layers whose name or module type contains this")
+    top.add_argument("--limit", type=int, default=25,
+                     help="--once: most layers printed, plus any that went NaN/Inf (0: all)")
+    top.add_argument("--cacert", help="PEM CA bundle that signed the endpoints' TLS certificate")
+    top.add_argument("--cert", help="PEM client certificate, for endpoints that ask for one (mutual TLS)")
+    top.add_argument("--key", help="PEM private key of --cert (if not in the same file)")
+
+
+def run_top(args: argparse.Namespace) -> int:
+    from .scrape import DEFAULT_URL, normalize, tls_context
+    from .top import Scraper, run_live, run_once
+
+    if args.key and not args.cert:
+        print("hookprof top: --key needs --cert (the client certificate it belongs to)", file=sys.stderr)
+        return 2
+    tls = bool(args.cacert or args.cert)
+    try:
+        urls = [normalize(u, tls) for u in (args.urls or [DEFAULT_URL])]
+        context = tls_context(args.cacert, args.cert, args.key) if any(u.startswith("https:") for u in urls) else None
+    except (ValueError, OSError) as exc:  # a bad URL, a certificate file missing or unreadable
+        print(f"hookprof top: {exc}", file=sys.stderr)
+        return 2
+    scraper = Scraper(urls, context, args.timeout)
+    if args.once:
+        return run_once(scraper, interval=args.interval, by=args.sort, reverse=args.reverse,
+                        name_filter=args.filter, limit=args.limit or None)
+    return run_live(scraper, interval=args.interval, by=args.sort, reverse=args.reverse,
+                    name_filter=args.filter)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     import hookprof
+    from hookprof.config import env_name
     from hookprof.demo import DemoNet, InjectNonFinite
 
     torch.manual_seed(args.seed)
@@ -61,6 +113,8 @@ def run_demo(args: argparse.Namespace) -> int:
     # look like part of the layer's own computation
     injector = InjectNonFinite(modules[args.nan_layer], {args.nan_at_step} if args.nan_at_step else set(),
                                count_calls=False)
+    if env_name("on_nonfinite") not in os.environ:
+        overrides["on_nonfinite"] = "warn"  # the demo shows hookprof's one-line diagnosis
     prof = hookprof.attach(model, **overrides)
     print(f"hookprof demo: serving metrics at {prof.url}", flush=True)
     if args.nan_at_step:
@@ -75,24 +129,33 @@ def run_demo(args: argparse.Namespace) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     step = 0
     try:
-        while not stop and (args.steps <= 0 or step < args.steps):
-            injector.step = step + 1
-            if nan_requested:
-                nan_requested.clear()
-                injector.at.add(step + 1)
-                print(f"hookprof demo: {args.nan_layer} outputs NaN at step {step + 1}", flush=True)
-            tokens, labels = model.batch(generator)
-            loss = torch.nn.functional.cross_entropy(model(tokens), labels)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            prof.step(loss)
-            step += 1
-            if step % 100 == 0:
-                # note: a CPU-GPU sync point, the demo's own progress line every 100 steps
-                print(f"hookprof demo: step {step} loss {loss.item():.4f}", flush=True)
-            if args.step_delay:
-                time.sleep(args.step_delay)
+        try:
+            while not stop and (args.steps <= 0 or step < args.steps):
+                injector.step = step + 1
+                if nan_requested:
+                    nan_requested.clear()
+                    injector.at.add(step + 1)
+                    print(f"hookprof demo: {args.nan_layer} outputs NaN at step {step + 1}", flush=True)
+                tokens, labels = model.batch(generator)
+                loss = torch.nn.functional.cross_entropy(model(tokens), labels)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                prof.step(loss)
+                step += 1
+                if step % 100 == 0:
+                    # note: a CPU-GPU sync point, the demo's own progress line every 100 steps
+                    print(f"hookprof demo: step {step} loss {loss.item():.4f}", flush=True)
+                if args.step_delay:
+                    time.sleep(args.step_delay)
+        except KeyboardInterrupt:
+            stop.append(True)
+        print(prof.report(), flush=True)
+        if not stop and not args.exit:
+            print(f"hookprof demo: finished {step} steps; still serving metrics at {prof.url} "
+                  f"(look: hookprof top {prof.url}); Ctrl-C to stop", flush=True)
+            while not stop:
+                time.sleep(0.2)
     except KeyboardInterrupt:
         pass
     finally:

@@ -157,6 +157,11 @@ class Config:
     system_interval_s: float = 5.0
     """How often host, process and GPU statistics are sampled (never per step)."""
 
+    summary_at_exit: bool = True
+    """At detach() (and at interpreter exit while still attached) say a short summary: steps,
+    step time p50/p95, NaN/Inf counts and the first offender, the five costliest layers. To
+    the "hookprof" logger when logging shows INFO, else to stderr."""
+
     disable: bool = False
     """Kill switch: attach() returns a profiler that does nothing (HOOKPROF_DISABLE=1)."""
 

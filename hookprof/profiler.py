@@ -56,6 +56,7 @@ from .sampling import UNSAMPLED, StepPlanner
 from . import endpoint
 from .endpoint import Endpoint, Member
 from .snapshot import Snapshot
+from . import summary
 from .system import SystemCollector, SystemSampler
 from .timing import Timer, timer_for
 
@@ -266,6 +267,8 @@ class Profiler:
                 self._system.start()
             with _live_lock:
                 _live.add(self)
+            if config.summary_at_exit:
+                summary.watch(self)
         except BaseException:
             self._teardown()
             raise
@@ -321,20 +324,6 @@ class Profiler:
 
         return document(self.name, self._publisher.latest, self._history)
 
-    def report(self, path: str | None = None) -> str:
-        """With `path`: write the run report there, one self-contained HTML file (step time,
-        loss and gradient norm over the run, per-layer time, gradient norm per layer over
-        time, the NaN timeline), and return the path. Without: the snapshot as text."""
-        if path is None:
-            return str(self.snapshot())
-        from .report_html import render
-
-        self.flush()
-        page = render([self.report_document()])
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(page)
-        return path
-
     def step(self, loss: Any = None) -> None:
         """Mark a step boundary; `loss` (tensor or number) is exported on sampled steps.
 
@@ -374,6 +363,31 @@ class Profiler:
         except Exception as exc:
             self._faults.report("detach", exc, disable=False)
         self._teardown()
+        if self.config.summary_at_exit:
+            try:  # a summary must never make detach() fail
+                summary.say(summary.summary_text(self.snapshot(), self.name))
+            except Exception as exc:
+                self._faults.report("summary", exc, disable=False)
+
+    def report(self, path: str | None = None) -> str:
+        """Without `path`: the per-layer table as text: a header (steps, step time, loss,
+        gradient norm, NaN/Inf and the first offender), then every layer by share of step
+        time. With `path`: the run report written there, one self-contained HTML file (step
+        time, loss and gradient norm over the run, per-layer time, gradient norm per layer over
+        time, the NaN timeline; docs/report.md), and the path returned. Brings the snapshot up
+        to date first (flush(): on a GPU this waits for the device)."""
+        if not self._detached:
+            self.flush()
+        if path is not None:
+            from .report_html import render
+
+            page = render([self.report_document()])
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(page)
+            return path
+        from .table import report_text  # the table's code loads when first shown
+
+        return report_text(self.snapshot(), self.name)
 
     def __enter__(self) -> "Profiler":
         return self
@@ -774,6 +788,7 @@ class Profiler:
         with _live_lock:
             _live.discard(self)
             _names.discard(getattr(self, "name", None))
+        summary.forget(self)
 
 
 def detach_all() -> int:
@@ -870,17 +885,18 @@ class DisabledProfiler:
 
         return document(self.name, Snapshot(), History([]))
 
+    def detach(self) -> None:
+        self._detached = True
+
     def report(self, path: str | None = None) -> str:
+        said = "hookprof is disabled (HOOKPROF_DISABLE or Config.disable): nothing was recorded"
         if path is None:
-            return str(self.snapshot())
+            return said
         from .report_html import render
 
         with open(path, "w", encoding="utf-8") as f:
-            f.write(render([], source="a disabled profiler (HOOKPROF_DISABLE)"))
+            f.write(render([], source=said))
         return path
-
-    def detach(self) -> None:
-        self._detached = True
 
     def __enter__(self) -> "DisabledProfiler":
         return self

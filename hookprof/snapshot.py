@@ -112,3 +112,15 @@ class Snapshot:
     """What hookprof could not see in this set-up (each also logged once): a figure it
     names is missing for that reason, not measured as None or zero."""
     """"vanishing" / "exploding" -> sampled steps on which any layer was flagged."""
+
+    def __str__(self) -> str:
+        """The per-layer table a person reads (hookprof/table.py): `print(prof.snapshot())`."""
+        from .table import from_snapshot, render
+
+        return render([from_snapshot(self)])
+
+    def __repr__(self) -> str:
+        bad = sum(self.nonfinite_steps.values())
+        return (f"<hookprof.Snapshot rank={self.rank} step={self.step} sampled={self.sampled_steps} "
+                f"layers={len(self.layers)} loss={self.loss!r} grad_norm={self.grad_norm!r} "
+                f"nonfinite_steps={bad}>")

@@ -94,6 +94,7 @@ DEBIAN_PACKAGE = {
     "prometheus": "prometheus", "promtool": "prometheus",
     "prometheus-alertmanager": "prometheus-alertmanager", "amtool": "prometheus-alertmanager",
     "docker-compose": "docker-compose", "chromium": "chromium",
+    "tmux": "tmux",  # a real terminal for hookprof top's live view
 }
 
 

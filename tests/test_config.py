@@ -82,6 +82,7 @@ def test_environment_variables_fill_every_field():
         "HOOKPROF_HTTP_IDLE_TIMEOUT_S": "30",
         "HOOKPROF_HTTP_WRITE_TIMEOUT_S": "4",
         "HOOKPROF_NAME": "student",
+        "HOOKPROF_SUMMARY_AT_EXIT": "off",
         "HOOKPROF_NONFINITE_SYNC": "1",
         "UNRELATED": "x",
     }
@@ -96,7 +97,7 @@ def test_environment_variables_fill_every_field():
         tls_certfile=__file__, tls_keyfile=__file__, tls_client_cafile=__file__,
         http_max_requests=8, http_max_connections=32, http_header_timeout_s=2.5,
         http_idle_timeout_s=30.0, http_write_timeout_s=4.0, name="student",
-        nonfinite_sync=True,
+        summary_at_exit=False, nonfinite_sync=True,
     )
     # every field has a variable: a new field without one fails here
     assert {f.name for f in dataclasses.fields(Config)} == {

@@ -378,8 +378,8 @@ def test_a_report_after_detach_and_under_hookprof_disable(tmp_path, monkeypatch)
     monkeypatch.setenv("HOOKPROF_DISABLE", "1")
     disabled = hookprof.attach(DemoNet())
     path = disabled.report(str(tmp_path / "disabled.html"))
-    assert "disabled profiler (HOOKPROF_DISABLE)" in open(path, encoding="utf-8").read()
-    assert disabled.report() == str(hookprof.Snapshot())
+    assert disabled.report() in open(path, encoding="utf-8").read()  # says why it is empty
+    assert "hookprof is disabled" in disabled.report()
 
 
 def test_one_endpoint_two_models_two_sections(tmp_path):

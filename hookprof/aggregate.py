@@ -215,6 +215,13 @@ class Aggregator:
     def _loss_of(packet: Packet) -> float | None:
         return packet.batch.get("loss")[0] if packet.loss_in_batch else packet.loss
 
+    loss_of = _loss_of  # the history (history.py) reads a packet's loss the same way
+
+    @property
+    def last_step_figures(self) -> dict[str, list[Any]]:
+        """The last sampled step's per-layer lists ("fwd", "bwd", "grad", ...; {} before one)."""
+        return self._last
+
     def _flag_gradients(self, squares: list[float], has_grad: frozenset[int]) -> None:
         low, high = self.grad_norm_bounds
         seen = dict.fromkeys(FLAG_KINDS, False)

@@ -1,4 +1,4 @@
-"""The `hookprof` command: `hookprof --version`, `hookprof demo`, `hookprof top`."""
+"""The `hookprof` command: `hookprof --version`, `hookprof demo`, `hookprof top`, `hookprof report`."""
 
 from __future__ import annotations
 
@@ -29,11 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--exit", action="store_true",
                       help="exit after the last step (default: keep serving until Ctrl-C)")
     add_top_parser(sub)
+    add_report_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return run_demo(args)
     if args.command == "top":
         return run_top(args)
+    if args.command == "report":
+        return run_report(args)
     parser.print_help()
     return 0
 
@@ -158,6 +161,35 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         prof.detach()
     print(f"hookprof demo: stopped after {step} steps", flush=True)
+    return 0
+
+
+def add_report_parser(sub: argparse._SubParsersAction) -> None:
+    from .config import DEFAULT_PORT
+
+    report = sub.add_parser("report", help="write the run report (one HTML file) of a running hookprof endpoint")
+    report.add_argument("url", nargs="?", default=f"http://127.0.0.1:{DEFAULT_PORT}",
+                        help="the endpoint: host:port, its base URL or its /metrics URL (default %(default)s)")
+    report.add_argument("-o", "--output", default="run.html", help="the HTML file to write (default %(default)s)")
+    report.add_argument("--cacert", help="CA certificate that signed the server's (https)")
+    report.add_argument("--cert", help="client certificate, where the server asks for one (mutual TLS)")
+    report.add_argument("--key", help="the client certificate's key (when not in --cert)")
+    report.add_argument("--timeout", type=float, default=10.0, help="seconds (default %(default)s)")
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from .report import fetch, history_url
+    from .report_html import render
+
+    try:
+        documents = fetch(args.url, cacert=args.cacert, cert=args.cert, key=args.key, timeout=args.timeout)
+    except (OSError, ValueError) as exc:  # URLError is an OSError; a bad body a ValueError
+        print(f"hookprof report: could not read {history_url(args.url)}: {exc}", file=sys.stderr)
+        return 1
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write(render(documents, source=history_url(args.url)))
+    names = ", ".join(d["model"] for d in documents) or "no model"
+    print(f"hookprof report: wrote {args.output} ({names})")
     return 0
 
 

@@ -37,10 +37,12 @@ _lock = threading.Lock()
 class Member:
     """One model on an endpoint: its collector and what its page is made from."""
 
-    def __init__(self, name: str, collector: SnapshotCollector, version: Callable[[], tuple[Any, ...]]):
+    def __init__(self, name: str, collector: SnapshotCollector, version: Callable[[], tuple[Any, ...]],
+                 document: Callable[[], dict[str, Any]] | None = None):
         self.name = name
         self.collector = collector
         self.version = version
+        self.document = document  # the run report's data (report.py), served at /history.json
 
 
 def join(member: Member, config: Config, port: int, rank: int, local_rank: int) -> "Endpoint":
@@ -84,7 +86,8 @@ class Endpoint:
         self.server = MetricsServer(
             self.registry, config.addr, port, version=self._page_version,
             certfile=config.tls_certfile, keyfile=config.tls_keyfile,
-            client_cafile=config.tls_client_cafile, limits=Limits.from_config(config))
+            client_cafile=config.tls_client_cafile, limits=Limits.from_config(config),
+            history=self._history_json)
         if self.system is not None:
             self.system.start()
 
@@ -139,6 +142,12 @@ class Endpoint:
             if self.system is not None:
                 self.system.stop()
             self.server.close()
+
+    def _history_json(self) -> bytes:
+        """/history.json: every member's report document (report.py)."""
+        from .report import to_json
+
+        return to_json([m.document() for m in self.members() if m.document is not None])
 
     def _page_version(self) -> tuple[Any, ...]:
         """What the page is made from: it is re-rendered when any of these changes."""

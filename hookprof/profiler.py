@@ -44,6 +44,7 @@ from .notices import Notices
 from . import gradscaler
 from .gradients import GradientNorms
 from .guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
+from .history import LAYER_SLOTS, History
 from .incident import IncidentResponse
 from .instrument import LayerHooks
 from .layers import LayerTable
@@ -170,6 +171,8 @@ class Profiler:
             (config.vanishing_grad_norm, config.exploding_grad_norm),
             container_names=[name for name, _ in self.table.containers],
         )
+        # the report's bounded history, fed by the publisher thread after each fold
+        self._history = History(self.table.names, layer_slots=min(LAYER_SLOTS, config.max_layers))
         self._publisher = publisher(
             aggregator,
             self._counters,
@@ -178,6 +181,7 @@ class Profiler:
             config.publish_interval_s,
             name=f"hookprof-publisher-rank{self.rank}",
             notices=self._notices,
+            history=self._history,
         )
         self._incidents = IncidentResponse(config, self.rank, self._detector, self._publisher,
                                            self._drain_counters)
@@ -240,7 +244,8 @@ class Profiler:
                 self._tell_of_earlier(model)
                 member = Member(self.name, SnapshotCollector(
                     lambda: publisher.latest, torch.__version__, lambda: publisher.alive,
-                    rank=self.rank, model=self.name, build_info=False), self._page_version)
+                    rank=self.rank, model=self.name, build_info=False), self._page_version,
+                    document=self.report_document)
                 self._endpoint = endpoint.join(member, config, port, self.rank, local_rank)
                 self.registry = self._endpoint.registry
                 self._supervisor.watch("metrics server", self._endpoint)
@@ -312,6 +317,13 @@ class Profiler:
             self._drain_counters()
         return self._publisher.flush(timeout)
 
+    def report_document(self) -> dict[str, Any]:
+        """The run report's data for this model: its bounded history and per-layer totals
+        (what /history.json serves; see hookprof/report.py)."""
+        from .report import document
+
+        return document(self.name, self._publisher.latest, self._history)
+
     def step(self, loss: Any = None) -> None:
         """Mark a step boundary; `loss` (tensor or number) is exported on sampled steps.
 
@@ -358,15 +370,23 @@ class Profiler:
                 self._faults.report("summary", exc, disable=False)
 
     def report(self, path: str | None = None) -> str:
-        """The per-layer table as text: a header (steps, step time, loss, gradient norm,
-        NaN/Inf and the first offender), then every layer by share of step time. Brings the
-        snapshot up to date first (flush(): on a GPU this waits for the device)."""
-        if path is not None:  # the HTML run report goes here (issue 14's other half)
-            raise NotImplementedError("Profiler.report(path): the HTML report is not in this build")
-        from .table import report_text  # the table's code loads when first shown
-
+        """Without `path`: the per-layer table as text: a header (steps, step time, loss,
+        gradient norm, NaN/Inf and the first offender), then every layer by share of step
+        time. With `path`: the run report written there, one self-contained HTML file (step
+        time, loss and gradient norm over the run, per-layer time, gradient norm per layer over
+        time, the NaN timeline; docs/report.md), and the path returned. Brings the snapshot up
+        to date first (flush(): on a GPU this waits for the device)."""
         if not self._detached:
             self.flush()
+        if path is not None:
+            from .report_html import render
+
+            page = render([self.report_document()])
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(page)
+            return path
+        from .table import report_text  # the table's code loads when first shown
+
         return report_text(self.snapshot(), self.name)
 
     def __enter__(self) -> "Profiler":
@@ -860,11 +880,23 @@ class DisabledProfiler:
         if self._detached:
             raise DetachedError("Profiler.step() called after detach(); attach the model again")
 
+    def report_document(self) -> dict[str, Any]:
+        from .report import document
+
+        return document(self.name, Snapshot(), History([]))
+
     def detach(self) -> None:
         self._detached = True
 
     def report(self, path: str | None = None) -> str:
-        return "hookprof is disabled (HOOKPROF_DISABLE or Config.disable): nothing was recorded"
+        said = "hookprof is disabled (HOOKPROF_DISABLE or Config.disable): nothing was recorded"
+        if path is None:
+            return said
+        from .report_html import render
+
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(render([], source=said))
+        return path
 
     def __enter__(self) -> "DisabledProfiler":
         return self

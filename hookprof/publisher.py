@@ -16,6 +16,7 @@ from typing import Any
 
 from .aggregate import Aggregator
 from .faults import Faults
+from .history import History
 from .notices import Notices
 from .record import Packet, StepCounters
 from .snapshot import Snapshot
@@ -35,6 +36,7 @@ class Publisher:
         interval_s: float,
         name: str = "hookprof-publisher",
         notices: Notices | None = None,
+        history: History | None = None,
     ):
         self._aggregator = aggregator
         self._counters = counters
@@ -42,6 +44,7 @@ class Publisher:
         self._timer = timer
         self._interval_s = interval_s
         self._notices = notices if notices is not None else Notices()
+        self.history = history  # the report's bounded history, fed after each fold
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: list[Packet] = []  # arrived, not folded yet (kept across a restart)
         self._oldest = 0.0  # when the oldest waiting packet arrived (monotonic)
@@ -73,6 +76,8 @@ class Publisher:
     def fold(self, packet: Packet) -> None:
         """Fold one packet into the totals (on the publisher thread)."""
         self._aggregator.fold(packet, self._timer)
+        if self.history is not None:
+            self.history.observe(packet, self._aggregator, self._counters)
 
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Block until everything submitted so far is folded and published."""

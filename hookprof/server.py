@@ -58,7 +58,7 @@ class CachedPage:
             return body
 
 
-def make_app(page: CachedPage) -> Callable:
+def make_app(page: CachedPage, history: "CachedHistory | None" = None) -> Callable:
     def app(environ: dict, start_response: Callable) -> list[bytes]:
         if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
             start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
@@ -66,6 +66,9 @@ def make_app(page: CachedPage) -> Callable:
         if environ.get("PATH_INFO") == "/favicon.ico":
             start_response("200 OK", [])
             return [b""]
+        if history is not None and environ.get("PATH_INFO") == HISTORY_PATH:
+            start_response("200 OK", [("Content-Type", "application/json")])
+            return [history.get()]
         open_metrics = "application/openmetrics-text" in environ.get("HTTP_ACCEPT", "")
         compressed = "gzip" in environ.get("HTTP_ACCEPT_ENCODING", "")
         body = page.get(open_metrics, compressed)
@@ -76,6 +79,28 @@ def make_app(page: CachedPage) -> Callable:
         return [body]
 
     return app
+
+
+HISTORY_PATH = "/history.json"  # the run report's data (hookprof/report.py)
+
+
+class CachedHistory:
+    """/history.json, made again at most once per `max_age_s` however many ask: making it
+    holds the GIL (0.1-0.3 s on a loaded 2-core machine at the history's full size), which the
+    training thread needs; a report a few seconds old is as good."""
+
+    def __init__(self, make: Callable[[], bytes], max_age_s: float = 5.0):
+        self._make = make
+        self._max_age_s = max_age_s
+        self._lock = threading.Lock()
+        self._body: tuple[float, bytes] | None = None
+
+    def get(self) -> bytes:
+        with self._lock:
+            now = time.monotonic()
+            if self._body is None or now - self._body[0] >= self._max_age_s:
+                self._body = (now, self._make())
+            return self._body[1]
 
 
 def tls_context(certfile: str, keyfile: str | None, client_cafile: str | None) -> ssl.SSLContext:
@@ -130,10 +155,12 @@ class MetricsServer:
     def __init__(self, registry: CollectorRegistry, addr: str, port: int, *,
                  version: Callable[[], tuple[Any, ...]] = tuple,
                  certfile: str | None = None, keyfile: str | None = None,
-                 client_cafile: str | None = None, limits: Limits | None = None):
+                 client_cafile: str | None = None, limits: Limits | None = None,
+                 history: Callable[[], bytes] | None = None):
         from .config import Config
 
         self.page = CachedPage(registry, version)
+        self.history = CachedHistory(history) if history is not None else None
         self.limits = limits if limits is not None else Limits.from_config(Config())
         self.connections = ConnectionCounters()
         self._context = tls_context(certfile, keyfile, client_cafile) if certfile is not None else None
@@ -146,7 +173,7 @@ class MetricsServer:
 
     def _start(self, port: int) -> None:
         try:
-            self._server = Server(self.addr, port, make_app(self.page), self.limits,
+            self._server = Server(self.addr, port, make_app(self.page, self.history), self.limits,
                                   context=self._context, on_reject=self.connections.add)
         except OSError as exc:
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):

@@ -93,7 +93,7 @@ def samples(families: dict, name: str, sample_name: str | None = None, *, model=
 DEBIAN_PACKAGE = {
     "prometheus": "prometheus", "promtool": "prometheus",
     "prometheus-alertmanager": "prometheus-alertmanager", "amtool": "prometheus-alertmanager",
-    "docker-compose": "docker-compose",
+    "docker-compose": "docker-compose", "chromium": "chromium",
     "tmux": "tmux",  # a real terminal for hookprof top's live view
 }
 

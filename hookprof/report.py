@@ -1,0 +1,107 @@
+"""The run report's data: one model's document (its history and its per-layer totals), the
+JSON the endpoint serves at /history.json, and reading it back from a URL.
+
+The same document feeds `prof.report("run.html")` and `hookprof report URL -o run.html`, so
+the page looks the same whichever way it was made (report_html.py draws it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import ssl
+import time
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from ._version import __version__
+from .history import History, stored
+from .incident import describe
+from .server import HISTORY_PATH
+from .snapshot import Snapshot
+
+NONFINITE = "NaN/Inf"  # how a non-finite number is written in the JSON (JSON has none)
+MAX_RESPONSE_BYTES = 64 << 20  # a history is well under a megabyte: more is not one
+
+
+def document(name: str, snapshot: Snapshot, history: History) -> dict[str, Any]:
+    """One model's report: the history's series and the snapshot's per-layer totals (mean
+    forward and backward seconds per sampled step, for the layers the exporter shows)."""
+    sampled = max(snapshot.sampled_steps, 1)
+    layers = []
+    for layer_name in snapshot.exported_layers:
+        stats = snapshot.layers[layer_name]
+        layers.append({
+            "name": layer_name, "module": stats.module,
+            "forward_seconds": stats.forward_seconds_total / sampled,
+            "backward_seconds": stats.backward_seconds_total / sampled,
+            "grad_norm": stats.grad_norm, "nonfinite": dict(stats.nonfinite),
+        })
+    first = snapshot.first_nonfinite
+    return {
+        "model": name, "rank": snapshot.rank, "hookprof_version": __version__,
+        "generated_at": time.time(), "steps": snapshot.step, "sampled_steps": snapshot.sampled_steps,
+        "step_seconds_mean": snapshot.step_duration_sum / snapshot.step if snapshot.step else None,
+        "loss": stored(snapshot.loss), "grad_norm": stored(snapshot.grad_norm),
+        "nonfinite_steps": dict(snapshot.nonfinite_steps), "skipped_steps": snapshot.skipped_steps,
+        "first_nonfinite": None if first is None else {
+            **dataclasses.asdict(first), "summary": describe(first, snapshot.rank)},
+        "layers_total": len(snapshot.layers), "layer_totals": layers,
+        "history": history.view(),
+    }
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if value != value else NONFINITE  # NaN only ever means "no value" here
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if value == NONFINITE:
+        return math.inf
+    if isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+def to_json(documents: list[dict[str, Any]]) -> bytes:
+    """What /history.json serves: {"models": [document, ...]}, strict JSON."""
+    return json.dumps({"models": _encode(documents)}, allow_nan=False, separators=(",", ":")).encode()
+
+
+def from_json(body: bytes) -> list[dict[str, Any]]:
+    return _decode(json.loads(body)["models"])
+
+
+def history_url(url: str) -> str:
+    """The /history.json address of an endpoint given as host:port, a base URL, or its
+    /metrics URL."""
+    if "://" not in url:
+        url = "http://" + url
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, HISTORY_PATH, "", ""))
+
+
+def fetch(url: str, *, cacert: str | None = None, cert: str | None = None, key: str | None = None,
+          timeout: float = 10.0) -> list[dict[str, Any]]:
+    """Every model's document from an endpoint (TLS: the server's CA, and a client
+    certificate where it asks for one)."""
+    target = history_url(url)
+    context = None
+    if target.startswith("https:"):
+        context = ssl.create_default_context(cafile=cacert)
+        if cert is not None:
+            context.load_cert_chain(cert, key)
+    with urllib.request.urlopen(target, timeout=timeout, context=context) as response:
+        body = response.read(MAX_RESPONSE_BYTES + 1)
+    if len(body) > MAX_RESPONSE_BYTES:
+        raise ValueError(f"{target} sent more than {MAX_RESPONSE_BYTES} bytes: not a hookprof history")
+    return from_json(body)

@@ -308,8 +308,8 @@ class Aggregator:
         """Per forward call: exclusive forward seconds; per call with a backward: exclusive
         backward seconds and backward start (seconds from rec.ref)."""
 
-        def at(token: Any) -> float:
-            return timer.seconds(rec.ref, token)
+        # every token resolved at once: one wait for the device, not one per event
+        at = timer.resolve(rec.ref, rec.tokens()).__getitem__
 
         ncalls = len(rec.calls)
         span = [0.0] * ncalls

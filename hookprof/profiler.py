@@ -348,7 +348,7 @@ class Profiler:
         self._plan = self._planner.plan(number, now_ns, incident=incident, broken=self._faults.broken)
         self._grad_squares = None
         if self._plan.sampled and not self._compiled:
-            self._rec = StepRecord(self.timer.mark())
+            self._rec = StepRecord(self.timer.start())
             # the first step's hooks go in at its first eager forward (_on_root_forward):
             # a model compiled after attach() must never see them, or Dynamo recompiles
             self._hooks.begin(self._rec, install=number > 1, activation_stats=self._plan.checked)
@@ -566,7 +566,7 @@ class Profiler:
     def _replay_forward(self) -> None:
         """If this step's output went non-finite on an unchecked step, replay its forward
         with the per-layer checks on, before the optimizer changes the parameters."""
-        rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.mark()))
+        rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.start()))
         if rec is not None:
             self._publisher.submit(pack_step(self._counters.steps + 1, rec, self._detector.blocks(),
                                              sampled=False))

@@ -18,6 +18,7 @@ class Timer(Protocol):
     """What hooks and the publisher need of a clock."""
 
     kind: str
+    yield_gil: Callable[[], None]  # the publisher calls it between stretches of its Python
 
     def start(self) -> Any:
         """The first token of a sampled step (training thread): as mark(), and the moment a
@@ -37,6 +38,10 @@ class Timer(Protocol):
         """Tokens that are no longer needed (pooled events go back)."""
 
 
+def _yield_gil() -> None:
+    time.sleep(0)  # releases the GIL: a waiting training thread runs before we go on
+
+
 class CpuTimer:
     """Host clock. `time.perf_counter_ns` costs ~0.06 us and never waits for anything."""
 
@@ -45,6 +50,7 @@ class CpuTimer:
     def __init__(self, clock: Callable[[], int] = time.perf_counter_ns):
         # mark() is the clock itself, not a method calling it: one frame less per mark
         self.mark: Callable[[], int] = clock
+        self.yield_gil = _yield_gil
 
     def start(self) -> int:
         return self.mark()
@@ -57,10 +63,6 @@ class CpuTimer:
 
     def release(self, tokens: Iterable[Any]) -> None:
         pass
-
-
-def _yield_gil() -> None:
-    time.sleep(0)  # releases the GIL: a waiting training thread runs before we go on
 
 
 RESOLVE_CHUNK = 256  # events resolved between two GIL releases (~0.3 ms of Python at most)
@@ -94,7 +96,7 @@ class CudaEventTimer:
             self._new_event = event_factory
             self._record = lambda event, stream: event.record(stream)
         self._current_stream = current_stream or torch.cuda.current_stream
-        self._yield_gil = yield_gil
+        self.yield_gil = yield_gil
         self._stream: Any = None
         self._last: Any = None  # the event recorded last (see resolve)
         self._pool: deque[Any] = deque()  # deque.append/pop are atomic: hooks on any thread
@@ -136,7 +138,7 @@ class CudaEventTimer:
         out: dict[Any, float] = {}
         for k, token in enumerate(tokens):
             if k % RESOLVE_CHUNK == RESOLVE_CHUNK - 1:
-                self._yield_gil()
+                self.yield_gil()
             try:
                 out[token] = elapsed(token) * 1e-3
             except RuntimeError:  # not complete yet: this one waits on its own

@@ -139,7 +139,9 @@ class FakeEvent:
         self.seq = 0
         self.synced = False
 
-    def record(self, stream: FakeStream):
+    def record(self, stream: FakeStream | None = None):
+        if stream is None:  # torch.cuda.Event.record() without a stream: the current one
+            stream = DEFAULT_STREAM
         self.t_us = next(_clock)
         self.stream = stream
         stream.recorded += 1
@@ -157,3 +159,6 @@ class FakeEvent:
         if not (self.query() and end.query()):
             raise RuntimeError("CUDA error: device not ready")
         return (end.t_us - self.t_us) / 1000.0
+
+
+DEFAULT_STREAM = FakeStream()

@@ -153,13 +153,16 @@ class Shape:
     loss: Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
     autocast: torch.dtype | None  # bf16 autocast on CUDA for the convnet and the GPTs
 
-    def step(self) -> torch.Tensor:
-        """One training step: zero_grad, forward (under autocast), backward, update."""
+    def step(self, before_update: Callable[[nn.Module], None] | None = None) -> torch.Tensor:
+        """One training step: zero_grad, forward (under autocast), backward, update. Nothing
+        in it waits for the device."""
         self.optimizer.zero_grad(set_to_none=True)
         device = self.batch[0].device.type
         with torch.autocast(device, dtype=self.autocast, enabled=self.autocast is not None):
             loss = self.loss(self.model, self.batch)
         loss.backward()
+        if before_update is not None:
+            before_update(self.model)
         self.optimizer.step()
         return loss
 

@@ -59,11 +59,11 @@ def counted_step(model, opt, batch, prof=None) -> Counter[str]:
     return counter.ops
 
 
-def hookprof_ops_per_unsampled_step(depth: int, warmup: int = 3) -> Counter[str]:
+def hookprof_ops_per_unsampled_step(depth: int, warmup: int = 3, device: str = "cpu") -> Counter[str]:
     """The ATen ops of one unsampled step with hookprof attached, less those of the same step
     without it (two copies of one model, same batch)."""
-    base = seeded(DeepNet, depth=depth)
-    batch = base.batch(torch.Generator().manual_seed(0))
+    base = seeded(DeepNet, depth=depth).to(device)
+    batch = tuple(t.to(device) for t in base.batch(torch.Generator().manual_seed(0)))
     bare, watched = base, copy.deepcopy(base)
     bare_opt = torch.optim.SGD(bare.parameters(), lr=0.0)  # lr 0: every step is the same step
     watched_opt = torch.optim.SGD(watched.parameters(), lr=0.0)

@@ -37,7 +37,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -46,23 +45,13 @@ sys.path[:0] = [os.environ.get("HOOKPROF_ROOT", ROOT), HERE, os.path.join(ROOT, 
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import hookprof  # noqa: E402
 import shapes  # noqa: E402
 from hookprof import profiler as profiler_module  # noqa: E402
+from op_counter import OpCounter  # noqa: E402
 
 BOUNDARY_METHODS = ("_on_root_forward", "_on_root_output", "_on_optimizer_pre", "_on_optimizer_post", "step")
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class BoundaryMeter:

@@ -9,6 +9,7 @@ issue's sizes (for a GPU).
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -185,7 +186,7 @@ def _hf_loss(model, batch):
 
 def hf_available() -> bool:
     try:
-        import transformers  # noqa: F401
+        importlib.import_module("transformers")
     except Exception:
         return False
     return True

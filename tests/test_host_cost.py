@@ -16,26 +16,14 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import hookprof
 from hookprof import NonFiniteEvent
 from hookprof.gradients import GradientNorms
 from models import DeepNet, layer_norms, loss_of, seeded
+from op_counter import OpCounter
 
 RARELY = dict(port=0, sample_every=1000, min_sample_interval_s=3600.0)  # step 1 only
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts every ATen op dispatched on this thread while active (by overload name)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture

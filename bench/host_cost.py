@@ -5,6 +5,9 @@
     python bench/host_cost.py --full           # the issue's sizes (on a GPU)
 
 Printed per workload:
+Times are host wall time on CUDA, and on a CPU the timed thread's CPU time with torch on one
+thread (a shared machine's other processes do not count).
+
 - unsampled: host microseconds hookprof spends per unsampled step, timed around its own
   calls (root forward pre-hook and output hook, optimizer pre/post hooks, prof.step), and
   the ATen ops it issues in them (each a kernel launch on a GPU). On CUDA nothing in there
@@ -58,7 +61,8 @@ class BoundaryMeter:
     """Times (and optionally counts the ATen ops of) the Profiler's step-boundary methods.
     Patched on the class before attach(), which binds them as hooks; nested calls count once."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock) -> None:
+        self.clock = clock
         self.ns = 0
         self.counter: OpCounter | None = None
         self._depth = threading.local()
@@ -83,15 +87,22 @@ class BoundaryMeter:
                 return original(*args, **kwargs)
             meter._depth.n = 1
             mode = meter.counter if meter.counter is not None else contextlib.nullcontext()
-            t0 = time.perf_counter_ns()
+            t0 = meter.clock()
             try:
                 with mode:
                     return original(*args, **kwargs)
             finally:
-                meter.ns += time.perf_counter_ns() - t0
+                meter.ns += meter.clock() - t0
                 meter._depth.n = 0
 
         return timed
+
+
+def host_clock(device: torch.device):
+    """Host time on CUDA (wall: launches that wait for a full queue count, as in a loop). On a
+    CPU the thread's CPU time, with torch on this one thread (see main): the machine may be
+    shared, and time the OS gives to other processes is not hookprof's."""
+    return time.perf_counter_ns if device.type == "cuda" else time.thread_time_ns
 
 
 def sync(device: torch.device) -> None:
@@ -101,7 +112,8 @@ def sync(device: torch.device) -> None:
 
 def measure_workload(name: str, device: torch.device, full: bool, steps: int, accelerator_path: bool) -> dict:
     shape = shapes.build(name, device, full=full)
-    meter = BoundaryMeter()
+    clock = host_clock(device)
+    meter = BoundaryMeter(clock)
     meter.install()
     try:
         gradients = sys.modules.get("hookprof.gradients")
@@ -119,9 +131,9 @@ def measure_workload(name: str, device: torch.device, full: bool, steps: int, ac
                 sampled = prof._plan.sampled
                 sync(device)
                 meter.ns = 0
-                t0 = time.perf_counter_ns()
+                t0 = clock()
                 shape.step()
-                host[sampled].append(time.perf_counter_ns() - t0)
+                host[sampled].append(clock() - t0)
                 if not sampled:
                     boundary.append(meter.ns)
                 sync(device)
@@ -240,6 +252,8 @@ def measure_publisher(device: torch.device, layers: int = 500, steps: int = 8) -
 
 def run_here(args) -> dict:
     device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # every op on the timed thread (see host_clock)
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(hookprof.__file__),
                          capture_output=True, text=True).stdout.strip()
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else None

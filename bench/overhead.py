@@ -2,6 +2,7 @@
 
     python bench/overhead.py                 # full run (~5 min on 2 CPU cores)
     python bench/overhead.py --quick         # a smoke run
+    python bench/overhead.py --gpu           # CUDA: issue 13's four workloads, 16 rounds
 
 Each workload trains a held-constant model; every configuration has its own copy of it,
 attached once (sampling state carries across rounds as in a real run), and rounds interleave
@@ -10,6 +11,11 @@ per configuration is the median over rounds of the mean step time in that round;
 are to "none" (no hookprof) measured in the same rounds. A second set of ratios is paired by
 round: the median over rounds of each round's ratio to the "none" round beside it, which
 cancels drifts in the machine's speed that last longer than a round.
+
+With --gpu the workloads are those of issue 13 at full size (bench/shapes.py: the ResNet-50
+shape in bf16 and channels_last, the GPT-124M shape and transformers' GPT-2 with fused AdamW,
+the 24 x Linear(1024) MLP), each round synchronized before and after, the GPU and the torch
+and CUDA versions printed.
 
 Also measured: attach/detach time and per-scrape render time for a model of 10,000 leaf
 modules. Prints Markdown tables (pasted into the README) and writes JSON next to them.
@@ -34,7 +40,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hookprof  # noqa: E402
+import shapes  # noqa: E402
 from hookprof.exporter import render  # noqa: E402
 
 # ---------------------------------------------------------------- workloads
@@ -156,10 +164,15 @@ class Runner:
     def timed_round(self, n: int) -> None:
         self.clock.resume()
         with self.context():
+            self.sync()
             t0 = time.perf_counter()
             self.steps(n)
+            self.sync()
             self.round_means.append((time.perf_counter() - t0) / n)
         self.clock.pause()
+
+    def sync(self) -> None:
+        pass  # a CPU step has finished when it returns
 
     def steps(self, n: int) -> None:
         floor = self.config == "floor"
@@ -168,9 +181,7 @@ class Runner:
             loss = nn.functional.cross_entropy(self.model(self.x), self.y)
             loss.backward()
             if floor:
-                # the physical floor of exact per-layer NaN localisation on every step: one
-                # read of every gradient (results left on the device, as hookprof does)
-                torch._foreach_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+                read_every_gradient(self.model)
             self.opt.step()
 
     def context(self):
@@ -179,6 +190,35 @@ class Runner:
         if self.config == "detect_anomaly":
             return torch.autograd.detect_anomaly(check_nan=True)
         return contextlib.nullcontext()
+
+
+class ShapeRunner(Runner):
+    """One configuration of one of issue 13's workloads (bench/shapes.py) on a GPU."""
+
+    def __init__(self, config: str, shape: shapes.Shape):
+        super().__init__(config, shape.model, *shape.batch)
+        self.shape = shape
+        self.opt = shape.optimizer
+
+    def steps(self, n: int) -> None:
+        floor = read_every_gradient if self.config == "floor" else None
+        for _ in range(n):
+            self.shape.step(before_update=floor)
+
+    def sync(self) -> None:
+        torch.cuda.synchronize()  # note: between rounds only, never inside the timed steps' loop
+
+    def context(self):
+        if self.config == "torch.profiler":
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            return torch.profiler.profile(activities=activities)
+        return super().context()
+
+
+def read_every_gradient(model: nn.Module) -> None:
+    """The physical floor of exact per-layer NaN localisation on every step: one read of
+    every gradient (results left on the device, as hookprof does)."""
+    torch._foreach_norm([p.grad for p in model.parameters() if p.grad is not None])
 
 
 CONFIGS = {
@@ -211,6 +251,23 @@ def bench_workload(key: str, rounds: int, steps: int, warmup: int) -> dict:
         if overrides is not None:
             r.attach(overrides)
         runners.append(r)
+    return run_rounds(w.name, runners, rounds, steps, warmup)
+
+
+def bench_shape(key: str, rounds: int, steps: int, warmup: int, device: torch.device) -> dict:
+    """One of issue 13's workloads at full size: each configuration builds its own copy
+    (same seed, so the same weights and batch)."""
+    runners = []
+    for name, overrides in CONFIGS.items():
+        r = ShapeRunner(name, shapes.build(key, device, full=True))
+        if overrides is not None:
+            r.attach(overrides)
+        runners.append(r)
+    return run_rounds(runners[0].shape.name, runners, rounds, steps, warmup)
+
+
+def run_rounds(name: str, runners: list[Runner], rounds: int, steps: int, warmup: int) -> dict:
+    """Warm up each configuration, then interleave timed rounds in rotating order."""
     try:
         for r in runners:
             r.clock.resume()
@@ -232,7 +289,7 @@ def bench_workload(key: str, rounds: int, steps: int, warmup: int) -> dict:
         if r.prof is not None
     }
     return {
-        "workload": w.name,
+        "workload": name,
         "step_ms": {k: v * 1e3 for k, v in medians.items()},
         "ratio": {k: v / medians["none"] for k, v in medians.items()},
         # the same ratio taken within each round (each configuration's round against the
@@ -328,8 +385,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--quick", action="store_true", help="3 rounds of 5 steps")
     parser.add_argument("--skip-many-layers", action="store_true")
+    parser.add_argument("--gpu", action="store_true",
+                        help="issue 13's workloads on CUDA (default 16 rounds; --workloads from "
+                             f"{','.join(shapes.NAMES)})")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "overhead.json"))
     args = parser.parse_args(argv)
+    if args.gpu:
+        return main_gpu(args, argv)
     if args.quick:
         args.rounds, args.steps, args.warmup = 3, 5, 2
     warnings.filterwarnings("ignore")  # detect_anomaly warns on every step
@@ -359,6 +421,40 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"workloads": results, "many_layers": many, "args": vars(args)}, f, indent=2)
+    return 0
+
+
+def main_gpu(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """Issue 13's table: the four workloads on CUDA, 16+ interleaved rounds."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--gpu needs CUDA (torch.cuda.is_available() is False)")
+    given = sys.argv[1:] if argv is None else argv
+    if "--rounds" not in given:
+        args.rounds = 16
+    if "--workloads" not in given:
+        args.workloads = ",".join(n for n in shapes.NAMES if n != "hf-gpt2" or shapes.hf_available())
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 3, 3, 2
+    warnings.filterwarnings("ignore")
+    device = torch.device("cuda")
+    print(f"# hookprof {hookprof.__version__}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+          f"{torch.cuda.get_device_name(device)}; {args.rounds} rounds x {args.steps} steps; "
+          f"{time.strftime('%Y-%m-%d')}", flush=True)
+    results = []
+    for key in args.workloads.split(","):
+        r = bench_shape(key, args.rounds, args.steps, args.warmup, device)
+        results.append(r)
+        print(f"{key}: " + ", ".join(f"{c} {v:.3f}x" for c, v in r["ratio"].items()), flush=True)
+        print(f"{key} (paired by round): "
+              + ", ".join(f"{c} {v:.3f}x" for c, v in r["paired_ratio"].items()), flush=True)
+        torch.cuda.empty_cache()
+    print()
+    print(table(results))
+    out = args.out.replace("overhead.json", "overhead-gpu.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"workloads": results, "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                   "cuda": torch.version.cuda, "args": vars(args)}, f, indent=2)
     return 0
 
 

@@ -5,9 +5,17 @@ after the last micro-batch of gradient accumulation), or at an explicit `Profile
 One fused `torch._foreach_norm` per device gives every parameter's L2 norm; an `index_add_`
 folds their squares into one slot per layer. Nothing is read back here: a norm is non-finite
 exactly when its gradient holds a NaN or Inf, so the host learns both from the same numbers.
+
+This runs on every step (nonfinite_check="all"), so on an accelerator its host work must not
+grow with the model: a fixed number of ATen ops per step whatever the number of parameters
+(tests/test_host_cost.py counts them), and the Python around them a list of `.grad`s plus
+a cached plan (which layer each gradient belongs to, the index tensor on the device) that is
+rebuilt only when the set of parameters holding a gradient changes.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -24,10 +32,31 @@ def local_tensor(grad: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else grad
 
 
+class _Plan(NamedTuple):
+    """How to reduce one set of present gradients: all on `device`, dense, so one fused
+    pass serves (None: the general path, grouping by device per step)."""
+
+    device: torch.device | None
+    index: torch.Tensor | None  # layer of each present gradient, on `device`
+    seen: frozenset[int]  # layers that have a gradient
+
+
+_MAX_PLANS = 8  # sets of present gradients remembered (freezing layers in turn makes a few)
+
+
 class GradientNorms:
+    # on the CPU a BLAS dot product per gradient reads ~3x faster than the norm kernels
+    # (measured: 1.2 ms vs 3.5 ms for 6.3M float32 values on 2 cores), and a CPU op costs
+    # its compute, not a launch; tests set this False to drive the accelerator path on a CPU
+    cpu_dot_per_tensor = True
+
     def __init__(self, table: LayerTable):
         self._table = table
+        self._params = table.params
         self._index_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+        # keyed by the positions of the parameters without a gradient (usually ()): the one
+        # thing that changes the plan from step to step
+        self._plans: dict[tuple[int, ...], _Plan] = {}
         # DTensor parameters (FSDP2, tensor parallel) have DTensor gradients: known at attach,
         # so plain models skip the per-gradient lookup (this loop runs every step)
         self._distributed = table.has_dtensor_params
@@ -35,9 +64,55 @@ class GradientNorms:
     def layer_squares(self) -> tuple[list[torch.Tensor], frozenset[int]]:
         """Per device: (squared L2 norm of each layer's gradients over that device's
         parameters, float64 of length len(table)); and the layers that had any gradient."""
+        if self._distributed:
+            return self._grouped()
+        grads = [p.grad for p in self._params]
+        missing = tuple(i for i, g in enumerate(grads) if g is None)
+        if missing:
+            grads = [g for g in grads if g is not None]
+            if not grads:
+                return [], frozenset()
+        plan = self._plans.get(missing)
+        # one device check per step: a model moved with .to() after attach gets a new plan
+        if plan is None or (plan.device is not None and grads[0].device != plan.device):
+            plan = self._make_plan(grads, missing)
+        if plan.device is None:
+            return self._grouped()
+        if plan.device.type == "cpu" and self.cpu_dot_per_tensor:
+            squares = _cpu_squared_norms(grads)
+            per_layer = torch.zeros(len(self._table), dtype=torch.float64)
+            return [per_layer.index_add_(0, plan.index, squares)], plan.seen
+        return [fused_layer_squares(grads, plan.index, len(self._table))], plan.seen
+
+    def _make_plan(self, grads: list[torch.Tensor], missing: tuple[int, ...]) -> _Plan:
+        absent = set(missing)
+        layers = [layer for i, layer in enumerate(self._table.param_layer) if i not in absent]
+        devices = {g.device for g in grads}
+        if len(devices) != 1 or any(g.is_sparse for g in grads):
+            plan = _Plan(None, None, frozenset(layers))
+        else:
+            (device,) = devices
+            plan = _Plan(device, self._index(device, layers), frozenset(layers))
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[missing] = plan
+        return plan
+
+    def _index(self, device: torch.device, layers: list[int]) -> torch.Tensor:
+        key = (device, tuple(layers))
+        index = self._index_cache.get(key)
+        if index is None:
+            if len(self._index_cache) >= _MAX_PLANS:
+                self._index_cache.clear()
+            index = self._index_cache[key] = index_to_device(layers, device)
+        return index
+
+    def _grouped(self) -> tuple[list[torch.Tensor], frozenset[int]]:
+        """The general path: gradients on several devices, sparse ones, DTensor shards.
+        Grouped per device on every step (Python per parameter)."""
         groups: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
         distributed = self._distributed
-        for p, layer in zip(self._table.params, self._table.param_layer):
+        for p, layer in zip(self._params, self._table.param_layer):
             grad = p.grad
             if grad is None:
                 continue
@@ -50,14 +125,12 @@ class GradientNorms:
         seen: set[int] = set()
         n = len(self._table)
         for device, (grads, layers) in groups.items():
-            squares = _squared_norms(device, grads)
-            key = (device, tuple(layers))
-            index = self._index_cache.get(key)
-            if index is None:
-                index = self._index_cache[key] = index_to_device(layers, device)
-            per_layer = torch.zeros(n, dtype=torch.float64, device=device)
-            per_layer.index_add_(0, index, squares)
-            out.append(per_layer)
+            index = self._index(device, layers)
+            if device.type == "cpu" and self.cpu_dot_per_tensor:
+                per_layer = torch.zeros(n, dtype=torch.float64)
+                out.append(per_layer.index_add_(0, index, _cpu_squared_norms(grads)))
+            else:
+                out.append(fused_layer_squares(grads, index, n))
             seen.update(layers)
         return out, frozenset(seen)
 
@@ -65,20 +138,24 @@ class GradientNorms:
 _BLAS_DTYPES = (torch.float32, torch.float64)
 
 
-def _squared_norms(device: torch.device, grads: list[torch.Tensor]) -> torch.Tensor:
-    """Squared L2 norm of each gradient, float64, on `device`."""
-    if device.type == "cpu":
-        # on the CPU a BLAS dot product reads a gradient ~3x faster than the norm kernels
-        # (measured: 1.2 ms vs 3.5 ms for 6.3M float32 values on 2 cores)
-        squares = []
-        for g in grads:
-            if g.dtype in _BLAS_DTYPES:
-                flat = g.reshape(-1)
-                squares.append(torch.dot(flat, flat))
-            else:
-                squares.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
-        return torch.stack(squares).to(torch.float64)
-    # one fused kernel launch for all of a device's gradients; float32 accumulation so that
-    # an fp16 gradient whose norm exceeds 65504 is not an overflow
+def fused_layer_squares(grads: list[torch.Tensor], index: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-layer squared L2 norms (float64, length n) of `grads`, all on one device, where
+    `index[k]` is the layer of `grads[k]`: five ATen ops whatever len(grads) is. One fused
+    kernel launch reads every gradient, with float32 accumulation so that an fp16 gradient
+    whose norm exceeds 65504 is not an overflow; squares in float64 so that a float32 norm
+    near its maximum does not square to inf."""
     norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-    return torch.stack(norms).to(torch.float64).square()
+    squares = torch.stack(norms).to(torch.float64).square()
+    return torch.zeros(n, dtype=torch.float64, device=index.device).index_add_(0, index, squares)
+
+
+def _cpu_squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Squared L2 norm of each CPU gradient, float64: one BLAS dot each."""
+    squares = []
+    for g in grads:
+        if g.dtype in _BLAS_DTYPES:
+            flat = g.reshape(-1)
+            squares.append(torch.dot(flat, flat))
+        else:
+            squares.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
+    return torch.stack(squares).to(torch.float64)

@@ -20,33 +20,49 @@ from .tensors import iter_tensors
 PHASE_INDEX = {"forward": 0, "backward": 1, "loss": 2}
 
 
+# phases as stored on the device: "backward" first, next to the layers, so that one op
+# updates every layer and the backward phase together (the layout fold_counters reads)
+_STORED_PHASES = ("backward", "forward", "loss")
+
+
+def nonfinite_mask(t: torch.Tensor) -> torch.Tensor:
+    """True where `t` (floating) holds a NaN or Inf: x - x is exactly 0 for every finite x and
+    NaN for NaN and +-Inf. Two ops where `~torch.isfinite(t)` is five (isfinite is abs, ne,
+    eq, mul), each a kernel launch on a GPU, on every step."""
+    return t.sub(t).ne(0)
+
+
 class DeviceCounters:
     """One device's counters. All updates are in-place device ops with Python-int operands:
     no host-to-device copy, no sync. They live in one flat tensor (the layout fold_counters
-    reads), so draining them is a single block, and the per-step update is few ops."""
+    reads), so draining them is a single block, and the per-step update is few ops: eight
+    for the layers and the backward phase, four per other check, whatever the model's size."""
 
     def __init__(self, n_layers: int, device: torch.device):
         n, p = n_layers, len(PHASE_INDEX)
-        self.flat = torch.zeros(2 * n + 2 * p, dtype=torch.int64, device=device)
-        # [layer_bad | layer_first | phase_bad | phase_first], views into flat
-        self.layer_bad, self.layer_first, self.phase_bad, self.phase_first = self.flat.split(
-            [n, n, p, p])
-        self.layer_first.fill_(-1)
-        self.phase_first.fill_(-1)
+        self.flat = torch.zeros(2 * (n + p), dtype=torch.int64, device=device)
+        # [layer_bad | phase_bad | layer_first | phase_first], phases in _STORED_PHASES order
+        bad, first = self.flat.split([n + p, n + p])
+        first.fill_(-1)
+        self.layer_bad, self.phase_bad = bad.split([n, p])
+        self.layer_first, self.phase_first = first.split([n, p])
+        # views made once: indexing per step would be one more op each time
+        self._with_backward = (bad[: n + 1], first[: n + 1])  # the layers + "backward"
+        self._phase = {name: (bad[n + k], first[n + k]) for k, name in enumerate(_STORED_PHASES)}
 
     def add_layer_squares(self, squares: torch.Tensor, step: int) -> None:
         """`squares`: per-layer squared gradient norms; non-finite exactly when the layer's
-        gradients hold a NaN or Inf."""
-        bad = ~torch.isfinite(squares)
-        self.layer_bad.add_(bad)
-        self.layer_first.masked_fill_(bad & (self.layer_first < 0), step)
-        self.add_phase("backward", bad.any(), step)
+        gradients hold a NaN or Inf. The backward phase is bad when any layer is."""
+        bad = nonfinite_mask(squares)
+        bad = torch.cat((bad, bad.any(0, keepdim=True)))
+        counts, first = self._with_backward
+        counts.add_(bad)
+        first.masked_fill_(bad.logical_and_(first.lt(0)), step)
 
     def add_phase(self, phase: str, bad: torch.Tensor, step: int) -> None:
-        i = PHASE_INDEX[phase]
-        self.phase_bad[i].add_(bad)
-        first = self.phase_first[i]
-        first.masked_fill_(bad & (first < 0), step)
+        count, first = self._phase[phase]
+        count.add_(bad)
+        first.masked_fill_(bad & first.lt(0), step)
 
 
 def nonfinite_flags(value: Any) -> list[bool | torch.Tensor]:
@@ -67,7 +83,7 @@ def nonfinite_flags(value: Any) -> list[bool | torch.Tensor]:
             on_device.setdefault(total.device, []).append(total)
     flags: list[bool | torch.Tensor] = [] if host is None else [host]
     for totals in on_device.values():
-        flags.append(~torch.isfinite(totals[0] if len(totals) == 1 else torch.stack(totals)).all())
+        flags.append(nonfinite_mask(totals[0] if len(totals) == 1 else torch.stack(totals)).any())
     return flags
 
 
@@ -77,7 +93,7 @@ def loss_flag(loss: Any) -> bool | torch.Tensor:
     loss = loss.detach()
     if transfer.on_host(loss) and loss.numel() == 1:
         return not math.isfinite(float(loss))  # a CPU value: no device to wait for
-    return ~torch.isfinite(loss).all()
+    return nonfinite_mask(loss).any()
 
 
 class Detector:
@@ -115,7 +131,9 @@ class Detector:
         out = [c.flat for c in self.by_device.values()]
         if self.host_total():  # nothing to say while no host-side check has found anything
             n = self.n_layers
-            host = [0] * n + [-1] * n + self.host_phase_bad + self.host_phase_first
+            stored = [PHASE_INDEX[p] for p in _STORED_PHASES]
+            host = ([0] * n + [self.host_phase_bad[i] for i in stored]
+                    + [-1] * n + [self.host_phase_first[i] for i in stored])
             out.append(torch.tensor(host, dtype=torch.int64))
         return out
 
@@ -125,7 +143,8 @@ class Detector:
 
 def fold_counters(parts: list[list[float]], n_layers: int) -> dict[str, list[int]]:
     """Host side: combine the drained counters of all devices. Each part is the flat
-    [layer_bad, layer_first, phase_bad, phase_first] of one device."""
+    [layer_bad, phase_bad, layer_first, phase_first] of one device (phases stored in
+    _STORED_PHASES order; returned in PHASE_INDEX order)."""
     n_phases = len(PHASE_INDEX)
     layer_bad = [0] * n_layers
     layer_first = [-1] * n_layers
@@ -137,10 +156,13 @@ def fold_counters(parts: list[list[float]], n_layers: int) -> dict[str, list[int
 
     for flat in parts:
         values = [int(v) for v in flat]
-        lb = values[:n_layers]
-        lf = values[n_layers : 2 * n_layers]
-        pb = values[2 * n_layers : 2 * n_layers + n_phases]
-        pf = values[2 * n_layers + n_phases :]
+        half = n_layers + n_phases
+        lb, lf = values[:n_layers], values[half : half + n_layers]
+        pb = [0] * n_phases
+        pf = [0] * n_phases
+        for k, name in enumerate(_STORED_PHASES):
+            pb[PHASE_INDEX[name]] = values[n_layers + k]
+            pf[PHASE_INDEX[name]] = values[half + n_layers + k]
         for i in range(n_layers):
             layer_bad[i] += lb[i]
             layer_first[i] = first_of(layer_first[i], lf[i])

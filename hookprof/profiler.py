@@ -419,7 +419,7 @@ class Profiler:
         self._scaler_view = None
         self._output_flags = []
         if self._plan.sampled and not self._compiled:
-            self._rec = StepRecord(self.timer.mark())
+            self._rec = StepRecord(self.timer.start())
             # the first step's hooks go in at its first eager forward (_on_root_forward):
             # a model compiled after attach() must never see them, or Dynamo recompiles
             self._hooks.begin(self._rec, install=number > 1, activation_stats=self._plan.checked)
@@ -699,10 +699,10 @@ class Profiler:
         """If this step's output went non-finite on an unchecked step, replay its forward
         with the per-layer checks on, before the optimizer changes the parameters."""
         step = self._counters.steps + 1
-        rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.mark()), step,
+        rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.start()), step,
                                       wait=self.config.nonfinite_sync)
         if rec is None and self._replay.keep_late:  # an earlier step's flag may have arrived
-            late = self._replay.run_late(self._hooks, lambda: StepRecord(self.timer.mark()))
+            late = self._replay.run_late(self._hooks, lambda: StepRecord(self.timer.start()))
             if late is not None:
                 step, rec = late
         if rec is not None:

@@ -5,6 +5,7 @@ Prometheus) is the real thing."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from types import SimpleNamespace
 
@@ -107,3 +108,57 @@ class FakeCuda:
 
     def max_memory_allocated(self, d):
         return self.allocated[d] * 3
+
+
+# ---- CUDA events and streams (the CudaEventTimer's collaborators)
+
+_clock = itertools.count(1000, 250)  # a fake device clock in microseconds: 250 us per record
+
+
+class FakeStream:
+    """A CUDA stream's ordering: events complete in the order they were recorded on it, and
+    only when something waited (the fake device runs only when asked to)."""
+
+    def __init__(self):
+        self.recorded = 0
+        self.done_upto = 0  # every event with seq <= this has completed
+
+    def complete_upto(self, seq: int) -> None:
+        self.done_upto = max(self.done_upto, seq)
+
+
+class FakeEvent:
+    """Mimics torch.cuda.Event(enable_timing=True): record(stream), synchronize(), query(),
+    elapsed_time() (which raises, as CUDA does, unless both events have completed)."""
+
+    syncs = 0  # synchronize() calls, all events
+
+    def __init__(self):
+        self.t_us = None
+        self.stream: FakeStream | None = None
+        self.seq = 0
+        self.synced = False
+
+    def record(self, stream: FakeStream | None = None):
+        if stream is None:  # torch.cuda.Event.record() without a stream: the current one
+            stream = DEFAULT_STREAM
+        self.t_us = next(_clock)
+        self.stream = stream
+        stream.recorded += 1
+        self.seq = stream.recorded
+
+    def query(self) -> bool:
+        return self.seq <= self.stream.done_upto
+
+    def synchronize(self):
+        FakeEvent.syncs += 1
+        self.synced = True
+        self.stream.complete_upto(self.seq)
+
+    def elapsed_time(self, end):  # milliseconds, as CUDA reports them
+        if not (self.query() and end.query()):
+            raise RuntimeError("CUDA error: device not ready")
+        return (end.t_us - self.t_us) / 1000.0
+
+
+DEFAULT_STREAM = FakeStream()

@@ -4,34 +4,26 @@ and the aggregator consuming event tokens exactly as it consumes CPU ones."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
-from hookprof.timing import CpuTimer, CudaEventTimer
+from fake_gpu import FakeEvent, FakeStream
+from hookprof.timing import RESOLVE_CHUNK, CpuTimer, CudaEventTimer
 
-_clock = itertools.count(1000, 250)  # a fake device clock in microseconds
 
+def fake_timer(**kwargs) -> tuple[CudaEventTimer, list[FakeStream]]:
+    """A CudaEventTimer over fake events; the list records every current-stream lookup."""
+    stream = FakeStream()
+    lookups: list[FakeStream] = []
 
-class FakeEvent:
-    """Mimics torch.cuda.Event(enable_timing=True): record(), synchronize(), elapsed_time()."""
+    def current_stream():
+        lookups.append(stream)
+        return stream
 
-    def __init__(self):
-        self.t_us = None
-        self.synced = False
-
-    def record(self):
-        self.t_us = next(_clock)
-
-    def synchronize(self):
-        self.synced = True
-
-    def elapsed_time(self, end):  # milliseconds, as CUDA reports them
-        return (end.t_us - self.t_us) / 1000.0
+    return CudaEventTimer(event_factory=FakeEvent, current_stream=current_stream, **kwargs), lookups
 
 
 def test_events_are_pooled_and_reused():
-    timer = CudaEventTimer(event_factory=FakeEvent)
+    timer, _ = fake_timer()
     first = [timer.mark() for _ in range(5)]
     assert timer.created == 5 and len({id(e) for e in first}) == 5
     timer.release(first)
@@ -43,8 +35,8 @@ def test_events_are_pooled_and_reused():
 
 
 def test_seconds_waits_on_the_end_event_and_converts_units():
-    timer = CudaEventTimer(event_factory=FakeEvent)
-    start, end = timer.mark(), timer.mark()
+    timer, _ = fake_timer()
+    start, end = timer.start(), timer.mark()
     assert timer.seconds(start, end) == pytest.approx(250e-6)
     assert end.synced
 
@@ -55,7 +47,7 @@ def test_profiler_steps_with_the_event_timer(every_step):
     import hookprof
     from models import DeepNet, seeded, train
 
-    timer = CudaEventTimer(event_factory=FakeEvent)
+    timer, lookups = fake_timer()
     model = seeded(DeepNet)
     cfg = hookprof.Config(**every_step)
     prof = hookprof.Profiler(model, cfg, timer=timer)
@@ -69,9 +61,42 @@ def test_profiler_steps_with_the_event_timer(every_step):
         assert snap.layers[name].forward_seconds_total > 0
         assert snap.layers[name].backward_seconds_total > 0
     assert len(timer._pool) == timer.created  # every event released after use
+    # the stream is looked up once per sampled step, not at every mark (the fourth has begun)
+    assert snap.sampled_steps == 3 and len(lookups) == 4
+    assert timer.created > 50
 
 
 def test_cpu_timer_uses_the_injected_clock():
     ticks = iter([10, 2_000_000_010])
     timer = CpuTimer(clock=lambda: next(ticks))
     assert timer.seconds(timer.mark(), timer.mark()) == pytest.approx(2.0)
+
+
+def test_a_step_is_resolved_with_one_wait():
+    """Two thousand marks of one step: one synchronize (on the last event recorded), then
+    elapsed times; the GIL is released every RESOLVE_CHUNK events."""
+    yields = []
+    timer, _ = fake_timer(yield_gil=lambda: yields.append(1))
+    ref = timer.start()
+    tokens = [timer.mark() for _ in range(2000)]
+    before = FakeEvent.syncs
+    times = timer.resolve(ref, [ref, *tokens])
+    assert FakeEvent.syncs - before == 1
+    assert times[ref] == 0.0
+    assert [times[t] for t in tokens] == pytest.approx([(k + 1) * 250e-6 for k in range(2000)])
+    assert len(yields) == 2001 // RESOLVE_CHUNK
+
+
+def test_an_event_the_last_wait_does_not_cover_is_waited_for_alone():
+    """A stream switched between steps: the event recorded last is on another stream, so
+    waiting on it completes nothing of this step's; each event is then waited for alone
+    instead of failing."""
+    timer, _ = fake_timer()
+    ref = timer.start()
+    step_tokens = [timer.mark() for _ in range(3)]
+    other = FakeStream()
+    timer._current_stream = lambda: other
+    timer.start()  # the next step, on another stream, marked last
+    times = timer.resolve(ref, step_tokens)
+    assert [times[t] for t in step_tokens] == pytest.approx([250e-6, 500e-6, 750e-6])
+    assert all(t.synced for t in step_tokens)

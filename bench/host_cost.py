@@ -1,0 +1,354 @@
+"""hookprof's host work per training step, for the four workload shapes of issue 13.
+
+    python bench/host_cost.py                  # CPU: narrow models (bench/shapes.py), ~2 min
+    python bench/host_cost.py --against main   # the same, for main and this checkout side by side
+    python bench/host_cost.py --full           # the issue's sizes (on a GPU)
+
+Printed per workload:
+Times are host wall time on CUDA, and on a CPU the timed thread's CPU time with torch on one
+thread (a shared machine's other processes do not count).
+
+- unsampled: host microseconds hookprof spends per unsampled step, timed around its own
+  calls (root forward pre-hook and output hook, optimizer pre/post hooks, prof.step), and
+  the ATen ops it issues in them (each a kernel launch on a GPU). On CUDA nothing in there
+  waits for the device, so the time is host time, the issue's target (<= 100 us on the
+  ResNet-50 shape); on a CPU every op runs where it is issued, so the time includes reading
+  every gradient: a trend, not the target.
+- sampled: host microseconds per instrumented leaf on a sampled step: (host time of a sampled
+  step - host time of an unsampled one, medians, same profiler, alternating steps) / layers.
+  On CUDA each step starts after a synchronize and is timed until the optimizer returns,
+  without waiting for the device. Target on CUDA: <= 10 us.
+- publisher: resolving one sampled step's timings for a model of 500 layers: the longest
+  stretch the publisher thread holds the GIL while resolving (it releases it every
+  RESOLVE_CHUNK events), the whole resolution, and the whole fold of the step, all in the
+  thread's CPU time (what it computes while holding the GIL; wall time would add the OS's
+  preemptions on a loaded machine). On a CPU the
+  timer is the CUDA event timer over tests/fake_gpu.py's stand-in events (the publisher's
+  Python is what is measured); on CUDA, real events. Target: <= 1 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# the hookprof under test: HOOKPROF_ROOT (set by --against for each version) or this checkout
+sys.path[:0] = [os.environ.get("HOOKPROF_ROOT", ROOT), HERE, os.path.join(ROOT, "tests")]
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import hookprof  # noqa: E402
+import shapes  # noqa: E402
+from hookprof import profiler as profiler_module  # noqa: E402
+from op_counter import OpCounter  # noqa: E402
+
+BOUNDARY_METHODS = ("_on_root_forward", "_on_root_output", "_on_optimizer_pre", "_on_optimizer_post", "step")
+
+
+class BoundaryMeter:
+    """Times (and optionally counts the ATen ops of) the Profiler's step-boundary methods.
+    Patched on the class before attach(), which binds them as hooks; nested calls count once."""
+
+    def __init__(self, clock) -> None:
+        self.clock = clock
+        self.ns = 0
+        self.counter: OpCounter | None = None
+        self._depth = threading.local()
+        self._saved: dict[str, object] = {}
+
+    def install(self) -> None:
+        for name in BOUNDARY_METHODS:
+            original = getattr(profiler_module.Profiler, name)
+            self._saved[name] = original
+            setattr(profiler_module.Profiler, name, self._wrap(original))
+
+    def remove(self) -> None:
+        for name, original in self._saved.items():
+            setattr(profiler_module.Profiler, name, original)
+
+    def _wrap(self, original):
+        meter = self
+
+        def timed(*args, **kwargs):
+            depth = getattr(meter._depth, "n", 0)
+            if depth:
+                return original(*args, **kwargs)
+            meter._depth.n = 1
+            mode = meter.counter if meter.counter is not None else contextlib.nullcontext()
+            t0 = meter.clock()
+            try:
+                with mode:
+                    return original(*args, **kwargs)
+            finally:
+                meter.ns += meter.clock() - t0
+                meter._depth.n = 0
+
+        return timed
+
+
+def host_clock(device: torch.device):
+    """Host time on CUDA (wall: launches that wait for a full queue count, as in a loop). On a
+    CPU the thread's CPU time, with torch on this one thread (see main): the machine may be
+    shared, and time the OS gives to other processes is not hookprof's."""
+    return time.perf_counter_ns if device.type == "cuda" else time.thread_time_ns
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # note: outside the timed part, so each step starts idle
+
+
+def measure_workload(name: str, device: torch.device, full: bool, steps: int, accelerator_path: bool) -> dict:
+    shape = shapes.build(name, device, full=full)
+    clock = host_clock(device)
+    meter = BoundaryMeter(clock)
+    meter.install()
+    try:
+        gradients = sys.modules.get("hookprof.gradients")
+        forced = accelerator_path and hasattr(gradients, "GradientNorms") and hasattr(
+            gradients.GradientNorms, "cpu_dot_per_tensor")
+        if forced:
+            gradients.GradientNorms.cpu_dot_per_tensor = False
+        prof = hookprof.attach(shape.model, port=0, sample_every=2, min_sample_interval_s=0.0)
+        try:
+            for _ in range(4):  # warm-up: the first sampled step, cached plans, allocators
+                shape.step()
+            host = {True: [], False: []}
+            boundary = []
+            for _ in range(steps):
+                sampled = prof._plan.sampled
+                sync(device)
+                meter.ns = 0
+                t0 = clock()
+                shape.step()
+                host[sampled].append(clock() - t0)
+                if not sampled:
+                    boundary.append(meter.ns)
+                sync(device)
+            while prof._plan.sampled:  # count the ops of one unsampled step
+                shape.step()
+            meter.counter = OpCounter()
+            shape.step()
+            ops = meter.counter.ops
+            meter.counter = None
+            layers = len(prof.table)
+        finally:
+            prof.detach()
+            if forced:
+                gradients.GradientNorms.cpu_dot_per_tensor = True
+    finally:
+        meter.remove()
+    unsampled_us = statistics.median(boundary) / 1e3
+    per_leaf_us = (statistics.median(host[True]) - statistics.median(host[False])) / 1e3 / layers
+    return {
+        "workload": shape.name,
+        "grads": sum(1 for p in shape.model.parameters() if p.requires_grad),
+        "layers": layers,
+        "unsampled_us": unsampled_us,
+        "unsampled_ops": sum(ops.values()),
+        "foreach_norm_ops": ops.get("aten._foreach_norm.Scalar", 0),
+        "sampled_per_leaf_us": per_leaf_us,
+        "step_ms_unsampled": statistics.median(host[False]) / 1e6,
+        "accelerator_path": forced,
+    }
+
+
+def measure_publisher(device: torch.device, layers: int = 500, steps: int = 8) -> dict:
+    """Resolving one sampled step of a `layers`-layer model: GIL stretches and totals."""
+    from hookprof import aggregate, timing
+
+    pairs = [m for _ in range(layers // 2) for m in (nn.Linear(16, 16), nn.ReLU())]
+    model = nn.Sequential(*pairs).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 16, device=device)
+    stamps: list[int] = []  # perf_counter_ns at each GIL release inside a resolution
+
+    # thread CPU time, not wall time: on a loaded machine the OS preempts the thread while it
+    # holds the GIL, and that is not work of ours
+    clock = time.thread_time_ns
+
+    def yield_gil() -> None:
+        stamps.append(clock())
+        time.sleep(0)
+
+    if device.type == "cuda":
+        try:
+            timer = timing.CudaEventTimer(yield_gil=yield_gil)
+        except TypeError:  # a version without the chunked resolution
+            timer = timing.CudaEventTimer()
+        kind = "real CUDA events"
+    else:
+        import fake_gpu
+
+        stream = fake_gpu.FakeStream()
+        try:
+            timer = timing.CudaEventTimer(event_factory=fake_gpu.FakeEvent, current_stream=lambda: stream,
+                                          yield_gil=yield_gil)
+        except TypeError:
+            timer = timing.CudaEventTimer(event_factory=fake_gpu.FakeEvent)
+        kind = "stand-in CUDA events (tests/fake_gpu.py)"
+    longest, resolve_ns, fold_ns, tokens = [], [], [], []
+    original_resolve = aggregate.Aggregator._resolve_times
+    original_fold = aggregate.Aggregator.fold
+
+    def timed_resolve(self, rec, tmr):
+        tokens.append(sum(1 for _ in rec.tokens()))
+        stamps.clear()
+        t0 = clock()
+        try:
+            return original_resolve(self, rec, tmr)
+        finally:
+            t1 = clock()
+            marks = [t0, *stamps, t1]
+            longest.append(max(b - a for a, b in zip(marks, marks[1:])))
+            resolve_ns.append(t1 - t0)
+
+    def timed_fold(self, packet, tmr):
+        t0 = clock()
+        try:
+            return original_fold(self, packet, tmr)
+        finally:
+            if packet.record is not None:  # not the drains of the counters that flush() sends
+                fold_ns.append(clock() - t0)
+
+    aggregate.Aggregator._resolve_times = timed_resolve
+    aggregate.Aggregator.fold = timed_fold
+    try:
+        cfg = hookprof.Config(port=0, sample_every=1, min_sample_interval_s=0.0)
+        prof = hookprof.Profiler(model, cfg, timer=timer)
+        try:
+            for _ in range(steps):
+                opt.zero_grad(set_to_none=True)
+                model(x).square().mean().backward()
+                opt.step()
+                prof.flush()
+        finally:
+            prof.detach()
+    finally:
+        aggregate.Aggregator._resolve_times = original_resolve
+        aggregate.Aggregator.fold = original_fold
+    skip = 2  # the first folds build the per-layer tables
+    return {
+        "layers": layers,
+        "timer": kind,
+        "events_per_step": tokens[-1],
+        "longest_gil_hold_ms": statistics.median(longest[skip:]) / 1e6,
+        "resolve_ms": statistics.median(resolve_ns[skip:]) / 1e6,
+        "fold_ms": statistics.median(fold_ns[skip:]) / 1e6,
+    }
+
+
+def run_here(args) -> dict:
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # every op on the timed thread (see host_clock)
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(hookprof.__file__),
+                         capture_output=True, text=True).stdout.strip()
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else None
+    result = {"hookprof": os.path.dirname(os.path.dirname(os.path.abspath(hookprof.__file__))), "rev": rev,
+              "torch": torch.__version__, "device": gpu or f"CPU ({os.cpu_count()} cores)",
+              "full": args.full, "workloads": [], "publisher": None}
+    for name in args.workloads.split(","):
+        if name == "hf-gpt2" and not shapes.hf_available():
+            print(f"# {name}: transformers is not importable, skipped", flush=True)
+            continue
+        r = measure_workload(name, device, args.full, args.steps, args.accelerator_path)
+        result["workloads"].append(r)
+        print(f"# {name}: {json.dumps(r)}", flush=True)
+    if not args.skip_publisher:
+        result["publisher"] = measure_publisher(device)
+        print(f"# publisher: {json.dumps(result['publisher'])}", flush=True)
+    return result
+
+
+def table(results: list[tuple[str, dict]]) -> str:
+    labels = [label for label, _ in results]
+    head = "| workload (grads, layers) | " + " | ".join(
+        f"unsampled us/step ({lb}) | ATen ops/unsampled step ({lb}) | sampled us/leaf ({lb})" for lb in labels) + " |"
+    lines = [head, "|---|" + "---|---|---|" * len(labels)]
+    first = results[0][1]["workloads"]
+    for i, w in enumerate(first):
+        cells = []
+        for _, r in results:
+            x = next((v for v in r["workloads"] if v["workload"] == w["workload"]), None)
+            if x is None:
+                cells += ["-", "-", "-"]
+                continue
+            cells += [f"{x['unsampled_us']:.0f}", f"{x['unsampled_ops']}", f"{x['sampled_per_leaf_us']:.1f}"]
+        lines.append(f"| {w['workload']} ({w['grads']}, {w['layers']}) | " + " | ".join(cells) + " |")
+    pubs = [(lb, r["publisher"]) for lb, r in results if r.get("publisher")]
+    if pubs:
+        lines += ["", "| publisher, one sampled step of 500 layers | " + " | ".join(lb for lb, _ in pubs) + " |",
+                  "|---|" + "---|" * len(pubs)]
+        for key, what in (("longest_gil_hold_ms", "longest GIL hold while resolving (ms)"),
+                          ("resolve_ms", "whole resolution (ms)"), ("fold_ms", "whole fold (ms)")):
+            lines.append(f"| {what} | " + " | ".join(f"{p[key]:.2f}" for _, p in pubs) + " |")
+    return "\n".join(lines)
+
+
+def against(args, argv: list[str]) -> list[tuple[str, dict]]:
+    """This script once per version, each in its own process with that version's hookprof."""
+    tmp = tempfile.mkdtemp(prefix="hookprof-hostcost-")
+    base = os.path.join(tmp, "base")
+    subprocess.run(["git", "worktree", "add", "--detach", "--quiet", base, args.against], cwd=ROOT, check=True)
+    try:
+        child_args = [a for a in argv if not a.startswith("--against")]
+        if "--against" in argv:  # "--against REV" as two words
+            i = argv.index("--against")
+            child_args = argv[:i] + argv[i + 2:]
+        out = []
+        for label, root in ((args.against, base), ("this checkout", ROOT)):
+            path = os.path.join(tmp, f"{len(out)}.json")
+            env = dict(os.environ, HOOKPROF_ROOT=root, PYTHONPATH=root)
+            subprocess.run([sys.executable, os.path.abspath(__file__), *child_args, "--json", path],
+                           env=env, check=True)
+            with open(path) as f:
+                out.append((label, json.load(f)))
+        return out
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", base], cwd=ROOT, check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--full", action="store_true", help="the issue's sizes (for a GPU)")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per workload (half sampled)")
+    parser.add_argument("--workloads", default=",".join(shapes.NAMES))
+    parser.add_argument("--accelerator-path", action="store_true",
+                        help="on a CPU, reduce gradients as on a GPU (one fused pass), where the version can")
+    parser.add_argument("--skip-publisher", action="store_true")
+    parser.add_argument("--against", metavar="REV", help="also run a git revision (in a temporary worktree)")
+    parser.add_argument("--json", help="write the numbers here")
+    args = parser.parse_args(argv)
+    print(f"# hookprof host cost: torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, "
+          f"device {args.device}{' (' + torch.cuda.get_device_name() + ')' if args.device == 'cuda' else ''}, "
+          f"{'full' if args.full else 'narrow'} sizes", flush=True)
+    if args.against:
+        results = against(args, argv)
+    else:
+        results = [("this checkout", run_here(args))]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results[0][1], f, indent=2)
+            return 0
+    print()
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

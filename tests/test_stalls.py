@@ -1,0 +1,148 @@
+"""The stall watch in one process, as it happens: a layer that blocks in its forward, a
+DataLoader worker that sleeps, a long section inside expect_slow, a slow first step. Each is
+watched through the real /metrics page while the training thread is stuck."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import hookprof
+from conftest import parse, samples, scrape
+from models import DeepNet, seeded
+from stalling import Sleeper, SlowItems
+
+FAST = dict(port=0, stall_min_s=0.3, stall_factor=5.0, stall_warmup_steps=2, publish_interval_s=0.1)
+
+
+def page(prof) -> dict:
+    return parse(scrape(prof.url))
+
+
+def stall_info(families) -> dict:
+    found = samples(families, "hookprof_stall_info")
+    return {k: v for k, v in ((dict(k)["phase"], dict(k)) for k in found)} if found else {}
+
+
+def watch_page(prof, until, timeout: float = 15.0, then=None):
+    """Scrape from another thread until `until(families)` holds; returns those families."""
+    seen: dict = {}
+
+    def poll():
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            families = page(prof)
+            if until(families):
+                seen["families"] = families
+                seen["at"] = time.monotonic()
+                break
+            time.sleep(0.05)
+        if then is not None:
+            then()
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    return thread, seen
+
+
+def test_a_layer_blocked_in_its_forward_is_named_with_phase_step_and_stack(caplog):
+    release, started = threading.Event(), {}
+    model = seeded(DeepNet)
+    model.blocks[2].act = Sleeper(at=6, release=release, started=lambda n: started.setdefault("t", time.monotonic()))
+    prof = hookprof.attach(model, **FAST)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    thread, seen = watch_page(prof, lambda f: samples(f, "hookprof_stall_info"), then=release.set)
+    try:
+        with caplog.at_level("WARNING", logger="hookprof"):
+            for _ in range(8):
+                x, y = model.batch(g)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        thread.join(20)
+        families = seen["families"]
+        (labels,) = samples(families, "hookprof_stall_info")
+        assert dict(labels) == {"rank": "0", "step": "6", "phase": "forward", "layer": "blocks.2.act",
+                                "waiting_on": "code"}
+        assert samples(families, "hookprof_stalled") == {frozenset({"rank": "0"}.items()): 1.0}
+        assert samples(families, "hookprof_progress_phase") == {frozenset({"rank": "0", "phase": "forward"}.items()): 1.0}
+        # judged after the threshold (0.3 s: the floor, a forward takes ~1 ms), not before
+        assert seen["at"] - started["t"] >= 0.3
+        prof.flush()
+        snap = prof.snapshot()
+        assert snap.stall is None and snap.stalls == 1  # it went on
+        assert samples(page(prof), "hookprof_stalled") == {frozenset({"rank": "0"}.items()): 0.0}
+        block = next(r.getMessage() for r in caplog.records if "stalled in the forward" in r.getMessage())
+        assert "step 6" in block and "innermost layer: blocks.2.act" in block
+        assert "stalling.py" in block and "in forward" in block  # the Sleeper's frame
+    finally:
+        release.set()
+        prof.detach()
+
+
+def test_a_stall_in_data_loading_is_phase_data():
+    model = seeded(DeepNet)
+    prof = hookprof.attach(model, **FAST)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # batch 6 (items 30..34 with batch_size 5) takes 3 s in the worker
+    loader = torch.utils.data.DataLoader(SlowItems(60, slow_at=30, delay_s=3.0), batch_size=5, num_workers=1,
+                                         prefetch_factor=1)
+    thread, seen = watch_page(prof, lambda f: samples(f, "hookprof_stall_info"))
+    try:
+        for x, y in loader:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        thread.join(20)
+        (labels,) = samples(seen["families"], "hookprof_stall_info")
+        assert dict(labels) == {"rank": "0", "step": "7", "phase": "data", "layer": "(unknown)",
+                                "waiting_on": "data"}
+        assert prof.snapshot().stall.stack[-1].split(" in ")[-1].startswith(("_try_get_data", "wait", "get", "_poll",
+                                                                                   "poll", "_recv", "select"))
+    finally:
+        prof.detach()
+
+
+def test_expect_slow_and_the_first_steps_never_stall(tmp_path):
+    model = seeded(DeepNet)
+    prof = hookprof.attach(model, **FAST)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    outside = {}
+    try:
+        for step in range(1, 9):
+            x, y = model.batch(g)
+            if step == 1:
+                time.sleep(1.0)  # a first compile, say: warm-up learns, never judges
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 5:
+                with prof.expect_slow("checkpoint"):
+                    torch.save(model.state_dict(), tmp_path / "ckpt.pt")
+                    time.sleep(1.5)  # a slow filesystem
+                    outside = samples(page(prof), "hookprof_progress_phase")
+        prof.flush()
+        assert outside == {frozenset({"rank": "0", "phase": "outside"}.items()): -1.0}
+        assert prof.snapshot().stalls == 0
+        assert samples(page(prof), "hookprof_stalls", "hookprof_stalls_total") == {frozenset({"rank": "0"}.items()): 0.0}
+    finally:
+        prof.detach()
+
+
+def test_without_stall_detection_no_thread_runs():
+    before = {t.name for t in threading.enumerate()}
+    prof = hookprof.attach(seeded(DeepNet), port=0, stall_detection=False)
+    try:
+        assert not any("stall-watch" in t.name for t in threading.enumerate())
+    finally:
+        prof.detach()
+    prof = hookprof.attach(seeded(DeepNet), port=0)
+    assert any("stall-watch" in t.name for t in threading.enumerate())
+    prof.detach()
+    time.sleep(0.1)
+    assert {t.name for t in threading.enumerate() if "stall-watch" in t.name} <= before

@@ -167,17 +167,28 @@ class StallWatch:
         )
 
     def _innermost_module(self, frames: list[Any]) -> str:
-        names = self._module_names
         for frame in frames:  # innermost first
-            code = frame.f_code
-            if code.co_argcount and code.co_varnames[0] == "self":
-                name = names.get(id(frame.f_locals.get("self")))
-                if name is not None:
-                    return name
+            name = self._module_of(frame)
+            if name is not None:
+                return name
         return UNKNOWN_LAYER
 
+    def _module_of(self, frame: Any) -> str | None:
+        """The model's module whose method this frame runs, if any."""
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            return self._module_names.get(id(frame.f_locals.get("self")))
+        return None
+
     def _waiting_on(self, frames: list[Any], collectives: list[tuple[str, bool]]) -> str:
-        files = [f.f_code.co_filename.replace(os.sep, "/") for f in frames]
+        # only the frames inside the innermost module call (or all, outside the model) say
+        # what the thread waits on: DDP's forward is on the stack of every step's forward
+        inner = []
+        for frame in frames:
+            if self._module_of(frame) is not None:
+                break
+            inner.append(frame)
+        files = [f.f_code.co_filename.replace(os.sep, "/") for f in inner]
         if any(in_flight for _, in_flight in collectives) or _any_in(files, _COLLECTIVE_FILES):
             return "collective"
         if _any_in(files, _DATA_FILES):

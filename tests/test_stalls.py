@@ -146,3 +146,55 @@ def test_without_stall_detection_no_thread_runs():
     prof.detach()
     time.sleep(0.1)
     assert {t.name for t in threading.enumerate() if "stall-watch" in t.name} <= before
+
+
+def test_threshold_is_factor_times_the_median_within_floor_and_ceiling():
+    """The watch's judgement on a clock of our own (no thread): learned per phase from the
+    steps it saw, warm-up first, a stall reported once and cleared when the phase moves on."""
+    from hookprof.faults import Faults
+    from hookprof.progress import BACKWARD, FORWARD, Progress
+    from hookprof.watchdog import StallWatch
+
+    s = 1_000_000_000
+    progress = Progress(0)
+    watch = StallWatch(progress, seeded(DeepNet), factor=4.0, min_s=1.0, max_s=30.0, warmup_steps=3,
+                       faults=Faults(), rank=0, model_name="DeepNet", clock=lambda: 0)
+    now = 0
+    forward_s = [2, 3, 10, 2, 3]  # median 3: a threshold of 12 s
+    for number, fwd in enumerate(forward_s, 1):
+        progress.enter(FORWARD, now)
+        now += fwd * s
+        progress.enter(BACKWARD, now)
+        now += s // 10  # 0.1 s: 4 x 0.1 is under the 1 s floor
+        progress.end_step(number, now)
+        watch.check(now)  # one poll per step: every step is learned
+    assert watch.threshold(FORWARD) == 12.0
+    assert watch.threshold(BACKWARD) == 1.0  # the floor
+    progress.enter(FORWARD, now)
+    assert watch.check(now + 11 * s) is None
+    report = watch.check(now + 13 * s)
+    assert (report.step, report.phase, report.seconds, report.threshold_seconds, report.typical_seconds) == (
+        6, "forward", 13.0, 12.0, 3.0)
+    assert watch.check(now + 20 * s) is report and watch.stalls == 1  # once per stall
+    progress.enter(BACKWARD, now + 21 * s)
+    assert watch.check(now + 21 * s) is None and watch.stall is None
+    # the ceiling: a phase whose typical duration is huge still stalls at stall_max_s
+    for _ in range(40):
+        watch._typical[FORWARD].append(100.0)
+    assert watch.threshold(FORWARD) == 30.0
+
+
+def test_no_judgement_during_warm_up():
+    from hookprof.faults import Faults
+    from hookprof.progress import FORWARD, Progress
+    from hookprof.watchdog import StallWatch
+
+    progress = Progress(0)
+    watch = StallWatch(progress, seeded(DeepNet), factor=2.0, min_s=1.0, max_s=30.0, warmup_steps=3,
+                       faults=Faults(), rank=0, model_name="DeepNet", clock=lambda: 0)
+    for number in (1, 2):
+        progress.enter(FORWARD, number * 10**9)
+        progress.end_step(number, number * 10**9 + 10**8)
+        watch.check(number * 10**9 + 10**8)
+    progress.enter(FORWARD, 3 * 10**9)  # step 3: only 2 steps completed
+    assert watch.check(100 * 10**9) is None and watch.stalls == 0

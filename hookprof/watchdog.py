@@ -130,8 +130,8 @@ class StallWatch:
         if limit is None or elapsed <= limit:
             return None
         frames = _stack_of(self.training_thread)
-        if _excused(frames):  # a checkpoint save or a compile: looked at again next poll
-            return None
+        if elapsed <= self._max_s and _excused(frames):
+            return None  # known long work: judged against the ceiling alone, looked at again next poll
         self._judged = key
         self.stalls += 1
         self.stall = self._report(where, elapsed, limit, frames, now_ns)
@@ -245,11 +245,16 @@ def _any_in(files: list[str], fragments: tuple[str, ...]) -> bool:
 
 
 def _excused(frames: list[Any]) -> str | None:
+    """What known long work is on the stack: a checkpoint, a compile, or a DataLoader's
+    first batch of an epoch (workers starting, datasets opening: `_num_yielded` is 0)."""
     for frame in frames:
         path = frame.f_code.co_filename.replace(os.sep, "/")
         for fragment, what in _EXCUSED_FILES.items():
             if fragment in path:
                 return what
+        if "torch/utils/data/dataloader.py" in path and frame.f_code.co_varnames[:1] == ("self",):
+            if getattr(frame.f_locals.get("self"), "_num_yielded", None) == 0:
+                return "epoch start"
     return None
 
 

@@ -380,13 +380,13 @@ class Profiler:
                 torch.save(model.state_dict(), path)
         """
         progress = self._progress
-        before = progress.where
+        step, phase, _, label = progress.where
         progress.enter(OUTSIDE, self._clock(), what)
         try:
             yield
         finally:
-            if not self._detached and progress.where.step == before.step:
-                progress.enter(before.phase, self._clock(), before.label)
+            if not self._detached and progress.where[0] == step:  # the step did not end inside
+                progress.enter(phase, self._clock(), label)
 
     def detach(self) -> None:
         """Remove every hook, send the last sample, stop the thread and the server. Idempotent."""
@@ -516,7 +516,7 @@ class Profiler:
         training = torch.is_grad_enabled() and module.training
         self._hooks.root_forward_began(training)
         if not training:
-            if self._progress.where.phase in (DATA, OTHER):  # an evaluation between steps
+            if self._progress.where[1] in (DATA, OTHER):  # an evaluation between steps
                 self._progress.enter(OUTSIDE, self._clock(), "eval")
             return
         try:

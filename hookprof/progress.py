@@ -26,8 +26,6 @@ the phases of a step add up to its duration (hookprof_step_duration_seconds).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 DATA, FORWARD, BACKWARD, OPTIMIZER, OTHER = range(len(PHASES))
 OUTSIDE = len(PHASES)  # outside a step: never a stall
@@ -38,13 +36,11 @@ def phase_name(phase: int) -> str:
     return PHASES[phase] if phase < OUTSIDE else OUTSIDE_NAME
 
 
-class Where(NamedTuple):
-    """The training thread's position, replaced whole at every boundary."""
-
-    step: int  # the step in progress (steps completed + 1)
-    phase: int  # index in PHASES, or OUTSIDE
-    since_ns: int  # the clock reading at which this phase began
-    label: str | None = None  # what an OUTSIDE section is ("eval", expect_slow's name)
+# The training thread's position, replaced whole at every boundary: a plain tuple
+# (step in progress, phase index or OUTSIDE, clock reading at which the phase began, label of
+# an OUTSIDE section: "eval", "start", expect_slow's name). A NamedTuple costs ~10 clock reads
+# to build, a tuple next to nothing: this is built at every boundary of every step.
+Where = tuple[int, int, int, "str | None"]
 
 
 class Progress:
@@ -54,33 +50,35 @@ class Progress:
 
     def __init__(self, now_ns: int):
         # before the first step's first forward the model is being set up: outside a step
-        self.where = Where(1, OUTSIDE, now_ns, "start")
+        self.where: Where = (1, OUTSIDE, now_ns, "start")
         self.last_step: tuple[int, tuple[float, ...]] | None = None  # (number, seconds per phase)
         self.totals: tuple[int, tuple[float, ...]] = (0, (0.0,) * len(PHASES))  # (steps, sums)
         self._spent = [0] * (OUTSIDE + 1)  # ns per phase in the step in progress
 
     def enter(self, phase: int, now_ns: int, label: str | None = None) -> None:
         """The training thread moves to `phase` at `now_ns`."""
-        where = self.where
-        self._spent[where.phase] += now_ns - where.since_ns
-        self.where = Where(where.step, phase, now_ns, label)
+        step, current, since, _ = self.where
+        self._spent[current] += now_ns - since
+        self.where = (step, phase, now_ns, label)
 
     def restart(self, now_ns: int) -> None:
         """The step's clock starts now (the first step's first forward): what was spent
         before is not part of any step."""
         self._spent = [0] * (OUTSIDE + 1)
-        self.where = self.where._replace(since_ns=now_ns)
+        step, phase, _, label = self.where
+        self.where = (step, phase, now_ns, label)
 
     def end_step(self, number: int, now_ns: int) -> None:
         """Step `number` ended at `now_ns`: fold its phases into the totals; the next step
         waits for its data."""
+        _, current, since, _ = self.where
         spent = self._spent
-        spent[self.where.phase] += now_ns - self.where.since_ns
-        spent[OTHER] += spent[OUTSIDE]
-        seconds = (spent[DATA] * 1e-9, spent[FORWARD] * 1e-9, spent[BACKWARD] * 1e-9,
-                   spent[OPTIMIZER] * 1e-9, spent[OTHER] * 1e-9)
-        steps, sums = self.totals
-        self.totals = (steps + 1, tuple(a + b for a, b in zip(sums, seconds)))
+        spent[current] += now_ns - since
+        data, forward, backward, optimizer, other, outside = spent
+        seconds = (data * 1e-9, forward * 1e-9, backward * 1e-9, optimizer * 1e-9, (other + outside) * 1e-9)
+        steps, (s_data, s_forward, s_backward, s_optimizer, s_other) = self.totals
+        self.totals = (steps + 1, (s_data + seconds[0], s_forward + seconds[1], s_backward + seconds[2],
+                                   s_optimizer + seconds[3], s_other + seconds[4]))
         self.last_step = (number, seconds)
-        self._spent = [0] * (OUTSIDE + 1)
-        self.where = Where(number + 1, DATA, now_ns)
+        self._spent = [0, 0, 0, 0, 0, 0]
+        self.where = (number + 1, DATA, now_ns, None)

@@ -118,15 +118,15 @@ class StallWatch:
 
     def check(self, now_ns: int | None = None) -> StallReport | None:
         self._learn()
-        where = self._progress.where
+        step, phase, since, _ = self._progress.where
         now_ns = self._clock() if now_ns is None else now_ns
-        key = (where.step, where.phase, where.since_ns)
+        key = (step, phase, since)
         if self._judged is not None and self._judged != key:
             self._resolved(now_ns)
-        if self._judged == key or where.phase == OUTSIDE or where.step - 1 < self._warmup:
+        if self._judged == key or phase == OUTSIDE or step - 1 < self._warmup:
             return self.stall
-        limit = self.threshold(where.phase)
-        elapsed = (now_ns - where.since_ns) * 1e-9
+        limit = self.threshold(phase)
+        elapsed = (now_ns - since) * 1e-9
         if limit is None or elapsed <= limit:
             return None
         frames = _stack_of(self.training_thread)
@@ -134,7 +134,7 @@ class StallWatch:
             return None  # known long work: judged against the ceiling alone, looked at again next poll
         self._judged = key
         self.stalls += 1
-        self.stall = self._report(where, elapsed, limit, frames, now_ns)
+        self.stall = self._report(step, phase, elapsed, limit, frames)
         log.warning(self._describe(self.stall))
         return self.stall
 
@@ -154,13 +154,13 @@ class StallWatch:
                         self._rank, self._model_name, stall.phase, stall.step,
                         self._wall_clock() - stall.started_at)
 
-    def _report(self, where: Any, elapsed: float, limit: float, frames: list[Any], now_ns: int) -> StallReport:
+    def _report(self, step: int, phase: int, elapsed: float, limit: float, frames: list[Any]) -> StallReport:
         layer = self._innermost_module(frames)
         collectives = last_collectives()
         return StallReport(
-            step=where.step, phase=phase_name(where.phase), layer=layer,
+            step=step, phase=phase_name(phase), layer=layer,
             waiting_on=self._waiting_on(frames, collectives), seconds=elapsed,
-            threshold_seconds=limit, typical_seconds=statistics.median(self._typical[where.phase]),
+            threshold_seconds=limit, typical_seconds=statistics.median(self._typical[phase]),
             started_at=self._wall_clock() - elapsed,
             stack=tuple(_describe_frame(f) for f in reversed(frames[:MAX_STACK])),
             collectives=tuple(c[0] for c in collectives),
@@ -218,13 +218,12 @@ class StallWatch:
 
     def decorate(self, snap: Snapshot) -> Snapshot:
         """The publisher's snapshot with the phase totals, the position and the stall."""
-        where = self._progress.where
+        step, phase, since, label = self._progress.where
         steps, sums = self._progress.totals
-        position = StepProgress(where.step, phase_name(where.phase),
-                                max(0.0, (self._clock() - where.since_ns) * 1e-9), where.label)
+        position = StepProgress(step, phase_name(phase), max(0.0, (self._clock() - since) * 1e-9), label)
         # a stall is shown while its phase lasts, even before the next poll clears it
         judged, stall = self._judged, self.stall
-        current = judged == (where.step, where.phase, where.since_ns)
+        current = judged == (step, phase, since)
         return dataclasses.replace(
             snap, phase_seconds=dict(zip(PHASES, sums)), phase_steps=steps, progress=position,
             stall=stall if current else None, stalls=self.stalls)

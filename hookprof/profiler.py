@@ -643,7 +643,11 @@ class Profiler:
                 self._guard.after_update()
             if not self._owns(optimizer):
                 return
-            self._progress.enter(OTHER, self._clock())
+            # only the post-hook of the step in progress: a subclass calling super().step()
+            # runs the hooks twice when both classes were patched by torch, the outer one
+            # after this hook ended the step
+            if self._progress.where[1] == OPTIMIZER:
+                self._progress.enter(OTHER, self._clock())
             if not self._manual and self._in_step():
                 self._end_step(None, by_optimizer=True)
         except NonFiniteError:

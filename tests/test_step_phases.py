@@ -40,7 +40,9 @@ class TimedNet(nn.Module):
 
 
 class TimedSGD(torch.optim.SGD):
-    """An update that takes `step_ms` on the fake clock."""
+    """An update that takes `step_ms` on the fake clock. Its step calls SGD's: once an SGD
+    has been made, torch has wrapped both classes' step with the optimizer hooks, which then
+    run twice (inner and outer), as for any optimizer subclass that calls super().step()."""
 
     def __init__(self, params, clock: FakeClock, step_ms: int):
         super().__init__(params, lr=0.01)
@@ -49,6 +51,9 @@ class TimedSGD(torch.optim.SGD):
     def step(self, closure=None):
         self.clock.advance(self.step_ms)
         return super().step(closure)
+
+
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # wraps SGD.step (see TimedSGD)
 
 
 def profiler(model, clock, **overrides):

@@ -103,7 +103,6 @@ def test_environment_variables_fill_every_field():
         http_max_requests=8, http_max_connections=32, http_header_timeout_s=2.5,
         http_idle_timeout_s=30.0, http_write_timeout_s=4.0, name="student",
         summary_at_exit=False, nonfinite_sync=True,
-        nonfinite_sync=True,
         stall_detection=False, stall_factor=3.0, stall_min_s=12.5, stall_max_s=60.0, stall_warmup_steps=9,
     )
     # every field has a variable: a new field without one fails here

@@ -164,6 +164,8 @@ def build() -> dict:
         "Global gradient norm", "L2 norm over all parameters' gradients at the last sampled step (log scale).",
         q(f"hookprof_gradient_norm{{{MODELS}}}", "{{model}} rank {{rank}}"), log_scale=True, width=12))
 
+    board = with_progress_panels(board)
+
     board = board.with_row(dashboard.Row("Layers"))
     board = board.with_panel(top_layers(
         "Top layers by forward time",
@@ -279,6 +281,39 @@ def build() -> dict:
           "{{reason}} {{instance}}"),
         width=24))
     return json.loads(json.dumps(board.build(), cls=JSONEncoder))
+
+
+def with_progress_panels(board):
+    """Issue 19 / 15: where each step's time goes, where each rank is, and current stalls."""
+    rate = "$__rate_interval"
+    board = board.with_row(dashboard.Row("Step phases and stalls"))
+    phases = series(
+        "Step time by phase",
+        "Mean host seconds per step in each phase (data wait, forward, backward, optimizer, other), "
+        "stacked: the stack is the mean step time. Every step, per model and rank.",
+        q(f"sum by (model, rank, phase) (rate(hookprof_step_phase_seconds_sum{{{MODELS}}}[{rate}]))\n"
+          f"  / sum by (model, rank, phase) (rate(hookprof_step_phase_seconds_count{{{MODELS}}}[{rate}]))",
+          "{{model}} rank {{rank}} {{phase}}"),
+        unit="s", width=8)
+    board = board.with_panel(phases.stacking(common.StackingConfig().mode(common_models.StackingMode.NORMAL)))
+    board = board.with_panel(series(
+        "Progress per rank",
+        "The step each rank is in. A rank that stops while the others wait in a collective falls "
+        "behind here first (HookprofRankStuck names it).",
+        q(f"hookprof_progress_step{{{MODELS}}}", "{{model}} rank {{rank}}"), width=8))
+    board = board.with_panel(
+        table.Panel().title("Current stalls")
+        .description("Each rank's stall state: 1 while its current phase outlasts its learned threshold, "
+                     "with the step, phase, innermost layer and what it waits on (collective, data, device, code).")
+        .datasource(DS).span(8).height(8)
+        .with_target(q(f"max by (rank, model, step, phase, layer, waiting_on) (hookprof_stall_info{{{MODELS}}})\n"
+                       f"  or max by (rank, model) (hookprof_stalled{{{MODELS}}})", instant=True, table_format=True))
+        .with_transformation(DataTransformerConfig(id_val="organize", options={
+            "excludeByName": {"Time": True},
+            "indexByName": {"model": 0, "rank": 1, "Value": 2, "step": 3, "phase": 4, "layer": 5, "waiting_on": 6},
+            "renameByName": {"Value": "stalled"},
+        })))
+    return board
 
 
 def render() -> str:

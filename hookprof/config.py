@@ -162,6 +162,25 @@ class Config:
     step time p50/p95, NaN/Inf counts and the first offender, the five costliest layers. To
     the "hookprof" logger when logging shows INFO, else to stderr."""
 
+    stall_detection: bool = True
+    """Watch for stalls (docs/stalls.md): a small daemon thread compares how long the
+    training thread has been in its current step phase with that phase's typical duration."""
+
+    stall_factor: float = 5.0
+    """A phase lasting more than this many times its typical duration (the median of its
+    share of recent steps) is a stall ..."""
+
+    stall_min_s: float = 30.0
+    """... but never one shorter than this (phases of a few milliseconds vary by more than
+    any factor) ..."""
+
+    stall_max_s: float = 480.0
+    """... and always one longer than this: below the NCCL watchdog's default timeout
+    (10 min), so the report comes while the job is still alive."""
+
+    stall_warmup_steps: int = 3
+    """Steps completed before phases are judged (the first compile, cache warm-up)."""
+
     disable: bool = False
     """Kill switch: attach() returns a profiler that does nothing (HOOKPROF_DISABLE=1)."""
 
@@ -199,6 +218,11 @@ class Config:
         _check_range("vanishing_grad_norm", self.vanishing_grad_norm,
                      0 <= self.vanishing_grad_norm < self.exploding_grad_norm,
                      ">= 0 and below exploding_grad_norm")
+        _check_range("stall_factor", self.stall_factor, self.stall_factor >= 1, ">= 1")
+        _check_range("stall_min_s", self.stall_min_s, self.stall_min_s > 0, "> 0")
+        _check_range("stall_max_s", self.stall_max_s, self.stall_max_s >= self.stall_min_s,
+                     f">= stall_min_s ({self.stall_min_s})")
+        _check_range("stall_warmup_steps", self.stall_warmup_steps, self.stall_warmup_steps >= 0, ">= 0")
         for name in ("rank", "local_rank"):
             value = getattr(self, name)
             _check_range(name, value, value is None or value >= 0, ">= 0 or None")

@@ -11,6 +11,7 @@ server.py) live elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -49,6 +50,7 @@ from .incident import IncidentResponse
 from .instrument import LayerHooks
 from .layers import LayerTable
 from .nonfinite import Detector, loss_flag, nonfinite_flags
+from .progress import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, OUTSIDE, Progress
 from .publisher import Publisher
 from .record import StepCounters, StepRecord, pack_step
 from .replay import ForwardReplay
@@ -59,6 +61,7 @@ from .snapshot import Snapshot
 from . import summary
 from .system import SystemCollector, SystemSampler
 from .timing import Timer, timer_for
+from .watchdog import StallWatch, cuda_busy
 
 _names: set[str] = set()  # the `model` labels of live profilers
 _live: set["Profiler"] = set()  # profilers not yet detached: the only global state
@@ -173,6 +176,17 @@ class Profiler:
         )
         # the report's bounded history, fed by the publisher thread after each fold
         self._history = History(self.table.names, layer_slots=min(LAYER_SLOTS, config.max_layers))
+        with _live_lock:  # the `model` label: unique among the models of this process
+            self.name = _unique_name(config.name or type(model).__qualname__)
+        # where the training thread is (a few stores at the step's boundaries), and the
+        # thread that judges from it whether the run is stuck
+        self._progress = Progress(clock())
+        self._watch = StallWatch(
+            self._progress, model, factor=config.stall_factor, min_s=config.stall_min_s,
+            max_s=config.stall_max_s, warmup_steps=config.stall_warmup_steps, faults=self._faults,
+            rank=self.rank, model_name=self.name, clock=clock, wall_clock=wall_clock,
+            device_busy=cuda_busy(self.table.param_devices()),
+            name=f"hookprof-stall-watch-rank{self.rank}")
         self._publisher = publisher(
             aggregator,
             self._counters,
@@ -182,13 +196,14 @@ class Profiler:
             name=f"hookprof-publisher-rank{self.rank}",
             notices=self._notices,
             history=self._history,
+            decorate=self._watch.decorate,
         )
         self._incidents = IncidentResponse(config, self.rank, self._detector, self._publisher,
                                            self._drain_counters)
         self._supervisor = ThreadSupervisor(self._faults)
         self._supervisor.watch("publisher", self._publisher)
-        with _live_lock:  # the `model` label: unique among the models of this process
-            self.name = _unique_name(config.name or type(model).__qualname__)
+        if config.stall_detection:
+            self._supervisor.watch("stall watch", self._watch)
         publisher = self._publisher
         self.collector = SnapshotCollector(lambda: publisher.latest, torch.__version__,
                                            lambda: publisher.alive, rank=self.rank, model=self.name)
@@ -263,6 +278,8 @@ class Profiler:
             self._handles.append(gradscaler.watch(self._on_scaler_decision))
             self._begin_step(1, self._clock())
             self._publisher.start()
+            if config.stall_detection:
+                self._watch.start()
             if self._system is not None:
                 self._system.start()
             with _live_lock:
@@ -352,6 +369,24 @@ class Profiler:
             raise
         except Exception as exc:
             self._faults.report("step boundary", exc)
+
+    @contextlib.contextmanager
+    def expect_slow(self, what: str = "slow section") -> Any:
+        """Mark a known long section (a checkpoint save, an evaluation, a profiler dump) on
+        the training thread: while it runs the progress shows phase "outside" with `what` as
+        its label, and the stall watch never judges it. Its time counts as phase "other".
+
+            with prof.expect_slow("checkpoint"):
+                torch.save(model.state_dict(), path)
+        """
+        progress = self._progress
+        step, phase, _, label = progress.where
+        progress.enter(OUTSIDE, self._clock(), what)
+        try:
+            yield
+        finally:
+            if not self._detached and progress.where[0] == step:  # the step did not end inside
+                progress.enter(phase, self._clock(), label)
 
     def detach(self) -> None:
         """Remove every hook, send the last sample, stop the thread and the server. Idempotent."""
@@ -481,8 +516,11 @@ class Profiler:
         training = torch.is_grad_enabled() and module.training
         self._hooks.root_forward_began(training)
         if not training:
+            if self._progress.where[1] in (DATA, OTHER):  # an evaluation between steps
+                self._progress.enter(OUTSIDE, self._clock(), "eval")
             return
         try:
+            now = self._clock()
             if not self._plan.checked:  # an unchecked step may need a replay
                 # (the root is never held: the replay keeps the model weakly)
                 self._replay.capture(args, kwargs, module if entry else None)
@@ -500,8 +538,11 @@ class Profiler:
             if not self._forward_seen:
                 self._forward_seen = True
                 self._closed_by_optimizer = False
-                if self._step_start_ns is None:
-                    self._step_start_ns = self._clock()
+                if self._step_start_ns is None:  # the first step begins
+                    self._step_start_ns = now
+                    self._progress.restart(now)
+                    self._watch.follow(threading.get_ident())
+            self._progress.enter(FORWARD, now)
             self._forwards += 1
             if self._forwards == MAX_FORWARDS_PER_STEP:
                 self._no_step_signal()
@@ -516,6 +557,7 @@ class Profiler:
         if not training or not torch.is_grad_enabled():
             return
         try:
+            self._progress.enter(BACKWARD, self._clock())
             # every step: one reduction of the model's output, counted where its result is
             flags = nonfinite_flags(output)
             self._output_flags.extend(flags)  # counted once per step, at its end
@@ -542,6 +584,7 @@ class Profiler:
         try:
             if not self._owns(optimizer):
                 return None
+            self._progress.enter(OPTIMIZER, self._clock())
             # args are those of the unbound step: (optimizer, closure?, ...)
             closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
             if callable(closure):
@@ -559,6 +602,7 @@ class Profiler:
         def closure_then_read() -> Any:
             self._forwards = 0  # LBFGS calls it thousands of times in one step
             result = closure()
+            self._progress.enter(OPTIMIZER, self._clock())  # back in the optimizer's step
             try:  # called once or several times (LBFGS); the parameters are still this step's
                 if self._in_step():
                     self._stepped = True
@@ -597,7 +641,14 @@ class Profiler:
         try:
             if self._guard is not None:
                 self._guard.after_update()
-            if not self._manual and self._in_step() and self._owns(optimizer):
+            if not self._owns(optimizer):
+                return
+            # only the post-hook of the step in progress: a subclass calling super().step()
+            # runs the hooks twice when both classes were patched by torch, the outer one
+            # after this hook ended the step
+            if self._progress.where[1] == OPTIMIZER:
+                self._progress.enter(OTHER, self._clock())
+            if not self._manual and self._in_step():
                 self._end_step(None, by_optimizer=True)
         except NonFiniteError:
             raise
@@ -626,6 +677,8 @@ class Profiler:
         if (self._replay.waiting or self._replay.late) and not skipped:
             self._replay_forward()  # no optimizer hook ran: the parameters are still this step's
         now = self._clock()
+        if self._step_start_ns is None:  # a first step without a forward: no phases to tell
+            self._progress.restart(now)
         start = self._step_start_ns if self._step_start_ns is not None else now
         if not skipped:
             if self._grad_squares is None:
@@ -646,6 +699,7 @@ class Profiler:
         number = self._counters.observe((now - start) * 1e-9, self._wall_clock(), skipped)
         if self._guard is not None:
             self._counters.held_back = self._guard.held_back
+        self._progress.end_step(number, now)
         self._stepped = self._scaler_skipped = False
         if self._plan.sampled:
             self._hooks.end()
@@ -778,6 +832,8 @@ class Profiler:
         self._handles.clear()
         self._drop_entry_hooks()
         self._publisher.stop()
+        if hasattr(self, "_watch"):
+            self._watch.stop()
         if self._system is not None:
             self._system.stop()
         if self._endpoint is not None:
@@ -884,6 +940,9 @@ class DisabledProfiler:
         from .report import document
 
         return document(self.name, Snapshot(), History([]))
+
+    def expect_slow(self, what: str = "slow section") -> contextlib.nullcontext:
+        return contextlib.nullcontext()
 
     def detach(self) -> None:
         self._detached = True

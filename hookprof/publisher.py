@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .aggregate import Aggregator
@@ -37,6 +38,7 @@ class Publisher:
         name: str = "hookprof-publisher",
         notices: Notices | None = None,
         history: History | None = None,
+        decorate: Callable[[Snapshot], Snapshot] | None = None,
     ):
         self._aggregator = aggregator
         self._counters = counters
@@ -45,10 +47,12 @@ class Publisher:
         self._interval_s = interval_s
         self._notices = notices if notices is not None else Notices()
         self.history = history  # the report's bounded history, fed after each fold
+        # adds what other parts own (the step phases, the stall watch) to each snapshot
+        self._decorate = decorate
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: list[Packet] = []  # arrived, not folded yet (kept across a restart)
         self._oldest = 0.0  # when the oldest waiting packet arrived (monotonic)
-        self.latest: Snapshot = aggregator.snapshot(counters, faults.errors, self._notices.all())
+        self.latest: Snapshot = self._build()
         self._name = name
         self.restarts = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -94,7 +98,11 @@ class Publisher:
             self._thread.join(timeout)
 
     def _publish(self) -> None:
-        self.latest = self._aggregator.snapshot(self._counters, self._faults.errors, self._notices.all())
+        self.latest = self._build()
+
+    def _build(self) -> Snapshot:
+        snap = self._aggregator.snapshot(self._counters, self._faults.errors, self._notices.all())
+        return snap if self._decorate is None else self._decorate(snap)
 
     def _run(self) -> None:
         # snapshots are rebuilt at most once per interval (or on flush): on a busy 2-core

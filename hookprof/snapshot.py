@@ -124,3 +124,52 @@ class Snapshot:
         return (f"<hookprof.Snapshot rank={self.rank} step={self.step} sampled={self.sampled_steps} "
                 f"layers={len(self.layers)} loss={self.loss!r} grad_norm={self.grad_norm!r} "
                 f"nonfinite_steps={bad}>")
+    phase_seconds: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+    """Step phase ("data", "forward", "backward", "optimizer", "other") -> host seconds
+    summed over `phase_steps` steps (docs/stalls.md); they add up to step_duration_sum."""
+    phase_steps: int = 0
+    progress: "StepProgress | None" = None
+    """Where the training thread is now (as of this snapshot)."""
+    stall: "StallReport | None" = None
+    """The stall going on now, if any (docs/stalls.md)."""
+    stalls: int = 0
+    """Stalls seen since attach."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepProgress:
+    """The training thread's position: the step in progress (steps completed + 1), its
+    phase ("data", "forward", "backward", "optimizer", "other", or "outside" a step: an
+    evaluation pass, an expect_slow section, before the first step) and for how long."""
+
+    step: int
+    phase: str
+    phase_seconds: float
+    label: str | None = None
+    """What an "outside" section is: "eval", "start", or the name given to expect_slow."""
+
+
+@dataclass(frozen=True, slots=True)
+class StallReport:
+    """A phase that lasted more than Config.stall_factor times its typical duration (within
+    Config.stall_min_s and stall_max_s), read once when it was judged a stall."""
+
+    step: int
+    phase: str
+    layer: str
+    """Innermost module of the model on the training thread's stack, "(unknown)" when none
+    is (a backward pass runs in C++; data loading runs outside the model)."""
+    waiting_on: str
+    """"collective" (a collective in flight, or torch.distributed on the stack), "data" (a
+    DataLoader on the stack), "device" (the GPU's stream still busy), else "code"."""
+    seconds: float
+    """How long the phase had lasted when it was judged a stall."""
+    threshold_seconds: float
+    typical_seconds: float
+    started_at: float
+    """Unix time at which the phase began."""
+    stack: tuple[str, ...] = ()
+    """The training thread's Python stack, outermost first ("file:line in function")."""
+    collectives: tuple[str, ...] = ()
+    """The rank's last collectives from torch's flight recorder, when it is on."""
+

@@ -84,6 +84,11 @@ def test_environment_variables_fill_every_field():
         "HOOKPROF_NAME": "student",
         "HOOKPROF_SUMMARY_AT_EXIT": "off",
         "HOOKPROF_NONFINITE_SYNC": "1",
+        "HOOKPROF_STALL_DETECTION": "off",
+        "HOOKPROF_STALL_FACTOR": "3",
+        "HOOKPROF_STALL_MIN_S": "12.5",
+        "HOOKPROF_STALL_MAX_S": "60",
+        "HOOKPROF_STALL_WARMUP_STEPS": "9",
         "UNRELATED": "x",
     }
     c = Config.from_env(env)
@@ -98,6 +103,7 @@ def test_environment_variables_fill_every_field():
         http_max_requests=8, http_max_connections=32, http_header_timeout_s=2.5,
         http_idle_timeout_s=30.0, http_write_timeout_s=4.0, name="student",
         summary_at_exit=False, nonfinite_sync=True,
+        stall_detection=False, stall_factor=3.0, stall_min_s=12.5, stall_max_s=60.0, stall_warmup_steps=9,
     )
     # every field has a variable: a new field without one fails here
     assert {f.name for f in dataclasses.fields(Config)} == {

@@ -74,7 +74,8 @@ def test_per_layer_panels_are_bounded_for_1000_layers(board):
 # per attached model (they carry `model`) or per process and host (they do not): issue 18
 PER_MODEL = re.compile(r"\bhookprof_(?:steps|sampled_steps|step_duration_seconds|last_step_timestamp_seconds|loss"
                        r"|gradient_norm|nonfinite_steps|skipped_steps|gradient_flagged_steps|layer_\w+"
-                       r"|first_nonfinite_info|layers|layers_exported|internal_errors|publisher_thread_up)")
+                       r"|first_nonfinite_info|layers|layers_exported|internal_errors|publisher_thread_up"
+                       r"|step_phase_seconds|progress_\w+|stalled|stalls|stall_info)")
 PER_PROCESS = re.compile(r"\b(?:up|process_\w+|hookprof_(?:host|gpu|cuda_memory)_\w+"
                          r"|hookprof_http_connections_rejected_total|hookprof_build_info)\b")
 

@@ -147,6 +147,23 @@ class Config:
     system_interval_s: float = 5.0
     """How often host, process and GPU statistics are sampled (never per step)."""
 
+    flop_counting: bool = True
+    """Count each layer's forward and backward FLOPs (once per input shape, on meta tensors)
+    and export FLOPs per layer, achieved FLOP/s per layer and for the model, and the model's
+    FLOPs utilisation when the device's peak is known (docs/efficiency.md)."""
+
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device for the model's precision, for the utilisation ratio. None:
+    looked up by GPU name and precision (hookprof/peaks.py); unknown GPUs and CPUs get none."""
+
+    update_norms: bool = True
+    """On sampled steps, export each layer's weight norm, update norm (the change the
+    optimizer step made) and their ratio, and the global update-to-weight ratio."""
+
+    update_norm_max_bytes: int = 256 * 2**20
+    """Most bytes of parameters copied before an update to measure it: beyond it, layers
+    take turns across sampled steps (a layer larger than this alone is copied alone)."""
+
     disable: bool = False
     """Kill switch: attach() returns a profiler that does nothing (HOOKPROF_DISABLE=1)."""
 
@@ -184,6 +201,8 @@ class Config:
         _check_range("vanishing_grad_norm", self.vanishing_grad_norm,
                      0 <= self.vanishing_grad_norm < self.exploding_grad_norm,
                      ">= 0 and below exploding_grad_norm")
+        _check_range("peak_flops", self.peak_flops, self.peak_flops is None or self.peak_flops > 0, "> 0 or None")
+        _check_range("update_norm_max_bytes", self.update_norm_max_bytes, self.update_norm_max_bytes >= 0, ">= 0")
         for name in ("rank", "local_rank"):
             value = getattr(self, name)
             _check_range(name, value, value is None or value >= 0, ">= 0 or None")

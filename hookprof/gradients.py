@@ -46,20 +46,27 @@ class GradientNorms:
             grads, layers = groups.setdefault(grad.device, ([], []))
             grads.append(grad)
             layers.append(layer)
-        out = []
-        seen: set[int] = set()
-        n = len(self._table)
-        for device, (grads, layers) in groups.items():
-            squares = _squared_norms(device, grads)
-            key = (device, tuple(layers))
-            index = self._index_cache.get(key)
-            if index is None:
-                index = self._index_cache[key] = index_to_device(layers, device)
-            per_layer = torch.zeros(n, dtype=torch.float64, device=device)
-            per_layer.index_add_(0, index, squares)
-            out.append(per_layer)
-            seen.update(layers)
-        return out, frozenset(seen)
+        return layer_squares(groups, len(self._table), self._index_cache)
+
+
+def layer_squares(groups: dict[torch.device, tuple[list[torch.Tensor], list[int]]], n: int,
+                  index_cache: dict) -> tuple[list[torch.Tensor], frozenset[int]]:
+    """Tensors grouped by device with the layer of each: per device, the squared L2 norms
+    summed per layer (float64, length n, on the device); and the layers seen. Nothing is
+    read back. `index_cache` keeps the host-to-device layer indices between calls."""
+    out = []
+    seen: set[int] = set()
+    for device, (tensors, layers) in groups.items():
+        squares = _squared_norms(device, tensors)
+        key = (device, tuple(layers))
+        index = index_cache.get(key)
+        if index is None:
+            index = index_cache[key] = index_to_device(layers, device)
+        per_layer = torch.zeros(n, dtype=torch.float64, device=device)
+        per_layer.index_add_(0, index, squares)
+        out.append(per_layer)
+        seen.update(layers)
+    return out, frozenset(seen)
 
 
 _BLAS_DTYPES = (torch.float32, torch.float64)

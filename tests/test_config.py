@@ -40,6 +40,8 @@ def test_defaults_are_documented_values():
         ("http_header_timeout_s", 0, "http_header_timeout_s must be > 0, got 0"),
         ("http_idle_timeout_s", -1.0, "http_idle_timeout_s must be > 0, got -1.0"),
         ("http_write_timeout_s", 0.0, "http_write_timeout_s must be > 0, got 0.0"),
+        ("peak_flops", 0.0, "peak_flops must be > 0 or None, got 0.0"),
+        ("update_norm_max_bytes", -1, "update_norm_max_bytes must be >= 0, got -1"),
     ],
 )
 def test_invalid_values_name_the_field(field, value, message):
@@ -82,6 +84,10 @@ def test_environment_variables_fill_every_field():
         "HOOKPROF_HTTP_IDLE_TIMEOUT_S": "30",
         "HOOKPROF_HTTP_WRITE_TIMEOUT_S": "4",
         "HOOKPROF_NAME": "student",
+        "HOOKPROF_FLOP_COUNTING": "0",
+        "HOOKPROF_PEAK_FLOPS": "9.89e14",
+        "HOOKPROF_UPDATE_NORMS": "off",
+        "HOOKPROF_UPDATE_NORM_MAX_BYTES": "1048576",
         "UNRELATED": "x",
     }
     c = Config.from_env(env)
@@ -95,6 +101,7 @@ def test_environment_variables_fill_every_field():
         tls_certfile=__file__, tls_keyfile=__file__, tls_client_cafile=__file__,
         http_max_requests=8, http_max_connections=32, http_header_timeout_s=2.5,
         http_idle_timeout_s=30.0, http_write_timeout_s=4.0, name="student",
+        flop_counting=False, peak_flops=9.89e14, update_norms=False, update_norm_max_bytes=2**20,
     )
     # every field has a variable: a new field without one fails here
     assert {f.name for f in dataclasses.fields(Config)} == {

@@ -170,7 +170,8 @@ class EfficiencyTotals:
                 forward_flops=per_call_fwd, backward_flops=per_call_bwd, flops_per_second=per_second,
                 weight_norm=math.sqrt(w2) if w2 is not None else None,
                 update_norm=math.sqrt(upd[0]) if upd is not None else None,
-                update_ratio=math.sqrt(upd[0] / upd[1]) if upd is not None and upd[1] > 0 else None,
+                # NaN weights (a NaN update was applied) give a NaN ratio: exported as such
+                update_ratio=math.sqrt(upd[0] / upd[1]) if upd is not None and upd[1] != 0 else None,
             )
         measured = [u for u in self._update if u is not None]
         total_w = sum(w for _, w in measured)
@@ -178,7 +179,7 @@ class EfficiencyTotals:
         self._stats = EfficiencyStats(
             layers=MappingProxyType(layers),
             flops_per_step=flops_per_step, flops_per_second=per_second, flops_utilization=utilization,
-            update_ratio=math.sqrt(sum(u for u, _ in measured) / total_w) if measured and total_w > 0 else None,
+            update_ratio=math.sqrt(sum(u for u, _ in measured) / total_w) if measured and total_w != 0 else None,
         )
         return self._stats
 

@@ -70,14 +70,15 @@ def _kind(module: torch.nn.Module) -> Any:
         config = module.extra_repr()
     except Exception:
         return id(module)  # a layer of its own kind
-    tensors = tuple((name, tuple(_local(t).shape), t.dtype, t.requires_grad)
+    tensors = tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
                     for name, t in (*module.named_parameters(), *module.named_buffers()))
     return (type(module), config, tensors)
 
 
 def _meta_clone(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of `module` with meta parameters and buffers, no hooks and its class's own
-    forward, sharing nothing mutable with the original."""
+    forward, sharing nothing mutable with the original. A DTensor parameter (FSDP2) gets
+    its full shape: FSDP computes with the gathered parameter."""
     clone = copy.copy(module)
     clone.__dict__ = dict(module.__dict__)
     own = clone.__dict__.pop("forward", None)
@@ -90,10 +91,10 @@ def _meta_clone(module: torch.nn.Module) -> torch.nn.Module:
             clone.forward = target.__func__.__get__(clone)
     clone._parameters = {
         name: None if p is None else torch.nn.Parameter(
-            torch.empty(_local(p).shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+            torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
         for name, p in module._parameters.items()
     }
-    clone._buffers = {name: None if b is None else torch.empty(_local(b).shape, dtype=b.dtype, device="meta")
+    clone._buffers = {name: None if b is None else torch.empty(b.shape, dtype=b.dtype, device="meta")
                       for name, b in module._buffers.items()}
     clone._modules = {name: None if m is None else _meta_clone(m) for name, m in module._modules.items()}
     for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -103,11 +104,6 @@ def _meta_clone(module: torch.nn.Module) -> torch.nn.Module:
         if hooks in clone.__dict__:
             clone.__dict__[hooks] = OrderedDict()
     return clone
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)  # a DTensor shard: this rank computes on its shard
-    return to_local() if to_local is not None else t
 
 
 def count(module: torch.nn.Module, args: Any, kwargs: Any) -> tuple[int, int]:
@@ -139,7 +135,7 @@ class FlopCounter:
         self._table = table
         self._notices = notices
         # per layer kind: signature -> (forward, backward); layers of one kind share one
-        self._kind = [_kind(layer.module) for layer in table.layers]
+        self._kind = [_kind(layer.module) if layer.module is not None else object() for layer in table.layers]
         shared: dict[Any, OrderedDict] = {}
         self._cache: list[OrderedDict] = [shared.setdefault(k, OrderedDict()) for k in self._kind]
         self._calls: list[tuple[int, Any, bool]] = []  # (layer, key, nested) of this step
@@ -151,7 +147,10 @@ class FlopCounter:
         """A layer call on a sampled step (not a recomputation)."""
         if layer >= len(self._cache) or layer in self._failed:
             return
-        key = (self._table.layers[layer].module.training, tuple(_key(a) for a in args))
+        module = self._table.layers[layer].module
+        if module is None:
+            return
+        key = (module.training, tuple(_key(a) for a in args))
         if kwargs:
             key = (key, tuple((k, _key(v)) for k, v in kwargs.items()))
         self._calls.append((layer, key, nested))
@@ -172,8 +171,11 @@ class FlopCounter:
         for n, ((_, key), (layer, args, kwargs)) in enumerate(list(self._pending.items())):
             if n >= MAX_COUNTS_PER_STEP:
                 break
+            module = self._table.layers[layer].module
+            if module is None:  # the model is gone
+                continue
             try:
-                result = count(self._table.layers[layer].module, args, kwargs)
+                result = count(module, args, kwargs)
             except Exception as exc:
                 self._failed.update(i for i, c in enumerate(self._cache) if c is self._cache[layer])
                 if self._notices is not None:

@@ -539,7 +539,7 @@ class Profiler:
                 self._last_sent, self._unfolded = number, True
             elif self._rec is not None:
                 self.timer.release(self._rec.tokens())
-        self._efficiency.drop()  # copies of an unsampled or unsent step go (a no-op otherwise)
+            self._efficiency.drop()  # what a skipped or unsent step noted and copied goes
         self._rec = None
         self._step_start_ns = now
         self._forward_seen = False

@@ -289,23 +289,26 @@ def per_rank_mean(metric: str, window: str, by: str = "model, rank") -> str:
             f"  / sum by ({by}) (rate({metric}_count{{{MODELS}}}[{window}]))")
 
 
+def rank_series(title: str, description: str, metric: str, **options):
+    """One per-model gauge, a line per model and rank."""
+    return series(title, description, q(f"{metric}{{{MODELS}}}", "{{model}} rank {{rank}}"), **options)
+
+
 def efficiency_and_stragglers(board, rate: str):
     """Issue 15: FLOPs, MFU, update ratios; each rank against the median of ranks.
     hookprof_step_phase_seconds (the step phases) comes with the step-phase change: until
     it is there, the phase panel has no data."""
     board = board.with_row(dashboard.Row("Efficiency"))
-    board = board.with_panel(series(
+    board = board.with_panel(rank_series(
         "Model FLOP/s",
         "Achieved FLOP/s of each model per rank: FLOPs of a training step (counted per layer with "
         "torch.utils.flop_counter) over the mean wall time of recent steps.",
-        q(f"hookprof_model_flops_per_second{{{MODELS}}}", "{{model}} rank {{rank}}"),
-        unit="flops", width=12))
-    board = board.with_panel(series(
+        "hookprof_model_flops_per_second", unit="flops", width=12))
+    board = board.with_panel(rank_series(
         "Model FLOPs utilisation (MFU)",
         "Achieved FLOP/s over the device's peak for the model's precision (Config.peak_flops, or the "
         "GPU's datasheet figure). No data where the peak is unknown (CPUs, unlisted GPUs).",
-        q(f"hookprof_model_flops_utilization_ratio{{{MODELS}}}", "{{model}} rank {{rank}}"),
-        unit="percentunit", width=12))
+        "hookprof_model_flops_utilization_ratio", unit="percentunit", width=12))
     layer_time = (f"sum by (model, layer) (rate(hookprof_layer_forward_seconds_sum{{{LAYERS}}}[$__range]))\n"
                   f"  + sum by (model, layer) (rate(hookprof_layer_backward_seconds_sum{{{LAYERS}}}[$__range]))")
     board = board.with_panel(top_layers(
@@ -316,11 +319,11 @@ def efficiency_and_stragglers(board, rate: str):
         f"topk($topk, max by (model, layer) (hookprof_layer_flops_per_second{{{LAYERS}}})\n"
         f"  and on (model, layer) topk($topk, {layer_time}))",
         unit="flops"))
-    board = board.with_panel(series(
+    board = board.with_panel(rank_series(
         "Update-to-weight ratio",
         "How far one optimizer step moves the weights: the global norm of the update over the global "
         "norm of the weights, on sampled steps (log scale). Spikes here come before loss spikes.",
-        q(f"hookprof_update_ratio{{{MODELS}}}", "{{model}} rank {{rank}}"), log_scale=True, width=12))
+        "hookprof_update_ratio", log_scale=True, width=12))
     board = board.with_panel(series(
         "Update-to-weight ratio per layer",
         "Each layer's update norm over its weight norm at its last measurement; the $topk largest "

@@ -10,6 +10,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from conftest import free_port, free_port_range
+from dist_worker import join_or_kill
 from servers import Processes, binaries, get_json, query, start_prometheus, wait_for
 from test_dashboard_queries import alert_rules, dashboard, panel_queries, substitute
 
@@ -44,11 +45,7 @@ def two_ranks_scraped(tmp_path_factory):
     finally:
         go_home.set()
         procs.stop_all()
-        for w in workers:
-            w.join(timeout=30)
-            if w.is_alive():
-                w.kill()
-                w.join(5)
+        join_or_kill(workers)
 
 
 def test_the_straggler_rule_picks_the_slowed_rank(two_ranks_scraped):

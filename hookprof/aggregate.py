@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from .guard import fold_skips
 from .efficiency import EfficiencyTotals
 from .nonfinite import PHASE_INDEX, fold_counters
 from .layers import INPUT_NAME
@@ -85,6 +86,8 @@ class Aggregator:
         self.grad_norm: float | None = None
         self.first_nonfinite: NonFiniteEvent | None = None
         self.counters = fold_counters([], n)  # the device counters as last drained
+        # guard.SkipCounters as last drained: name -> (count, persistent)
+        self.device_counts: dict[str, tuple[int, int]] = {}
         self._replayed: tuple[int, ForwardFinding] | None = None
         self.fwd_total = [0.0] * n
         self.fwd_calls_total = [0] * n
@@ -107,6 +110,8 @@ class Aggregator:
         if packet.counter_parts:
             parts = [packet.batch.get(("counters", k)) for k in range(packet.counter_parts)]
             self.counters = fold_counters(parts, len(self.names))
+        for name, n_parts in packet.count_parts.items():
+            self.device_counts[name] = fold_skips([packet.batch.get((name, k)) for k in range(n_parts)])
         if packet.record is None and not packet.sampled:  # a drain of the counters alone
             loss = self._loss_of(packet)
             if loss is not None and packet.step == self.last_sampled_step:
@@ -414,6 +419,11 @@ class Aggregator:
             self._rebuild_layers()
             self._dirty = False
         steps, buckets, total, last_ts, skipped, persistent_skips = counters.read()
+        # a fused optimizer's GradScaler skips on the device: counted there
+        device_skipped, device_persistent = self.device_counts.get("scaler_skips", (0, 0))
+        skipped += device_skipped
+        persistent_skips += device_persistent
+        held_back = counters.held_back + self.device_counts.get("held_back", (0, 0))[0]
         phase_bad = self.counters["phase_bad"]
         nonfinite_steps = {p: phase_bad[PHASE_INDEX[p]] for p in PHASES}
         nonfinite_steps["backward"] += persistent_skips  # skipping that never stops
@@ -432,6 +442,7 @@ class Aggregator:
             grad_norm=self.grad_norm,
             nonfinite_steps=MappingProxyType(nonfinite_steps),
             skipped_steps=skipped,
+            held_back_updates=held_back,
             internal_errors=internal_errors,
             layers=self._layers,
             exported_layers=self._exported,

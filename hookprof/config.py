@@ -17,7 +17,7 @@ ENV_PREFIX = "HOOKPROF_"
 # so it clashes with no registered exporter (node_exporter 9100, dcgm-exporter 9400, ...).
 DEFAULT_PORT = 8479
 NonfiniteCheck = Literal["all", "loss"]
-NonfinitePolicy = Literal["record", "warn", "raise", "dump"]
+NonfinitePolicy = Literal["record", "warn", "raise", "dump", "skip"]
 NONFINITE_CHECKS: tuple[str, ...] = typing.get_args(NonfiniteCheck)
 NONFINITE_POLICIES: tuple[str, ...] = typing.get_args(NonfinitePolicy)
 
@@ -112,8 +112,17 @@ class Config:
     """What to do when a NaN/Inf is seen: "record" (count and export, never disturb
     training), "warn" (one log line naming layer, phase and step), "raise" (raise
     hookprof.NonFiniteError at the next step boundary), "dump" (write a JSON report of every
-    layer to `dump_dir`, keep training). Every policy but "record" reads one flag per step
-    back from the device, asynchronously."""
+    layer to `dump_dir`, keep training), "skip" (hold back the update of every step whose
+    output or gradients are non-finite, count it, and train on with intact weights). Under
+    "raise" and "skip" a non-finite update never reaches the weights or the optimizer
+    state: exact on the CPU and, on an accelerator, for fused optimizers (fused=True); see
+    `nonfinite_sync` for the others. Every policy but "record" reads one flag per step back
+    from the device, asynchronously."""
+
+    nonfinite_sync: bool = False
+    """Under on_nonfinite="raise"/"skip", wait at each optimizer step for this step's one
+    NaN/Inf flag when the update could not be held back on the device (a non-fused optimizer
+    on an accelerator). Costs one host-device synchronisation per step; off by default."""
 
     dump_dir: str = "hookprof-dumps"
     """Where on_nonfinite="dump" writes its reports."""

@@ -151,6 +151,15 @@ class SnapshotCollector(Collector):
         skipped.add_metric([rank], snap.skipped_steps)
         yield skipped
 
+        held = CounterMetricFamily(
+            "hookprof_held_back_updates",
+            "Optimizer updates of non-finite steps that hookprof held back "
+            '(on_nonfinite="skip" or "raise")',
+            labels=["rank"],
+        )
+        held.add_metric([rank], snap.held_back_updates)
+        yield held
+
         flagged = CounterMetricFamily(
             "hookprof_gradient_flagged_steps",
             "Sampled steps on which some layer's gradient norm was vanishing (below "

@@ -46,6 +46,7 @@ class IncidentResponse:
         self._acted = False  # the policy acts once per run: the first incident matters
         self._flags: list[tuple[torch.device, tuple[Any, Any]]] = []  # device flags in flight
         self._device_bad: dict[torch.device, int] = {}  # last flag read back per device
+        self._drained_at = 0  # the count of bad steps seen when the counters were last drained
 
     def open(self, step: int) -> bool:
         """Is an incident open at `step`: recent, and its layer not known yet?"""
@@ -78,10 +79,19 @@ class IncidentResponse:
             # a host tensor whose copy has completed: no sync; counts are cumulative
             self._device_bad[device] = int(host.sum())
         seen = self._detector.host_total() + sum(self._device_bad.values())
-        if seen > self._known_bad:
+        if seen > self._known_bad and seen > self._drained_at:
             # something went bad: bring the counters over now so layer, phase and step are known
+            self._drained_at = seen
             self._drain_counters()
-            self._publisher.flush()
+            if all(transfer.on_host(c.flat) for c in self._detector.by_device.values()):
+                # everything is on the host already: folding it is the publisher's Python
+                # work, not a wait for a device, so the policy acts at this very step
+                self._publisher.flush()
+            else:
+                # never wait for the device here: the publisher folds the drain when its
+                # copy completes, and the policy acts at the first step end after that
+                # (the update guard has held this step's update back meanwhile)
+                self._publisher.nudge()
 
 
 def describe(event: NonFiniteEvent, rank: int) -> str:

@@ -97,7 +97,8 @@ class LayerHooks:
         self._table = table
         self._timer = timer
         self._faults = faults
-        self._root = root
+        # weakly, like the layer table: the model's life is its owner's business
+        self._root_ref = weakref.ref(root) if root is not None else None
         self._activation_stats = activation_stats  # per step: begin(activation_stats=...)
         # dead units are a property of activation outputs: the zero ratio is taken for layers
         # without parameters of their own (ReLU, GELU, Dropout, pooling), not for Linear/Conv
@@ -170,6 +171,8 @@ class LayerHooks:
             self.begin(rec)
             first = len(self._table.layers)
             for k, (_, module) in enumerate(self._table.containers):
+                if module is None:
+                    continue
                 containers.append(module.register_forward_pre_hook(partial(self._pre, first + k)))
                 containers.append(module.register_forward_hook(partial(self._post, first + k),
                                                                always_call=True))
@@ -207,7 +210,10 @@ class LayerHooks:
             return
         for layer in self._table.layers:
             module = layer.module
-            if module is not self._root and self._wrap_forward(module, layer.index):
+            if module is None:  # the model is gone (its profiler is waiting to be released)
+                continue
+            root = self._root_ref() if self._root_ref is not None else None
+            if module is not root and self._wrap_forward(module, layer.index):
                 continue
             self._handles.append(module.register_forward_pre_hook(partial(self._pre, layer.index)))
             self._handles.append(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +17,15 @@ class Layer:
     index: int
     name: str  # qualified name from named_modules()
     module_type: str  # class name, the `module` label
-    module: nn.Module
+    # held weakly: a profiler must not keep its model alive (a notebook cell run again
+    # drops the model, and the next attach releases the profiler whose model is gone)
+    module_ref: weakref.ref
     param_indices: tuple[int, ...]  # positions in LayerTable.params
+
+    @property
+    def module(self) -> nn.Module | None:
+        """The module, or None once it has been garbage-collected."""
+        return self.module_ref()
 
 
 class LayerTable:
@@ -36,7 +44,7 @@ class LayerTable:
         self.param_layer: list[int] = []  # layer index of each parameter
         # the other modules (non-leaf, no parameters of their own, the root among them):
         # (name, module); their own code can make a NaN between their children's calls
-        self.containers: list[tuple[str, nn.Module]] = []
+        self._containers: list[tuple[str, weakref.ref]] = []
         seen: set[int] = set()
         for name, module in model.named_modules():
             own = [
@@ -46,7 +54,7 @@ class LayerTable:
             ]
             is_leaf = next(iter(module.children()), None) is None
             if not (is_leaf or own):
-                self.containers.append((name or ROOT_NAME, module))
+                self._containers.append((name or ROOT_NAME, weakref.ref(module)))
                 continue
             index = len(self.layers)
             first = len(self.params)
@@ -60,13 +68,18 @@ class LayerTable:
                     index=index,
                     name=name or ROOT_NAME,
                     module_type=type(module).__name__,
-                    module=module,
+                    module_ref=weakref.ref(module),
                     param_indices=tuple(range(first, len(self.params))),
                 )
             )
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    @property
+    def containers(self) -> list[tuple[str, nn.Module | None]]:
+        """(name, module) of the other modules; the module is None once collected."""
+        return [(name, ref()) for name, ref in self._containers]
 
     @property
     def names(self) -> list[str]:

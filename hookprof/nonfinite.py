@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from . import transfer
 from .tensors import iter_tensors
 
 PHASE_INDEX = {"forward": 0, "backward": 1, "loss": 2}
@@ -60,7 +61,7 @@ def nonfinite_flags(value: Any) -> list[bool | torch.Tensor]:
         if not t.is_floating_point() or not t.numel():
             continue
         total = t.detach().sum()
-        if total.device.type == "cpu":
+        if transfer.on_host(total):
             host = bool(host) or not math.isfinite(float(total))
         else:
             on_device.setdefault(total.device, []).append(total)
@@ -74,7 +75,7 @@ def loss_flag(loss: Any) -> bool | torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         return not math.isfinite(float(loss))
     loss = loss.detach()
-    if loss.device.type == "cpu" and loss.numel() == 1:
+    if transfer.on_host(loss) and loss.numel() == 1:
         return not math.isfinite(float(loss))  # a CPU value: no device to wait for
     return ~torch.isfinite(loss).all()
 

@@ -11,6 +11,8 @@ server.py) live elsewhere.
 
 from __future__ import annotations
 
+import gc
+import logging
 import threading
 import time
 import weakref
@@ -42,6 +44,7 @@ from .faults import Faults, ThreadSupervisor
 from .notices import Notices
 from . import gradscaler
 from .gradients import GradientNorms
+from .guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
 from .incident import IncidentResponse
 from .instrument import LayerHooks
 from .layers import LayerTable
@@ -58,6 +61,7 @@ from .timing import Timer, timer_for
 
 _names: set[str] = set()  # the `model` labels of live profilers
 _live: set["Profiler"] = set()  # profilers not yet detached: the only global state
+log = logging.getLogger("hookprof")
 _live_lock = threading.Lock()
 
 
@@ -110,12 +114,17 @@ class Profiler:
         publisher: Callable[..., Publisher] = Publisher,
     ):
         model, self._compiled = unwrap_compiled(model)
-        self.model = model
+        # the model is held weakly (as in the layer table, the replay and the hooks): when
+        # its owner drops it (a notebook cell run again), the next attach() finds it gone and
+        # releases this profiler instead of serving a dead model for ever
+        self._model_ref = weakref.ref(model)
+        self.model_type = type(model).__qualname__
         self.config = config
         self._compile_probe = CompileProbe()
         self._clock = clock
         self._wall_clock = wall_clock
         self._module_ids = frozenset(id(m) for m in model.modules())
+        _release_orphans()
         with _live_lock:
             for other in _live:
                 if not other._module_ids.isdisjoint(self._module_ids):
@@ -140,10 +149,17 @@ class Profiler:
                                     config.activation_stats, config.activation_interval_s)
         self._gradients = GradientNorms(self.table)
         self._detector = Detector(len(self.table))
+        # a GradScaler's skips of a fused optimizer, and the updates held back on the
+        # device (on_nonfinite "skip"/"raise"), are counted on the device
+        self._scaler_skips = SkipCounters(config.max_skipped_steps)
+        self._held_back = SkipCounters(config.max_skipped_steps)
+        self._guard = (UpdateGuard(config.nonfinite_sync, self._notices.say)
+                       if config.on_nonfinite in ("skip", "raise") else None)
         # FSDP2 / tensor parallel: re-running the forward on one rank would start all-gathers
         # the other ranks never join, so a forward NaN is localised on the following
         # (sampled) steps instead
-        self._replay = ForwardReplay(model, enabled=not self.table.has_dtensor_params)
+        self._replay = ForwardReplay(model, enabled=not self.table.has_dtensor_params,
+                                     keep_late=self._guard is not None)
         self._hooks = LayerHooks(self.table, self.timer, self._faults, config.activation_stats,
                                  root=model)
         aggregator = Aggregator(
@@ -207,6 +223,8 @@ class Profiler:
         self._plan = UNSAMPLED  # sampled? with output checks?
         self._rec: StepRecord | None = None  # what a sampled step's hooks write
         self._grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None
+        self._scaler_view: ScalerView | None = None  # a fused optimizer's GradScaler state
+        self._output_flags: list[bool | torch.Tensor] = []  # this step's output checks
         self._last_sent = 0  # the number of the last sampled step sent to the publisher
         self._unfolded = False  # ... and the publisher has not been nudged to fold it yet
         self._step_start_ns: int | None = None
@@ -221,6 +239,10 @@ class Profiler:
         self._detached = False
 
         self._handles: list[Any] = []
+        # hooks on the root's children, for loops that never call the root's forward
+        # (Lightning's training_step, model.compute_loss(x)): removed at its first one
+        self._entry_handles: list[Any] = []
+        self._entry: nn.Module | None = None  # the entry call in progress
         try:
             if config.serve:
                 port = config.port + local_rank if config.port else 0
@@ -239,6 +261,7 @@ class Profiler:
                     model.register_forward_pre_hook(self._on_root_forward, prepend=True, with_kwargs=True)
                 )
                 self._handles.append(model.register_forward_hook(self._on_root_output))
+                self._entry_handles = self._hook_entries(model)
             self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
             self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
             self._handles.append(gradscaler.watch(self._on_scaler_decision))
@@ -253,6 +276,12 @@ class Profiler:
             raise
 
     # ---------------- public API ----------------
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The profiled model; None once its owner dropped it (the profiler is then released
+        at the next attach(), or by detach() / hookprof.detach_all())."""
+        return self._model_ref()
 
     @property
     def url(self) -> str | None:
@@ -339,7 +368,7 @@ class Profiler:
     def __repr__(self) -> str:
         where = self.url or "not serving"
         state = "detached" if self._detached else "attached"
-        return f"<hookprof.Profiler {type(self.model).__qualname__} rank={self.rank} {where} {state}>"
+        return f"<hookprof.Profiler {self.model_type} rank={self.rank} {where} {state}>"
 
     def __deepcopy__(self, memo: dict) -> "Profiler":
         return _inert_copy()
@@ -357,6 +386,8 @@ class Profiler:
         incident = self._incidents.open(number)  # an open incident samples every step
         self._plan = self._planner.plan(number, now_ns, incident=incident, broken=self._faults.broken)
         self._grad_squares = None
+        self._scaler_view = None
+        self._output_flags = []
         if self._plan.sampled and not self._compiled:
             self._rec = StepRecord(self.timer.mark())
             # the first step's hooks go in at its first eager forward (_on_root_forward):
@@ -365,7 +396,43 @@ class Profiler:
         elif self._hooks.installed:
             self._hooks.remove()
 
+    def _hook_entries(self, model: nn.Module) -> list[Any]:
+        handles = []
+        for child in model.children():
+            handles.append(child.register_forward_pre_hook(self._on_entry_forward, with_kwargs=True))
+            handles.append(child.register_forward_hook(self._on_entry_output, always_call=True))
+        return handles
+
+    def _drop_entry_hooks(self) -> None:
+        for handle in self._entry_handles:
+            handle.remove()
+        self._entry_handles = []
+        self._entry = None
+
+    def _on_entry_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """A child of the root is called from outside any call of the model's modules: the
+        loop drives the model without its root forward (training_step, compute_loss), and
+        this call is the step's forward as far as hookprof can see. It gets what a root call
+        gets: the step begins, its inputs are checked and kept for a replay, its output is
+        checked (a NaN in them is the input's; one made by the root's own code between two
+        entry calls is seen as a non-finite input of the second)."""
+        if self._entry is not None or self._detached or self._hooks.replaying:
+            return
+        self._entry = module
+        self._forward_began(module, args, kwargs, own_layer=None)
+
+    def _on_entry_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._entry is not module:
+            return
+        self._entry = None
+        self._on_root_output(module, args, output)
+
     def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._entry_handles and torch.is_grad_enabled() and module.training:
+            self._drop_entry_hooks()  # the root's own forward runs: it is the step's forward
+        self._forward_began(module, args, kwargs, own_layer=self._root_layer)
+
+    def _forward_began(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None) -> None:
         """The root module's forward begins: the step has begun; its inputs are kept for a
         replay."""
         if self._detached:  # a copy of the model (see _inert_copy)
@@ -383,14 +450,16 @@ class Profiler:
             return
         try:
             if not self._plan.checked:  # an unchecked step may need a replay
-                self._replay.capture(args, kwargs)
+                self._replay.capture(args, kwargs, module)
             self._root_seen = True
-            if self._rec is not None and not self._hooks.installed:
+            if self._rec is not None and not self._hooks.installed and module is self.model:
+                # (an entry call's own forward was looked up before its pre-hooks ran: a
+                # wrapper installed now would be missed, so step 1's layers go unrecorded)
                 self._hooks.install()
-                if self._root_layer is not None:
+                if own_layer is not None:
                     # this call's pre-hooks were fixed before ours ran: start the root's own
                     # timing by hand (its post-hook is picked up after forward, as usual)
-                    self._hooks.start_call(self._root_layer, module, args)
+                    self._hooks.start_call(own_layer, module, args)
             if self._plan.checked:  # a NaN in the batch is the input's, not a layer's
                 self._hooks.note_root_inputs(args, kwargs)
             if not self._forward_seen:
@@ -414,9 +483,7 @@ class Profiler:
         try:
             # every step: one reduction of the model's output, counted where its result is
             flags = nonfinite_flags(output)
-            step = self._counters.steps + 1
-            for flag in flags:
-                self._detector.add_flag("forward", flag, step)
+            self._output_flags.extend(flags)  # counted once per step, at its end
             if flags and not self._plan.checked and self._replay.note_output(flags):
                 self._replay_forward()  # known at once: the parameters are still this step's
             # the publisher folds the last sampled step now: its Python work then overlaps
@@ -450,7 +517,7 @@ class Profiler:
                     return args, {**kwargs, "closure": wrapped}
                 return (args[0], wrapped, *args[2:]), kwargs
             if self._in_step():
-                self._before_update()
+                self._before_update(optimizer)
         except Exception as exc:
             self._faults.report("optimizer pre-hook", exc)
         return None
@@ -471,18 +538,32 @@ class Profiler:
 
         return closure_then_read
 
-    def _before_update(self) -> None:
+    def _before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """This step's gradients are final and its parameters not updated yet."""
         self._stepped = True
-        if self._replay.waiting:
+        if self._replay.waiting or self._replay.late:
             self._replay_forward()
         if self._grad_squares is None:
             self._read_gradients()
+        view = ScalerView(optimizer)
+        if view.active:  # inside GradScaler.step with a fused optimizer: its skip is on the device
+            self._scaler_view = view
+            self._scaler_skips.add(view.found_inf)
+            if self._grad_squares is not None:
+                self._grad_squares = (view.unscale(self._grad_squares[0]), self._grad_squares[1])
+        if self._guard is not None:
+            squares = self._grad_squares[0] if self._grad_squares is not None else []
+            flags = self._output_flags + host_flags_of_squares(view.mask(squares))
+            held = self._guard.before_update(optimizer, self.table.params, flags)
+            if held is not None:
+                self._held_back.add(held)
 
     def _on_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if is_compiling():
             return
         try:
+            if self._guard is not None:
+                self._guard.after_update()
             if not self._manual and self._in_step() and self._owns(optimizer):
                 self._end_step(None, by_optimizer=True)
         except NonFiniteError:
@@ -509,7 +590,7 @@ class Profiler:
 
     def _end_step(self, loss: Any, *, by_optimizer: bool, skipped: bool = False) -> None:
         """The step boundary: count the step, pack a sampled step, react, plan the next."""
-        if self._replay.waiting and not skipped:
+        if (self._replay.waiting or self._replay.late) and not skipped:
             self._replay_forward()  # no optimizer hook ran: the parameters are still this step's
         now = self._clock()
         start = self._step_start_ns if self._step_start_ns is not None else now
@@ -517,15 +598,21 @@ class Profiler:
             if self._grad_squares is None:
                 self._read_gradients()  # no optimizer hook ran (prof.step() without one)
             if self._grad_squares is not None:  # once per step, however often they were read
-                self._detector.add_layer_squares(self._grad_squares[0], self._counters.steps + 1)
+                checked = self._grad_squares[0]
+                if self._scaler_view is not None:  # a step the scaler skips is no incident
+                    checked = self._scaler_view.mask(checked)
+                self._detector.add_layer_squares(checked, self._counters.steps + 1)
                 if not self._grad_squares[1] and self._forward_seen:
                     self._notices.say("no gradients", (
-                        f"no parameter of {type(self.model).__qualname__} had a gradient at the "
+                        f"no parameter of {self.model_type} had a gradient at the "
                         "end of a step that ran its forward, so gradient norms and the "
                         "per-layer backward check have nothing to read: end steps after the "
                         "backward and before zero_grad() (prof.step() there, or a torch.optim "
                         "step); gradients computed functionally (torch.func) are not in .grad"))
+        self._count_output_flags(self._counters.steps + 1)
         number = self._counters.observe((now - start) * 1e-9, self._wall_clock(), skipped)
+        if self._guard is not None:
+            self._counters.held_back = self._guard.held_back
         self._stepped = self._scaler_skipped = False
         if self._plan.sampled:
             self._hooks.end()
@@ -533,7 +620,7 @@ class Profiler:
                 efficiency, extra = self._efficiency_of(number, now, (now - start) * 1e-9, skipped)
                 # its one device-to-host copy starts now; the publisher folds it when nudged
                 # (the next forward's end) or within publish_interval_s, whichever comes first
-                self._publisher.submit(pack_step(number, self._rec, self._detector.blocks(),
+                self._publisher.submit(pack_step(number, self._rec, self._detector.blocks(), counts=self._device_counts(),
                                                  grad_squares=self._grad_squares, loss=loss,
                                                  efficiency=efficiency, extra=extra))
                 self._last_sent, self._unfolded = number, True
@@ -593,14 +680,39 @@ class Profiler:
     def _replay_forward(self) -> None:
         """If this step's output went non-finite on an unchecked step, replay its forward
         with the per-layer checks on, before the optimizer changes the parameters."""
-        rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.mark()))
+        step = self._counters.steps + 1
+        rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.mark()), step)
+        if rec is None and self._replay.keep_late:  # an earlier step's flag may have arrived
+            late = self._replay.run_late(self._hooks, lambda: StepRecord(self.timer.mark()))
+            if late is not None:
+                step, rec = late
         if rec is not None:
-            self._publisher.submit(pack_step(self._counters.steps + 1, rec, self._detector.blocks(),
-                                             sampled=False))
+            self._publisher.submit(pack_step(step, rec, self._detector.blocks(),
+                                             counts=self._device_counts(), sampled=False))
+
+    def _count_output_flags(self, step: int) -> None:
+        """A step is non-finite in its forward once, however many forwards (siamese nets,
+        a discriminator on real and fake, entry calls) and output tensors it had: one flag
+        per device, one host bool."""
+        flags, self._output_flags = self._output_flags, []
+        if not flags:
+            return
+        host = any(f is True for f in flags)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for f in flags:
+            if isinstance(f, torch.Tensor):
+                by_device.setdefault(f.device, []).append(f.reshape(()))
+        self._detector.add_flag("forward", host, step)
+        for parts in by_device.values():
+            self._detector.add_flag("forward", parts[0] if len(parts) == 1 else torch.stack(parts).any(), step)
+
+    def _device_counts(self) -> dict[str, list[torch.Tensor]]:
+        """The device counters drained beside the non-finite ones (aggregate.fold reads them)."""
+        return {"scaler_skips": self._scaler_skips.blocks(), "held_back": self._held_back.blocks()}
 
     def _drain_counters(self) -> None:
         """Send the non-finite counters alone (no sampled step to carry them)."""
-        self._publisher.submit(pack_step(self._counters.steps, None, self._detector.blocks(),
+        self._publisher.submit(pack_step(self._counters.steps, None, self._detector.blocks(), counts=self._device_counts(),
                                          sampled=False))
 
     def _no_step_signal(self) -> None:
@@ -614,7 +726,7 @@ class Profiler:
             self._rec = None
             self._plan = UNSAMPLED
         self._notices.say("no steps", (
-            f"{MAX_FORWARDS_PER_STEP} forwards of {type(self.model).__qualname__} without a step "
+            f"{MAX_FORWARDS_PER_STEP} forwards of {self.model_type} without a step "
             "boundary: no torch.optim optimizer steps its parameters and prof.step() is not "
             "called, so hookprof cannot tell steps apart; per-layer timing and gradient norms "
             "are off until one comes. Call prof.step(loss) once per training step (after the "
@@ -629,7 +741,7 @@ class Profiler:
         """A profiler of a model of the same class is still attached: a second model of a
         kind, or a notebook cell run again (whose earlier model would be served for ever)."""
         with _live_lock:
-            earlier = [p.name for p in _live if type(p.model) is type(model)]
+            earlier = [p.name for p in _live if p.model_type == self.model_type]
         if earlier:
             self._notices.say("earlier profiler", (
                 f"another {type(model).__qualname__} is attached in this process (served as "
@@ -647,6 +759,7 @@ class Profiler:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._drop_entry_hooks()
         self._publisher.stop()
         if self._system is not None:
             self._system.stop()
@@ -668,6 +781,28 @@ def detach_all() -> int:
     for prof in live:
         prof.detach()
     return len(live)
+
+
+def _release_orphans() -> None:
+    """Detach every live profiler whose model is gone: a notebook cell that runs
+    `model = Net(); prof = hookprof.attach(model)` again drops the earlier model, and its
+    profiler would otherwise keep the port, its threads and its global optimizer hooks for
+    ever. Called at attach(), on the attaching thread."""
+    with _live_lock:
+        live = list(_live)
+    if not live:
+        return
+    if any(p._model_ref() is not None for p in live):
+        # a dropped model can be held a little longer by a reference cycle of its own:
+        # collect once, here, where a pause is expected (one full collection per attach,
+        # only while another profiler is live)
+        gc.collect()
+    for prof in live:
+        if prof._model_ref() is None and not prof._detached:
+            log.info("hookprof: released the profiler of %s (model=%r): its model is gone (a "
+                     "notebook cell run again, or a model dropped without detach())",
+                     prof.model_type, prof.name)
+            prof.detach()
 
 
 def _unique_name(base: str) -> str:

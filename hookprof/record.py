@@ -106,6 +106,7 @@ class StepCounters:
         self._last_ts: float | None = None
         self._max_skips = max_skipped_steps
         self.skipped = 0
+        self.held_back = 0  # updates held back on the host's word (guard.UpdateGuard)
         self._skips_in_a_row = 0
         self.persistent_skips = 0  # skipped steps beyond max_skipped_steps in a row
 
@@ -148,6 +149,7 @@ class Packet:
     has_grad: frozenset[int] = frozenset()  # layers that had a gradient
     act_order: list[int] = field(default_factory=list)  # record.act index of each value
     counter_parts: int = 0  # how many non-finite counter blocks the batch holds
+    count_parts: dict[str, int] = field(default_factory=dict)  # other counters: name -> blocks
     loss: float | None = None  # the loss when it was given as a Python number
     loss_in_batch: bool = False
     efficiency: Any = None  # an efficiency.EfficiencyPart on sampled steps with those figures
@@ -155,7 +157,8 @@ class Packet:
 
 def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.Tensor], *,
               grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None,
-              loss: Any = None, sampled: bool = True, efficiency: Any = None,
+              loss: Any = None, sampled: bool = True,
+              counts: dict[str, list[torch.Tensor]] | None = None, efficiency: Any = None,
               extra: list[tuple[Any, torch.Tensor]] = ()) -> Packet:
     """Gather one step's device scalars (per-device gradient squares, the record's activation
     reductions, the non-finite counter blocks, the loss) and start their one device-to-host
@@ -168,11 +171,16 @@ def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.T
     act_order = _add_activations(batch, record) if record is not None else []
     for k, block in enumerate(counter_blocks):
         batch.add(("counters", k), block)
+    count_parts = {}
+    for name, blocks in (counts or {}).items():  # other device counters (guard.SkipCounters)
+        for k, block in enumerate(blocks):
+            batch.add((name, k), block)
+        count_parts[name] = len(blocks)
     for key, values in extra:  # other device scalars of the step (weight and update norms)
         batch.add(key, values)
     packet = Packet(step=step, record=record, sampled=sampled, grad_parts=len(parts),
                     has_grad=has_grad, act_order=act_order, counter_parts=len(counter_blocks),
-                    efficiency=efficiency)
+                    count_parts=count_parts, efficiency=efficiency)
     if isinstance(loss, torch.Tensor) and loss.device.type != "cpu":
         batch.add("loss", loss.detach().reshape(-1)[:1])  # rides the step's one copy
         packet.loss_in_batch = True

@@ -9,10 +9,18 @@ statistics, a layer's constant `scale`) are swapped for clones while it runs, so
 neither changes them nor bumps the version counter of tensors autograd saved for the step's
 backward (an in-place restore did, and the user's backward then raised); the RNG is put back
 afterwards. Training goes on exactly as it would have. This happens at most once per run.
+
+On an accelerator the flag is usually not on the host before the update: the host runs
+ahead of the device. When the update guard holds a non-finite step's update back on the
+device (on_nonfinite "skip"/"raise" with a fused optimizer, see guard.py), the weights stay
+finite, so the step's inputs are kept (`keep_late`, at most MAX_LATE steps) until its flag
+arrives, and the replay runs then, on the weights of a few finite updates later.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -24,33 +32,49 @@ from .instrument import LayerHooks
 from .record import StepRecord
 
 
+MAX_LATE = 8  # steps whose output flag may still be on its way (the device's lag), kept
+
+
 class ForwardReplay:
     """The replay's state: the captured forward, this step's output flag, and whether the
     one replay of the run has happened (`enabled=False`: never, e.g. under DTensor)."""
 
-    def __init__(self, model: nn.Module, enabled: bool = True):
-        self.model = model
+    def __init__(self, model: nn.Module, enabled: bool = True, keep_late: bool = False):
+        self._model_ref = weakref.ref(model)  # weakly: see layers.Layer.module_ref
+        self.module: nn.Module | None = None  # what the kept inputs go to (None: the model)
         self.args: tuple | None = None
         self.kwargs: dict | None = None
         self._cpu_rng: torch.Tensor | None = None
         self._cuda_rng: list[torch.Tensor] | None = None
         self.done = not enabled
         self._flag: tuple[Any, Any] | None = None  # (host flag, ready event) of the output check
+        self.keep_late = keep_late
+        # (step, flag, module, args, kwargs, cpu rng, cuda rng) of steps whose flag is on its way
+        self._late: deque[tuple[Any, ...]] = deque(maxlen=MAX_LATE)
 
     @property
     def waiting(self) -> bool:
         """An output flag of this step has not been looked at yet."""
         return self._flag is not None
 
-    def capture(self, args: tuple, kwargs: dict) -> None:
+    @property
+    def late(self) -> bool:
+        """Steps whose output flag is still on its way are kept (keep_late)."""
+        return bool(self._late)
+
+    def capture(self, args: tuple, kwargs: dict, module: nn.Module | None = None) -> None:
+        """Keep a training forward's inputs: of the root, or of the entry call `module` (a
+        child of the root, when the loop never calls the root itself)."""
         if self.done:
             return
         self.args, self.kwargs = args, kwargs
+        self.module = module
         self._cpu_rng = torch.get_rng_state()
         self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
     def clear(self) -> None:
         self.args = self.kwargs = None
+        self.module = None
 
     def note_output(self, flags: list[bool | torch.Tensor]) -> bool:
         """The step's output checks (see nonfinite.nonfinite_flags). True when one is already
@@ -66,25 +90,55 @@ class ForwardReplay:
             self._flag = transfer.peek(torch.stack(on_device).any())
         return False
 
-    def run_if_bad(self, hooks: LayerHooks, new_record: Callable[[], StepRecord]) -> StepRecord | None:
+    def run_if_bad(self, hooks: LayerHooks, new_record: Callable[[], StepRecord],
+                   step: int = 0) -> StepRecord | None:
         """If this step's output went non-finite, replay its forward into a new record and
         return it; None when it did not, when its flag is not on the host yet (never
-        waited for), or when there is nothing to replay."""
+        waited for: kept for `run_late` under keep_late), or when there is nothing to replay."""
         flag, self._flag = self._flag, None
-        if flag is None or not transfer.is_ready(flag[1]):
+        if flag is None:
+            return None
+        if not transfer.is_ready(flag[1]):
+            if self.keep_late and not self.done and self.args is not None:
+                self._late.append((step, flag, self.module, self.args, self.kwargs, self._cpu_rng,
+                                   self._cuda_rng))
             return None
         if not bool(flag[0]):  # a host value (or a completed copy): no device sync
             return None
         rec = new_record()
         return rec if self._run(hooks, rec) else None
 
+    def run_late(self, hooks: LayerHooks,
+                 new_record: Callable[[], StepRecord]) -> tuple[int, StepRecord] | None:
+        """The first kept step whose flag has arrived and says non-finite: its forward is
+        replayed (on the current weights, finite since its update was held back). Returns
+        (its step, the record). Never waits: a flag still on its way stays queued."""
+        while self._late and not self.done:
+            step, flag, module, args, kwargs, cpu_rng, cuda_rng = self._late[0]
+            if not transfer.is_ready(flag[1]):
+                return None
+            self._late.popleft()
+            if bool(flag[0]):
+                current = self.module, self.args, self.kwargs, self._cpu_rng, self._cuda_rng
+                self.module, self.args, self.kwargs, self._cpu_rng, self._cuda_rng = (
+                    module, args, kwargs, cpu_rng, cuda_rng)
+                rec = new_record()
+                ran = self._run(hooks, rec)
+                self.module, self.args, self.kwargs, self._cpu_rng, self._cuda_rng = current
+                return (step, rec) if ran else None
+        if self.done:
+            self._late.clear()
+        return None
+
     def _run(self, hooks: LayerHooks, rec: StepRecord) -> bool:
-        if self.args is None or self.done:
+        model = self._model_ref()
+        if self.args is None or self.done or model is None:
             return False
+        target = self.module if self.module is not None else model
         self.done = True
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if self._cuda_rng is not None else None
-        originals = [(m, name, b) for m in self.model.modules() for name, b in m._buffers.items()
+        originals = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
                      if b is not None]
         try:
             with torch.no_grad():
@@ -95,7 +149,7 @@ class ForwardReplay:
                 torch.cuda.set_rng_state_all(self._cuda_rng)
             with hooks.replaying_into(rec), torch.no_grad():
                 hooks.note_root_inputs(self.args, self.kwargs)
-                self.model(*self.args, **(self.kwargs or {}))
+                target(*self.args, **(self.kwargs or {}))
         finally:
             for module, name, buffer in originals:  # the very same tensors, untouched
                 module._buffers[name] = buffer

@@ -132,6 +132,7 @@ class Snapshot:
         default_factory=lambda: MappingProxyType({p: 0 for p in PHASES})
     )
     skipped_steps: int = 0
+    held_back_updates: int = 0  # non-finite updates held back (on_nonfinite "skip"/"raise")
     internal_errors: int = 0
     layers: Mapping[str, LayerStats] = field(default_factory=lambda: _EMPTY)
     """Every instrumented layer by qualified name, in named_modules() order."""

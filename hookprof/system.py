@@ -85,7 +85,9 @@ class NvmlReader:
             log.info("hookprof: GPU metrics off: nvidia-ml-py is not installed (pip install 'hookprof[gpu]')")
             return
         except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-            log.info("hookprof: GPU metrics off: NVML unavailable (%s)", exc)
+            # str(exc), not exc: a handler that keeps records (pytest's caplog, a notebook's
+            # log capture) would keep the traceback, and with its frames the caller's model
+            log.info("hookprof: GPU metrics off: NVML unavailable (%s)", str(exc))
             return
         if not self._handles:
             log.info("hookprof: GPU metrics off: NVML sees no GPU")

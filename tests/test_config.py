@@ -33,7 +33,7 @@ def test_defaults_are_documented_values():
         ("publish_interval_s", 0, "publish_interval_s must be > 0, got 0"),
         ("rank", -1, "rank must be >= 0 or None, got -1"),
         ("addr", " ", "addr must be a non-empty host address, got ' '"),
-        ("on_nonfinite", "explode", "on_nonfinite must be one of ('record', 'warn', 'raise', 'dump'), got 'explode'"),
+        ("on_nonfinite", "explode", "on_nonfinite must be one of ('record', 'warn', 'raise', 'dump', 'skip'), got 'explode'"),
         ("nonfinite_check", "none", "nonfinite_check must be one of ('all', 'loss'), got 'none'"),
         ("http_max_requests", 0, "http_max_requests must be >= 1, got 0"),
         ("http_max_connections", 40, "http_max_connections must be above http_max_requests (40), got 40"),
@@ -84,6 +84,7 @@ def test_environment_variables_fill_every_field():
         "HOOKPROF_HTTP_IDLE_TIMEOUT_S": "30",
         "HOOKPROF_HTTP_WRITE_TIMEOUT_S": "4",
         "HOOKPROF_NAME": "student",
+        "HOOKPROF_NONFINITE_SYNC": "1",
         "HOOKPROF_FLOP_COUNTING": "0",
         "HOOKPROF_PEAK_FLOPS": "9.89e14",
         "HOOKPROF_UPDATE_NORMS": "off",
@@ -101,6 +102,7 @@ def test_environment_variables_fill_every_field():
         tls_certfile=__file__, tls_keyfile=__file__, tls_client_cafile=__file__,
         http_max_requests=8, http_max_connections=32, http_header_timeout_s=2.5,
         http_idle_timeout_s=30.0, http_write_timeout_s=4.0, name="student",
+        nonfinite_sync=True,
         flop_counting=False, peak_flops=9.89e14, update_norms=False, update_norm_max_bytes=2**20,
     )
     # every field has a variable: a new field without one fails here

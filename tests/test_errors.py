@@ -72,7 +72,8 @@ def test_a_port_this_process_serves_on_another_address_names_the_holder():
 
 def test_settings_that_differ_from_the_endpoint_a_model_joins_are_refused():
     port = free_port()
-    with hookprof.attach(seeded(DeepNet), port=port):
+    first = seeded(DeepNet)  # held: a profiler whose model is gone is released at attach
+    with hookprof.attach(first, port=port):
         second = seeded(DeepNet)
         with pytest.raises(hookprof.ConfigError, match="http_max_requests"):
             hookprof.attach(second, port=port, http_max_requests=7)
@@ -82,9 +83,10 @@ def test_a_notebook_cell_run_twice_is_told_and_released_by_detach_all(caplog):
     import logging
 
     port = free_port()
-    first = hookprof.attach(seeded(DeepNet), port=port)  # the cell's first run
+    models = [seeded(DeepNet), seeded(DeepNet)]  # both still referenced (e.g. by Out[] history)
+    first = hookprof.attach(models[0], port=port)  # the cell's first run
     with caplog.at_level(logging.INFO, logger="hookprof"):
-        second = hookprof.attach(seeded(DeepNet), port=port)  # run again: served beside it
+        second = hookprof.attach(models[1], port=port)  # run again: served beside it
     assert second.name == "DeepNet-2" and second.url == first.url
     said = [r.getMessage() for r in caplog.records if "another DeepNet" in r.getMessage()]
     assert len(said) == 1 and "hookprof.detach_all()" in said[0]
@@ -93,6 +95,56 @@ def test_a_notebook_cell_run_twice_is_told_and_released_by_detach_all(caplog):
     assert hookprof.detach_all() == 2 and first.detached and second.detached
     with hookprof.attach(seeded(DeepNet), port=port) as again:
         assert again.port == port and again.name == "DeepNet"  # the name is free again
+
+
+def run_notebook_cell(port: int, steps: int = 3) -> hookprof.Profiler:
+    """What a notebook cell does: build, attach, train; the cell's names are rebound by the
+    caller (`model`, `opt` and `prof` live only in this frame, like a re-run cell's)."""
+    model = seeded(DeepNet)
+    prof = hookprof.attach(model, port=port, sample_every=1, min_sample_interval_s=0.0)
+    train(model, steps)
+    return prof
+
+
+@pytest.mark.parametrize("fixed_port", [True, False], ids=["same port", "port 0"])
+def test_a_notebook_cell_run_again_releases_the_profiler_whose_model_is_gone(caplog, fixed_port):
+    """Issue 11 case 6: the earlier cell's model is gone (its name was rebound), so the
+    next attach releases its profiler: the port, the threads and the global hooks come back,
+    and the model label is the same as before (its dashboards' series go on)."""
+    import logging
+
+    globals_before = [len(d) for d in GLOBAL_HOOK_DICTS]
+    port = free_port() if fixed_port else 0
+    prof = run_notebook_cell(port)
+    threads_once = sorted(hookprof_threads())
+    hooks_once = [len(d) for d in GLOBAL_HOOK_DICTS]
+    for _ in range(3):  # the cell, run three more times
+        earlier = prof
+        with caplog.at_level(logging.INFO, logger="hookprof"):
+            prof = run_notebook_cell(port)
+        assert earlier.detached and earlier.model is None
+        assert not prof.detached and prof.name == "DeepNet"  # the same label as the first run
+        if fixed_port:
+            assert prof.port == port
+        assert sorted(hookprof_threads()) == threads_once  # not one more thread per run
+        assert [len(d) for d in GLOBAL_HOOK_DICTS] == hooks_once
+    released = [r.getMessage() for r in caplog.records if "its model is gone" in r.getMessage()]
+    assert len(released) == 3 and "DeepNet" in released[0]
+    assert prof.steps == 3  # the live profiler counts its own steps only
+    prof.detach()
+    assert [len(d) for d in GLOBAL_HOOK_DICTS] == globals_before and hookprof_threads() == []
+
+
+def test_an_earlier_profiler_whose_model_is_alive_is_not_released():
+    port = free_port()
+    kept = seeded(DeepNet)  # the earlier model is still referenced: never released
+    first = hookprof.attach(kept, port=port)
+    second = hookprof.attach(seeded(DeepNet), port=port)
+    try:
+        assert not first.detached and first.model is kept
+        assert second.name == "DeepNet-2"
+    finally:
+        hookprof.detach_all()
 
 
 def test_attaching_twice_names_the_existing_profiler():

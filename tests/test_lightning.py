@@ -76,11 +76,10 @@ def test_automatic_optimization_norms_are_those_of_each_step(tmp_path):
     assert_norms_per_step(reader.seen, model.before_step)
 
 
-# today (closure steps fixed): first_nonfinite == ("body.5", "backward", 7) and no step
-# counted as forward: the root's forward never runs under Lightning's automatic
-# optimization, so there is no output check and no producer (with every step checked, the
-# layers' own forward counts do see it, but nothing names body.3 as the producer)
-@pytest.mark.xfail(strict=True, reason="issue 18 (2): forward NaN not counted without a root forward; named body.5, backward")
+# issue 18 (2), before entry calls: first_nonfinite == ("body.5", "backward", 7) and no step
+# counted as forward: the root's forward never runs under Lightning (training_step calls
+# self.body), so there was no output check and no producer. Now `body`, called from
+# outside the model, is the step's forward: checked, kept for a replay
 @pytest.mark.parametrize("settings", [ISSUE_SETTINGS, dict(ISSUE_SETTINGS, activation_interval_s=0.0)],
                          ids=["issue-settings", "every-step-checked"])
 def test_forward_nan_in_a_middle_layer_is_named_with_its_step(settings, tmp_path):

@@ -77,11 +77,10 @@ class LossMethodNet(nn.Module):
         return nn.functional.mse_loss(self.head(self.act(self.stem(x))), y)
 
 
-# today, with both settings: nonfinite_steps == {"forward": 0, "backward": 2, "loss": 0}
-# (steps 5-6) and first_nonfinite == ("head", "backward", 5, propagators=("stem",)): no root
-# forward, so no forward check (with every step checked, the layers' own forward counts are
-# there, stem/act/head 2 each, but no step is counted as forward and no producer is named)
-@pytest.mark.xfail(strict=True, reason="issue 18 (2) / issue 11: NaN input not counted as forward, named head, backward")
+# issue 18 (2), before entry calls: with both settings nonfinite_steps == {"forward": 0,
+# "backward": 2, "loss": 0} and first_nonfinite == ("head", "backward", 5): no root forward,
+# so no forward check and no producer. Now the first call of a root's child from outside the
+# model (here `stem`) is the step's forward: its inputs and output are checked
 @pytest.mark.parametrize("settings", [EVERY_STEP, dict(EVERY_STEP, activation_interval_s=0.0)],
                          ids=["issue-settings", "every-step-checked"])
 def test_nan_in_the_batch_of_a_loop_that_never_calls_the_root(settings):

@@ -1,0 +1,178 @@
+"""What happens on the device between the last backward of a step and its update.
+
+Two things, both decided where the update is about to run (the optimizer's step pre-hook or
+the end of its closure) and neither waiting for the device:
+
+- **A GradScaler's decision on the device.** With a fused optimizer (`fused=True` Adam,
+  AdamW, SGD, Adagrad: `_step_supports_amp_scaling`), `GradScaler.step` always calls
+  `optimizer.step()` and lets the kernel skip through `optimizer.found_inf`; the gradients
+  it reads are still scaled (`optimizer.grad_scale`). `ScalerView` reads both attributes:
+  gradient norms are divided by the scale, the backward check ignores a step the scaler
+  skips, and `DeviceSkips` counts the skips (and runs of them) in device counters drained
+  with the others. A non-fused optimizer's skip is a host decision (`gradscaler.py`).
+
+- **Holding back a non-finite update** (`on_nonfinite="skip"` or `"raise"`): when this
+  step's model output or gradients hold a NaN/Inf, its update must not reach the weights or
+  the optimizer state, so that training can go on (or stop) with intact weights and the
+  replay that names the producer runs on finite ones. A flag already on the host (a CPU
+  model) hides the gradients from the optimizer for this one step (`.grad = None`: every
+  torch.optim optimizer skips such a parameter, state included) and puts them back after.
+  A flag still on the device is given to a fused optimizer's kernel through `found_inf`,
+  which skips exactly and on the device. Any other optimizer on an accelerator cannot be
+  held back without waiting for the device: `Config.nonfinite_sync=True` waits for the one
+  flag per step (opt-in; see docs/nonfinite.md for its cost); otherwise this is said once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import transfer
+
+# found_inf is read by these optimizers' fused kernels (torch.optim, torch >= 2.4)
+def is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and any(
+        g.get("fused") for g in optimizer.param_groups)
+
+
+class ScalerView:
+    """A GradScaler's state as a fused optimizer sees it during `GradScaler.step`: the
+    scale its gradients still carry, and the device flag of a skip. Both None otherwise."""
+
+    __slots__ = ("scale", "found_inf")
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.scale = getattr(optimizer, "grad_scale", None)  # None after unscale_()
+        self.found_inf = getattr(optimizer, "found_inf", None)
+
+    @property
+    def active(self) -> bool:
+        return self.found_inf is not None
+
+    def unscale(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-layer squared norms of scaled gradients -> of the gradients the update uses."""
+        if self.scale is None:
+            return parts
+        return [p / self.scale.to(p.device, torch.float64).reshape(()).square() for p in parts]
+
+    def mask(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The squares the backward check counts: none on a step the scaler skips (an
+        overflow it handles is a skipped step, not an incident)."""
+        if self.found_inf is None:
+            return parts
+        return [p.masked_fill(self.found_inf.to(p.device).reshape(()) > 0, 0.0) for p in parts]
+
+
+class DeviceSkips:
+    """Steps a GradScaler skipped on one device, counted there: [skipped, persistent (skips
+    beyond max_skipped_steps in a row), the current run]. In-place ops, no host copy."""
+
+    def __init__(self, device: torch.device, max_in_a_row: int):
+        self.flat = torch.zeros(3, dtype=torch.int64, device=device)
+        self._max = max_in_a_row
+
+    def add(self, found_inf: torch.Tensor) -> None:
+        skipped = (found_inf.reshape(()) > 0).to(torch.int64)
+        self.flat[0].add_(skipped)
+        self.flat[2].add_(1).mul_(skipped)  # the run goes on, or starts again at 0
+        self.flat[1].add_((self.flat[2] > self._max).to(torch.int64))
+
+
+class SkipCounters:
+    """The DeviceSkips of each device a scaler's flag lives on."""
+
+    def __init__(self, max_in_a_row: int):
+        self._max = max_in_a_row
+        self.by_device: dict[torch.device, DeviceSkips] = {}
+
+    def add(self, found_inf: torch.Tensor) -> None:
+        c = self.by_device.get(found_inf.device)
+        if c is None:
+            c = self.by_device[found_inf.device] = DeviceSkips(found_inf.device, self._max)
+        c.add(found_inf)
+
+    def blocks(self) -> list[torch.Tensor]:
+        return [c.flat for c in self.by_device.values()]
+
+
+def fold_skips(parts: list[list[float]]) -> tuple[int, int]:
+    """Host side: (skipped, persistent) over the drained blocks of all devices."""
+    return (sum(int(p[0]) for p in parts), sum(int(p[1]) for p in parts))
+
+
+class UpdateGuard:
+    """Holds back this step's update when its checks found a NaN/Inf (policies "skip" and
+    "raise"). `before_update` runs where the gradients are final; `after_update` at the
+    optimizer's post-hook puts back what it took."""
+
+    def __init__(self, wait_for_device: bool, say_once: Any):
+        self._wait = wait_for_device
+        self._say = say_once
+        self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its grad)
+        self._set_found: tuple[torch.optim.Optimizer, torch.Tensor] | None = None
+        self.held_back = 0  # updates withheld on the host's word (device ones: DeviceHeld)
+
+    def before_update(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                      flags: list[bool | torch.Tensor]) -> torch.Tensor | None:
+        """`flags`: this step's checks (host bools, device 0-d bools). Returns the device
+        flag handed to a fused kernel (for counting), else None."""
+        if any(f is True for f in flags):
+            self._hide(params)
+            return None
+        on_device = [f for f in flags if isinstance(f, torch.Tensor)]
+        if not on_device:
+            return None
+        bad = torch.stack([f.reshape(()) for f in on_device]).any()
+        if is_fused(optimizer):
+            found = bad.to(torch.float32)
+            scaler_found = getattr(optimizer, "found_inf", None)
+            if scaler_found is not None:  # GradScaler's fused path set one: skip on either
+                found = torch.maximum(scaler_found.to(found.device).reshape(found.shape), found)
+            optimizer.found_inf = found  # read by the fused kernel; removed after the step
+            self._set_found = (optimizer, found)
+            return bad
+        if self._wait:
+            if bool(bad):  # the opt-in wait for the device (Config.nonfinite_sync)
+                self._hide(params)
+            return None
+        self._say("non-fused update", (
+            f"on_nonfinite holds back a non-finite update on the device only for fused "
+            f"optimizers (fused=True Adam, AdamW, SGD, Adagrad); {type(optimizer).__name__} "
+            "is not fused, so a NaN/Inf step's update reaches the weights unless "
+            "nonfinite_sync=True (waits for one value per step)"))
+        return None
+
+    def _hide(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            if p.grad is not None:
+                self._hidden.append((p, p.grad))
+                p.grad = None
+        self.held_back += 1
+
+    def after_update(self) -> None:
+        """Put back the gradients (the loop may read them after the step) and take our
+        found_inf off the optimizer, unless someone replaced it since."""
+        for p, grad in self._hidden:
+            if p.grad is None:
+                p.grad = grad
+        self._hidden.clear()
+        if self._set_found is not None:
+            optimizer, found = self._set_found
+            self._set_found = None
+            if getattr(optimizer, "found_inf", None) is found:
+                del optimizer.found_inf
+
+
+def host_flags_of_squares(parts: list[torch.Tensor]) -> list[bool | torch.Tensor]:
+    """One flag per device part of per-layer squared norms: a host bool where reading it
+    waits for nothing, else a device 0-d bool."""
+    out: list[bool | torch.Tensor] = []
+    for p in parts:
+        total = p.sum()
+        if transfer.on_host(total):
+            out.append(not bool(torch.isfinite(total)))
+        else:
+            out.append(~torch.isfinite(total))
+    return out

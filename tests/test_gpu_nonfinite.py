@@ -1,0 +1,210 @@
+"""Issue 12's table, row by row, on a real GPU: the NaN/Inf debugger with the host ahead of
+the device. Marked cuda (skipped without CUDA; `python -m pytest -m cuda` runs them). Each
+training loop runs under torch.cuda.set_sync_debug_mode("error"), so a host-device sync
+that hookprof added raises; the CPU emulation of the same logic is tests/test_update_guard.py."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+import hookprof
+
+pytestmark = pytest.mark.cuda
+
+RARELY = dict(port=0, sample_every=1000, min_sample_interval_s=3600.0)
+BAD_STEP = 23
+
+
+class Net(nn.Module):
+    """A small transformer-shaped MLP stack: enough layers for attribution to mean something."""
+
+    def __init__(self, width: int = 256, depth: int = 6):
+        super().__init__()
+        self.embed = nn.Linear(64, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                          nn.Linear(4 * width, width)) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+class BadBatch:
+    """`layer` makes a NaN whenever one particular batch runs (a data-dependent overflow)."""
+
+    def __init__(self, model: nn.Module, layer: nn.Module, where: str = "forward"):
+        self.poisoned = None
+        self._current = None
+        model.register_forward_pre_hook(lambda m, args: setattr(self, "_current", args[0]))
+        if where == "forward":
+            layer.register_forward_hook(self._poison)
+        else:  # the layer's gradient goes NaN in the backward only
+            layer.register_full_backward_pre_hook(self._poison_grad)
+
+    def _poison(self, module, args, output):
+        if self._current is not None and self._current is self.poisoned:
+            return output * float("nan")
+        return None
+
+    def _poison_grad(self, module, grad_output):
+        if self._current is self.poisoned and self.poisoned is not None:
+            return tuple(g * float("nan") if g is not None else None for g in grad_output)
+        return None
+
+
+def run(model, opt, steps, bad: BadBatch | None, *, item_every_step=False, scaler=None,
+        overflow_at=frozenset()):
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(1)
+    xs = [torch.randn(32, 64, device=device, generator=g) for _ in range(steps)]
+    ys = [torch.randn(32, 1, device=device, generator=g) for _ in range(steps)]
+    torch.cuda.synchronize()
+    mode = contextlib.nullcontext() if item_every_step else _no_sync()
+    with mode:
+        for step, (x, y) in enumerate(zip(xs, ys), 1):
+            if bad is not None and step == BAD_STEP:
+                bad.poisoned = x
+            opt.zero_grad(set_to_none=True)
+            if scaler is None:
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+            else:
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = nn.functional.mse_loss(model(x), y)
+                if step in overflow_at:
+                    loss = loss * 6e4  # with init_scale 2**24 the fp16 gradients overflow
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            if item_every_step:
+                loss.item()
+
+
+@contextlib.contextmanager
+def _no_sync():
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def setup(fused=True):
+    torch.manual_seed(0)
+    model = Net().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if fused else {"foreach": True}))
+    return model, opt
+
+
+def finite(model) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_row1_forward_nan_on_an_unsampled_step_is_named_under_skip_without_a_sync():
+    model, opt = setup()
+    bad = BadBatch(model, model.blocks[3][1])
+    prof = hookprof.attach(model, **RARELY, on_nonfinite="skip")
+    run(model, opt, 40, bad)
+    prof.flush()
+    snap = prof.snapshot()
+    prof.detach()
+    event = snap.first_nonfinite
+    assert (event.layer, event.phase, event.step) == ("blocks.3.1", "forward", BAD_STEP)
+    assert snap.held_back_updates == 1 and finite(model)
+
+
+def test_row1_under_record_the_step_and_phase_are_exact():
+    """Under "record" hookprof never changes training: the step's flag is not on the host
+    before its update, so the NaN update lands; step and phase are exact, the layer is named
+    only when the replay could run before the update (docs/nonfinite.md)."""
+    model, opt = setup()
+    bad = BadBatch(model, model.blocks[3][1])
+    prof = hookprof.attach(model, **RARELY)
+    run(model, opt, 30, bad)
+    prof.flush()
+    event = prof.snapshot().first_nonfinite
+    prof.detach()
+    assert (event.phase, event.step) == ("forward", BAD_STEP)
+
+
+def test_row2_a_loop_that_reads_the_loss_every_step_gets_the_producer_under_record():
+    model, opt = setup()
+    bad = BadBatch(model, model.blocks[3][1])
+    prof = hookprof.attach(model, **RARELY)
+    run(model, opt, 30, bad, item_every_step=True)
+    prof.flush()
+    event = prof.snapshot().first_nonfinite
+    prof.detach()
+    assert (event.layer, event.phase, event.step) == ("blocks.3.1", "forward", BAD_STEP)
+
+
+def test_row3_a_gradient_nan_is_named_with_its_step():
+    model, opt = setup()
+    bad = BadBatch(model, model.blocks[2][3], where="backward")
+    prof = hookprof.attach(model, **RARELY)
+    run(model, opt, 30, bad)
+    prof.flush()
+    event = prof.snapshot().first_nonfinite
+    prof.detach()
+    assert event.phase == "backward" and event.step == BAD_STEP
+    assert event.layer.startswith("blocks.")
+
+
+def test_row4_raise_stops_before_the_weights_are_hit():
+    model, opt = setup()
+    bad = BadBatch(model, model.blocks[3][1])
+    prof = hookprof.attach(model, **RARELY, on_nonfinite="raise")
+    try:
+        with pytest.raises(hookprof.NonFiniteError) as info:
+            run(model, opt, 60, bad)
+    finally:
+        prof.detach()
+    assert info.value.step == BAD_STEP and info.value.layer == "blocks.3.1"
+    assert finite(model)
+    for state in opt.state.values():
+        assert all(bool(torch.isfinite(v).all()) for v in state.values() if torch.is_tensor(v))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_row5_6_gradscaler_skips_equal_the_scalers_count_and_are_no_incident(fused):
+    model, opt = setup(fused)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**24)
+    counted = []
+    original_update = scaler.update
+
+    def update(*a, **k):  # the scaler's own count: its scale went down (read after the loop)
+        counted.append(scaler._scale.clone())
+        return original_update(*a, **k)
+
+    scaler.update = update
+    prof = hookprof.attach(model, **RARELY)
+    run(model, opt, 30, None, scaler=scaler, overflow_at=frozenset(range(3, 13)))
+    prof.flush()
+    snap = prof.snapshot()
+    prof.detach()
+    scales = [float(s) for s in counted] + [scaler.get_scale()]
+    own = sum(after < before for before, after in zip(scales, scales[1:]))
+    assert own >= 10
+    assert snap.skipped_steps == own
+    assert snap.nonfinite_steps == {"forward": 0, "backward": 0, "loss": 0}
+
+
+def test_row7_flush_counts_a_nan_twenty_steps_later():
+    model, opt = setup()
+    bad = BadBatch(model, model.blocks[0][1])
+    prof = hookprof.attach(model, **RARELY)
+    run(model, opt, BAD_STEP + 20, bad)
+    prof.flush()
+    snap = prof.snapshot()
+    prof.detach()
+    assert snap.nonfinite_steps["forward"] >= 1
+    assert snap.first_nonfinite.step == BAD_STEP

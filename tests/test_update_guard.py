@@ -1,0 +1,215 @@
+"""Issue 12 on the CPU: GradScaler skips of fused optimizers counted exactly, non-finite
+updates held back (on_nonfinite "skip"/"raise"), and the same logic on an emulated device
+that runs steps behind the host (tests/lagging_device.py). The cuda twins are in
+tests/test_gpu_nonfinite.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hookprof
+from lagging_device import lagging_device
+from models import DeepNet, loss_of, seeded
+from test_incidents import StepInjector
+
+EVERY_STEP = dict(port=0, sample_every=1, min_sample_interval_s=0.0)
+RARELY = dict(port=0, sample_every=1000, min_sample_interval_s=3600.0)  # step 1 only
+
+
+def adam(model, kind: str) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-3, **{kind: True})
+
+
+def scaler_loop(model, opt, steps: int, overflow_at: set[int], on_step=None) -> int:
+    """fp16 autocast + GradScaler; the scaled gradients overflow at `overflow_at`. Returns
+    how many steps the scaler itself skipped (its scale went down), counted apart."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    g = torch.Generator().manual_seed(0)
+    skipped = 0
+    for step in range(1, steps + 1):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_of(model, model.batch(g))
+        if step in overflow_at:
+            loss = loss * 1e38
+        scaler.scale(loss).backward()
+        if on_step is not None:
+            on_step(step, scaler.get_scale())
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.get_scale() < before
+    return skipped
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_gradscaler_skips_are_counted_exactly_and_are_no_incident(kind):
+    """Issue 12 row 5/6: a fused optimizer is always stepped (the kernel skips through
+    optimizer.found_inf), so 'the optimizer did not step' never happens; the skips must
+    still equal the scaler's own count, and none of them is a backward incident."""
+    model = seeded(DeepNet)
+    norms: dict[int, float] = {}
+
+    def expected_norm(step, scale):  # the unscaled gradients the update uses, computed apart
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+        norms[step] = (torch.linalg.vector_norm(grads) / scale).item()
+
+    overflow = {2, 3, 5, 8, 9, 10, 13, 14, 17, 19}
+    prof = hookprof.attach(model, **EVERY_STEP)
+    skipped = scaler_loop(model, adam(model, kind), 20, overflow, on_step=expected_norm)
+    prof.flush()
+    snap = prof.snapshot()
+    prof.detach()
+    assert skipped == len(overflow)  # the scaler's own count
+    assert snap.skipped_steps == skipped
+    assert snap.nonfinite_steps == {"forward": 0, "backward": 0, "loss": 0}
+    assert snap.first_nonfinite is None
+    assert snap.grad_norm == pytest.approx(norms[20], rel=1e-5)  # unscaled, step 20's
+
+
+def test_fused_gradscaler_skipping_that_never_stops_is_an_incident():
+    model = seeded(DeepNet)
+    prof = hookprof.attach(model, port=0, max_skipped_steps=3)
+    scaler_loop(model, adam(model, "fused"), 8, overflow_at=set(range(2, 9)))
+    prof.flush()
+    snap = prof.snapshot()
+    prof.detach()
+    assert snap.skipped_steps == 7
+    assert snap.nonfinite_steps["backward"] == 4  # skips 4 to 7 in a row are past the limit
+    assert snap.first_nonfinite.layer == "(gradscaler)"
+
+
+def train(model, opt, steps: int, injector=None, skip_update_at: frozenset = frozenset(),
+          prof=None, stop_at: int | None = None) -> None:
+    g = torch.Generator().manual_seed(0)
+    for step in range(1, steps + 1):
+        if injector is not None:
+            injector.step = step
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(model, model.batch(g))
+        loss.backward()
+        if step == stop_at:
+            return
+        if step not in skip_update_at:
+            opt.step()
+
+
+def assert_same(a_model, b_model):
+    for a, b in zip(a_model.parameters(), b_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def momentum_sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+@pytest.mark.parametrize("make_opt", [momentum_sgd, lambda m: adam(m, "fused"),
+                                      lambda m: adam(m, "foreach")],
+                         ids=["sgd", "fused adam", "foreach adam"])
+def test_skip_policy_holds_back_the_nonfinite_update_and_trains_on(make_opt):
+    """A NaN made in a layer's forward at step 4: its update never reaches the weights or
+    the optimizer state; training goes on exactly as a loop that skipped that one update."""
+    reference = seeded(DeepNet)
+    train(reference, make_opt(reference), 9, StepInjector(reference.blocks[1].act, {4}),
+          skip_update_at=frozenset({4}))
+    model = seeded(DeepNet)
+    prof = hookprof.attach(model, **RARELY, on_nonfinite="skip")
+    train(model, make_opt(model), 9, StepInjector(model.blocks[1].act, {4}))
+    prof.flush()
+    snap = prof.snapshot()
+    prof.detach()
+    assert_same(reference, model)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert snap.held_back_updates == 1
+    assert (snap.first_nonfinite.layer, snap.first_nonfinite.phase, snap.first_nonfinite.step) == (
+        "blocks.1.act", "forward", 4)
+    assert snap.nonfinite_steps["forward"] == 1  # one bad step, and only one
+
+
+def test_raise_policy_stops_before_the_weights_are_hit():
+    reference = seeded(DeepNet)
+    ref_opt = momentum_sgd(reference)
+    train(reference, ref_opt, 4, StepInjector(reference.blocks[1].act, {4}), stop_at=4)
+    model = seeded(DeepNet)
+    opt = momentum_sgd(model)
+    prof = hookprof.attach(model, **RARELY, on_nonfinite="raise")
+    try:
+        with pytest.raises(hookprof.NonFiniteError) as info:
+            train(model, opt, 9, StepInjector(model.blocks[1].act, {4}))
+    finally:
+        prof.detach()
+    assert (info.value.layer, info.value.step) == ("blocks.1.act", 4)
+    assert_same(reference, model)  # step 4's update never happened
+    for state in opt.state.values():  # nor did it reach the momentum buffers
+        assert torch.isfinite(state["momentum_buffer"]).all()
+
+
+class BadBatch:
+    """`layer`'s output goes NaN whenever one particular batch runs through the model (a
+    data-dependent overflow), so it recurs when that batch's forward is replayed later."""
+
+    def __init__(self, model, layer):
+        self.poisoned: torch.Tensor | None = None
+        self._current: torch.Tensor | None = None
+        model.register_forward_pre_hook(self._note)
+        layer.register_forward_hook(self._poison)
+
+    def _note(self, module, args):
+        self._current = args[0]
+
+    def _poison(self, module, args, output):
+        if self._current is not None and self._current is self.poisoned:
+            return output * float("nan")
+        return None
+
+
+def train_with_bad_batch(model, opt, steps: int, bad_step: int, skip_update_at=frozenset()):
+    bad = BadBatch(model, model.blocks[2].fc)
+    g = torch.Generator().manual_seed(0)
+    for step in range(1, steps + 1):
+        opt.zero_grad(set_to_none=True)
+        inputs, target = model.batch(g)
+        if step == bad_step:
+            bad.poisoned = inputs
+        loss = loss_of(model, (inputs, target))
+        loss.backward()
+        if step not in skip_update_at:
+            opt.step()
+
+
+@pytest.mark.parametrize("lag", [1, 3, 6])
+def test_on_a_device_steps_behind_the_fused_update_is_held_back_and_the_producer_named(lag):
+    """Issue 12 row 1 and requirement 6: the output flag of step 6 reaches the host `lag`
+    steps later; the fused kernel skips step 6's update on the device meanwhile, the step's
+    inputs are kept, and the replay names the producer when the flag arrives. The training
+    thread never waits for the device."""
+    reference = seeded(DeepNet)
+    train_with_bad_batch(reference, adam(reference, "fused"), 12, 6, skip_update_at=frozenset({6}))
+    model = seeded(DeepNet)
+    with lagging_device(lag) as device:
+        prof = hookprof.attach(model, **RARELY, on_nonfinite="skip")
+        train_with_bad_batch(model, adam(model, "fused"), 12, 6)
+        assert "MainThread" not in device.waits  # no wait on the training thread so far
+        prof.flush()
+        snap = prof.snapshot()
+        prof.detach()
+    assert_same(reference, model)
+    assert snap.held_back_updates == 1
+    event = snap.first_nonfinite
+    assert (event.layer, event.phase, event.step) == ("blocks.2.fc", "forward", 6)
+
+
+def test_on_a_device_steps_behind_flush_brings_every_counter_over():
+    """Issue 12 row 7: 20 steps after a NaN, no sampled step since: flush() counts it."""
+    model = seeded(DeepNet)
+    with lagging_device(3):
+        prof = hookprof.attach(model, **RARELY)
+        train(model, momentum_sgd(model), 25, StepInjector(model.blocks[0].fc, {5}))
+        prof.flush()
+        snap = prof.snapshot()
+        prof.detach()
+    assert snap.step == 25
+    assert snap.nonfinite_steps["forward"] == 21  # steps 5-25: the weights are NaN from 5 on
+    assert snap.nonfinite_steps["backward"] == 21
+    assert snap.first_nonfinite.step == 5 and snap.first_nonfinite.phase == "forward"

@@ -416,19 +416,20 @@ class Profiler:
         gets: the step begins, its inputs are checked and kept for a replay, its output is
         checked (a NaN in them is the input's; one made by the root's own code between two
         entry calls is seen as a non-finite input of the second)."""
-        if self._entry is not None or self._detached or self._hooks.replaying:
-            return
+        if is_compiling() or self._detached or self._entry is not None or self._hooks.replaying:
+            return  # (detached before the rest: a copy of the model holds an inert profiler)
         self._entry = module
         self._forward_began(module, args, kwargs, own_layer=None)
 
     def _on_entry_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._entry is not module:
+        if is_compiling() or self._detached or self._entry is not module:
             return
         self._entry = None
         self._on_root_output(module, args, output)
 
     def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self._entry_handles and torch.is_grad_enabled() and module.training:
+        if (not is_compiling() and not self._detached and self._entry_handles
+                and torch.is_grad_enabled() and module.training):
             self._drop_entry_hooks()  # the root's own forward runs: it is the step's forward
         self._forward_began(module, args, kwargs, own_layer=self._root_layer)
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import hookprof
 from conftest import free_port, parse, samples, scrape
-from models import DeepNet, hookprof_norms, layer_norms, loss_of, seeded
+from models import DeepNet, hookprof_norms, layer_norms, loss_of, seeded, train
 
 EVERY_STEP = dict(port=0, sample_every=1, min_sample_interval_s=0.0)
 
@@ -211,3 +211,39 @@ def test_detaching_one_model_leaves_the_others_served_and_the_last_frees_the_por
         prof_d.detach()
     with pytest.raises(ConnectionRefusedError):  # the last model out closed the endpoint
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_entry_calls_end_at_the_roots_first_training_forward_and_spare_copies():
+    """The entry hooks (on the root's children) serve loops that never call the root; a
+    copy made while they are on (an EMA copy at step 0) trains unprofiled, and the first
+    training forward of the root itself removes them."""
+    import copy
+
+    model = seeded(LossMethodNet)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    with hookprof.attach(model, **EVERY_STEP) as prof:
+        ema = copy.deepcopy(model)  # carries the entry hooks, bound to an inert profiler
+        ema.compute_loss(x, y).backward()  # nothing happens in hookprof, nothing raises
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            model.compute_loss(x, y).backward()
+            opt.step()
+        assert all(entry_hooked(m, prof) for m in model.children())
+        assert not any(entry_hooked(m, prof) for m in ema.children())  # the copy's are inert
+        prof.flush()
+        assert prof.snapshot().step == 2 and prof.snapshot().internal_errors == 0
+    assert not any(entry_hooked(m, prof) for m in model.children())  # detach: gone
+
+    deep = seeded(DeepNet)  # a model trained through its root forward
+    with hookprof.attach(deep, **EVERY_STEP) as prof:
+        assert all(entry_hooked(m, prof) for m in deep.children())
+        with torch.no_grad():
+            deep(deep.batch(torch.Generator())[0])  # an evaluation pass changes nothing
+        assert all(entry_hooked(m, prof) for m in deep.children())
+        train(deep, 1)
+        assert not any(entry_hooked(m, prof) for m in deep.children())
+
+
+def entry_hooked(module, prof) -> bool:
+    return any(getattr(h, "__self__", None) is prof for h in module._forward_pre_hooks.values())

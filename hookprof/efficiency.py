@@ -44,7 +44,8 @@ class StepEfficiency:
     """The training-thread half. Every method is cheap on unsampled steps (not called)."""
 
     def __init__(self, table: LayerTable, *, flops: bool, update_norms: bool, update_max_bytes: int,
-                 peak_flops: float | None, notices: Any, model_name: str = "the model"):
+                 peak_flops: float | None, notices: Any, model_name: str = "the model",
+                 update_interval_s: float = 0.0):
         self._table = table
         self._notices = notices
         self.flops = FlopCounter(table, notices) if flops else None
@@ -56,6 +57,8 @@ class StepEfficiency:
         self._precision: str | None = None  # seen during the sampled step's forward
         self._last_end: tuple[int, int] | None = None  # (step, ns) of the last sampled step's end
         self._noted = False
+        self._update_interval_ns = int(update_interval_s * 1e9)
+        self._last_update_ns: int | None = None  # when update norms were last measured
 
     @property
     def enabled(self) -> bool:
@@ -72,9 +75,15 @@ class StepEfficiency:
             self._notices.say("flops note", f"FLOPs of layer calls cannot be noted ({exc!r}): "
                               "FLOP figures may be missing")
 
-    def before_update(self) -> None:
-        if self.updates is not None:
-            self.updates.before_update()
+    def before_update(self, now_ns: int) -> None:
+        """A sampled step's update is about to happen: copy what its turn needs, at most
+        once per update_interval_s."""
+        if self.updates is None or self.updates.taken:
+            return
+        if self._last_update_ns is not None and now_ns - self._last_update_ns < self._update_interval_ns:
+            return
+        self._last_update_ns = now_ns
+        self.updates.before_update()
 
     def end_step(self, step: int, now_ns: int, duration_s: float) -> tuple[EfficiencyPart, list[tuple[Any, torch.Tensor]]]:
         """A sampled step ended (its update done): its host figures and the device values to
@@ -90,7 +99,7 @@ class StepEfficiency:
             part.flops = self.flops.end_step()
             part.peak_flops = self._peak()
         self._noted = False
-        if self.updates is not None:
+        if self.updates is not None and self.updates.taken:  # weights read with their updates
             weights, updates, part.updated, part.weighted = self.updates.after_update()
             values += [(("weight_sq", k), t) for k, t in enumerate(weights)]
             values += [(("update_sq", k), t) for k, t in enumerate(updates)]

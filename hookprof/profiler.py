@@ -174,7 +174,8 @@ class Profiler:
         self._efficiency = StepEfficiency(
             self.table, flops=config.flop_counting, update_norms=config.update_norms,
             update_max_bytes=config.update_norm_max_bytes, peak_flops=config.peak_flops,
-            notices=self._notices, model_name=type(model).__qualname__)
+            notices=self._notices, model_name=type(model).__qualname__,
+            update_interval_s=config.update_norm_interval_s)
         if self._efficiency.enabled:
             aggregator.efficiency = EfficiencyTotals(self.table.names)
         if self._efficiency.flops is not None:
@@ -509,7 +510,7 @@ class Profiler:
             if not self._owns(optimizer):
                 return None
             if self._plan.sampled and self._in_step():
-                self._efficiency.before_update()  # the parameters as they are before the update
+                self._efficiency.before_update(self._clock())  # the parameters before the update
             # args are those of the unbound step: (optimizer, closure?, ...)
             closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
             if callable(closure):

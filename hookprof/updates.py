@@ -19,7 +19,7 @@ approximate and cost a pass per projection; a low-precision copy loses the updat
 way. The rotation is exact, bounded and cheap: each layer's update norm is exact on the
 steps it is measured.
 
-Weight norms of every layer (after the update) are read on every sampled step: a read of
+Weight norms of every layer (after the update) are read on every step that measures updates: a read of
 every parameter, no copy. Nothing here reads a value back: the per-layer squares ride the
 step's one device-to-host copy.
 """
@@ -46,6 +46,11 @@ class UpdateNorms:
         self._next = 0  # position in _trainable of the next layer whose turn it is
         self._before: list[tuple[int, torch.Tensor]] | None = None  # (param index, copy)
         self._index_cache: dict = {}
+
+    @property
+    def taken(self) -> bool:
+        """Copies of this step's turn are held (taken at its first optimizer pre-hook)."""
+        return self._before is not None
 
     @property
     def largest_layer_bytes(self) -> int:

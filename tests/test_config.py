@@ -89,6 +89,7 @@ def test_environment_variables_fill_every_field():
         "HOOKPROF_PEAK_FLOPS": "9.89e14",
         "HOOKPROF_UPDATE_NORMS": "off",
         "HOOKPROF_UPDATE_NORM_MAX_BYTES": "1048576",
+        "HOOKPROF_UPDATE_NORM_INTERVAL_S": "0.5",
         "UNRELATED": "x",
     }
     c = Config.from_env(env)
@@ -104,6 +105,7 @@ def test_environment_variables_fill_every_field():
         http_idle_timeout_s=30.0, http_write_timeout_s=4.0, name="student",
         nonfinite_sync=True,
         flop_counting=False, peak_flops=9.89e14, update_norms=False, update_norm_max_bytes=2**20,
+        update_norm_interval_s=0.5,
     )
     # every field has a variable: a new field without one fails here
     assert {f.name for f in dataclasses.fields(Config)} == {

@@ -21,6 +21,12 @@ from hookprof.layers import LayerTable
 from hookprof.updates import UpdateNorms
 
 
+@pytest.fixture
+def every_step(every_step):
+    """Every step sampled, and update norms measured on every one of them."""
+    return {**every_step, "update_norm_interval_s": 0.0}
+
+
 def mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
@@ -152,6 +158,28 @@ def test_layers_take_turns_under_the_byte_cap(every_step):
             assert prof.snapshot().efficiency.layers[turn].update_norm == pytest.approx(expected, rel=1e-5)
         measured = {n for n, s in prof.snapshot().efficiency.layers.items() if s.update_norm is not None}
         assert measured == {"0", "1", "2"}
+
+
+def test_update_norms_at_most_once_per_interval(every_step):
+    """Sampling every step does not copy the parameters every step: the first sampled step
+    measures, the next ones within update_norm_interval_s do not (the figures stay)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 32)
+    with hookprof.attach(model, **{**every_step, "update_norm_interval_s": 3600.0}) as prof:
+        first = None
+        for step in range(3):
+            before = model[0].weight.detach().clone(), model[0].bias.detach().clone()
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                first = math.sqrt((model[0].weight.detach() - before[0]).square().sum().item()
+                                  + (model[0].bias.detach() - before[1]).square().sum().item())
+        prof.flush()
+        snap = prof.snapshot()
+    assert snap.sampled_steps == 3
+    assert snap.efficiency.layers["0"].update_norm == pytest.approx(first, rel=1e-5)
 
 
 def test_turns_fill_the_cap_and_a_large_layer_goes_alone():

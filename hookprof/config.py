@@ -120,9 +120,10 @@ class Config:
     from the device, asynchronously."""
 
     nonfinite_sync: bool = False
-    """Under on_nonfinite="raise"/"skip", wait at each optimizer step for this step's one
-    NaN/Inf flag when the update could not be held back on the device (a non-fused optimizer
-    on an accelerator). Costs one host-device synchronisation per step; off by default."""
+    """On an accelerator, wait at each optimizer step for this step's one NaN/Inf flag of the
+    model's output, so that a forward NaN's producer is named by a replay before the update
+    under any policy, and under "raise"/"skip" a non-fused optimizer's non-finite update is
+    held back. Costs one host-device synchronisation per step; off by default."""
 
     dump_dir: str = "hookprof-dumps"
     """Where on_nonfinite="dump" writes its reports."""

@@ -108,6 +108,9 @@ def apply(policy: str, event: NonFiniteEvent, snap: Snapshot, config: Config, ra
     """Act on the first incident of a run. Returns the report's path under "dump"."""
     if policy == "warn":
         log.warning("hookprof: %s", describe(event, rank))
+    elif policy == "skip":
+        log.warning("hookprof: %s; the update of every non-finite step is held back "
+                    "(hookprof_held_back_updates_total counts them)", describe(event, rank))
     elif policy == "raise":
         raise NonFiniteError(event.layer, event.phase, event.step, rank)
     elif policy == "dump":

@@ -420,7 +420,7 @@ class Profiler:
         if is_compiling() or self._detached or self._entry is not None or self._hooks.replaying:
             return  # (detached before the rest: a copy of the model holds an inert profiler)
         self._entry = module
-        self._forward_began(module, args, kwargs, own_layer=None)
+        self._forward_began(module, args, kwargs, own_layer=None, entry=True)
 
     def _on_entry_output(self, module: nn.Module, args: Any, output: Any) -> None:
         if is_compiling() or self._detached or self._entry is not module:
@@ -429,12 +429,15 @@ class Profiler:
         self._on_root_output(module, args, output)
 
     def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if (not is_compiling() and not self._detached and self._entry_handles
+        if self._detached:  # a copy of the model (see _inert_copy)
+            return
+        if (not is_compiling() and self._entry_handles
                 and torch.is_grad_enabled() and module.training):
             self._drop_entry_hooks()  # the root's own forward runs: it is the step's forward
-        self._forward_began(module, args, kwargs, own_layer=self._root_layer)
+        self._forward_began(module, args, kwargs, own_layer=self._root_layer, entry=False)
 
-    def _forward_began(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None) -> None:
+    def _forward_began(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None,
+                       entry: bool) -> None:
         """The root module's forward begins: the step has begun; its inputs are kept for a
         replay."""
         if self._detached:  # a copy of the model (see _inert_copy)
@@ -452,9 +455,10 @@ class Profiler:
             return
         try:
             if not self._plan.checked:  # an unchecked step may need a replay
-                self._replay.capture(args, kwargs, module)
+                # (the root is never held: the replay keeps the model weakly)
+                self._replay.capture(args, kwargs, module if entry else None)
             self._root_seen = True
-            if self._rec is not None and not self._hooks.installed and module is self.model:
+            if self._rec is not None and not self._hooks.installed and not entry:
                 # (an entry call's own forward was looked up before its pre-hooks ran: a
                 # wrapper installed now would be missed, so step 1's layers go unrecorded)
                 self._hooks.install()
@@ -683,7 +687,8 @@ class Profiler:
         """If this step's output went non-finite on an unchecked step, replay its forward
         with the per-layer checks on, before the optimizer changes the parameters."""
         step = self._counters.steps + 1
-        rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.mark()), step)
+        rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.mark()), step,
+                                      wait=self.config.nonfinite_sync)
         if rec is None and self._replay.keep_late:  # an earlier step's flag may have arrived
             late = self._replay.run_late(self._hooks, lambda: StepRecord(self.timer.mark()))
             if late is not None:

@@ -91,13 +91,16 @@ class ForwardReplay:
         return False
 
     def run_if_bad(self, hooks: LayerHooks, new_record: Callable[[], StepRecord],
-                   step: int = 0) -> StepRecord | None:
+                   step: int = 0, wait: bool = False) -> StepRecord | None:
         """If this step's output went non-finite, replay its forward into a new record and
-        return it; None when it did not, when its flag is not on the host yet (never
-        waited for: kept for `run_late` under keep_late), or when there is nothing to replay."""
+        return it; None when it did not, when its flag is not on the host yet (waited for
+        only with `wait`, Config.nonfinite_sync; else kept for `run_late` under keep_late),
+        or when there is nothing to replay."""
         flag, self._flag = self._flag, None
         if flag is None:
             return None
+        if wait and not self.done:
+            transfer.wait_ready(flag[1])  # the opt-in wait for the device
         if not transfer.is_ready(flag[1]):
             if self.keep_late and not self.done and self.args is not None:
                 self._late.append((step, flag, self.module, self.args, self.kwargs, self._cpu_rng,

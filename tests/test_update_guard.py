@@ -213,3 +213,24 @@ def test_on_a_device_steps_behind_flush_brings_every_counter_over():
     assert snap.nonfinite_steps["forward"] == 21  # steps 5-25: the weights are NaN from 5 on
     assert snap.nonfinite_steps["backward"] == 21
     assert snap.first_nonfinite.step == 5 and snap.first_nonfinite.phase == "forward"
+
+
+def test_record_with_nonfinite_sync_names_the_producer_before_the_update_on_a_device_behind():
+    """Under "record" hookprof never changes training; on a device behind the host the
+    producer is then named only with the opt-in wait (nonfinite_sync), which the training
+    thread does at the optimizer hook: the one wait it is allowed, because it was asked for."""
+    reference = seeded(DeepNet)
+    train_with_bad_batch(reference, momentum_sgd(reference), 10, 6)
+    model = seeded(DeepNet)
+    with lagging_device(3) as device:
+        prof = hookprof.attach(model, **RARELY, nonfinite_sync=True)
+        train_with_bad_batch(model, momentum_sgd(model), 10, 6)
+        prof.flush()
+        snap = prof.snapshot()
+        prof.detach()
+    for a, b in zip(reference.parameters(), model.parameters()):  # training unchanged (NaN too)
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert "MainThread" in device.waits
+    event = snap.first_nonfinite
+    assert (event.layer, event.phase, event.step) == ("blocks.2.fc", "forward", 6)
+    assert snap.held_back_updates == 0

@@ -97,7 +97,9 @@ class StepEfficiency:
         self._last_end = (step, now_ns)
         if self.flops is not None:
             part.flops = self.flops.end_step()
-            part.peak_flops = self._peak()
+            # the peak matters (and its absence is worth saying) only once there are FLOPs:
+            # a compiled model has no per-layer calls to count
+            part.peak_flops = self._peak() if part.flops[3] else None
         self._noted = False
         if self.updates is not None and self.updates.taken:  # weights read with their updates
             weights, updates, part.updated, part.weighted = self.updates.after_update()

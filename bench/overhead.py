@@ -228,6 +228,12 @@ CONFIGS = {
     "hookprof default": {},
     "hookprof loss check": {"nonfinite_check": "loss"},
     "hookprof every step": {"sample_every": 1, "min_sample_interval_s": 0.0},
+    # the cost of each efficiency feature (issue 15), on by default: off one at a time
+    "default, no FLOPs/updates": {"flop_counting": False, "update_norms": False},
+    "every step, no FLOPs": {"sample_every": 1, "min_sample_interval_s": 0.0, "flop_counting": False},
+    "every step, no updates": {"sample_every": 1, "min_sample_interval_s": 0.0, "update_norms": False},
+    "every step, neither": {"sample_every": 1, "min_sample_interval_s": 0.0, "flop_counting": False,
+                            "update_norms": False},
     "torch.profiler": None,
     "detect_anomaly": None,
 }

@@ -196,6 +196,8 @@ def build() -> dict:
           "{{model}} {{layer}}"),
         unit="percentunit"))
 
+    board = efficiency_and_stragglers(board, rate)
+
     board = board.with_row(dashboard.Row("NaN / Inf and gradient health"))
     board = board.with_panel(
         table.Panel().title("First non-finite layer")
@@ -313,6 +315,86 @@ def with_progress_panels(board):
             "indexByName": {"model": 0, "rank": 1, "Value": 2, "step": 3, "phase": 4, "layer": 5, "waiting_on": 6},
             "renameByName": {"Value": "stalled"},
         })))
+    return board
+
+
+def per_rank_mean(metric: str, window: str, by: str = "model, rank") -> str:
+    """Mean seconds per observation of a summary or histogram, per `by`, over `window`."""
+    return (f"sum by ({by}) (rate({metric}_sum{{{MODELS}}}[{window}]))\n"
+            f"  / sum by ({by}) (rate({metric}_count{{{MODELS}}}[{window}]))")
+
+
+def rank_series(title: str, description: str, metric: str, **options):
+    """One per-model gauge, a line per model and rank."""
+    return series(title, description, q(f"{metric}{{{MODELS}}}", "{{model}} rank {{rank}}"), **options)
+
+
+def efficiency_and_stragglers(board, rate: str):
+    """Issue 15: FLOPs, MFU, update ratios; each rank against the median of ranks.
+    hookprof_step_phase_seconds (the step phases) comes with the step-phase change: until
+    it is there, the phase panel has no data."""
+    board = board.with_row(dashboard.Row("Efficiency"))
+    board = board.with_panel(rank_series(
+        "Model FLOP/s",
+        "Achieved FLOP/s of each model per rank: FLOPs of a training step (counted per layer with "
+        "torch.utils.flop_counter) over the mean wall time of recent steps.",
+        "hookprof_model_flops_per_second", unit="flops", width=12))
+    board = board.with_panel(rank_series(
+        "Model FLOPs utilisation (MFU)",
+        "Achieved FLOP/s over the device's peak for the model's precision (Config.peak_flops, or the "
+        "GPU's datasheet figure). No data where the peak is unknown (CPUs, unlisted GPUs).",
+        "hookprof_model_flops_utilization_ratio", unit="percentunit", width=12))
+    layer_time = (f"sum by (model, layer) (rate(hookprof_layer_forward_seconds_sum{{{LAYERS}}}[$__range]))\n"
+                  f"  + sum by (model, layer) (rate(hookprof_layer_backward_seconds_sum{{{LAYERS}}}[$__range]))")
+    board = board.with_panel(top_layers(
+        "Achieved FLOP/s of the slowest layers",
+        "The $topk layers with the most forward and backward time over the dashboard range, and the "
+        "FLOP/s each achieved at the last sampled step: a slow layer with a low rate runs "
+        "inefficiently, a slow layer with a high rate is simply big.",
+        f"topk($topk, max by (model, layer) (hookprof_layer_flops_per_second{{{LAYERS}}})\n"
+        f"  and on (model, layer) topk($topk, {layer_time}))",
+        unit="flops"))
+    board = board.with_panel(rank_series(
+        "Update-to-weight ratio",
+        "How far one optimizer step moves the weights: the global norm of the update over the global "
+        "norm of the weights, on sampled steps (log scale). Spikes here come before loss spikes.",
+        "hookprof_update_ratio", log_scale=True, width=12))
+    board = board.with_panel(series(
+        "Update-to-weight ratio per layer",
+        "Each layer's update norm over its weight norm at its last measurement; the $topk largest "
+        "(layers take turns when the model exceeds Config.update_norm_max_bytes).",
+        q(f"topk($topk, max by (model, layer) (hookprof_layer_update_ratio{{{LAYERS}}}))", "{{model}} {{layer}}"),
+        log_scale=True, width=12))
+    board = board.with_panel(series(
+        "Weight norm per layer",
+        "L2 norm of each layer's own parameters after the update, at the last sampled step; the $topk largest.",
+        q(f"topk($topk, max by (model, layer) (hookprof_layer_weight_norm{{{LAYERS}}}))", "{{model}} {{layer}}"),
+        log_scale=True, width=12))
+
+    board = board.with_row(dashboard.Row("Stragglers"))
+    step_time = per_rank_mean("hookprof_step_duration_seconds", rate)
+    board = board.with_panel(series(
+        "Step time per rank and the median of ranks",
+        "Mean step time of each rank, and the median over the selected ranks. Ranks that synchronise "
+        "every step (DDP, FSDP) finish steps together: their waiting shows in the step phases below.",
+        q(step_time, "{{model}} rank {{rank}}", "A"),
+        q(f"quantile by (model) (0.5, {step_time})", "{{model}} median of ranks", "B"),
+        unit="s", width=12))
+    board = board.with_panel(series(
+        "Slowest rank over the median",
+        "The slowest rank's mean step time over the median of ranks (1 = no straggler); "
+        "HookprofStragglerRank fires above 1.5 for 10 minutes.",
+        q(f"max by (model) ({step_time})\n  / quantile by (model) (0.5, {step_time})", "{{model}}"),
+        width=12))
+    phase_time = per_rank_mean("hookprof_step_phase_seconds", rate, by="model, rank, phase")
+    board = board.with_panel(series(
+        "Step phases per rank over the median of ranks",
+        "Each rank's mean time per step in each phase (data, forward, backward, optimizer, other) over "
+        "the median of ranks for that phase: a straggler's own phase stands above 1, the others wait "
+        "in backward or optimizer (collectives).",
+        q(f"{phase_time}\n  / on (model, phase) group_left quantile by (model, phase) (0.5, {phase_time})",
+          "{{model}} {{phase}} rank {{rank}}"),
+        width=24))
     return board
 
 

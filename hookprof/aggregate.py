@@ -12,6 +12,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .guard import fold_skips
+from .efficiency import EfficiencyTotals
 from .nonfinite import PHASE_INDEX, fold_counters
 from .layers import INPUT_NAME
 from .record import ROOT_INPUT, Packet, StepCounters, StepRecord
@@ -99,6 +100,7 @@ class Aggregator:
         self._layers: MappingProxyType = MappingProxyType({})
         self._exported: tuple[str, ...] = ()
         self._dirty = True
+        self.efficiency: EfficiencyTotals | None = None  # set when its figures are measured
 
     # ---- folding one packet ----
 
@@ -205,6 +207,8 @@ class Aggregator:
         if packet.has_grad:
             self.grad_norm = math.sqrt(sum(squares[i] for i in packet.has_grad))
             self._flag_gradients(squares, packet.has_grad)
+        if packet.efficiency is not None and self.efficiency is not None:
+            self.efficiency.fold(packet, figures.fwd, figures.bwd)
         loss = self._loss_of(packet)
         if loss is not None:
             self.loss = loss
@@ -458,6 +462,7 @@ class Aggregator:
             first_nonfinite=first,
             gradient_flagged_steps=MappingProxyType(dict(self.flagged_steps)),
             notices=notices,
+            efficiency=self.efficiency.stats() if self.efficiency is not None else None,
         )
 
 

@@ -180,6 +180,27 @@ class Config:
 
     stall_warmup_steps: int = 3
     """Steps completed before phases are judged (the first compile, cache warm-up)."""
+    flop_counting: bool = True
+    """Count each layer's forward and backward FLOPs (once per input shape, on meta tensors)
+    and export FLOPs per layer, achieved FLOP/s per layer and for the model, and the model's
+    FLOPs utilisation when the device's peak is known (docs/efficiency.md)."""
+
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device for the model's precision, for the utilisation ratio. None:
+    looked up by GPU name and precision (hookprof/peaks.py); unknown GPUs and CPUs get none."""
+
+    update_norms: bool = True
+    """On sampled steps, export each layer's weight norm, update norm (the change the
+    optimizer step made) and their ratio, and the global update-to-weight ratio."""
+
+    update_norm_max_bytes: int = 256 * 2**20
+    """Most bytes of parameters copied before an update to measure it: beyond it, layers
+    take turns across sampled steps (a layer larger than this alone is copied alone)."""
+
+    update_norm_interval_s: float = 1.0
+    """Update norms are measured on sampled steps at most this often: a measurement copies
+    and reads the parameters (~0.6 of a step on a small-batch CPU MLP), so sampling every
+    step must not mean copying every step."""
 
     disable: bool = False
     """Kill switch: attach() returns a profiler that does nothing (HOOKPROF_DISABLE=1)."""
@@ -223,6 +244,9 @@ class Config:
         _check_range("stall_max_s", self.stall_max_s, self.stall_max_s >= self.stall_min_s,
                      f">= stall_min_s ({self.stall_min_s})")
         _check_range("stall_warmup_steps", self.stall_warmup_steps, self.stall_warmup_steps >= 0, ">= 0")
+        _check_range("peak_flops", self.peak_flops, self.peak_flops is None or self.peak_flops > 0, "> 0 or None")
+        _check_range("update_norm_interval_s", self.update_norm_interval_s, self.update_norm_interval_s >= 0, ">= 0")
+        _check_range("update_norm_max_bytes", self.update_norm_max_bytes, self.update_norm_max_bytes >= 0, ">= 0")
         for name in ("rank", "local_rank"):
             value = getattr(self, name)
             _check_range(name, value, value is None or value >= 0, ">= 0 or None")

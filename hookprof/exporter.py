@@ -19,6 +19,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from ._version import __version__
+from .efficiency_metrics import efficiency_families
 from .faults import log
 from .progress_export import progress_families
 from .snapshot import LAYER_PHASES, PHASES, Snapshot
@@ -62,7 +63,7 @@ class SnapshotCollector(Collector):
             rank = str(snap.rank)
             # built whole before the first yield: a failure leaves no half-rendered page
             families = [*self._step_metrics(snap, rank), *self._layer_metrics(snap, rank),
-                        *progress_families(snap, rank)]
+                        *progress_families(snap, rank), *efficiency_families(snap, rank)]
         except Exception:  # a scrape must not fail: the thread gauge and build info still go out
             families = []
             if not self._failed:

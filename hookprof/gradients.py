@@ -159,3 +159,25 @@ def _cpu_squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
         else:
             squares.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
     return torch.stack(squares).to(torch.float64)
+
+
+def layer_squares(groups: dict[torch.device, tuple[list[torch.Tensor], list[int]]], n: int,
+                  index_cache: dict) -> tuple[list[torch.Tensor], frozenset[int]]:
+    """Tensors grouped by device with the layer of each: per device, the squared L2 norms
+    summed per layer (float64, length n, on the device); and the layers seen. Nothing is
+    read back. `index_cache` keeps the host-to-device layer indices between calls. (The
+    update norms' reduction, updates.py; the gradients take GradientNorms' cached path.)"""
+    out = []
+    seen: set[int] = set()
+    for device, (tensors, layers) in groups.items():
+        key = (device, tuple(layers))
+        index = index_cache.get(key)
+        if index is None:
+            index = index_cache[key] = index_to_device(layers, device)
+        if device.type == "cpu":
+            per_layer = torch.zeros(n, dtype=torch.float64)
+            out.append(per_layer.index_add_(0, index, _cpu_squared_norms(tensors)))
+        else:
+            out.append(fused_layer_squares(tensors, index, n))
+        seen.update(layers)
+    return out, frozenset(seen)

@@ -70,7 +70,7 @@ class ForwardWrapper:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.__wrapped__
-        if not self._enter(self._layer, args):
+        if not self._enter(self._layer, args, kwargs):
             return forward(*args, **kwargs)
         try:
             output = forward(*args, **kwargs)
@@ -116,6 +116,9 @@ class LayerHooks:
         # inside the root module's training forward: a region run under no_grad there is a
         # reentrant activation checkpoint's first pass, part of the step
         self._in_training_forward = False
+        # called with (layer, args, kwargs, nested) for each training call of a sampled step
+        # (efficiency.StepEfficiency.note_call); never raises
+        self.on_call: Any = None
 
     @property
     def installed(self) -> bool:
@@ -267,7 +270,7 @@ class LayerHooks:
     def _post(self, layer_index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._leave(layer_index, output)
 
-    def _enter(self, layer_index: int, args: Any) -> bool:
+    def _enter(self, layer_index: int, args: Any, kwargs: Any = None) -> bool:
         """A call begins; True when it is recorded (its end must then be reported)."""
         if is_compiling():  # traced by Dynamo: no clock, no tensor reads, no graph break
             return False
@@ -289,6 +292,8 @@ class LayerHooks:
             recompute = not self._replaying and _graph_task_id() != -1
             if recompute:
                 rec.recompute.add(call)
+            elif self.on_call is not None and not self._replaying:
+                self.on_call(layer_index, args, kwargs, bool(stack))
             inputs_need_grad = False
             for t in iter_tensors(args):
                 # non-leaf only: a hook on a leaf (a parameter passed as an input) would

@@ -40,6 +40,7 @@ from .config import Config, env_disabled
 from .distributed import detect_local_rank, detect_rank
 from .errors import AlreadyAttachedError, DetachedError, NonFiniteError
 from .exporter import SnapshotCollector, make_registry
+from .efficiency import EfficiencyTotals, StepEfficiency
 from .faults import Faults, ThreadSupervisor
 from .notices import Notices
 from . import gradscaler
@@ -187,6 +188,16 @@ class Profiler:
             rank=self.rank, model_name=self.name, clock=clock, wall_clock=wall_clock,
             device_busy=cuda_busy(self.table.param_devices()),
             name=f"hookprof-stall-watch-rank{self.rank}")
+        # FLOPs, throughput, weight and update norms of sampled steps (efficiency.py)
+        self._efficiency = StepEfficiency(
+            self.table, flops=config.flop_counting, update_norms=config.update_norms,
+            update_max_bytes=config.update_norm_max_bytes, peak_flops=config.peak_flops,
+            notices=self._notices, model_name=type(model).__qualname__,
+            update_interval_s=config.update_norm_interval_s)
+        if self._efficiency.enabled:
+            aggregator.efficiency = EfficiencyTotals(self.table.names)
+        if self._efficiency.flops is not None:
+            self._hooks.on_call = self._efficiency.note_call
         self._publisher = publisher(
             aggregator,
             self._counters,
@@ -585,6 +596,8 @@ class Profiler:
             if not self._owns(optimizer):
                 return None
             self._progress.enter(OPTIMIZER, self._clock())
+            if self._plan.sampled and self._in_step():
+                self._efficiency.before_update(self._clock())  # the parameters before the update
             # args are those of the unbound step: (optimizer, closure?, ...)
             closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
             if callable(closure):
@@ -704,13 +717,16 @@ class Profiler:
         if self._plan.sampled:
             self._hooks.end()
             if not self._faults.broken:  # a step whose hooks failed half-way is no sample
+                efficiency, extra = self._efficiency_of(number, now, (now - start) * 1e-9, skipped)
                 # its one device-to-host copy starts now; the publisher folds it when nudged
                 # (the next forward's end) or within publish_interval_s, whichever comes first
                 self._publisher.submit(pack_step(number, self._rec, self._detector.blocks(), counts=self._device_counts(),
-                                                 grad_squares=self._grad_squares, loss=loss))
+                                                 grad_squares=self._grad_squares, loss=loss,
+                                                 efficiency=efficiency, extra=extra))
                 self._last_sent, self._unfolded = number, True
             elif self._rec is not None:
                 self.timer.release(self._rec.tokens())
+            self._efficiency.drop()  # what a skipped or unsent step noted and copied goes
         self._rec = None
         self._step_start_ns = now
         self._forward_seen = False
@@ -743,6 +759,18 @@ class Profiler:
         if self._faults.broken or not (self._plan.sampled or self.config.nonfinite_check == "all"):
             return
         self._grad_squares = self._gradients.layer_squares()
+
+    def _efficiency_of(self, number: int, now_ns: int, duration_s: float,
+                       skipped: bool) -> tuple[Any, list[tuple[Any, torch.Tensor]]]:
+        """A sampled step's FLOPs and norms, for its packet (none when off or skipped: a
+        skipped step made no update, and its time is no training throughput)."""
+        if not self._efficiency.enabled or skipped:
+            return None, []
+        try:
+            return self._efficiency.end_step(number, now_ns, duration_s)
+        except Exception as exc:  # the step's other figures still go out
+            self._faults.report("efficiency figures", exc, disable=False)
+            return None, []
 
     def _check_loss(self, loss: Any, step: int) -> None:
         if loss is None:
@@ -824,6 +852,8 @@ class Profiler:
     def _teardown(self) -> None:
         self._detached = True
         self._hooks.remove()
+        if hasattr(self, "_efficiency"):  # absent when attach failed before making it
+            self._efficiency.drop()
         if self._rec is not None:  # a sampled step that never ended: its events go back
             self.timer.release(self._rec.tokens())
             self._rec = None

@@ -152,12 +152,14 @@ class Packet:
     count_parts: dict[str, int] = field(default_factory=dict)  # other counters: name -> blocks
     loss: float | None = None  # the loss when it was given as a Python number
     loss_in_batch: bool = False
+    efficiency: Any = None  # an efficiency.EfficiencyPart on sampled steps with those figures
 
 
 def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.Tensor], *,
               grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None,
               loss: Any = None, sampled: bool = True,
-              counts: dict[str, list[torch.Tensor]] | None = None) -> Packet:
+              counts: dict[str, list[torch.Tensor]] | None = None, efficiency: Any = None,
+              extra: list[tuple[Any, torch.Tensor]] = ()) -> Packet:
     """Gather one step's device scalars (per-device gradient squares, the record's activation
     reductions, the non-finite counter blocks, the loss) and start their one device-to-host
     copy; the returned packet is the publisher's. Also for a replayed forward (`sampled=False`
@@ -174,9 +176,11 @@ def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.T
         for k, block in enumerate(blocks):
             batch.add((name, k), block)
         count_parts[name] = len(blocks)
+    for key, values in extra:  # other device scalars of the step (weight and update norms)
+        batch.add(key, values)
     packet = Packet(step=step, record=record, sampled=sampled, grad_parts=len(parts),
                     has_grad=has_grad, act_order=act_order, counter_parts=len(counter_blocks),
-                    count_parts=count_parts)
+                    count_parts=count_parts, efficiency=efficiency)
     if isinstance(loss, torch.Tensor) and loss.device.type != "cpu":
         batch.add("loss", loss.detach().reshape(-1)[:1])  # rides the step's one copy
         packet.loss_in_batch = True

@@ -80,6 +80,39 @@ class NonFiniteEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class LayerEfficiency:
+    """One layer's FLOPs and norms at the last sampled step that measured them (None: not
+    measured, e.g. a layer without parameters has no weight norm)."""
+
+    forward_flops: float | None = None
+    """FLOPs per forward call (counted on meta tensors, once per input shape)."""
+    backward_flops: float | None = None
+    """FLOPs per backward of a call."""
+    flops_per_second: float | None = None
+    """FLOPs of the layer's calls over their measured forward and backward time."""
+    weight_norm: float | None = None
+    """L2 norm of the layer's own parameters after the update."""
+    update_norm: float | None = None
+    """L2 norm of the change the optimizer step made to them."""
+    update_ratio: float | None = None
+    """update_norm / weight_norm of the same step."""
+
+
+@dataclass(frozen=True, slots=True)
+class EfficiencyStats:
+    layers: Mapping[str, LayerEfficiency] = field(default_factory=lambda: _EMPTY)
+    flops_per_step: float | None = None
+    """FLOPs of one training step (forward and backward of every counted layer)."""
+    flops_per_second: float | None = None
+    """flops_per_step over the mean wall time of the steps since the sampled step before."""
+    flops_utilization: float | None = None
+    """flops_per_second over the device's peak (Config.peak_flops, or the known GPU's)."""
+    update_ratio: float | None = None
+    """sqrt(sum of squared update norms / sum of squared weight norms) over every layer's
+    latest measurement."""
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     rank: int = 0
     step: int = 0
@@ -134,6 +167,8 @@ class Snapshot:
     """The stall going on now, if any (docs/stalls.md)."""
     stalls: int = 0
     """Stalls seen since attach."""
+    efficiency: EfficiencyStats | None = None
+    """FLOPs, achieved FLOP/s and weight/update norms (None when both features are off)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,3 +85,12 @@ def run_fsdp_rank(rank: int, world: int, master_port: int, base_port: int, steps
         prof.detach()
     finally:
         dist.destroy_process_group()
+
+
+def join_or_kill(procs, timeout: float = 30) -> None:
+    """Wait for the rank processes to leave; kill (by their handle) those that do not."""
+    for p in procs:
+        p.join(timeout=timeout)
+        if p.is_alive():
+            p.kill()
+            p.join(5)

@@ -40,6 +40,8 @@ def test_defaults_are_documented_values():
         ("http_header_timeout_s", 0, "http_header_timeout_s must be > 0, got 0"),
         ("http_idle_timeout_s", -1.0, "http_idle_timeout_s must be > 0, got -1.0"),
         ("http_write_timeout_s", 0.0, "http_write_timeout_s must be > 0, got 0.0"),
+        ("peak_flops", 0.0, "peak_flops must be > 0 or None, got 0.0"),
+        ("update_norm_max_bytes", -1, "update_norm_max_bytes must be >= 0, got -1"),
     ],
 )
 def test_invalid_values_name_the_field(field, value, message):
@@ -89,6 +91,11 @@ def test_environment_variables_fill_every_field():
         "HOOKPROF_STALL_MIN_S": "12.5",
         "HOOKPROF_STALL_MAX_S": "60",
         "HOOKPROF_STALL_WARMUP_STEPS": "9",
+        "HOOKPROF_FLOP_COUNTING": "0",
+        "HOOKPROF_PEAK_FLOPS": "9.89e14",
+        "HOOKPROF_UPDATE_NORMS": "off",
+        "HOOKPROF_UPDATE_NORM_MAX_BYTES": "1048576",
+        "HOOKPROF_UPDATE_NORM_INTERVAL_S": "0.5",
         "UNRELATED": "x",
     }
     c = Config.from_env(env)
@@ -104,6 +111,8 @@ def test_environment_variables_fill_every_field():
         http_idle_timeout_s=30.0, http_write_timeout_s=4.0, name="student",
         summary_at_exit=False, nonfinite_sync=True,
         stall_detection=False, stall_factor=3.0, stall_min_s=12.5, stall_max_s=60.0, stall_warmup_steps=9,
+        flop_counting=False, peak_flops=9.89e14, update_norms=False, update_norm_max_bytes=2**20,
+        update_norm_interval_s=0.5,
     )
     # every field has a variable: a new field without one fails here
     assert {f.name for f in dataclasses.fields(Config)} == {

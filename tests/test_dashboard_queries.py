@@ -71,7 +71,9 @@ def prometheus_on_demo(tmp_path_factory):
              "--nan-at-step", "150", "--nan-layer", "mlp.2", "--step-delay", "0.01"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "HOOKPROF_SYSTEM_INTERVAL_S": "0.5",
-                 "HOOKPROF_MIN_SAMPLE_INTERVAL_S": "0.5"},
+                 "HOOKPROF_MIN_SAMPLE_INTERVAL_S": "0.5",
+                 # a CPU has no default peak: a set one makes the MFU panel's series exist
+                 "HOOKPROF_PEAK_FLOPS": "1e12"},
         )
         read_until(demo.stdout, "serving metrics")
         prom = start_prometheus(procs, tmp, [f"127.0.0.1:{port}"], None, job=JOB)

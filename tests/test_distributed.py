@@ -8,7 +8,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from conftest import free_port, free_port_range, parse, samples, scrape
-from dist_worker import run_rank
+from dist_worker import join_or_kill, run_rank
 
 pytestmark = pytest.mark.slow
 
@@ -47,11 +47,7 @@ def run_two(target, steps):
         texts = {rank: scrape(r[0]) for rank, r in results.items()}
     finally:
         go_home.set()
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        join_or_kill(procs)
     assert [p.exitcode for p in procs] == [0, 0]
     return results, texts, base_port
 

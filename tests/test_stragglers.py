@@ -1,0 +1,77 @@
+"""The straggler rule and panels against a real Prometheus scraping a real 2-rank job
+(torch.distributed, gloo) in which rank 1 is deliberately slowed down."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch.multiprocessing as mp
+
+from conftest import free_port, free_port_range
+from dist_worker import join_or_kill
+from servers import Processes, binaries, get_json, query, start_prometheus, wait_for
+from test_dashboard_queries import alert_rules, dashboard, panel_queries, substitute
+
+pytestmark = pytest.mark.slow
+
+DELAYS = (0.005, 0.06)  # seconds of sleep per step: rank 1 is the straggler
+JOB = "hookprof-demo"  # the job test_dashboard_queries' substitute() selects
+
+
+@pytest.fixture(scope="module")
+def two_ranks_scraped(tmp_path_factory):
+    binaries()  # skips where Prometheus is not installed
+    ctx = mp.get_context("spawn")
+    out, go_home = ctx.Queue(), ctx.Event()
+    master_port = free_port()
+    base_port = free_port_range(2, avoid=(master_port,))
+    from straggler_worker import run_rank
+
+    workers = [ctx.Process(target=run_rank, args=(r, 2, master_port, base_port, DELAYS, out, go_home))
+               for r in range(2)]
+    procs = Processes()
+    for w in workers:
+        w.start()
+    try:
+        urls = dict(out.get(timeout=60) for _ in range(2))
+        assert urls[1].endswith(f":{base_port + 1}/metrics")
+        tmp = str(tmp_path_factory.mktemp("straggler"))
+        prom = start_prometheus(procs, tmp, [f"127.0.0.1:{base_port}", f"127.0.0.1:{base_port + 1}"], None, job=JOB)
+        wait_for("both ranks scraped 4 times", lambda: len(query(
+            prom, f'count_over_time(hookprof_steps_total{{job="{JOB}"}}[1m]) >= 4')) == 2, timeout=40)
+        yield prom
+    finally:
+        go_home.set()
+        procs.stop_all()
+        join_or_kill(workers)
+
+
+def test_the_straggler_rule_picks_the_slowed_rank(two_ranks_scraped):
+    (rule,) = [r for r in alert_rules() if r["alert"] == "HookprofStragglerRank"]
+    result = query(two_ranks_scraped, rule["expr"])
+    assert [r["metric"]["rank"] for r in result] == ["1"], result
+    # its value is rank 1's mean step time: at least its sleep, and well above rank 0's
+    assert float(result[0]["value"][1]) >= DELAYS[1]
+    # and Prometheus evaluates it into a pending alert for rank 1 alone (it fires after 10m)
+    alerts = wait_for("the straggler alert pending", lambda: [
+        a for a in get_json(f"http://127.0.0.1:{two_ranks_scraped}/api/v1/alerts")["data"]["alerts"]
+        if a["labels"]["alertname"] == "HookprofStragglerRank"], timeout=20)
+    assert [(a["labels"]["rank"], a["state"]) for a in alerts] == [("1", "pending")], json.dumps(alerts)
+
+
+def test_the_straggler_panels_show_the_ratio_to_the_median(two_ranks_scraped):
+    queries: dict[str, list[str]] = {}
+    for title, expr in panel_queries(dashboard()):
+        queries.setdefault(title, []).append(expr)
+    (ratio,) = query(two_ranks_scraped, substitute(queries["Slowest rank over the median"][0]))
+    each, median = queries["Step time per rank and the median of ranks"]
+    per_rank = {r["metric"]["rank"]: float(r["value"][1]) for r in query(two_ranks_scraped, substitute(each))}
+    assert set(per_rank) == {"0", "1"} and per_rank["1"] > 3 * per_rank["0"]
+    (mid,) = query(two_ranks_scraped, substitute(median))
+    assert float(mid["value"][1]) == pytest.approx(sum(per_rank.values()) / 2, rel=0.15)
+    # two ranks: the median is their mean, so slowest / median = 2 * slow / (slow + fast)
+    expected = 2 * per_rank["1"] / (per_rank["0"] + per_rank["1"])
+    assert float(ratio["value"][1]) == pytest.approx(expected, rel=0.15)  # two instants apart
+    assert float(ratio["value"][1]) > 1.5

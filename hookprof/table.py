@@ -74,6 +74,10 @@ class RunHeader:
     window_buckets: tuple[tuple[float, float], ...] | None = None
     """The step histogram between two observations, when known: its quantiles are the
     recent ones; otherwise the run's."""
+    position: str | None = None
+    """Where the training thread is: "step 12, forward for 0.4 s" (docs/stalls.md)."""
+    stall: str | None = None
+    """The stall going on now, in words; None while the run moves."""
 
     @property
     def mean_step_seconds(self) -> float | None:
@@ -151,6 +155,10 @@ def from_snapshot(snap: Snapshot, model: str = "") -> RunTable:
         step_seconds_sum=snap.step_duration_sum, loss=snap.loss, grad_norm=snap.grad_norm,
         nonfinite_steps=dict(snap.nonfinite_steps), skipped_steps=snap.skipped_steps,
         first_nonfinite=FirstNonFinite(first.layer, first.phase, first.step) if first else None,
+        position=_position(snap.progress.step, snap.progress.phase, snap.progress.phase_seconds)
+        if snap.progress is not None else None,
+        stall=_stall(snap.stall.step, snap.stall.phase, snap.stall.layer, snap.stall.waiting_on)
+        if snap.stall is not None else None,
     )
     rows = []
     step_seconds = _step_seconds(header, (layer.forward_seconds_total + layer.backward_seconds_total
@@ -236,6 +244,15 @@ def _read_sample(run: _Run, name: str, labels: Mapping[str, str], value: float) 
         layer[_LAYER_SAMPLES[name]] = value
         if "module" in labels:
             layer["module"] = labels["module"]
+    elif name == "hookprof_stall_info":
+        run.values["stall"] = _stall(int(labels["step"]), labels["phase"], labels["layer"],
+                                     labels["waiting_on"])
+    elif name == "hookprof_progress_step":
+        run.values["progress_step"] = int(value)
+    elif name == "hookprof_progress_phase":
+        run.values["progress_phase"] = labels["phase"]
+    elif name == "hookprof_progress_phase_seconds":
+        run.values["progress_seconds"] = value
     elif name == "hookprof_layer_nonfinite_total":
         run.layer(labels["layer"])["nonfinite"][labels["phase"]] = int(value)
 
@@ -249,6 +266,9 @@ def _table(model: str, rank: int, run: _Run) -> RunTable:
         grad_norm=v.get("grad_norm"),
         nonfinite_steps={p: v["nonfinite_steps"].get(p, 0) for p in PHASES},
         skipped_steps=int(v.get("skipped_steps", 0)), first_nonfinite=v.get("first"),
+        position=_position(int(v["progress_step"]), v.get("progress_phase", "?"), v.get("progress_seconds", 0.0))
+        if "progress_step" in v else None,
+        stall=v.get("stall"),
     )
     first = header.first_nonfinite
     rows = []
@@ -387,7 +407,17 @@ def header_line(h: RunHeader) -> str:
     parts.append(f"step time p50 {fmt_seconds(h.step_quantile(0.5))} p95 {fmt_seconds(h.step_quantile(0.95))}")
     parts.append(f"loss {fmt_num(h.loss)}")
     parts.append(f"grad norm {fmt_num(h.grad_norm)}")
+    if h.position is not None:
+        parts.append(h.position)
     return "  ".join(parts)
+
+
+def _position(step: int, phase: str, seconds: float) -> str:
+    return f"now: step {step}, {phase} for {fmt_seconds(seconds)}"
+
+
+def _stall(step: int, phase: str, layer: str, waiting_on: str) -> str:
+    return f"STALLED at step {step} in {phase}, innermost layer {layer}, waiting on {waiting_on}"
 
 
 def nonfinite_line(h: RunHeader) -> str:
@@ -408,6 +438,8 @@ def header_lines(headers: Sequence[RunHeader]) -> list[str]:
     lines = []
     for h in headers:
         lines += [header_line(h), "  " + nonfinite_line(h)]
+        if h.stall is not None:  # only while a rank is stuck (docs/stalls.md)
+            lines.append("  " + h.stall)
     return lines
 
 

@@ -139,6 +139,8 @@ def view(state: ViewState, height: int) -> Any:
         lines.append(Text(header_line(h), style="bold"))
         bad = any(h.nonfinite_steps.values()) or h.first_nonfinite is not None
         lines.append(Text("  " + nonfinite_line(h), style="bold red" if bad else "green"))
+        if h.stall is not None:  # a rank stuck where it is (docs/stalls.md)
+            lines.append(Text("  " + h.stall, style="bold red"))
     for url, reason in state.errors.items():
         lines.append(Text(f"cannot read {url}: {reason}", style="bold red"))
     if state.looked_at is None:

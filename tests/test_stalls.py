@@ -37,9 +37,10 @@ def watch_page(prof, until, timeout: float = 15.0, then=None):
     def poll():
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            families = page(prof)
+            text = scrape(prof.url)
+            families = parse(text)
             if until(families):
-                seen["families"], seen["snapshot"] = families, prof.snapshot()
+                seen["families"], seen["snapshot"], seen["text"] = families, prof.snapshot(), text
                 seen["at"] = time.monotonic()
                 break
             time.sleep(0.05)
@@ -75,6 +76,13 @@ def test_a_layer_blocked_in_its_forward_is_named_with_phase_step_and_stack(caplo
         assert samples(families, "hookprof_progress_phase") == {frozenset({"rank": "0", "phase": "forward"}.items()): 1.0}
         # judged after the threshold (0.3 s: the floor, a forward takes ~1 ms), not before
         assert seen["at"] - started["t"] >= 0.3
+        # what `hookprof top` shows of that page, and print(prof.snapshot()) of that moment
+        from hookprof.table import from_metrics, from_snapshot, header_lines, render
+
+        (table,) = from_metrics(seen["text"])
+        stall_line = "STALLED at step 6 in forward, innermost layer blocks.2.act, waiting on code"
+        assert "  " + stall_line in header_lines([table.header])
+        assert stall_line in render([from_snapshot(seen["snapshot"])])
         prof.flush()
         snap = prof.snapshot()
         assert snap.stall is None and snap.stalls == 1  # it went on

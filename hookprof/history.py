@@ -110,6 +110,8 @@ class History:
         """After `aggregator` folded `packet`: a point for a sampled step, an event when the
         non-finite counts went up."""
         steps, _, total, wall, _, _ = counters.read()
+        if packet.steps_at_end is not None:  # as the step ended, not as the fold finds them
+            steps, total = packet.steps_at_end
         bad = int(sum(aggregator.counters["phase_bad"]))
         loss = aggregator.loss_of(packet)
         with self._lock:

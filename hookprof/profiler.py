@@ -720,9 +720,11 @@ class Profiler:
                 efficiency, extra = self._efficiency_of(number, now, (now - start) * 1e-9, skipped)
                 # its one device-to-host copy starts now; the publisher folds it when nudged
                 # (the next forward's end) or within publish_interval_s, whichever comes first
-                self._publisher.submit(pack_step(number, self._rec, self._detector.blocks(), counts=self._device_counts(),
-                                                 grad_squares=self._grad_squares, loss=loss,
-                                                 efficiency=efficiency, extra=extra))
+                packet = pack_step(number, self._rec, self._detector.blocks(), counts=self._device_counts(),
+                                   grad_squares=self._grad_squares, loss=loss,
+                                   efficiency=efficiency, extra=extra)
+                packet.steps_at_end = self._counters.totals()
+                self._publisher.submit(packet)
                 self._last_sent, self._unfolded = number, True
             elif self._rec is not None:
                 self.timer.release(self._rec.tokens())

@@ -125,6 +125,11 @@ class StepCounters:
                 self._skips_in_a_row = 0
             return self.steps
 
+    def totals(self) -> tuple[int, float]:
+        """(steps, their summed duration): what a sampled step's packet carries."""
+        with self._lock:
+            return self.steps, self._sum
+
     def read(self) -> tuple[int, tuple[tuple[float, int], ...], float, float | None, int, int]:
         with self._lock:
             counts, total, last, steps = list(self._counts), self._sum, self._last_ts, self.steps
@@ -152,6 +157,9 @@ class Packet:
     count_parts: dict[str, int] = field(default_factory=dict)  # other counters: name -> blocks
     loss: float | None = None  # the loss when it was given as a Python number
     loss_in_batch: bool = False
+    # the step counters as this packet's step ended (steps, seconds summed): the publisher
+    # may fold it a few steps later, when the live counters have moved on
+    steps_at_end: tuple[int, float] | None = None
     efficiency: Any = None  # an efficiency.EfficiencyPart on sampled steps with those figures
 
 

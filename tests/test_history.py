@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import tracemalloc
 
+import pytest
 import torch
 
 from hookprof.aggregate import Aggregator
@@ -140,3 +141,25 @@ def test_per_layer_series_are_bounded_and_follow_the_busiest_and_the_bad_layers(
     assert row["grad_norm"][:ranked_at - 1] == [None] * (ranked_at - 1)  # nothing from before its slot
     for step in range(ranked_at, 5 + RERANK_POINTS + 1):
         assert math.isclose(row["grad_norm"][step - 1], grad_at(step, 3), rel_tol=1e-9)
+
+
+def test_a_publisher_behind_the_training_thread_keeps_each_points_own_step_time():
+    """Under load the publisher folds a sampled step after the next ones have ended: the
+    point's step time is that of the steps it covers as they ended (the packet says), not
+    what the live counters hold by then (before: one point took both steps' time, the next
+    none, and the report's chart broke on the missing value)."""
+    names = ["layer0", "layer1"]
+    aggregator = Aggregator(names, ["Linear"] * 2, rank=0, max_layers=500)
+    counters, history, timer = StepCounters(), History(names), CpuTimer()
+    packets = []
+    for step in range(1, 7):
+        counters.observe(step_seconds(step), float(step))
+        squares = torch.tensor([grad_at(step, i) ** 2 for i in range(2)], dtype=torch.float64)
+        packet = pack_step(step, None, [], grad_squares=([squares], frozenset(range(2))))
+        packet.steps_at_end = counters.totals()
+        packets.append(packet)
+    for packet in packets:  # folded only now, all six steps counted already
+        aggregator.fold(packet, timer)
+        history.observe(packet, aggregator, counters)
+    seconds = history.view()["points"]["step_seconds"]
+    assert seconds == [pytest.approx(step_seconds(s)) for s in range(1, 7)]

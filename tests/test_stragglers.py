@@ -49,7 +49,7 @@ def two_ranks_scraped(tmp_path_factory):
 
 
 def test_the_straggler_rule_picks_the_slowed_rank(two_ranks_scraped):
-    (rule,) = [r for r in alert_rules() if r["alert"] == "HookprofStragglerRank"]
+    (rule,) = [r for r in alert_rules() if r.get("alert") == "HookprofStragglerRank"]
     result = query(two_ranks_scraped, rule["expr"])
     assert [r["metric"]["rank"] for r in result] == ["1"], result
     # its value is rank 1's mean step time: at least its sleep, and well above rank 0's

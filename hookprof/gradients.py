@@ -15,6 +15,7 @@ rebuilt only when the set of parameters holding a gradient changes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -121,18 +122,7 @@ class GradientNorms:
             grads, layers = groups.setdefault(grad.device, ([], []))
             grads.append(grad)
             layers.append(layer)
-        out = []
-        seen: set[int] = set()
-        n = len(self._table)
-        for device, (grads, layers) in groups.items():
-            index = self._index(device, layers)
-            if device.type == "cpu" and self.cpu_dot_per_tensor:
-                per_layer = torch.zeros(n, dtype=torch.float64)
-                out.append(per_layer.index_add_(0, index, _cpu_squared_norms(grads)))
-            else:
-                out.append(fused_layer_squares(grads, index, n))
-            seen.update(layers)
-        return out, frozenset(seen)
+        return layer_squares(groups, len(self._table), self._index, cpu_dot=self.cpu_dot_per_tensor)
 
 
 _BLAS_DTYPES = (torch.float32, torch.float64)
@@ -162,19 +152,24 @@ def _cpu_squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def layer_squares(groups: dict[torch.device, tuple[list[torch.Tensor], list[int]]], n: int,
-                  index_cache: dict) -> tuple[list[torch.Tensor], frozenset[int]]:
+                  index_cache: dict | Callable[[torch.device, list[int]], torch.Tensor], *,
+                  cpu_dot: bool = True) -> tuple[list[torch.Tensor], frozenset[int]]:
     """Tensors grouped by device with the layer of each: per device, the squared L2 norms
     summed per layer (float64, length n, on the device); and the layers seen. Nothing is
-    read back. `index_cache` keeps the host-to-device layer indices between calls. (The
-    update norms' reduction, updates.py; the gradients take GradientNorms' cached path.)"""
+    read back. `index_cache` keeps the host-to-device layer indices between calls (a dict,
+    or a function that looks them up). Used by GradientNorms' general path and by the
+    update norms (updates.py)."""
     out = []
     seen: set[int] = set()
     for device, (tensors, layers) in groups.items():
-        key = (device, tuple(layers))
-        index = index_cache.get(key)
-        if index is None:
-            index = index_cache[key] = index_to_device(layers, device)
-        if device.type == "cpu":
+        if callable(index_cache):
+            index = index_cache(device, layers)
+        else:
+            key = (device, tuple(layers))
+            index = index_cache.get(key)
+            if index is None:
+                index = index_cache[key] = index_to_device(layers, device)
+        if device.type == "cpu" and cpu_dot:
             per_layer = torch.zeros(n, dtype=torch.float64)
             out.append(per_layer.index_add_(0, index, _cpu_squared_norms(tensors)))
         else:

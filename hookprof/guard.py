@@ -118,6 +118,10 @@ class UpdateGuard:
                       flags: list[bool | torch.Tensor]) -> torch.Tensor | None:
         """`flags`: this step's checks (host bools, device 0-d bools). Returns the device
         flag handed to a fused kernel (for counting), else None."""
+        # an update that raised never reached after_update: what it took is not put back
+        # onto a later step's parameters
+        self._hidden.clear()
+        self._take_back_found_inf()
         if any(f is True for f in flags):
             self._hide(params)
             return None
@@ -158,6 +162,9 @@ class UpdateGuard:
             if p.grad is None:
                 p.grad = grad
         self._hidden.clear()
+        self._take_back_found_inf()
+
+    def _take_back_found_inf(self) -> None:
         if self._set_found is not None:
             optimizer, found = self._set_found
             self._set_found = None

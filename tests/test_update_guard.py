@@ -234,3 +234,44 @@ def test_record_with_nonfinite_sync_names_the_producer_before_the_update_on_a_de
     event = snap.first_nonfinite
     assert (event.layer, event.phase, event.step) == ("blocks.2.fc", "forward", 6)
     assert snap.held_back_updates == 0
+
+
+@pytest.mark.parametrize("lag", [None, 2], ids=["host flags", "device flags"])
+def test_an_update_that_raises_leaves_nothing_held_back_for_the_next_step(lag):
+    """The optimizer's step raised after the guard hid a bad step's gradients and set
+    found_inf (no post-hook ran): the next step must neither get those stale gradients back
+    nor stay skipped."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    model = seeded(DeepNet)
+    opt = adam(model, "fused")
+    import contextlib
+
+    # host flags: the guard hides the gradients; device flags: it sets found_inf
+    with lagging_device(lag) if lag else contextlib.nullcontext():
+        prof = hookprof.attach(model, **RARELY, on_nonfinite="skip")
+        bad = BadBatch(model, model.blocks[2].fc)
+        g = torch.Generator().manual_seed(0)
+        inputs, target = model.batch(g)
+        bad.poisoned = inputs
+        loss_of(model, (inputs, target)).backward()
+
+        def fail(optimizer, args, kwargs):  # runs after hookprof's pre-hook
+            raise RuntimeError("the update failed")
+
+        handle = register_optimizer_step_pre_hook(fail)
+        try:
+            with pytest.raises(RuntimeError, match="the update failed"):
+                opt.step()
+        finally:
+            handle.remove()
+        assert hasattr(opt, "found_inf") == bool(lag)  # left behind by the failed step
+        opt.zero_grad(set_to_none=True)
+        inputs, target = model.batch(g)
+        loss_of(model, (inputs, target)).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()  # (still hookprof's step: the failed update never ended it)
+        prof.detach()
+    assert not hasattr(opt, "found_inf")  # the stale flag went, and this step's too
+    for p, grad in zip(model.parameters(), grads):  # no stale gradient came back
+        assert torch.equal(p.grad, grad)

@@ -52,6 +52,31 @@ class Restartable(Protocol):
     def restart(self) -> None: ...
 
 
+class DaemonThread:
+    """A Restartable whose thread runs `self._run`: the publisher, the stall watch. A
+    restart starts a new thread over the same state (queues, totals) as the one that died."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self.restarts = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def restart(self) -> None:
+        self.restarts += 1
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
 class ThreadSupervisor:
     """hookprof's own threads end only when detach() stops them: one that ended anyway (its
     loop catches every Exception, so something stronger killed it) is reported (log,

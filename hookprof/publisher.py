@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .aggregate import Aggregator
-from .faults import Faults
+from .faults import DaemonThread, Faults
 from .history import History
 from .notices import Notices
 from .record import Packet, StepCounters
@@ -27,7 +27,7 @@ _STOP = object()
 _NUDGE = object()
 
 
-class Publisher:
+class Publisher(DaemonThread):
     def __init__(
         self,
         aggregator: Aggregator,
@@ -53,22 +53,7 @@ class Publisher:
         self._waiting: list[Packet] = []  # arrived, not folded yet (kept across a restart)
         self._oldest = 0.0  # when the oldest waiting packet arrived (monotonic)
         self.latest: Snapshot = self._build()
-        self._name = name
-        self.restarts = 0
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def restart(self) -> None:
-        """A new thread over the same queue and totals, after the last one died."""
-        self.restarts += 1
-        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+        DaemonThread.__init__(self, name)
 
     def submit(self, packet: Packet) -> None:
         self._queue.put(packet)

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from .faults import Faults, log
+from .faults import DaemonThread, Faults, log
 from .layers import ROOT_NAME
 from .progress import OUTSIDE, PHASES, Progress, phase_name
 from .snapshot import Snapshot, StallReport, StepProgress
@@ -46,7 +46,7 @@ _EXCUSED_FILES = {"torch/serialization.py": "checkpoint", "torch/distributed/che
                   "torch/_dynamo/": "compile", "torch/_inductor/": "compile"}
 
 
-class StallWatch:
+class StallWatch(DaemonThread):
     """Watches one profiler's Progress. `check()` is one poll (the thread calls it every
     `interval_s`; tests may call it with their own clock reading)."""
 
@@ -72,28 +72,14 @@ class StallWatch:
         self._judged: tuple[int, int, int] | None = None  # (step, phase, since) of the stall
         self.stall: StallReport | None = None
         self.stalls = 0
-        self.restarts = 0
-        self._name = name
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        DaemonThread.__init__(self, name)
 
     def follow(self, thread_id: int) -> None:
         """The training thread is this one (it ran the first training forward)."""
         self.training_thread = thread_id
 
     # ---- the thread ----
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def restart(self) -> None:
-        self.restarts += 1
-        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()

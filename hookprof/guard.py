@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from . import transfer
+from .nonfinite import nonfinite_mask
 
 # found_inf is read by these optimizers' fused kernels (torch.optim, torch >= 2.4)
 def is_fused(optimizer: torch.optim.Optimizer) -> bool:
@@ -112,7 +113,7 @@ class UpdateGuard:
         self._say = say_once
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its grad)
         self._set_found: tuple[torch.optim.Optimizer, torch.Tensor] | None = None
-        self.held_back = 0  # updates withheld on the host's word (device ones: DeviceHeld)
+        self.held_back = 0  # updates withheld on the host's word (device ones: a SkipCounters)
 
     def before_update(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
                       flags: list[bool | torch.Tensor]) -> torch.Tensor | None:
@@ -177,9 +178,6 @@ def host_flags_of_squares(parts: list[torch.Tensor]) -> list[bool | torch.Tensor
     waits for nothing, else a device 0-d bool."""
     out: list[bool | torch.Tensor] = []
     for p in parts:
-        total = p.sum()
-        if transfer.on_host(total):
-            out.append(not bool(torch.isfinite(total)))
-        else:
-            out.append(~torch.isfinite(total))
+        bad = nonfinite_mask(p.sum())
+        out.append(bool(bad) if transfer.on_host(bad) else bad)
     return out

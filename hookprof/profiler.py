@@ -192,7 +192,7 @@ class Profiler:
         self._efficiency = StepEfficiency(
             self.table, flops=config.flop_counting, update_norms=config.update_norms,
             update_max_bytes=config.update_norm_max_bytes, peak_flops=config.peak_flops,
-            notices=self._notices, model_name=type(model).__qualname__,
+            notices=self._notices, model_name=self.model_type,
             update_interval_s=config.update_norm_interval_s)
         if self._efficiency.enabled:
             aggregator.efficiency = EfficiencyTotals(self.table.names)
@@ -245,6 +245,7 @@ class Profiler:
         self._rec: StepRecord | None = None  # what a sampled step's hooks write
         self._grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None
         self._scaler_view: ScalerView | None = None  # a fused optimizer's GradScaler state
+        self._masked: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (squares, checked)
         self._output_flags: list[bool | torch.Tensor] = []  # this step's output checks
         self._last_sent = 0  # the number of the last sampled step sent to the publisher
         self._unfolded = False  # ... and the publisher has not been nudged to fold it yet
@@ -463,6 +464,7 @@ class Profiler:
         self._plan = self._planner.plan(number, now_ns, incident=incident, broken=self._faults.broken)
         self._grad_squares = None
         self._scaler_view = None
+        self._masked = None
         self._output_flags = []
         if self._plan.sampled and not self._compiled:
             self._rec = StepRecord(self.timer.start())
@@ -595,9 +597,10 @@ class Profiler:
         try:
             if not self._owns(optimizer):
                 return None
-            self._progress.enter(OPTIMIZER, self._clock())
+            now = self._clock()
+            self._progress.enter(OPTIMIZER, now)
             if self._plan.sampled and self._in_step():
-                self._efficiency.before_update(self._clock())  # the parameters before the update
+                self._efficiency.before_update(now)  # the parameters before the update
             # args are those of the unbound step: (optimizer, closure?, ...)
             closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
             if callable(closure):
@@ -643,7 +646,7 @@ class Profiler:
                 self._grad_squares = (view.unscale(self._grad_squares[0]), self._grad_squares[1])
         if self._guard is not None:
             squares = self._grad_squares[0] if self._grad_squares is not None else []
-            flags = self._output_flags + host_flags_of_squares(view.mask(squares))
+            flags = self._output_flags + host_flags_of_squares(self._checked_squares(squares))
             held = self._guard.before_update(optimizer, self.table.params, flags)
             if held is not None:
                 self._held_back.add(held)
@@ -697,10 +700,8 @@ class Profiler:
             if self._grad_squares is None:
                 self._read_gradients()  # no optimizer hook ran (prof.step() without one)
             if self._grad_squares is not None:  # once per step, however often they were read
-                checked = self._grad_squares[0]
-                if self._scaler_view is not None:  # a step the scaler skips is no incident
-                    checked = self._scaler_view.mask(checked)
-                self._detector.add_layer_squares(checked, self._counters.steps + 1)
+                self._detector.add_layer_squares(self._checked_squares(self._grad_squares[0]),
+                                                 self._counters.steps + 1)
                 if not self._grad_squares[1] and self._forward_seen:
                     self._notices.say("no gradients", (
                         f"no parameter of {self.model_type} had a gradient at the "
@@ -792,6 +793,15 @@ class Profiler:
         if rec is not None:
             self._publisher.submit(pack_step(step, rec, self._detector.blocks(),
                                              counts=self._device_counts(), sampled=False))
+
+    def _checked_squares(self, squares: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The squares the backward check counts: none on a step a fused optimizer's
+        GradScaler skips (masked once per step, for the guard and the detector alike)."""
+        if self._scaler_view is None:
+            return squares
+        if self._masked is None or self._masked[0] is not squares:
+            self._masked = (squares, self._scaler_view.mask(squares))
+        return self._masked[1]
 
     def _count_output_flags(self, step: int) -> None:
         """A step is non-finite in its forward once, however many forwards (siamese nets,

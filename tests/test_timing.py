@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+import hookprof
+from hookprof.timing import CpuTimer
 from models import DeepNet, MixedNet, profiled, seeded
 
 
@@ -50,33 +52,79 @@ def test_micro_batches_add_up_into_one_step(every_step):
     assert snap.layers["head"].backward_calls_total == 8
 
 
+class VirtualClock:
+    """A perf_counter_ns that moves only when the model says: the times hookprof reports are
+    then known exactly, whatever else the machine is doing."""
+
+    def __init__(self):
+        self.now = 1_000_000
+
+    def __call__(self) -> int:
+        return self.now
+
+    def advance(self, ns: int) -> None:
+        self.now += ns
+
+
+class TakesTime(nn.Linear):
+    """A layer whose forward takes `ns` on the virtual clock."""
+
+    def __init__(self, clock: VirtualClock, ns: int):
+        super().__init__(8, 8)
+        self.clock, self.ns = clock, ns
+
+    def forward(self, x):
+        self.clock.advance(self.ns)
+        return super().forward(x)
+
+
 class OwnsParamAndChildren(nn.Module):
     """A module with a parameter of its own and instrumented children (like a ViT's
     position embedding on the root): its time must not include theirs."""
 
-    def __init__(self):
+    ROOT_NS, CHILD_NS = 3_000, 50_000
+
+    def __init__(self, clock: VirtualClock):
         super().__init__()
-        self.scale = nn.Parameter(torch.ones(64))
-        self.inner = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+        self.clock = clock
+        self.scale = nn.Parameter(torch.ones(8))
+        self.inner = nn.Sequential(*[TakesTime(clock, self.CHILD_NS * (i + 1)) for i in range(6)])
 
     def forward(self, x):
-        return self.inner(x * self.scale)
+        self.clock.advance(self.ROOT_NS)  # the root's own work, before and after its children
+        y = self.inner(x * self.scale)
+        self.clock.advance(self.ROOT_NS)
+        return y
 
-    def batch(self, g):
-        x = torch.randn(256, 64, generator=g)
-        return x, x
 
-
-def test_parent_time_excludes_children(every_step):
-    model = seeded(OwnsParamAndChildren)
-    snap = profiled(model, 5, every_step, explicit_step=True)
+def test_parent_time_excludes_children():
+    clock = VirtualClock()
+    torch.manual_seed(0)
+    model = OwnsParamAndChildren(clock)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = hookprof.Config(port=0, sample_every=1, min_sample_interval_s=0.0,
+                             stall_detection=False)
+    steps = 5
+    with hookprof.Profiler(model, config, clock=clock, timer=CpuTimer(clock)) as prof:
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+        prof.flush()
+        snap = prof.snapshot()
     root = snap.layers["(root)"]
-    children = sum(snap.layers[f"inner.{i}"].forward_seconds_total for i in range(6))
-    assert root.forward_calls_total == 5
-    # the root's own work is one multiply; six 256x64x64 matmuls are far more
-    assert root.forward_seconds_total < children
-    total = sum(s.forward_seconds_total + s.backward_seconds_total for s in snap.layers.values())
-    assert total <= snap.step_duration_sum
+    assert root.forward_calls_total == steps
+    # exactly its own two advances per step, none of the children's
+    assert root.forward_seconds_total == pytest.approx(steps * 2 * model.ROOT_NS * 1e-9)
+    for i in range(6):
+        child = snap.layers[f"inner.{i}"]
+        assert child.forward_seconds_total == pytest.approx(steps * model.CHILD_NS * (i + 1) * 1e-9)
+    # backward took no virtual time; the steps hold every forward (and the FLOP counting of
+    # the first sampled step, which runs the layers' forward code on meta tensors)
+    assert sum(s.backward_seconds_total for s in snap.layers.values()) == 0
+    forward_ns = steps * (2 * model.ROOT_NS + model.CHILD_NS * 21)
+    assert sum(s.forward_seconds_total for s in snap.layers.values()) == pytest.approx(forward_ns * 1e-9)
+    assert snap.step_duration_sum >= forward_ns * 1e-9
 
 
 def test_step_duration_histogram_counts_every_step():

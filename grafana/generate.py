@@ -298,6 +298,16 @@ def with_progress_panels(board):
           "{{model}} rank {{rank}} {{phase}}"),
         unit="s", width=8)
     board = board.with_panel(phases.stacking(common.StackingConfig().mode(common_models.StackingMode.NORMAL)))
+    device_phases = series(
+        "Device time by phase (CUDA)",
+        "Mean device seconds per sampled step in each phase: the CUDA stream's progress between the "
+        "host's phase boundaries, stacked. A phase's own kernels when the GPU is the bottleneck; when "
+        "the host is, the host's pace, and data shows the GPU idle while the batch loads. Only with "
+        "a model on CUDA (docs/stalls.md); no data on a CPU.",
+        q(per_rank_mean("hookprof_step_phase_device_seconds", rate, by="model, rank, phase"),
+          "{{model}} rank {{rank}} {{phase}}"),
+        unit="s", width=8)
+    board = board.with_panel(device_phases.stacking(common.StackingConfig().mode(common_models.StackingMode.NORMAL)))
     board = board.with_panel(series(
         "Progress per rank",
         "The step each rank is in. A rank that stops while the others wait in a collective falls "

@@ -7,10 +7,12 @@ updates StepCounters, nothing else.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from .device_phases import DevicePhaseTotals, device_phase_seconds
 from .guard import fold_skips
 from .efficiency import EfficiencyTotals
 from .nonfinite import PHASE_INDEX, fold_counters
@@ -54,6 +56,7 @@ class StepFigures:
         self.numel = [0] * n
         self.checked = False  # the step had activation statistics
         self.finding: ForwardFinding | None = None
+        self.device_phases: tuple[float, ...] | None = None  # device seconds per step phase
 
 
 def _nanmax(values: list[float]) -> float:
@@ -101,6 +104,7 @@ class Aggregator:
         self._exported: tuple[str, ...] = ()
         self._dirty = True
         self.efficiency: EfficiencyTotals | None = None  # set when its figures are measured
+        self.device_phases: DevicePhaseTotals | None = None  # set with a device timer
 
     # ---- folding one packet ----
 
@@ -138,7 +142,9 @@ class Aggregator:
         if rec is None:  # a sampled step without per-layer hooks (a compiled model)
             return figures
         try:
-            call_fwd, call_bwd, bwd_start = self._resolve_times(rec, timer)
+            call_fwd, call_bwd, bwd_start, at = self._resolve_times(rec, timer)
+            if rec.phase_marks:  # resolved with the step's other tokens (device_phases.py)
+                figures.device_phases = device_phase_seconds(rec.phase_marks, at)
         finally:
             timer.release(rec.tokens())
         n = len(self.names)
@@ -209,6 +215,8 @@ class Aggregator:
             self._flag_gradients(squares, packet.has_grad)
         if packet.efficiency is not None and self.efficiency is not None:
             self.efficiency.fold(packet, figures.fwd, figures.bwd)
+        if self.device_phases is not None:
+            self.device_phases.add(figures.device_phases)
         loss = self._loss_of(packet)
         if loss is not None:
             self.loss = loss
@@ -320,9 +328,10 @@ class Aggregator:
 
     def _resolve_times(
         self, rec: StepRecord, timer: Timer
-    ) -> tuple[list[float], dict[int, float], dict[int, float]]:
+    ) -> tuple[list[float], dict[int, float], dict[int, float], Callable[[Any], float]]:
         """Per forward call: exclusive forward seconds; per call with a backward: exclusive
-        backward seconds and backward start (seconds from rec.ref)."""
+        backward seconds and backward start (seconds from rec.ref); and the seconds from
+        rec.ref of any token of the record."""
 
         # every token resolved at once: one wait for the device, not one per event; the GIL
         # is released between the passes below too (each is ~0.2 ms of Python for 500 calls
@@ -377,7 +386,7 @@ class Aggregator:
                 bwd_excl[parent] -= bspan[c]
         fwd_excl = [max(v, 0.0) for v in fwd_excl]
         bwd_excl = {c: max(v, 0.0) for c, v in bwd_excl.items()}
-        return fwd_excl, bwd_excl, start
+        return fwd_excl, bwd_excl, start, at
 
     # ---- snapshots ----
 
@@ -463,6 +472,8 @@ class Aggregator:
             gradient_flagged_steps=MappingProxyType(dict(self.flagged_steps)),
             notices=notices,
             efficiency=self.efficiency.stats() if self.efficiency is not None else None,
+            device_phase_seconds=self.device_phases.by_phase() if self.device_phases is not None else None,
+            device_phase_steps=self.device_phases.steps if self.device_phases is not None else 0,
         )
 
 

@@ -52,6 +52,7 @@ from .instrument import LayerHooks
 from .layers import LayerTable
 from .nonfinite import Detector, loss_flag, nonfinite_flags
 from .progress import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, OUTSIDE, Progress
+from .device_phases import DevicePhaseTotals, PhaseMarks
 from .publisher import Publisher
 from .record import StepCounters, StepRecord, pack_step
 from .replay import ForwardReplay
@@ -196,6 +197,12 @@ class Profiler:
             update_interval_s=config.update_norm_interval_s)
         if self._efficiency.enabled:
             aggregator.efficiency = EfficiencyTotals(self.table.names)
+        # device time per step phase: with a device timer only (on the host clock it would
+        # repeat hookprof_step_phase_seconds); marked on sampled steps (device_phases.py)
+        self._phase_marks = PhaseMarks(self._progress, self.timer) if self.timer.kind == "cuda" else None
+        if self._phase_marks is not None:
+            aggregator.device_phases = DevicePhaseTotals()
+        self._phases: Progress | PhaseMarks = self._progress  # what the step's boundaries write
         if self._efficiency.flops is not None:
             self._hooks.on_call = self._efficiency.note_call
         self._publisher = publisher(
@@ -393,12 +400,12 @@ class Profiler:
         """
         progress = self._progress
         step, phase, _, label = progress.where
-        progress.enter(OUTSIDE, self._clock(), what)
+        self._phases.enter(OUTSIDE, self._clock(), what)
         try:
             yield
         finally:
             if not self._detached and progress.where[0] == step:  # the step did not end inside
-                progress.enter(phase, self._clock(), label)
+                self._phases.enter(phase, self._clock(), label)
 
     def detach(self) -> None:
         """Remove every hook, send the last sample, stop the thread and the server. Idempotent."""
@@ -473,6 +480,10 @@ class Profiler:
             self._hooks.begin(self._rec, install=number > 1, activation_stats=self._plan.checked)
         elif self._hooks.installed:
             self._hooks.remove()
+        # a sampled step's phase boundaries are marked on the device too; others write the
+        # progress record alone, at no extra cost
+        self._phases = self._progress if self._rec is None or self._phase_marks is None \
+            else self._phase_marks.bind(self._rec)
 
     def _hook_entries(self, model: nn.Module) -> list[Any]:
         handles = []
@@ -530,7 +541,7 @@ class Profiler:
         self._hooks.root_forward_began(training)
         if not training:
             if self._progress.where[1] in (DATA, OTHER):  # an evaluation between steps
-                self._progress.enter(OUTSIDE, self._clock(), "eval")
+                self._phases.enter(OUTSIDE, self._clock(), "eval")
             return
         try:
             now = self._clock()
@@ -553,9 +564,9 @@ class Profiler:
                 self._closed_by_optimizer = False
                 if self._step_start_ns is None:  # the first step begins
                     self._step_start_ns = now
-                    self._progress.restart(now)
+                    self._phases.restart(now)
                     self._watch.follow(threading.get_ident())
-            self._progress.enter(FORWARD, now)
+            self._phases.enter(FORWARD, now)
             self._forwards += 1
             if self._forwards == MAX_FORWARDS_PER_STEP:
                 self._no_step_signal()
@@ -570,7 +581,7 @@ class Profiler:
         if not training or not torch.is_grad_enabled():
             return
         try:
-            self._progress.enter(BACKWARD, self._clock())
+            self._phases.enter(BACKWARD, self._clock())
             # every step: one reduction of the model's output, counted where its result is
             flags = nonfinite_flags(output)
             self._output_flags.extend(flags)  # counted once per step, at its end
@@ -598,7 +609,7 @@ class Profiler:
             if not self._owns(optimizer):
                 return None
             now = self._clock()
-            self._progress.enter(OPTIMIZER, now)
+            self._phases.enter(OPTIMIZER, now)
             if self._plan.sampled and self._in_step():
                 self._efficiency.before_update(now)  # the parameters before the update
             # args are those of the unbound step: (optimizer, closure?, ...)
@@ -618,7 +629,7 @@ class Profiler:
         def closure_then_read() -> Any:
             self._forwards = 0  # LBFGS calls it thousands of times in one step
             result = closure()
-            self._progress.enter(OPTIMIZER, self._clock())  # back in the optimizer's step
+            self._phases.enter(OPTIMIZER, self._clock())  # back in the optimizer's step
             try:  # called once or several times (LBFGS); the parameters are still this step's
                 if self._in_step():
                     self._stepped = True
@@ -663,7 +674,7 @@ class Profiler:
             # runs the hooks twice when both classes were patched by torch, the outer one
             # after this hook ended the step
             if self._progress.where[1] == OPTIMIZER:
-                self._progress.enter(OTHER, self._clock())
+                self._phases.enter(OTHER, self._clock())
             if not self._manual and self._in_step():
                 self._end_step(None, by_optimizer=True)
         except NonFiniteError:
@@ -694,7 +705,7 @@ class Profiler:
             self._replay_forward()  # no optimizer hook ran: the parameters are still this step's
         now = self._clock()
         if self._step_start_ns is None:  # a first step without a forward: no phases to tell
-            self._progress.restart(now)
+            self._phases.restart(now)
         start = self._step_start_ns if self._step_start_ns is not None else now
         if not skipped:
             if self._grad_squares is None:
@@ -713,7 +724,7 @@ class Profiler:
         number = self._counters.observe((now - start) * 1e-9, self._wall_clock(), skipped)
         if self._guard is not None:
             self._counters.held_back = self._guard.held_back
-        self._progress.end_step(number, now)
+        self._phases.end_step(number, now)
         self._stepped = self._scaler_skipped = False
         if self._plan.sampled:
             self._hooks.end()
@@ -837,6 +848,7 @@ class Profiler:
             self._hooks.remove()
             self.timer.release(self._rec.tokens())
             self._rec = None
+            self._phases = self._progress
             self._plan = UNSAMPLED
         self._notices.say("no steps", (
             f"{MAX_FORWARDS_PER_STEP} forwards of {self.model_type} without a step "

@@ -22,6 +22,19 @@ def progress_families(snap: Snapshot, rank: str) -> list[Metric]:
     )
     for phase in PHASES:
         phases.add_metric([rank, phase], snap.phase_steps, snap.phase_seconds.get(phase, 0.0))
+    families: list[Metric] = [phases]
+    if snap.device_phase_seconds is not None:  # a device timer (CUDA): absent on the CPU
+        device = SummaryMetricFamily(
+            "hookprof_step_phase_device_seconds",
+            "Device seconds of sampled steps per phase: the CUDA stream's progress between the "
+            "host's phase boundaries (work enqueued in a phase, or the device idling for the "
+            "host); only with CUDA events, absent on the CPU where it would equal "
+            "hookprof_step_phase_seconds (docs/stalls.md)",
+            labels=["rank", "phase"],
+        )
+        for phase in PHASES:
+            device.add_metric([rank, phase], snap.device_phase_steps, snap.device_phase_seconds.get(phase, 0.0))
+        families.append(device)
     stalled = GaugeMetricFamily(
         "hookprof_stalled",
         "1 while the training thread's current phase has lasted longer than the stall "
@@ -31,7 +44,7 @@ def progress_families(snap: Snapshot, rank: str) -> list[Metric]:
     stalled.add_metric([rank], 1.0 if snap.stall is not None else 0.0)
     stalls = CounterMetricFamily("hookprof_stalls", "Stalls seen since attach", labels=["rank"])
     stalls.add_metric([rank], snap.stalls)
-    families: list[Metric] = [phases, stalled, stalls]
+    families += [stalled, stalls]
 
     if snap.progress is not None:
         where = snap.progress

@@ -62,7 +62,7 @@ class StepRecord:
     backward hooks may run on autograd worker threads."""
 
     __slots__ = ("ref", "calls", "grad_ready", "param_done", "act", "param_hooked",
-                 "param_handles", "pending_marks", "out_stats", "inputs", "recompute", "ended")
+                 "param_handles", "pending_marks", "out_stats", "inputs", "recompute", "ended", "phase_marks")
 
     def __init__(self, ref: Any):
         self.ref = ref  # timer token taken when the step began
@@ -85,6 +85,9 @@ class StepRecord:
         # calls made while backward runs: activation checkpointing recomputing a forward
         self.recompute: set[int] = set()
         self.ended: list[int] = []  # call ids as they ended (with output checks on): inner first
+        # (phase entered, token) at each step-phase boundary, with a device timer only
+        # (device_phases.PhaseMarks); the last is the step's end
+        self.phase_marks: list[tuple[int, Any]] = []
 
     def tokens(self) -> Iterator[Any]:
         """Every timer token in the record, so the timer can take pooled events back."""
@@ -93,6 +96,7 @@ class StepRecord:
             yield from call.tokens()
         yield from (t for _, t in self.grad_ready)
         yield from (t for _, t in self.param_done)
+        yield from (t for _, t in self.phase_marks)
 
 
 class StepCounters:

@@ -169,6 +169,11 @@ class Snapshot:
     """Stalls seen since attach."""
     efficiency: EfficiencyStats | None = None
     """FLOPs, achieved FLOP/s and weight/update norms (None when both features are off)."""
+    device_phase_seconds: Mapping[str, float] | None = None
+    """Step phase -> device seconds summed over `device_phase_steps` sampled steps: the CUDA
+    stream's progress between the phase's boundaries (docs/stalls.md). None unless the timer
+    is a device timer (on the host clock it would repeat `phase_seconds`)."""
+    device_phase_steps: int = 0
 
 
 @dataclass(frozen=True, slots=True)

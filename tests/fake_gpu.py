@@ -133,7 +133,8 @@ class FakeEvent:
 
     syncs = 0  # synchronize() calls, all events
 
-    def __init__(self):
+    def __init__(self, clock=None):
+        self.clock = clock  # microseconds at record(); None: the module's 250 us per record
         self.t_us = None
         self.stream: FakeStream | None = None
         self.seq = 0
@@ -142,7 +143,7 @@ class FakeEvent:
     def record(self, stream: FakeStream | None = None):
         if stream is None:  # torch.cuda.Event.record() without a stream: the current one
             stream = DEFAULT_STREAM
-        self.t_us = next(_clock)
+        self.t_us = next(_clock) if self.clock is None else self.clock()
         self.stream = stream
         stream.recorded += 1
         self.seq = stream.recorded
@@ -162,3 +163,24 @@ class FakeEvent:
 
 
 DEFAULT_STREAM = FakeStream()
+
+
+class QueuedDevice:
+    """One CUDA stream's timing, on a host clock (ns) that a test advances: `launch(ms)`
+    enqueues a kernel of that length, which runs once the stream has finished what came
+    before and not before the host launched it; an event recorded now is reached by the stream
+    at max(busy until, host now), its timestamp. `event()` makes FakeEvents stamped so (a
+    CudaEventTimer's event_factory)."""
+
+    def __init__(self, host_clock):
+        self.host_clock = host_clock
+        self.busy_until_ns = 0
+
+    def launch(self, ms: float) -> None:
+        self.busy_until_ns = max(self.busy_until_ns, self.host_clock()) + round(ms * 1_000_000)
+
+    def stream_time_us(self) -> float:
+        return max(self.busy_until_ns, self.host_clock()) / 1000
+
+    def event(self) -> FakeEvent:
+        return FakeEvent(clock=self.stream_time_us)

@@ -63,6 +63,7 @@ def test_panels_the_issue_asks_for(board):
         "Achieved FLOP/s of the slowest layers": "bargauge", "Update-to-weight ratio": "timeseries",
         "Update-to-weight ratio per layer": "timeseries", "Step time per rank and the median of ranks": "timeseries",
         "Slowest rank over the median": "timeseries", "Step phases per rank over the median of ranks": "timeseries",
+        "Step time by phase": "timeseries", "Device time by phase (CUDA)": "timeseries",
     }.items():
         assert titles[title]["type"] == kind, title
 
@@ -80,7 +81,7 @@ def test_per_layer_panels_are_bounded_for_1000_layers(board):
 PER_MODEL = re.compile(r"\bhookprof_(?:steps|sampled_steps|step_duration_seconds|last_step_timestamp_seconds|loss"
                        r"|gradient_norm|nonfinite_steps|skipped_steps|gradient_flagged_steps|layer_\w+"
                        r"|first_nonfinite_info|layers|layers_exported|internal_errors|publisher_thread_up"
-                       r"|model_flops_\w+|update_ratio|step_phase_seconds|progress_\w+|stalled|stalls|stall_info)")
+                       r"|model_flops_\w+|update_ratio|step_phase_seconds|step_phase_device_seconds|progress_\w+|stalled|stalls|stall_info)")
 PER_PROCESS = re.compile(r"\b(?:up|process_\w+|hookprof_(?:host|gpu|cuda_memory)_\w+"
                          r"|hookprof_http_connections_rejected_total|hookprof_build_info)\b")
 

@@ -1,0 +1,214 @@
+"""How soon hookprof sees, names and stops a NaN, and what `nonfinite_sync` costs (issue 12).
+
+    python bench/nonfinite_latency.py                 # CPU: the narrow GPT shape
+    python bench/nonfinite_latency.py --full          # on a GPU: GPT-124M, bf16, fused AdamW
+
+The workload is bench/shapes.py's GPT shape, hookprof with its default sampling. One layer
+(`h.5.mlp.c_fc`) makes a NaN in its forward on step 23, an unsampled step (checked: the run
+stops with an error otherwise); the loop never reads a value back from the device.
+For each policy the run goes on for at least 60 more steps, and on until the snapshot names
+the producer or 5 s have passed (or until hookprof raises); after every step the snapshot (a
+host read, no wait) is looked at. Printed per policy:
+
+- detected: the first step after whose end the snapshot holds the NaN (its step and phase);
+- named: the first step after which it also names the layer that produced it;
+- seconds: from the end of the bad step's loop iteration to detected / named (the snapshot
+  is what /metrics serves; it is refreshed every publish_interval_s, 1 s by default);
+- raised: under "raise", the step whose boundary raised NonFiniteError, and the layer it named;
+- weights: whether every parameter and every optimizer state tensor is finite at the end
+  (under "raise" and "skip" no non-finite update may have reached them).
+
+Steps are counted in loop iterations (step 23 is the bad one; "+0" means the boundary of that
+same step). On a CPU every copy is done when it is issued, so everything is "+0": the figures
+that matter are a GPU's, where the host runs ahead of the device.
+
+Then the cost of `nonfinite_sync=True` (a wait for one flag at each optimizer step): step time
+with it over step time without it, both with hookprof's defaults otherwise, in interleaved
+rounds (paired median of the per-round ratios), on a clean run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]
+
+import torch  # noqa: E402
+
+import hookprof  # noqa: E402
+import shapes  # noqa: E402
+
+BAD_STEP = 23
+PRODUCER = "h.5.mlp.c_fc"
+POLICIES = (
+    ("record", {}),
+    ("record, nonfinite_sync", {"nonfinite_sync": True}),
+    ("skip", {"on_nonfinite": "skip"}),
+    ("raise", {"on_nonfinite": "raise"}),
+    ("raise, nonfinite_sync", {"on_nonfinite": "raise", "nonfinite_sync": True}),
+)
+# hookprof's sampling defaults (at least 10 steps and 2 s apart): step 1 is sampled, step 23
+# is not as long as a step takes under ~90 ms. The non-finite counters ride the sampled steps'
+# copies, so under "record" the snapshot learns of a NaN at the next sampled step.
+SETTINGS = dict(port=0, stall_detection=False, system_metrics=False, summary_at_exit=False)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Poison:
+    """A forward hook that turns the layer's output into NaN on the step it is armed for."""
+
+    def __init__(self, layer: torch.nn.Module):
+        self.armed = False
+        self.handle = layer.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        return output * float("nan") if self.armed else None
+
+
+def all_finite(shape: shapes.Shape) -> bool:
+    tensors = list(shape.model.parameters())
+    for state in shape.optimizer.state.values():
+        tensors += [v for v in state.values() if torch.is_tensor(v) and v.is_floating_point()]
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def one_policy(name: str, overrides: dict, device: torch.device, full: bool, after: int,
+               deadline_s: float, settings: dict = SETTINGS) -> dict:
+    shape = shapes.build("gpt", device, full=full)
+    for _ in range(3):  # warm-up (kernels chosen, memory allocated) before step 1
+        shape.step()
+    synchronize(device)
+    poison = Poison(shape.model.get_submodule(PRODUCER))
+    prof = hookprof.attach(shape.model, **settings, **overrides)
+    result: dict = {"policy": name, "detected": None, "named": None, "raised": None,
+                    "raised_layer": None, "seconds_to_detected": None, "seconds_to_named": None}
+    bad_issued = None
+    step = 0
+    try:
+        # at least `after` steps past the bad one; on, while the snapshot (published every
+        # publish_interval_s) has not named the producer, for up to `deadline_s`
+        while step < BAD_STEP + after or (
+                result["named"] is None and time.perf_counter() - bad_issued < deadline_s):
+            step += 1
+            poison.armed = step == BAD_STEP
+            if poison.armed and prof._plan.sampled:  # noqa: SLF001 (planned at step 22's end)
+                raise SystemExit(f"step {BAD_STEP} is sampled (steps take > ~90 ms here): the "
+                                 "bench measures an unsampled one; use a narrower shape")
+            try:
+                shape.step()
+            except hookprof.NonFiniteError as exc:
+                result["raised"], result["raised_layer"] = step - BAD_STEP, exc.layer
+                break
+            if step == BAD_STEP:
+                bad_issued = time.perf_counter()
+            if step < BAD_STEP:
+                continue
+            event = prof.snapshot().first_nonfinite
+            if event is not None and result["detected"] is None:
+                result["detected"] = step - BAD_STEP
+                result["seconds_to_detected"] = time.perf_counter() - bad_issued
+                result["event"] = f"{event.phase}, step {event.step}"
+            if event is not None and event.layer == PRODUCER and result["named"] is None:
+                result["named"] = step - BAD_STEP
+                result["seconds_to_named"] = time.perf_counter() - bad_issued
+        synchronize(device)
+        prof.flush()
+        event = prof.snapshot().first_nonfinite
+        result["after_flush"] = None if event is None else f"{event.layer}, {event.phase}, step {event.step}"
+        result["held_back"] = prof.snapshot().held_back_updates
+        result["weights_finite"] = all_finite(shape)
+    finally:
+        prof.detach()
+        poison.handle.remove()
+    return result
+
+
+def sync_cost(device: torch.device, full: bool, rounds: int, steps: int) -> dict:
+    """Step time with nonfinite_sync over without, interleaved rounds, one model each."""
+    runs = {}
+    for label, sync in (("off", False), ("on", True)):
+        shape = shapes.build("gpt", device, full=full)
+        prof = hookprof.attach(shape.model, **SETTINGS, nonfinite_sync=sync)
+        for _ in range(5):  # warm-up
+            shape.step()
+        runs[label] = (shape, prof)
+    per_round: dict[str, list[float]] = {"off": [], "on": []}
+    try:
+        for r in range(rounds):
+            order = ("off", "on") if r % 2 == 0 else ("on", "off")
+            for label in order:
+                shape, _ = runs[label]
+                synchronize(device)
+                start = time.perf_counter()
+                for _ in range(steps):
+                    shape.step()
+                synchronize(device)
+                per_round[label].append((time.perf_counter() - start) / steps)
+    finally:
+        for _, prof in runs.values():
+            prof.detach()
+    ratios = [on / off for on, off in zip(per_round["on"], per_round["off"])]
+    return {"step_ms_off": statistics.median(per_round["off"]) * 1e3,
+            "step_ms_on": statistics.median(per_round["on"]) * 1e3,
+            "paired_ratio": statistics.median(ratios), "rounds": rounds, "steps": steps}
+
+
+def fmt(steps: int | None) -> str:
+    return "never" if steps is None else f"+{steps}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="the issue's sizes (a GPU)")
+    parser.add_argument("--after", type=int, default=60, help="steps run after the bad one, at least")
+    parser.add_argument("--deadline", type=float, default=5.0,
+                        help="seconds after the bad step to go on until the producer is named")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "nonfinite_latency.json"))
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
+    print(f"hookprof nonfinite latency: torch {torch.__version__}, {where}, "
+          f"{time.strftime('%Y-%m-%d')}, GPT shape {'full' if args.full else 'narrow'}; "
+          f"NaN in {PRODUCER}'s forward at unsampled step {BAD_STEP}")
+    results = [one_policy(name, overrides, device, args.full, args.after, args.deadline) for name, overrides in POLICIES]
+    print(f"{'policy':26} {'detected':>9} {'named':>6} {'seconds':>15} {'raised':>7} "
+          f"{'raised layer':>14} {'held back':>9} {'weights':>8}")
+    for r in results:
+        to_named = "/".join("-" if r[k] is None else f"{r[k]:.2f}"
+                            for k in ("seconds_to_detected", "seconds_to_named"))
+        raised = "-" if r["raised"] is None and "raise" not in r["policy"] else fmt(r["raised"])
+        stopped = r["raised"] is not None  # the loop ended at the raise: nothing to look at after
+        detected, named = ("-", "-") if stopped else (fmt(r["detected"]), fmt(r["named"]))
+        print(f"{r['policy']:26} {detected:>9} {named:>6} {to_named:>15} {raised:>7} "
+              f"{str(r['raised_layer'] or '-'):>14} {r.get('held_back', 0):>9} "
+              f"{'finite' if r.get('weights_finite') else 'NaN':>8}")
+        print(f"{'':26} after flush(): {r.get('after_flush')}")
+    cost = sync_cost(device, args.full, args.rounds, args.steps)
+    print(f"nonfinite_sync=True: step {cost['step_ms_on']:.2f} ms vs {cost['step_ms_off']:.2f} ms, "
+          f"paired ratio {cost['paired_ratio']:.3f} ({cost['rounds']} rounds x {cost['steps']} steps)")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": where, "torch": torch.__version__, "full": args.full,
+                   "policies": results, "nonfinite_sync_cost": cost}, f, indent=1)
+    print(f"written {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

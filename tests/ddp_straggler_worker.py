@@ -16,6 +16,7 @@ SETUPS = {
     "ddp+buffers": "the model holds a buffer (as BatchNorm does): DDP broadcasts buffers at the start of "
                    "its forward, before the wrapped model's forward",
     "ddp+buffers, attached to the wrapper": "the same, hookprof attached to the DDP wrapper itself",
+    "ddp+buffers, broadcast_buffers=False": "the same buffer, DDP told not to broadcast buffers",
     "fsdp": "fully_shard on each block and the root (FSDP2), hookprof attached after sharding",
 }
 
@@ -36,7 +37,7 @@ def _wrapped(model, setup: str, world: int):
         return model, model
     if "buffers" in setup:
         model.register_buffer("running_scale", torch.ones(4))
-    ddp = DDP(model)
+    ddp = DDP(model, broadcast_buffers="broadcast_buffers=False" not in setup)
     return ddp, (ddp if "wrapper" in setup else model)
 
 

@@ -475,3 +475,26 @@ def test_lightning_automatic_optimization_skip_holds_back_step_7(tmp_path):
         frozenset({("rank", "0")}): 1.0}
     event = snap.first_nonfinite
     assert (event.layer, event.phase, event.step) == ("body.3", "forward", 7)
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["no wait", "nonfinite_sync"])
+def test_on_a_device_steps_behind_a_non_fused_closure_step_needs_the_opt_in_wait(sync):
+    """LBFGS has no found_inf to skip on the device: with the flag still on the (emulated)
+    device, its update is held back only with nonfinite_sync=True, which waits on the
+    training thread, as asked; without it, hookprof says once that it is not held back."""
+    make = OPTIMIZERS["lbfgs"]
+    bad = {(BAD_STEP, c) for c in range(1, 100)}
+    reference = seeded(DeepNet)
+    closure_loop(reference, make(reference), 7, evaluation_injector(reference, bad), hide_nonfinite=sync)
+    model = seeded(DeepNet)
+    with lagging_device(2) as device:
+        with hookprof.attach(model, **RARELY, on_nonfinite="skip", nonfinite_sync=sync) as prof:
+            closure_loop(model, make(model), 7, evaluation_injector(model, bad))
+            prof.flush()
+            snap = prof.snapshot()
+    for a, b in zip(reference.parameters(), model.parameters()):  # NaN where the reference has it
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert finite(model.parameters()) == sync
+    assert ("MainThread" in device.waits) == sync
+    assert snap.held_back_updates == (1 if sync else 0)
+    assert any("LBFGS is not fused" in n for n in snap.notices) != sync

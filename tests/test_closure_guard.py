@@ -498,3 +498,58 @@ def test_on_a_device_steps_behind_a_non_fused_closure_step_needs_the_opt_in_wait
     assert ("MainThread" in device.waits) == sync
     assert snap.held_back_updates == (1 if sync else 0)
     assert any("LBFGS is not fused" in n for n in snap.notices) != sync
+
+
+def gpu_closure_run(model, opt, steps: int, bad) -> None:
+    """test_gpu_nonfinite's loop with the forward and backward in a closure, under
+    set_sync_debug_mode("error"): a sync that hookprof added raises."""
+    from test_gpu_nonfinite import BAD_STEP as GPU_BAD_STEP
+    from test_gpu_nonfinite import _no_sync
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    xs = [torch.randn(32, 64, device="cuda", generator=g) for _ in range(steps)]
+    ys = [torch.randn(32, 1, device="cuda", generator=g) for _ in range(steps)]
+    torch.cuda.synchronize()
+    with _no_sync():
+        for step, (x, y) in enumerate(zip(xs, ys), 1):
+            if step == GPU_BAD_STEP:
+                bad.poisoned = x
+
+            def closure(x=x, y=y):
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_cuda_fused_closure_step_is_held_back_on_the_device_without_a_sync(policy):
+    """On a real GPU, fused AdamW given a closure: the bad step's flag goes to the kernel
+    through found_inf, set when the closure returns; the producer is named once the flag
+    arrives, with intact weights, and no sync is added."""
+    from test_gpu_nonfinite import BAD_STEP as GPU_BAD_STEP
+    from test_gpu_nonfinite import BadBatch as GpuBadBatch
+    from test_gpu_nonfinite import setup
+
+    model, opt = setup(fused=True)
+    bad = GpuBadBatch(model, model.blocks[3][1])
+    prof = hookprof.attach(model, **RARELY, on_nonfinite=policy)
+    try:
+        if policy == "raise":
+            with pytest.raises(hookprof.NonFiniteError) as info:
+                gpu_closure_run(model, opt, 40, bad)
+            assert (info.value.layer, info.value.step) == ("blocks.3.1", GPU_BAD_STEP)
+        else:
+            gpu_closure_run(model, opt, 40, bad)
+            prof.flush()
+            snap = prof.snapshot()
+            assert snap.held_back_updates == 1
+            event = snap.first_nonfinite
+            assert (event.layer, event.phase, event.step) == ("blocks.3.1", "forward", GPU_BAD_STEP)
+    finally:
+        prof.detach()
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert not hasattr(opt, "found_inf")

@@ -121,7 +121,8 @@ class UpdateGuard:
     A step is held back as a whole: once one of its checks failed, every later evaluation
     of a closure (LBFGS's line search, a sharpness-aware optimizer's second pass) and every
     later optimizer of the same step is held back too, so no part of a bad step's update
-    lands. What an evaluation took stays taken until the optimizer's post-hook."""
+    lands. What an evaluation took is put back before the closure runs again (so that it
+    finds the gradients it left) and at the optimizer's post-hook."""
 
     def __init__(self, wait_for_device: bool, say_once: Any):
         self._wait = wait_for_device

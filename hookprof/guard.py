@@ -103,33 +103,58 @@ def fold_skips(parts: list[list[float]]) -> tuple[int, int]:
     return (sum(int(p[0]) for p in parts), sum(int(p[1]) for p in parts))
 
 
+def delegates_update(optimizer: torch.optim.Optimizer) -> bool:
+    """A closure optimizer that hands its update to an inner optimizer (davda54's SAM keeps
+    one in `base_optimizer`): its own code between the closure and the inner step (undoing
+    the climb, for SAM) still reads .grad, so the guard acts at the inner step's pre-hook,
+    where the update reads them, not when the closure returns."""
+    return any(isinstance(v, torch.optim.Optimizer) for v in vars(optimizer).values())
+
+
 class UpdateGuard:
     """Holds back this step's update when its checks found a NaN/Inf (policies "skip" and
-    "raise"). `before_update` runs where the gradients are final; `after_update` at the
-    optimizer's post-hook puts back what it took."""
+    "raise"). `begin_update` runs at an optimizer's step pre-hook, `before_update` where the
+    gradients are final (that pre-hook, or each return of a closure the step calls),
+    `after_update` at the optimizer's post-hook puts back what it took, and `end_step` at
+    the step's end counts the step once.
+
+    A step is held back as a whole: once one of its checks failed, every later evaluation
+    of a closure (LBFGS's line search, a sharpness-aware optimizer's second pass) and every
+    later optimizer of the same step is held back too, so no part of a bad step's update
+    lands. What an evaluation took is put back before the closure runs again (so that it
+    finds the gradients it left) and at the optimizer's post-hook."""
 
     def __init__(self, wait_for_device: bool, say_once: Any):
         self._wait = wait_for_device
         self._say = say_once
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its grad)
         self._set_found: tuple[torch.optim.Optimizer, torch.Tensor] | None = None
-        self.held_back = 0  # updates withheld on the host's word (device ones: a SkipCounters)
+        self._step_held = False  # this step's update is held back on the host's word
+        self._step_bad: torch.Tensor | None = None  # device flag over this step's checks
+        self.held_back = 0  # steps held back on the host's word (device ones: a SkipCounters)
 
-    def before_update(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
-                      flags: list[bool | torch.Tensor]) -> torch.Tensor | None:
-        """`flags`: this step's checks (host bools, device 0-d bools). Returns the device
-        flag handed to a fused kernel (for counting), else None."""
-        # an update that raised never reached after_update: what it took is not put back
-        # onto a later step's parameters
+    @property
+    def holding(self) -> bool:
+        return self._step_held
+
+    def begin_update(self) -> None:
+        """An optimizer step begins: an update that raised never reached after_update, so
+        what it took is not put back onto a later step's parameters, nor its found_inf kept."""
         self._hidden.clear()
         self._take_back_found_inf()
-        if any(f is True for f in flags):
+
+    def before_update(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                      flags: list[bool | torch.Tensor]) -> None:
+        """`flags`: this step's checks so far (host bools, device 0-d bools)."""
+        if self._step_held or any(f is True for f in flags):
             self._hide(params)
-            return None
+            return
         on_device = [f for f in flags if isinstance(f, torch.Tensor)]
         if not on_device:
-            return None
+            return
         bad = torch.stack([f.reshape(()) for f in on_device]).any()
+        if self._step_bad is not None:  # an earlier evaluation or optimizer of this step
+            bad = bad | self._step_bad.to(bad.device)
         if is_fused(optimizer):
             found = bad.to(torch.float32)
             scaler_found = getattr(optimizer, "found_inf", None)
@@ -137,33 +162,42 @@ class UpdateGuard:
                 found = torch.maximum(scaler_found.to(found.device).reshape(found.shape), found)
             optimizer.found_inf = found  # read by the fused kernel; removed after the step
             self._set_found = (optimizer, found)
-            return bad
+            self._step_bad = bad
+            return
         if self._wait:
             if bool(bad):  # the opt-in wait for the device (Config.nonfinite_sync)
                 self._hide(params)
-            return None
+            return
         self._say("non-fused update", (
             f"on_nonfinite holds back a non-finite update on the device only for fused "
             f"optimizers (fused=True Adam, AdamW, SGD, Adagrad); {type(optimizer).__name__} "
             "is not fused, so a NaN/Inf step's update reaches the weights unless "
             "nonfinite_sync=True (waits for one value per step)"))
-        return None
 
     def _hide(self, params: list[torch.Tensor]) -> None:
         for p in params:
             if p.grad is not None:
                 self._hidden.append((p, p.grad))
                 p.grad = None
-        self.held_back += 1
+        self._step_held = True
 
     def after_update(self) -> None:
         """Put back the gradients (the loop may read them after the step) and take our
-        found_inf off the optimizer, unless someone replaced it since."""
+        found_inf off the optimizer, unless someone replaced it since. Also called before a
+        closure runs again, so that the closure finds the gradients it left."""
         for p, grad in self._hidden:
             if p.grad is None:
                 p.grad = grad
         self._hidden.clear()
         self._take_back_found_inf()
+
+    def end_step(self) -> torch.Tensor | None:
+        """The step ended: count it once if held back on the host; returns the device flag
+        handed to fused kernels during it (for counting), else None."""
+        if self._step_held:
+            self.held_back += 1
+        bad, self._step_bad, self._step_held = self._step_bad, None, False
+        return bad
 
     def _take_back_found_inf(self) -> None:
         if self._set_found is not None:

@@ -45,7 +45,7 @@ from .faults import Faults, ThreadSupervisor
 from .notices import Notices
 from . import gradscaler
 from .gradients import GradientNorms
-from .guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
+from .guard import ScalerView, SkipCounters, UpdateGuard, delegates_update, host_flags_of_squares
 from .history import LAYER_SLOTS, History
 from .incident import IncidentResponse
 from .instrument import LayerHooks
@@ -608,6 +608,8 @@ class Profiler:
         try:
             if not self._owns(optimizer):
                 return None
+            if self._guard is not None:
+                self._guard.begin_update()
             now = self._clock()
             self._phases.enter(OPTIMIZER, now)
             if self._plan.sampled and self._in_step():
@@ -615,7 +617,7 @@ class Profiler:
             # args are those of the unbound step: (optimizer, closure?, ...)
             closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
             if callable(closure):
-                wrapped = self._after_closure(closure)
+                wrapped = self._after_closure(closure, optimizer)
                 if "closure" in kwargs:
                     return args, {**kwargs, "closure": wrapped}
                 return (args[0], wrapped, *args[2:]), kwargs
@@ -625,17 +627,29 @@ class Profiler:
             self._faults.report("optimizer pre-hook", exc)
         return None
 
-    def _after_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+    def _after_closure(self, closure: Callable[[], Any],
+                       optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+        # skip/raise: judged as each call of the closure returns (the optimizer's update reads
+        # its gradients next), unless an inner optimizer makes the update (its pre-hook judges)
+        judge = self._guard is not None and not delegates_update(optimizer)
+
         def closure_then_read() -> Any:
             self._forwards = 0  # LBFGS calls it thousands of times in one step
+            if judge:  # the closure finds the gradients it left, and the optimizer
+                self._guard.after_update()  # no found_inf of an earlier evaluation
             result = closure()
             self._phases.enter(OPTIMIZER, self._clock())  # back in the optimizer's step
             try:  # called once or several times (LBFGS); the parameters are still this step's
                 if self._in_step():
                     self._stepped = True
-                    self._grad_squares = None  # read once, at the step's end (.grad untouched)
-                    if self._replay.waiting:
-                        self._replay_forward()
+                    if not judge:
+                        self._grad_squares = None  # read once, at the step's end (.grad untouched)
+                        if self._replay.waiting:
+                            self._replay_forward()
+                    else:  # (a held step keeps its bad evaluation's squares, for the backward check)
+                        if not self._guard.holding:
+                            self._grad_squares = None
+                        self._before_update(optimizer)
             except Exception as exc:
                 self._faults.report("optimizer closure", exc)
             return result
@@ -658,9 +672,7 @@ class Profiler:
         if self._guard is not None:
             squares = self._grad_squares[0] if self._grad_squares is not None else []
             flags = self._output_flags + host_flags_of_squares(self._checked_squares(squares))
-            held = self._guard.before_update(optimizer, self.table.params, flags)
-            if held is not None:
-                self._held_back.add(held)
+            self._guard.before_update(optimizer, self.table.params, flags)
 
     def _on_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if is_compiling():
@@ -722,7 +734,10 @@ class Profiler:
                         "step); gradients computed functionally (torch.func) are not in .grad"))
         self._count_output_flags(self._counters.steps + 1)
         number = self._counters.observe((now - start) * 1e-9, self._wall_clock(), skipped)
-        if self._guard is not None:
+        if self._guard is not None:  # held back: counted once per step, however often acted on
+            held_on_device = self._guard.end_step()
+            if held_on_device is not None:
+                self._held_back.add(held_on_device)
             self._counters.held_back = self._guard.held_back
         self._phases.end_step(number, now)
         self._stepped = self._scaler_skipped = False

@@ -340,9 +340,8 @@ def rank_series(title: str, description: str, metric: str, **options):
 
 
 def efficiency_and_stragglers(board, rate: str):
-    """Issue 15: FLOPs, MFU, update ratios; each rank against the median of ranks.
-    hookprof_step_phase_seconds (the step phases) comes with the step-phase change: until
-    it is there, the phase panel has no data."""
+    """Issue 15: FLOPs, MFU, update ratios; each rank against the median of ranks, by step
+    time and by step phase (the phases show the straggler of ranks that synchronise)."""
     board = board.with_row(dashboard.Row("Efficiency"))
     board = board.with_panel(rank_series(
         "Model FLOP/s",
@@ -401,10 +400,19 @@ def efficiency_and_stragglers(board, rate: str):
         "Step phases per rank over the median of ranks",
         "Each rank's mean time per step in each phase (data, forward, backward, optimizer, other) over "
         "the median of ranks for that phase: a straggler's own phase stands above 1, the others wait "
-        "in backward or optimizer (collectives).",
+        "where their next collective is (backward under DDP, forward under FSDP).",
         q(f"{phase_time}\n  / on (model, phase) group_left quantile by (model, phase) (0.5, {phase_time})",
           "{{model}} {{phase}} rank {{rank}}"),
-        width=24))
+        width=12))
+    board = board.with_panel(series(
+        "Step phases per rank above the median of ranks",
+        "Seconds per step each rank spends in each phase beyond the median of ranks for that phase (a "
+        "ratio of tiny phases can be large; this cannot). Under DDP the straggler stands out in its own "
+        "phase (data, forward, optimizer or other) and the ranks waiting for it in backward, under FSDP "
+        "in forward; HookprofStragglerPhase names the straggler and its phase (docs/efficiency.md).",
+        q(f"{phase_time}\n  - on (model, phase) group_left quantile by (model, phase) (0.5, {phase_time})",
+          "{{model}} {{phase}} rank {{rank}}"),
+        unit="s", width=12))
     return board
 
 

@@ -55,4 +55,5 @@ def test_the_suite_collects_without_the_extras_the_gpu_image_lacks():
     assert on_the_image == everything - lightning
     files = {t.split("::")[0] for t in everything}
     assert {"tests/test_gpu.py", "tests/test_gpu_nonfinite.py", "tests/test_gpu_host_cost.py",
-            "tests/test_stalls_cuda.py", "tests/test_efficiency.py", "tests/test_deploy.py"} < files
+            "tests/test_stalls_cuda.py", "tests/test_efficiency.py", "tests/test_deploy.py",
+            "tests/test_closure_guard.py", "tests/test_step_phases_cuda.py"} < files

@@ -1,7 +1,9 @@
 """Issue 12's table, row by row, on a real GPU: the NaN/Inf debugger with the host ahead of
 the device. Marked cuda (skipped without CUDA; `python -m pytest -m cuda` runs them). Each
 training loop runs under torch.cuda.set_sync_debug_mode("error"), so a host-device sync
-that hookprof added raises; the CPU emulation of the same logic is tests/test_update_guard.py."""
+that hookprof added raises (except row 2's, which reads the loss each step, and a GradScaler
+over a non-fused optimizer, which syncs by itself); the CPU emulation of the same logic is
+tests/test_update_guard.py."""
 
 from __future__ import annotations
 
@@ -67,7 +69,11 @@ def run(model, opt, steps, bad: BadBatch | None, *, item_every_step=False, scale
     xs = [torch.randn(32, 64, device=device, generator=g) for _ in range(steps)]
     ys = [torch.randn(32, 1, device=device, generator=g) for _ in range(steps)]
     torch.cuda.synchronize()
-    mode = contextlib.nullcontext() if item_every_step else _no_sync()
+    # a GradScaler syncs by itself for an optimizer that cannot take its found-inf flag on the
+    # device (non-fused: GradScaler._maybe_opt_step reads it with .item()), so such a loop
+    # cannot run under the no-sync check without blaming hookprof for torch's own sync
+    scaler_syncs = scaler is not None and not getattr(opt, "_step_supports_amp_scaling", False)
+    mode = contextlib.nullcontext() if item_every_step or scaler_syncs else _no_sync()
     with mode:
         for step, (x, y) in enumerate(zip(xs, ys), 1):
             if bad is not None and step == BAD_STEP:
@@ -81,7 +87,7 @@ def run(model, opt, steps, bad: BadBatch | None, *, item_every_step=False, scale
                 with torch.autocast("cuda", dtype=torch.float16):
                     loss = nn.functional.mse_loss(model(x), y)
                 if step in overflow_at:
-                    loss = loss * 6e4  # with init_scale 2**24 the fp16 gradients overflow
+                    loss = loss * 6e4  # the fp16 gradients overflow down to a scale of ~1 (measured)
                 scaler.scale(loss).backward()
                 scaler.step(opt)
                 scaler.update()
@@ -177,7 +183,11 @@ def test_row4_raise_stops_before_the_weights_are_hit():
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
 def test_row5_6_gradscaler_skips_equal_the_scalers_count_and_are_no_incident(fused):
     model, opt = setup(fused)
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**24)
+    # 2**10 is far below the scale at which this model's fp16 gradients overflow by themselves
+    # (measured with fp16 autocast on the CPU: from 2**24 down, the first 11 steps overflow and
+    # the scaler settles at 8192), so the only skips are the forced ones; and 8 forced skips in
+    # a row stay under max_skipped_steps (10), beyond which skips are an incident by design
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
     counted = []
     original_update = scaler.update
 
@@ -187,13 +197,13 @@ def test_row5_6_gradscaler_skips_equal_the_scalers_count_and_are_no_incident(fus
 
     scaler.update = update
     prof = hookprof.attach(model, **RARELY)
-    run(model, opt, 30, None, scaler=scaler, overflow_at=frozenset(range(3, 13)))
+    run(model, opt, 30, None, scaler=scaler, overflow_at=frozenset(range(3, 11)))
     prof.flush()
     snap = prof.snapshot()
     prof.detach()
     scales = [float(s) for s in counted] + [scaler.get_scale()]
     own = sum(after < before for before, after in zip(scales, scales[1:]))
-    assert own >= 10
+    assert own >= 8
     assert snap.skipped_steps == own
     assert snap.nonfinite_steps == {"forward": 0, "backward": 0, "loss": 0}
 

@@ -14,7 +14,6 @@ import uuid
 
 import pytest
 
-from certs import make_pki
 from conftest import free_port, parse, read_until, require_binaries, samples, scrape
 from servers import Processes, wait_for
 
@@ -220,6 +219,11 @@ def test_live_view_in_a_real_terminal_sorts_filters_and_quits(demos):
 @pytest.fixture(scope="module")
 def tls_demo(tmp_path_factory):
     """A finished demo serving HTTPS that asks clients for a certificate (mutual TLS)."""
+    # imported here, as conftest's `pki` does: a machine without `cryptography` (the GPU
+    # image) must still collect this module, or `pytest -m cuda` stops at collection
+    pytest.importorskip("cryptography.x509")
+    from certs import make_pki
+
     pki = make_pki(tmp_path_factory.mktemp("pki"))
     procs = Processes()
     try:

@@ -22,16 +22,16 @@ from mark_counter import count_sampled_step  # noqa: E402
 
 
 def main() -> int:
-    print("| workload | leaves | forward calls | marks | marks/leaf | forward | outer | node pre-hooks "
-          "| param hooks | hook calls/leaf |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| workload | leaves | forward calls | layer marks | marks/leaf | forward | outer | node pre-hooks "
+          "| param hooks | step phase marks | hook calls/leaf |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in shapes.NAMES:
         if name == "hf-gpt2" and not shapes.hf_available():
             continue
         shape = shapes.build(name, torch.device("cpu"), full=False)
         c = count_sampled_step(shape.model, shape.step)
-        print(f"| {shape.name} | {c.layers} | {c.forward_calls} | {c.marks} | {c.marks_per_leaf:.2f} "
-              f"| {c.forward_marks} | {c.outer_marks} | {c.node_marks} | {c.param_marks} "
+        print(f"| {shape.name} | {c.layers} | {c.forward_calls} | {c.layer_marks} | {c.marks_per_leaf:.2f} "
+              f"| {c.forward_marks} | {c.outer_marks} | {c.node_marks} | {c.param_marks} | {c.step_marks} "
               f"| {c.hook_calls / c.layers:.2f} |", flush=True)
     return 0
 

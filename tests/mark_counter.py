@@ -28,11 +28,17 @@ class LeafCount:
     outer_marks: int  # around calls with an instrumented parent
     node_marks: int  # autograd node pre-hooks (gradient ready at a layer's output or input)
     param_marks: int  # post-accumulate-grad hooks (backward end of layers without an input gradient)
+    step_marks: int  # per step, not per layer: the step's phase boundaries (device_phases.py)
     hook_calls: int  # Python calls torch made into hookprof's per-layer hooks
 
     @property
+    def layer_marks(self) -> int:
+        """The marks the per-layer hooks took (all but the step's own)."""
+        return self.marks - self.step_marks
+
+    @property
     def marks_per_leaf(self) -> float:
-        return self.marks / self.layers
+        return self.layer_marks / self.layers
 
 
 def count_sampled_step(model: torch.nn.Module, step: Callable[[Callable[[torch.nn.Module], None]], object],
@@ -58,6 +64,7 @@ def count_sampled_step(model: torch.nn.Module, step: Callable[[Callable[[torch.n
             seen["outer"] = sum((c.outer_start is not None) + (c.outer_end is not None) for c in rec.calls)
             seen["node"] = len(rec.grad_ready)
             seen["param"] = len(rec.param_done)
+            seen["step"] = len(getattr(rec, "phase_marks", ()))  # a version without them: none
 
         # a step's first mark is taken as it begins (timer.start(), at the end of the step
         # before): counted from there
@@ -74,6 +81,7 @@ def count_sampled_step(model: torch.nn.Module, step: Callable[[Callable[[torch.n
         outer_marks=seen["outer"],
         node_marks=seen["node"],
         param_marks=seen["param"],
+        step_marks=seen["step"],
         # a wrapped forward or a pre/post hook pair: one Python call in, the enter and leave
         # methods behind it; a node pre-hook or a parameter hook: one call each
         hook_calls=seen["calls"] + seen["node"] + seen["param"],

@@ -48,7 +48,7 @@ def test_a_chain_of_linear_layers_costs_three_marks_per_layer(n):
     assert c.forward_marks == 2 * n and c.outer_marks == 0
     assert c.node_marks == n  # each output's node; the next layer's input node is the same one
     assert c.param_marks == 2  # the first layer's weight and bias: its input needs no gradient
-    assert c.marks == 3 * n + 2
+    assert c.layer_marks == 3 * n + 2
     assert c.hook_calls == 2 * n + 2  # a forward wrapper per call, a node pre-hook per node
 
 
@@ -59,7 +59,7 @@ def test_a_small_conv_net_costs_three_marks_per_layer():
     assert c.forward_marks == 2 * leaves and c.outer_marks == 0
     assert c.node_marks == leaves
     assert c.param_marks == 2  # the first convolution's weight and bias
-    assert c.marks == 3 * leaves + 2
+    assert c.layer_marks == 3 * leaves + 2
     assert c.marks_per_leaf <= 3.2
 
 
@@ -81,7 +81,7 @@ def test_a_call_inside_an_instrumented_parent_takes_two_outer_marks():
     assert c.forward_marks == 6 and c.outer_marks == 4  # two children, two outer marks each
     # the parent's input needs no gradient: it ends at its parameter's accumulation
     assert c.param_marks == 1
-    assert c.marks == c.forward_marks + c.outer_marks + c.node_marks + c.param_marks
+    assert c.marks == c.forward_marks + c.outer_marks + c.node_marks + c.param_marks + c.step_marks
 
 
 def _count(model: nn.Module, x: torch.Tensor):

@@ -1,7 +1,8 @@
 """Host time per instrumented leaf of a sampled step's per-layer hooks, split into forward
 and backward, for a deep narrow MLP (Linear + ReLU) and a small conv net (Conv2d +
 BatchNorm2d + ReLU): hookprof's Python and torch's hook dispatch, with as little compute
-around it as a model can have.
+around it as a model can have; and the hooks' own calls timed alone (no model around them:
+steadier on a loaded machine).
 
     python bench/leaf_cost.py                              # this checkout
     python bench/leaf_cost.py --against main --rounds 6    # main and this checkout, alternating
@@ -92,8 +93,56 @@ def measure(name: str, steps: int, flop_counting: bool) -> dict:
             "forward_us_per_leaf": fwd, "backward_us_per_leaf": bwd, "us_per_leaf": fwd + bwd}
 
 
+def measure_calls(calls: int = 400, reps: int = 30) -> dict:
+    """The hooks' own Python per layer call, without a model around it: LayerHooks' start and
+    end of a call (what the forward wrapper calls) on a chain of tensors with distinct
+    autograd nodes, then the registration of their backward marks (mark_pending); and
+    FlopCounter.note for forward(x). Best of `reps`, in microseconds per call."""
+    from hookprof.faults import Faults
+    from hookprof.flops import FlopCounter
+    from hookprof.instrument import LayerHooks
+    from hookprof.layers import LayerTable
+    from hookprof.record import StepRecord
+    from hookprof.timing import CpuTimer
+
+    torch.set_num_threads(1)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    table = LayerTable(model)
+    hooks = LayerHooks(table, CpuTimer(), Faults(), activation_stats=False)
+    end = getattr(hooks, "_end", hooks._leave)  # what the forward wrapper calls
+    clock = time.perf_counter_ns
+    best_calls = best_register = best_note = float("inf")
+    for _ in range(reps):
+        chain = [torch.randn(2, 4, requires_grad=True) * 1.0]
+        for _ in range(calls):
+            chain.append(chain[-1] * 1.0)  # each with its own autograd node
+        hooks.begin(StepRecord(0), install=False)
+        hooks.root_forward_began(True)
+        t0 = clock()
+        for k in range(calls):
+            if hooks._enter(0, (chain[k],), None):
+                end(0, chain[k + 1])
+        t1 = clock()
+        hooks.root_output_arrived()  # registers the noted marks, one pre-hook per node
+        t2 = clock()
+        hooks.end()
+        best_calls = min(best_calls, t1 - t0)
+        best_register = min(best_register, t2 - t1)
+    flops = FlopCounter(table)
+    x = chain[1]
+    for _ in range(reps):
+        t0 = clock()
+        for _ in range(calls):
+            flops.note(0, (x,), None, False)
+        best_note = min(best_note, clock() - t0)
+        flops.drop()
+    return {"enter_leave_us": best_calls / calls / 1e3, "mark_pending_us": best_register / calls / 1e3,
+            "flops_note_us": best_note / calls / 1e3}
+
+
 def run_here(steps: int) -> list[dict]:
-    return [measure(name, steps, flops) for name in MODELS for flops in (False, True)]
+    rows = [measure(name, steps, flops) for name in MODELS for flops in (False, True)]
+    return rows + [dict(measure_calls(), model="calls")]
 
 
 def against(rev: str, rounds: int, steps: int) -> dict[str, list[list[dict]]]:
@@ -126,13 +175,22 @@ def print_table(runs: dict[str, list[list[dict]]]) -> None:
     print("|---|" + "---|---|---|" * len(labels))
     first = runs[labels[0]][0]
     for i, row in enumerate(first):
+        if row["model"] == "calls":
+            continue
         cells = []
         for lb in labels:
             for key in ("forward_us_per_leaf", "backward_us_per_leaf", "us_per_leaf"):
                 cells.append(f"{statistics.median(r[i][key] for r in runs[lb]):.2f}")
         flops = "on" if row["flop_counting"] else "off"
         print(f"| {row['model']} ({row['leaves']} leaves), {flops} | " + " | ".join(cells) + " |")
-    print(f"\n(medians over {len(runs[labels[0]])} rounds)")
+    print(f"\n(medians over {len(runs[labels[0]])} rounds)\n")
+    print("| per layer call, no model around it (best of 30) | " + " | ".join(labels) + " |")
+    print("|---|" + "---|" * len(labels))
+    for key, what in (("enter_leave_us", "start + end of a call (us)"),
+                      ("mark_pending_us", "registering its backward mark (us)"),
+                      ("flops_note_us", "FlopCounter.note, forward(x) (us)")):
+        cells = [f"{statistics.median(r[-1][key] for r in runs[lb]):.2f}" for lb in labels]
+        print(f"| {what} | " + " | ".join(cells) + " |")
 
 
 def main(argv: list[str] | None = None) -> int:

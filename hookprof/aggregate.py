@@ -355,8 +355,9 @@ class Aggregator:
         end_of: dict[int, float] = {}
         for roles, tok in rec.grad_ready:
             t = at(tok)
-            for c, is_output in roles:
-                if is_output:  # the gradient reached c's output: c's backward starts
+            for role in roles:
+                c = role >> 1
+                if role & 1:  # the gradient reached c's output: c's backward starts
                     start[c] = min(start.get(c, math.inf), t)
                 else:  # c's input gradient is produced: c's backward ends
                     end_of[c] = max(end_of.get(c, -math.inf), t)

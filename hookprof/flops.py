@@ -150,7 +150,11 @@ class FlopCounter:
         module = self._table.layers[layer].module
         if module is None:
             return
-        key = (module.training, tuple(_key(a) for a in args))
+        if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+            a = args[0]  # forward(x), inline: the same key as below for ~1/3 of its cost
+            key = (module.training, ((a.shape, a.dtype, a.requires_grad),))
+        else:
+            key = (module.training, tuple(_key(a) for a in args))
         if kwargs:
             key = (key, tuple((k, _key(v)) for k, v in kwargs.items()))
         self._calls.append((layer, key, nested))

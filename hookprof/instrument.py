@@ -48,6 +48,7 @@ def zero_sample(d: torch.Tensor) -> torch.Tensor:
     return flat[::stride] if stride > 1 else flat
 
 
+_Tensor = torch.Tensor
 _NO_ATTRIBUTE = object()  # a module without an instance attribute `forward` of its own
 
 # -1 unless the autograd engine runs a backward pass on this thread: a forward call then is
@@ -226,7 +227,7 @@ class LayerHooks:
             # model sees, so hookprof's own hook goes after it
             return False
         prior = module.__dict__.get("forward", _NO_ATTRIBUTE)
-        wrapper = ForwardWrapper(self._enter, self._leave, layer_index, module.forward)
+        wrapper = ForwardWrapper(self._enter, self._end, layer_index, module.forward)
         try:
             module.forward = wrapper
         except Exception:  # a module type that refuses the attribute gets a hook pair
@@ -275,8 +276,9 @@ class LayerHooks:
         if is_compiling():  # traced by Dynamo: no clock, no tensor reads, no graph break
             return False
         rec = self._rec
+        # the plain flag first: inside the training forward no C call is needed
         if rec is None or self._paused or self._faults.broken or not (
-                torch.is_grad_enabled() or self._replaying or self._in_training_forward):
+                self._in_training_forward or torch.is_grad_enabled() or self._replaying):
             return False
         try:
             mark = self._timer.mark
@@ -287,22 +289,33 @@ class LayerHooks:
             # the outer marks (hook work included) matter only to a parent call, which must
             # not count our work as its own: a call without an instrumented parent skips them
             entry = Call(layer_index, stack[-1], mark()) if stack else Call(layer_index, -1)
-            call = len(rec.calls)
-            rec.calls.append(entry)
+            calls = rec.calls
+            call = len(calls)
+            calls.append(entry)
             recompute = not self._replaying and _graph_task_id() != -1
             if recompute:
                 rec.recompute.add(call)
             elif self.on_call is not None and not self._replaying:
                 self.on_call(layer_index, args, kwargs, bool(stack))
             inputs_need_grad = False
-            for t in iter_tensors(args):
+            pending = rec.pending_marks
+            stats = self._activation_stats and not recompute
+            role = call << 1  # an input: the call's backward ends when its gradient is ready
+            # forward(x), inline: a call of iter_tensors costs about as much as the loop
+            tensors = args if type(args) is tuple and len(args) == 1 and isinstance(args[0], _Tensor) \
+                else iter_tensors(args)
+            for t in tensors:
                 # non-leaf only: a hook on a leaf (a parameter passed as an input) would
                 # outlive the step and survive detach()
                 node = t.grad_fn
                 if node is not None:
                     inputs_need_grad = True
-                    rec.pending_marks.append((node, call, False))
-                if self._activation_stats and not recompute and t.is_floating_point() and t.numel():
+                    roles = pending.get(node)
+                    if roles is None:
+                        pending[node] = [role]
+                    else:
+                        roles.append(role)
+                if stats and t.is_floating_point() and t.numel():
                     self._note_input(rec, t, call)
             if not inputs_need_grad and layer_index not in rec.param_hooked and layer_index < len(self._table):
                 self._hook_params(rec, layer_index)
@@ -317,8 +330,12 @@ class LayerHooks:
 
     def _leave(self, layer_index: int, output: Any) -> None:
         """A call ended with `output` (None when it raised)."""
-        if is_compiling():
-            return
+        if not is_compiling():
+            self._end(layer_index, output)
+
+    def _end(self, layer_index: int, output: Any) -> None:
+        """_leave for a call whose _enter recorded it (so not one Dynamo traces): what the
+        forward wrapper calls, one frame and one check less per call."""
         try:
             end = self._timer.mark()  # first: our own work stays outside the span
         except Exception as exc:  # invariant 3 holds for the clock too
@@ -326,7 +343,7 @@ class LayerHooks:
             return
         rec = self._rec
         if rec is None or self._paused or self._faults.broken or not (
-                torch.is_grad_enabled() or self._replaying or self._in_training_forward):
+                self._in_training_forward or torch.is_grad_enabled() or self._replaying):
             return
         try:
             stack = getattr(self._local, "stack", None)
@@ -335,10 +352,13 @@ class LayerHooks:
             call = stack.pop()
             entry = rec.calls[call]
             entry.end = end
-            stats = self._activation_stats and call not in rec.recompute  # seen on the first pass
+            recompute = call in rec.recompute
+            stats = self._activation_stats and not recompute  # seen on the first pass
             if stats:
                 rec.ended.append(call)
-            for t in iter_tensors(output):
+            pending = rec.pending_marks
+            role = call << 1 | 1  # an output: the call's backward starts when its gradient is ready
+            for t in (output,) if isinstance(output, _Tensor) else iter_tensors(output):
                 node = t.grad_fn
                 if stats and t.is_floating_point() and t.numel():
                     d = t.detach()
@@ -354,8 +374,12 @@ class LayerHooks:
                     else:
                         rec.act.append(Activation(call, low, high, None, 0))
                 if node is not None:
-                    rec.pending_marks.append((node, call, True))
-            if not self._in_training_forward or call in rec.recompute:
+                    roles = pending.get(node)
+                    if roles is None:
+                        pending[node] = [role]
+                    else:
+                        roles.append(role)
+            if recompute or not self._in_training_forward:
                 self.mark_pending()
             if entry.parent >= 0:
                 entry.outer_end = self._timer.mark()
@@ -388,23 +412,17 @@ class LayerHooks:
         of the root module's training forward (one loop rather than one per layer call:
         between matmuls the same Python work costs about twice as much), or at once for calls
         outside it. A pre-hook on the node that produced a tensor runs when its gradient is
-        ready, as a tensor hook would, for ~2 us less. Holding the nodes until here keeps each
+        ready, as a tensor hook would, for ~2 us less. The calls noted the roles of each node
+        as they went (one layer's output node is the next one's input node), so what is
+        left here is one registration per node; holding the nodes until here keeps each
         one's identity (and so the grouping of roles) exact; the graph holds them anyway."""
         rec = self._rec
         if rec is None or not rec.pending_marks:
             return
         try:
-            pending, rec.pending_marks = rec.pending_marks, []
-            roles_of: dict[int, list[tuple[int, bool]]] = {}
-            nodes = []
-            for node, call, is_output in pending:
-                roles = roles_of.get(id(node))
-                if roles is None:
-                    roles = roles_of[id(node)] = []
-                    nodes.append((node, roles))
-                roles.append((call, is_output))
+            pending, rec.pending_marks = rec.pending_marks, {}
             ready = self._grad_ready
-            for node, roles in nodes:
+            for node, roles in pending.items():
                 node.register_prehook(partial(ready, rec, roles))
         except Exception as exc:
             self._faults.report("forward hook", exc)
@@ -413,9 +431,9 @@ class LayerHooks:
         """Forget marks a forward noted but never registered (it raised)."""
         rec = self._rec
         if rec is not None and rec.pending_marks:
-            rec.pending_marks = []
+            rec.pending_marks = {}
 
-    def _grad_ready(self, rec: StepRecord, roles: list[tuple[int, bool]], grad: Any) -> None:
+    def _grad_ready(self, rec: StepRecord, roles: list[int], grad: Any) -> None:
         try:
             rec.grad_ready.append((roles, self._timer.mark()))  # roles are expanded off-thread
         except Exception as exc:

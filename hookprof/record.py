@@ -67,17 +67,19 @@ class StepRecord:
     def __init__(self, ref: Any):
         self.ref = ref  # timer token taken when the step began
         self.calls: list[Call] = []  # one per forward call; a call's id is its position
-        # (roles, token): a gradient was ready at token; roles lists (call id, is_output): for
-        # an output the call's backward starts there, for an input the call's backward ends
-        self.grad_ready: list[tuple[list[tuple[int, bool]], Any]] = []
+        # (roles, token): a gradient was ready at token; each role is `call id << 1 | is_output`
+        # (an int, not a tuple: one allocation less per layer call): for an output the
+        # call's backward starts there, for an input the call's backward ends
+        self.grad_ready: list[tuple[list[int], Any]] = []
         self.param_done: list[tuple[int, Any]] = []  # (layer, token): a parameter's grad accumulated
         self.act: list[Activation] = []
         self.param_hooked: set[int] = set()
         self.param_handles: list[Any] = []
-        # (autograd node, call id, is_output) not yet hooked: during the root module's training
-        # forward they gather until it returns, so one pre-hook per node serves every role
-        # (one layer's output is the next one's input); elsewhere each call hooks its own
-        self.pending_marks: list[tuple[Any, int, bool]] = []
+        # autograd node -> its roles (as in grad_ready), not yet hooked: during the root
+        # module's training forward they gather until it returns, so one pre-hook per node
+        # serves every role (one layer's output is the next one's input); elsewhere each call
+        # hooks its own. Keyed by the node itself, which it keeps alive until then
+        self.pending_marks: dict[Any, list[int]] = {}
         # id(tensor) -> (weakref, version, index in act) of outputs already reduced, so a
         # layer's input that is another layer's output is not reduced twice
         self.out_stats: dict[int, tuple[Any, int, int]] = {}

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
+from . import streams
+
 
 class Timer(Protocol):
     """What hooks and the publisher need of a clock."""
@@ -96,7 +98,7 @@ class CudaEventTimer:
         else:
             self._new_event = event_factory
             self._record = lambda event, stream: event.record(stream)
-        self._current_stream = current_stream or torch.cuda.current_stream
+        self._current_stream = current_stream or streams.current_stream
         self.yield_gil = yield_gil
         self._stream: Any = None
         self._last: Any = None  # the event recorded last (see resolve)

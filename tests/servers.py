@@ -3,6 +3,7 @@ short intervals, waited for with bounded polls, and always stopped by PID."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -153,3 +154,37 @@ scrape_configs:
 def query(prom_port: int, expr: str) -> list[dict]:
     url = f"http://127.0.0.1:{prom_port}/api/v1/query?query=" + urllib.parse.quote(expr)
     return get_json(url)["data"]["result"]
+
+
+@contextlib.contextmanager
+def ranks_scraped(run_rank, args_of_rank, world: int, tmp: str, job: str, scrapes: int):
+    """`world` spawned ranks of a torch.distributed job (rank r runs
+    `run_rank(r, world, master_port, base_port, *args_of_rank(r, out, go_home))` and puts
+    (rank, url) on `out` once it serves), scraped by a real Prometheus as `job`. Yields
+    (Prometheus port, the workers) once every rank was scraped `scrapes` times; the ranks are
+    told to go home, Prometheus is stopped and the workers joined (or killed) whatever happens."""
+    import torch.multiprocessing as mp
+
+    from conftest import free_port_range
+    from dist_worker import join_or_kill
+
+    ctx = mp.get_context("spawn")
+    out, go_home = ctx.Queue(), ctx.Event()
+    master_port = free_port()
+    base_port = free_port_range(world, avoid=(master_port,))
+    workers = [ctx.Process(target=run_rank, args=(r, world, master_port, base_port, *args_of_rank(r, out, go_home)))
+               for r in range(world)]
+    procs = Processes()
+    for w in workers:
+        w.start()
+    try:
+        urls = dict(out.get(timeout=60) for _ in range(world))
+        assert urls[world - 1].endswith(f":{base_port + world - 1}/metrics")
+        prom = start_prometheus(procs, tmp, [f"127.0.0.1:{base_port + r}" for r in range(world)], None, job=job)
+        wait_for(f"every rank scraped {scrapes} times", lambda: len(query(
+            prom, f'count_over_time(hookprof_steps_total{{job="{job}"}}[1m]) >= {scrapes}')) == world, timeout=40)
+        yield prom, workers
+    finally:
+        go_home.set()
+        procs.stop_all()
+        join_or_kill(workers)

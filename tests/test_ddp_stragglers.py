@@ -15,9 +15,7 @@ import json
 import pytest
 import torch.multiprocessing as mp
 
-from conftest import free_port, free_port_range
-from dist_worker import join_or_kill
-from servers import Processes, binaries, get_json, query, start_prometheus, wait_for
+from servers import binaries, get_json, query, ranks_scraped, wait_for
 from test_dashboard_queries import alert_rules, dashboard, panel_queries, substitute
 
 pytestmark = pytest.mark.slow
@@ -34,29 +32,13 @@ SETUPS = {"ddp": "backward", "fsdp": "forward"}
 @pytest.fixture(scope="module", params=list(SETUPS))
 def synced_ranks_scraped(request, tmp_path_factory):
     binaries()  # skips where Prometheus is not installed
-    ctx = mp.get_context("spawn")
-    out, go_home, stop_at = ctx.Queue(), ctx.Event(), ctx.Value("i", 0)
-    master_port = free_port()
-    base_port = free_port_range(2, avoid=(master_port,))
     from ddp_straggler_worker import run_rank
 
-    workers = [ctx.Process(target=run_rank, args=(r, 2, master_port, base_port, (0.0, DELAY), "data", out,
-                                                  go_home, stop_at, request.param)) for r in range(2)]
-    procs = Processes()
-    for w in workers:
-        w.start()
-    try:
-        urls = dict(out.get(timeout=60) for _ in range(2))
-        assert urls[1].endswith(f":{base_port + 1}/metrics")
-        tmp = str(tmp_path_factory.mktemp("ddp_straggler"))
-        prom = start_prometheus(procs, tmp, [f"127.0.0.1:{base_port}", f"127.0.0.1:{base_port + 1}"], None, job=JOB)
-        wait_for("both ranks scraped 5 times", lambda: len(query(
-            prom, f'count_over_time(hookprof_steps_total{{job="{JOB}"}}[1m]) >= 5')) == 2, timeout=40)
+    stop_at = mp.get_context("spawn").Value("i", 0)  # the step every rank stops after
+    tmp = str(tmp_path_factory.mktemp("ddp_straggler"))
+    with ranks_scraped(run_rank, lambda r, out, go_home: ((0.0, DELAY), "data", out, go_home, stop_at, request.param),
+                       2, tmp, JOB, scrapes=5) as (prom, workers):
         yield prom, SETUPS[request.param]
-    finally:
-        go_home.set()
-        procs.stop_all()
-        join_or_kill(workers)
     assert [w.exitcode for w in workers] == [0, 0]  # both stopped after the same step
 
 

@@ -4,14 +4,10 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-import torch.multiprocessing as mp
 
-from conftest import free_port, free_port_range
-from dist_worker import join_or_kill
-from servers import Processes, binaries, get_json, query, start_prometheus, wait_for
+from servers import binaries, get_json, query, ranks_scraped, wait_for
 from test_dashboard_queries import alert_rules, dashboard, panel_queries, substitute
 
 pytestmark = pytest.mark.slow
@@ -23,29 +19,12 @@ JOB = "hookprof-demo"  # the job test_dashboard_queries' substitute() selects
 @pytest.fixture(scope="module")
 def two_ranks_scraped(tmp_path_factory):
     binaries()  # skips where Prometheus is not installed
-    ctx = mp.get_context("spawn")
-    out, go_home = ctx.Queue(), ctx.Event()
-    master_port = free_port()
-    base_port = free_port_range(2, avoid=(master_port,))
     from straggler_worker import run_rank
 
-    workers = [ctx.Process(target=run_rank, args=(r, 2, master_port, base_port, DELAYS, out, go_home))
-               for r in range(2)]
-    procs = Processes()
-    for w in workers:
-        w.start()
-    try:
-        urls = dict(out.get(timeout=60) for _ in range(2))
-        assert urls[1].endswith(f":{base_port + 1}/metrics")
-        tmp = str(tmp_path_factory.mktemp("straggler"))
-        prom = start_prometheus(procs, tmp, [f"127.0.0.1:{base_port}", f"127.0.0.1:{base_port + 1}"], None, job=JOB)
-        wait_for("both ranks scraped 4 times", lambda: len(query(
-            prom, f'count_over_time(hookprof_steps_total{{job="{JOB}"}}[1m]) >= 4')) == 2, timeout=40)
+    tmp = str(tmp_path_factory.mktemp("straggler"))
+    with ranks_scraped(run_rank, lambda r, out, go_home: (DELAYS, out, go_home), 2, tmp, JOB,
+                       scrapes=4) as (prom, _):
         yield prom
-    finally:
-        go_home.set()
-        procs.stop_all()
-        join_or_kill(workers)
 
 
 def test_the_straggler_rule_picks_the_slowed_rank(two_ranks_scraped):

@@ -63,6 +63,16 @@ def device_profiler(model, clock, device, **overrides):
     return hookprof.Profiler(model, config, clock=clock, timer=timer), stream
 
 
+def rig(forward_ms: tuple[int, int], update_ms: tuple[int, int], **overrides):
+    """A fake clock and device, a DeviceNet and a DeviceSGD taking (host, kernel) ms, and a
+    profiler over them: (clock, device, model, optimizer, (profiler, stream))."""
+    clock = FakeClock()
+    device = QueuedDevice(clock)
+    model = DeviceNet(clock, device, *forward_ms)
+    opt = DeviceSGD(model.parameters(), clock, device, *update_ms)
+    return clock, device, model, opt, device_profiler(model, clock, device, **overrides)
+
+
 def device_phases(prof) -> tuple[int, dict[str, float]]:
     prof.flush()
     snap = prof.snapshot()
@@ -82,11 +92,7 @@ def test_device_bound_loop_shows_each_phase_s_kernels_and_the_page_passes_promto
     it and a phase's device time is its own kernels: data 0, forward 6, backward 9, optimizer
     3, other 0. Step 1 only: the stream is idle when its forward begins (attach at 10 ms,
     clock restarted at 15), so its forward is 1 + 6 (the stream waits for the launch)."""
-    clock = FakeClock()
-    device = QueuedDevice(clock)
-    model = DeviceNet(clock, device, host_ms=1, kernel_ms=6)
-    opt = DeviceSGD(model.parameters(), clock, device, host_ms=1, kernel_ms=3)
-    prof, _ = device_profiler(model, clock, device)
+    clock, device, model, opt, (prof, _) = rig((1, 6), (1, 3))
     x = torch.randn(8, 4)
     try:
         for _ in range(4):
@@ -123,11 +129,7 @@ def test_host_bound_loop_shows_the_device_idle_while_the_host_loads_data():
     while the host is at 35. Its forward starts at host 55: data is 55 - 39 = 16, the 20 ms of
     loading less the 4 ms the stream still ran step 1's kernels; the rest repeats. So each
     later device step lasts 16 + 3 + 5 + 1 = 25 ms, the host's step time."""
-    clock = FakeClock()
-    device = QueuedDevice(clock)
-    model = DeviceNet(clock, device, host_ms=1, kernel_ms=2)
-    opt = DeviceSGD(model.parameters(), clock, device, host_ms=1, kernel_ms=1)
-    prof, _ = device_profiler(model, clock, device)
+    clock, device, model, opt, (prof, _) = rig((1, 2), (1, 1))
     x = torch.randn(8, 4)
     try:
         for _ in range(3):
@@ -186,11 +188,7 @@ def test_evaluation_and_expect_slow_count_as_other_on_the_device_too():
     23 (the stream reaches that mark at 24: data 0), its 3 ms kernel, 6 ms, a 20 ms
     expect_slow section, 5 ms of loading: outside from 24 to host 55 = 31, counted as other;
     then forward 4, backward 4, optimizer 1 as in step 1. The host's other is 32 (from 23)."""
-    clock = FakeClock()
-    device = QueuedDevice(clock)
-    model = DeviceNet(clock, device, host_ms=1, kernel_ms=3)
-    opt = DeviceSGD(model.parameters(), clock, device, host_ms=1, kernel_ms=1)
-    prof, _ = device_profiler(model, clock, device)
+    clock, device, model, opt, (prof, _) = rig((1, 3), (1, 1))
     x = torch.randn(8, 4)
 
     def train_step():
@@ -223,11 +221,7 @@ def test_micro_batches():
     backward 9 (the second backward stretch, from the second output to the optimizer, also
     9; the first, from the first output to the second forward, holds the first backward's
     kernels), optimizer 3; step 1's first forward 7 (idle stream)."""
-    clock = FakeClock()
-    device = QueuedDevice(clock)
-    model = DeviceNet(clock, device, host_ms=1, kernel_ms=6)
-    opt = DeviceSGD(model.parameters(), clock, device, host_ms=1, kernel_ms=3)
-    prof, _ = device_profiler(model, clock, device)
+    clock, device, model, opt, (prof, _) = rig((1, 6), (1, 3))
     x = torch.randn(8, 4)
     try:
         for _ in range(3):
@@ -246,11 +240,7 @@ def test_micro_batches():
 def test_unsampled_steps_record_no_event():
     """Only sampled steps are marked: after step 1, none of the next steps is sampled, and
     none records an event; the totals hold step 1 alone."""
-    clock = FakeClock()
-    device = QueuedDevice(clock)
-    model = DeviceNet(clock, device, host_ms=1, kernel_ms=6)
-    opt = DeviceSGD(model.parameters(), clock, device, host_ms=1, kernel_ms=3)
-    prof, stream = device_profiler(model, clock, device, sample_every=1000)
+    clock, device, model, opt, (prof, stream) = rig((1, 6), (1, 3), sample_every=1000)
     x = torch.randn(8, 4)
     try:
         recorded = []

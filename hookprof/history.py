@@ -204,9 +204,13 @@ class History:
         layer_bad = aggregator.counters["layer_bad"]
         time_of = [aggregator.fwd_total[i] + aggregator.bwd_total[i] for i in range(n)]
         bad = [i for i in range(n) if layer_bad[i] or aggregator.fwd_nonfinite[i]]
-        room = max(self.layer_slots - len(bad), 0)
-        busiest = heapq.nlargest(room + len(bad), range(n), key=time_of.__getitem__)
-        wanted = (bad + [i for i in busiest if i not in set(bad)])[: self.layer_slots]
+        room = self.layer_slots - len(bad)
+        if room <= 0:  # once a NaN has spread, the non-finite layers alone fill the slots
+            wanted = bad[: self.layer_slots]
+        else:  # (one set, not one per layer: this runs on the publisher thread, 10k layers)
+            bad_set = set(bad)
+            wanted = bad + heapq.nlargest(room, (i for i in range(n) if i not in bad_set),
+                                          key=time_of.__getitem__)
         held = set(self._slot_layer)
         wanted_set = set(wanted)
         leaving = sorted((k for k, i in enumerate(self._slot_layer) if i not in wanted_set),

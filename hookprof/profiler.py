@@ -612,8 +612,10 @@ class Profiler:
                 self._guard.begin_update()
             now = self._clock()
             self._phases.enter(OPTIMIZER, now)
-            if self._plan.sampled and self._in_step():
-                self._efficiency.before_update(now)  # the parameters before the update
+            # the parameters before the update; also in a closure step, whose forward has not
+            # run yet (a second optimizer of the step finds them taken)
+            if self._plan.sampled:
+                self._efficiency.before_update(now)
             # args are those of the unbound step: (optimizer, closure?, ...)
             closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
             if callable(closure):
@@ -733,7 +735,12 @@ class Profiler:
                         "backward and before zero_grad() (prof.step() there, or a torch.optim "
                         "step); gradients computed functionally (torch.func) are not in .grad"))
         self._count_output_flags(self._counters.steps + 1)
-        number = self._counters.observe((now - start) * 1e-9, self._wall_clock(), skipped)
+        duration_s = (now - start) * 1e-9
+        number = self._counters.observe(duration_s, self._wall_clock(), skipped)
+        # an update the guard held back on the host changed no weight: like a GradScaler
+        # skip, no update norm (not 0) and no throughput (a fused kernel that skipped on the
+        # device is unknown here: its update measures 0, docs/efficiency.md)
+        no_update = skipped or (self._guard is not None and self._guard.holding)
         if self._guard is not None:  # held back: counted once per step, however often acted on
             held_on_device = self._guard.end_step()
             if held_on_device is not None:
@@ -744,7 +751,7 @@ class Profiler:
         if self._plan.sampled:
             self._hooks.end()
             if not self._faults.broken:  # a step whose hooks failed half-way is no sample
-                efficiency, extra = self._efficiency_of(number, now, (now - start) * 1e-9, skipped)
+                efficiency, extra = self._efficiency_of(number, now, duration_s, no_update)
                 # its one device-to-host copy starts now; the publisher folds it when nudged
                 # (the next forward's end) or within publish_interval_s, whichever comes first
                 packet = pack_step(number, self._rec, self._detector.blocks(), counts=self._device_counts(),

@@ -319,3 +319,58 @@ def test_no_sync_and_a_known_peak_on_cuda():
     name = torch.cuda.get_device_name()
     if peaks.lookup(name, "bf16") is not None:
         assert eff.flops_utilization == pytest.approx(eff.flops_per_second / peaks.lookup(name, "bf16"))
+
+
+def update_norm_of(model: nn.Sequential, before: list[torch.Tensor], layer: int) -> float:
+    """||after - before|| of one Linear of `model` (weight and bias), computed here."""
+    params = [model[layer].weight, model[layer].bias]
+    return math.sqrt(sum((p.detach() - b).square().sum().item() for p, b in zip(params, before)))
+
+
+def test_closure_steps_measure_their_updates_every_sampled_step(every_step):
+    """optimizer.step(closure) (Lightning's automatic optimization, LBFGS, SAM) runs the
+    forward inside the step: the update norms of every sampled step are this step's, not
+    step 1's kept for the whole run."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    with hookprof.attach(model, **{**every_step, "update_norm_interval_s": 0.0}) as prof:
+        for _ in range(4):
+            x = torch.randn(8, 32, generator=g)
+
+            def closure():
+                opt.zero_grad()
+                loss = model(x).square().mean()
+                loss.backward()
+                return loss
+
+            before = [model[0].weight.detach().clone(), model[0].bias.detach().clone()]
+            opt.step(closure)
+            prof.flush()
+            assert prof.snapshot().efficiency.layers["0"].update_norm == pytest.approx(
+                update_norm_of(model, before, 0), rel=1e-5)
+
+
+def test_an_update_the_guard_held_back_is_not_measured_as_zero(every_step):
+    """Under on_nonfinite="skip" a held-back step changes no weight; that is no update of
+    size 0: the figures stay those of the last step that updated."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    with hookprof.attach(model, **{**every_step, "update_norm_interval_s": 0.0}, on_nonfinite="skip") as prof:
+        for step in range(1, 5):
+            x = torch.randn(8, 32, generator=g)
+            if step == 3:
+                x[0, 0] = float("nan")
+            before = [model[0].weight.detach().clone(), model[0].bias.detach().clone()]
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.flush()
+            if step == 2:
+                expected = update_norm_of(model, before, 0)
+            eff = prof.snapshot().efficiency
+            if step == 3:  # held back: the figures stay step 2's
+                assert prof.snapshot().held_back_updates == 1
+                assert eff.layers["0"].update_norm == pytest.approx(expected, rel=1e-5)
+        assert eff.layers["0"].update_norm == pytest.approx(update_norm_of(model, before, 0), rel=1e-5)  # step 4

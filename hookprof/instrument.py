@@ -216,7 +216,9 @@ class LayerHooks:
             root = self._root_ref() if self._root_ref is not None else None
             if module is not root and self._wrap_forward(module, layer.index):
                 continue
-            self._handles.append(module.register_forward_pre_hook(partial(self._pre, layer.index)))
+            # with the keyword arguments: the FLOP counter replays the call with them
+            self._handles.append(module.register_forward_pre_hook(partial(self._pre_with_kwargs, layer.index),
+                                                                  with_kwargs=True))
             self._handles.append(
                 module.register_forward_hook(partial(self._post, layer.index), always_call=True)
             )
@@ -267,6 +269,9 @@ class LayerHooks:
 
     # what the layer's pre-hook does, for a call whose hooks were installed mid-call
     start_call = _pre
+
+    def _pre_with_kwargs(self, layer_index: int, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        self._enter(layer_index, args, kwargs)
 
     def _post(self, layer_index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._leave(layer_index, output)

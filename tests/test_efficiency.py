@@ -374,3 +374,24 @@ def test_an_update_the_guard_held_back_is_not_measured_as_zero(every_step):
                 assert prof.snapshot().held_back_updates == 1
                 assert eff.layers["0"].update_norm == pytest.approx(expected, rel=1e-5)
         assert eff.layers["0"].update_norm == pytest.approx(update_norm_of(model, before, 0), rel=1e-5)  # step 4
+
+
+def test_flops_of_a_layer_called_with_keywords_under_a_user_forward_hook(every_step):
+    """A layer with a forward hook of the user's gets hookprof's hook pair (not the forward
+    wrapper); called as layer(input=x), its FLOPs are still counted with the keywords."""
+
+    class Keywords(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 16)
+            self.a.register_forward_hook(lambda module, args, output: None)
+
+        def forward(self, x):
+            return self.b(self.a(input=x))
+
+    torch.manual_seed(0)
+    model = Keywords()
+    with hookprof.attach(model, **every_step) as prof:
+        snap = sgd_steps(model, prof, 2)
+    assert snap.efficiency.layers["a"].forward_flops == 2 * 8 * 32 * 64
+    assert not [n for n in snap.notices if "cannot be counted" in n]

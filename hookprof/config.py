@@ -123,7 +123,9 @@ class Config:
     """On an accelerator, wait at each optimizer step for this step's one NaN/Inf flag of the
     model's output, so that a forward NaN's producer is named by a replay before the update
     under any policy, and under "raise"/"skip" a non-fused optimizer's non-finite update is
-    held back. Costs one host-device synchronisation per step; off by default."""
+    held back. Costs a wait for the device at each optimizer step (under "raise"/"skip"
+    with a non-fused optimizer, two: the output flag, then the gradients' flag, which the
+    device reaches later); off by default."""
 
     dump_dir: str = "hookprof-dumps"
     """Where on_nonfinite="dump" writes its reports."""

@@ -687,10 +687,10 @@ class Profiler:
             # only the post-hook of the step in progress: a subclass calling super().step()
             # runs the hooks twice when both classes were patched by torch, the outer one
             # after this hook ended the step
-            if self._progress.where[1] == OPTIMIZER:
-                self._phases.enter(OTHER, self._clock())
             if not self._manual and self._in_step():
-                self._end_step(None, by_optimizer=True)
+                self._end_step(None, by_optimizer=True)  # the optimizer phase ends with it
+            elif self._progress.where[1] == OPTIMIZER:
+                self._phases.enter(OTHER, self._clock())
         except NonFiniteError:
             raise
         except Exception as exc:

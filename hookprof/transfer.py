@@ -70,7 +70,9 @@ def index_to_device(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def wait_ready(ready: Any) -> None:
-    # note: a CPU-GPU sync point, and the only one: it runs on the publisher thread
+    # note: a CPU-GPU sync point. It runs on the publisher thread, and on the training thread
+    # only with the opt-in Config.nonfinite_sync (the replay's flag at the optimizer hook;
+    # the guard's bool() of the step's flags is that option's other wait, guard.py)
     if ready is not None:
         ready.synchronize()
 

@@ -69,18 +69,18 @@ def tls_context(cacert: str | None = None, cert: str | None = None,
     or unusable."""
     for option, path in (("--cacert", cacert), ("--cert", cert), ("--key", key)):
         if path is not None and not os.path.isfile(path):
-            raise ValueError(f"{option} {path}: no such file")
+            raise ValueError(f"{option} {path}: " + ("not a file" if os.path.exists(path) else "no such file"))
     try:
         context = ssl.create_default_context(cafile=cacert)
-    except (ssl.SSLError, OSError) as exc:
-        raise ValueError(f"--cacert {cacert}: not a PEM CA certificate ({_ssl_words(exc)})") from None
+    except OSError as exc:  # ssl.SSLError is one
+        raise ValueError(f"--cacert {cacert}: {_unusable(exc, 'a PEM CA certificate')}") from None
     if cert is not None:
         try:
             context.load_cert_chain(cert, key)
-        except (ssl.SSLError, OSError) as exc:
+        except OSError as exc:
             given = f"--cert {cert}" + (f" with --key {key}" if key else "")
-            raise ValueError(f"{given}: not a PEM certificate and its private key ({_ssl_words(exc)}; "
-                             "--key is needed when the key is not in the --cert file)") from None
+            hint = "" if key else " (pass --key when the key is not in the --cert file)"
+            raise ValueError(f"{given}: {_unusable(exc, 'a PEM certificate and its private key')}{hint}") from None
     return context
 
 
@@ -129,8 +129,12 @@ def fetch_bytes(url: str, context: ssl.SSLContext | None = None, timeout: float 
         raise ScrapeError(url, _why(exc, url)) from None
 
 
-def _ssl_words(exc: BaseException) -> str:
-    return str(getattr(exc, "reason", None) or getattr(exc, "strerror", None) or exc)
+def _unusable(exc: OSError, expected: str) -> str:
+    """Why a certificate or key file could not be loaded: not what was expected (an SSL
+    error), or not readable at all (permissions)."""
+    if isinstance(exc, ssl.SSLError):  # its reason, when OpenSSL gives one: KEY_VALUES_MISMATCH
+        return f"not {expected}" + (f" ({exc.reason})" if exc.reason else "")
+    return f"cannot read it ({exc.strerror or exc})"
 
 
 def _why(reason: object, url: str) -> str:

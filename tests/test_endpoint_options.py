@@ -133,16 +133,20 @@ def bad_inputs(pki) -> dict[str, tuple[list[str], str]]:
     return {
         "http with --cacert": (["--cacert", pki["ca"]], "--cacert and --cert are TLS options, but the URL says http://"),
         "missing CA file": (["--cacert", missing], f"--cacert {missing}: no such file"),
-        "CA file not PEM": (["--cacert", pki["client"][1]], f"--cacert {pki['client'][1]}: not a PEM CA certificate"),
+        "CA file not PEM": (["--cacert", pki["client"][1]], f"--cacert {pki['client'][1]}: not a PEM CA certificate ("),
+        "CA a directory": (["--cacert", os.path.dirname(pki["ca"])], f"--cacert {os.path.dirname(pki['ca'])}: not a file"),
         "key without cert": (["--key", pki["client"][1]], "--key needs --cert"),
+        "cert without its key": (["--cacert", pki["ca"], "--cert", pki["client"][0]],
+                                 f"--cert {pki['client'][0]}: not a PEM certificate and its private key "
+                                 "(pass --key when the key is not in the --cert file)"),
         "key not the cert's": (["--cacert", pki["ca"], "--cert", pki["client"][0], "--key", pki["stranger"][1]],
                                f"--cert {pki['client'][0]} with --key {pki['stranger'][1]}: not a PEM "
-                               "certificate and its private key"),
+                               "certificate and its private key (KEY_VALUES_MISMATCH)"),
     }
 
 
-@pytest.mark.parametrize("case", ["http with --cacert", "missing CA file", "CA file not PEM", "key without cert",
-                                  "key not the cert's"])
+@pytest.mark.parametrize("case", ["http with --cacert", "missing CA file", "CA file not PEM", "CA a directory",
+                                  "key without cert", "cert without its key", "key not the cert's"])
 @pytest.mark.parametrize("command", COMMANDS)
 def test_bad_options_are_refused_in_one_line_before_connecting(command, case, pki, tmp_path, capsys):
     extra, words = bad_inputs(pki)[case]

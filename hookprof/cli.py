@@ -52,8 +52,8 @@ def add_connection_args(parser: argparse.ArgumentParser, timeout: float) -> None
     tls.add_argument("--cert", metavar="PEM",
                      help="client certificate, for endpoints that ask for one (mutual TLS)")
     tls.add_argument("--key", metavar="PEM", help="private key of --cert (when not in the same file)")
-    parser.add_argument("--timeout", type=float, default=timeout,
-                        help="seconds to wait for each endpoint (default %(default)s)")
+    parser.add_argument("--timeout", type=float, default=timeout, metavar="SECONDS",
+                        help="seconds to wait for each endpoint (default %(default)g)")
 
 
 def add_top_parser(sub: Any) -> None:

@@ -22,6 +22,8 @@ import pytest
 from conftest import free_port
 from test_report import Elements, _line_of, number, train
 
+pytestmark = pytest.mark.slow  # a hookprof process per case, apart from those refused before connecting
+
 COMMANDS = ("top", "report")
 
 

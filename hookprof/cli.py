@@ -41,41 +41,48 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def add_connection_args(parser: argparse.ArgumentParser, timeout: float) -> None:
+    """The options of every command that reads endpoints (top, report), in one wording:
+    TLS as the endpoint serves it, and how long to wait (hookprof/scrape.py applies them)."""
+    tls = parser.add_argument_group(
+        "TLS", "as the endpoint serves it (Config.tls_certfile; tls_client_cafile for mutual TLS). "
+               "With --cacert or --cert a host:port means https; an http:// URL with them is refused.")
+    tls.add_argument("--cacert", metavar="PEM",
+                     help="CA certificate(s) that signed the endpoint's TLS certificate (default: the system's CAs)")
+    tls.add_argument("--cert", metavar="PEM",
+                     help="client certificate, for endpoints that ask for one (mutual TLS)")
+    tls.add_argument("--key", metavar="PEM", help="private key of --cert (when not in the same file)")
+    parser.add_argument("--timeout", type=float, default=timeout, metavar="SECONDS",
+                        help="seconds to wait for each endpoint (default %(default)g)")
+
+
 def add_top_parser(sub: Any) -> None:
-    from .scrape import DEFAULT_URL
+    from .scrape import DEFAULT_TARGET
     from .table import COLUMNS
 
     top = sub.add_parser("top", help="live per-layer view of hookprof endpoints (one per rank)",
                          description="Live per-layer table of one or more hookprof endpoints. "
                                      "The live view needs rich: pip install 'hookprof[top]'.")
     top.add_argument("urls", nargs="*", metavar="URL",
-                     help=f"endpoints to read, one per rank (default {DEFAULT_URL}); host:port is enough")
+                     help=f"endpoints to read, one per rank (default {DEFAULT_TARGET}); host:port is enough")
     top.add_argument("--once", action="store_true",
                      help="print one plain table and exit (no terminal needed; exit status 1 if an endpoint cannot be read)")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
-    top.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each endpoint (default 5)")
     top.add_argument("--sort", choices=sorted(COLUMNS), default="share", help="column to sort by (default share)")
     top.add_argument("--reverse", action="store_true", help="reverse the sort order")
     top.add_argument("--filter", default="", help="show layers whose name or module type contains this")
     top.add_argument("--limit", type=int, default=25,
                      help="--once: most layers printed, plus any that went NaN/Inf (0: all)")
-    top.add_argument("--cacert", help="PEM CA bundle that signed the endpoints' TLS certificate")
-    top.add_argument("--cert", help="PEM client certificate, for endpoints that ask for one (mutual TLS)")
-    top.add_argument("--key", help="PEM private key of --cert (if not in the same file)")
+    add_connection_args(top, timeout=5.0)
 
 
 def run_top(args: argparse.Namespace) -> int:
-    from .scrape import DEFAULT_URL, normalize, tls_context
+    from .scrape import DEFAULT_TARGET, endpoints
     from .top import Scraper, run_live, run_once
 
-    if args.key and not args.cert:
-        print("hookprof top: --key needs --cert (the client certificate it belongs to)", file=sys.stderr)
-        return 2
-    tls = bool(args.cacert or args.cert)
     try:
-        urls = [normalize(u, tls) for u in (args.urls or [DEFAULT_URL])]
-        context = tls_context(args.cacert, args.cert, args.key) if any(u.startswith("https:") for u in urls) else None
-    except (ValueError, OSError) as exc:  # a bad URL, a certificate file missing or unreadable
+        urls, context = endpoints(args.urls or [DEFAULT_TARGET], args.cacert, args.cert, args.key)
+    except ValueError as exc:  # a bad URL, a certificate file missing or unusable
         print(f"hookprof top: {exc}", file=sys.stderr)
         return 2
     scraper = Scraper(urls, context, args.timeout)
@@ -165,29 +172,38 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def add_report_parser(sub: argparse._SubParsersAction) -> None:
-    from .config import DEFAULT_PORT
+    from .scrape import DEFAULT_TARGET
 
     report = sub.add_parser("report", help="write the run report (one HTML file) of a running hookprof endpoint")
-    report.add_argument("url", nargs="?", default=f"http://127.0.0.1:{DEFAULT_PORT}",
+    report.add_argument("url", nargs="?", default=DEFAULT_TARGET,
                         help="the endpoint: host:port, its base URL or its /metrics URL (default %(default)s)")
     report.add_argument("-o", "--output", default="run.html", help="the HTML file to write (default %(default)s)")
-    report.add_argument("--cacert", help="CA certificate that signed the server's (https)")
-    report.add_argument("--cert", help="client certificate, where the server asks for one (mutual TLS)")
-    report.add_argument("--key", help="the client certificate's key (when not in --cert)")
-    report.add_argument("--timeout", type=float, default=10.0, help="seconds (default %(default)s)")
+    add_connection_args(report, timeout=10.0)
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from .report import fetch, history_url
+    from .report import read_history
     from .report_html import render
+    from .scrape import ScrapeError, endpoints
+    from .server import HISTORY_PATH
 
     try:
-        documents = fetch(args.url, cacert=args.cacert, cert=args.cert, key=args.key, timeout=args.timeout)
-    except (OSError, ValueError) as exc:  # URLError is an OSError; a bad body a ValueError
-        print(f"hookprof report: could not read {history_url(args.url)}: {exc}", file=sys.stderr)
+        (url,), context = endpoints([args.url], args.cacert, args.cert, args.key, path=HISTORY_PATH)
+    except ValueError as exc:  # a bad URL, a certificate file missing or unusable
+        print(f"hookprof report: {exc}", file=sys.stderr)
+        return 2
+    try:
+        documents = read_history(url, context, args.timeout)
+    except ScrapeError as exc:
+        print(f"hookprof report: cannot read {exc.url}: {exc.reason}", file=sys.stderr)
         return 1
-    with open(args.output, "w", encoding="utf-8") as f:
-        f.write(render(documents, source=history_url(args.url)))
+    page = render(documents, source=url)  # before opening the file: no half-written page
+    try:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(page)
+    except OSError as exc:
+        print(f"hookprof report: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     names = ", ".join(d["model"] for d in documents) or "no model"
     print(f"hookprof report: wrote {args.output} ({names})")
     return 0

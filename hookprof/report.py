@@ -11,13 +11,12 @@ import json
 import math
 import ssl
 import time
-import urllib.parse
-import urllib.request
 from typing import Any
 
 from ._version import __version__
 from .history import History, stored
 from .incident import describe
+from .scrape import ScrapeError, endpoints, fetch_bytes, normalize
 from .server import HISTORY_PATH
 from .snapshot import Snapshot
 
@@ -81,27 +80,27 @@ def from_json(body: bytes) -> list[dict[str, Any]]:
     return _decode(json.loads(body)["models"])
 
 
-def history_url(url: str) -> str:
+def history_url(url: str, tls: bool = False) -> str:
     """The /history.json address of an endpoint given as host:port, a base URL, or its
-    /metrics URL."""
-    if "://" not in url:
-        url = "http://" + url
-    parts = urllib.parse.urlsplit(url)
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, HISTORY_PATH, "", ""))
+    /metrics URL (scrape.normalize: https for a host:port when `tls`)."""
+    return normalize(url, tls, HISTORY_PATH)
 
 
 def fetch(url: str, *, cacert: str | None = None, cert: str | None = None, key: str | None = None,
           timeout: float = 10.0) -> list[dict[str, Any]]:
     """Every model's document from an endpoint (TLS: the server's CA, and a client
-    certificate where it asks for one)."""
-    target = history_url(url)
-    context = None
-    if target.startswith("https:"):
-        context = ssl.create_default_context(cafile=cacert)
-        if cert is not None:
-            context.load_cert_chain(cert, key)
-    with urllib.request.urlopen(target, timeout=timeout, context=context) as response:
-        body = response.read(MAX_RESPONSE_BYTES + 1)
-    if len(body) > MAX_RESPONSE_BYTES:
-        raise ValueError(f"{target} sent more than {MAX_RESPONSE_BYTES} bytes: not a hookprof history")
-    return from_json(body)
+    certificate where it asks for one). ValueError for a bad URL or certificate file,
+    ScrapeError when the endpoint cannot be read."""
+    (target,), context = endpoints([url], cacert, cert, key, path=HISTORY_PATH)
+    return read_history(target, context, timeout)
+
+
+def read_history(target: str, context: ssl.SSLContext | None, timeout: float) -> list[dict[str, Any]]:
+    """The documents at a /history.json URL (scrape.endpoints makes it); ScrapeError when
+    it cannot be read or what it sends is not a hookprof history."""
+    body = fetch_bytes(target, context, timeout, MAX_RESPONSE_BYTES)
+    try:
+        return from_json(body)
+    except (ValueError, KeyError, TypeError):  # not JSON, or JSON without "models"
+        raise ScrapeError(target, "what it sent is not a hookprof history (is it a hookprof endpoint, "
+                                  "and one recent enough to serve /history.json?)") from None

@@ -218,7 +218,7 @@ def test_history_json_keeps_the_endpoints_tls_and_client_certificates(pki, tmp_p
         prof.detach()
     assert ok.returncode == 0, ok.stderr
     assert "<polyline" in out.read_text()
-    assert refused.returncode == 1 and "could not read" in refused.stderr
+    assert refused.returncode == 1 and "cannot read" in refused.stderr and "pass --cert and --key" in refused.stderr
     assert not (tmp_path / "no.html").exists()
 
 
@@ -272,7 +272,7 @@ def test_the_cli_says_why_when_nothing_serves(tmp_path):
     result = subprocess.run(hookprof_cmd("report", f"127.0.0.1:{free_port()}", "-o", str(tmp_path / "x.html"),
                                          "--timeout", "5"), capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
-    assert "could not read http://127.0.0.1:" in result.stderr and "/history.json" in result.stderr
+    assert "cannot read http://127.0.0.1:" in result.stderr and "/history.json" in result.stderr
 
 
 # ---------------- a real browser ----------------

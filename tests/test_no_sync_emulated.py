@@ -440,6 +440,20 @@ def test_the_watch_catches_device_flags_taken_for_host_values(monkeypatch):
     assert watch.by("user") == []
 
 
+def test_the_watch_catches_a_copy_read_while_still_in_flight(monkeypatch):
+    """A bug put into hookprof: every copy taken as complete (transfer.is_ready says True),
+    so the policies' flag poll reads host memory the device has not written yet: no wait,
+    but a wrong value on a GPU."""
+    monkeypatch.setattr(transfer, "is_ready", lambda ready: True)
+    model = seeded(DeepNet)
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    watch, _, _ = watched(model, dict(SAMPLED, on_nonfinite="skip"),
+                          plain_loop(model, opt, injecting(model.stem), user_item=False))
+    assert watch.hookprofs == []
+    frames = {w.frame.split(":")[0] for w in watch.early_reads}
+    assert "hookprof/incident.py" in frames, watch.report()
+
+
 def test_the_users_own_item_is_not_hookprofs():
     model = seeded(DeepNet)
     opt = OPTIMIZERS["sgd"](model.parameters())
@@ -480,3 +494,39 @@ def test_waits_inside_flush_are_allowed_and_named():
         prof.detach()
     assert watch.hookprofs == []
     assert [w.op for w in watch.by("flush")] == ["LaggingEvent.synchronize", "Publisher.flush"]
+
+
+# -- the same on a real GPU ----------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_gradscaler_with_a_fused_optimizer_under_skip_and_raise_on_cuda(policy):
+    """The crash the CPU watch found (guard.py, found_inf deleted twice), on a GPU, with no sync
+    added: fp16 autocast + GradScaler + fused Adam, overflowing steps skipped by the scaler."""
+    torch.manual_seed(0)
+    model = DeepNet().cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    prof = hookprof.attach(model, **SAMPLED, on_nonfinite=policy)
+    g = torch.Generator().manual_seed(0)
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in range(1, STEPS + 1):
+                x, y = (t.cuda(non_blocking=True) for t in (t.pin_memory() for t in model.batch(g)))
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = nn.functional.mse_loss(model(x), y)
+                if step in (2, 3):
+                    loss = loss * 1e38
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        prof.flush()
+        snap = prof.snapshot()
+    finally:
+        prof.detach()
+    assert snap.skipped_steps == 2
+    assert snap.first_nonfinite is None

@@ -31,6 +31,17 @@ SAMPLED = dict(port=0, sample_every=3, min_sample_interval_s=0.0, activation_int
 POLICIES = ["record", "skip", "raise"]
 
 
+@pytest.fixture(autouse=True)
+def nothing_left_patched():
+    """The emulation, the watch and the bugs put into hookprof below all replace functions
+    of hookprof.transfer: every one is back after each test (later files would otherwise run
+    with flags that are never on the host)."""
+    names = ("on_host", "_start_copy", "peek", "is_ready", "wait_ready")
+    before = [getattr(transfer, n) for n in names]
+    yield
+    assert [getattr(transfer, n) for n in names] == before
+
+
 def watched(model_or_models, settings: dict | None, loop, *, lag: int = LAG):
     """Attach hookprof (Config overrides `settings`; None: the default configuration) to
     each model, run `loop()` with both under the watch, then flush (inside the watch: waits
@@ -423,17 +434,22 @@ def test_the_watch_catches_a_flag_read_before_its_copy_completed(monkeypatch):
     assert {w.op for w in watch.hookprofs} == {"aten._local_scalar_dense.default"}
 
 
-def test_the_watch_catches_device_flags_taken_for_host_values(monkeypatch):
+def test_the_watch_catches_device_flags_taken_for_host_values():
     """A bug put into hookprof: every flag taken as readable without waiting (transfer.on_host
     says True on the device), so the optimizer hook's gradient check calls bool() on a device
     flag, as the blocking read found on an H100 did."""
     model = seeded(DeepNet)
     opt = OPTIMIZERS["adam fused"](model.parameters())
     with lagging_device(LAG), SyncWatch() as watch:
-        monkeypatch.setattr(transfer, "on_host", lambda t: True)
-        prof = hookprof.attach(model, **SAMPLED)
-        plain_loop(model, opt, injecting(model.stem), user_item=False)()
-        prof.detach()
+        # set over the emulation's own on_host and put back before it restores the original
+        # (a monkeypatch would restore the emulation's, "never on the host", after the test)
+        emulated, transfer.on_host = transfer.on_host, lambda t: True
+        try:
+            prof = hookprof.attach(model, **SAMPLED)
+            plain_loop(model, opt, injecting(model.stem), user_item=False)()
+            prof.detach()
+        finally:
+            transfer.on_host = emulated
     assert watch.hookprofs
     frames = {w.frame.split(" in ")[0].split(":")[0] for w in watch.hookprofs}
     assert "hookprof/nonfinite.py" in frames  # the every-step checks' host reads

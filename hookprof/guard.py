@@ -128,7 +128,8 @@ class UpdateGuard:
         self._wait = wait_for_device
         self._say = say_once
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its grad)
-        self._set_found: tuple[torch.optim.Optimizer, torch.Tensor] | None = None
+        # (optimizer, our found_inf, the one it replaced: GradScaler's, or None)
+        self._set_found: tuple[torch.optim.Optimizer, torch.Tensor, torch.Tensor | None] | None = None
         self._step_held = False  # this step's update is held back on the host's word
         self._step_bad: torch.Tensor | None = None  # device flag over this step's checks
         self.held_back = 0  # steps held back on the host's word (device ones: a SkipCounters)
@@ -161,7 +162,7 @@ class UpdateGuard:
             if scaler_found is not None:  # GradScaler's fused path set one: skip on either
                 found = torch.maximum(scaler_found.to(found.device).reshape(found.shape), found)
             optimizer.found_inf = found  # read by the fused kernel; removed after the step
-            self._set_found = (optimizer, found)
+            self._set_found = (optimizer, found, scaler_found)
             self._step_bad = bad
             return
         if self._wait:
@@ -201,10 +202,13 @@ class UpdateGuard:
 
     def _take_back_found_inf(self) -> None:
         if self._set_found is not None:
-            optimizer, found = self._set_found
+            optimizer, found, replaced = self._set_found
             self._set_found = None
             if getattr(optimizer, "found_inf", None) is found:
-                del optimizer.found_inf
+                if replaced is None:
+                    del optimizer.found_inf
+                else:  # GradScaler.step deletes its own after the step: leave it one to delete
+                    optimizer.found_inf = replaced
 
 
 def host_flags_of_squares(parts: list[torch.Tensor]) -> list[bool | torch.Tensor]:

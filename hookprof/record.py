@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import transfer
 from .snapshot import STEP_DURATION_BUCKETS
 from .transfer import HostBatch, ScalarBatch
 
@@ -195,10 +196,10 @@ def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.T
     packet = Packet(step=step, record=record, sampled=sampled, grad_parts=len(parts),
                     has_grad=has_grad, act_order=act_order, counter_parts=len(counter_blocks),
                     count_parts=count_parts, efficiency=efficiency)
-    if isinstance(loss, torch.Tensor) and loss.device.type != "cpu":
+    if isinstance(loss, torch.Tensor) and not transfer.on_host(loss):
         batch.add("loss", loss.detach().reshape(-1)[:1])  # rides the step's one copy
         packet.loss_in_batch = True
-    elif loss is not None:  # a number, or a CPU tensor: on the host already
+    elif loss is not None:  # a number, or a tensor readable without a wait (transfer.on_host)
         packet.loss = float(loss.detach().reshape(-1)[0]) if isinstance(loss, torch.Tensor) else float(loss)
     packet.batch = batch.send()
     return packet

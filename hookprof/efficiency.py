@@ -56,7 +56,7 @@ class StepEfficiency:
         self._dtype = next((p.dtype for p in table.params if p.is_floating_point()), torch.float32)
         self._precision: str | None = None  # seen during the sampled step's forward
         self._last_end: tuple[int, int] | None = None  # (step, ns) of the last sampled step's end
-        self._noted = False
+        self._hooks: Any = None  # the LayerHooks reporting layer calls (listen)
         self._update_interval_ns = int(update_interval_s * 1e9)
         self._last_update_ns: int | None = None  # when update norms were last measured
 
@@ -64,16 +64,29 @@ class StepEfficiency:
     def enabled(self) -> bool:
         return self.flops is not None or self.updates is not None
 
-    def note_call(self, layer: int, args: tuple, kwargs: dict | None, nested: bool) -> None:
-        """A layer call of a sampled step's training forward (from LayerHooks)."""
+    def listen(self, hooks: Any) -> None:
+        """Have `hooks` (instrument.LayerHooks) report the training layer calls of sampled
+        steps: each step's first call here, the others straight to the FLOP counter."""
+        self._hooks = hooks
+        hooks.on_call = self.first_call
+
+    def first_call(self, layer: int, args: tuple, kwargs: dict | None, nested: bool) -> None:
+        """The first layer call of a sampled step's training forward. The precision is read
+        here: autocast is on only during the forward, and may be switched on inside the
+        model's own forward, so the root's forward pre-hook could miss it. The step's other
+        calls go straight to FlopCounter.note (it never raises): one Python frame less each."""
         try:
-            if not self._noted:  # autocast is on only during the forward: look once per step
-                self._noted = True
-                self._precision = peaks.precision_of(self._dtype, self._device.type)
-            self.flops.note(layer, args, kwargs, nested)
+            self._precision = peaks.precision_of(self._dtype, self._device.type)
         except Exception as exc:  # never into the training loop, nor switching the hooks off
-            self._notices.say("flops note", f"FLOPs of layer calls cannot be noted ({exc!r}): "
-                              "FLOP figures may be missing")
+            self._notices.say("flops precision", f"the precision of {self._model_name} cannot be "
+                              f"read ({exc!r}): model FLOPs utilisation may be missing")
+        self._hooks.on_call = self.flops.note
+        self.flops.note(layer, args, kwargs, nested)
+
+    def _rearm(self) -> None:
+        """The step is over: the next one's first layer call reads the precision again."""
+        if self._hooks is not None:
+            self._hooks.on_call = self.first_call
 
     def before_update(self, now_ns: int) -> None:
         """A sampled step's update is about to happen: copy what its turn needs, at most
@@ -100,7 +113,7 @@ class StepEfficiency:
             # the peak matters (and its absence is worth saying) only once there are FLOPs:
             # a compiled model has no per-layer calls to count
             part.peak_flops = self._peak() if part.flops[3] else None
-        self._noted = False
+        self._rearm()
         if self.updates is not None and self.updates.taken:  # weights read with their updates
             weights, updates, part.updated, part.weighted = self.updates.after_update()
             values += [(("weight_sq", k), t) for k, t in enumerate(weights)]
@@ -109,7 +122,7 @@ class StepEfficiency:
         return part, values
 
     def drop(self) -> None:
-        self._noted = False
+        self._rearm()
         if self.flops is not None:
             self.flops.drop()
         if self.updates is not None:

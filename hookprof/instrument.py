@@ -118,7 +118,7 @@ class LayerHooks:
         # reentrant activation checkpoint's first pass, part of the step
         self._in_training_forward = False
         # called with (layer, args, kwargs, nested) for each training call of a sampled step
-        # (efficiency.StepEfficiency.note_call); never raises
+        # (set by efficiency.StepEfficiency.listen); never raises
         self.on_call: Any = None
 
     @property

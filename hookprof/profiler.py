@@ -204,7 +204,7 @@ class Profiler:
             aggregator.device_phases = DevicePhaseTotals()
         self._phases: Progress | PhaseMarks = self._progress  # what the step's boundaries write
         if self._efficiency.flops is not None:
-            self._hooks.on_call = self._efficiency.note_call
+            self._efficiency.listen(self._hooks)
         self._publisher = publisher(
             aggregator,
             self._counters,

@@ -1,0 +1,122 @@
+"""Work on sampled steps done once rather than per call or per measurement (issue 13): the
+precision read once per step at its first layer call, FLOP noting that never raises into
+the loop, the peak looked up once per (device, precision), the update norms' grouping
+kept until the optimizer's parameter groups change."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import hookprof
+import hookprof.flops
+from hookprof import peaks
+
+
+@pytest.fixture
+def every_step(every_step):
+    """Every step sampled, update norms measured on every one of them."""
+    return {**every_step, "update_norm_interval_s": 0.0}
+
+
+class AutocastInside(nn.Module):
+    """A model that switches autocast on inside its own forward (the `@autocast()` on
+    forward pattern of torch's AMP docs): the root's forward pre-hook runs before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.b(torch.relu(self.a(x))).float()
+
+
+def test_precision_is_read_once_per_sampled_step_inside_the_forward(every_step, monkeypatch):
+    """The precision is read at each sampled step's first layer call, where autocast set in
+    the model's own forward is on, once per step, not once per layer call."""
+    seen = []
+    real = peaks.precision_of
+
+    def spy(dtype, device_type):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return real(dtype, device_type)
+
+    monkeypatch.setattr(peaks, "precision_of", spy)
+    torch.manual_seed(0)
+    model = AutocastInside()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hookprof.attach(model, peak_flops=1e12, **every_step) as prof:
+        for _ in range(4):
+            model(torch.randn(8, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        prof.flush()
+        snap = prof.snapshot()
+    assert snap.sampled_steps == 4 and snap.internal_errors == 0
+    assert seen == [True] * 4  # one read per step (3 layer calls each), autocast on at each
+    assert snap.efficiency.layers["a"].forward_flops == 2 * 8 * 16 * 16
+
+
+def test_a_failing_flops_note_is_said_once_and_the_hooks_stay_on(every_step, monkeypatch):
+    """FlopCounter.note is what the layer hooks call on every layer call of a sampled step:
+    a failure in it never reaches the loop nor switches the per-layer timing off."""
+    def broken(value):
+        raise RuntimeError("signature")
+
+    monkeypatch.setattr(hookprof.flops, "_key", broken)  # a call with two arguments uses it
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Bilinear(8, 8, 8), nn.Linear(8, 8))
+    first, second = model[0], model[1]
+    model.forward = lambda x: second(first(x, x))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hookprof.attach(model, **every_step) as prof:
+        for _ in range(3):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        prof.flush()
+        snap = prof.snapshot()
+    assert snap.internal_errors == 0
+    assert sum("FLOPs of layer calls cannot be noted" in n for n in snap.notices) == 1, snap.notices
+    assert snap.layers["0"].calls == 1 and snap.layers["1"].calls == 1  # timed at the last step
+    assert snap.layers["0"].forward_seconds > 0 and snap.layers["1"].forward_seconds > 0
+    assert snap.efficiency.layers["0"].forward_flops is None  # its note failed
+    assert snap.efficiency.layers["1"].forward_flops == 2 * 4 * 8 * 8  # forward(x): no _key
+
+
+@pytest.mark.cuda
+def test_autocast_inside_the_forward_gives_the_bf16_peak_on_cuda():
+    """On a GPU: a model that enables bf16 autocast in its own forward gets MFU against the
+    device's bf16 peak (when the GPU is a listed one), not its fp32/tf32 one."""
+    name = torch.cuda.get_device_name()
+    if peaks.lookup(name, "bf16") is None:
+        pytest.skip(f"no listed peak for {name}")
+
+    class Inside(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(256, 1024)
+            self.b = nn.Linear(1024, 256)
+
+        def forward(self, x):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return self.b(torch.relu(self.a(x))).float()
+
+    torch.manual_seed(0)
+    model = Inside().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 256, device="cuda")
+    with hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0) as prof:
+        for _ in range(4):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        prof.flush()
+        eff = prof.snapshot().efficiency
+    assert eff.flops_utilization == pytest.approx(eff.flops_per_second / peaks.lookup(name, "bf16"))
+    assert not math.isclose(peaks.lookup(name, "bf16"), peaks.lookup(name, "tf32"))

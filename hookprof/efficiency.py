@@ -26,6 +26,9 @@ from .snapshot import EfficiencyStats, LayerEfficiency
 from .updates import UpdateNorms
 
 
+_UNREAD = object()
+
+
 @dataclass(slots=True)
 class EfficiencyPart:
     """A sampled step's efficiency figures known on the host, and where its device values
@@ -57,6 +60,8 @@ class StepEfficiency:
         self._precision: str | None = None  # seen during the sampled step's forward
         self._last_end: tuple[int, int] | None = None  # (step, ns) of the last sampled step's end
         self._hooks: Any = None  # the LayerHooks reporting layer calls (listen)
+        self._device_name: Any = _UNREAD  # peaks.device_name, read at the first _peak
+        self._peaks: dict[str | None, float | None] = {}  # precision -> the device's peak
         self._update_interval_ns = int(update_interval_s * 1e9)
         self._last_update_ns: int | None = None  # when update norms were last measured
 
@@ -129,18 +134,27 @@ class StepEfficiency:
             self.updates.drop()
 
     def _peak(self) -> float | None:
+        """The device's peak FLOP/s in the step's precision: looked up (regexes over the
+        device's name, peaks.py) once per precision, the name read once: a process's device
+        keeps its name."""
         if self._peak_set is not None:
             return self._peak_set
-        name = peaks.device_name(self._device)
-        peak = peaks.lookup(name, self._precision) if name and self._precision else None
+        precision = self._precision
+        if precision in self._peaks:
+            return self._peaks[precision]
+        if self._device_name is _UNREAD:
+            self._device_name = peaks.device_name(self._device)
+        name = self._device_name
+        peak = peaks.lookup(name, precision) if name and precision else None
         if peak is None:
-            where = (f"{name} in {self._precision or self._dtype}" if name
+            where = (f"{name} in {precision or self._dtype}" if name
                      else f"{self._device.type} (no default peak off CUDA)")
             self._notices.say("peak flops", (
                 f"the peak FLOP/s of {where} is unknown, so model FLOPs utilisation "
                 f"(hookprof_model_flops_utilization_ratio) is not exported for {self._model_name}; "
                 "set Config.peak_flops (HOOKPROF_PEAK_FLOPS) to the device's peak for the "
                 "precision the model computes in"))
+        self._peaks[precision] = peak
         return peak
 
 

@@ -6,6 +6,7 @@ kept until the optimizer's parameter groups change."""
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ from torch import nn
 import hookprof
 import hookprof.flops
 from hookprof import peaks
+from hookprof.efficiency import StepEfficiency
+from hookprof.layers import LayerTable
+from hookprof.notices import Notices
 
 
 @pytest.fixture
@@ -120,3 +124,58 @@ def test_autocast_inside_the_forward_gives_the_bf16_peak_on_cuda():
         eff = prof.snapshot().efficiency
     assert eff.flops_utilization == pytest.approx(eff.flops_per_second / peaks.lookup(name, "bf16"))
     assert not math.isclose(peaks.lookup(name, "bf16"), peaks.lookup(name, "tf32"))
+
+
+def efficiency_steps(eff, x, precisions):
+    """Sampled steps of a StepEfficiency as the layer hooks drive it, one layer call each:
+    the peak each step ends with."""
+    hooks = types.SimpleNamespace(on_call=None)  # LayerHooks' attribute
+    eff.listen(hooks)
+    got = []
+    for step, precision in enumerate(precisions, 1):
+        peaks_precision[0] = precision
+        hooks.on_call(0, (x,), None, False)
+        part, _ = eff.end_step(step, step * 10**9, 1.0)
+        got.append(part.peak_flops)
+    return got
+
+
+peaks_precision = [None]  # what the patched precision_of answers
+
+
+def test_the_peak_is_looked_up_once_per_device_and_precision(monkeypatch):
+    """The peak's regexes run once per precision, the device's name is read once per
+    profiler; a step in another precision, and a profiler on another device, get their own."""
+    names, lookups = [], []
+    device = ["NVIDIA H100 80GB HBM3"]
+    real_lookup = peaks.lookup
+
+    def device_name(d):
+        names.append(device[0])
+        return device[0]
+
+    def lookup(name, precision):
+        lookups.append((name, precision))
+        return real_lookup(name, precision)
+
+    monkeypatch.setattr(peaks, "device_name", device_name)
+    monkeypatch.setattr(peaks, "lookup", lookup)
+    monkeypatch.setattr(peaks, "precision_of", lambda dtype, device_type: peaks_precision[0])
+    model = nn.Sequential(nn.Linear(8, 8))
+    x = torch.randn(2, 8, requires_grad=True)
+
+    def profiler_half():
+        return StepEfficiency(LayerTable(model), flops=True, update_norms=False, update_max_bytes=0,
+                              peak_flops=None, notices=Notices())
+
+    h100 = profiler_half()
+    order = ["bf16", "bf16", "tf32", "bf16", "fp32", "tf32"]
+    assert efficiency_steps(h100, x, order) == [real_lookup("NVIDIA H100 80GB HBM3", p) for p in order]
+    assert names == ["NVIDIA H100 80GB HBM3"]
+    assert lookups == [("NVIDIA H100 80GB HBM3", p) for p in ("bf16", "tf32", "fp32")]
+    device[0] = "NVIDIA A100-SXM4-80GB"
+    a100 = profiler_half()
+    assert efficiency_steps(a100, x, ["bf16", "tf32"]) == [312e12, 156e12]
+    assert efficiency_steps(h100, x, ["bf16"]) == [1979 / 2 * 1e12]  # its own device's, still
+    assert names == ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"]
+    assert len(lookups) == 5

@@ -93,14 +93,16 @@ class StepEfficiency:
         if self._hooks is not None:
             self._hooks.on_call = self.first_call
 
-    def before_update(self, now_ns: int) -> None:
-        """A sampled step's update is about to happen: copy what its turn needs, at most
-        once per update_interval_s."""
+    def before_update(self, now_ns: int, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """A sampled step's update (by `optimizer`) is about to happen: copy what its turn
+        needs, at most once per update_interval_s."""
         if self.updates is None or self.updates.taken:
             return
         if self._last_update_ns is not None and now_ns - self._last_update_ns < self._update_interval_ns:
             return
         self._last_update_ns = now_ns
+        if optimizer is not None:
+            self.updates.follow(optimizer)
         self.updates.before_update()
 
     def end_step(self, step: int, now_ns: int, duration_s: float) -> tuple[EfficiencyPart, list[tuple[Any, torch.Tensor]]]:

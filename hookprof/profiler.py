@@ -615,7 +615,7 @@ class Profiler:
             # the parameters before the update; also in a closure step, whose forward has not
             # run yet (a second optimizer of the step finds them taken)
             if self._plan.sampled:
-                self._efficiency.before_update(now)
+                self._efficiency.before_update(now, optimizer)
             # args are those of the unbound step: (optimizer, closure?, ...)
             closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
             if callable(closure):

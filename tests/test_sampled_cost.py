@@ -18,6 +18,7 @@ from hookprof import peaks
 from hookprof.efficiency import StepEfficiency
 from hookprof.layers import LayerTable
 from hookprof.notices import Notices
+from hookprof.updates import UpdateNorms
 
 
 @pytest.fixture
@@ -179,3 +180,47 @@ def test_the_peak_is_looked_up_once_per_device_and_precision(monkeypatch):
     assert efficiency_steps(h100, x, ["bf16"]) == [1979 / 2 * 1e12]  # its own device's, still
     assert names == ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"]
     assert len(lookups) == 5
+
+
+def test_a_param_group_added_mid_run_is_measured_and_the_grouping_kept_until_then(every_step, monkeypatch):
+    """Update norms regroup the parameters only when the optimizer's parameter groups
+    change: a backbone frozen at attach, unfrozen later with a param group of its own, has
+    its updates measured from then on, exactly."""
+    regroups = []
+    real_group = UpdateNorms._group
+    monkeypatch.setattr(UpdateNorms, "_group", lambda self: (regroups.append(1), real_group(self))[1])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    backbone, head = model[0], model[2]
+    backbone.requires_grad_(False)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+
+    def step():
+        before = [p.detach().clone() for p in (*backbone.parameters(), *head.parameters())]
+        model(torch.randn(8, 16, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        prof.flush()
+        after = [p.detach() for p in (*backbone.parameters(), *head.parameters())]
+        d = [a - b for a, b in zip(after, before)]
+        return (math.sqrt(sum(t.square().sum().item() for t in d[:2])),
+                math.sqrt(sum(t.square().sum().item() for t in d[2:])))
+
+    with hookprof.attach(model, **every_step) as prof:
+        for _ in range(3):
+            _, head_update = step()
+            eff = prof.snapshot().efficiency
+            assert eff.layers["2"].update_norm == pytest.approx(head_update, rel=1e-5)
+            assert eff.layers["0"].update_norm is None  # frozen: not updated
+            assert eff.layers["0"].weight_norm is not None  # its weights are read all the same
+        assert len(regroups) == 1  # at attach only: three measurements, one grouping
+        backbone.requires_grad_(True)
+        opt.add_param_group({"params": backbone.parameters(), "lr": 0.05})
+        for _ in range(2):
+            backbone_update, head_update = step()
+            eff = prof.snapshot().efficiency
+            assert backbone_update > 0
+            assert eff.layers["0"].update_norm == pytest.approx(backbone_update, rel=1e-5)
+            assert eff.layers["2"].update_norm == pytest.approx(head_update, rel=1e-5)
+        assert len(regroups) == 2  # once more, for the added group

@@ -527,9 +527,7 @@ class Profiler:
     def _forward_began(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None,
                        entry: bool) -> None:
         """The root module's forward begins: the step has begun; its inputs are kept for a
-        replay."""
-        if self._detached:  # a copy of the model (see _inert_copy)
-            return
+        replay. (Its callers return at once for a copy of the model, see _inert_copy.)"""
         if is_compiling():
             self._compile_probe.seen = True  # Dynamo replays this after every compiled call
             return

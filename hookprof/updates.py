@@ -88,10 +88,6 @@ class UpdateNorms:
         """Copies of this step's turn are held (taken at its first optimizer pre-hook)."""
         return self._before is not None
 
-    @property
-    def largest_layer_bytes(self) -> int:
-        return max(self._bytes.values(), default=0)
-
     def before_update(self) -> None:
         """The parameters are about to change (the first owned optimizer's pre-hook of a
         sampled step): copy the layers whose turn it is."""

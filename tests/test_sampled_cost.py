@@ -28,17 +28,29 @@ def every_step(every_step):
 
 
 class AutocastInside(nn.Module):
-    """A model that switches autocast on inside its own forward (the `@autocast()` on
+    """A model that switches bf16 autocast on inside its own forward (the `@autocast()` on
     forward pattern of torch's AMP docs): the root's forward pre-hook runs before it."""
 
-    def __init__(self):
+    def __init__(self, device: str = "cpu", width: int = 16, hidden: int = 16, out: int = 4):
         super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 4)
+        self.device_type = device
+        self.a = nn.Linear(width, hidden)
+        self.b = nn.Linear(hidden, out)
 
     def forward(self, x):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
             return self.b(torch.relu(self.a(x))).float()
+
+
+def train(model, prof, x, steps):
+    """`steps` SGD steps of `model` on `x`; the snapshot after them."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    prof.flush()
+    return prof.snapshot()
 
 
 def test_precision_is_read_once_per_sampled_step_inside_the_forward(every_step, monkeypatch):
@@ -54,16 +66,10 @@ def test_precision_is_read_once_per_sampled_step_inside_the_forward(every_step, 
     monkeypatch.setattr(peaks, "precision_of", spy)
     torch.manual_seed(0)
     model = AutocastInside()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with hookprof.attach(model, peak_flops=1e12, **every_step) as prof:
-        for _ in range(4):
-            model(torch.randn(8, 16)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        prof.flush()
-        snap = prof.snapshot()
+        snap = train(model, prof, torch.randn(8, 16), 4)
     assert snap.sampled_steps == 4 and snap.internal_errors == 0
-    assert seen == [True] * 4  # one read per step (3 layer calls each), autocast on at each
+    assert seen == [True] * 4  # one read per step (two layer calls each), autocast on at each
     assert snap.efficiency.layers["a"].forward_flops == 2 * 8 * 16 * 16
 
 
@@ -78,14 +84,8 @@ def test_a_failing_flops_note_is_said_once_and_the_hooks_stay_on(every_step, mon
     model = nn.Sequential(nn.Bilinear(8, 8, 8), nn.Linear(8, 8))
     first, second = model[0], model[1]
     model.forward = lambda x: second(first(x, x))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with hookprof.attach(model, **every_step) as prof:
-        for _ in range(3):
-            model(torch.randn(4, 8)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        prof.flush()
-        snap = prof.snapshot()
+        snap = train(model, prof, torch.randn(4, 8), 3)
     assert snap.internal_errors == 0
     assert sum("FLOPs of layer calls cannot be noted" in n for n in snap.notices) == 1, snap.notices
     assert snap.layers["0"].calls == 1 and snap.layers["1"].calls == 1  # timed at the last step
@@ -101,28 +101,10 @@ def test_autocast_inside_the_forward_gives_the_bf16_peak_on_cuda():
     name = torch.cuda.get_device_name()
     if peaks.lookup(name, "bf16") is None:
         pytest.skip(f"no listed peak for {name}")
-
-    class Inside(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Linear(256, 1024)
-            self.b = nn.Linear(1024, 256)
-
-        def forward(self, x):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                return self.b(torch.relu(self.a(x))).float()
-
     torch.manual_seed(0)
-    model = Inside().cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(64, 256, device="cuda")
+    model = AutocastInside("cuda", 256, 1024, 256).cuda()
     with hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0) as prof:
-        for _ in range(4):
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        prof.flush()
-        eff = prof.snapshot().efficiency
+        eff = train(model, prof, torch.randn(64, 256, device="cuda"), 4).efficiency
     assert eff.flops_utilization == pytest.approx(eff.flops_per_second / peaks.lookup(name, "bf16"))
     assert not math.isclose(peaks.lookup(name, "bf16"), peaks.lookup(name, "tf32"))
 

@@ -23,9 +23,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import types
 
@@ -128,24 +126,9 @@ def run_here() -> dict:
 
 
 def against(rev: str, rounds: int) -> dict[str, list[dict]]:
-    from compare_versions import add_worktree
+    from compare_versions import alternate
 
-    tmp = tempfile.mkdtemp(prefix="hookprof-sampledwork-")
-    base = os.path.join(tmp, "base")
-    add_worktree(rev, base)
-    runs: dict[str, list[dict]] = {rev: [], "this checkout": []}
-    try:
-        versions = [(rev, base), ("this checkout", ROOT)]
-        for r in range(rounds):
-            for label, root in versions if r % 2 == 0 else versions[::-1]:
-                out = os.path.join(tmp, "out.json")
-                env = dict(os.environ, HOOKPROF_ROOT=root, PYTHONPATH=root)
-                subprocess.run([sys.executable, os.path.abspath(__file__), "--json", out], env=env, check=True)
-                with open(out) as f:
-                    runs[label].append(json.load(f))
-        return runs
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", base], cwd=ROOT, check=False)
+    return alternate(__file__, rev, rounds)
 
 
 def print_table(runs: dict[str, list[dict]]) -> None:

@@ -77,6 +77,29 @@ def add_worktree(rev: str, into: str) -> str:
     return sha
 
 
+def alternate(script: str, rev: str, rounds: int, args: list[str] = ()) -> dict[str, list]:
+    """`script --json OUT *args` in its own process per version (`rev` in a temporary
+    worktree, and the checkout `script` lives in) and round, alternating which goes first,
+    with PYTHONPATH and HOOKPROF_ROOT set to that version: {rev: [each round's JSON],
+    "this checkout": [...]}."""
+    tmp = tempfile.mkdtemp(prefix="hookprof-alternate-")
+    base = os.path.join(tmp, "base")
+    add_worktree(rev, base)
+    runs: dict[str, list] = {rev: [], "this checkout": []}
+    try:
+        versions = [(rev, base), ("this checkout", ROOT)]
+        for r in range(rounds):
+            for label, root in versions if r % 2 == 0 else versions[::-1]:
+                out = os.path.join(tmp, "out.json")
+                env = dict(os.environ, HOOKPROF_ROOT=root, PYTHONPATH=root)
+                subprocess.run([sys.executable, os.path.abspath(script), *args, "--json", out], env=env, check=True)
+                with open(out) as f:
+                    runs[label].append(json.load(f))
+        return runs
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", base], cwd=ROOT, check=False)
+
+
 def describe(path: str) -> str:
     """Commit of a directory, marked when it has uncommitted changes (or '?' outside git)."""
     try:

@@ -6,8 +6,9 @@ Per sampled step, median over --repeat runs, next to a plain training step of th
 - update norms: the copy before the update plus the weight and update squares after it
   (UpdateNorms.before_update + after_update), at the default byte cap and at a cap of a
   quarter of the model (layers take turns);
-- FLOPs, steady state: noting every layer call's signature (StepEfficiency.note_call for
-  each call of a step) plus FlopCounter.end_step's totals;
+- FLOPs, steady state: noting every layer call's signature (what LayerHooks.on_call is
+  set to by StepEfficiency.listen, for each call of a step) plus the step's end (counts,
+  totals, the peak);
 - FLOPs, first sight of a shape: counting one layer kind on meta tensors (once per kind and
   input signature, then cached).
 Off the sampled steps these features do nothing. Device-side work is synchronous on the CPU,
@@ -21,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 import torch
 from torch import nn
@@ -83,14 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         h.remove()
     eff = StepEfficiency(table, flops=True, update_norms=False, update_max_bytes=0, peak_flops=1e12,
                          notices=Notices())
+    hooks = types.SimpleNamespace(on_call=None)  # LayerHooks' attribute, called per layer call
+    eff.listen(hooks)
     for call in calls:  # first sight: counted once
-        eff.note_call(*call)
+        hooks.on_call(*call)
     eff.end_step(1, time.perf_counter_ns(), 0.01)
 
     def steady():
         for call in calls:
-            eff.note_call(*call)
-        eff.flops.end_step()
+            hooks.on_call(*call)
+        eff.end_step(2, time.perf_counter_ns(), 0.01)
 
     rows[f"FLOPs, steady ({len(calls)} calls noted)"] = median_ms(steady, args.repeat)
     first = table.layers[0].module

@@ -23,9 +23,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -147,25 +145,9 @@ def run_here(steps: int) -> list[dict]:
 
 def against(rev: str, rounds: int, steps: int) -> dict[str, list[list[dict]]]:
     """This script in its own process per version and round, alternating which goes first."""
-    from compare_versions import add_worktree
+    from compare_versions import alternate
 
-    tmp = tempfile.mkdtemp(prefix="hookprof-leafcost-")
-    base = os.path.join(tmp, "base")
-    add_worktree(rev, base)
-    runs: dict[str, list[list[dict]]] = {rev: [], "this checkout": []}
-    try:
-        versions = [(rev, base), ("this checkout", ROOT)]
-        for r in range(rounds):
-            for label, root in versions if r % 2 == 0 else versions[::-1]:
-                out = os.path.join(tmp, "out.json")
-                env = dict(os.environ, HOOKPROF_ROOT=root, PYTHONPATH=root)
-                subprocess.run([sys.executable, os.path.abspath(__file__), "--steps", str(steps), "--json", out],
-                               env=env, check=True)
-                with open(out) as f:
-                    runs[label].append(json.load(f))
-        return runs
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", base], cwd=ROOT, check=False)
+    return alternate(__file__, rev, rounds, ["--steps", str(steps)])
 
 
 def print_table(runs: dict[str, list[list[dict]]]) -> None:

@@ -117,7 +117,7 @@ class Aggregator:
         for name, n_parts in packet.count_parts.items():
             self.device_counts[name] = fold_skips([packet.batch.get((name, k)) for k in range(n_parts)])
         if packet.record is None and not packet.sampled:  # a drain of the counters alone
-            loss = self._loss_of(packet)
+            loss = self.loss_of(packet)
             if loss is not None and packet.step == self.last_sampled_step:
                 self.loss = loss  # prof.step(loss) after the optimizer ended a sampled step
             self._update_incident(packet.step, None)
@@ -217,17 +217,17 @@ class Aggregator:
             self.efficiency.fold(packet, figures.fwd, figures.bwd)
         if self.device_phases is not None:
             self.device_phases.add(figures.device_phases)
-        loss = self._loss_of(packet)
+        loss = self.loss_of(packet)
         if loss is not None:
             self.loss = loss
         self.sampled_steps += 1
         self.last_sampled_step = packet.step
 
     @staticmethod
-    def _loss_of(packet: Packet) -> float | None:
+    def loss_of(packet: Packet) -> float | None:
+        """The loss a packet carries (in its batch, or as a Python number); the history
+        (history.py) reads it the same way."""
         return packet.batch.get("loss")[0] if packet.loss_in_batch else packet.loss
-
-    loss_of = _loss_of  # the history (history.py) reads a packet's loss the same way
 
     @property
     def last_step_figures(self) -> dict[str, list[Any]]:

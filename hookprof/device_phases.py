@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from .progress import DATA, OTHER, OUTSIDE, PHASES, Progress
+from .progress import DATA, OUTSIDE, PHASES, Progress, step_phases
 from .record import StepRecord
 from .timing import Timer
 
@@ -71,7 +71,7 @@ def device_phase_seconds(marks: Iterable[tuple[int, Any]],
     seconds from the record's ref (the step's first mark, at the previous step's end, where
     its `data` begins). None when the step has no end mark (it was not a whole step).
     Mirrors Progress: a stretch between two marks is the phase entered at the first; time
-    outside a step (evaluation, expect_slow) counts as `other`."""
+    outside a step (evaluation, expect_slow) counts as `other` (progress.step_phases)."""
     spent = [0.0] * (OUTSIDE + 1)
     current, since, ended = DATA, 0.0, False
     for phase, token in marks:
@@ -88,8 +88,7 @@ def device_phase_seconds(marks: Iterable[tuple[int, Any]],
         since = t
     if not ended:
         return None
-    spent[OTHER] += spent[OUTSIDE]
-    return tuple(spent[:OUTSIDE])
+    return step_phases(spent)
 
 
 class DevicePhaseTotals:

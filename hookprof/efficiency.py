@@ -26,6 +26,9 @@ from .snapshot import EfficiencyStats, LayerEfficiency
 from .updates import UpdateNorms
 
 
+_UNREAD = object()
+
+
 @dataclass(slots=True)
 class EfficiencyPart:
     """A sampled step's efficiency figures known on the host, and where its device values
@@ -56,7 +59,9 @@ class StepEfficiency:
         self._dtype = next((p.dtype for p in table.params if p.is_floating_point()), torch.float32)
         self._precision: str | None = None  # seen during the sampled step's forward
         self._last_end: tuple[int, int] | None = None  # (step, ns) of the last sampled step's end
-        self._noted = False
+        self._hooks: Any = None  # the LayerHooks reporting layer calls (listen)
+        self._device_name: Any = _UNREAD  # peaks.device_name, read at the first _peak
+        self._peaks: dict[str | None, float | None] = {}  # precision -> the device's peak
         self._update_interval_ns = int(update_interval_s * 1e9)
         self._last_update_ns: int | None = None  # when update norms were last measured
 
@@ -64,25 +69,40 @@ class StepEfficiency:
     def enabled(self) -> bool:
         return self.flops is not None or self.updates is not None
 
-    def note_call(self, layer: int, args: tuple, kwargs: dict | None, nested: bool) -> None:
-        """A layer call of a sampled step's training forward (from LayerHooks)."""
-        try:
-            if not self._noted:  # autocast is on only during the forward: look once per step
-                self._noted = True
-                self._precision = peaks.precision_of(self._dtype, self._device.type)
-            self.flops.note(layer, args, kwargs, nested)
-        except Exception as exc:  # never into the training loop, nor switching the hooks off
-            self._notices.say("flops note", f"FLOPs of layer calls cannot be noted ({exc!r}): "
-                              "FLOP figures may be missing")
+    def listen(self, hooks: Any) -> None:
+        """Have `hooks` (instrument.LayerHooks) report the training layer calls of sampled
+        steps: each step's first call here, the others straight to the FLOP counter."""
+        self._hooks = hooks
+        hooks.on_call = self.first_call
 
-    def before_update(self, now_ns: int) -> None:
-        """A sampled step's update is about to happen: copy what its turn needs, at most
-        once per update_interval_s."""
+    def first_call(self, layer: int, args: tuple, kwargs: dict | None, nested: bool) -> None:
+        """The first layer call of a sampled step's training forward. The precision is read
+        here: autocast is on only during the forward, and may be switched on inside the
+        model's own forward, so the root's forward pre-hook could miss it. The step's other
+        calls go straight to FlopCounter.note (it never raises): one Python frame less each."""
+        try:
+            self._precision = peaks.precision_of(self._dtype, self._device.type)
+        except Exception as exc:  # never into the training loop, nor switching the hooks off
+            self._notices.say("flops precision", f"the precision of {self._model_name} cannot be "
+                              f"read ({exc!r}): model FLOPs utilisation may be missing")
+        self._hooks.on_call = self.flops.note
+        self.flops.note(layer, args, kwargs, nested)
+
+    def _rearm(self) -> None:
+        """The step is over: the next one's first layer call reads the precision again."""
+        if self._hooks is not None:
+            self._hooks.on_call = self.first_call
+
+    def before_update(self, now_ns: int, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """A sampled step's update (by `optimizer`) is about to happen: copy what its turn
+        needs, at most once per update_interval_s."""
         if self.updates is None or self.updates.taken:
             return
         if self._last_update_ns is not None and now_ns - self._last_update_ns < self._update_interval_ns:
             return
         self._last_update_ns = now_ns
+        if optimizer is not None:
+            self.updates.follow(optimizer)
         self.updates.before_update()
 
     def end_step(self, step: int, now_ns: int, duration_s: float) -> tuple[EfficiencyPart, list[tuple[Any, torch.Tensor]]]:
@@ -100,7 +120,7 @@ class StepEfficiency:
             # the peak matters (and its absence is worth saying) only once there are FLOPs:
             # a compiled model has no per-layer calls to count
             part.peak_flops = self._peak() if part.flops[3] else None
-        self._noted = False
+        self._rearm()
         if self.updates is not None and self.updates.taken:  # weights read with their updates
             weights, updates, part.updated, part.weighted = self.updates.after_update()
             values += [(("weight_sq", k), t) for k, t in enumerate(weights)]
@@ -109,25 +129,34 @@ class StepEfficiency:
         return part, values
 
     def drop(self) -> None:
-        self._noted = False
+        self._rearm()
         if self.flops is not None:
             self.flops.drop()
         if self.updates is not None:
             self.updates.drop()
 
     def _peak(self) -> float | None:
+        """The device's peak FLOP/s in the step's precision: looked up (regexes over the
+        device's name, peaks.py) once per precision, the name read once: a process's device
+        keeps its name."""
         if self._peak_set is not None:
             return self._peak_set
-        name = peaks.device_name(self._device)
-        peak = peaks.lookup(name, self._precision) if name and self._precision else None
+        precision = self._precision
+        if precision in self._peaks:
+            return self._peaks[precision]
+        if self._device_name is _UNREAD:
+            self._device_name = peaks.device_name(self._device)
+        name = self._device_name
+        peak = peaks.lookup(name, precision) if name and precision else None
         if peak is None:
-            where = (f"{name} in {self._precision or self._dtype}" if name
+            where = (f"{name} in {precision or self._dtype}" if name
                      else f"{self._device.type} (no default peak off CUDA)")
             self._notices.say("peak flops", (
                 f"the peak FLOP/s of {where} is unknown, so model FLOPs utilisation "
                 f"(hookprof_model_flops_utilization_ratio) is not exported for {self._model_name}; "
                 "set Config.peak_flops (HOOKPROF_PEAK_FLOPS) to the device's peak for the "
                 "precision the model computes in"))
+        self._peaks[precision] = peak
         return peak
 
 

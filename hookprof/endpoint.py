@@ -38,7 +38,7 @@ class Member:
     """One model on an endpoint: its collector and what its page is made from."""
 
     def __init__(self, name: str, collector: SnapshotCollector, version: Callable[[], tuple[Any, ...]],
-                 document: Callable[[], dict[str, Any]] | None = None):
+                 document: Callable[[], dict[str, Any]]):
         self.name = name
         self.collector = collector
         self.version = version
@@ -147,7 +147,7 @@ class Endpoint:
         """/history.json: every member's report document (report.py)."""
         from .report import to_json
 
-        return to_json([m.document() for m in self.members() if m.document is not None])
+        return to_json([m.document() for m in self.members()])
 
     def _page_version(self) -> tuple[Any, ...]:
         """What the page is made from: it is re-rendered when any of these changes."""

@@ -144,24 +144,30 @@ class FlopCounter:
         self._failed: set[int] = set()  # layers that cannot run on meta tensors
 
     def note(self, layer: int, args: tuple, kwargs: dict | None, nested: bool) -> None:
-        """A layer call on a sampled step (not a recomputation)."""
-        if layer >= len(self._cache) or layer in self._failed:
-            return
-        module = self._table.layers[layer].module
-        if module is None:
-            return
-        if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
-            a = args[0]  # forward(x), inline: the same key as below for ~1/3 of its cost
-            key = (module.training, ((a.shape, a.dtype, a.requires_grad),))
-        else:
-            key = (module.training, tuple(_key(a) for a in args))
-        if kwargs:
-            key = (key, tuple((k, _key(v)) for k, v in kwargs.items()))
-        self._calls.append((layer, key, nested))
-        cache = self._cache[layer]
-        if key not in cache and (id(cache), key) not in self._pending:
-            describe = lambda v: _Meta(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
-            self._pending[(id(cache), key)] = (layer, *tree_map(describe, (tuple(args), dict(kwargs or {}))))
+        """A layer call on a sampled step (not a recomputation). Called by LayerHooks for
+        each call: never raises (a failure is said once, in the notices)."""
+        try:
+            if layer >= len(self._cache) or layer in self._failed:
+                return
+            module = self._table.layers[layer].module
+            if module is None:
+                return
+            if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+                a = args[0]  # forward(x), inline: the same key as below for ~1/3 of its cost
+                key = (module.training, ((a.shape, a.dtype, a.requires_grad),))
+            else:
+                key = (module.training, tuple(_key(a) for a in args))
+            if kwargs:
+                key = (key, tuple((k, _key(v)) for k, v in kwargs.items()))
+            self._calls.append((layer, key, nested))
+            cache = self._cache[layer]
+            if key not in cache and (id(cache), key) not in self._pending:
+                describe = lambda v: _Meta(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+                self._pending[(id(cache), key)] = (layer, *tree_map(describe, (tuple(args), dict(kwargs or {}))))
+        except Exception as exc:  # never into the training loop, nor switching the hooks off
+            if self._notices is not None:
+                self._notices.say("flops note", f"FLOPs of layer calls cannot be noted ({exc!r}): "
+                                  "FLOP figures may be missing")
 
     def drop(self) -> None:
         """The step is not reported (its hooks failed, or it was skipped)."""

@@ -109,7 +109,7 @@ class History:
     def observe(self, packet: "Packet", aggregator: "Aggregator", counters: "StepCounters") -> None:
         """After `aggregator` folded `packet`: a point for a sampled step, an event when the
         non-finite counts went up."""
-        steps, _, total, wall, _, _ = counters.read()
+        steps, total, wall = counters.latest()
         if packet.steps_at_end is not None:  # as the step ended, not as the fold finds them
             steps, total = packet.steps_at_end
         bad = int(sum(aggregator.counters["phase_bad"]))

@@ -61,11 +61,11 @@ class ForwardWrapper:
     forward. Copies of the module (deepcopy, pickle: EMA models, checkpoints of the whole
     module) get the module's own forward back, never one that runs the original module."""
 
-    __slots__ = ("_enter", "_leave", "_layer", "__wrapped__")
+    __slots__ = ("_enter", "_end", "_layer", "__wrapped__")
 
-    def __init__(self, enter: Any, leave: Any, layer_index: int, forward: Any):
+    def __init__(self, enter: Any, end: Any, layer_index: int, forward: Any):
         self._enter = enter
-        self._leave = leave
+        self._end = end  # LayerHooks._end: the call's end, for a call _enter recorded
         self._layer = layer_index
         self.__wrapped__ = forward  # inspect.signature() follows it to the module's own
 
@@ -76,9 +76,9 @@ class ForwardWrapper:
         try:
             output = forward(*args, **kwargs)
         except BaseException:
-            self._leave(self._layer, None)
+            self._end(self._layer, None)
             raise
-        self._leave(self._layer, output)
+        self._end(self._layer, output)
         return output
 
     def __deepcopy__(self, memo: dict) -> Any:
@@ -118,7 +118,7 @@ class LayerHooks:
         # reentrant activation checkpoint's first pass, part of the step
         self._in_training_forward = False
         # called with (layer, args, kwargs, nested) for each training call of a sampled step
-        # (efficiency.StepEfficiency.note_call); never raises
+        # (set by efficiency.StepEfficiency.listen); never raises
         self.on_call: Any = None
 
     @property

@@ -204,7 +204,7 @@ class Profiler:
             aggregator.device_phases = DevicePhaseTotals()
         self._phases: Progress | PhaseMarks = self._progress  # what the step's boundaries write
         if self._efficiency.flops is not None:
-            self._hooks.on_call = self._efficiency.note_call
+            self._efficiency.listen(self._hooks)
         self._publisher = publisher(
             aggregator,
             self._counters,
@@ -527,9 +527,7 @@ class Profiler:
     def _forward_began(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None,
                        entry: bool) -> None:
         """The root module's forward begins: the step has begun; its inputs are kept for a
-        replay."""
-        if self._detached:  # a copy of the model (see _inert_copy)
-            return
+        replay. (Its callers return at once for a copy of the model, see _inert_copy.)"""
         if is_compiling():
             self._compile_probe.seen = True  # Dynamo replays this after every compiled call
             return
@@ -615,7 +613,7 @@ class Profiler:
             # the parameters before the update; also in a closure step, whose forward has not
             # run yet (a second optimizer of the step finds them taken)
             if self._plan.sampled:
-                self._efficiency.before_update(now)
+                self._efficiency.before_update(now, optimizer)
             # args are those of the unbound step: (optimizer, closure?, ...)
             closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
             if callable(closure):

@@ -36,6 +36,15 @@ def phase_name(phase: int) -> str:
     return PHASES[phase] if phase < OUTSIDE else OUTSIDE_NAME
 
 
+def step_phases(spent: list, scale: float = 1.0) -> tuple[float, ...]:
+    """One step's time per phase (PHASES order) from its time in each phase and outside a
+    step (`spent`, indexed by phase, OUTSIDE last), times `scale`: time outside a step counts
+    as `other`, so that the phases add up to the step's duration. The host's phases
+    (Progress, in ns) and the device's (device_phases.py, in seconds) fold by this one rule."""
+    data, forward, backward, optimizer, other, outside = spent
+    return (data * scale, forward * scale, backward * scale, optimizer * scale, (other + outside) * scale)
+
+
 # The training thread's position, replaced whole at every boundary: a plain tuple
 # (step in progress, phase index or OUTSIDE, clock reading at which the phase began, label of
 # an OUTSIDE section: "eval", "start", expect_slow's name). A NamedTuple costs ~10 clock reads
@@ -74,8 +83,7 @@ class Progress:
         _, current, since, _ = self.where
         spent = self._spent
         spent[current] += now_ns - since
-        data, forward, backward, optimizer, other, outside = spent
-        seconds = (data * 1e-9, forward * 1e-9, backward * 1e-9, optimizer * 1e-9, (other + outside) * 1e-9)
+        seconds = step_phases(spent, 1e-9)
         steps, (s_data, s_forward, s_backward, s_optimizer, s_other) = self.totals
         self.totals = (steps + 1, (s_data + seconds[0], s_forward + seconds[1], s_backward + seconds[2],
                                    s_optimizer + seconds[3], s_other + seconds[4]))

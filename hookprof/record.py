@@ -137,6 +137,12 @@ class StepCounters:
         with self._lock:
             return self.steps, self._sum
 
+    def latest(self) -> tuple[int, float, float | None]:
+        """(steps, their summed duration, wall time of the last one's end): what the history
+        reads at each fold, without the histogram read() builds."""
+        with self._lock:
+            return self.steps, self._sum, self._last_ts
+
     def read(self) -> tuple[int, tuple[tuple[float, int], ...], float, float | None, int, int]:
         with self._lock:
             counts, total, last, steps = list(self._counts), self._sum, self._last_ts, self.steps

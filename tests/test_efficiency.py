@@ -188,7 +188,14 @@ def test_turns_fill_the_cap_and_a_large_layer_goes_alone():
     norms = UpdateNorms(LayerTable(model), max_bytes=sizes[0] * 2)
     turns = [norms._turn() for _ in range(4)]
     assert turns == [[0, 1], [2], [3, 0], [1]]
-    assert norms.largest_layer_bytes == sizes[2]
+    # what each turn holds: at most max(cap, the largest layer), the large layer alone
+    norms = UpdateNorms(LayerTable(model), max_bytes=sizes[0] * 2)
+    held = []
+    for _ in range(4):
+        norms.before_update()
+        held.append(sum(copy.numel() * copy.element_size() for _, copy in norms._before))
+        norms.drop()
+    assert held == [sizes[0] + sizes[1], sizes[2], sizes[3] + sizes[0], sizes[1]]
 
 
 def test_mfu_against_a_set_peak_and_the_metrics_on_the_page(every_step, tmp_path):

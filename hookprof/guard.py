@@ -165,7 +165,7 @@ class UpdateGuard:
             self._step_bad = bad
             return
         if self._wait:
-            if bool(bad):  # the opt-in wait for the device (Config.nonfinite_sync)
+            if bool(transfer.read_now(bad)):  # the opt-in wait (Config.nonfinite_sync)
                 self._hide(params)
             return
         self._say("non-fused update", (

@@ -661,8 +661,6 @@ class Profiler:
     def _before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """This step's gradients are final and its parameters not updated yet."""
         self._stepped = True
-        if self._replay.waiting or self._replay.late:
-            self._replay_forward()
         if self._grad_squares is None:
             self._read_gradients()
         view = ScalerView(optimizer)
@@ -675,6 +673,11 @@ class Profiler:
             squares = self._grad_squares[0] if self._grad_squares is not None else []
             flags = self._output_flags + host_flags_of_squares(self._checked_squares(squares))
             self._guard.before_update(optimizer, self.table.params, flags)
+        # the replay after the guard (neither changes a weight): under nonfinite_sync the
+        # guard's wait, for a flag copied after the output's, leaves that one on the host,
+        # so the training thread waits once per step, not twice
+        if self._replay.waiting or self._replay.late:
+            self._replay_forward()
 
     def _on_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if is_compiling():

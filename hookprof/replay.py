@@ -99,8 +99,8 @@ class ForwardReplay:
         flag, self._flag = self._flag, None
         if flag is None:
             return None
-        if wait and not self.done:
-            transfer.wait_ready(flag[1])  # the opt-in wait for the device
+        if wait and not self.done and not transfer.is_ready(flag[1]):
+            transfer.wait_ready(flag[1])  # the opt-in wait (unless the guard's did it)
         if not transfer.is_ready(flag[1]):
             if self.keep_late and not self.done and self.args is not None:
                 self._late.append((step, flag, self.module, self.args, self.kwargs, self._cpu_rng,

@@ -45,7 +45,7 @@ from .faults import Faults, ThreadSupervisor
 from .notices import Notices
 from . import gradscaler
 from .gradients import GradientNorms
-from .guard import ScalerView, SkipCounters, UpdateGuard, delegates_update, host_flags_of_squares
+from .guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
 from .history import LAYER_SLOTS, History
 from .incident import IncidentResponse
 from .instrument import LayerHooks
@@ -633,7 +633,7 @@ class Profiler:
                        optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
         # skip/raise: judged as each call of the closure returns (the optimizer's update reads
         # its gradients next), unless an inner optimizer makes the update (its pre-hook judges)
-        judge = self._guard is not None and not delegates_update(optimizer)
+        judge = self._guard is not None and not self._guard.delegates(optimizer)
 
         def closure_then_read() -> Any:
             self._forwards = 0  # LBFGS calls it thousands of times in one step

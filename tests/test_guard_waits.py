@@ -65,3 +65,38 @@ def test_nonfinite_sync_waits_once_per_step_with_a_non_fused_optimizer(policy):
         finally:
             prof.detach()
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_whether_a_closure_optimizer_delegates_is_worked_out_once_and_held_weakly(monkeypatch):
+    """The guard asks on every closure step whether the optimizer hands its update to an
+    inner one (walking its attributes): once per optimizer, again only when its attributes
+    change (an inner optimizer set later), and without keeping the optimizer alive."""
+    import gc
+    import weakref
+
+    import hookprof.guard
+    import hookprof.profiler
+    from test_closure_guard import OPTIMIZERS, closure_loop
+
+    answers: list[bool] = []
+    original = hookprof.guard.delegates_update
+
+    def counted(optimizer):
+        answers.append(original(optimizer))
+        return answers[-1]
+
+    for module in (hookprof.guard, hookprof.profiler):  # wherever it is looked up from
+        monkeypatch.setattr(module, "delegates_update", counted, raising=False)
+    model = seeded(DeepNet)
+    opt = OPTIMIZERS["sam"](model)
+    with hookprof.attach(model, **RARELY, on_nonfinite="skip") as prof:
+        closure_loop(model, opt, 5)
+        assert answers == [False]  # 5 closure steps, worked out once
+        opt.inner = torch.optim.SGD(model.parameters(), lr=0.0)  # an attribute added later
+        closure_loop(model, opt, 2)
+        assert answers == [False, True]
+        dropped = weakref.ref(opt)
+        del opt
+        gc.collect()
+        assert dropped() is None  # the profiler, still attached, does not keep it
+        assert prof.snapshot() is not None

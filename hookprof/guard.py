@@ -32,6 +32,7 @@ import torch
 
 from . import transfer
 from .nonfinite import nonfinite_mask
+from .output_check import any_flag
 
 # found_inf is read by these optimizers' fused kernels (torch.optim, torch >= 2.4)
 def is_fused(optimizer: torch.optim.Optimizer) -> bool:
@@ -176,7 +177,7 @@ class UpdateGuard:
         on_device = [f for f in flags if isinstance(f, torch.Tensor)]
         if not on_device:
             return
-        bad = torch.stack([f.reshape(()) for f in on_device]).any()
+        bad = any_flag(on_device)  # the output's (combined once, by its owner) and the gradients'
         if self._step_bad is not None:  # an earlier evaluation or optimizer of this step
             bad = bad | self._step_bad.to(bad.device)
         if is_fused(optimizer):

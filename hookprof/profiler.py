@@ -55,6 +55,7 @@ from .progress import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, OUTSIDE, Progre
 from .device_phases import DevicePhaseTotals, PhaseMarks
 from .publisher import Publisher
 from .record import StepCounters, StepRecord, pack_step
+from .output_check import OutputFlags
 from .replay import ForwardReplay
 from .sampling import UNSAMPLED, StepPlanner
 from . import endpoint
@@ -253,7 +254,7 @@ class Profiler:
         self._grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None
         self._scaler_view: ScalerView | None = None  # a fused optimizer's GradScaler state
         self._masked: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (squares, checked)
-        self._output_flags: list[bool | torch.Tensor] = []  # this step's output checks
+        self._output = OutputFlags()  # this step's output checks (the one owner)
         self._last_sent = 0  # the number of the last sampled step sent to the publisher
         self._unfolded = False  # ... and the publisher has not been nudged to fold it yet
         self._step_start_ns: int | None = None
@@ -472,7 +473,7 @@ class Profiler:
         self._grad_squares = None
         self._scaler_view = None
         self._masked = None
-        self._output_flags = []
+        self._output.clear()
         if self._plan.sampled and not self._compiled:
             self._rec = StepRecord(self.timer.start())
             # the first step's hooks go in at its first eager forward (_on_root_forward):
@@ -583,9 +584,8 @@ class Profiler:
         try:
             self._phases.enter(BACKWARD, self._clock())
             # every step: one reduction of the model's output, counted where its result is
-            flags = nonfinite_flags(output)
-            self._output_flags.extend(flags)  # counted once per step, at its end
-            if flags and not self._plan.checked and self._replay.note_output(flags):
+            self._output.add(nonfinite_flags(output))  # counted once per step, at its end
+            if not self._plan.checked and self._replay.note_output(self._output.forward_flag):
                 self._replay_forward()  # known at once: the parameters are still this step's
             # the publisher folds the last sampled step now: its Python work then overlaps
             # the backward pass, which seldom needs the GIL, not the forward, which needs it
@@ -671,7 +671,7 @@ class Profiler:
                 self._grad_squares = (view.unscale(self._grad_squares[0]), self._grad_squares[1])
         if self._guard is not None:
             squares = self._grad_squares[0] if self._grad_squares is not None else []
-            flags = self._output_flags + host_flags_of_squares(self._checked_squares(squares))
+            flags = self._output.step_flags() + host_flags_of_squares(self._checked_squares(squares))
             self._guard.before_update(optimizer, self.table.params, flags)
         # the replay after the guard (neither changes a weight): under nonfinite_sync the
         # guard's wait, for a flag copied after the output's, leaves that one on the host,
@@ -843,17 +843,9 @@ class Profiler:
         """A step is non-finite in its forward once, however many forwards (siamese nets,
         a discriminator on real and fake, entry calls) and output tensors it had: one flag
         per device, one host bool."""
-        flags, self._output_flags = self._output_flags, []
-        if not flags:
-            return
-        host = any(f is True for f in flags)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for f in flags:
-            if isinstance(f, torch.Tensor):
-                by_device.setdefault(f.device, []).append(f.reshape(()))
-        self._detector.add_flag("forward", host, step)
-        for parts in by_device.values():
-            self._detector.add_flag("forward", parts[0] if len(parts) == 1 else torch.stack(parts).any(), step)
+        for flag in self._output.step_flags():  # combined as they came (OutputFlags)
+            self._detector.add_flag("forward", flag, step)
+        self._output.clear()
 
     def _device_counts(self) -> dict[str, list[torch.Tensor]]:
         """The device counters drained beside the non-finite ones (aggregate.fold reads them)."""

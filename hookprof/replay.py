@@ -76,18 +76,18 @@ class ForwardReplay:
         self.args = self.kwargs = None
         self.module = None
 
-    def note_output(self, flags: list[bool | torch.Tensor]) -> bool:
-        """The step's output checks (see nonfinite.nonfinite_flags). True when one is already
-        known bad on the host: the replay can run at once. A device flag is peeked at, to be
-        read when its copy has completed (`run_if_bad`)."""
+    def note_output(self, flag: bool | torch.Tensor | None) -> bool:
+        """This forward's output check, as its owner combined it (output_check.OutputFlags:
+        the replay reads it, never stacks it again). True when it is already known bad on
+        the host: the replay can run at once. A device flag is peeked at, to be read when
+        its copy has completed (`run_if_bad`)."""
         if self.done:
             return False
-        if any(f is True for f in flags):
+        if flag is True:
             self._flag = (True, None)
             return True
-        on_device = [f for f in flags if isinstance(f, torch.Tensor)]
-        if on_device:
-            self._flag = transfer.peek(torch.stack(on_device).any())
+        if isinstance(flag, torch.Tensor):
+            self._flag = transfer.peek(flag)
         return False
 
     def run_if_bad(self, hooks: LayerHooks, new_record: Callable[[], StepRecord],

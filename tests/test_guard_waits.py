@@ -100,3 +100,86 @@ def test_whether_a_closure_optimizer_delegates_is_worked_out_once_and_held_weakl
         gc.collect()
         assert dropped() is None  # the profiler, still attached, does not keep it
         assert prof.snapshot() is not None
+
+
+def ops_per_unsampled_step_on_a_device(policy: str, make_opt, depth: int = 3):
+    """hookprof's ATen ops in one unsampled step (with it, less without it) on the emulated
+    device, where the output and gradient checks stay device flags, as on a GPU."""
+    import copy
+
+    from hookprof.gradients import GradientNorms
+    from test_host_cost import counted_step, one_step
+
+    base = seeded(DeepNet, depth=depth)
+    batch = base.batch(torch.Generator().manual_seed(0))
+    bare, watched = base, copy.deepcopy(base)
+    bare_opt, watched_opt = make_opt(bare), make_opt(watched)
+    with lagging_device(3), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GradientNorms, "cpu_dot_per_tensor", False)  # the accelerator's reduction
+        prof = hookprof.attach(watched, **RARELY, on_nonfinite=policy)
+        try:
+            for _ in range(3):
+                one_step(bare, bare_opt, batch)
+                one_step(watched, watched_opt, batch)
+            with_ops = counted_step(watched, watched_opt, batch)
+            without_ops = counted_step(bare, bare_opt, batch)
+        finally:
+            prof.detach()
+    return with_ops - without_ops
+
+
+def fused_adam(model):
+    return torch.optim.Adam(model.parameters(), lr=0.0, fused=True)
+
+
+def still_sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every step is the same step
+
+
+@pytest.mark.parametrize("policy, make_opt", [("record", still_sgd), ("skip", still_sgd),
+                                              ("skip", fused_adam)],
+                         ids=["record", "skip sgd", "skip fused adam"])
+def test_the_output_check_is_combined_once_per_step(policy, make_opt):
+    """The model output's flag has one owner (output_check.OutputFlags): the replay peeks
+    it, the guard and the detector read it, none of them stacks it again. On a step with
+    one forward: one reduction of the output (its `any`), and the only stack left is the
+    gradients' fused reduction; the count does not grow with the model."""
+    ops = ops_per_unsampled_step_on_a_device(policy, make_opt)
+    assert ops["aten.any.default"] == 1, ops  # the output check's own (nonfinite_flags)
+    assert ops["aten.stack.default"] == 1, ops  # gradients.fused_layer_squares
+    # the guard folds the output's flag and the gradients' with one op
+    assert ops["aten.bitwise_or.Tensor"] == (1 if policy == "skip" else 0), ops
+    assert ops["aten.clone.default"] == (2 if policy == "skip" else 1), ops  # peeks (emulated copies)
+    assert ops_per_unsampled_step_on_a_device(policy, make_opt, depth=12) == ops
+
+
+def test_two_forwards_of_a_step_on_a_device_count_the_step_once():
+    """A model called twice per step (siamese, a discriminator on real and fake), its first
+    call's output non-finite at step 4 only: the device flags of both calls fold into one,
+    so the step counts once, at step 4."""
+    from test_incidents import StepInjector
+
+    model = seeded(DeepNet)
+    injector = StepInjector(model.blocks[2].fc, {4})
+    opt = momentum_sgd(model)
+    g = torch.Generator().manual_seed(0)
+    with lagging_device(2):
+        prof = hookprof.attach(model, **RARELY)
+        try:
+            for step in range(1, 7):
+                opt.zero_grad(set_to_none=True)
+                a, b = model.batch(g), model.batch(g)
+                injector.step = step
+                first = loss_of(model, a)
+                injector.step = 0  # the second call of the step stays finite
+                (first + loss_of(model, b)).backward()
+                opt.step()
+            prof.flush()
+            snap = prof.snapshot()
+        finally:
+            prof.detach()
+    assert snap.nonfinite_steps["forward"] >= 1
+    assert snap.first_nonfinite.phase == "forward" and snap.first_nonfinite.step == 4
+    # after step 4 the weights are NaN (record never changes training): every later step's
+    # both calls are bad, and each step still counts once
+    assert snap.nonfinite_steps["forward"] == 3

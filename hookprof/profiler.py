@@ -820,12 +820,19 @@ class Profiler:
         """If this step's output went non-finite on an unchecked step, replay its forward
         with the per-layer checks on, before the optimizer changes the parameters."""
         step = self._counters.steps + 1
-        rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.start()), step,
-                                      wait=self.config.nonfinite_sync)
-        if rec is None and self._replay.keep_late:  # an earlier step's flag may have arrived
-            late = self._replay.run_late(self._hooks, lambda: StepRecord(self.timer.start()))
-            if late is not None:
-                step, rec = late
+        try:
+            rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.start()),
+                                          step, wait=self.config.nonfinite_sync)
+            if rec is None and self._replay.keep_late:  # an earlier step's flag may have arrived
+                late = self._replay.run_late(self._hooks, lambda: StepRecord(self.timer.start()))
+                if late is not None:
+                    step, rec = late
+        except Exception as exc:
+            # the replay (once per run) is over either way, and put back what it changed; the
+            # hook or step boundary that called it goes on (a late replay runs at a step's
+            # end: an exception out of here cost that step its count). Hooks stay on.
+            self._faults.report("forward replay", exc, disable=False)
+            return
         if rec is not None:
             self._publisher.submit(pack_step(step, rec, self._detector.blocks(),
                                              counts=self._device_counts(), sampled=False))

@@ -183,3 +183,66 @@ def test_two_forwards_of_a_step_on_a_device_count_the_step_once():
     # after step 4 the weights are NaN (record never changes training): every later step's
     # both calls are bad, and each step still counts once
     assert snap.nonfinite_steps["forward"] == 3
+
+
+@pytest.mark.parametrize("where", ["before its forward", "in its forward"])
+def test_a_late_replay_that_fails_leaves_nothing_swapped_in(where, monkeypatch):
+    """The late replay runs a kept step's forward (its inputs, its RNG state) in the middle
+    of a later step. An exception inside it (reported, training goes on) must not leave the
+    kept step's inputs in the replay's place for the current step's: nothing of the kept
+    step is held once the failing step is over; nor cost the step it ran in its count
+    (it runs at that step's end); later steps train as before."""
+    import gc
+    import weakref
+
+    from hookprof.replay import ForwardReplay
+
+    import logging
+
+    # the logged error's traceback (its frames' locals) would hold the inputs for a log
+    # capture that keeps records: not what is measured here
+    monkeypatch.setattr(logging.getLogger("hookprof"), "propagate", False)
+    failed: list[int] = []
+    step = 0
+    if where == "before its forward":
+        def failing_run(self, *args, **kwargs):
+            failed.append(step)
+            raise RuntimeError("injected: the replay failed")
+
+        monkeypatch.setattr(ForwardReplay, "_run", failing_run)
+    model = seeded(DeepNet)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    bad = BadBatch(model, model.blocks[2].fc)
+    with lagging_device(2):
+        prof = hookprof.attach(model, **RARELY, on_nonfinite="skip")
+        if where == "in its forward":
+            def fail_in_replay(module, args):
+                if prof._hooks.replaying:
+                    failed.append(step)
+                    raise RuntimeError("injected: the replay failed")
+
+            model.blocks[1].register_forward_pre_hook(fail_in_replay)
+        g = torch.Generator().manual_seed(0)
+        kept = None
+        try:
+            for step in range(1, 16):
+                opt.zero_grad(set_to_none=True)
+                inputs, target = model.batch(g)
+                if step == BAD_STEP:
+                    bad.poisoned, kept = inputs, weakref.ref(inputs)
+                loss_of(model, (inputs, target)).backward()
+                opt.step()
+                del inputs, target
+                if failed and failed[-1] == step:
+                    bad.poisoned = bad._current = None  # (the test's own references)
+                    gc.collect()
+                    # the failing step is over: the kept step's inputs are nobody's
+                    assert kept() is None, "the kept step's inputs are still held"
+            prof.flush()
+            snap = prof.snapshot()
+        finally:
+            prof.detach()
+    assert len(failed) == 1 and failed[0] > BAD_STEP  # late: the flag came steps after
+    assert snap.internal_errors == 1 and snap.step == 15
+    assert snap.held_back_updates == 1  # the bad step's update stayed held back
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

@@ -298,8 +298,9 @@ def table(results: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def against(args, argv: list[str]) -> list[tuple[str, dict]]:
-    """This script once per version, each in its own process with that version's hookprof."""
+def against(args, argv: list[str], script: str = __file__) -> list[tuple[str, dict]]:
+    """`script` (this one, or another bench that takes --json) once per version, each in its
+    own process with that version's hookprof."""
     tmp = tempfile.mkdtemp(prefix="hookprof-hostcost-")
     base = os.path.join(tmp, "base")
     subprocess.run(["git", "worktree", "add", "--detach", "--quiet", base, args.against], cwd=ROOT, check=True)
@@ -312,7 +313,7 @@ def against(args, argv: list[str]) -> list[tuple[str, dict]]:
         for label, root in ((args.against, base), ("this checkout", ROOT)):
             path = os.path.join(tmp, f"{len(out)}.json")
             env = dict(os.environ, HOOKPROF_ROOT=root, PYTHONPATH=root)
-            subprocess.run([sys.executable, os.path.abspath(__file__), *child_args, "--json", path],
+            subprocess.run([sys.executable, os.path.abspath(script), *child_args, "--json", path],
                            env=env, check=True)
             with open(path) as f:
                 out.append((label, json.load(f)))

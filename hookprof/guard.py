@@ -25,12 +25,14 @@ the end of its closure) and neither waiting for the device:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 from . import transfer
 from .nonfinite import nonfinite_mask
+from .output_check import any_flag
 
 # found_inf is read by these optimizers' fused kernels (torch.optim, torch >= 2.4)
 def is_fused(optimizer: torch.optim.Optimizer) -> bool:
@@ -111,6 +113,28 @@ def delegates_update(optimizer: torch.optim.Optimizer) -> bool:
     return any(isinstance(v, torch.optim.Optimizer) for v in vars(optimizer).values())
 
 
+class DelegationCache:
+    """`delegates_update` per optimizer, asked on every closure step, computed once (it walks
+    the optimizer's attributes). Held weakly: an optimizer the loop dropped, or one of a
+    detached profiler, is not kept alive here. Recomputed when the optimizer gains or loses
+    an attribute: an inner optimizer is set as an attribute, in __init__ (davda54's SAM) or
+    lazily on a first step, which changes the count; the count is O(1) to read. Not seen: an
+    existing attribute rebound from a non-optimizer to an optimizer (or back) with no other
+    attribute added, which no closure optimizer we know of does."""
+
+    def __init__(self) -> None:
+        self._known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> bool:
+        n_attrs = len(vars(optimizer))
+        cached = self._known.get(optimizer)
+        if cached is not None and cached[0] == n_attrs:
+            return cached[1]
+        delegates = delegates_update(optimizer)
+        self._known[optimizer] = (n_attrs, delegates)
+        return delegates
+
+
 class UpdateGuard:
     """Holds back this step's update when its checks found a NaN/Inf (policies "skip" and
     "raise"). `begin_update` runs at an optimizer's step pre-hook, `before_update` where the
@@ -133,6 +157,7 @@ class UpdateGuard:
         self._step_held = False  # this step's update is held back on the host's word
         self._step_bad: torch.Tensor | None = None  # device flag over this step's checks
         self.held_back = 0  # steps held back on the host's word (device ones: a SkipCounters)
+        self.delegates = DelegationCache()  # judged at the inner optimizer's pre-hook
 
     @property
     def holding(self) -> bool:
@@ -153,7 +178,7 @@ class UpdateGuard:
         on_device = [f for f in flags if isinstance(f, torch.Tensor)]
         if not on_device:
             return
-        bad = torch.stack([f.reshape(()) for f in on_device]).any()
+        bad = any_flag(on_device)  # the output's (combined once, by its owner) and the gradients'
         if self._step_bad is not None:  # an earlier evaluation or optimizer of this step
             bad = bad | self._step_bad.to(bad.device)
         if is_fused(optimizer):
@@ -166,7 +191,7 @@ class UpdateGuard:
             self._step_bad = bad
             return
         if self._wait:
-            if bool(bad):  # the opt-in wait for the device (Config.nonfinite_sync)
+            if bool(transfer.read_now(bad)):  # the opt-in wait (Config.nonfinite_sync)
                 self._hide(params)
             return
         self._say("non-fused update", (

@@ -45,7 +45,7 @@ from .faults import Faults, ThreadSupervisor
 from .notices import Notices
 from . import gradscaler
 from .gradients import GradientNorms
-from .guard import ScalerView, SkipCounters, UpdateGuard, delegates_update, host_flags_of_squares
+from .guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
 from .history import LAYER_SLOTS, History
 from .incident import IncidentResponse
 from .instrument import LayerHooks
@@ -55,6 +55,7 @@ from .progress import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, OUTSIDE, Progre
 from .device_phases import DevicePhaseTotals, PhaseMarks
 from .publisher import Publisher
 from .record import StepCounters, StepRecord, pack_step
+from .output_check import OutputFlags
 from .replay import ForwardReplay
 from .sampling import UNSAMPLED, StepPlanner
 from . import endpoint
@@ -253,7 +254,7 @@ class Profiler:
         self._grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None
         self._scaler_view: ScalerView | None = None  # a fused optimizer's GradScaler state
         self._masked: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (squares, checked)
-        self._output_flags: list[bool | torch.Tensor] = []  # this step's output checks
+        self._output = OutputFlags()  # this step's output checks (the one owner)
         self._last_sent = 0  # the number of the last sampled step sent to the publisher
         self._unfolded = False  # ... and the publisher has not been nudged to fold it yet
         self._step_start_ns: int | None = None
@@ -472,7 +473,7 @@ class Profiler:
         self._grad_squares = None
         self._scaler_view = None
         self._masked = None
-        self._output_flags = []
+        self._output.clear()
         if self._plan.sampled and not self._compiled:
             self._rec = StepRecord(self.timer.start())
             # the first step's hooks go in at its first eager forward (_on_root_forward):
@@ -581,9 +582,8 @@ class Profiler:
         try:
             self._phases.enter(BACKWARD, self._clock())
             # every step: one reduction of the model's output, counted where its result is
-            flags = nonfinite_flags(output)
-            self._output_flags.extend(flags)  # counted once per step, at its end
-            if flags and not self._plan.checked and self._replay.note_output(flags):
+            self._output.add(nonfinite_flags(output))  # counted once per step, at its end
+            if not self._plan.checked and self._replay.note_output(self._output.forward_flag):
                 self._replay_forward()  # known at once: the parameters are still this step's
             # the publisher folds the last sampled step now: its Python work then overlaps
             # the backward pass, which seldom needs the GIL, not the forward, which needs it
@@ -631,7 +631,7 @@ class Profiler:
                        optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
         # skip/raise: judged as each call of the closure returns (the optimizer's update reads
         # its gradients next), unless an inner optimizer makes the update (its pre-hook judges)
-        judge = self._guard is not None and not delegates_update(optimizer)
+        judge = self._guard is not None and not self._guard.delegates(optimizer)
 
         def closure_then_read() -> Any:
             self._forwards = 0  # LBFGS calls it thousands of times in one step
@@ -659,8 +659,6 @@ class Profiler:
     def _before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """This step's gradients are final and its parameters not updated yet."""
         self._stepped = True
-        if self._replay.waiting or self._replay.late:
-            self._replay_forward()
         if self._grad_squares is None:
             self._read_gradients()
         view = ScalerView(optimizer)
@@ -671,8 +669,13 @@ class Profiler:
                 self._grad_squares = (view.unscale(self._grad_squares[0]), self._grad_squares[1])
         if self._guard is not None:
             squares = self._grad_squares[0] if self._grad_squares is not None else []
-            flags = self._output_flags + host_flags_of_squares(self._checked_squares(squares))
+            flags = self._output.step_flags() + host_flags_of_squares(self._checked_squares(squares))
             self._guard.before_update(optimizer, self.table.params, flags)
+        # the replay after the guard (neither changes a weight): under nonfinite_sync the
+        # guard's wait, for a flag copied after the output's, leaves that one on the host,
+        # so the training thread waits once per step, not twice
+        if self._replay.waiting or self._replay.late:
+            self._replay_forward()
 
     def _on_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if is_compiling():
@@ -815,12 +818,19 @@ class Profiler:
         """If this step's output went non-finite on an unchecked step, replay its forward
         with the per-layer checks on, before the optimizer changes the parameters."""
         step = self._counters.steps + 1
-        rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.start()), step,
-                                      wait=self.config.nonfinite_sync)
-        if rec is None and self._replay.keep_late:  # an earlier step's flag may have arrived
-            late = self._replay.run_late(self._hooks, lambda: StepRecord(self.timer.start()))
-            if late is not None:
-                step, rec = late
+        try:
+            rec = self._replay.run_if_bad(self._hooks, lambda: StepRecord(self.timer.start()),
+                                          step, wait=self.config.nonfinite_sync)
+            if rec is None and self._replay.keep_late:  # an earlier step's flag may have arrived
+                late = self._replay.run_late(self._hooks, lambda: StepRecord(self.timer.start()))
+                if late is not None:
+                    step, rec = late
+        except Exception as exc:
+            # the replay (once per run) is over either way, and put back what it changed; the
+            # hook or step boundary that called it goes on (a late replay runs at a step's
+            # end: an exception out of here cost that step its count). Hooks stay on.
+            self._faults.report("forward replay", exc, disable=False)
+            return
         if rec is not None:
             self._publisher.submit(pack_step(step, rec, self._detector.blocks(),
                                              counts=self._device_counts(), sampled=False))
@@ -838,17 +848,9 @@ class Profiler:
         """A step is non-finite in its forward once, however many forwards (siamese nets,
         a discriminator on real and fake, entry calls) and output tensors it had: one flag
         per device, one host bool."""
-        flags, self._output_flags = self._output_flags, []
-        if not flags:
-            return
-        host = any(f is True for f in flags)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for f in flags:
-            if isinstance(f, torch.Tensor):
-                by_device.setdefault(f.device, []).append(f.reshape(()))
-        self._detector.add_flag("forward", host, step)
-        for parts in by_device.values():
-            self._detector.add_flag("forward", parts[0] if len(parts) == 1 else torch.stack(parts).any(), step)
+        for flag in self._output.step_flags():  # combined as they came (OutputFlags)
+            self._detector.add_flag("forward", flag, step)
+        self._output.clear()
 
     def _device_counts(self) -> dict[str, list[torch.Tensor]]:
         """The device counters drained beside the non-finite ones (aggregate.fold reads them)."""

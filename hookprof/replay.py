@@ -35,22 +35,32 @@ from .record import StepRecord
 MAX_LATE = 8  # steps whose output flag may still be on its way (the device's lag), kept
 
 
+class CapturedForward:
+    """One training forward as the replay needs it: what was called (None: the model), with
+    what, and the RNG state at its start. Handed to `_run` as a whole, so replaying a kept
+    step never swaps the current step's capture out and back (an exception in between
+    would leave the kept step's in its place)."""
+
+    __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng")
+
+    def __init__(self, module: nn.Module | None, args: tuple, kwargs: dict | None,
+                 cpu_rng: torch.Tensor, cuda_rng: list[torch.Tensor] | None):
+        self.module, self.args, self.kwargs = module, args, kwargs
+        self.cpu_rng, self.cuda_rng = cpu_rng, cuda_rng
+
+
 class ForwardReplay:
     """The replay's state: the captured forward, this step's output flag, and whether the
     one replay of the run has happened (`enabled=False`: never, e.g. under DTensor)."""
 
     def __init__(self, model: nn.Module, enabled: bool = True, keep_late: bool = False):
         self._model_ref = weakref.ref(model)  # weakly: see layers.Layer.module_ref
-        self.module: nn.Module | None = None  # what the kept inputs go to (None: the model)
-        self.args: tuple | None = None
-        self.kwargs: dict | None = None
-        self._cpu_rng: torch.Tensor | None = None
-        self._cuda_rng: list[torch.Tensor] | None = None
+        self.captured: CapturedForward | None = None  # this step's last training forward
         self.done = not enabled
         self._flag: tuple[Any, Any] | None = None  # (host flag, ready event) of the output check
         self.keep_late = keep_late
-        # (step, flag, module, args, kwargs, cpu rng, cuda rng) of steps whose flag is on its way
-        self._late: deque[tuple[Any, ...]] = deque(maxlen=MAX_LATE)
+        # (step, flag, its forward) of steps whose flag is on its way
+        self._late: deque[tuple[int, tuple[Any, Any], CapturedForward]] = deque(maxlen=MAX_LATE)
 
     @property
     def waiting(self) -> bool:
@@ -67,27 +77,25 @@ class ForwardReplay:
         child of the root, when the loop never calls the root itself)."""
         if self.done:
             return
-        self.args, self.kwargs = args, kwargs
-        self.module = module
-        self._cpu_rng = torch.get_rng_state()
-        self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.captured = CapturedForward(
+            module, args, kwargs, torch.get_rng_state(),
+            torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
 
     def clear(self) -> None:
-        self.args = self.kwargs = None
-        self.module = None
+        self.captured = None
 
-    def note_output(self, flags: list[bool | torch.Tensor]) -> bool:
-        """The step's output checks (see nonfinite.nonfinite_flags). True when one is already
-        known bad on the host: the replay can run at once. A device flag is peeked at, to be
-        read when its copy has completed (`run_if_bad`)."""
+    def note_output(self, flag: bool | torch.Tensor | None) -> bool:
+        """This forward's output check, as its owner combined it (output_check.OutputFlags:
+        the replay reads it, never stacks it again). True when it is already known bad on
+        the host: the replay can run at once. A device flag is peeked at, to be read when
+        its copy has completed (`run_if_bad`)."""
         if self.done:
             return False
-        if any(f is True for f in flags):
+        if flag is True:
             self._flag = (True, None)
             return True
-        on_device = [f for f in flags if isinstance(f, torch.Tensor)]
-        if on_device:
-            self._flag = transfer.peek(torch.stack(on_device).any())
+        if isinstance(flag, torch.Tensor):
+            self._flag = transfer.peek(flag)
         return False
 
     def run_if_bad(self, hooks: LayerHooks, new_record: Callable[[], StepRecord],
@@ -99,17 +107,16 @@ class ForwardReplay:
         flag, self._flag = self._flag, None
         if flag is None:
             return None
-        if wait and not self.done:
-            transfer.wait_ready(flag[1])  # the opt-in wait for the device
+        if wait and not self.done and not transfer.is_ready(flag[1]):
+            transfer.wait_ready(flag[1])  # the opt-in wait (unless the guard's did it)
         if not transfer.is_ready(flag[1]):
-            if self.keep_late and not self.done and self.args is not None:
-                self._late.append((step, flag, self.module, self.args, self.kwargs, self._cpu_rng,
-                                   self._cuda_rng))
+            if self.keep_late and not self.done and self.captured is not None:
+                self._late.append((step, flag, self.captured))
             return None
-        if not bool(flag[0]):  # a host value (or a completed copy): no device sync
+        if not bool(flag[0]) or self.captured is None:  # a host value (or a completed copy)
             return None
         rec = new_record()
-        return rec if self._run(hooks, rec) else None
+        return rec if self._run(hooks, rec, self.captured) else None
 
     def run_late(self, hooks: LayerHooks,
                  new_record: Callable[[], StepRecord]) -> tuple[int, StepRecord] | None:
@@ -117,47 +124,45 @@ class ForwardReplay:
         replayed (on the current weights, finite since its update was held back). Returns
         (its step, the record). Never waits: a flag still on its way stays queued."""
         while self._late and not self.done:
-            step, flag, module, args, kwargs, cpu_rng, cuda_rng = self._late[0]
+            step, flag, captured = self._late[0]
             if not transfer.is_ready(flag[1]):
                 return None
             self._late.popleft()
             if bool(flag[0]):
-                current = self.module, self.args, self.kwargs, self._cpu_rng, self._cuda_rng
-                self.module, self.args, self.kwargs, self._cpu_rng, self._cuda_rng = (
-                    module, args, kwargs, cpu_rng, cuda_rng)
                 rec = new_record()
-                ran = self._run(hooks, rec)
-                self.module, self.args, self.kwargs, self._cpu_rng, self._cuda_rng = current
-                return (step, rec) if ran else None
+                return (step, rec) if self._run(hooks, rec, captured) else None
         if self.done:
             self._late.clear()
         return None
 
-    def _run(self, hooks: LayerHooks, rec: StepRecord) -> bool:
+    def _run(self, hooks: LayerHooks, rec: StepRecord, captured: CapturedForward) -> bool:
+        """Replay `captured` into `rec`: the one replay of the run, whether it finishes or
+        raises; either way the model's buffers and the RNG are put back and nothing kept."""
         model = self._model_ref()
-        if self.args is None or self.done or model is None:
+        if self.done or model is None:
             return False
-        target = self.module if self.module is not None else model
+        target = captured.module if captured.module is not None else model
         self.done = True
         cpu_rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if self._cuda_rng is not None else None
+        cuda_rng = torch.cuda.get_rng_state_all() if captured.cuda_rng is not None else None
         originals = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
                      if b is not None]
         try:
             with torch.no_grad():
                 for module, name, buffer in originals:
                     module._buffers[name] = buffer.clone()  # the replay writes here, if anywhere
-            torch.set_rng_state(self._cpu_rng)
-            if self._cuda_rng is not None:
-                torch.cuda.set_rng_state_all(self._cuda_rng)
+            torch.set_rng_state(captured.cpu_rng)
+            if captured.cuda_rng is not None:
+                torch.cuda.set_rng_state_all(captured.cuda_rng)
             with hooks.replaying_into(rec), torch.no_grad():
-                hooks.note_root_inputs(self.args, self.kwargs)
-                target(*self.args, **(self.kwargs or {}))
+                hooks.note_root_inputs(captured.args, captured.kwargs)
+                target(*captured.args, **(captured.kwargs or {}))
         finally:
             for module, name, buffer in originals:  # the very same tensors, untouched
                 module._buffers[name] = buffer
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
-            self.clear()
+            self.clear()  # done: no step's inputs are kept from here on
+            self._late.clear()
         return True

@@ -71,10 +71,19 @@ def index_to_device(values: list[int], device: torch.device) -> torch.Tensor:
 
 def wait_ready(ready: Any) -> None:
     # note: a CPU-GPU sync point. It runs on the publisher thread, and on the training thread
-    # only with the opt-in Config.nonfinite_sync (the replay's flag at the optimizer hook;
-    # the guard's bool() of the step's flags is that option's other wait, guard.py)
+    # only with the opt-in Config.nonfinite_sync, once per step: the guard's read_now() of
+    # the step's flags (guard.py), or else the replay's output flag at the optimizer hook
     if ready is not None:
         ready.synchronize()
+
+
+def read_now(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the host, waited for: the opt-in Config.nonfinite_sync's read of a flag still on
+    the device (guard.py). Through _start_copy and wait_ready, like every other read, so that
+    the lagging-device emulation sees the wait (a bare `bool(t)` it could not)."""
+    host, ready = _start_copy(t)
+    wait_ready(ready)  # note: a CPU-GPU sync point (opt-in)
+    return host
 
 
 def is_ready(ready: Any) -> bool:

@@ -11,6 +11,8 @@ makes hookprof's accelerator code paths run on the CPU:
 - `transfer._start_copy` (one-value peeks, counter drains, sampled batches) returns a copy
   with an event that `query()`s ready only once the device has finished `lag` more optimizer
   steps; `synchronize()` completes it, as on a real device, and records which thread waited.
+  As on one stream, waiting for a copy completes every copy issued before it too (a later
+  `query()` of those says ready without waiting).
 
 What it does not emulate: kernels really running late (values are computed at once; a test
 must only look at them through hookprof), or streams.
@@ -33,23 +35,27 @@ class LaggingDevice:
         self.lag = lag
         self.steps_done = 0  # optimizer steps the host has issued (the device is `lag` behind)
         self.waits: list[str] = []  # names of the threads that synchronized
+        self.issued = 0  # copies issued so far, in stream order
+        self.synced_through = 0  # every copy up to this one has completed (a wait saw it)
 
     def event(self) -> "LaggingEvent":
-        return LaggingEvent(self, self.steps_done + self.lag)
+        self.issued += 1
+        return LaggingEvent(self, self.steps_done + self.lag, self.issued)
 
 
 class LaggingEvent:
-    def __init__(self, device: LaggingDevice, ready_at: int):
+    def __init__(self, device: LaggingDevice, ready_at: int, order: int):
         self._device = device
         self._ready_at = ready_at
-        self._done = False
+        self._order = order
 
     def query(self) -> bool:
-        return self._done or self._device.steps_done >= self._ready_at
+        return (self._order <= self._device.synced_through
+                or self._device.steps_done >= self._ready_at)
 
     def synchronize(self) -> None:
         self._device.waits.append(threading.current_thread().name)
-        self._done = True
+        self._device.synced_through = max(self._device.synced_through, self._order)
 
 
 @contextmanager

@@ -1,0 +1,76 @@
+"""The model-output check of one step, with one owner.
+
+Every training forward's output is checked (nonfinite.nonfinite_flags: a host bool for CPU
+tensors, one 0-d device bool per accelerator). Three parts read the result: the forward
+replay (was *this* forward's output non-finite? peeked at once, read when it arrives), the
+update guard (was anything of this step non-finite, before its update?) and the detector
+(count the step once, at its end). The flags are combined here, once, as they come, and
+each reader takes what it needs, so no reader stacks them again: for the common step (one
+forward, one device) the combining costs no op at all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def any_flag(flags: list[torch.Tensor]) -> torch.Tensor:
+    """One 0-d device bool, true when any of `flags` (0-d bools) is: the flag itself when
+    there is one, one `|` for two (a stack and an any would be three ops with the reshape),
+    a stack beyond. Flags on other devices are brought to the first one's (a device copy,
+    no wait for the host)."""
+    first = flags[0]
+    if len(flags) == 1:
+        return first
+    if len(flags) == 2:
+        return first | flags[1].to(first.device)
+    return torch.stack([f.to(first.device).reshape(()) for f in flags]).any()
+
+
+class OutputFlags:
+    """This step's output checks: `add` takes each forward's flags; `forward_flag` is the
+    last forward's (the replay's), `step_flags` the whole step's (the guard's, the
+    detector's). `clear` at each step's beginning."""
+
+    __slots__ = ("_host", "_by_device", "_last")
+
+    def __init__(self) -> None:
+        self._host: bool | None = None  # None: no check on the host this step
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+        self._last: bool | torch.Tensor | None = None
+
+    def clear(self) -> None:
+        self._host = None
+        self._by_device = {}
+        self._last = None
+
+    def add(self, flags: list[bool | torch.Tensor]) -> None:
+        """One forward's flags: at most one host bool and one flag per device."""
+        host = [f for f in flags if not isinstance(f, torch.Tensor)]
+        on_device = [f for f in flags if isinstance(f, torch.Tensor)]
+        if host:
+            self._host = bool(self._host) or any(host)
+        for f in on_device:
+            # a second forward of the step (siamese nets, a discriminator on real and fake)
+            # folds in with one op; the first costs none
+            earlier = self._by_device.get(f.device)
+            self._by_device[f.device] = f if earlier is None else earlier | f
+        if any(host):
+            self._last = True  # known bad on the host: no device flag needs reading
+        elif on_device:
+            self._last = any_flag(on_device)
+        else:
+            self._last = False if host else None
+
+    @property
+    def forward_flag(self) -> bool | torch.Tensor | None:
+        """The last forward's output: True/False when known on the host, a 0-d device bool
+        still to be read, None when it had nothing to check."""
+        return self._last
+
+    def step_flags(self) -> list[bool | torch.Tensor]:
+        """The step's output so far: a host bool (if any check ran on the host), then one
+        0-d bool per device."""
+        out: list[bool | torch.Tensor] = [] if self._host is None else [self._host]
+        out.extend(self._by_device.values())
+        return out

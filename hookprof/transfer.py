@@ -71,7 +71,8 @@ def index_to_device(values: list[int], device: torch.device) -> torch.Tensor:
 
 def wait_ready(ready: Any) -> None:
     # note: a CPU-GPU sync point. It runs on the publisher thread, and on the training thread
-    # only with the opt-in Config.nonfinite_sync, once per step: the guard's read_now() of
+    # only with the opt-in Config.nonfinite_sync, once per optimizer update (a plain loop: once
+    # per step; each closure evaluation under skip/raise): the guard's read_now() of
     # the step's flags (guard.py), or else the replay's output flag at the optimizer hook
     if ready is not None:
         ready.synchronize()

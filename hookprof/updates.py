@@ -146,13 +146,13 @@ class UpdateNorms:
         raise KeyError(device)
 
     def _weight_tensors(self) -> dict[torch.device, tuple[list[torch.Tensor], list[int]]] | None:
-        """This rank's part of every parameter, by device as grouped; None when a group's
-        first parameter is no longer on its device (one check per device)."""
+        """This rank's part of every parameter, by device as grouped; None when any of them
+        is no longer on its group's device (a model moved, or one stage of it moved)."""
         params = self._table.params
         weights = {}
         for device, group, layers, _ in self._weights:
             tensors = [local_tensor(params[i].detach()) for i in group]
-            if tensors[0].device != device:
+            if any(t.device != device for t in tensors):
                 return None
             weights[device] = (tensors, layers)
         return weights

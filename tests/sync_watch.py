@@ -74,6 +74,7 @@ _SKIPPED_DIRS = (
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
     os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,
 )
+_TORCH_DIR = _SKIPPED_DIRS[0]
 _SKIPPED_FILES = {os.path.abspath(__file__), os.path.abspath(lagging_device.__file__)}
 # hookprof's wrappers around the user's own torch calls: what torch does inside them (GradScaler
 # reads found_inf with .item() for a non-fused optimizer) is the user's wait, with or without
@@ -116,16 +117,22 @@ def _where(frame) -> str:
 
 def attribute(op: str) -> WouldSync:
     """Walk the caller's stack: whose code asked for `op`?"""
-    frames, in_flush = [], False
+    frames, in_flush, in_torch = [], False, False
     frame = sys._getframe(1)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
         if path.startswith(HOOKPROF_DIR) and frame.f_code.co_qualname == "Profiler.flush":
             in_flush = True
-        if path not in _SKIPPED_FILES and not path.startswith(_SKIPPED_DIRS):
-            # torch's own code ran inside a pass-through wrapper: look through it
-            if frames or (_file(frame), frame.f_code.co_name) not in PASS_THROUGH:
-                frames.append(frame)
+        if path in _SKIPPED_FILES or path.startswith(_SKIPPED_DIRS):
+            if not frames:
+                # the skipped frame just inside the first kept one: torch's code there means
+                # the op came from a torch call (dispatch's plumbing, inside this watch's
+                # own modes, never is that frame)
+                in_torch = path.startswith(_TORCH_DIR)
+        # torch's own code ran inside a pass-through wrapper: look through it; the wrapper's
+        # own op (no torch frame inside it) is hookprof's
+        elif frames or not in_torch or (_file(frame), frame.f_code.co_name) not in PASS_THROUGH:
+            frames.append(frame)
         frame = frame.f_back
     if not frames:
         return WouldSync(op, "user", "?", ())

@@ -547,3 +547,28 @@ def test_gradscaler_with_a_fused_optimizer_under_skip_and_raise_on_cuda(policy):
         prof.detach()
     assert snap.skipped_steps == 2
     assert snap.first_nonfinite is None
+
+
+def test_hookprofs_gradscaler_wrapper_is_looked_through_only_for_torchs_own_waits():
+    """The wrapper around GradScaler._maybe_opt_step (hookprof/gradscaler.py) is looked
+    through so that the scaler's own .item() is the user's; a wait the wrapper itself made
+    would be hookprof's. Both are run from a function compiled under the wrapper's file and
+    name: one reads a value itself, the other calls torch code that reads one
+    (clip_grad_norm_ with error_if_nonfinite checks its norm on the host)."""
+    import hookprof.gradscaler as wrapper_module
+
+    source = ("def _maybe_opt_step(own, params):\n"
+              "    if own:\n"
+              "        return params[0].grad.sum().item()\n"
+              "    return torch.nn.utils.clip_grad_norm_(params, 1.0, error_if_nonfinite=True)\n")
+    namespace = {"torch": torch}
+    exec(compile(source, wrapper_module.__file__, "exec"), namespace)
+    wrapper = namespace["_maybe_opt_step"]
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    with SyncWatch() as watch:
+        wrapper(True, [p])
+    assert [w.frame.split(":")[0] for w in watch.hookprofs] == ["hookprof/gradscaler.py"]
+    with SyncWatch() as watch:
+        wrapper(False, [p])
+    assert watch.hookprofs == [] and watch.by("user"), watch.report()

@@ -56,7 +56,7 @@ from .device_phases import DevicePhaseTotals, PhaseMarks
 from .publisher import Publisher
 from .record import StepCounters, StepRecord, pack_step
 from .output_check import OutputFlags
-from .replay import ForwardReplay
+from .replay import ForwardReplay, own_weights_nonfinite
 from .sampling import UNSAMPLED, StepPlanner
 from . import endpoint
 from .endpoint import Endpoint, Member
@@ -835,8 +835,10 @@ class Profiler:
             self._faults.report("forward replay", exc, disable=False)
             return
         if rec is not None:
+            weights = [("weights_bad", f) for f in own_weights_nonfinite(self.table.layers)]
             self._publisher.submit(pack_step(step, rec, self._detector.blocks(),
-                                             counts=self._device_counts(), sampled=False))
+                                             counts=self._device_counts(), sampled=False,
+                                             extra=weights))
             if self._replay.keep_late:  # skip/raise: the policy may be waiting for its layer
                 self._replay_token = self._publisher.publish_now()
 

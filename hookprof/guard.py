@@ -40,6 +40,12 @@ def is_fused(optimizer: torch.optim.Optimizer) -> bool:
         g.get("fused") for g in optimizer.param_groups)
 
 
+def by_scaler(optimizer: torch.optim.Optimizer) -> bool:
+    """Is GradScaler's fused path inside this optimizer's step (it sets grad_scale and
+    found_inf on the optimizer for the step, then deletes both)?"""
+    return hasattr(optimizer, "grad_scale")
+
+
 class ScalerView:
     """A GradScaler's state as a fused optimizer sees it during `GradScaler.step`: the
     scale its gradients still carry, and the device flag of a skip. Both None otherwise."""
@@ -48,7 +54,9 @@ class ScalerView:
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.scale = getattr(optimizer, "grad_scale", None)  # None after unscale_()
-        self.found_inf = getattr(optimizer, "found_inf", None)
+        # GradScaler sets grad_scale (to None after unscale_()) beside its found_inf; a
+        # found_inf alone is the guard of another profiler sharing this optimizer, not a skip
+        self.found_inf = getattr(optimizer, "found_inf", None) if by_scaler(optimizer) else None
 
     @property
     def active(self) -> bool:
@@ -186,11 +194,14 @@ class UpdateGuard:
             bad = bad | self._step_bad.to(bad.device)
         if is_fused(optimizer):
             found = bad.to(torch.float32)
-            scaler_found = getattr(optimizer, "found_inf", None)
-            if scaler_found is not None:  # GradScaler's fused path set one: skip on either
-                found = torch.maximum(scaler_found.to(found.device).reshape(found.shape), found)
+            earlier = getattr(optimizer, "found_inf", None)
+            if earlier is not None:  # GradScaler's, or another profiler's guard: skip on either
+                found = torch.maximum(earlier.to(found.device).reshape(found.shape), found)
             optimizer.found_inf = found  # read by the fused kernel; removed after the step
-            self._set_found = (optimizer, found, scaler_found)
+            # GradScaler.step deletes its own found_inf after the step: it gets it back. Another
+            # guard's is not handed back (it would outlive its step): that guard finds ours
+            # in its place and leaves it, and ours is removed
+            self._set_found = (optimizer, found, earlier if by_scaler(optimizer) else None)
             self._step_bad = bad
             return
         if self._wait:

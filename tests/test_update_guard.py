@@ -275,3 +275,45 @@ def test_an_update_that_raises_leaves_nothing_held_back_for_the_next_step(lag):
     assert not hasattr(opt, "found_inf")  # the stale flag went, and this step's too
     for p, grad in zip(model.parameters(), grads):  # no stale gradient came back
         assert torch.equal(p.grad, grad)
+
+
+def test_two_profilers_sharing_one_fused_optimizer_hold_back_only_the_bad_step():
+    """An encoder and a decoder attached apart, one fused optimizer for both, on a device
+    behind the host: each guard puts its found_inf on the optimizer in turn. The second
+    must not take the first's for GradScaler's and hand it back after the step (the first's
+    stale flag then held every later update back, counted as GradScaler skips, and stayed on
+    the optimizer after detach())."""
+    torch.manual_seed(0)
+    enc = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    dec = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD([*enc.parameters(), *dec.parameters()], lr=0.05, fused=True)
+    bad_step, held = 3, []
+    with lagging_device(3):
+        profs = [hookprof.attach(m, on_nonfinite="skip", **RARELY) for m in (enc, dec)]
+        try:
+            g = torch.Generator().manual_seed(0)
+            for step in range(1, 9):
+                x = torch.randn(4, 8, generator=g)
+                if step == bad_step:
+                    x[0, 0] = float("nan")
+                opt.zero_grad(set_to_none=True)
+                before = [p.detach().clone() for p in dec.parameters()]
+                dec(enc(x)).pow(2).mean().backward()
+                opt.step()
+                if all(torch.equal(b, p) for b, p in zip(before, dec.parameters())):
+                    held.append(step)
+            snaps = []
+            for prof in profs:
+                prof.flush()
+                snaps.append(prof.snapshot())
+        finally:
+            for prof in profs:
+                prof.detach()
+    assert held == [bad_step]
+    assert [s.skipped_steps for s in snaps] == [0, 0]  # no GradScaler here: nothing it skipped
+    assert not hasattr(opt, "found_inf")
+    before = [p.detach().clone() for p in dec.parameters()]
+    opt.zero_grad()
+    dec(enc(torch.randn(4, 8))).pow(2).mean().backward()
+    opt.step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, dec.parameters()))

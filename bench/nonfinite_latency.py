@@ -2,6 +2,7 @@
 
     python bench/nonfinite_latency.py                 # CPU: the narrow GPT shape
     python bench/nonfinite_latency.py --full          # on a GPU: GPT-124M, bf16, fused AdamW
+    python bench/nonfinite_latency.py --lag 3         # CPU, a device emulated 3 steps behind
 
 The workload is bench/shapes.py's GPT shape, hookprof with its default sampling. One layer
 (`h.5.mlp.c_fc`) makes a NaN in its forward on step 23, an unsampled step (checked: the run
@@ -21,6 +22,11 @@ host read, no wait) is looked at. Printed per policy:
 Steps are counted in loop iterations (step 23 is the bad one; "+0" means the boundary of that
 same step). On a CPU every copy is done when it is issued, so everything is "+0": the figures
 that matter are a GPU's, where the host runs ahead of the device.
+
+With `--lag K` the run is on tests/lagging_device.py's emulated device, K optimizer steps
+behind the host (one-value flags and counter drains not ready for K steps; a wait completes
+them at once): the GPU's code paths and their step counts, on the CPU. Its seconds are the
+CPU's, and the sync cost is not measured (a wait costs nothing there).
 
 Then the cost of `nonfinite_sync=True` (a wait for one flag at each optimizer step): step time
 with it over step time without it, both with hookprof's defaults otherwise, in interleaved
@@ -67,14 +73,33 @@ def synchronize(device: torch.device) -> None:
 
 
 class Poison:
-    """A forward hook that turns the layer's output into NaN on the step it is armed for."""
+    """Forward hooks that turn the layer's output into NaN in every forward of one batch
+    (a data-dependent overflow): the batch given to the step it is armed for, a copy of the
+    shape's fixed one, so that hookprof's replay of that step, a few steps later on a device
+    behind the host, makes the NaN again, and no other step does."""
 
-    def __init__(self, layer: torch.nn.Module):
-        self.armed = False
-        self.handle = layer.register_forward_hook(self._hook)
+    def __init__(self, model: torch.nn.Module, layer: torch.nn.Module):
+        self.batch: torch.Tensor | None = None  # the root input that overflows
+        self._input: torch.Tensor | None = None  # the root input of the forward running now
+        self.handles = [model.register_forward_pre_hook(self._note),
+                        layer.register_forward_hook(self._hook)]
+
+    def arm(self, shape: shapes.Shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """Give the next step an equal copy of the batch, poisoned; returns the batch to put back."""
+        original = shape.batch
+        self.batch = original[0].clone()
+        shape.batch = (self.batch, original[1])
+        return original
+
+    def _note(self, module, args):
+        self._input = args[0] if args else None
 
     def _hook(self, module, args, output):
-        return output * float("nan") if self.armed else None
+        return output * float("nan") if self._input is not None and self._input is self.batch else None
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 def all_finite(shape: shapes.Shape) -> bool:
@@ -85,12 +110,14 @@ def all_finite(shape: shapes.Shape) -> bool:
 
 
 def one_policy(name: str, overrides: dict, device: torch.device, full: bool, after: int,
-               deadline_s: float, settings: dict = SETTINGS) -> dict:
+               deadline_s: float, settings: dict = SETTINGS, fused: bool | None = None) -> dict:
     shape = shapes.build("gpt", device, full=full)
+    if fused is not None:  # the shape's AdamW is fused where the device has it: else this
+        shape.optimizer = torch.optim.AdamW(shape.model.parameters(), lr=6e-4, fused=fused)
     for _ in range(3):  # warm-up (kernels chosen, memory allocated) before step 1
         shape.step()
     synchronize(device)
-    poison = Poison(shape.model.get_submodule(PRODUCER))
+    poison = Poison(shape.model, shape.model.get_submodule(PRODUCER))
     prof = hookprof.attach(shape.model, **settings, **overrides)
     result: dict = {"policy": name, "detected": None, "named": None, "raised": None,
                     "raised_layer": None, "seconds_to_detected": None, "seconds_to_named": None}
@@ -102,15 +129,18 @@ def one_policy(name: str, overrides: dict, device: torch.device, full: bool, aft
         while step < BAD_STEP + after or (
                 result["named"] is None and time.perf_counter() - bad_issued < deadline_s):
             step += 1
-            poison.armed = step == BAD_STEP
-            if poison.armed and prof._plan.sampled:  # noqa: SLF001 (planned at step 22's end)
+            if step == BAD_STEP and prof._plan.sampled:  # noqa: SLF001 (planned at step 22's end)
                 raise SystemExit(f"step {BAD_STEP} is sampled (steps take > ~90 ms here): the "
                                  "bench measures an unsampled one; use a narrower shape")
+            fixed_batch = poison.arm(shape) if step == BAD_STEP else None
             try:
                 shape.step()
             except hookprof.NonFiniteError as exc:
                 result["raised"], result["raised_layer"] = step - BAD_STEP, exc.layer
                 break
+            finally:
+                if fixed_batch is not None:
+                    shape.batch = fixed_batch
             if step == BAD_STEP:
                 bad_issued = time.perf_counter()
             if step < BAD_STEP:
@@ -131,7 +161,7 @@ def one_policy(name: str, overrides: dict, device: torch.device, full: bool, aft
         result["weights_finite"] = all_finite(shape)
     finally:
         prof.detach()
-        poison.handle.remove()
+        poison.remove()
     return result
 
 
@@ -177,8 +207,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds after the bad step to go on until the producer is named")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "nonfinite_latency.json"))
+    parser.add_argument("--lag", type=int, default=0,
+                        help="on the CPU: emulate a device this many optimizer steps behind the host")
+    parser.add_argument("--out", default=None, help="JSON results (default bench/results/nonfinite_latency[_lagK].json)")
     args = parser.parse_args(argv)
+    if args.out is None:
+        suffix = f"_lag{args.lag}" if args.lag else ""
+        args.out = os.path.join(HERE, "results", f"nonfinite_latency{suffix}.json")
+    if args.lag:
+        return main_emulated(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -187,6 +224,47 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.strftime('%Y-%m-%d')}, GPT shape {'full' if args.full else 'narrow'}; "
           f"NaN in {PRODUCER}'s forward at unsampled step {BAD_STEP}")
     results = [one_policy(name, overrides, device, args.full, args.after, args.deadline) for name, overrides in POLICIES]
+    print_rows(results)
+    cost = sync_cost(device, args.full, args.rounds, args.steps)
+    print(f"nonfinite_sync=True: step {cost['step_ms_on']:.2f} ms vs {cost['step_ms_off']:.2f} ms, "
+          f"paired ratio {cost['paired_ratio']:.3f} ({cost['rounds']} rounds x {cost['steps']} steps)")
+    write(args.out, {"device": where, "torch": torch.__version__, "full": args.full,
+                     "policies": results, "nonfinite_sync_cost": cost})
+    return 0
+
+
+def main_emulated(args: argparse.Namespace) -> int:
+    """--lag K: every policy with fused and with for-loop AdamW, on the emulated device."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from lagging_device import lagging_device  # noqa: PLC0415 (a test helper, only here)
+
+    torch.set_num_threads(1)
+    print(f"hookprof nonfinite latency: torch {torch.__version__}, CPU with a device emulated "
+          f"{args.lag} steps behind the host (tests/lagging_device.py), {time.strftime('%Y-%m-%d')}, "
+          f"GPT shape narrow; NaN in {PRODUCER}'s forward at unsampled step {BAD_STEP}")
+    out = {}
+    for fused in (True, False):
+        print(f"AdamW fused={fused}")
+        results = []
+        for name, overrides in POLICIES:
+            with lagging_device(args.lag):
+                results.append(one_policy(name, overrides, torch.device("cpu"), False, args.after,
+                                          args.deadline, fused=fused))
+        print_rows(results)
+        out[f"fused={fused}"] = results
+    write(args.out, {"device": "cpu, emulated lag", "lag": args.lag, "torch": torch.__version__,
+                     "policies": out})
+    return 0
+
+
+def write(path: str, document: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(document, f, indent=1)
+    print(f"written {path}")
+
+
+def print_rows(results: list[dict]) -> None:
     print(f"{'policy':26} {'detected':>9} {'named':>6} {'seconds':>15} {'raised':>7} "
           f"{'raised layer':>14} {'held back':>9} {'weights':>8}")
     for r in results:
@@ -199,15 +277,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{str(r['raised_layer'] or '-'):>14} {r.get('held_back', 0):>9} "
               f"{'finite' if r.get('weights_finite') else 'NaN':>8}")
         print(f"{'':26} after flush(): {r.get('after_flush')}")
-    cost = sync_cost(device, args.full, args.rounds, args.steps)
-    print(f"nonfinite_sync=True: step {cost['step_ms_on']:.2f} ms vs {cost['step_ms_off']:.2f} ms, "
-          f"paired ratio {cost['paired_ratio']:.3f} ({cost['rounds']} rounds x {cost['steps']} steps)")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"device": where, "torch": torch.__version__, "full": args.full,
-                   "policies": results, "nonfinite_sync_cost": cost}, f, indent=1)
-    print(f"written {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -59,6 +59,16 @@ class StepFigures:
         self.device_phases: tuple[float, ...] | None = None  # device seconds per step phase
 
 
+def _with_ancestors(rec: StepRecord, calls: list[int]) -> set[int]:
+    """`calls` and every call enclosing one of them (Call.parent, -1 at the top)."""
+    out: set[int] = set()
+    for c in calls:
+        while c >= 0 and c not in out:
+            out.add(c)
+            c = rec.calls[c].parent
+    return out
+
+
 def _nanmax(values: list[float]) -> float:
     """max() that lets NaN win, as torch.amax does."""
     out = -math.inf
@@ -178,7 +188,9 @@ class Aggregator:
                 figures.zeros[layer] += act.sample_size - next(nonzero_values)
                 figures.numel[layer] += act.sample_size
         figures.checked = bool(rec.act)
-        figures.finding = self._forward_roles(rec, act_max, bwd_start)
+        # a replay's layers whose own weights were non-finite (replay.own_weights_nonfinite)
+        weights_bad = {i for i, v in enumerate(packet.batch.get("weights_bad")) if v}
+        figures.finding = self._forward_roles(rec, act_max, bwd_start, weights_bad)
         return figures
 
     def _add_sampled_step(self, packet: Packet, figures: StepFigures) -> None:
@@ -249,7 +261,8 @@ class Aggregator:
             self.flagged_steps[kind] += hit
 
     def _forward_roles(
-        self, rec: StepRecord, act_max: dict[int, float], bwd_start: dict[int, float]
+        self, rec: StepRecord, act_max: dict[int, float], bwd_start: dict[int, float],
+        weights_bad: set[int] = frozenset(),
     ) -> ForwardFinding:
         """Who made a NaN/Inf on a checked or replayed step: the root's inputs ("(input)"),
         else the innermost call with finite inputs and a non-finite output (the first to end:
@@ -270,6 +283,9 @@ class Aggregator:
         # made one from finite inputs: a root input may hold -inf on purpose (an additive
         # attention mask) while a layer is what went wrong
         made = [c for c in rec.ended if c in out_bad and c not in in_bad]
+        if weights_bad:  # a layer whose own weights made it is no origin, nor its enclosing calls
+            made = [c for c in made if c not in _with_ancestors(rec, [
+                m for m in made if rec.calls[m].layer in weights_bad])]
         producers: dict[str, None] = dict.fromkeys(names[rec.calls[c].layer] for c in made)
         if root_input_bad and not producers:
             producers[INPUT_NAME] = None

@@ -165,6 +165,9 @@ class UpdateGuard:
         self._step_held = False  # this step's update is held back on the host's word
         self._step_bad: torch.Tensor | None = None  # device flag over this step's checks
         self.held_back = 0  # steps held back on the host's word (device ones: a SkipCounters)
+        # this step had an update that could not be held back (a non-fused optimizer on a
+        # device, no nonfinite_sync): if the step was non-finite, the weights took it
+        self.unguarded = False
         self.delegates = DelegationCache()  # judged at the inner optimizer's pre-hook
 
     @property
@@ -205,6 +208,7 @@ class UpdateGuard:
             if bool(transfer.read_now(bad)):  # the opt-in wait (Config.nonfinite_sync)
                 self._hide(params)
             return
+        self.unguarded = True
         self._say("non-fused update", (
             f"on_nonfinite holds back a non-finite update on the device only for fused "
             f"optimizers (fused=True Adam, AdamW, SGD, Adagrad); {type(optimizer).__name__} "
@@ -234,6 +238,7 @@ class UpdateGuard:
         if self._step_held:
             self.held_back += 1
         bad, self._step_bad, self._step_held = self._step_bad, None, False
+        self.unguarded = False
         return bad
 
     def _take_back_found_inf(self) -> None:

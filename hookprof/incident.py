@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from .publisher import Publisher
 
 
+HOLD_STEPS = 8  # step ends the policy may wait for the replay to name the layer (replay.MAX_LATE)
+
+
 class IncidentResponse:
     """Owns the NaN reaction of one profiler. The training thread calls `at_step_end` at
     each step boundary and asks `open` when planning a step; nothing else writes its state.
@@ -35,7 +38,8 @@ class IncidentResponse:
     and bring the counters over as soon as it shows something new."""
 
     def __init__(self, config: Config, rank: int, detector: Detector, publisher: "Publisher",
-                 drain_counters: Callable[[], None]):
+                 drain_counters: Callable[[], None],
+                 replay_pending: Callable[[int], bool] = lambda step: False):
         self._config = config
         self._rank = rank
         self._detector = detector
@@ -47,6 +51,10 @@ class IncidentResponse:
         self._flags: list[tuple[torch.device, tuple[Any, Any]]] = []  # device flags in flight
         self._device_bad: dict[torch.device, int] = {}  # last flag read back per device
         self._drained_at = 0  # the count of bad steps seen when the counters were last drained
+        # can the forward replay still name the producer of this bad step (its flag or its
+        # packet on the way)? Then the policy waits for it, up to HOLD_STEPS step ends
+        self._replay_pending = replay_pending
+        self._act_by: int | None = None  # the last step end at which the held policy acts
 
     def open(self, step: int) -> bool:
         """Is an incident open at `step`: recent, and its layer not known yet?"""
@@ -63,13 +71,30 @@ class IncidentResponse:
         snap = self._publisher.latest
         bad = sum(snap.nonfinite_steps.values())
         if bad <= self._known_bad:
+            if self._act_by is not None:
+                self._act_when_named(step, snap)
             return
         self._known_bad = bad
         self._open_until = step + self._config.incident_steps
+        if (policy != "record" and snap.first_nonfinite is not None and not self._acted
+                and self._act_by is None):
+            self._act_by = step + HOLD_STEPS
+        if self._act_by is not None:
+            self._act_when_named(step, snap)
+
+    def _act_when_named(self, step: int, snap: Snapshot) -> None:
+        """Act on the first incident, once its layer is known or cannot be anymore: while
+        the forward replay may still name it (a kept step's flag or the replay's packet on
+        its way), at most HOLD_STEPS step ends. Holding is safe: the replay is pending only
+        for steps whose update the guard held back (guard.py), and it holds back every
+        non-finite update meanwhile."""
         event = snap.first_nonfinite
-        if policy != "record" and event is not None and not self._acted:
-            self._acted = True
-            apply(policy, event, snap, self._config, self._rank)
+        assert event is not None and self._act_by is not None
+        if event.layer is None and step < self._act_by and self._replay_pending(event.step):
+            return
+        self._act_by = None
+        self._acted = True
+        apply(self._config.on_nonfinite, event, snap, self._config, self._rank)
 
     def _poll_flag(self) -> None:
         for device, c in self._detector.by_device.items():
@@ -88,10 +113,11 @@ class IncidentResponse:
                 # work, not a wait for a device, so the policy acts at this very step
                 self._publisher.flush()
             else:
-                # never wait for the device here: the publisher folds the drain when its
-                # copy completes, and the policy acts at the first step end after that
-                # (the update guard has held this step's update back meanwhile)
-                self._publisher.nudge()
+                # never wait for the device here: the publisher folds the drain as soon as
+                # its copy completes (waiting for it on its own thread) and publishes at
+                # once, and the policy acts at the first step end after that (the update
+                # guard has held this step's update back meanwhile)
+                self._publisher.publish_now()
 
 
 def describe(event: NonFiniteEvent, rank: int) -> str:

@@ -56,7 +56,7 @@ from .device_phases import DevicePhaseTotals, PhaseMarks
 from .publisher import Publisher
 from .record import StepCounters, StepRecord, pack_step
 from .output_check import OutputFlags
-from .replay import ForwardReplay
+from .replay import ForwardReplay, own_weights_nonfinite
 from .sampling import UNSAMPLED, StepPlanner
 from . import endpoint
 from .endpoint import Endpoint, Member
@@ -166,7 +166,8 @@ class Profiler:
         # the other ranks never join, so a forward NaN is localised on the following
         # (sampled) steps instead
         self._replay = ForwardReplay(model, enabled=not self.table.has_dtensor_params,
-                                     keep_late=self._guard is not None)
+                                     keep_late=self._guard is not None, say=self._notices.say)
+        self._replay_token = 0  # the publisher's publish_now token of the replay's packet
         self._hooks = LayerHooks(self.table, self.timer, self._faults, config.activation_stats,
                                  root=model)
         aggregator = Aggregator(
@@ -218,7 +219,7 @@ class Profiler:
             decorate=self._watch.decorate,
         )
         self._incidents = IncidentResponse(config, self.rank, self._detector, self._publisher,
-                                           self._drain_counters)
+                                           self._drain_counters, self._replay_pending)
         self._supervisor = ThreadSupervisor(self._faults)
         self._supervisor.watch("publisher", self._publisher)
         if config.stall_detection:
@@ -743,6 +744,8 @@ class Profiler:
         # device is unknown here: its update measures 0, docs/efficiency.md)
         no_update = skipped or (self._guard is not None and self._guard.holding)
         if self._guard is not None:  # held back: counted once per step, however often acted on
+            if self._guard.unguarded:
+                self._replay.unheld(number)  # its update reached the weights: no late replay
             held_on_device = self._guard.end_step()
             if held_on_device is not None:
                 self._held_back.add(held_on_device)
@@ -832,8 +835,18 @@ class Profiler:
             self._faults.report("forward replay", exc, disable=False)
             return
         if rec is not None:
+            weights = [("weights_bad", f) for f in own_weights_nonfinite(self.table.layers)]
             self._publisher.submit(pack_step(step, rec, self._detector.blocks(),
-                                             counts=self._device_counts(), sampled=False))
+                                             counts=self._device_counts(), sampled=False,
+                                             extra=weights))
+            if self._replay.keep_late:  # skip/raise: the policy may be waiting for its layer
+                self._replay_token = self._publisher.publish_now()
+
+    def _replay_pending(self, bad_step: int) -> bool:
+        """Can the forward replay still name the producer of `bad_step`'s NaN: a kept step
+        up to it not looked at yet, or the replay's packet not published yet?"""
+        return (self._replay.may_replay(bad_step)
+                or self._publisher.published_token < self._replay_token)
 
     def _checked_squares(self, squares: list[torch.Tensor]) -> list[torch.Tensor]:
         """The squares the backward check counts: none on a step a fused optimizer's

@@ -27,6 +27,16 @@ _STOP = object()
 _NUDGE = object()
 
 
+class _PublishNow:
+    """A request to fold what has arrived and publish at once, not at the next interval:
+    an incident's drain or replay (IncidentResponse reads `latest` at the next step ends)."""
+
+    __slots__ = ("token",)
+
+    def __init__(self, token: int):
+        self.token = token
+
+
 class Publisher(DaemonThread):
     def __init__(
         self,
@@ -53,6 +63,8 @@ class Publisher(DaemonThread):
         self._waiting: list[Packet] = []  # arrived, not folded yet (kept across a restart)
         self._oldest = 0.0  # when the oldest waiting packet arrived (monotonic)
         self.latest: Snapshot = self._build()
+        self._requested = 0  # publish_now requests made (training thread)
+        self.published_token = 0  # the last one whose fold is in `latest` (publisher thread)
         DaemonThread.__init__(self, name)
 
     def submit(self, packet: Packet) -> None:
@@ -61,6 +73,15 @@ class Publisher(DaemonThread):
     def nudge(self) -> None:
         """Fold what has arrived now (the training thread is about to run a backward)."""
         self._queue.put(_NUDGE)
+
+    def publish_now(self) -> int:
+        """Fold what has been submitted so far and publish it as soon as its copies have
+        completed (waited for here, on the publisher thread), not at the next interval.
+        Never waits on the caller's thread. Returns a token: `published_token >= token` once
+        `latest` holds it."""
+        self._requested += 1
+        self._queue.put(_PublishNow(self._requested))
+        return self._requested
 
     def fold(self, packet: Packet) -> None:
         """Fold one packet into the totals (on the publisher thread)."""
@@ -117,6 +138,8 @@ class Publisher(DaemonThread):
                 if item is not _NUDGE or now - last_publish >= self._interval_s:
                     self._publish()
                     last_publish = time.monotonic()
+                if isinstance(item, _PublishNow):  # after the publish that holds its packets
+                    self.published_token = max(self.published_token, item.token)
             except Exception as exc:  # never die: a lost sample is better than no exporter
                 self._faults.report("publisher thread", exc, disable=False)
             finally:

@@ -14,7 +14,11 @@ On an accelerator the flag is usually not on the host before the update: the hos
 ahead of the device. When the update guard holds a non-finite step's update back on the
 device (on_nonfinite "skip"/"raise" with a fused optimizer, see guard.py), the weights stay
 finite, so the step's inputs are kept (`keep_late`, at most MAX_LATE steps) until its flag
-arrives, and the replay runs then, on the weights of a few finite updates later.
+arrives, and the replay runs then, on the weights of a few finite updates later. A kept step
+whose update was not held back (a non-fused optimizer without nonfinite_sync: `unheld`) is
+never replayed late: if it was non-finite, its update reached the weights, and a replay on
+them names the first layer with weights, not the producer. The incident then stays not
+localised, and `say` tells why, once.
 """
 
 from __future__ import annotations
@@ -29,10 +33,31 @@ from torch import nn
 
 from . import transfer
 from .instrument import LayerHooks
+from .nonfinite import nonfinite_mask
 from .record import StepRecord
 
 
 MAX_LATE = 8  # steps whose output flag may still be on its way (the device's lag), kept
+
+
+def own_weights_nonfinite(layers: list[Any]) -> list[torch.Tensor]:
+    """One 0-d flag per layer (layers.Layer, in table order): does its own parameters or
+    buffers hold a NaN/Inf now? Sent with the replay's record (no wait): a layer whose own
+    weights are non-finite makes a NaN from finite inputs without being where it began (the
+    weights took a non-finite update earlier), so aggregate names it no producer."""
+    flags = []
+    for layer in layers:
+        module = layer.module
+        own = [] if module is None else [
+            t for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
+            if t.is_floating_point() and t.numel()]
+        if not own:
+            flags.append(torch.zeros((), dtype=torch.int64))
+            continue
+        device = own[0].device
+        sums = torch.stack([t.detach().sum(dtype=torch.float32).to(device) for t in own])
+        flags.append(nonfinite_mask(sums).any().to(torch.int64))
+    return flags
 
 
 class CapturedForward:
@@ -53,14 +78,17 @@ class ForwardReplay:
     """The replay's state: the captured forward, this step's output flag, and whether the
     one replay of the run has happened (`enabled=False`: never, e.g. under DTensor)."""
 
-    def __init__(self, model: nn.Module, enabled: bool = True, keep_late: bool = False):
+    def __init__(self, model: nn.Module, enabled: bool = True, keep_late: bool = False,
+                 say: Callable[[str, str], None] | None = None):
         self._model_ref = weakref.ref(model)  # weakly: see layers.Layer.module_ref
         self.captured: CapturedForward | None = None  # this step's last training forward
         self.done = not enabled
         self._flag: tuple[Any, Any] | None = None  # (host flag, ready event) of the output check
         self.keep_late = keep_late
         # (step, flag, its forward) of steps whose flag is on its way
-        self._late: deque[tuple[int, tuple[Any, Any], CapturedForward]] = deque(maxlen=MAX_LATE)
+        # (None: an unheld step, see `unheld`)
+        self._late: deque[tuple[int, tuple[Any, Any], CapturedForward | None]] = deque(maxlen=MAX_LATE)
+        self._say = say
 
     @property
     def waiting(self) -> bool:
@@ -71,6 +99,17 @@ class ForwardReplay:
     def late(self) -> bool:
         """Steps whose output flag is still on its way are kept (keep_late)."""
         return bool(self._late)
+
+    def may_replay(self, step: int) -> bool:
+        """Can a late replay still run for a step up to `step` (a kept step whose update was
+        held back, its flag not looked at yet)?"""
+        return not self.done and any(s <= step and c is not None for s, _, c in self._late)
+
+    def unheld(self, step: int) -> None:
+        """`step`'s update was not held back (guard.UpdateGuard.unguarded): if its flag says
+        non-finite, the weights have taken that update, so its forward is not replayed."""
+        if self._late and self._late[-1][0] == step:
+            self._late[-1] = (step, self._late[-1][1], None)
 
     def capture(self, args: tuple, kwargs: dict, module: nn.Module | None = None) -> None:
         """Keep a training forward's inputs: of the root, or of the entry call `module` (a
@@ -128,12 +167,28 @@ class ForwardReplay:
             if not transfer.is_ready(flag[1]):
                 return None
             self._late.popleft()
-            if bool(flag[0]):
+            if bool(flag[0]) and captured is None:
+                self._refuse(step)
+            elif bool(flag[0]):
                 rec = new_record()
                 return (step, rec) if self._run(hooks, rec, captured) else None
         if self.done:
             self._late.clear()
         return None
+
+    def _refuse(self, step: int) -> None:
+        """The first non-finite kept step's update reached the weights: no replay this run
+        (every later one would run on those weights too)."""
+        self.done = True
+        self.clear()
+        self._late.clear()
+        if self._say is not None:
+            self._say("replay after unheld update", (
+                f"the NaN/Inf of step {step} is not localised to a layer: its flag arrived "
+                "after the optimizer had applied that step's non-finite update, so a replay "
+                "would run on non-finite weights and name the first layer that has weights; "
+                "nonfinite_sync=True, or a fused optimizer (fused=True) under "
+                "on_nonfinite='skip' or 'raise', holds such an update back and names it"))
 
     def _run(self, hooks: LayerHooks, rec: StepRecord, captured: CapturedForward) -> bool:
         """Replay `captured` into `rec`: the one replay of the run, whether it finishes or

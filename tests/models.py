@@ -70,6 +70,28 @@ class DeepNet(nn.Module):
         return names + ["head"]
 
 
+class Generator(nn.Module):
+    """A GAN's generator: noise (4) -> sample (8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+
+    def forward(self, z):
+        return self.net(z)
+
+
+class Discriminator(nn.Module):
+    """A GAN's discriminator: sample (8) -> logit."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
 def loss_of(model: nn.Module, batch) -> torch.Tensor:
     inputs, target = batch
     out = model(inputs)

@@ -20,7 +20,7 @@ import hookprof
 from hookprof import transfer
 from hookprof.demo import InjectNonFinite
 from lagging_device import lagging_device
-from models import DeepNet, loss_of, seeded
+from models import DeepNet, Discriminator, Generator, loss_of, seeded
 from sync_watch import SyncWatch
 
 LAG = 3
@@ -186,24 +186,6 @@ def test_model_called_twice_per_step(policy):
     watch, (snap,), error = watched(model, dict(SAMPLED, on_nonfinite=policy), loop)
     assert_no_hookprof_sync(watch)
     assert_nan_seen(snap, error, policy)
-
-
-class Generator(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
-
-    def forward(self, z):
-        return self.net(z)
-
-
-class Discriminator(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
-
-    def forward(self, x):
-        return self.net(x)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

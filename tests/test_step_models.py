@@ -11,7 +11,7 @@ from torch import nn
 
 import hookprof
 from conftest import free_port, parse, samples, scrape
-from models import DeepNet, hookprof_norms, layer_norms, loss_of, seeded, train
+from models import DeepNet, Discriminator, Generator, hookprof_norms, layer_norms, loss_of, seeded, train
 
 EVERY_STEP = dict(port=0, sample_every=1, min_sample_interval_s=0.0)
 
@@ -106,24 +106,6 @@ def test_nan_in_the_batch_of_a_loop_that_never_calls_the_root(settings):
 
 
 # ---- several models in one process ------------------------------------------------------
-
-
-class Generator(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
-
-    def forward(self, z):
-        return self.net(z)
-
-
-class Discriminator(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
-
-    def forward(self, x):
-        return self.net(x)
 
 
 def gan_steps(gen, disc, iterations: int, critic_steps: int) -> None:

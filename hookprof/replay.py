@@ -33,7 +33,6 @@ from torch import nn
 
 from . import transfer
 from .instrument import LayerHooks
-from .nonfinite import nonfinite_mask
 from .record import StepRecord
 
 
@@ -41,22 +40,25 @@ MAX_LATE = 8  # steps whose output flag may still be on its way (the device's la
 
 
 def own_weights_nonfinite(layers: list[Any]) -> list[torch.Tensor]:
-    """One 0-d flag per layer (layers.Layer, in table order): does its own parameters or
-    buffers hold a NaN/Inf now? Sent with the replay's record (no wait): a layer whose own
-    weights are non-finite makes a NaN from finite inputs without being where it began (the
-    weights took a non-finite update earlier), so aggregate names it no producer."""
+    """One 0-d flag per layer (layers.Layer, in table order): do its own parameters hold a
+    NaN/Inf now? Sent with the replay's record (no wait): a layer whose own weights are
+    non-finite makes a NaN from finite inputs without being where it began (the weights took
+    a non-finite update earlier), so aggregate names it no producer. Parameters only: buffers
+    such as BatchNorm's running stats are written by the bad forward itself, before the
+    replay looks, and say nothing of an earlier update."""
     flags = []
     for layer in layers:
         module = layer.module
         own = [] if module is None else [
-            t for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
-            if t.is_floating_point() and t.numel()]
+            t for t in module.parameters(recurse=False) if t.is_floating_point() and t.numel()]
         if not own:
             flags.append(torch.zeros((), dtype=torch.int64))
             continue
         device = own[0].device
-        sums = torch.stack([t.detach().sum(dtype=torch.float32).to(device) for t in own])
-        flags.append(nonfinite_mask(sums).any().to(torch.int64))
+        # isfinite, not a sum: a sum of large finite weights can overflow
+        finite = torch.stack([torch.isfinite(t.detach()).all().to(device, non_blocking=True)
+                              for t in own])
+        flags.append(finite.logical_not().any().to(torch.int64))
     return flags
 
 

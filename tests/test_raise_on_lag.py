@@ -8,6 +8,8 @@ again; a NaN keyed on the loop's step counter would not recur a few steps later.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -150,3 +152,32 @@ def test_a_replay_never_names_a_layer_whose_own_weights_were_already_non_finite(
     assert event.layer is None
     event = first_event(corrupt_weight=False)
     assert (event.layer, event.phase, event.step) == (PRODUCER, "forward", 4)
+
+
+@pytest.mark.parametrize("lag", [0, 3])
+def test_a_batchnorm_that_makes_the_nan_is_named_though_its_running_stats_took_it(lag):
+    """Only parameters tell of an earlier non-finite update: a BatchNorm whose batch mean
+    overflows (finite inputs of 2e38-3e38) writes NaN into its running stats in that very
+    forward, before the replay looks, and is still the producer."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, **({"fused": True} if lag else {}))
+    g = torch.Generator().manual_seed(0)
+    policy = "skip" if lag else "record"  # on a device behind the host the fused skip keeps the weights
+    with lagging_device(lag) if lag else contextlib.nullcontext():
+        prof = hookprof.attach(model, port=0, on_nonfinite=policy, sample_every=1000,
+                               min_sample_interval_s=3600.0)
+        try:
+            for step in range(1, 4 + 2 * lag):
+                x = torch.randn(8, 4, generator=g)
+                if step == 3:
+                    x[:4, 0], x[4:, 0] = 3e38, 2e38
+                opt.zero_grad(set_to_none=True)
+                model(x).pow(2).mean().backward()
+                opt.step()
+            prof.flush()
+            event = prof.snapshot().first_nonfinite
+        finally:
+            prof.detach()
+    assert not torch.isfinite(model[0].running_mean).all()  # the stats did take the NaN
+    assert (event.layer, event.phase, event.step) == ("0", "forward", 3)

@@ -92,6 +92,10 @@ class IncidentResponse:
         assert event is not None and self._act_by is not None
         if event.layer is None and step < self._act_by and self._replay_pending(event.step):
             return
+        # the replay may have been published since `snap` was read (its token is set after
+        # `latest`): act on the newest snapshot, which then names the layer
+        snap = self._publisher.latest
+        event = snap.first_nonfinite or event
         self._act_by = None
         self._acted = True
         apply(self._config.on_nonfinite, event, snap, self._config, self._rank)

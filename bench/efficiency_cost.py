@@ -28,11 +28,11 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from hookprof.efficiency import StepEfficiency  # noqa: E402
-from hookprof.flops import _Meta, count  # noqa: E402
+from hookprof.efficiency.figures import StepEfficiency  # noqa: E402
+from hookprof.efficiency.flops import _Meta, count  # noqa: E402
 from hookprof.layers import LayerTable  # noqa: E402
 from hookprof.notices import Notices  # noqa: E402
-from hookprof.updates import UpdateNorms  # noqa: E402
+from hookprof.efficiency.updates import UpdateNorms  # noqa: E402
 from overhead import WORKLOADS  # noqa: E402
 
 

@@ -99,7 +99,7 @@ def measure(label: str, depth: int, steps: int, lag: int) -> dict:
 
 def run_here(args) -> dict:
     torch.set_num_threads(1)  # every op on the timed thread
-    gradients = sys.modules.get("hookprof.gradients")
+    gradients = sys.modules.get("hookprof.step.gradients")
     if hasattr(getattr(gradients, "GradientNorms", None), "cpu_dot_per_tensor"):
         gradients.GradientNorms.cpu_dot_per_tensor = False  # the accelerator's reduction, as on a GPU
     return {"depth": args.depth, "rows": [measure(label, args.depth, args.steps, args.lag)

@@ -116,7 +116,7 @@ def measure_workload(name: str, device: torch.device, full: bool, steps: int, ac
     meter = BoundaryMeter(clock)
     meter.install()
     try:
-        gradients = sys.modules.get("hookprof.gradients")
+        gradients = sys.modules.get("hookprof.step.gradients")
         forced = accelerator_path and hasattr(gradients, "GradientNorms") and hasattr(
             gradients.GradientNorms, "cpu_dot_per_tensor")
         if forced:
@@ -167,7 +167,8 @@ def measure_workload(name: str, device: torch.device, full: bool, steps: int, ac
 
 def measure_publisher(device: torch.device, layers: int = 500, steps: int = 8) -> dict:
     """Resolving one sampled step of a `layers`-layer model: GIL stretches and totals."""
-    from hookprof import aggregate, timing
+    from hookprof.publish import aggregate
+    from hookprof.device import timing
 
     pairs = [m for _ in range(layers // 2) for m in (nn.Linear(16, 16), nn.ReLU())]
     model = nn.Sequential(*pairs).to(device)

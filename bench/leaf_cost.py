@@ -97,11 +97,11 @@ def measure_calls(calls: int = 400, reps: int = 30) -> dict:
     autograd nodes, then the registration of their backward marks (mark_pending); and
     FlopCounter.note for forward(x). Best of `reps`, in microseconds per call."""
     from hookprof.faults import Faults
-    from hookprof.flops import FlopCounter
-    from hookprof.instrument import LayerHooks
+    from hookprof.efficiency.flops import FlopCounter
+    from hookprof.step.hooks import LayerHooks
     from hookprof.layers import LayerTable
-    from hookprof.record import StepRecord
-    from hookprof.timing import CpuTimer
+    from hookprof.step.record import StepRecord
+    from hookprof.device.timing import CpuTimer
 
     torch.set_num_threads(1)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())

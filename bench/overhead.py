@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hookprof  # noqa: E402
 import shapes  # noqa: E402
-from hookprof.exporter import render  # noqa: E402
+from hookprof.serve.exporter import render  # noqa: E402
 
 # ---------------------------------------------------------------- workloads
 

@@ -22,10 +22,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from fake_gpu import FakeEvent, FakeStream  # noqa: E402
-from hookprof.device_phases import PhaseMarks  # noqa: E402
-from hookprof.progress import BACKWARD, FORWARD, OPTIMIZER, OTHER, Progress  # noqa: E402
-from hookprof.record import StepRecord  # noqa: E402
-from hookprof.timing import CudaEventTimer  # noqa: E402
+from hookprof.phases.device import PhaseMarks  # noqa: E402
+from hookprof.phases.clock import BACKWARD, FORWARD, OPTIMIZER, OTHER, Progress  # noqa: E402
+from hookprof.step.record import StepRecord  # noqa: E402
+from hookprof.device.timing import CudaEventTimer  # noqa: E402
 
 
 def per_step_ns(body, steps: int = 200_000, rounds: int = 7) -> float:

@@ -52,7 +52,7 @@ def best_us(fn, inner: int, reps: int) -> float:
 
 
 def efficiency(peak_flops: float | None):
-    from hookprof.efficiency import StepEfficiency
+    from hookprof.efficiency.figures import StepEfficiency
     from hookprof.layers import LayerTable
     from hookprof.notices import Notices
 
@@ -83,7 +83,7 @@ def layer_call_us() -> float:
 
 
 def peak_us() -> float:
-    from hookprof import peaks
+    from hookprof.efficiency import peaks
 
     peaks.device_name = lambda device: "NVIDIA H100 80GB HBM3"
     eff = efficiency(None)
@@ -93,7 +93,7 @@ def peak_us() -> float:
 
 def update_us() -> float:
     from hookprof.layers import LayerTable
-    from hookprof.updates import UpdateNorms
+    from hookprof.efficiency.updates import UpdateNorms
 
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(80)])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -111,7 +111,7 @@ def update_us() -> float:
 
 
 def counters_us() -> float:
-    from hookprof.record import StepCounters
+    from hookprof.step.record import StepCounters
 
     counters = StepCounters()
     for i in range(100):

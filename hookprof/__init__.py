@@ -4,9 +4,9 @@
     prof = hookprof.attach(model)   # then train as usual; metrics at prof.url
 """
 
-from ._version import __version__
-from .config import Config
-from .errors import (
+from hookprof._version import __version__
+from hookprof.config import Config
+from hookprof.errors import (
     AlreadyAttachedError,
     ConfigError,
     DetachedError,
@@ -14,8 +14,8 @@ from .errors import (
     NonFiniteError,
     PortInUseError,
 )
-from .profiler import DisabledProfiler, Profiler, attach, detach_all
-from .snapshot import LayerStats, NonFiniteEvent, Snapshot
+from hookprof.profiler import DisabledProfiler, Profiler, attach, detach_all
+from hookprof.snapshot import LayerStats, NonFiniteEvent, Snapshot
 
 __all__ = [
     "__version__",

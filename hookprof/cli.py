@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from ._version import __version__
+from hookprof._version import __version__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,8 +57,8 @@ def add_connection_args(parser: argparse.ArgumentParser, timeout: float) -> None
 
 
 def add_top_parser(sub: Any) -> None:
-    from .scrape import DEFAULT_TARGET
-    from .table import COLUMNS
+    from hookprof.view.scrape import DEFAULT_TARGET
+    from hookprof.view.table import COLUMNS
 
     top = sub.add_parser("top", help="live per-layer view of hookprof endpoints (one per rank)",
                          description="Live per-layer table of one or more hookprof endpoints. "
@@ -77,8 +77,8 @@ def add_top_parser(sub: Any) -> None:
 
 
 def run_top(args: argparse.Namespace) -> int:
-    from .scrape import DEFAULT_TARGET, endpoints
-    from .top import Scraper, run_live, run_once
+    from hookprof.view.scrape import DEFAULT_TARGET, endpoints
+    from hookprof.view.top import Scraper, run_live, run_once
 
     try:
         urls, context = endpoints(args.urls or [DEFAULT_TARGET], args.cacert, args.cert, args.key)
@@ -172,7 +172,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def add_report_parser(sub: argparse._SubParsersAction) -> None:
-    from .scrape import DEFAULT_TARGET
+    from hookprof.view.scrape import DEFAULT_TARGET
 
     report = sub.add_parser("report", help="write the run report (one HTML file) of a running hookprof endpoint")
     report.add_argument("url", nargs="?", default=DEFAULT_TARGET,
@@ -182,10 +182,10 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from .report import read_history
-    from .report_html import render
-    from .scrape import ScrapeError, endpoints
-    from .server import HISTORY_PATH
+    from hookprof.view.report import read_history
+    from hookprof.view.report_html import render
+    from hookprof.view.scrape import ScrapeError, endpoints
+    from hookprof.serve.server import HISTORY_PATH
 
     try:
         (url,), context = endpoints([args.url], args.cacert, args.cert, args.key, path=HISTORY_PATH)

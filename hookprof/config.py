@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import ConfigError
+from hookprof.errors import ConfigError
 
 ENV_PREFIX = "HOOKPROF_"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from .faults import log
+from hookprof.faults import log
 
 
 class Notices:

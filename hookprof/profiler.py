@@ -28,43 +28,43 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from .aggregate import Aggregator
-from .compiled import (
+from hookprof.publish.aggregate import Aggregator
+from hookprof.compiled import (
     CompileProbe,
     explain_attached_after_compile,
     explain_compiled_forward,
     is_compiling,
     unwrap_compiled,
 )
-from .config import Config, env_disabled
-from .distributed import detect_local_rank, detect_rank
-from .errors import AlreadyAttachedError, DetachedError, NonFiniteError
-from .exporter import SnapshotCollector, make_registry
-from .efficiency import EfficiencyTotals, StepEfficiency
-from .faults import Faults, ThreadSupervisor
-from .notices import Notices
-from . import gradscaler
-from .gradients import GradientNorms
-from .guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
-from .history import LAYER_SLOTS, History
-from .incident import IncidentResponse
-from .instrument import LayerHooks
-from .layers import LayerTable
-from .nonfinite import Detector, loss_flag, nonfinite_flags
-from .progress import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, OUTSIDE, Progress
-from .device_phases import DevicePhaseTotals, PhaseMarks
-from .publisher import Publisher
-from .record import StepCounters, StepRecord, pack_step
-from .output_check import OutputFlags
-from .replay import ForwardReplay, own_weights_nonfinite
-from .sampling import UNSAMPLED, StepPlanner
-from . import endpoint
-from .endpoint import Endpoint, Member
-from .snapshot import Snapshot
-from . import summary
-from .system import SystemCollector, SystemSampler
-from .timing import Timer, timer_for
-from .watchdog import StallWatch, cuda_busy
+from hookprof.config import Config, env_disabled
+from hookprof.distributed import detect_local_rank, detect_rank
+from hookprof.errors import AlreadyAttachedError, DetachedError, NonFiniteError
+from hookprof.serve.exporter import SnapshotCollector, make_registry
+from hookprof.efficiency.figures import EfficiencyTotals, StepEfficiency
+from hookprof.faults import Faults, ThreadSupervisor
+from hookprof.notices import Notices
+from hookprof.step import gradscaler
+from hookprof.step.gradients import GradientNorms
+from hookprof.nonfinite.guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
+from hookprof.publish.history import LAYER_SLOTS, History
+from hookprof.nonfinite.incident import IncidentResponse
+from hookprof.step.hooks import LayerHooks
+from hookprof.layers import LayerTable
+from hookprof.nonfinite.detector import Detector, loss_flag, nonfinite_flags
+from hookprof.phases.clock import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, OUTSIDE, Progress
+from hookprof.phases.device import DevicePhaseTotals, PhaseMarks
+from hookprof.publish.publisher import Publisher
+from hookprof.step.record import StepCounters, StepRecord, pack_step
+from hookprof.nonfinite.output import OutputFlags
+from hookprof.nonfinite.replay import ForwardReplay, own_weights_nonfinite
+from hookprof.step.plan import UNSAMPLED, StepPlanner
+from hookprof.serve import endpoint
+from hookprof.serve.endpoint import Endpoint, Member
+from hookprof.snapshot import Snapshot
+from hookprof.view import summary
+from hookprof.serve.system import SystemCollector, SystemSampler
+from hookprof.device.timing import Timer, timer_for
+from hookprof.phases.stall import StallWatch, cuda_busy
 
 _names: set[str] = set()  # the `model` labels of live profilers
 _live: set["Profiler"] = set()  # profilers not yet detached: the only global state
@@ -358,7 +358,7 @@ class Profiler:
     def report_document(self) -> dict[str, Any]:
         """The run report's data for this model: its bounded history and per-layer totals
         (what /history.json serves; see hookprof/report.py)."""
-        from .report import document
+        from hookprof.publish.document import document
 
         return document(self.name, self._publisher.latest, self._history)
 
@@ -435,13 +435,13 @@ class Profiler:
         if not self._detached:
             self.flush()
         if path is not None:
-            from .report_html import render
+            from hookprof.view.report_html import render
 
             page = render([self.report_document()])
             with open(path, "w", encoding="utf-8") as f:
                 f.write(page)
             return path
-        from .table import report_text  # the table's code loads when first shown
+        from hookprof.view.table import report_text  # the table's code loads when first shown
 
         return report_text(self.snapshot(), self.name)
 
@@ -1026,7 +1026,7 @@ class DisabledProfiler:
             raise DetachedError("Profiler.step() called after detach(); attach the model again")
 
     def report_document(self) -> dict[str, Any]:
-        from .report import document
+        from hookprof.publish.document import document
 
         return document(self.name, Snapshot(), History([]))
 
@@ -1040,7 +1040,7 @@ class DisabledProfiler:
         said = "hookprof is disabled (HOOKPROF_DISABLE or Config.disable): nothing was recorded"
         if path is None:
             return said
-        from .report_html import render
+        from hookprof.view.report_html import render
 
         with open(path, "w", encoding="utf-8") as f:
             f.write(render([], source=said))

@@ -148,7 +148,7 @@ class Snapshot:
 
     def __str__(self) -> str:
         """The per-layer table a person reads (hookprof/table.py): `print(prof.snapshot())`."""
-        from .table import from_snapshot, render
+        from hookprof.view.table import from_snapshot, render
 
         return render([from_snapshot(self)])
 

@@ -1,5 +1,5 @@
 """Stand-ins for NVML and torch.cuda, for tests only: CI has no GPU and no NVIDIA driver.
-They implement just the calls hookprof.system makes, with values a test can change and
+They implement just the calls hookprof.serve.system makes, with values a test can change and
 check against. Everything else in those tests (sampler thread, collector, HTTP, promtool,
 Prometheus) is the real thing."""
 

@@ -16,12 +16,12 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]  # fake_gpu, and hookprof from this
 
 import fake_gpu  # noqa: E402
 import hookprof.profiler  # noqa: E402
-import hookprof.system  # noqa: E402
-from hookprof.timing import CudaEventTimer  # noqa: E402
+import hookprof.serve.system  # noqa: E402
+from hookprof.device.timing import CudaEventTimer  # noqa: E402
 from hookprof.cli import main  # noqa: E402
 
 sys.modules["pynvml"] = fake_gpu.FakeNvml(gpus=2)
-hookprof.system.cuda_api = lambda: fake_gpu.FakeCuda(devices=1)
+hookprof.serve.system.cuda_api = lambda: fake_gpu.FakeCuda(devices=1)
 
 
 def host_stamped_event_timer(devices) -> CudaEventTimer:

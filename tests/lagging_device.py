@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from hookprof import transfer
+from hookprof.device import transfer
 
 
 class LaggingDevice:

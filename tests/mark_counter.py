@@ -16,7 +16,7 @@ import torch
 
 import hookprof
 from fake_gpu import FakeEvent, FakeStream
-from hookprof.timing import CudaEventTimer
+from hookprof.device.timing import CudaEventTimer
 
 
 @dataclass

@@ -67,7 +67,8 @@ from torch.utils._pytree import tree_leaves
 
 import hookprof
 import lagging_device
-from hookprof import publisher, transfer
+from hookprof.publish import publisher
+from hookprof.device import transfer
 
 HOOKPROF_DIR = os.path.dirname(os.path.abspath(hookprof.__file__)) + os.sep
 _SKIPPED_DIRS = (
@@ -79,7 +80,7 @@ _SKIPPED_FILES = {os.path.abspath(__file__), os.path.abspath(lagging_device.__fi
 # hookprof's wrappers around the user's own torch calls: what torch does inside them (GradScaler
 # reads found_inf with .item() for a non-fused optimizer) is the user's wait, with or without
 # hookprof, so these frames are looked through
-PASS_THROUGH = {("hookprof/gradscaler.py", "_maybe_opt_step")}
+PASS_THROUGH = {("hookprof/step/gradscaler.py", "_maybe_opt_step")}
 
 _TAGGED = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 # ops that return a Python value read from metadata only, never from the data
@@ -99,12 +100,12 @@ class WouldSync:
 
     op: str  # "aten._local_scalar_dense.default", "Tensor.tolist", "LaggingEvent.synchronize"
     owner: str  # "hookprof", "flush" (hookprof, inside Profiler.flush: allowed) or "user"
-    frame: str  # the innermost non-torch frame: "hookprof/replay.py:109 in poll"
+    frame: str  # the innermost non-torch frame: "hookprof/nonfinite/replay.py:109 in poll"
     stack: tuple[str, ...]  # every non-torch frame, innermost first
 
 
 def _file(frame) -> str:
-    """hookprof/replay.py for hookprof's files, the bare name for others."""
+    """hookprof/nonfinite/replay.py for hookprof's files, the bare name for others."""
     path = os.path.abspath(frame.f_code.co_filename)
     if path.startswith(HOOKPROF_DIR):
         return "hookprof/" + path[len(HOOKPROF_DIR):]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fake_gpu import FakeEvent, FakeStream
-from hookprof.timing import RESOLVE_CHUNK, CpuTimer, CudaEventTimer
+from hookprof.device.timing import RESOLVE_CHUNK, CpuTimer, CudaEventTimer
 
 
 def fake_timer(**kwargs) -> tuple[CudaEventTimer, list[FakeStream]]:

@@ -14,11 +14,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import hookprof
-import hookprof.flops
+import hookprof.efficiency.flops
 from conftest import parse, promtool, samples, scrape
-from hookprof import peaks
+from hookprof.efficiency import peaks
 from hookprof.layers import LayerTable
-from hookprof.updates import UpdateNorms
+from hookprof.efficiency.updates import UpdateNorms
 
 
 @pytest.fixture
@@ -71,13 +71,13 @@ def test_layer_flops_are_the_matmul_counts_and_add_up_to_flop_counter_mode(every
 
 def test_counted_once_per_layer_kind_and_shape(every_step, monkeypatch):
     calls = []
-    real = hookprof.flops.count
+    real = hookprof.efficiency.flops.count
 
     def counting(module, args, kwargs):
         calls.append((type(module).__name__, args[0].shape))
         return real(module, args, kwargs)
 
-    monkeypatch.setattr(hookprof.flops, "count", counting)
+    monkeypatch.setattr(hookprof.efficiency.flops, "count", counting)
     torch.manual_seed(0)
     # four identical blocks: one kind, counted once
     model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])

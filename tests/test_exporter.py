@@ -207,7 +207,7 @@ def hand_built_snapshot() -> hookprof.Snapshot:
 def test_a_hand_built_snapshot_renders_to_exactly_its_values():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from hookprof.exporter import SnapshotCollector
+    from hookprof.serve.exporter import SnapshotCollector
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(hand_built_snapshot, "9.9", rank=3))
@@ -236,7 +236,7 @@ def test_a_hand_built_snapshot_renders_to_exactly_its_values():
 def test_a_snapshot_that_fails_to_render_leaves_a_valid_page_and_logs_once(caplog):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from hookprof.exporter import SnapshotCollector
+    from hookprof.serve.exporter import SnapshotCollector
 
     def broken():
         raise RuntimeError("injected")

@@ -11,7 +11,7 @@ import torch
 
 import hookprof
 from conftest import parse, samples, scrape
-from hookprof.publisher import Publisher
+from hookprof.publish.publisher import Publisher
 from models import DeepNet, seeded, train
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hookprof
-from hookprof.timing import CudaEventTimer
+from hookprof.device.timing import CudaEventTimer
 from test_host_cost import hookprof_ops_per_unsampled_step
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))

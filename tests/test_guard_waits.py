@@ -74,17 +74,17 @@ def test_whether_a_closure_optimizer_delegates_is_worked_out_once_and_held_weakl
     import gc
     import weakref
 
-    import hookprof.guard
+    import hookprof.nonfinite.guard
     from test_closure_guard import OPTIMIZERS, closure_loop
 
     answers: list[bool] = []
-    original = hookprof.guard.delegates_update
+    original = hookprof.nonfinite.guard.delegates_update
 
     def counted(optimizer):
         answers.append(original(optimizer))
         return answers[-1]
 
-    monkeypatch.setattr(hookprof.guard, "delegates_update", counted)  # the cache's one caller
+    monkeypatch.setattr(hookprof.nonfinite.guard, "delegates_update", counted)  # the cache's one caller
     model = seeded(DeepNet)
     opt = OPTIMIZERS["sam"](model)
     with hookprof.attach(model, **RARELY, on_nonfinite="skip") as prof:
@@ -105,7 +105,7 @@ def ops_per_unsampled_step_on_a_device(policy: str, make_opt, depth: int = 3):
     device, where the output and gradient checks stay device flags, as on a GPU."""
     import copy
 
-    from hookprof.gradients import GradientNorms
+    from hookprof.step.gradients import GradientNorms
     from test_host_cost import counted_step, one_step
 
     base = seeded(DeepNet, depth=depth)
@@ -193,7 +193,7 @@ def test_a_late_replay_that_fails_leaves_nothing_swapped_in(where, monkeypatch):
     import gc
     import weakref
 
-    from hookprof.replay import ForwardReplay
+    from hookprof.nonfinite.replay import ForwardReplay
 
     import logging
 

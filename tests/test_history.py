@@ -1,4 +1,4 @@
-"""The report's history (hookprof/history.py): fixed memory however long the run, merged
+"""The report's history (hookprof/publish/history.py): fixed memory however long the run, merged
 points that agree with the raw steps they cover, per-layer series bounded.
 
 Fed the way the publisher feeds it: real packets (pack_step) folded by a real Aggregator,
@@ -12,10 +12,10 @@ import tracemalloc
 import pytest
 import torch
 
-from hookprof.aggregate import Aggregator
-from hookprof.history import RERANK_POINTS, History
-from hookprof.record import StepCounters, pack_step
-from hookprof.timing import CpuTimer
+from hookprof.publish.aggregate import Aggregator
+from hookprof.publish.history import RERANK_POINTS, History
+from hookprof.step.record import StepCounters, pack_step
+from hookprof.device.timing import CpuTimer
 
 
 def step_seconds(step: int) -> float:

@@ -19,7 +19,7 @@ import torch
 
 import hookprof
 from hookprof import NonFiniteEvent
-from hookprof.gradients import GradientNorms
+from hookprof.step.gradients import GradientNorms
 from models import DeepNet, layer_norms, loss_of, seeded
 from op_counter import OpCounter
 

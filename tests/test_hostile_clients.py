@@ -365,8 +365,8 @@ def test_more_concurrent_requests_than_the_bound_are_answered_503_at_once(endpoi
 def test_write_deadline_closes_a_client_that_stops_reading(pki):
     # a page larger than every socket buffer on the way, so that the response cannot be
     # handed to the kernel at once: the server's own deadline has to end it
-    from hookprof.httpd import Limits, Server
-    from hookprof.server import tls_context
+    from hookprof.serve.httpd import Limits, Server
+    from hookprof.serve.server import tls_context
 
     big = b"x" * (32 << 20)
 

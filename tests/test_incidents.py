@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import hookprof
-from hookprof import NonFiniteEvent, transfer
+from hookprof import NonFiniteEvent
+from hookprof.device import transfer
 from hookprof.demo import InjectNonFinite
 from models import DeepNet, loss_of, seeded
 

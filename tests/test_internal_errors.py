@@ -8,8 +8,8 @@ import logging
 import torch
 
 import hookprof
-from hookprof.publisher import Publisher
-from hookprof.timing import CpuTimer
+from hookprof.publish.publisher import Publisher
+from hookprof.device.timing import CpuTimer
 from conftest import parse, samples, scrape
 from models import MixedNet, seeded, train
 

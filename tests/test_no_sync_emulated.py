@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import hookprof
-from hookprof import transfer
+from hookprof.device import transfer
 from hookprof.demo import InjectNonFinite
 from lagging_device import lagging_device
 from models import DeepNet, Discriminator, Generator, loss_of, seeded
@@ -34,7 +34,7 @@ POLICIES = ["record", "skip", "raise"]
 @pytest.fixture(autouse=True)
 def nothing_left_patched():
     """The emulation, the watch and the bugs put into hookprof below all replace functions
-    of hookprof.transfer: every one is back after each test (later files would otherwise run
+    of hookprof.device.transfer: every one is back after each test (later files would otherwise run
     with flags that are never on the host)."""
     names = ("on_host", "_start_copy", "peek", "is_ready", "wait_ready")
     before = [getattr(transfer, n) for n in names]
@@ -353,7 +353,7 @@ def test_detach_mid_run_leaves_nothing_that_waits():
 def documented_waits(watch: SyncWatch) -> list[str]:
     """hookprof's would-syncs as (op, hookprof frame that asked): the innermost frame of a
     wait is transfer.wait_ready, so the caller below it is named."""
-    return [(w.op, next(f for f in w.stack if not f.startswith("hookprof/transfer.py")).split(":")[0])
+    return [(w.op, next(f for f in w.stack if not f.startswith("hookprof/device/transfer.py")).split(":")[0])
             for w in watch.hookprofs]
 
 
@@ -365,19 +365,19 @@ REPLAY_WAITS = len([s for s in range(1, BAD_STEP + 1) if (s - 1) % SAMPLED["samp
 @pytest.mark.parametrize("kind", ["sgd", "adam fused"])
 def test_nonfinite_sync_waits_for_the_output_flag_until_the_producer_is_named(kind):
     """Config.nonfinite_sync under "record": a wait at the optimizer hook for the output
-    flag (hookprof/replay.py, through transfer.wait_ready), and nothing else."""
+    flag (hookprof/nonfinite/replay.py, through transfer.wait_ready), and nothing else."""
     model = seeded(DeepNet)
     opt = OPTIMIZERS[kind](model.parameters())
     watch, (snap,), _ = watched(model, dict(SAMPLED, nonfinite_sync=True),
                                 plain_loop(model, opt, injecting(model.blocks[2].fc)))
     assert watch.early_reads == []
-    assert documented_waits(watch) == [("LaggingEvent.synchronize", "hookprof/replay.py")] * REPLAY_WAITS
+    assert documented_waits(watch) == [("LaggingEvent.synchronize", "hookprof/nonfinite/replay.py")] * REPLAY_WAITS
     assert (snap.first_nonfinite.layer, snap.first_nonfinite.step) == ("blocks.2.fc", BAD_STEP)
 
 
 def test_nonfinite_sync_with_a_non_fused_optimizer_under_skip_also_waits_for_the_gradients():
     """Under skip with a non-fused optimizer, the guard waits for the step's flags
-    (hookprof/guard.py, through transfer.read_now) at every optimizer pre-hook, and that one
+    (hookprof/nonfinite/guard.py, through transfer.read_now) at every optimizer pre-hook, and that one
     wait per step is all: it decides before the replay, whose output flag was copied before
     the guard's and so is on the host by then (docs/nonfinite-sync.md)."""
     model = seeded(DeepNet)
@@ -386,7 +386,7 @@ def test_nonfinite_sync_with_a_non_fused_optimizer_under_skip_also_waits_for_the
                                 plain_loop(model, opt, injecting(model.blocks[2].fc)))
     assert watch.early_reads == []
     waits = documented_waits(watch)
-    guard = waits.count(("LaggingEvent.synchronize", "hookprof/guard.py"))
+    guard = waits.count(("LaggingEvent.synchronize", "hookprof/nonfinite/guard.py"))
     assert (guard, len(waits)) == (STEPS, STEPS), watch.report()
     assert snap.held_back_updates == 1
     assert (snap.first_nonfinite.layer, snap.first_nonfinite.step) == ("blocks.2.fc", BAD_STEP)
@@ -398,7 +398,7 @@ def test_nonfinite_sync_with_a_fused_optimizer_needs_no_guard_wait():
     opt = OPTIMIZERS["adamw fused"](model.parameters())
     watch, _, _ = watched(model, dict(SAMPLED, nonfinite_sync=True, on_nonfinite="skip"),
                           plain_loop(model, opt, injecting(model.blocks[2].fc)))
-    assert documented_waits(watch) == [("LaggingEvent.synchronize", "hookprof/replay.py")] * REPLAY_WAITS
+    assert documented_waits(watch) == [("LaggingEvent.synchronize", "hookprof/nonfinite/replay.py")] * REPLAY_WAITS
 
 
 # -- the watch can fail ----------------------------------------------------------------
@@ -413,7 +413,7 @@ def test_the_watch_catches_a_flag_read_before_its_copy_completed(monkeypatch):
     watch, _, _ = watched(model, dict(SAMPLED), plain_loop(model, opt, injecting(model.stem)))
     assert watch.hookprofs, "the watch missed a sync put into hookprof"
     frames = {w.frame.split(":")[0] for w in watch.hookprofs}
-    assert "hookprof/replay.py" in frames
+    assert "hookprof/nonfinite/replay.py" in frames
     assert {w.op for w in watch.hookprofs} == {"aten._local_scalar_dense.default"}
 
 
@@ -435,7 +435,7 @@ def test_the_watch_catches_device_flags_taken_for_host_values():
             transfer.on_host = emulated
     assert watch.hookprofs
     frames = {w.frame.split(" in ")[0].split(":")[0] for w in watch.hookprofs}
-    assert "hookprof/nonfinite.py" in frames  # the every-step checks' host reads
+    assert "hookprof/nonfinite/detector.py" in frames  # the every-step checks' host reads
     assert watch.by("user") == []
 
 
@@ -450,7 +450,7 @@ def test_the_watch_catches_a_copy_read_while_still_in_flight(monkeypatch):
                           plain_loop(model, opt, injecting(model.stem), user_item=False))
     assert watch.hookprofs == []
     frames = {w.frame.split(":")[0] for w in watch.early_reads}
-    assert "hookprof/incident.py" in frames, watch.report()
+    assert "hookprof/nonfinite/incident.py" in frames, watch.report()
 
 
 def test_the_users_own_item_is_not_hookprofs():
@@ -532,12 +532,12 @@ def test_gradscaler_with_a_fused_optimizer_under_skip_and_raise_on_cuda(policy):
 
 
 def test_hookprofs_gradscaler_wrapper_is_looked_through_only_for_torchs_own_waits():
-    """The wrapper around GradScaler._maybe_opt_step (hookprof/gradscaler.py) is looked
+    """The wrapper around GradScaler._maybe_opt_step (hookprof/step/gradscaler.py) is looked
     through so that the scaler's own .item() is the user's; a wait the wrapper itself made
     would be hookprof's. Both are run from a function compiled under the wrapper's file and
     name: one reads a value itself, the other calls torch code that reads one
     (clip_grad_norm_ with error_if_nonfinite checks its norm on the host)."""
-    import hookprof.gradscaler as wrapper_module
+    import hookprof.step.gradscaler as wrapper_module
 
     source = ("def _maybe_opt_step(own, params):\n"
               "    if own:\n"
@@ -550,7 +550,7 @@ def test_hookprofs_gradscaler_wrapper_is_looked_through_only_for_torchs_own_wait
     p.grad = torch.ones(3)
     with SyncWatch() as watch:
         wrapper(True, [p])
-    assert [w.frame.split(":")[0] for w in watch.hookprofs] == ["hookprof/gradscaler.py"]
+    assert [w.frame.split(":")[0] for w in watch.hookprofs] == ["hookprof/step/gradscaler.py"]
     with SyncWatch() as watch:
         wrapper(False, [p])
     assert watch.hookprofs == [] and watch.by("user"), watch.report()

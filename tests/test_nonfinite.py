@@ -9,7 +9,7 @@ import pytest
 
 import hookprof
 from hookprof.demo import InjectNonFinite
-from hookprof.instrument import ZERO_SAMPLE
+from hookprof.step.hooks import ZERO_SAMPLE
 from models import DeepNet, seeded, train
 
 

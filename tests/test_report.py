@@ -26,8 +26,8 @@ import torch
 import hookprof
 from conftest import read_until, require_binaries
 from hookprof.demo import DemoNet, InjectNonFinite
-from hookprof.report import from_json, history_url
-from hookprof.report_html import HEIGHT, PAD_B, PAD_T
+from hookprof.view.report import from_json, history_url
+from hookprof.view.report_html import HEIGHT, PAD_B, PAD_T
 
 NAN_STEP = 40
 STEPS = 60
@@ -388,8 +388,8 @@ def test_a_report_after_detach_and_under_hookprof_disable(tmp_path, monkeypatch)
 
 def test_one_endpoint_two_models_two_sections(tmp_path):
     from conftest import free_port
-    from hookprof.report import fetch
-    from hookprof.report_html import render
+    from hookprof.view.report import fetch
+    from hookprof.view.report_html import render
 
     port = free_port()
     torch.manual_seed(0)

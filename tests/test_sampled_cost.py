@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 import hookprof
-import hookprof.flops
-from hookprof import peaks
-from hookprof.efficiency import StepEfficiency
+import hookprof.efficiency.flops
+from hookprof.efficiency import peaks
+from hookprof.efficiency.figures import StepEfficiency
 from hookprof.layers import LayerTable
 from hookprof.notices import Notices
-from hookprof.updates import UpdateNorms
+from hookprof.efficiency.updates import UpdateNorms
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def test_a_failing_flops_note_is_said_once_and_the_hooks_stay_on(every_step, mon
     def broken(value):
         raise RuntimeError("signature")
 
-    monkeypatch.setattr(hookprof.flops, "_key", broken)  # a call with two arguments uses it
+    monkeypatch.setattr(hookprof.efficiency.flops, "_key", broken)  # a call with two arguments uses it
     torch.manual_seed(0)
     model = nn.Sequential(nn.Bilinear(8, 8, 8), nn.Linear(8, 8))
     first, second = model[0], model[1]

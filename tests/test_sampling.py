@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hookprof
-from hookprof.sampling import Sampler
+from hookprof.step.plan import Sampler
 from models import DeepNet, seeded, train
 
 SECOND = 1_000_000_000

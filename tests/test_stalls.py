@@ -77,7 +77,7 @@ def test_a_layer_blocked_in_its_forward_is_named_with_phase_step_and_stack(caplo
         # judged after the threshold (0.3 s: the floor, a forward takes ~1 ms), not before
         assert seen["at"] - started["t"] >= 0.3
         # what `hookprof top` shows of that page, and print(prof.snapshot()) of that moment
-        from hookprof.table import from_metrics, from_snapshot, header_lines, render
+        from hookprof.view.table import from_metrics, from_snapshot, header_lines, render
 
         (table,) = from_metrics(seen["text"])
         stall_line = "STALLED at step 6 in forward, innermost layer blocks.2.act, waiting on code"
@@ -163,8 +163,8 @@ def test_threshold_is_factor_times_the_median_within_floor_and_ceiling():
     """The watch's judgement on a clock of our own (no thread): learned per phase from the
     steps it saw, warm-up first, a stall reported once and cleared when the phase moves on."""
     from hookprof.faults import Faults
-    from hookprof.progress import BACKWARD, FORWARD, Progress
-    from hookprof.watchdog import StallWatch
+    from hookprof.phases.clock import BACKWARD, FORWARD, Progress
+    from hookprof.phases.stall import StallWatch
 
     s = 1_000_000_000
     progress = Progress(0)
@@ -197,8 +197,8 @@ def test_threshold_is_factor_times_the_median_within_floor_and_ceiling():
 
 def test_no_judgement_during_warm_up():
     from hookprof.faults import Faults
-    from hookprof.progress import FORWARD, Progress
-    from hookprof.watchdog import StallWatch
+    from hookprof.phases.clock import FORWARD, Progress
+    from hookprof.phases.stall import StallWatch
 
     progress = Progress(0)
     watch = StallWatch(progress, seeded(DeepNet), factor=2.0, min_s=1.0, max_s=30.0, warmup_steps=3,

@@ -20,7 +20,7 @@ from torch import nn
 import hookprof
 from conftest import parse, promtool, samples, scrape
 from fake_gpu import FakeStream, QueuedDevice
-from hookprof.timing import CudaEventTimer
+from hookprof.device.timing import CudaEventTimer
 from test_step_phases import FakeClock, phases
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")

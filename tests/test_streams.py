@@ -1,4 +1,4 @@
-"""The current-stream lookup that event records use (hookprof/streams.py). Without a GPU the
+"""The current-stream lookup that event records use (hookprof/device/streams.py). Without a GPU the
 torch calls are stand-ins that say which stream is current and count the Stream objects
 built; on a GPU (`-m cuda`) the same is checked against torch.cuda.current_stream()."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hookprof.streams import MAX_KNOWN, StreamLookup
+from hookprof.device.streams import MAX_KNOWN, StreamLookup
 
 
 class FakeCudaStreams:
@@ -62,7 +62,7 @@ def test_the_cache_is_bounded_no_gpu():
 
 @pytest.mark.cuda
 def test_lookup_equals_torch_current_stream():
-    from hookprof.streams import current_stream
+    from hookprof.device.streams import current_stream
 
     assert current_stream() == torch.cuda.current_stream()
     side = torch.cuda.Stream()
@@ -75,7 +75,7 @@ def test_lookup_equals_torch_current_stream():
 @pytest.mark.cuda
 def test_a_copy_on_a_side_stream_is_complete_when_its_event_is():
     """The transfer's event is recorded on the stream the copy was issued on."""
-    from hookprof.transfer import to_host, wait_ready
+    from hookprof.device.transfer import to_host, wait_ready
 
     side = torch.cuda.Stream()
     x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)

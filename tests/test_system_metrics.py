@@ -15,7 +15,7 @@ import torch
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 import hookprof
-import hookprof.system as system
+import hookprof.serve.system as system
 from conftest import nvml_driver_present, parse, promtool, samples, scrape
 from fake_gpu import FakeCuda, FakeNvml
 

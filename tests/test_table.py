@@ -1,4 +1,4 @@
-"""The per-layer table (hookprof/table.py): its figures checked against hand computations,
+"""The per-layer table (hookprof/view/table.py): its figures checked against hand computations,
 from a Snapshot and from /metrics text; str(snapshot), Profiler.report() and the summary
 said at detach and at interpreter exit."""
 
@@ -18,9 +18,9 @@ import hookprof
 from conftest import scrape
 from models import train
 from hookprof.demo import DemoNet, InjectNonFinite
-from hookprof.exporter import SnapshotCollector, make_registry, render
+from hookprof.serve.exporter import SnapshotCollector, make_registry, render
 from hookprof.snapshot import LayerStats, NonFiniteEvent, Snapshot
-from hookprof.table import (
+from hookprof.view.table import (
     choose,
     filter_rows,
     from_metrics,
@@ -307,7 +307,7 @@ def test_detach_logs_a_summary_naming_the_first_offender(every_step, caplog):
 
 
 def test_summary_opt_out_and_nothing_left_watched(every_step, caplog):
-    from hookprof import summary
+    from hookprof.view import summary
 
     model = DemoNet()
     prof = hookprof.attach(model, summary_at_exit=False, **every_step)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import hookprof
-from hookprof.timing import CpuTimer
+from hookprof.device.timing import CpuTimer
 from models import DeepNet, MixedNet, profiled, seeded
 
 

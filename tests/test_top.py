@@ -272,8 +272,8 @@ def test_a_short_terminal_still_shows_the_offender():
     from rich.console import Console
 
     from hookprof.snapshot import LayerStats, NonFiniteEvent, Snapshot
-    from hookprof.table import from_snapshot
-    from hookprof.top import ViewState, view
+    from hookprof.view.table import from_snapshot
+    from hookprof.view.top import ViewState, view
 
     layers = {f"l{i}": LayerStats(name=f"l{i}", module="Linear", forward_seconds_total=0.001 * (40 - i),
                                   forward_calls_total=1) for i in range(40)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import hookprof
-from hookprof import transfer
+from hookprof.device import transfer
 from models import MixedNet, seeded, train
 
 

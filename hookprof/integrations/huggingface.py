@@ -32,7 +32,7 @@ except ImportError:
         "hookprof.integrations.huggingface needs transformers: pip install transformers"
     ) from None
 
-from .scalars import PREFIX, ProfiledTraining
+from hookprof.integrations.scalars import PREFIX, ProfiledTraining
 
 
 class HookprofTrainerCallback(ProfiledTraining, TrainerCallback):

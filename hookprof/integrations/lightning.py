@@ -16,7 +16,7 @@ try:
 except ImportError:
     raise ImportError("hookprof.integrations.lightning needs Lightning: pip install lightning") from None
 
-from .scalars import ProfiledTraining
+from hookprof.integrations.scalars import ProfiledTraining
 
 
 class HookprofCallback(ProfiledTraining, pl.Callback):

@@ -8,8 +8,8 @@ from typing import Any
 
 from torch import nn
 
-from ..profiler import DisabledProfiler, Profiler, attach
-from ..snapshot import PHASES, Snapshot
+from hookprof.profiler import DisabledProfiler, Profiler, attach
+from hookprof.snapshot import PHASES, Snapshot
 
 PREFIX = "hookprof/"
 

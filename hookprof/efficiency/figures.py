@@ -1,0 +1,234 @@
+"""How efficiently a model trains, from its sampled steps: FLOPs per layer and achieved
+FLOP/s, the model's FLOP/s and utilisation of the device's peak, weight and update norms.
+
+Two halves, one per thread, joined by the step's Packet:
+- `StepEfficiency` (training thread) notes layer calls, takes the parameter copies before
+  the update and, at a sampled step's end, counts new FLOPs signatures (flops.py), starts the
+  per-layer squares of weights and updates (updates.py) and hands them to `pack_step`, so
+  they ride the step's one device-to-host copy;
+- `EfficiencyTotals` (publisher thread) folds the packet with the step's per-layer times
+  into an `EfficiencyStats` for the snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from hookprof.efficiency import peaks
+from hookprof.efficiency.flops import FlopCounter
+from hookprof.layers import LayerTable
+from hookprof.snapshot import EfficiencyStats, LayerEfficiency
+from hookprof.efficiency.updates import UpdateNorms
+
+
+_UNREAD = object()
+
+
+@dataclass(slots=True)
+class EfficiencyPart:
+    """A sampled step's efficiency figures known on the host, and where its device values
+    are in the step's batch (("weight_sq", k), ("update_sq", k))."""
+
+    flops: tuple[list[int], list[int], list[int], int] | None = None  # FlopCounter.end_step()
+    seconds_per_step: float | None = None  # wall time per step since the last sampled step
+    peak_flops: float | None = None
+    weight_parts: int = 0
+    update_parts: int = 0
+    updated: frozenset[int] = frozenset()
+    weighted: frozenset[int] = frozenset()  # layers with parameters
+
+
+class StepEfficiency:
+    """The training-thread half. Every method is cheap on unsampled steps (not called)."""
+
+    def __init__(self, table: LayerTable, *, flops: bool, update_norms: bool, update_max_bytes: int,
+                 peak_flops: float | None, notices: Any, model_name: str = "the model",
+                 update_interval_s: float = 0.0):
+        self._table = table
+        self._notices = notices
+        self.flops = FlopCounter(table, notices) if flops else None
+        self.updates = UpdateNorms(table, update_max_bytes) if update_norms else None
+        self._peak_set = peak_flops
+        self._model_name = model_name
+        self._device = next(iter(table.params)).device
+        self._dtype = next((p.dtype for p in table.params if p.is_floating_point()), torch.float32)
+        self._precision: str | None = None  # seen during the sampled step's forward
+        self._last_end: tuple[int, int] | None = None  # (step, ns) of the last sampled step's end
+        self._hooks: Any = None  # the LayerHooks reporting layer calls (listen)
+        self._device_name: Any = _UNREAD  # peaks.device_name, read at the first _peak
+        self._peaks: dict[str | None, float | None] = {}  # precision -> the device's peak
+        self._update_interval_ns = int(update_interval_s * 1e9)
+        self._last_update_ns: int | None = None  # when update norms were last measured
+
+    @property
+    def enabled(self) -> bool:
+        return self.flops is not None or self.updates is not None
+
+    def listen(self, hooks: Any) -> None:
+        """Have `hooks` (instrument.LayerHooks) report the training layer calls of sampled
+        steps: each step's first call here, the others straight to the FLOP counter."""
+        self._hooks = hooks
+        hooks.on_call = self.first_call
+
+    def first_call(self, layer: int, args: tuple, kwargs: dict | None, nested: bool) -> None:
+        """The first layer call of a sampled step's training forward. The precision is read
+        here: autocast is on only during the forward, and may be switched on inside the
+        model's own forward, so the root's forward pre-hook could miss it. The step's other
+        calls go straight to FlopCounter.note (it never raises): one Python frame less each."""
+        try:
+            self._precision = peaks.precision_of(self._dtype, self._device.type)
+        except Exception as exc:  # never into the training loop, nor switching the hooks off
+            self._notices.say("flops precision", f"the precision of {self._model_name} cannot be "
+                              f"read ({exc!r}): model FLOPs utilisation may be missing")
+        self._hooks.on_call = self.flops.note
+        self.flops.note(layer, args, kwargs, nested)
+
+    def _rearm(self) -> None:
+        """The step is over: the next one's first layer call reads the precision again."""
+        if self._hooks is not None:
+            self._hooks.on_call = self.first_call
+
+    def before_update(self, now_ns: int, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """A sampled step's update (by `optimizer`) is about to happen: copy what its turn
+        needs, at most once per update_interval_s."""
+        if self.updates is None or self.updates.taken:
+            return
+        if self._last_update_ns is not None and now_ns - self._last_update_ns < self._update_interval_ns:
+            return
+        self._last_update_ns = now_ns
+        if optimizer is not None:
+            self.updates.follow(optimizer)
+        self.updates.before_update()
+
+    def end_step(self, step: int, now_ns: int, duration_s: float) -> tuple[EfficiencyPart, list[tuple[Any, torch.Tensor]]]:
+        """A sampled step ended (its update done): its host figures and the device values to
+        add to its batch."""
+        part = EfficiencyPart()
+        values: list[tuple[Any, torch.Tensor]] = []
+        if self._last_end is not None and step > self._last_end[0]:
+            part.seconds_per_step = (now_ns - self._last_end[1]) * 1e-9 / (step - self._last_end[0])
+        else:
+            part.seconds_per_step = duration_s
+        self._last_end = (step, now_ns)
+        if self.flops is not None:
+            part.flops = self.flops.end_step()
+            # the peak matters (and its absence is worth saying) only once there are FLOPs:
+            # a compiled model has no per-layer calls to count
+            part.peak_flops = self._peak() if part.flops[3] else None
+        self._rearm()
+        if self.updates is not None and self.updates.taken:  # weights read with their updates
+            weights, updates, part.updated, part.weighted = self.updates.after_update()
+            values += [(("weight_sq", k), t) for k, t in enumerate(weights)]
+            values += [(("update_sq", k), t) for k, t in enumerate(updates)]
+            part.weight_parts, part.update_parts = len(weights), len(updates)
+        return part, values
+
+    def drop(self) -> None:
+        self._rearm()
+        if self.flops is not None:
+            self.flops.drop()
+        if self.updates is not None:
+            self.updates.drop()
+
+    def _peak(self) -> float | None:
+        """The device's peak FLOP/s in the step's precision: looked up (regexes over the
+        device's name, peaks.py) once per precision, the name read once: a process's device
+        keeps its name."""
+        if self._peak_set is not None:
+            return self._peak_set
+        precision = self._precision
+        if precision in self._peaks:
+            return self._peaks[precision]
+        if self._device_name is _UNREAD:
+            self._device_name = peaks.device_name(self._device)
+        name = self._device_name
+        peak = peaks.lookup(name, precision) if name and precision else None
+        if peak is None:
+            where = (f"{name} in {precision or self._dtype}" if name
+                     else f"{self._device.type} (no default peak off CUDA)")
+            self._notices.say("peak flops", (
+                f"the peak FLOP/s of {where} is unknown, so model FLOPs utilisation "
+                f"(hookprof_model_flops_utilization_ratio) is not exported for {self._model_name}; "
+                "set Config.peak_flops (HOOKPROF_PEAK_FLOPS) to the device's peak for the "
+                "precision the model computes in"))
+        self._peaks[precision] = peak
+        return peak
+
+
+class EfficiencyTotals:
+    """The publisher-thread half: the last sampled step's figures, and each layer's latest
+    update measurement (layers take turns, see updates.py)."""
+
+    def __init__(self, names: list[str]):
+        self._names = names
+        n = len(names)
+        self._layer_flops: list[tuple[float | None, float | None, float | None]] = [(None, None, None)] * n
+        self._weight_sq: list[float | None] = [None] * n
+        self._update: list[tuple[float, float] | None] = [None] * n  # (update², weight²) when measured
+        self._model: tuple[float | None, float | None, float | None] = (None, None, None)
+        self._stats: EfficiencyStats | None = None
+
+    def fold(self, packet: Any, fwd_seconds: list[float], bwd_seconds: list[float]) -> None:
+        part: EfficiencyPart = packet.efficiency
+        n = len(self._names)
+        if part.flops is not None:
+            fwd, bwd, calls, model = part.flops
+            for i in range(n):
+                if not calls[i]:
+                    continue  # not called, or not counted yet: the last figures stay
+                # a backward that was not timed (a layer whose backward hookprof could not
+                # see) is left out of the rate rather than done in no time
+                with_bwd = bwd_seconds[i] > 0
+                timed = fwd_seconds[i] + (bwd_seconds[i] if with_bwd else 0.0)
+                done = fwd[i] + (bwd[i] if with_bwd else 0)
+                self._layer_flops[i] = (fwd[i] / calls[i], bwd[i] / calls[i],
+                                        done / timed if timed > 0 and done else None)
+            per_second = model / part.seconds_per_step if model and part.seconds_per_step else None
+            utilization = per_second / part.peak_flops if per_second and part.peak_flops else None
+            self._model = (float(model) if model else None, per_second, utilization)
+        weight_sq = _sum_parts(packet, "weight_sq", part.weight_parts, n)
+        update_sq = _sum_parts(packet, "update_sq", part.update_parts, n)
+        if weight_sq is not None:
+            self._weight_sq = [w if i in part.weighted else None for i, w in enumerate(weight_sq)]
+            for i in part.updated:
+                self._update[i] = (update_sq[i] if update_sq is not None else 0.0, weight_sq[i])
+        self._stats = None
+
+    def stats(self) -> EfficiencyStats:
+        if self._stats is not None:
+            return self._stats
+        layers = {}
+        for i, name in enumerate(self._names):
+            per_call_fwd, per_call_bwd, per_second = self._layer_flops[i]
+            w2, upd = self._weight_sq[i], self._update[i]
+            layers[name] = LayerEfficiency(
+                forward_flops=per_call_fwd, backward_flops=per_call_bwd, flops_per_second=per_second,
+                weight_norm=math.sqrt(w2) if w2 is not None else None,
+                update_norm=math.sqrt(upd[0]) if upd is not None else None,
+                # NaN weights (a NaN update was applied) give a NaN ratio: exported as such
+                update_ratio=math.sqrt(upd[0] / upd[1]) if upd is not None and upd[1] != 0 else None,
+            )
+        measured = [u for u in self._update if u is not None]
+        total_w = sum(w for _, w in measured)
+        flops_per_step, per_second, utilization = self._model
+        self._stats = EfficiencyStats(
+            layers=MappingProxyType(layers),
+            flops_per_step=flops_per_step, flops_per_second=per_second, flops_utilization=utilization,
+            update_ratio=math.sqrt(sum(u for u, _ in measured) / total_w) if measured and total_w != 0 else None,
+        )
+        return self._stats
+
+
+def _sum_parts(packet: Any, key: str, parts: int, n: int) -> list[float] | None:
+    if not parts:
+        return None
+    total = [0.0] * n
+    for k in range(parts):
+        for i, v in enumerate(packet.batch.get((key, k))):
+            total[i] += v
+    return total

@@ -1,0 +1,178 @@
+"""Every-step NaN/Inf detection that never waits for the device.
+
+Each step's checks are folded into counters that live on the device: how many steps each
+layer's gradient was non-finite, the first step it was, and the same per phase (forward:
+the model's output; backward: any gradient; loss). Nothing here is read back; the counters
+travel to the host with the next sampled step's batch, so the first offender is known
+exactly as soon as they are drained.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from hookprof.device import transfer
+from hookprof.tensors import iter_tensors
+
+PHASE_INDEX = {"forward": 0, "backward": 1, "loss": 2}
+
+
+# phases as stored on the device: "backward" first, next to the layers, so that one op
+# updates every layer and the backward phase together (the layout fold_counters reads)
+_STORED_PHASES = ("backward", "forward", "loss")
+
+
+def nonfinite_mask(t: torch.Tensor) -> torch.Tensor:
+    """True where `t` (floating) holds a NaN or Inf: x - x is exactly 0 for every finite x and
+    NaN for NaN and +-Inf. Two ops where `~torch.isfinite(t)` is five (isfinite is abs, ne,
+    eq, mul), each a kernel launch on a GPU, on every step."""
+    return t.sub(t).ne(0)
+
+
+class DeviceCounters:
+    """One device's counters. All updates are in-place device ops with Python-int operands:
+    no host-to-device copy, no sync. They live in one flat tensor (the layout fold_counters
+    reads), so draining them is a single block, and the per-step update is few ops: eight
+    for the layers and the backward phase, four per other check, whatever the model's size."""
+
+    def __init__(self, n_layers: int, device: torch.device):
+        n, p = n_layers, len(PHASE_INDEX)
+        self.flat = torch.zeros(2 * (n + p), dtype=torch.int64, device=device)
+        # [layer_bad | phase_bad | layer_first | phase_first], phases in _STORED_PHASES order
+        bad, first = self.flat.split([n + p, n + p])
+        first.fill_(-1)
+        self.layer_bad, self.phase_bad = bad.split([n, p])
+        self.layer_first, self.phase_first = first.split([n, p])
+        # views made once: indexing per step would be one more op each time
+        self._with_backward = (bad[: n + 1], first[: n + 1])  # the layers + "backward"
+        self._phase = {name: (bad[n + k], first[n + k]) for k, name in enumerate(_STORED_PHASES)}
+
+    def add_layer_squares(self, squares: torch.Tensor, step: int) -> None:
+        """`squares`: per-layer squared gradient norms; non-finite exactly when the layer's
+        gradients hold a NaN or Inf. The backward phase is bad when any layer is."""
+        bad = nonfinite_mask(squares)
+        bad = torch.cat((bad, bad.any(0, keepdim=True)))
+        counts, first = self._with_backward
+        counts.add_(bad)
+        first.masked_fill_(bad.logical_and_(first.lt(0)), step)
+
+    def add_phase(self, phase: str, bad: torch.Tensor, step: int) -> None:
+        count, first = self._phase[phase]
+        count.add_(bad)
+        first.masked_fill_(bad & first.lt(0), step)
+
+
+def nonfinite_flags(value: Any) -> list[bool | torch.Tensor]:
+    """Does any floating tensor in `value` (any output structure) hold a NaN or Inf? One flag
+    per device, so a step counts once however many tensors it returns: a Python bool for the
+    CPU tensors (reading it waits for nothing), a 0-d bool that stays on each accelerator.
+    One reduction per tensor: a sum is non-finite when any element is (it can also overflow,
+    for outputs whose values add up past ~3e38, which is trouble of its own)."""
+    host: bool | None = None
+    on_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in iter_tensors(value):
+        if not t.is_floating_point() or not t.numel():
+            continue
+        total = t.detach().sum()
+        if transfer.on_host(total):
+            host = bool(host) or not math.isfinite(float(total))
+        else:
+            on_device.setdefault(total.device, []).append(total)
+    flags: list[bool | torch.Tensor] = [] if host is None else [host]
+    for totals in on_device.values():
+        flags.append(nonfinite_mask(totals[0] if len(totals) == 1 else torch.stack(totals)).any())
+    return flags
+
+
+def loss_flag(loss: Any) -> bool | torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        return not math.isfinite(float(loss))
+    loss = loss.detach()
+    if transfer.on_host(loss) and loss.numel() == 1:
+        return not math.isfinite(float(loss))  # a CPU value: no device to wait for
+    return nonfinite_mask(loss).any()
+
+
+class Detector:
+    """The counters of every device a model's gradients live on, plus host-side counters for
+    checks whose result is already on the host (CPU tensors)."""
+
+    def __init__(self, n_layers: int):
+        self.n_layers = n_layers
+        self.by_device: dict[torch.device, DeviceCounters] = {}
+        self.host_phase_bad = [0] * len(PHASE_INDEX)
+        self.host_phase_first = [-1] * len(PHASE_INDEX)
+
+    def counters(self, device: torch.device) -> DeviceCounters:
+        c = self.by_device.get(device)
+        if c is None:
+            c = self.by_device[device] = DeviceCounters(self.n_layers, device)
+        return c
+
+    def add_layer_squares(self, parts: list[torch.Tensor], step: int) -> None:
+        for squares in parts:
+            self.counters(squares.device).add_layer_squares(squares, step)
+
+    def add_flag(self, phase: str, flag: bool | torch.Tensor, step: int) -> None:
+        if isinstance(flag, torch.Tensor):
+            self.counters(flag.device).add_phase(phase, flag, step)
+        elif flag:
+            i = PHASE_INDEX[phase]
+            self.host_phase_bad[i] += 1
+            if self.host_phase_first[i] < 0:
+                self.host_phase_first[i] = step
+
+    def blocks(self) -> list[torch.Tensor]:
+        """Everything to drain, one flat int64 block per device and, once a host-side check
+        has found something, one for the host counters; in the layout fold_counters reads."""
+        out = [c.flat for c in self.by_device.values()]
+        if self.host_total():  # nothing to say while no host-side check has found anything
+            n = self.n_layers
+            stored = [PHASE_INDEX[p] for p in _STORED_PHASES]
+            host = ([0] * n + [self.host_phase_bad[i] for i in stored]
+                    + [-1] * n + [self.host_phase_first[i] for i in stored])
+            out.append(torch.tensor(host, dtype=torch.int64))
+        return out
+
+    def host_total(self) -> int:
+        return sum(self.host_phase_bad)
+
+
+def fold_counters(parts: list[list[float]], n_layers: int) -> dict[str, list[int]]:
+    """Host side: combine the drained counters of all devices. Each part is the flat
+    [layer_bad, phase_bad, layer_first, phase_first] of one device (phases stored in
+    _STORED_PHASES order; returned in PHASE_INDEX order)."""
+    n_phases = len(PHASE_INDEX)
+    layer_bad = [0] * n_layers
+    layer_first = [-1] * n_layers
+    phase_bad = [0] * n_phases
+    phase_first = [-1] * n_phases
+
+    def first_of(a: int, b: int) -> int:
+        return b if a < 0 else a if b < 0 else min(a, b)
+
+    for flat in parts:
+        values = [int(v) for v in flat]
+        half = n_layers + n_phases
+        lb, lf = values[:n_layers], values[half : half + n_layers]
+        pb = [0] * n_phases
+        pf = [0] * n_phases
+        for k, name in enumerate(_STORED_PHASES):
+            pb[PHASE_INDEX[name]] = values[n_layers + k]
+            pf[PHASE_INDEX[name]] = values[half + n_layers + k]
+        for i in range(n_layers):
+            layer_bad[i] += lb[i]
+            layer_first[i] = first_of(layer_first[i], lf[i])
+        for i in range(n_phases):
+            # a step bad on two devices is one bad step: the larger count is the better bound
+            phase_bad[i] = max(phase_bad[i], pb[i])
+            phase_first[i] = first_of(phase_first[i], pf[i])
+    return {
+        "layer_bad": layer_bad,
+        "layer_first": layer_first,
+        "phase_bad": phase_bad,
+        "phase_first": phase_first,
+    }

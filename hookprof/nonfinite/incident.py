@@ -1,0 +1,183 @@
+"""The reaction to a NaN/Inf: noticing it, keeping the incident open, the on_nonfinite policies.
+
+New non-finite steps are noticed at step boundaries; an incident stays open (every step
+sampled) until its layer is known; the first one is acted on by the configured policy."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hookprof.device import transfer
+from hookprof.config import Config
+from hookprof.errors import NonFiniteError
+from hookprof.faults import log
+from hookprof.nonfinite.detector import Detector
+from hookprof.snapshot import NonFiniteEvent, Snapshot
+
+if TYPE_CHECKING:
+    from hookprof.publish.publisher import Publisher
+
+
+HOLD_STEPS = 8  # step ends the policy may wait for the replay to name the layer (replay.MAX_LATE)
+
+
+class IncidentResponse:
+    """Owns the NaN reaction of one profiler. The training thread calls `at_step_end` at
+    each step boundary and asks `open` when planning a step; nothing else writes its state.
+
+    Under "record" the news comes with each sampled step's drain of the device counters;
+    the other policies read one flag per step back from the device, without waiting for it,
+    and bring the counters over as soon as it shows something new."""
+
+    def __init__(self, config: Config, rank: int, detector: Detector, publisher: "Publisher",
+                 drain_counters: Callable[[], None],
+                 replay_pending: Callable[[int], bool] = lambda step: False):
+        self._config = config
+        self._rank = rank
+        self._detector = detector
+        self._publisher = publisher
+        self._drain_counters = drain_counters
+        self._known_bad = 0  # non-finite steps already reacted to
+        self._open_until = 0  # sample every step up to this step number
+        self._acted = False  # the policy acts once per run: the first incident matters
+        self._flags: list[tuple[torch.device, tuple[Any, Any]]] = []  # device flags in flight
+        self._device_bad: dict[torch.device, int] = {}  # last flag read back per device
+        self._drained_at = 0  # the count of bad steps seen when the counters were last drained
+        # can the forward replay still name the producer of this bad step (its flag or its
+        # packet on the way)? Then the policy waits for it, up to HOLD_STEPS step ends
+        self._replay_pending = replay_pending
+        self._act_by: int | None = None  # the last step end at which the held policy acts
+
+    def open(self, step: int) -> bool:
+        """Is an incident open at `step`: recent, and its layer not known yet?"""
+        if step > self._open_until:
+            return False
+        event = self._publisher.latest.first_nonfinite
+        return event is None or event.layer is None
+
+    def at_step_end(self, step: int) -> None:
+        """Notice new non-finite steps and act on them (may raise NonFiniteError)."""
+        policy = self._config.on_nonfinite
+        if policy != "record":
+            self._poll_flag()
+        snap = self._publisher.latest
+        bad = sum(snap.nonfinite_steps.values())
+        if bad <= self._known_bad:
+            if self._act_by is not None:
+                self._act_when_named(step, snap)
+            return
+        self._known_bad = bad
+        self._open_until = step + self._config.incident_steps
+        if (policy != "record" and snap.first_nonfinite is not None and not self._acted
+                and self._act_by is None):
+            self._act_by = step + HOLD_STEPS
+        if self._act_by is not None:
+            self._act_when_named(step, snap)
+
+    def _act_when_named(self, step: int, snap: Snapshot) -> None:
+        """Act on the first incident, once its layer is known or cannot be anymore: while
+        the forward replay may still name it (a kept step's flag or the replay's packet on
+        its way), at most HOLD_STEPS step ends. Holding is safe: the replay is pending only
+        for steps whose update the guard held back (guard.py), and it holds back every
+        non-finite update meanwhile."""
+        event = snap.first_nonfinite
+        assert event is not None and self._act_by is not None
+        if event.layer is None and step < self._act_by and self._replay_pending(event.step):
+            return
+        # the replay may have been published since `snap` was read (its token is set after
+        # `latest`): act on the newest snapshot, which then names the layer
+        snap = self._publisher.latest
+        event = snap.first_nonfinite or event
+        self._act_by = None
+        self._acted = True
+        apply(self._config.on_nonfinite, event, snap, self._config, self._rank)
+
+    def _poll_flag(self) -> None:
+        for device, c in self._detector.by_device.items():
+            self._flags.append((device, transfer.peek(c.phase_bad.sum().reshape(1))))
+        while self._flags and transfer.is_ready(self._flags[0][1][1]):
+            device, (host, _) = self._flags.pop(0)
+            # a host tensor whose copy has completed: no sync; counts are cumulative
+            self._device_bad[device] = int(host.sum())
+        seen = self._detector.host_total() + sum(self._device_bad.values())
+        if seen > self._known_bad and seen > self._drained_at:
+            # something went bad: bring the counters over now so layer, phase and step are known
+            self._drained_at = seen
+            self._drain_counters()
+            if all(transfer.on_host(c.flat) for c in self._detector.by_device.values()):
+                # everything is on the host already: folding it is the publisher's Python
+                # work, not a wait for a device, so the policy acts at this very step
+                self._publisher.flush()
+            else:
+                # never wait for the device here: the publisher folds the drain as soon as
+                # its copy completes (waiting for it on its own thread) and publishes at
+                # once, and the policy acts at the first step end after that (the update
+                # guard has held this step's update back meanwhile)
+                self._publisher.publish_now()
+
+
+def describe(event: NonFiniteEvent, rank: int) -> str:
+    where = f"layer {event.layer}" if event.layer else "a layer not yet localised"
+    text = f"NaN/Inf in the {event.phase} phase at step {event.step} on rank {rank}, first in {where}"
+    if event.last_finite_child:
+        text += f", after its child {event.last_finite_child} ran finite"
+    if event.propagators:
+        text += f" (then {', '.join(event.propagators[:5])}{' ...' if len(event.propagators) > 5 else ''})"
+    return text
+
+
+def apply(policy: str, event: NonFiniteEvent, snap: Snapshot, config: Config, rank: int) -> str | None:
+    """Act on the first incident of a run. Returns the report's path under "dump"."""
+    if policy == "warn":
+        log.warning("hookprof: %s", describe(event, rank))
+    elif policy == "skip":
+        log.warning("hookprof: %s; the update of every non-finite step is held back "
+                    "(hookprof_held_back_updates_total counts them)", describe(event, rank))
+    elif policy == "raise":
+        raise NonFiniteError(event.layer, event.phase, event.step, rank)
+    elif policy == "dump":
+        path = write_report(event, snap, config.dump_dir, rank)
+        log.warning("hookprof: %s; report written to %s", describe(event, rank), path)
+        return path
+    return None
+
+
+def _plain(value: Any) -> Any:
+    """JSON has no NaN/Inf: they are written as strings, which is what a report is about."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def write_report(event: NonFiniteEvent, snap: Snapshot, directory: str, rank: int) -> str:
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"hookprof-nonfinite-rank{rank}-step{event.step}.json")
+    report = {
+        "summary": describe(event, rank),
+        "rank": rank,
+        "written_at": time.time(),
+        "incident": dataclasses.asdict(event),
+        "step": snap.step,
+        "nonfinite_steps": dict(snap.nonfinite_steps),
+        "loss": snap.loss,
+        "grad_norm": snap.grad_norm,
+        "layers": {name: {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+                   for name, stats in snap.layers.items()},
+    }
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_plain(report), f, indent=2)
+    os.replace(tmp, path)
+    return path

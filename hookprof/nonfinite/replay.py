@@ -1,0 +1,225 @@
+"""The forward replay: naming the layer behind a NaN/Inf on a step without per-layer checks.
+
+Every training forward keeps a reference to the root module's inputs and the RNG state at
+its start (a few microseconds). Its output check (one flag, read without waiting) tells
+whether the step's output went non-finite; if it did, the same forward runs once more under
+`torch.no_grad()` with the per-layer checks installed, the same RNG state (so dropout draws
+the same masks) and the same, not yet updated, parameters. Buffers (BatchNorm's running
+statistics, a layer's constant `scale`) are swapped for clones while it runs, so the replay
+neither changes them nor bumps the version counter of tensors autograd saved for the step's
+backward (an in-place restore did, and the user's backward then raised); the RNG is put back
+afterwards. Training goes on exactly as it would have. This happens at most once per run.
+
+On an accelerator the flag is usually not on the host before the update: the host runs
+ahead of the device. When the update guard holds a non-finite step's update back on the
+device (on_nonfinite "skip"/"raise" with a fused optimizer, see guard.py), the weights stay
+finite, so the step's inputs are kept (`keep_late`, at most MAX_LATE steps) until its flag
+arrives, and the replay runs then, on the weights of a few finite updates later. A kept step
+whose update was not held back (a non-fused optimizer without nonfinite_sync: `unheld`) is
+never replayed late: if it was non-finite, its update reached the weights, and a replay on
+them names the first layer with weights, not the producer. The incident then stays not
+localised, and `say` tells why, once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookprof.device import transfer
+from hookprof.step.hooks import LayerHooks
+from hookprof.step.record import StepRecord
+
+
+MAX_LATE = 8  # steps whose output flag may still be on its way (the device's lag), kept
+
+
+def own_weights_nonfinite(layers: list[Any]) -> list[torch.Tensor]:
+    """One 0-d flag per layer (layers.Layer, in table order): do its own parameters hold a
+    NaN/Inf now? Sent with the replay's record (no wait): a layer whose own weights are
+    non-finite makes a NaN from finite inputs without being where it began (the weights took
+    a non-finite update earlier), so aggregate names it no producer. Parameters only: buffers
+    such as BatchNorm's running stats are written by the bad forward itself, before the
+    replay looks, and say nothing of an earlier update."""
+    flags = []
+    for layer in layers:
+        module = layer.module
+        own = [] if module is None else [
+            t for t in module.parameters(recurse=False) if t.is_floating_point() and t.numel()]
+        if not own:
+            flags.append(torch.zeros((), dtype=torch.int64))
+            continue
+        device = own[0].device
+        # isfinite, not a sum: a sum of large finite weights can overflow
+        finite = torch.stack([torch.isfinite(t.detach()).all().to(device, non_blocking=True)
+                              for t in own])
+        flags.append(finite.logical_not().any().to(torch.int64))
+    return flags
+
+
+class CapturedForward:
+    """One training forward as the replay needs it: what was called (None: the model), with
+    what, and the RNG state at its start. Handed to `_run` as a whole, so replaying a kept
+    step never swaps the current step's capture out and back (an exception in between
+    would leave the kept step's in its place)."""
+
+    __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng")
+
+    def __init__(self, module: nn.Module | None, args: tuple, kwargs: dict | None,
+                 cpu_rng: torch.Tensor, cuda_rng: list[torch.Tensor] | None):
+        self.module, self.args, self.kwargs = module, args, kwargs
+        self.cpu_rng, self.cuda_rng = cpu_rng, cuda_rng
+
+
+class ForwardReplay:
+    """The replay's state: the captured forward, this step's output flag, and whether the
+    one replay of the run has happened (`enabled=False`: never, e.g. under DTensor)."""
+
+    def __init__(self, model: nn.Module, enabled: bool = True, keep_late: bool = False,
+                 say: Callable[[str, str], None] | None = None):
+        self._model_ref = weakref.ref(model)  # weakly: see layers.Layer.module_ref
+        self.captured: CapturedForward | None = None  # this step's last training forward
+        self.done = not enabled
+        self._flag: tuple[Any, Any] | None = None  # (host flag, ready event) of the output check
+        self.keep_late = keep_late
+        # (step, flag, its forward) of steps whose flag is on its way
+        # (None: an unheld step, see `unheld`)
+        self._late: deque[tuple[int, tuple[Any, Any], CapturedForward | None]] = deque(maxlen=MAX_LATE)
+        self._say = say
+
+    @property
+    def waiting(self) -> bool:
+        """An output flag of this step has not been looked at yet."""
+        return self._flag is not None
+
+    @property
+    def late(self) -> bool:
+        """Steps whose output flag is still on its way are kept (keep_late)."""
+        return bool(self._late)
+
+    def may_replay(self, step: int) -> bool:
+        """Can a late replay still run for a step up to `step` (a kept step whose update was
+        held back, its flag not looked at yet)?"""
+        return not self.done and any(s <= step and c is not None for s, _, c in self._late)
+
+    def unheld(self, step: int) -> None:
+        """`step`'s update was not held back (guard.UpdateGuard.unguarded): if its flag says
+        non-finite, the weights have taken that update, so its forward is not replayed."""
+        if self._late and self._late[-1][0] == step:
+            self._late[-1] = (step, self._late[-1][1], None)
+
+    def capture(self, args: tuple, kwargs: dict, module: nn.Module | None = None) -> None:
+        """Keep a training forward's inputs: of the root, or of the entry call `module` (a
+        child of the root, when the loop never calls the root itself)."""
+        if self.done:
+            return
+        self.captured = CapturedForward(
+            module, args, kwargs, torch.get_rng_state(),
+            torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+
+    def clear(self) -> None:
+        self.captured = None
+
+    def note_output(self, flag: bool | torch.Tensor | None) -> bool:
+        """This forward's output check, as its owner combined it (output_check.OutputFlags:
+        the replay reads it, never stacks it again). True when it is already known bad on
+        the host: the replay can run at once. A device flag is peeked at, to be read when
+        its copy has completed (`run_if_bad`)."""
+        if self.done:
+            return False
+        if flag is True:
+            self._flag = (True, None)
+            return True
+        if isinstance(flag, torch.Tensor):
+            self._flag = transfer.peek(flag)
+        return False
+
+    def run_if_bad(self, hooks: LayerHooks, new_record: Callable[[], StepRecord],
+                   step: int = 0, wait: bool = False) -> StepRecord | None:
+        """If this step's output went non-finite, replay its forward into a new record and
+        return it; None when it did not, when its flag is not on the host yet (waited for
+        only with `wait`, Config.nonfinite_sync; else kept for `run_late` under keep_late),
+        or when there is nothing to replay."""
+        flag, self._flag = self._flag, None
+        if flag is None:
+            return None
+        if wait and not self.done and not transfer.is_ready(flag[1]):
+            transfer.wait_ready(flag[1])  # the opt-in wait (unless the guard's did it)
+        if not transfer.is_ready(flag[1]):
+            if self.keep_late and not self.done and self.captured is not None:
+                self._late.append((step, flag, self.captured))
+            return None
+        if not bool(flag[0]) or self.captured is None:  # a host value (or a completed copy)
+            return None
+        rec = new_record()
+        return rec if self._run(hooks, rec, self.captured) else None
+
+    def run_late(self, hooks: LayerHooks,
+                 new_record: Callable[[], StepRecord]) -> tuple[int, StepRecord] | None:
+        """The first kept step whose flag has arrived and says non-finite: its forward is
+        replayed (on the current weights, finite since its update was held back). Returns
+        (its step, the record). Never waits: a flag still on its way stays queued."""
+        while self._late and not self.done:
+            step, flag, captured = self._late[0]
+            if not transfer.is_ready(flag[1]):
+                return None
+            self._late.popleft()
+            if bool(flag[0]) and captured is None:
+                self._refuse(step)
+            elif bool(flag[0]):
+                rec = new_record()
+                return (step, rec) if self._run(hooks, rec, captured) else None
+        if self.done:
+            self._late.clear()
+        return None
+
+    def _refuse(self, step: int) -> None:
+        """The first non-finite kept step's update reached the weights: no replay this run
+        (every later one would run on those weights too)."""
+        self.done = True
+        self.clear()
+        self._late.clear()
+        if self._say is not None:
+            self._say("replay after unheld update", (
+                f"the NaN/Inf of step {step} is not localised to a layer: its flag arrived "
+                "after the optimizer had applied that step's non-finite update, so a replay "
+                "would run on non-finite weights and name the first layer that has weights; "
+                "nonfinite_sync=True, or a fused optimizer (fused=True) under "
+                "on_nonfinite='skip' or 'raise', holds such an update back and names it"))
+
+    def _run(self, hooks: LayerHooks, rec: StepRecord, captured: CapturedForward) -> bool:
+        """Replay `captured` into `rec`: the one replay of the run, whether it finishes or
+        raises; either way the model's buffers and the RNG are put back and nothing kept."""
+        model = self._model_ref()
+        if self.done or model is None:
+            return False
+        target = captured.module if captured.module is not None else model
+        self.done = True
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if captured.cuda_rng is not None else None
+        originals = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
+                     if b is not None]
+        try:
+            with torch.no_grad():
+                for module, name, buffer in originals:
+                    module._buffers[name] = buffer.clone()  # the replay writes here, if anywhere
+            torch.set_rng_state(captured.cpu_rng)
+            if captured.cuda_rng is not None:
+                torch.cuda.set_rng_state_all(captured.cuda_rng)
+            with hooks.replaying_into(rec), torch.no_grad():
+                hooks.note_root_inputs(captured.args, captured.kwargs)
+                target(*captured.args, **(captured.kwargs or {}))
+        finally:
+            for module, name, buffer in originals:  # the very same tensors, untouched
+                module._buffers[name] = buffer
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            self.clear()  # done: no step's inputs are kept from here on
+            self._late.clear()
+        return True

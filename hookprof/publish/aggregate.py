@@ -1,0 +1,498 @@
+"""Host-side folding of sampled steps into running totals, and building Snapshots.
+
+Runs on the publisher thread only; the training thread hands over finished Packets and
+updates StepCounters, nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from hookprof.phases.device import DevicePhaseTotals, device_phase_seconds
+from hookprof.nonfinite.guard import fold_skips
+from hookprof.efficiency.figures import EfficiencyTotals
+from hookprof.nonfinite.detector import PHASE_INDEX, fold_counters
+from hookprof.layers import INPUT_NAME
+from hookprof.step.record import ROOT_INPUT, Packet, StepCounters, StepRecord
+from hookprof.device.timing import Timer
+from hookprof.snapshot import (
+    PHASES,
+    LayerStats,
+    NonFiniteEvent,
+    Snapshot,
+)
+
+LOSS_LAYER = "(loss)"  # layer label of an incident seen in the loss alone
+GRADSCALER_LAYER = "(gradscaler)"  # layer label of persistent GradScaler skipping
+FLAG_KINDS = ("vanishing", "exploding")
+
+
+@dataclass(slots=True)
+class ForwardFinding:
+    # innermost calls first: "(input)" when the root's inputs were non-finite, then layers
+    # or container modules with finite inputs and a non-finite output
+    producers: list[str]
+    propagators: list[str]  # layers with non-finite inputs and outputs, in call order
+    bwd_start_of_layer: dict[int, float]
+    last_finite_child: str | None = None  # of producers[0], when it is a container
+
+
+class StepFigures:
+    """One step's per-layer figures, read from its record (lists indexed by layer)."""
+
+    def __init__(self, n: int):
+        self.calls = [0] * n
+        self.fwd = [0.0] * n  # exclusive forward seconds
+        self.bwd = [0.0] * n  # exclusive backward seconds
+        self.bwd_calls = [0] * n
+        self.recompute = [0.0] * n  # activation checkpointing's forward recomputation
+        self.recompute_calls = [0] * n
+        self.absmax: list[list[float]] = [[] for _ in range(n)]  # per output
+        self.zeros = [0.0] * n  # zeros and values in the zero samples
+        self.numel = [0] * n
+        self.checked = False  # the step had activation statistics
+        self.finding: ForwardFinding | None = None
+        self.device_phases: tuple[float, ...] | None = None  # device seconds per step phase
+
+
+def _with_ancestors(rec: StepRecord, calls: list[int]) -> set[int]:
+    """`calls` and every call enclosing one of them (Call.parent, -1 at the top)."""
+    out: set[int] = set()
+    for c in calls:
+        while c >= 0 and c not in out:
+            out.add(c)
+            c = rec.calls[c].parent
+    return out
+
+
+def _nanmax(values: list[float]) -> float:
+    """max() that lets NaN win, as torch.amax does."""
+    out = -math.inf
+    for v in values:
+        if v != v:
+            return v
+        out = max(out, v)
+    return out
+
+
+class Aggregator:
+    def __init__(self, names: list[str], module_types: list[str], rank: int, max_layers: int,
+                 grad_norm_bounds: tuple[float, float] = (1e-6, 1e3), container_names: list[str] = ()):
+        n = len(names)
+        # names of recorded calls: layers, then container modules (hooked by the replay only)
+        self._call_names = list(names) + list(container_names)
+        self.grad_norm_bounds = grad_norm_bounds
+        # sampled steps on which a layer's gradient norm was below / above the bounds
+        self.flagged = {k: [0] * n for k in FLAG_KINDS}
+        self.flagged_steps = dict.fromkeys(FLAG_KINDS, 0)
+        self.names = names
+        self.module_types = module_types
+        self.rank = rank
+        self.max_layers = max_layers
+        self.sampled_steps = 0
+        self.last_sampled_step: int | None = None
+        self.loss: float | None = None
+        self.grad_norm: float | None = None
+        self.first_nonfinite: NonFiniteEvent | None = None
+        self.counters = fold_counters([], n)  # the device counters as last drained
+        # guard.SkipCounters as last drained: name -> (count, persistent)
+        self.device_counts: dict[str, tuple[int, int]] = {}
+        self._replayed: tuple[int, ForwardFinding] | None = None
+        self.fwd_total = [0.0] * n
+        self.fwd_calls_total = [0] * n
+        self.bwd_total = [0.0] * n
+        self.bwd_calls_total = [0] * n
+        self.recompute_total = [0.0] * n  # activation checkpointing's forward recomputation
+        self.recompute_calls_total = [0] * n
+        self.fwd_nonfinite = [0] * n  # per layer, from sampled and replayed steps
+        self._last: dict[str, list[Any]] = {}
+        self._layers: MappingProxyType = MappingProxyType({})
+        self._exported: tuple[str, ...] = ()
+        self._dirty = True
+        self.efficiency: EfficiencyTotals | None = None  # set when its figures are measured
+        self.device_phases: DevicePhaseTotals | None = None  # set with a device timer
+
+    # ---- folding one packet ----
+
+    def fold(self, packet: Packet, timer: Timer) -> None:
+        """Fold one packet in: a drain of the non-finite counters alone, a replayed forward
+        (its checks count, its timings do not) or a sampled step."""
+        if packet.counter_parts:
+            parts = [packet.batch.get(("counters", k)) for k in range(packet.counter_parts)]
+            self.counters = fold_counters(parts, len(self.names))
+        for name, n_parts in packet.count_parts.items():
+            self.device_counts[name] = fold_skips([packet.batch.get((name, k)) for k in range(n_parts)])
+        if packet.record is None and not packet.sampled:  # a drain of the counters alone
+            loss = self.loss_of(packet)
+            if loss is not None and packet.step == self.last_sampled_step:
+                self.loss = loss  # prof.step(loss) after the optimizer ended a sampled step
+            self._update_incident(packet.step, None)
+            self._dirty = True
+            return
+        figures = self._read_record(packet, timer)
+        for i, values in enumerate(figures.absmax):
+            if values and not math.isfinite(_nanmax(values)):
+                self.fwd_nonfinite[i] += 1
+        if not packet.sampled and figures.finding is not None:
+            self._replayed = (packet.step, figures.finding)
+        self._update_incident(packet.step, figures.finding)
+        self._dirty = True
+        if packet.sampled:
+            self._add_sampled_step(packet, figures)
+
+    def _read_record(self, packet: Packet, timer: Timer) -> StepFigures:
+        """Per-layer figures of the packet's record: times resolved from the timer's tokens
+        (which go back to its pool), activation reductions read from the batch."""
+        figures = StepFigures(len(self.names))
+        rec = packet.record
+        if rec is None:  # a sampled step without per-layer hooks (a compiled model)
+            return figures
+        try:
+            call_fwd, call_bwd, bwd_start, at = self._resolve_times(rec, timer)
+            if rec.phase_marks:  # resolved with the step's other tokens (device_phases.py)
+                figures.device_phases = device_phase_seconds(rec.phase_marks, at)
+        finally:
+            timer.release(rec.tokens())
+        n = len(self.names)
+        for call_id, call in enumerate(rec.calls):
+            layer = call.layer
+            if layer >= n:
+                continue  # a container module's call (replay): it only tells who made a NaN
+            if call_id in rec.recompute:  # reported apart, never as forward time
+                figures.recompute_calls[layer] += 1
+                figures.recompute[layer] += call_fwd[call_id]
+            else:
+                figures.calls[layer] += 1
+                figures.fwd[layer] += call_fwd[call_id]
+            if call_id in call_bwd:
+                figures.bwd[layer] += call_bwd[call_id]
+                figures.bwd_calls[layer] += 1
+        # activation values back in record order: act index -> (abs max, non-zeros)
+        lows, highs = packet.batch.get("act_min"), packet.batch.get("act_max")
+        nonzero_values = iter(packet.batch.get("nonzero"))
+        act_max: dict[int, float] = {}
+        for position, i in enumerate(packet.act_order):
+            act = rec.act[i]
+            act_max[i] = m = _nanmax([-lows[position], highs[position]])
+            if act.call < 0:
+                continue  # an input's check, not a layer output
+            layer = rec.calls[act.call].layer
+            if layer >= n:
+                continue
+            figures.absmax[layer].append(m)
+            if act.nonzero is not None:
+                figures.zeros[layer] += act.sample_size - next(nonzero_values)
+                figures.numel[layer] += act.sample_size
+        figures.checked = bool(rec.act)
+        # a replay's layers whose own weights were non-finite (replay.own_weights_nonfinite)
+        weights_bad = {i for i, v in enumerate(packet.batch.get("weights_bad")) if v}
+        figures.finding = self._forward_roles(rec, act_max, bwd_start, weights_bad)
+        return figures
+
+    def _add_sampled_step(self, packet: Packet, figures: StepFigures) -> None:
+        """A sampled step's times go into the totals; its figures become the last ones."""
+        n = len(self.names)
+        squares = [0.0] * n
+        for part in range(packet.grad_parts):
+            for i, v in enumerate(packet.batch.get(("grad_sq", part))):
+                squares[i] += v
+        for i in range(n):
+            self.fwd_total[i] += figures.fwd[i]
+            self.fwd_calls_total[i] += figures.calls[i]
+            self.bwd_total[i] += figures.bwd[i]
+            self.bwd_calls_total[i] += figures.bwd_calls[i]
+            self.recompute_total[i] += figures.recompute[i]
+            self.recompute_calls_total[i] += figures.recompute_calls[i]
+        previous = self._last
+        # a sampled step without activation statistics (activation_interval_s) keeps the
+        # last ones, so the gauges do not blink out between them
+        keep_activations = not figures.checked and previous
+        self._last = {
+            "calls": figures.calls,
+            "fwd": figures.fwd,
+            "recompute": figures.recompute,
+            "bwd": figures.bwd,
+            "grad": [math.sqrt(squares[i]) if i in packet.has_grad else None for i in range(n)],
+            "zero_ratio": previous["zero_ratio"] if keep_activations else
+            [figures.zeros[i] / figures.numel[i] if figures.numel[i] else None for i in range(n)],
+            "absmax": previous["absmax"] if keep_activations else
+            [_nanmax(figures.absmax[i]) if figures.absmax[i] else None for i in range(n)],
+        }
+        if packet.has_grad:
+            self.grad_norm = math.sqrt(sum(squares[i] for i in packet.has_grad))
+            self._flag_gradients(squares, packet.has_grad)
+        if packet.efficiency is not None and self.efficiency is not None:
+            self.efficiency.fold(packet, figures.fwd, figures.bwd)
+        if self.device_phases is not None:
+            self.device_phases.add(figures.device_phases)
+        loss = self.loss_of(packet)
+        if loss is not None:
+            self.loss = loss
+        self.sampled_steps += 1
+        self.last_sampled_step = packet.step
+
+    @staticmethod
+    def loss_of(packet: Packet) -> float | None:
+        """The loss a packet carries (in its batch, or as a Python number); the history
+        (history.py) reads it the same way."""
+        return packet.batch.get("loss")[0] if packet.loss_in_batch else packet.loss
+
+    @property
+    def last_step_figures(self) -> dict[str, list[Any]]:
+        """The last sampled step's per-layer lists ("fwd", "bwd", "grad", ...; {} before one)."""
+        return self._last
+
+    def _flag_gradients(self, squares: list[float], has_grad: frozenset[int]) -> None:
+        low, high = self.grad_norm_bounds
+        seen = dict.fromkeys(FLAG_KINDS, False)
+        for i in has_grad:
+            norm = math.sqrt(squares[i])
+            if not math.isfinite(norm):
+                continue  # a NaN/Inf is an incident of its own, not an explosion
+            kind = "vanishing" if norm < low else "exploding" if norm > high else None
+            if kind is not None:
+                self.flagged[kind][i] += 1
+                seen[kind] = True
+        for kind, hit in seen.items():
+            self.flagged_steps[kind] += hit
+
+    def _forward_roles(
+        self, rec: StepRecord, act_max: dict[int, float], bwd_start: dict[int, float],
+        weights_bad: set[int] = frozenset(),
+    ) -> ForwardFinding:
+        """Who made a NaN/Inf on a checked or replayed step: the root's inputs ("(input)"),
+        else the innermost call with finite inputs and a non-finite output (the first to end:
+        a layer, or a container module whose own code made it); the layers it then flowed
+        through (non-finite inputs and output); plus the backward order."""
+        out_bad: set[int] = set()
+        root_input_bad = False
+        for i, act in enumerate(rec.act):
+            if not math.isfinite(act_max[i]):
+                if act.call >= 0:
+                    out_bad.add(act.call)
+                elif act.call == ROOT_INPUT:
+                    root_input_bad = True
+        in_bad = {call for call, i in rec.inputs if not math.isfinite(act_max[i])}
+        n = len(self.names)
+        names = self._call_names
+        # ordered sets: a module called twice is named once. "(input)" only when no module
+        # made one from finite inputs: a root input may hold -inf on purpose (an additive
+        # attention mask) while a layer is what went wrong
+        made = [c for c in rec.ended if c in out_bad and c not in in_bad]
+        if weights_bad:  # a layer whose own weights made it is no origin, nor its enclosing calls
+            made = [c for c in made if c not in _with_ancestors(rec, [
+                m for m in made if rec.calls[m].layer in weights_bad])]
+        producers: dict[str, None] = dict.fromkeys(names[rec.calls[c].layer] for c in made)
+        if root_input_bad and not producers:
+            producers[INPUT_NAME] = None
+        propagators = dict.fromkeys(names[rec.calls[c].layer] for c in sorted(out_bad)
+                                    if c in in_bad and rec.calls[c].layer < n)
+        last_finite_child = None
+        if made and rec.calls[made[0]].layer >= n:
+            children = [c for c in rec.ended if rec.calls[c].parent == made[0] and c not in out_bad]
+            last_finite_child = names[rec.calls[children[-1]].layer] if children else None
+        start_of_layer: dict[int, float] = {}
+        for call, t in bwd_start.items():
+            layer = rec.calls[call].layer
+            start_of_layer[layer] = min(start_of_layer.get(layer, math.inf), t)
+        return ForwardFinding(list(producers), [p for p in propagators if p not in producers],
+                              start_of_layer, last_finite_child)
+
+    def _update_incident(self, step: int, forward: ForwardFinding | None) -> None:
+        """Keep the first NaN/Inf of the run: its step and phase from the device counters
+        (exact, every step), its layer once known."""
+        event = self.first_nonfinite
+        if event is not None and event.layer is not None:
+            return
+        c = self.counters
+        firsts = [(c["phase_first"][PHASE_INDEX[p]], order, p)
+                  for order, p in enumerate(("forward", "loss", "backward"))
+                  if c["phase_first"][PHASE_INDEX[p]] >= 0]
+        if not firsts:
+            return
+        first_step, _, phase = min(firsts)
+        layer, propagators, last_finite_child = None, (), None
+        if phase == "forward":
+            seen = [(step, forward)] if forward is not None else []
+            if self._replayed is not None:
+                seen.append(self._replayed)  # the incident step's own forward, replayed
+            for at, finding in sorted(seen, key=lambda sf: sf[0] != first_step):
+                poisoned = 0 <= c["phase_first"][PHASE_INDEX["backward"]] < at
+                # a producer seen on a later step counts only if no non-finite gradient
+                # was applied in between: after that, every layer's parameters are suspect
+                if finding.producers and (at == first_step or not poisoned):
+                    layer, propagators = finding.producers[0], tuple(finding.propagators)
+                    last_finite_child = finding.last_finite_child
+                    break
+        elif phase == "loss":
+            layer = LOSS_LAYER
+        else:
+            bad = [i for i, s in enumerate(c["layer_first"]) if s == first_step]
+            if bad:
+                # the first to go bad in backward: earliest backward start when it was timed
+                # on this step, else the last layer in module order (backward runs roughly
+                # in reverse)
+                starts = forward.bwd_start_of_layer if forward is not None and step == first_step else {}
+                first = min(bad, key=lambda i: (starts.get(i, math.inf), -i))
+                layer = self.names[first]
+                propagators = tuple(self.names[i] for i in bad if i != first)
+        self.first_nonfinite = NonFiniteEvent(layer, phase, first_step, propagators, last_finite_child)
+
+    def _resolve_times(
+        self, rec: StepRecord, timer: Timer
+    ) -> tuple[list[float], dict[int, float], dict[int, float], Callable[[Any], float]]:
+        """Per forward call: exclusive forward seconds; per call with a backward: exclusive
+        backward seconds and backward start (seconds from rec.ref); and the seconds from
+        rec.ref of any token of the record."""
+
+        # every token resolved at once: one wait for the device, not one per event; the GIL
+        # is released between the passes below too (each is ~0.2 ms of Python for 500 calls
+        # on a 2-core CPU), so the training thread never waits ~1 ms or more for it
+        at = timer.resolve(rec.ref, rec.tokens()).__getitem__
+        pause = getattr(timer, "yield_gil", _no_pause)
+
+        ncalls = len(rec.calls)
+        span = [0.0] * ncalls
+        outer = [0.0] * ncalls
+        for c, call in enumerate(rec.calls):
+            if call.end is not None and call.start is not None:
+                span[c] = max(at(call.end) - at(call.start), 0.0)
+                if call.outer_end is not None:
+                    outer[c] = max(at(call.outer_end) - at(call.outer_start), 0.0)
+                else:
+                    outer[c] = span[c]
+
+        pause()
+        start: dict[int, float] = {}
+        end_of: dict[int, float] = {}
+        for roles, tok in rec.grad_ready:
+            t = at(tok)
+            for role in roles:
+                c = role >> 1
+                if role & 1:  # the gradient reached c's output: c's backward starts
+                    start[c] = min(start.get(c, math.inf), t)
+                else:  # c's input gradient is produced: c's backward ends
+                    end_of[c] = max(end_of.get(c, -math.inf), t)
+        param_end: dict[int, float] = {}
+        for layer, tok in rec.param_done:
+            param_end[layer] = max(param_end.get(layer, -math.inf), at(tok))
+        pause()
+        bspan: dict[int, float] = {}
+        for c, s in start.items():
+            if c >= ncalls:
+                continue
+            e = end_of.get(c, param_end.get(rec.calls[c].layer))
+            if e is not None and e >= s:
+                bspan[c] = e - s
+
+        # exclusive times: a parent call (a module that owns parameters and has children)
+        # counts neither its instrumented children's time nor our hook work around them
+        pause()
+        fwd_excl = list(span)
+        bwd_excl = dict(bspan)
+        for c in range(ncalls):
+            parent = rec.calls[c].parent
+            if parent < 0:
+                continue
+            fwd_excl[parent] -= outer[c]
+            if parent in bwd_excl and c in bspan:
+                bwd_excl[parent] -= bspan[c]
+        fwd_excl = [max(v, 0.0) for v in fwd_excl]
+        bwd_excl = {c: max(v, 0.0) for c, v in bwd_excl.items()}
+        return fwd_excl, bwd_excl, start, at
+
+    # ---- snapshots ----
+
+    def _rebuild_layers(self) -> None:
+        n = len(self.names)
+        last = self._last
+        layers = {}
+        for i in range(n):
+            layers[self.names[i]] = LayerStats(
+                name=self.names[i],
+                module=self.module_types[i],
+                calls=last["calls"][i] if last else 0,
+                forward_seconds=last["fwd"][i] if last else 0.0,
+                backward_seconds=last["bwd"][i] if last else 0.0,
+                grad_norm=last["grad"][i] if last else None,
+                activation_zero_ratio=last["zero_ratio"][i] if last else None,
+                activation_abs_max=last["absmax"][i] if last else None,
+                forward_seconds_total=self.fwd_total[i],
+                forward_calls_total=self.fwd_calls_total[i],
+                backward_seconds_total=self.bwd_total[i],
+                backward_calls_total=self.bwd_calls_total[i],
+                recompute_seconds=last["recompute"][i] if last else 0.0,
+                recompute_seconds_total=self.recompute_total[i],
+                recompute_calls_total=self.recompute_calls_total[i],
+                nonfinite=MappingProxyType(self._layer_nonfinite(i)),
+                gradient_flags=MappingProxyType({k: self.flagged[k][i] for k in FLAG_KINDS}),
+            )
+        self._layers = MappingProxyType(layers)
+        self._exported = self._select_exported()
+
+    def _select_exported(self) -> tuple[str, ...]:
+        n = len(self.names)
+        if n <= self.max_layers:
+            return tuple(self.names)
+        bad = {i for i in range(n) if any(self._layer_nonfinite(i).values())}
+        room = max(self.max_layers - len(bad), 0)
+        by_time = sorted(
+            (i for i in range(n) if i not in bad),
+            key=lambda i: self.fwd_total[i] + self.bwd_total[i],
+            reverse=True,
+        )
+        keep = sorted(bad | set(by_time[:room]))
+        return tuple(self.names[i] for i in keep)
+
+    def _layer_nonfinite(self, i: int) -> dict[str, int]:
+        # forward: sampled steps' output checks; backward: the device counters (every step)
+        return {"forward": self.fwd_nonfinite[i], "backward": self.counters["layer_bad"][i]}
+
+    def snapshot(self, counters: StepCounters, internal_errors: int,
+                 notices: tuple[str, ...] = ()) -> Snapshot:
+        if self._dirty:
+            self._rebuild_layers()
+            self._dirty = False
+        steps, buckets, total, last_ts, skipped, persistent_skips = counters.read()
+        # a fused optimizer's GradScaler skips on the device: counted there
+        device_skipped, device_persistent = self.device_counts.get("scaler_skips", (0, 0))
+        skipped += device_skipped
+        persistent_skips += device_persistent
+        held_back = counters.held_back + self.device_counts.get("held_back", (0, 0))[0]
+        phase_bad = self.counters["phase_bad"]
+        nonfinite_steps = {p: phase_bad[PHASE_INDEX[p]] for p in PHASES}
+        nonfinite_steps["backward"] += persistent_skips  # skipping that never stops
+        first = self.first_nonfinite
+        if first is None and persistent_skips:
+            first = NonFiniteEvent(GRADSCALER_LAYER, "backward", steps)
+        return Snapshot(
+            rank=self.rank,
+            step=steps,
+            sampled_steps=self.sampled_steps,
+            last_sampled_step=self.last_sampled_step,
+            step_duration_buckets=buckets,
+            step_duration_sum=total,
+            last_step_timestamp=last_ts,
+            loss=self.loss,
+            grad_norm=self.grad_norm,
+            nonfinite_steps=MappingProxyType(nonfinite_steps),
+            skipped_steps=skipped,
+            held_back_updates=held_back,
+            internal_errors=internal_errors,
+            layers=self._layers,
+            exported_layers=self._exported,
+            first_nonfinite=first,
+            gradient_flagged_steps=MappingProxyType(dict(self.flagged_steps)),
+            notices=notices,
+            efficiency=self.efficiency.stats() if self.efficiency is not None else None,
+            device_phase_seconds=self.device_phases.by_phase() if self.device_phases is not None else None,
+            device_phase_steps=self.device_phases.steps if self.device_phases is not None else 0,
+        )
+
+
+def _no_pause() -> None:
+    pass  # a Timer without yield_gil (one a test supplies): the passes run back to back

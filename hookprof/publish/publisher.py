@@ -1,0 +1,155 @@
+"""The background daemon thread that folds sampled steps in and publishes Snapshots.
+
+It waits for each sampled step's device copy, folds it into the totals, and publishes an
+immutable Snapshot by swapping one reference. A packet arrives when its step ends; it is
+folded when the training thread nudges (at the end of the next forward, so the Python work
+overlaps the backward pass, which seldom needs the GIL, rather than the forward, which needs
+it at every module call), or at the latest `interval_s` after it arrived: the last step of a
+run that stops or hangs is published all the same."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hookprof.publish.aggregate import Aggregator
+from hookprof.faults import DaemonThread, Faults
+from hookprof.publish.history import History
+from hookprof.notices import Notices
+from hookprof.step.record import Packet, StepCounters
+from hookprof.snapshot import Snapshot
+from hookprof.device.timing import Timer
+
+_STOP = object()
+_NUDGE = object()
+
+
+class _PublishNow:
+    """A request to fold what has arrived and publish at once, not at the next interval:
+    an incident's drain or replay (IncidentResponse reads `latest` at the next step ends)."""
+
+    __slots__ = ("token",)
+
+    def __init__(self, token: int):
+        self.token = token
+
+
+class Publisher(DaemonThread):
+    def __init__(
+        self,
+        aggregator: Aggregator,
+        counters: StepCounters,
+        faults: Faults,
+        timer: Timer,
+        interval_s: float,
+        name: str = "hookprof-publisher",
+        notices: Notices | None = None,
+        history: History | None = None,
+        decorate: Callable[[Snapshot], Snapshot] | None = None,
+    ):
+        self._aggregator = aggregator
+        self._counters = counters
+        self._faults = faults
+        self._timer = timer
+        self._interval_s = interval_s
+        self._notices = notices if notices is not None else Notices()
+        self.history = history  # the report's bounded history, fed after each fold
+        # adds what other parts own (the step phases, the stall watch) to each snapshot
+        self._decorate = decorate
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._waiting: list[Packet] = []  # arrived, not folded yet (kept across a restart)
+        self._oldest = 0.0  # when the oldest waiting packet arrived (monotonic)
+        self.latest: Snapshot = self._build()
+        self._requested = 0  # publish_now requests made (training thread)
+        self.published_token = 0  # the last one whose fold is in `latest` (publisher thread)
+        DaemonThread.__init__(self, name)
+
+    def submit(self, packet: Packet) -> None:
+        self._queue.put(packet)
+
+    def nudge(self) -> None:
+        """Fold what has arrived now (the training thread is about to run a backward)."""
+        self._queue.put(_NUDGE)
+
+    def publish_now(self) -> int:
+        """Fold what has been submitted so far and publish it as soon as its copies have
+        completed (waited for here, on the publisher thread), not at the next interval.
+        Never waits on the caller's thread. Returns a token: `published_token >= token` once
+        `latest` holds it."""
+        self._requested += 1
+        self._queue.put(_PublishNow(self._requested))
+        return self._requested
+
+    def fold(self, packet: Packet) -> None:
+        """Fold one packet into the totals (on the publisher thread)."""
+        self._aggregator.fold(packet, self._timer)
+        if self.history is not None:
+            self.history.observe(packet, self._aggregator, self._counters)
+
+    def flush(self, timeout: float | None = 10.0) -> bool:
+        """Block until everything submitted so far is folded and published."""
+        if not self._thread.is_alive():
+            self._publish()
+            return True
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join(timeout)
+
+    def _publish(self) -> None:
+        self.latest = self._build()
+
+    def _build(self) -> Snapshot:
+        snap = self._aggregator.snapshot(self._counters, self._faults.errors, self._notices.all())
+        return snap if self._decorate is None else self._decorate(snap)
+
+    def _run(self) -> None:
+        # snapshots are rebuilt at most once per interval (or on flush): on a busy 2-core
+        # machine every millisecond of Python here is taken from the training threads
+        last_publish = time.monotonic()
+        while True:
+            now = time.monotonic()
+            due = last_publish + self._interval_s
+            if self._waiting:
+                due = min(due, self._oldest + self._interval_s)
+            try:
+                item = self._queue.get(timeout=due - now) if due > now else self._queue.get_nowait()
+            except queue.Empty:
+                item = None
+            try:
+                if isinstance(item, Packet):
+                    if not self._waiting:
+                        self._oldest = time.monotonic()
+                    self._waiting.append(item)
+                    continue
+                now = time.monotonic()
+                if item is not None or now - self._oldest >= self._interval_s:
+                    self._fold_waiting()  # nudged, flushed, stopping, or waited long enough
+                if item is _STOP:
+                    self._publish()
+                    return
+                if item is not _NUDGE or now - last_publish >= self._interval_s:
+                    self._publish()
+                    last_publish = time.monotonic()
+                if isinstance(item, _PublishNow):  # after the publish that holds its packets
+                    self.published_token = max(self.published_token, item.token)
+            except Exception as exc:  # never die: a lost sample is better than no exporter
+                self._faults.report("publisher thread", exc, disable=False)
+            finally:
+                if isinstance(item, threading.Event):
+                    item.set()
+
+    def _fold_waiting(self) -> None:
+        while self._waiting:
+            packet = self._waiting.pop(0)
+            try:
+                self.fold(packet)
+            except Exception as exc:  # one bad packet costs that packet only
+                self._faults.report("publisher thread", exc, disable=False)

@@ -1,0 +1,451 @@
+"""Per-layer instrumentation, installed only for sampled steps.
+
+Forward: each layer's `forward` is wrapped for the step (an instance attribute that detach
+and unsampled steps remove again), so one Python frame times the call and (optionally)
+takes two device-side reductions of the output. A wrapper costs ~3 us less per call than a
+forward pre/post hook pair: hooks send every call through `nn.Module`'s slow path. The root
+module, when it is a layer itself, keeps a hook pair (its call may already be under way when
+the hooks go in), and so does a module with forward hooks of its own (one may replace the
+output that hookprof has to see).
+
+Backward, without full module backward hooks (DESIGN.md invariant 1): a pre-hook on the
+autograd node of each output marks when the gradient reaches the layer, one on the node of
+each input marks when the layer has produced its input gradient. Layers whose inputs need no
+gradient (the first layer) end at their parameters' gradient accumulation instead. During
+the root module's training forward the nodes are noted and their pre-hooks registered in one
+go when it returns (mark_pending).
+
+Nothing here reads a device value; everything is appended to the step's StepRecord and
+resolved later by the publisher thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+
+from hookprof.compiled import is_compiling
+from hookprof.faults import Faults
+from hookprof.layers import LayerTable
+from hookprof.step.record import ROOT_INPUT, Activation, Call, StepRecord
+from hookprof.tensors import iter_tensors
+from hookprof.device.timing import Timer
+
+ZERO_SAMPLE = 4096  # values per output the zero ratio is computed from
+
+
+def zero_sample(d: torch.Tensor) -> torch.Tensor:
+    """At most ZERO_SAMPLE evenly spaced values of `d` (a view: nothing is copied)."""
+    flat = d.reshape(-1)
+    stride = -(-flat.numel() // ZERO_SAMPLE)  # ceil division
+    return flat[::stride] if stride > 1 else flat
+
+
+_Tensor = torch.Tensor
+_NO_ATTRIBUTE = object()  # a module without an instance attribute `forward` of its own
+
+# -1 unless the autograd engine runs a backward pass on this thread: a forward call then is
+# a recomputation (torch.utils.checkpoint, reentrant or not)
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+class ForwardWrapper:
+    """A layer's `forward` while it is instrumented: times the call around the module's own
+    forward. Copies of the module (deepcopy, pickle: EMA models, checkpoints of the whole
+    module) get the module's own forward back, never one that runs the original module."""
+
+    __slots__ = ("_enter", "_end", "_layer", "__wrapped__")
+
+    def __init__(self, enter: Any, end: Any, layer_index: int, forward: Any):
+        self._enter = enter
+        self._end = end  # LayerHooks._end: the call's end, for a call _enter recorded
+        self._layer = layer_index
+        self.__wrapped__ = forward  # inspect.signature() follows it to the module's own
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.__wrapped__
+        if not self._enter(self._layer, args, kwargs):
+            return forward(*args, **kwargs)
+        try:
+            output = forward(*args, **kwargs)
+        except BaseException:
+            self._end(self._layer, None)
+            raise
+        self._end(self._layer, output)
+        return output
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        # copying the module: its copy calls its own forward (bound to the copy, through memo)
+        return copy.deepcopy(self.__wrapped__, memo)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.__wrapped__.__reduce__()
+
+
+class LayerHooks:
+    """The per-layer instrumentation of sampled steps. It stays installed across consecutive
+    sampled steps (only the record changes) and is removed for unsampled ones."""
+
+    def __init__(self, table: LayerTable, timer: Timer, faults: Faults, activation_stats: bool,
+                 root: torch.nn.Module | None = None):
+        self._table = table
+        self._timer = timer
+        self._faults = faults
+        # weakly, like the layer table: the model's life is its owner's business
+        self._root_ref = weakref.ref(root) if root is not None else None
+        self._activation_stats = activation_stats  # per step: begin(activation_stats=...)
+        # dead units are a property of activation outputs: the zero ratio is taken for layers
+        # without parameters of their own (ReLU, GELU, Dropout, pooling), not for Linear/Conv
+        # outputs, which are almost never exactly zero
+        self._zero_ratio = [not layer.param_indices for layer in table.layers] + [False] * len(table.containers)
+        self._handles: list[Any] = []  # hook handles (root layer, modules that refuse a wrapper)
+        # (module, wrapper, the instance attribute `forward` it replaced or _NO_ATTRIBUTE)
+        self._wrapped: list[tuple[torch.nn.Module, Any, Any]] = []
+        self._rec: StepRecord | None = None
+        self._local = threading.local()  # each thread's stack of open forward calls
+        # the three states below change only through the methods that say what happened:
+        # a forward replayed under no_grad to find a NaN's producer (replaying_into)
+        self._replaying = False
+        self._paused = False  # inside an evaluation pass of the root module
+        # inside the root module's training forward: a region run under no_grad there is a
+        # reentrant activation checkpoint's first pass, part of the step
+        self._in_training_forward = False
+        # called with (layer, args, kwargs, nested) for each training call of a sampled step
+        # (set by efficiency.StepEfficiency.listen); never raises
+        self.on_call: Any = None
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles or self._wrapped)
+
+    @property
+    def replaying(self) -> bool:
+        return self._replaying
+
+    def begin(self, rec: StepRecord, install: bool = True, *, activation_stats: bool | None = None) -> None:
+        """Start recording a sampled step into `rec`, installing the hooks if needed; with
+        `activation_stats`, switch the per-layer output checks for this step."""
+        self._rec = rec
+        self._local = threading.local()
+        if activation_stats is not None:
+            self._activation_stats = activation_stats
+        if install:
+            self.install()
+
+    def root_forward_began(self, training: bool) -> None:
+        """The root module's forward starts: a training pass (grad enabled, train mode) or
+        an evaluation pass, which the layer hooks ignore until the next training forward."""
+        # marks noted by a forward that raised (no root output hook ran) would keep that
+        # forward's graph alive: an out-of-memory retry must find its memory free
+        self.drop_pending()
+        self._paused = not training
+        self._in_training_forward = training
+
+    def root_output_arrived(self) -> bool:
+        """The root module's forward returned; True when it was a training pass. The
+        backward marks its calls noted are registered now, in one loop."""
+        if self._in_training_forward:
+            self._in_training_forward = False
+            self.mark_pending()
+        return not self._paused
+
+    @contextmanager
+    def replaying_into(self, rec: StepRecord) -> Iterator[None]:
+        """Record a replayed forward into `rec`, with the output checks on (they are what the
+        replay is for) and the container modules hooked too (calls numbered after the layers),
+        so a NaN made by a container's own code between its children is seen there;
+        afterwards the hooks are as they were."""
+        installed = self.installed
+        stats_were_on = self._activation_stats
+        step_rec, step_local = self._rec, self._local  # a sampled step's own, if one is open
+        self._replaying = True
+        self._activation_stats = True
+        containers: list[Any] = []
+        try:
+            self.begin(rec)
+            first = len(self._table.layers)
+            for k, (_, module) in enumerate(self._table.containers):
+                if module is None:
+                    continue
+                containers.append(module.register_forward_pre_hook(partial(self._pre, first + k)))
+                containers.append(module.register_forward_hook(partial(self._post, first + k),
+                                                               always_call=True))
+            yield
+        finally:
+            for handle in containers:
+                handle.remove()
+            self._replaying = False
+            self._activation_stats = stats_were_on
+            if installed:
+                self.end()  # the replay's record: its parameter hooks go
+                # the sampled step goes on recording (its own hooks are removed at its end)
+                self._rec, self._local = step_rec, step_local
+            else:
+                self.remove()
+
+    def note_root_inputs(self, args: Any, kwargs: Any) -> None:
+        """Check the root module's inputs on a step with output checks: a NaN/Inf already in
+        them was made by none of the model's modules (its producer is "(input)")."""
+        rec = self._rec
+        if rec is None or not self._activation_stats:
+            return
+        try:
+            for t in iter_tensors((args, kwargs)):
+                if t.is_floating_point() and t.numel():
+                    low, high = torch.aminmax(t.detach())
+                    # known like a layer's output: a layer taking it reuses this reduction
+                    rec.out_stats[id(t)] = (weakref.ref(t), t._version, len(rec.act))
+                    rec.act.append(Activation(ROOT_INPUT, low, high, None, 0))
+        except Exception as exc:
+            self._faults.report("forward pre-hook", exc)
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        for layer in self._table.layers:
+            module = layer.module
+            if module is None:  # the model is gone (its profiler is waiting to be released)
+                continue
+            root = self._root_ref() if self._root_ref is not None else None
+            if module is not root and self._wrap_forward(module, layer.index):
+                continue
+            # with the keyword arguments: the FLOP counter replays the call with them
+            self._handles.append(module.register_forward_pre_hook(partial(self._pre_with_kwargs, layer.index),
+                                                                  with_kwargs=True))
+            self._handles.append(
+                module.register_forward_hook(partial(self._post, layer.index), always_call=True)
+            )
+
+    def _wrap_forward(self, module: torch.nn.Module, layer_index: int) -> bool:
+        if module._forward_hooks:
+            # a forward hook may replace the output: hookprof must see what the rest of the
+            # model sees, so hookprof's own hook goes after it
+            return False
+        prior = module.__dict__.get("forward", _NO_ATTRIBUTE)
+        wrapper = ForwardWrapper(self._enter, self._end, layer_index, module.forward)
+        try:
+            module.forward = wrapper
+        except Exception:  # a module type that refuses the attribute gets a hook pair
+            return False
+        self._wrapped.append((module, wrapper, prior))
+        return True
+
+    def end(self) -> None:
+        """Stop recording (the instrumentation stays for a following sampled step)."""
+        rec, self._rec = self._rec, None
+        if rec is not None:
+            for handle in rec.param_handles:
+                handle.remove()
+            rec.param_handles.clear()
+            rec.pending_marks.clear()  # a forward that raised: its graph is not kept alive
+
+    def remove(self) -> None:
+        self.end()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for module, wrapper, prior in self._wrapped:
+            # restore only our own attribute: one set over ours since is left alone (our
+            # wrapper inside it then just calls through)
+            if module.__dict__.get("forward") is wrapper:
+                if prior is _NO_ATTRIBUTE:
+                    del module.forward
+                else:
+                    module.forward = prior
+        self._wrapped.clear()
+        self._local = threading.local()
+
+    # --- hook bodies: never raise, never return anything, never read a device value ---
+
+    def _pre(self, layer_index: int, module: torch.nn.Module, args: Any) -> None:
+        self._enter(layer_index, args)
+
+    # what the layer's pre-hook does, for a call whose hooks were installed mid-call
+    start_call = _pre
+
+    def _pre_with_kwargs(self, layer_index: int, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        self._enter(layer_index, args, kwargs)
+
+    def _post(self, layer_index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._leave(layer_index, output)
+
+    def _enter(self, layer_index: int, args: Any, kwargs: Any = None) -> bool:
+        """A call begins; True when it is recorded (its end must then be reported)."""
+        if is_compiling():  # traced by Dynamo: no clock, no tensor reads, no graph break
+            return False
+        rec = self._rec
+        # the plain flag first: inside the training forward no C call is needed
+        if rec is None or self._paused or self._faults.broken or not (
+                self._in_training_forward or torch.is_grad_enabled() or self._replaying):
+            return False
+        try:
+            mark = self._timer.mark
+            try:
+                stack = self._local.stack
+            except AttributeError:
+                stack = self._local.stack = []
+            # the outer marks (hook work included) matter only to a parent call, which must
+            # not count our work as its own: a call without an instrumented parent skips them
+            entry = Call(layer_index, stack[-1], mark()) if stack else Call(layer_index, -1)
+            calls = rec.calls
+            call = len(calls)
+            calls.append(entry)
+            recompute = not self._replaying and _graph_task_id() != -1
+            if recompute:
+                rec.recompute.add(call)
+            elif self.on_call is not None and not self._replaying:
+                self.on_call(layer_index, args, kwargs, bool(stack))
+            inputs_need_grad = False
+            pending = rec.pending_marks
+            stats = self._activation_stats and not recompute
+            role = call << 1  # an input: the call's backward ends when its gradient is ready
+            # forward(x), inline: a call of iter_tensors costs about as much as the loop
+            tensors = args if type(args) is tuple and len(args) == 1 and isinstance(args[0], _Tensor) \
+                else iter_tensors(args)
+            for t in tensors:
+                # non-leaf only: a hook on a leaf (a parameter passed as an input) would
+                # outlive the step and survive detach()
+                node = t.grad_fn
+                if node is not None:
+                    inputs_need_grad = True
+                    roles = pending.get(node)
+                    if roles is None:
+                        pending[node] = [role]
+                    else:
+                        roles.append(role)
+                if stats and t.is_floating_point() and t.numel():
+                    self._note_input(rec, t, call)
+            if not inputs_need_grad and layer_index not in rec.param_hooked and layer_index < len(self._table):
+                self._hook_params(rec, layer_index)
+            if recompute or not self._in_training_forward:
+                self.mark_pending()
+            stack.append(call)
+            entry.start = mark()  # last: our own work stays outside the span
+            return True
+        except Exception as exc:  # invariant 3: count, log once, switch off
+            self._faults.report("forward pre-hook", exc)
+            return False
+
+    def _leave(self, layer_index: int, output: Any) -> None:
+        """A call ended with `output` (None when it raised)."""
+        if not is_compiling():
+            self._end(layer_index, output)
+
+    def _end(self, layer_index: int, output: Any) -> None:
+        """_leave for a call whose _enter recorded it (so not one Dynamo traces): what the
+        forward wrapper calls, one frame and one check less per call."""
+        try:
+            end = self._timer.mark()  # first: our own work stays outside the span
+        except Exception as exc:  # invariant 3 holds for the clock too
+            self._faults.report("forward hook", exc)
+            return
+        rec = self._rec
+        if rec is None or self._paused or self._faults.broken or not (
+                self._in_training_forward or torch.is_grad_enabled() or self._replaying):
+            return
+        try:
+            stack = getattr(self._local, "stack", None)
+            if not stack:
+                return  # the call began before this step's recording did
+            call = stack.pop()
+            entry = rec.calls[call]
+            entry.end = end
+            recompute = call in rec.recompute
+            stats = self._activation_stats and not recompute  # seen on the first pass
+            if stats:
+                rec.ended.append(call)
+            pending = rec.pending_marks
+            role = call << 1 | 1  # an output: the call's backward starts when its gradient is ready
+            for t in (output,) if isinstance(output, _Tensor) else iter_tensors(output):
+                node = t.grad_fn
+                if stats and t.is_floating_point() and t.numel():
+                    d = t.detach()
+                    # device-side reductions, kept on the device. aminmax gives max |x| over
+                    # the whole output in one pass, and NaN/Inf propagate, so it doubles as
+                    # the exact non-finite detector. Zeros are counted on an evenly strided
+                    # sample of at most ZERO_SAMPLE values: exact counts cost ~10x more.
+                    low, high = torch.aminmax(d)
+                    rec.out_stats[id(t)] = (weakref.ref(t), t._version, len(rec.act))
+                    if self._zero_ratio[layer_index]:
+                        sample = zero_sample(d)
+                        rec.act.append(Activation(call, low, high, torch.count_nonzero(sample), sample.numel()))
+                    else:
+                        rec.act.append(Activation(call, low, high, None, 0))
+                if node is not None:
+                    roles = pending.get(node)
+                    if roles is None:
+                        pending[node] = [role]
+                    else:
+                        roles.append(role)
+            if recompute or not self._in_training_forward:
+                self.mark_pending()
+            if entry.parent >= 0:
+                entry.outer_end = self._timer.mark()
+        except Exception as exc:
+            self._faults.report("forward hook", exc)
+
+    def _note_input(self, rec: StepRecord, t: torch.Tensor, call: int) -> None:
+        """Finiteness of a call's input, to tell the layer that produced a NaN (finite inputs,
+        non-finite output) from the ones it flowed through. Reuses the reduction of the layer
+        that output t when there was one (same tensor, same version)."""
+        known = rec.out_stats.get(id(t))
+        if known is not None and known[0]() is t and known[1] == t._version:
+            rec.inputs.append((call, known[2]))
+            return
+        low, high = torch.aminmax(t.detach())
+        rec.inputs.append((call, len(rec.act)))
+        rec.act.append(Activation(-1, low, high, None, 0))
+
+    def _hook_params(self, rec: StepRecord, layer_index: int) -> None:
+        rec.param_hooked.add(layer_index)
+        for i in self._table.layers[layer_index].param_indices:
+            p = self._table.params[i]
+            if p.requires_grad:
+                rec.param_handles.append(
+                    p.register_post_accumulate_grad_hook(partial(self._param_done, rec, layer_index))
+                )
+
+    def mark_pending(self) -> None:
+        """Register the noted backward marks, one node pre-hook per autograd node: at the end
+        of the root module's training forward (one loop rather than one per layer call:
+        between matmuls the same Python work costs about twice as much), or at once for calls
+        outside it. A pre-hook on the node that produced a tensor runs when its gradient is
+        ready, as a tensor hook would, for ~2 us less. The calls noted the roles of each node
+        as they went (one layer's output node is the next one's input node), so what is
+        left here is one registration per node; holding the nodes until here keeps each
+        one's identity (and so the grouping of roles) exact; the graph holds them anyway."""
+        rec = self._rec
+        if rec is None or not rec.pending_marks:
+            return
+        try:
+            pending, rec.pending_marks = rec.pending_marks, {}
+            ready = self._grad_ready
+            for node, roles in pending.items():
+                node.register_prehook(partial(ready, rec, roles))
+        except Exception as exc:
+            self._faults.report("forward hook", exc)
+
+    def drop_pending(self) -> None:
+        """Forget marks a forward noted but never registered (it raised)."""
+        rec = self._rec
+        if rec is not None and rec.pending_marks:
+            rec.pending_marks = {}
+
+    def _grad_ready(self, rec: StepRecord, roles: list[int], grad: Any) -> None:
+        try:
+            rec.grad_ready.append((roles, self._timer.mark()))  # roles are expanded off-thread
+        except Exception as exc:
+            self._faults.report("backward hook", exc)
+
+    def _param_done(self, rec: StepRecord, layer_index: int, param: torch.Tensor) -> None:
+        try:
+            rec.param_done.append((layer_index, self._timer.mark()))
+        except Exception as exc:
+            self._faults.report("gradient hook", exc)

@@ -1,0 +1,228 @@
+"""One step's record and its packing for the publisher.
+
+What the hooks of a sampled step wrote (a StepRecord of named Calls and Activations), the
+per-step counters, and the packing of one step's device scalars into the Packet the
+publisher folds.
+
+The training thread writes records and counters; `pack_step` gathers a finished step's
+scalars (gradient squares, activation reductions, non-finite counters, the loss) into one
+ScalarBatch and starts its single device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from hookprof.device import transfer
+from hookprof.snapshot import STEP_DURATION_BUCKETS
+from hookprof.device.transfer import HostBatch, ScalarBatch
+
+
+class Call:
+    """One forward call of a layer on a sampled step. Tokens are the timer's marks; the
+    "outer" ones include hookprof's own work around the call, which a parent call must not
+    count as its own time (taken only for calls with an instrumented parent)."""
+
+    __slots__ = ("layer", "parent", "outer_start", "start", "end", "outer_end")
+
+    def __init__(self, layer: int, parent: int, outer_start: Any = None):
+        self.layer = layer  # index in the LayerTable
+        self.parent = parent  # the enclosing instrumented call's id, or -1
+        self.outer_start = outer_start
+        self.start: Any = None
+        self.end: Any = None
+        self.outer_end: Any = None
+
+    def tokens(self) -> Iterator[Any]:
+        return (t for t in (self.outer_start, self.start, self.end, self.outer_end) if t is not None)
+
+
+ROOT_INPUT = -2  # Activation.call of the root module's inputs
+
+
+class Activation(NamedTuple):
+    """Device-side reductions of one floating tensor a call produced (or received)."""
+
+    call: int  # the call whose output it is; -1 for an input that was no layer's output,
+    # ROOT_INPUT for an input of the root module
+    low: torch.Tensor  # min, 0-d, on the device
+    high: torch.Tensor  # max
+    nonzero: torch.Tensor | None  # non-zeros in the zero sample (activation layers only)
+    sample_size: int  # values in that sample
+
+
+class StepRecord:
+    """What the hooks of one sampled step wrote. Appends only: list.append is atomic, and
+    backward hooks may run on autograd worker threads."""
+
+    __slots__ = ("ref", "calls", "grad_ready", "param_done", "act", "param_hooked",
+                 "param_handles", "pending_marks", "out_stats", "inputs", "recompute", "ended", "phase_marks")
+
+    def __init__(self, ref: Any):
+        self.ref = ref  # timer token taken when the step began
+        self.calls: list[Call] = []  # one per forward call; a call's id is its position
+        # (roles, token): a gradient was ready at token; each role is `call id << 1 | is_output`
+        # (an int, not a tuple: one allocation less per layer call): for an output the
+        # call's backward starts there, for an input the call's backward ends
+        self.grad_ready: list[tuple[list[int], Any]] = []
+        self.param_done: list[tuple[int, Any]] = []  # (layer, token): a parameter's grad accumulated
+        self.act: list[Activation] = []
+        self.param_hooked: set[int] = set()
+        self.param_handles: list[Any] = []
+        # autograd node -> its roles (as in grad_ready), not yet hooked: during the root
+        # module's training forward they gather until it returns, so one pre-hook per node
+        # serves every role (one layer's output is the next one's input); elsewhere each call
+        # hooks its own. Keyed by the node itself, which it keeps alive until then
+        self.pending_marks: dict[Any, list[int]] = {}
+        # id(tensor) -> (weakref, version, index in act) of outputs already reduced, so a
+        # layer's input that is another layer's output is not reduced twice
+        self.out_stats: dict[int, tuple[Any, int, int]] = {}
+        self.inputs: list[tuple[int, int]] = []  # (call, index in act) of each floating input
+        # calls made while backward runs: activation checkpointing recomputing a forward
+        self.recompute: set[int] = set()
+        self.ended: list[int] = []  # call ids as they ended (with output checks on): inner first
+        # (phase entered, token) at each step-phase boundary, with a device timer only
+        # (device_phases.PhaseMarks); the last is the step's end
+        self.phase_marks: list[tuple[int, Any]] = []
+
+    def tokens(self) -> Iterator[Any]:
+        """Every timer token in the record, so the timer can take pooled events back."""
+        yield self.ref
+        for call in self.calls:
+            yield from call.tokens()
+        yield from (t for _, t in self.grad_ready)
+        yield from (t for _, t in self.param_done)
+        yield from (t for _, t in self.phase_marks)
+
+
+class StepCounters:
+    """Per-step numbers the training thread updates on every step (sampled or not)."""
+
+    def __init__(self, max_skipped_steps: int = 10) -> None:
+        self._lock = threading.Lock()  # uncontended: ~0.1 us per step
+        self.steps = 0
+        self._counts = [0] * (len(STEP_DURATION_BUCKETS) + 1)
+        self._sum = 0.0
+        self._last_ts: float | None = None
+        self._max_skips = max_skipped_steps
+        self.skipped = 0
+        self.held_back = 0  # updates held back on the host's word (guard.UpdateGuard)
+        self._skips_in_a_row = 0
+        self.persistent_skips = 0  # skipped steps beyond max_skipped_steps in a row
+
+    def observe(self, seconds: float, wall_time: float, skipped: bool = False) -> int:
+        with self._lock:
+            self.steps += 1
+            self._counts[bisect.bisect_left(STEP_DURATION_BUCKETS, seconds)] += 1
+            self._sum += seconds
+            self._last_ts = wall_time
+            if skipped:
+                self.skipped += 1
+                self._skips_in_a_row += 1
+                if self._skips_in_a_row > self._max_skips:
+                    self.persistent_skips += 1
+            else:
+                self._skips_in_a_row = 0
+            return self.steps
+
+    def totals(self) -> tuple[int, float]:
+        """(steps, their summed duration): what a sampled step's packet carries."""
+        with self._lock:
+            return self.steps, self._sum
+
+    def latest(self) -> tuple[int, float, float | None]:
+        """(steps, their summed duration, wall time of the last one's end): what the history
+        reads at each fold, without the histogram read() builds."""
+        with self._lock:
+            return self.steps, self._sum, self._last_ts
+
+    def read(self) -> tuple[int, tuple[tuple[float, int], ...], float, float | None, int, int]:
+        with self._lock:
+            counts, total, last, steps = list(self._counts), self._sum, self._last_ts, self.steps
+            skipped, persistent = self.skipped, self.persistent_skips
+        cumulative, running = [], 0
+        for bound, count in zip((*STEP_DURATION_BUCKETS, math.inf), counts):
+            running += count
+            cumulative.append((bound, running))
+        return steps, tuple(cumulative), total, last, skipped, persistent
+
+
+@dataclass(slots=True)
+class Packet:
+    """What the training thread hands the publisher: a sampled step, a replayed forward
+    (record, not sampled) or a drain of the non-finite counters alone (neither)."""
+
+    step: int  # 1-based number of the step
+    batch: HostBatch | None = None  # set when the device-to-host copy is started
+    record: StepRecord | None = None
+    sampled: bool = True
+    grad_parts: int = 0  # how many per-device gradient vectors the batch holds
+    has_grad: frozenset[int] = frozenset()  # layers that had a gradient
+    act_order: list[int] = field(default_factory=list)  # record.act index of each value
+    counter_parts: int = 0  # how many non-finite counter blocks the batch holds
+    count_parts: dict[str, int] = field(default_factory=dict)  # other counters: name -> blocks
+    loss: float | None = None  # the loss when it was given as a Python number
+    loss_in_batch: bool = False
+    # the step counters as this packet's step ended (steps, seconds summed): the publisher
+    # may fold it a few steps later, when the live counters have moved on
+    steps_at_end: tuple[int, float] | None = None
+    efficiency: Any = None  # an efficiency.EfficiencyPart on sampled steps with those figures
+
+
+def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.Tensor], *,
+              grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None,
+              loss: Any = None, sampled: bool = True,
+              counts: dict[str, list[torch.Tensor]] | None = None, efficiency: Any = None,
+              extra: list[tuple[Any, torch.Tensor]] = ()) -> Packet:
+    """Gather one step's device scalars (per-device gradient squares, the record's activation
+    reductions, the non-finite counter blocks, the loss) and start their one device-to-host
+    copy; the returned packet is the publisher's. Also for a replayed forward (`sampled=False`
+    with a record) and a drain of the counters alone (neither)."""
+    batch = ScalarBatch()
+    parts, has_grad = grad_squares or ([], frozenset())
+    for k, part in enumerate(parts):
+        batch.add(("grad_sq", k), part)
+    act_order = _add_activations(batch, record) if record is not None else []
+    for k, block in enumerate(counter_blocks):
+        batch.add(("counters", k), block)
+    count_parts = {}
+    for name, blocks in (counts or {}).items():  # other device counters (guard.SkipCounters)
+        for k, block in enumerate(blocks):
+            batch.add((name, k), block)
+        count_parts[name] = len(blocks)
+    for key, values in extra:  # other device scalars of the step (weight and update norms)
+        batch.add(key, values)
+    packet = Packet(step=step, record=record, sampled=sampled, grad_parts=len(parts),
+                    has_grad=has_grad, act_order=act_order, counter_parts=len(counter_blocks),
+                    count_parts=count_parts, efficiency=efficiency)
+    if isinstance(loss, torch.Tensor) and not transfer.on_host(loss):
+        batch.add("loss", loss.detach().reshape(-1)[:1])  # rides the step's one copy
+        packet.loss_in_batch = True
+    elif loss is not None:  # a number, or a tensor readable without a wait (transfer.on_host)
+        packet.loss = float(loss.detach().reshape(-1)[0]) if isinstance(loss, torch.Tensor) else float(loss)
+    packet.batch = batch.send()
+    return packet
+
+
+def _add_activations(batch: ScalarBatch, record: StepRecord) -> list[int]:
+    """Stack a record's activation reductions, one stack per device; returns which record
+    entry each stacked value is."""
+    act_order: list[int] = []
+    by_device: dict[torch.device, list[int]] = {}
+    for i, a in enumerate(record.act):
+        by_device.setdefault(a.low.device, []).append(i)
+    for indices in by_device.values():
+        act_order.extend(indices)
+        batch.add("act_min", torch.stack([record.act[i].low for i in indices]))
+        batch.add("act_max", torch.stack([record.act[i].high for i in indices]))
+        nonzero = [record.act[i].nonzero for i in indices if record.act[i].nonzero is not None]
+        if nonzero:
+            batch.add("nonzero", torch.stack(nonzero))
+    return act_order

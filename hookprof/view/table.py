@@ -1,0 +1,490 @@
+"""The per-layer table a person reads: one row model, built from a Snapshot (in the training
+process: `print(prof.snapshot())`, `prof.report()`) or from scraped /metrics pages
+(`hookprof top`), and rendered as plain text.
+
+Both sources give the same figures, since the page is rendered from the snapshot: times
+per call are the run's totals over sampled steps divided by their calls (the summaries'
+`_sum / _count`), and a layer's share of the step is its forward plus backward time per
+sampled step over the mean step time (the step histogram's `_sum / _count`), or over the
+layers' own total when that is larger (see _step_seconds). Sampled steps carry the hooks'
+own cost, so a share can be a little above the layer's true part.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from hookprof.snapshot import LAYER_PHASES, PHASES, Snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRow:
+    """One layer of one model on one rank."""
+
+    layer: str
+    module: str
+    forward_ms: float | None = None
+    """Forward milliseconds per call, over the run's sampled steps."""
+    backward_ms: float | None = None
+    """Backward milliseconds per call, over the run's sampled steps."""
+    share: float | None = None
+    """(forward + backward seconds per sampled step) / mean step seconds (see _step_seconds)."""
+    grad_norm: float | None = None
+    """L2 norm of the layer's own parameters' gradients, last sampled step."""
+    abs_max: float | None = None
+    """Largest |activation| of the layer's outputs, last sampled step."""
+    dead_ratio: float | None = None
+    """Fraction of exact zeros in the layer's outputs, last sampled step."""
+    nonfinite: Mapping[str, int] = field(default_factory=dict)
+    """Phase ("forward"/"backward") -> steps on which the layer held a NaN or Inf."""
+    first: bool = False
+    """The layer is the run's first non-finite offender."""
+    rank: int = 0
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FirstNonFinite:
+    layer: str | None
+    phase: str
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunHeader:
+    """The step-level figures of one model on one rank."""
+
+    rank: int = 0
+    model: str = ""
+    steps: int = 0
+    sampled_steps: int = 0
+    step_buckets: tuple[tuple[float, float], ...] = ()
+    """(upper bound in seconds, cumulative count), the last bound +inf."""
+    step_seconds_sum: float = 0.0
+    loss: float | None = None
+    grad_norm: float | None = None
+    nonfinite_steps: Mapping[str, int] = field(default_factory=dict)
+    skipped_steps: int = 0
+    first_nonfinite: FirstNonFinite | None = None
+    steps_per_s: float | None = None
+    """Only from two observations (hookprof top); None from a single one."""
+    window_buckets: tuple[tuple[float, float], ...] | None = None
+    """The step histogram between two observations, when known: its quantiles are the
+    recent ones; otherwise the run's."""
+    position: str | None = None
+    """Where the training thread is: "step 12, forward for 0.4 s" (docs/stalls.md)."""
+    stall: str | None = None
+    """The stall going on now, in words; None while the run moves."""
+
+    @property
+    def mean_step_seconds(self) -> float | None:
+        return self.step_seconds_sum / self.steps if self.steps else None
+
+    def step_quantile(self, q: float) -> float | None:
+        return quantile(q, self.window_buckets or self.step_buckets)
+
+
+@dataclass(frozen=True, slots=True)
+class RunTable:
+    header: RunHeader
+    rows: tuple[LayerRow, ...]
+
+
+# ---------------- the figures ----------------
+
+
+def quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """Prometheus's histogram_quantile: linear interpolation inside the bucket the rank falls
+    in, the lowest bucket starting at 0, a rank in the +Inf bucket answered with the largest
+    finite bound. None without observations."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def bucket_window(now: Sequence[tuple[float, float]],
+                  before: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...] | None:
+    """The histogram of the observations between two cumulative ones (same bounds)."""
+    if [b for b, _ in now] != [b for b, _ in before]:
+        return None
+    window = tuple((b, c - c0) for (b, c), (_, c0) in zip(now, before))
+    return window if window and window[-1][1] > 0 else None
+
+
+def _per_call_ms(seconds: float, calls: int | float) -> float | None:
+    return seconds / calls * 1e3 if calls else None
+
+
+def _step_seconds(header: RunHeader, layer_seconds: Iterable[float]) -> float | None:
+    """What shares are of: the mean step time, or, when the layers alone took longer per
+    sampled step (few samples yet, the first step's warm-up among them), the layers' total,
+    so that shares never add up to more than 100%."""
+    mean = header.mean_step_seconds
+    if not header.sampled_steps or not mean:
+        return None
+    return max(mean, sum(layer_seconds) / header.sampled_steps)
+
+
+def _share(layer_seconds: float, calls: float, header: RunHeader, step_seconds: float | None) -> float | None:
+    if not calls or step_seconds is None:  # never timed: no share, not 0%
+        return None
+    return layer_seconds / header.sampled_steps / step_seconds
+
+
+# ---------------- source 1: a Snapshot ----------------
+
+
+def from_snapshot(snap: Snapshot, model: str = "") -> RunTable:
+    first = snap.first_nonfinite
+    header = RunHeader(
+        rank=snap.rank, model=model, steps=snap.step, sampled_steps=snap.sampled_steps,
+        step_buckets=tuple((float(b), float(c)) for b, c in snap.step_duration_buckets),
+        step_seconds_sum=snap.step_duration_sum, loss=snap.loss, grad_norm=snap.grad_norm,
+        nonfinite_steps=dict(snap.nonfinite_steps), skipped_steps=snap.skipped_steps,
+        first_nonfinite=FirstNonFinite(first.layer, first.phase, first.step) if first else None,
+        position=_position(snap.progress.step, snap.progress.phase, snap.progress.phase_seconds)
+        if snap.progress is not None else None,
+        stall=_stall(snap.stall.step, snap.stall.phase, snap.stall.layer, snap.stall.waiting_on)
+        if snap.stall is not None else None,
+    )
+    rows = []
+    step_seconds = _step_seconds(header, (layer.forward_seconds_total + layer.backward_seconds_total
+                                          for layer in snap.layers.values()))
+    for name, layer in snap.layers.items():
+        rows.append(LayerRow(
+            layer=name, module=layer.module,
+            forward_ms=_per_call_ms(layer.forward_seconds_total, layer.forward_calls_total),
+            backward_ms=_per_call_ms(layer.backward_seconds_total, layer.backward_calls_total),
+            share=_share(layer.forward_seconds_total + layer.backward_seconds_total,
+                         layer.forward_calls_total + layer.backward_calls_total, header, step_seconds),
+            grad_norm=layer.grad_norm, abs_max=layer.activation_abs_max,
+            dead_ratio=layer.activation_zero_ratio,
+            nonfinite={p: layer.nonfinite.get(p, 0) for p in LAYER_PHASES if layer.nonfinite.get(p, 0)},
+            first=first is not None and first.layer == name, rank=snap.rank, model=model,
+        ))
+    return RunTable(header, tuple(rows))
+
+
+# ---------------- source 2: scraped /metrics pages ----------------
+
+
+class _Run:
+    """What one (model, rank) pair's series say, gathered while reading a page."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {"nonfinite_steps": {}}
+        self.buckets: list[tuple[float, float]] = []
+        self.layers: dict[str, dict[str, Any]] = {}
+
+    def layer(self, name: str) -> dict[str, Any]:
+        return self.layers.setdefault(name, {"nonfinite": {}})
+
+
+# sample name -> (where it goes, key): run-level figures, then per-layer ones
+_RUN_SAMPLES = {
+    "hookprof_steps_total": "steps",
+    "hookprof_sampled_steps_total": "sampled_steps",
+    "hookprof_step_duration_seconds_sum": "step_seconds_sum",
+    "hookprof_loss": "loss",
+    "hookprof_gradient_norm": "grad_norm",
+    "hookprof_skipped_steps_total": "skipped_steps",
+}
+_LAYER_SAMPLES = {
+    "hookprof_layer_forward_seconds_sum": "fwd_sum",
+    "hookprof_layer_forward_seconds_count": "fwd_count",
+    "hookprof_layer_backward_seconds_sum": "bwd_sum",
+    "hookprof_layer_backward_seconds_count": "bwd_count",
+    "hookprof_layer_gradient_norm": "grad_norm",
+    "hookprof_layer_activation_abs_max": "abs_max",
+    "hookprof_layer_activation_zero_ratio": "dead_ratio",
+}
+
+
+def from_metrics(text: str) -> list[RunTable]:
+    """The tables of one /metrics page: one per (model, rank) whose hookprof series it holds
+    (several models can share a process's endpoint). Parsed by prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    runs: dict[tuple[str, int], _Run] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("hookprof_"):
+            continue
+        for s in family.samples:
+            if "rank" not in s.labels:
+                continue
+            run = runs.setdefault((s.labels.get("model", ""), int(s.labels["rank"])), _Run())
+            _read_sample(run, s.name, s.labels, s.value)
+    return [_table(model, rank, run) for (model, rank), run in sorted(runs.items())]
+
+
+def _read_sample(run: _Run, name: str, labels: Mapping[str, str], value: float) -> None:
+    if name in _RUN_SAMPLES:
+        run.values[_RUN_SAMPLES[name]] = value
+    elif name == "hookprof_step_duration_seconds_bucket":
+        run.buckets.append((float(labels["le"]), value))
+    elif name == "hookprof_nonfinite_steps_total":
+        run.values["nonfinite_steps"][labels["phase"]] = int(value)
+    elif name == "hookprof_first_nonfinite_info":
+        run.values["first"] = FirstNonFinite(labels["layer"], labels["phase"], int(labels["step"]))
+    elif name in _LAYER_SAMPLES:
+        layer = run.layer(labels["layer"])
+        layer[_LAYER_SAMPLES[name]] = value
+        if "module" in labels:
+            layer["module"] = labels["module"]
+    elif name == "hookprof_stall_info":
+        run.values["stall"] = _stall(int(labels["step"]), labels["phase"], labels["layer"],
+                                     labels["waiting_on"])
+    elif name == "hookprof_progress_step":
+        run.values["progress_step"] = int(value)
+    elif name == "hookprof_progress_phase":
+        run.values["progress_phase"] = labels["phase"]
+    elif name == "hookprof_progress_phase_seconds":
+        run.values["progress_seconds"] = value
+    elif name == "hookprof_layer_nonfinite_total":
+        run.layer(labels["layer"])["nonfinite"][labels["phase"]] = int(value)
+
+
+def _table(model: str, rank: int, run: _Run) -> RunTable:
+    v = run.values
+    header = RunHeader(
+        rank=rank, model=model, steps=int(v.get("steps", 0)),
+        sampled_steps=int(v.get("sampled_steps", 0)), step_buckets=tuple(sorted(run.buckets)),
+        step_seconds_sum=v.get("step_seconds_sum", 0.0), loss=v.get("loss"),
+        grad_norm=v.get("grad_norm"),
+        nonfinite_steps={p: v["nonfinite_steps"].get(p, 0) for p in PHASES},
+        skipped_steps=int(v.get("skipped_steps", 0)), first_nonfinite=v.get("first"),
+        position=_position(int(v["progress_step"]), v.get("progress_phase", "?"), v.get("progress_seconds", 0.0))
+        if "progress_step" in v else None,
+        stall=v.get("stall"),
+    )
+    first = header.first_nonfinite
+    rows = []
+    step_seconds = _step_seconds(header, (layer.get("fwd_sum", 0.0) + layer.get("bwd_sum", 0.0)
+                                          for layer in run.layers.values()))
+    for name, layer in run.layers.items():
+        rows.append(LayerRow(
+            layer=name, module=layer.get("module", ""),
+            forward_ms=_per_call_ms(layer.get("fwd_sum", 0.0), layer.get("fwd_count", 0)),
+            backward_ms=_per_call_ms(layer.get("bwd_sum", 0.0), layer.get("bwd_count", 0)),
+            share=_share(layer.get("fwd_sum", 0.0) + layer.get("bwd_sum", 0.0),
+                         layer.get("fwd_count", 0) + layer.get("bwd_count", 0), header, step_seconds),
+            grad_norm=layer.get("grad_norm"), abs_max=layer.get("abs_max"),
+            dead_ratio=layer.get("dead_ratio"),
+            nonfinite={p: c for p, c in layer["nonfinite"].items() if c},
+            first=first is not None and first.layer == name, rank=rank, model=model,
+        ))
+    return RunTable(header, tuple(rows))
+
+
+def with_rates(now: RunTable, before: RunTable | None, seconds: float) -> RunTable:
+    """`now` with steps/s and the recent step-time histogram, from an earlier observation
+    of the same run `seconds` before."""
+    if before is None or seconds <= 0 or now.header.steps < before.header.steps:
+        return now  # the first look, or the process restarted
+    rate = (now.header.steps - before.header.steps) / seconds
+    window = bucket_window(now.header.step_buckets, before.header.step_buckets)
+    return RunTable(replace(now.header, steps_per_s=rate, window_buckets=window), now.rows)
+
+
+# ---------------- sorting, filtering, choosing ----------------
+
+# sort key -> (column title, the row's value, largest first?)
+COLUMNS: dict[str, tuple[str, Any, bool]] = {
+    "share": ("share", lambda r: r.share, True),
+    "forward": ("fwd ms/call", lambda r: r.forward_ms, True),
+    "backward": ("bwd ms/call", lambda r: r.backward_ms, True),
+    "grad": ("grad norm", lambda r: r.grad_norm, True),
+    "absmax": ("|act| max", lambda r: r.abs_max, True),
+    "dead": ("dead", lambda r: r.dead_ratio, True),
+    "nan": ("NaN", lambda r: (r.first, sum(r.nonfinite.values())), True),
+    "layer": ("layer", lambda r: r.layer, False),
+}
+
+
+def sort_rows(rows: Iterable[LayerRow], by: str = "share", reverse: bool = False) -> list[LayerRow]:
+    """Rows ordered by column `by` (largest first for figures, a-z for names; `reverse`
+    flips it). Rows without the figure go last either way; ties keep model order."""
+    _, value, largest_first = COLUMNS[by]
+    rows = list(rows)
+    known = [r for r in rows if _sortable(value(r))]
+    unknown = [r for r in rows if not _sortable(value(r))]
+    descending = largest_first != reverse
+    known.sort(key=lambda r: _nan_low(value(r)), reverse=descending)
+    return known + unknown
+
+
+def _sortable(v: Any) -> bool:
+    return v is not None
+
+
+def _nan_low(v: Any) -> Any:
+    # a NaN figure (the very thing being looked for) sorts as the largest
+    if isinstance(v, float) and math.isnan(v):
+        return math.inf
+    return v
+
+
+def filter_rows(rows: Iterable[LayerRow], text: str) -> list[LayerRow]:
+    """Rows whose layer name (or module type) contains `text`, ignoring case."""
+    needle = text.lower()
+    return [r for r in rows if needle in r.layer.lower() or needle in r.module.lower()]
+
+
+def choose(rows: Sequence[LayerRow], limit: int | None) -> tuple[list[LayerRow], int]:
+    """The first `limit` rows plus every row that went non-finite (a table cut short must
+    never hide the offender); returns them and how many were left out."""
+    if limit is None or len(rows) <= limit:
+        return list(rows), 0
+    shown = list(rows[:limit]) + [r for r in rows[limit:] if r.first or r.nonfinite]
+    return shown, len(rows) - len(shown)
+
+
+# ---------------- plain text ----------------
+
+
+def fmt_ms(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f}" if v < 10 else f"{v:.1f}"
+
+
+def fmt_share(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def fmt_num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
+def fmt_ratio(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def fmt_seconds(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v * 1e3:.3g} ms" if v < 1 else f"{v:.3g} s"
+
+
+def nan_marks(row: LayerRow) -> str:
+    """"first" for the run's first offender, then F<n>/B<n>: steps on which its outputs
+    (forward) or gradients (backward) held a NaN or Inf."""
+    marks = ["first"] if row.first else []
+    marks += [f"{p[0].upper()}{row.nonfinite[p]}" for p in LAYER_PHASES if row.nonfinite.get(p)]
+    return " ".join(marks)
+
+
+def cells(row: LayerRow) -> list[str]:
+    """The row as the table shows it, in TITLES' order (after rank/model, when shown)."""
+    return [row.layer, row.module, fmt_ms(row.forward_ms), fmt_ms(row.backward_ms),
+            fmt_share(row.share), fmt_num(row.grad_norm), fmt_num(row.abs_max),
+            fmt_ratio(row.dead_ratio), nan_marks(row)]
+
+
+TITLES = ["layer", "module", "fwd ms/call", "bwd ms/call", "share", "grad norm", "|act| max",
+          "dead", "NaN"]
+_LEFT = {"layer", "module", "NaN", "rank", "model"}
+
+
+def header_line(h: RunHeader) -> str:
+    who = f"rank {h.rank}" + (f"  model {h.model}" if h.model else "")
+    parts = [who, f"step {h.steps} ({h.sampled_steps} sampled)"]
+    if h.steps_per_s is not None:
+        parts.append(f"{h.steps_per_s:.1f} steps/s")
+    parts.append(f"step time p50 {fmt_seconds(h.step_quantile(0.5))} p95 {fmt_seconds(h.step_quantile(0.95))}")
+    parts.append(f"loss {fmt_num(h.loss)}")
+    parts.append(f"grad norm {fmt_num(h.grad_norm)}")
+    if h.position is not None:
+        parts.append(h.position)
+    return "  ".join(parts)
+
+
+def _position(step: int, phase: str, seconds: float) -> str:
+    return f"now: step {step}, {phase} for {fmt_seconds(seconds)}"
+
+
+def _stall(step: int, phase: str, layer: str, waiting_on: str) -> str:
+    return f"STALLED at step {step} in {phase}, innermost layer {layer}, waiting on {waiting_on}"
+
+
+def nonfinite_line(h: RunHeader) -> str:
+    counts = {p: h.nonfinite_steps.get(p, 0) for p in PHASES}
+    if not any(counts.values()):
+        text = "non-finite steps: none"
+    else:
+        text = "non-finite steps: " + ", ".join(f"{p} {c}" for p, c in counts.items())
+    if h.first_nonfinite is not None:
+        f = h.first_nonfinite
+        text += f"; first: {f.layer or '(not yet localised)'} ({f.phase}) at step {f.step}"
+    if h.skipped_steps:
+        text += f"; GradScaler skipped {h.skipped_steps} steps"
+    return text
+
+
+def header_lines(headers: Sequence[RunHeader]) -> list[str]:
+    lines = []
+    for h in headers:
+        lines += [header_line(h), "  " + nonfinite_line(h)]
+        if h.stall is not None:  # only while a rank is stuck (docs/stalls.md)
+            lines.append("  " + h.stall)
+    return lines
+
+
+def row_cells(rows: Sequence[LayerRow], several_runs: bool) -> tuple[list[str], list[list[str]]]:
+    """Titles and cells, with rank and model columns when rows come from several runs."""
+    titles = list(TITLES)
+    body = [cells(r) for r in rows]
+    if several_runs:
+        models = {r.model for r in rows}
+        if len(models) > 1:
+            titles.insert(0, "model")
+            body = [[r.model, *c] for r, c in zip(rows, body)]
+        titles.insert(0, "rank")
+        body = [[str(r.rank), *c] for r, c in zip(rows, body)]
+    return titles, body
+
+
+def render_rows(rows: Sequence[LayerRow], several_runs: bool = False) -> list[str]:
+    titles, body = row_cells(rows, several_runs)
+    widths = [max(len(t), *(len(c[i]) for c in body)) if body else len(t) for i, t in enumerate(titles)]
+
+    def line(values: Sequence[str]) -> str:
+        out = [v.ljust(w) if t in _LEFT else v.rjust(w) for t, v, w in zip(titles, values, widths)]
+        return "  ".join(out).rstrip()
+
+    return [line(titles), *(line(c) for c in body)]
+
+
+def render(tables: Sequence[RunTable], *, by: str = "share", reverse: bool = False,
+           name_filter: str = "", limit: int | None = 25) -> str:
+    """Header lines, then the layers of every table in one list, sorted and filtered."""
+    rows = [r for t in tables for r in t.rows]
+    if name_filter:
+        rows = filter_rows(rows, name_filter)
+    shown, left_out = choose(sort_rows(rows, by, reverse), limit)
+    lines = header_lines([t.header for t in tables])
+    if not rows:
+        lines.append("(no layers" + (f" matching {name_filter!r})" if name_filter else ")"))
+    else:
+        lines += render_rows(shown, several_runs=len(tables) > 1)
+    if left_out:
+        lines.append(f"... {left_out} more layers not shown")
+    return "\n".join(lines)
+
+
+def report_text(snap: Snapshot, model: str = "") -> str:
+    """Profiler.report()'s text: the header and every layer (no limit)."""
+    return render([from_snapshot(snap, model)], limit=None)

@@ -15,14 +15,21 @@ from hookprof.profiler import Profiler
 
 def step_is_sampled(prof: Profiler) -> bool:
     """Is the step now in progress (or about to begin) a sampled one?"""
-    return prof._plan.sampled
+    return prof._sampled.plan.sampled
 
 
 def metrics_server(prof: Profiler) -> Any:
     """The MetricsServer of the endpoint this profiler serves on (None when not serving)."""
-    return prof._server
+    return prof._serving.server
 
 
 def metrics_page(prof: Profiler) -> Any:
     """The endpoint's cached /metrics page (it counts its renders)."""
-    return prof._server.page
+    return prof._serving.server.page
+
+
+def live_profilers() -> list[Profiler]:
+    """The profilers of this process not yet detached (live.py's registry)."""
+    from hookprof import live
+
+    return live.profilers()

@@ -5,9 +5,14 @@ thread that died is reported and restarted a few times."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import threading
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, TypeVar
+
+from hookprof.errors import NonFiniteError
 
 log = logging.getLogger("hookprof")
 
@@ -23,6 +28,18 @@ class Faults:
         self.broken = False
         self._logged: set[str] = set()
 
+    @contextlib.contextmanager
+    def contain(self, part: str, *, disable: bool = True) -> Iterator[None]:
+        """`with faults.contain("summary"):` an exception from hookprof's own code inside is
+        reported as a fault of `part` and goes no further; NonFiniteError (the `raise`
+        policy speaking to the user) is let through. `guarded` is the same for a method."""
+        try:
+            yield
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            self.report(part, exc, disable=disable)
+
     def report(self, where: str, exc: BaseException, *, disable: bool = True) -> None:
         with self._lock:
             self.errors += 1
@@ -36,6 +53,31 @@ class Faults:
                 "; per-layer instrumentation is now off" if disable else "",
                 exc_info=exc,
             )
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def guarded(part: str, *, disable: bool = True, default: Any = None) -> Callable[[F], F]:
+    """Fault containment for a method called from the training loop (a torch hook, a step
+    boundary): an exception from hookprof's own code is reported to the object's `_faults` as
+    a fault of `part` and the method returns `default`; training goes on. NonFiniteError (the
+    `raise` policy speaking to the user) is the one exception let through. `disable=False`
+    for parts whose failure must not switch the per-layer instrumentation off.
+
+    One decorator instead of a `try/except` copied into every hook, so that what a fault
+    switches off is decided here, in one place."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def contained(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with self._faults.contain(part, disable=disable):
+                return method(self, *args, **kwargs)
+            return default
+
+        return contained  # type: ignore[return-value]
+
+    return wrap
 
 
 MAX_RESTARTS = 3  # per thread
@@ -64,8 +106,13 @@ class DaemonThread:
     def _run(self) -> None:
         raise NotImplementedError
 
-    def start(self) -> None:
+    def start(self) -> Callable[[], None]:
+        """Start the thread; returns what stops it (the subclass's `stop`)."""
         self._thread.start()
+        return self.stop
+
+    def stop(self, timeout: float = 5.0) -> None:
+        raise NotImplementedError
 
     def restart(self) -> None:
         self.restarts += 1

@@ -168,9 +168,9 @@ def every_step():
 @pytest.fixture(autouse=True)
 def _no_leftover_profilers():
     yield
-    from hookprof import profiler
+    from hookprof._testing import live_profilers
 
-    leftovers = list(profiler._live)
+    leftovers = live_profilers()
     for prof in leftovers:
         prof.detach()
     assert not leftovers, f"a test left profilers attached: {leftovers}"

@@ -46,6 +46,15 @@ class EfficiencyPart:
 class StepEfficiency:
     """The training-thread half. Every method is cheap on unsampled steps (not called)."""
 
+    @classmethod
+    def from_config(cls, table: LayerTable, config: Any, notices: Any, model_name: str) -> "StepEfficiency":
+        """The figures with their slice of the config (flop_counting, update_norms,
+        update_norm_max_bytes, peak_flops, update_norm_interval_s)."""
+        return cls(table, flops=config.flop_counting, update_norms=config.update_norms,
+                   update_max_bytes=config.update_norm_max_bytes, peak_flops=config.peak_flops,
+                   notices=notices, model_name=model_name,
+                   update_interval_s=config.update_norm_interval_s)
+
     def __init__(self, table: LayerTable, *, flops: bool, update_norms: bool, update_max_bytes: int,
                  peak_flops: float | None, notices: Any, model_name: str = "the model",
                  update_interval_s: float = 0.0):
@@ -73,7 +82,7 @@ class StepEfficiency:
         """Have `hooks` (instrument.LayerHooks) report the training layer calls of sampled
         steps: each step's first call here, the others straight to the FLOP counter."""
         self._hooks = hooks
-        hooks.on_call = self.first_call
+        hooks.listen(self.first_call)
 
     def first_call(self, layer: int, args: tuple, kwargs: dict | None, nested: bool) -> None:
         """The first layer call of a sampled step's training forward. The precision is read
@@ -85,13 +94,13 @@ class StepEfficiency:
         except Exception as exc:  # never into the training loop, nor switching the hooks off
             self._notices.say("flops precision", f"the precision of {self._model_name} cannot be "
                               f"read ({exc!r}): model FLOPs utilisation may be missing")
-        self._hooks.on_call = self.flops.note
+        self._hooks.listen(self.flops.note)
         self.flops.note(layer, args, kwargs, nested)
 
     def _rearm(self) -> None:
         """The step is over: the next one's first layer call reads the precision again."""
         if self._hooks is not None:
-            self._hooks.on_call = self.first_call
+            self._hooks.listen(self.first_call)
 
     def before_update(self, now_ns: int, optimizer: torch.optim.Optimizer | None = None) -> None:
         """A sampled step's update (by `optimizer`) is about to happen: copy what its turn

@@ -50,6 +50,17 @@ class StallWatch(DaemonThread):
     """Watches one profiler's Progress. `check()` is one poll (the thread calls it every
     `interval_s`; tests may call it with their own clock reading)."""
 
+    @classmethod
+    def from_config(cls, progress: Progress, model: nn.Module, config: Any, *, faults: Faults,
+                    rank: int, model_name: str, clock: Callable[[], int],
+                    wall_clock: Callable[[], float], device_busy: Callable[[], bool]) -> "StallWatch":
+        """The watch with its slice of the config (stall_factor, stall_min_s, stall_max_s,
+        stall_warmup_steps)."""
+        return cls(progress, model, factor=config.stall_factor, min_s=config.stall_min_s,
+                   max_s=config.stall_max_s, warmup_steps=config.stall_warmup_steps, faults=faults,
+                   rank=rank, model_name=model_name, clock=clock, wall_clock=wall_clock,
+                   device_busy=device_busy, name=f"hookprof-stall-watch-rank{rank}")
+
     def __init__(self, progress: Progress, model: nn.Module, *, factor: float, min_s: float,
                  max_s: float, warmup_steps: int, faults: Faults, rank: int, model_name: str,
                  clock: Callable[[], int] = time.perf_counter_ns,

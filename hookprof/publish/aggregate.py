@@ -80,8 +80,20 @@ def _nanmax(values: list[float]) -> float:
 
 
 class Aggregator:
+    @classmethod
+    def for_table(cls, table: Any, rank: int, config: Any, *, efficiency: EfficiencyTotals | None,
+                  device_phases: DevicePhaseTotals | None) -> "Aggregator":
+        """The totals of a model's layer table, with their slice of the config (max_layers,
+        vanishing_grad_norm, exploding_grad_norm)."""
+        return cls(table.names, [layer.module_type for layer in table.layers], rank, config.max_layers,
+                   (config.vanishing_grad_norm, config.exploding_grad_norm),
+                   container_names=[name for name, _ in table.containers],
+                   efficiency=efficiency, device_phases=device_phases)
+
     def __init__(self, names: list[str], module_types: list[str], rank: int, max_layers: int,
-                 grad_norm_bounds: tuple[float, float] = (1e-6, 1e3), container_names: list[str] = ()):
+                 grad_norm_bounds: tuple[float, float] = (1e-6, 1e3), container_names: list[str] = (),
+                 *, efficiency: EfficiencyTotals | None = None,
+                 device_phases: DevicePhaseTotals | None = None):
         n = len(names)
         # names of recorded calls: layers, then container modules (hooked by the replay only)
         self._call_names = list(names) + list(container_names)
@@ -113,8 +125,8 @@ class Aggregator:
         self._layers: MappingProxyType = MappingProxyType({})
         self._exported: tuple[str, ...] = ()
         self._dirty = True
-        self.efficiency: EfficiencyTotals | None = None  # set when its figures are measured
-        self.device_phases: DevicePhaseTotals | None = None  # set with a device timer
+        self.efficiency = efficiency  # when its figures are measured
+        self.device_phases = device_phases  # with a device timer
 
     # ---- folding one packet ----
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from hookprof.publish.aggregate import Aggregator
 from hookprof.faults import DaemonThread, Faults
-from hookprof.publish.history import History
+from hookprof.publish.history import LAYER_SLOTS, History
 from hookprof.notices import Notices
 from hookprof.step.record import Packet, StepCounters
 from hookprof.snapshot import Snapshot
@@ -153,3 +153,15 @@ class Publisher(DaemonThread):
                 self.fold(packet)
             except Exception as exc:  # one bad packet costs that packet only
                 self._faults.report("publisher thread", exc, disable=False)
+
+
+def for_model(make: Callable[..., Publisher], table: Any, rank: int, config: Any, counters: StepCounters,
+              faults: Faults, timer: Timer, notices: Notices, *, efficiency: Any, device_phases: Any,
+              decorate: Callable[[Snapshot], Snapshot]) -> Publisher:
+    """A model's publisher (`make`: Publisher, or a test's subclass) over its own totals and
+    the report's bounded history, with its slice of the config (publish_interval_s, and the
+    aggregator's and history's)."""
+    return make(Aggregator.for_table(table, rank, config, efficiency=efficiency, device_phases=device_phases),
+                counters, faults, timer, config.publish_interval_s, name=f"hookprof-publisher-rank{rank}",
+                notices=notices, decorate=decorate,
+                history=History(table.names, layer_slots=min(LAYER_SLOTS, config.max_layers)))

@@ -172,8 +172,10 @@ class SystemSampler:
     def gpus_enabled(self) -> bool:
         return self._nvml is not None and self._nvml.enabled
 
-    def start(self) -> None:
+    def start(self) -> Callable[[], None]:
+        """Start sampling; returns what stops it."""
         self._thread.start()
+        return self.stop
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()

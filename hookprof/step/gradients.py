@@ -16,7 +16,7 @@ rebuilt only when the set of parameters holding a gradient changes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -176,3 +176,41 @@ def layer_squares(groups: dict[torch.device, tuple[list[torch.Tensor], list[int]
             out.append(fused_layer_squares(tensors, index, n))
         seen.update(layers)
     return out, frozenset(seen)
+
+
+class StepGradients:
+    """This step's per-layer gradient squares: read at most once per step, where the update
+    reads the gradients (the optimizer's pre-hook, or the step's end when none ran); read
+    again after an optimizer closure ran another backward; unscaled once when a fused
+    optimizer's GradScaler step is seen. Owned by the profiler; the training thread only."""
+
+    __slots__ = ("_norms", "squares")
+
+    def __init__(self, norms: GradientNorms):
+        self._norms = norms
+        # (per-device squares, the layers that had a gradient), or None: not read this step
+        self.squares: tuple[list[torch.Tensor], frozenset[int]] | None = None
+
+    def read_once(self, wanted: bool) -> None:
+        """Read them now if this step wants them (sampled, or nonfinite_check="all") and
+        they were not read yet."""
+        if self.squares is None and wanted:
+            self.squares = self._norms.layer_squares()
+
+    def forget(self) -> None:
+        """A new step, or a closure that ran another backward: read again when next needed."""
+        self.squares = None
+
+    def unscale(self, view: Any) -> None:
+        """A fused optimizer's GradScaler step (guard.ScalerView): norms of the unscaled
+        gradients, as the update sees them."""
+        if view is not None and self.squares is not None:
+            self.squares = (view.unscale(self.squares[0]), self.squares[1])
+
+
+def no_gradients_notice(model_type: str) -> str:
+    """Said once when a step that ran its forward ends with no gradient to read."""
+    return (f"no parameter of {model_type} had a gradient at the end of a step that ran its "
+            "forward, so gradient norms and the per-layer backward check have nothing to read: "
+            "end steps after the backward and before zero_grad() (prof.step() there, or a "
+            "torch.optim step); gradients computed functionally (torch.func) are not in .grad")

@@ -129,6 +129,12 @@ class LayerHooks:
     def replaying(self) -> bool:
         return self._replaying
 
+    def listen(self, on_call: Any) -> None:
+        """Have `on_call(layer, args, kwargs, nested)` told of each training layer call of a
+        sampled step (efficiency's FLOP counter); None: nobody. Its owner may change it
+        between calls (a first call reads the precision, then the counter is called direct)."""
+        self.on_call = on_call
+
     def begin(self, rec: StepRecord, install: bool = True, *, activation_stats: bool | None = None) -> None:
         """Start recording a sampled step into `rec`, installing the hooks if needed; with
         `activation_stats`, switch the per-layer output checks for this step."""

@@ -132,6 +132,10 @@ class StepCounters:
                 self._skips_in_a_row = 0
             return self.steps
 
+    def set_held_back(self, held_back: int) -> None:
+        """The updates held back on the host's word so far (the guard counts them)."""
+        self.held_back = held_back
+
     def totals(self) -> tuple[int, float]:
         """(steps, their summed duration): what a sampled step's packet carries."""
         with self._lock:

@@ -276,3 +276,11 @@ def render(documents: list[dict[str, Any]], source: str = "") -> str:
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f'<meta name="viewport" content="width=device-width"><style>{CSS}</style></head><body>'
             f'<p class="muted">hookprof run report{where}, made {made}</p>{body}</body></html>')
+
+
+def write(path: str, documents: list[dict[str, Any]], source: str = "") -> str:
+    """The page for `documents` written to `path`; returns the path."""
+    page = render(documents, source=source)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(page)
+    return path

@@ -1,0 +1,76 @@
+"""What `attach()` returns under HOOKPROF_DISABLE=1 (or Config.disable): a profiler with
+the same public surface that does nothing, so a training script needs no `if` around hookprof.
+
+Owns nothing but its model reference and its detached flag. Built by `hookprof.attach`."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch import nn
+
+from hookprof.config import Config
+from hookprof.errors import DetachedError
+from hookprof.publish.document import document
+from hookprof.publish.history import History
+from hookprof.snapshot import Snapshot
+
+
+class DisabledProfiler:
+    """What attach() returns under HOOKPROF_DISABLE=1: the same surface, doing nothing."""
+
+    enabled = False
+    url = None
+    port = None
+    collector = None
+    registry = None
+
+    def __init__(self, model: nn.Module, config: Config):
+        self.model = model
+        self.config = config
+        self.name = config.name or type(model).__qualname__
+        self.rank = 0
+        self._detached = False
+
+    @property
+    def detached(self) -> bool:
+        return self._detached
+
+    steps = 0
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot()
+
+    def flush(self, timeout: float | None = 10.0) -> bool:
+        return True
+
+    def step(self, loss: Any = None) -> None:
+        if self._detached:
+            raise DetachedError("Profiler.step() called after detach(); attach the model again")
+
+    def report_document(self) -> dict[str, Any]:
+        return document(self.name, Snapshot(), History([]))
+
+    def expect_slow(self, what: str = "slow section") -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    def detach(self) -> None:
+        self._detached = True
+
+    def report(self, path: str | None = None) -> str:
+        said = "hookprof is disabled (HOOKPROF_DISABLE or Config.disable): nothing was recorded"
+        if path is None:
+            return said
+        from hookprof.view.report_html import write  # the page's code loads when first drawn
+
+        return write(path, [], source=said)
+
+    def __enter__(self) -> "DisabledProfiler":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        return "<hookprof.Profiler disabled (HOOKPROF_DISABLE)>"

@@ -1,0 +1,217 @@
+"""The NaN/Inf checks of one step, on the training thread: what is checked, and when.
+
+Owns: the device counters of non-finite values (`Detector`), this step's model-output check
+(`OutputFlags`), a fused optimizer's GradScaler state seen in this step (`ScalerView`, and its
+mask of the backward check, made once per step), the device counts of GradScaler skips and of
+held-back updates, the held-back update itself (`UpdateGuard`, under on_nonfinite
+"skip"/"raise"), and the forward replay (`ForwardReplay`) with the publish token of its packet.
+
+Who made the NaN is decided on the publisher's side (publish/aggregate.py, from what these
+checks send); what to do about it is `IncidentResponse`'s (incident.py). This part only
+looks, holds back, replays and sends.
+
+Called by: the `Profiler`, at the step events `StepBoundary` tells, in this order within a
+step: `step_began`, `capture` (each training forward), `check_output` (its end), `update_began` /
+`before_update` / `closure_*` / `update_done` (each owned optimizer), `at_step_end`,
+`end_update`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookprof.config import Config
+from hookprof.faults import Faults
+from hookprof.layers import LayerTable
+from hookprof.nonfinite.detector import Detector, loss_flag, nonfinite_flags
+from hookprof.nonfinite.guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
+from hookprof.nonfinite.output import OutputFlags
+from hookprof.nonfinite.replay import ForwardReplay, own_weights_nonfinite
+from hookprof.step.hooks import LayerHooks
+from hookprof.step.record import Packet, StepRecord, pack_step
+
+
+class NonfiniteChecks:
+    """The training thread's side of NaN/Inf handling for one profiler."""
+
+    def __init__(self, model: nn.Module, table: LayerTable, config: Config, *, hooks: LayerHooks,
+                 publisher: Any, new_record: Callable[[], StepRecord], faults: Faults,
+                 say: Callable[[str, str], None]):
+        self._table = table
+        self._hooks = hooks
+        self._publisher = publisher
+        self._new_record = new_record
+        self._faults = faults
+        self._wait = config.nonfinite_sync
+        self.detector = Detector(len(table))
+        self.output = OutputFlags()  # this step's output checks (the one owner)
+        # a GradScaler's skips of a fused optimizer, and the updates held back on the
+        # device (on_nonfinite "skip"/"raise"), are counted on the device
+        self._scaler_skips = SkipCounters(config.max_skipped_steps)
+        self._held_back = SkipCounters(config.max_skipped_steps)
+        self.guard = (UpdateGuard(config.nonfinite_sync, say)
+                      if config.on_nonfinite in ("skip", "raise") else None)
+        # FSDP2 / tensor parallel: re-running the forward on one rank would start all-gathers
+        # the other ranks never join, so a forward NaN is localised on the following
+        # (sampled) steps instead
+        self.replay = ForwardReplay(model, enabled=not table.has_dtensor_params,
+                                    keep_late=self.guard is not None, say=say)
+        self._replay_token = 0  # the publisher's publish_now token of the replay's packet
+        self._scaler_view: ScalerView | None = None  # a fused optimizer's GradScaler state
+        self._masked: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (squares, checked)
+
+    # ---------------- within a step ----------------
+
+    def step_began(self) -> None:
+        self._scaler_view = None
+        self._masked = None
+        self.output.clear()
+
+    def capture(self, args: Any, kwargs: Any, entry_module: nn.Module | None) -> None:
+        """A training forward of an unchecked step begins: keep its inputs for a replay (the
+        root is never held: the replay keeps the model weakly)."""
+        self.replay.capture(args, kwargs, entry_module)
+
+    def check_output(self, output: Any, *, checked: bool, step: int) -> None:
+        """A training forward returned: one reduction of the model's output, every step,
+        counted once at the step's end; on an unchecked step a known-bad output is replayed
+        at once (the parameters are still this step's)."""
+        self.output.add(nonfinite_flags(output))
+        if not checked and self.replay.note_output(self.output.forward_flag):
+            self.replay_forward(step)
+
+    def check_loss(self, loss: Any, step: int) -> None:
+        if loss is not None:
+            self.detector.add_flag("loss", loss_flag(loss), step)
+
+    def update_began(self) -> None:
+        if self.guard is not None:
+            self.guard.begin_update()
+
+    def scaler_of(self, optimizer: torch.optim.Optimizer) -> ScalerView | None:
+        """Inside GradScaler.step with a fused optimizer, its skip is on the device: counted
+        here, and the view returned (the gradient norms are unscaled with it)."""
+        view = ScalerView(optimizer)
+        if not view.active:
+            return None
+        self._scaler_view = view
+        self._scaler_skips.add(view.found_inf)
+        return view
+
+    def before_update(self, optimizer: torch.optim.Optimizer,
+                      squares: tuple[list[torch.Tensor], frozenset[int]] | None, step: int) -> None:
+        """This step's gradients are final and its parameters not updated yet: the guard
+        judges the update, then a waiting replay runs (neither changes a weight: under
+        nonfinite_sync the guard's wait, for a flag copied after the output's, leaves that
+        one on the host, so the training thread waits once per step, not twice)."""
+        if self.guard is not None:
+            parts = squares[0] if squares is not None else []
+            flags = self.output.step_flags() + host_flags_of_squares(self._checked_squares(parts))
+            self.guard.before_update(optimizer, self._table.params, flags)
+        if self.replay.waiting or self.replay.late:
+            self.replay_forward(step)
+
+    def judges_closure(self, optimizer: torch.optim.Optimizer) -> bool:
+        """skip/raise: a closure step is judged as each call of the closure returns (the
+        optimizer's update reads its gradients next), unless an inner optimizer makes the
+        update (its pre-hook judges)."""
+        return self.guard is not None and not self.guard.delegates(optimizer)
+
+    def closure_call(self, judged: bool) -> None:
+        """The closure finds the gradients it left, and the optimizer no found_inf of an
+        earlier evaluation."""
+        if judged:
+            self.guard.after_update()
+
+    @property
+    def holding(self) -> bool:
+        """An update of this step is held back (a held step keeps its bad evaluation's
+        squares, for the backward check)."""
+        return self.guard is not None and self.guard.holding
+
+    def replay_if_waiting(self, step: int) -> None:
+        if self.replay.waiting:
+            self.replay_forward(step)
+
+    def update_done(self) -> None:
+        if self.guard is not None:
+            self.guard.after_update()
+
+    def at_step_end(self, squares: tuple[list[torch.Tensor], frozenset[int]] | None, step: int) -> None:
+        """The step's backward check (once per step, however often the gradients were read)
+        and its forward check: a step is non-finite in its forward once, however many
+        forwards (siamese nets, a discriminator on real and fake, entry calls) and output
+        tensors it had: one flag per device, one host bool."""
+        if squares is not None:
+            self.detector.add_layer_squares(self._checked_squares(squares[0]), step)
+        for flag in self.output.step_flags():  # combined as they came (OutputFlags)
+            self.detector.add_flag("forward", flag, step)
+        self.output.clear()
+
+    def end_update(self, number: int) -> int | None:
+        """Step `number` is counted: an update held back is counted once per step, however
+        often acted on. Returns the updates held back on the host's word so far (None
+        without a guard)."""
+        if self.guard is None:
+            return None
+        if self.guard.unguarded:
+            self.replay.unheld(number)  # its update reached the weights: no late replay
+        held_on_device = self.guard.end_step()
+        if held_on_device is not None:
+            self._held_back.add(held_on_device)
+        return self.guard.held_back
+
+    # ---------------- what is sent ----------------
+
+    def pack(self, step: int, record: StepRecord | None, **kwargs: Any) -> Packet:
+        """A packet of step `step` carrying the device counters (and whatever `kwargs` add:
+        a sampled step's record, gradients, loss, efficiency figures)."""
+        return pack_step(step, record, self.detector.blocks(), counts=self._device_counts(), **kwargs)
+
+    def drain(self, steps: int) -> None:
+        """Send the non-finite counters alone (no sampled step to carry them)."""
+        self._publisher.submit(self.pack(steps, None, sampled=False))
+
+    def replay_forward(self, step: int) -> None:
+        """If this step's output went non-finite on an unchecked step, replay its forward
+        with the per-layer checks on, before the optimizer changes the parameters."""
+        try:
+            rec = self.replay.run_if_bad(self._hooks, self._new_record, step, wait=self._wait)
+            if rec is None and self.replay.keep_late:  # an earlier step's flag may have arrived
+                late = self.replay.run_late(self._hooks, self._new_record)
+                if late is not None:
+                    step, rec = late
+        except Exception as exc:
+            # the replay (once per run) is over either way, and put back what it changed; the
+            # hook or step boundary that called it goes on (a late replay runs at a step's
+            # end: an exception out of here cost that step its count). Hooks stay on.
+            self._faults.report("forward replay", exc, disable=False)
+            return
+        if rec is not None:
+            weights = [("weights_bad", f) for f in own_weights_nonfinite(self._table.layers)]
+            self._publisher.submit(self.pack(step, rec, sampled=False, extra=weights))
+            if self.replay.keep_late:  # skip/raise: the policy may be waiting for its layer
+                self._replay_token = self._publisher.publish_now()
+
+    def replay_pending(self, bad_step: int) -> bool:
+        """Can the forward replay still name the producer of `bad_step`'s NaN: a kept step
+        up to it not looked at yet, or the replay's packet not published yet?"""
+        return (self.replay.may_replay(bad_step)
+                or self._publisher.published_token < self._replay_token)
+
+    def _checked_squares(self, squares: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The squares the backward check counts: none on a step a fused optimizer's
+        GradScaler skips (masked once per step, for the guard and the detector alike)."""
+        if self._scaler_view is None:
+            return squares
+        if self._masked is None or self._masked[0] is not squares:
+            self._masked = (squares, self._scaler_view.mask(squares))
+        return self._masked[1]
+
+    def _device_counts(self) -> dict[str, list[torch.Tensor]]:
+        """The device counters drained beside the non-finite ones (aggregate.fold reads them)."""
+        return {"scaler_skips": self._scaler_skips.blocks(), "held_back": self._held_back.blocks()}

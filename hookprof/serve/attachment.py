@@ -1,0 +1,101 @@
+"""How one profiler's metrics are served: as a member of the process's endpoint, or in a
+registry of its own (Config.serve=False: the caller serves it, or nobody does).
+
+Owns: the profiler's `SnapshotCollector`, the registry its metrics are in, its membership of
+the endpoint (or its own system sampler and the collectors it put in a caller's registry),
+and undoing all of that at detach.
+
+Called by: the `Profiler` at attach (`join`, then `start` once training may begin) and through
+the undo callables they return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from hookprof.config import Config
+from hookprof.faults import ThreadSupervisor
+from hookprof.serve import endpoint
+from hookprof.serve.endpoint import Endpoint, Member
+from hookprof.serve.exporter import SnapshotCollector, make_registry
+from hookprof.serve.system import SystemCollector, SystemSampler
+
+
+class Serving:
+    """One profiler's place on the /metrics page."""
+
+    def __init__(self, config: Config, name: str, rank: int, local_rank: int, publisher: Any,
+                 registry: CollectorRegistry | None):
+        self._config = config
+        self._name = name
+        self._rank = rank
+        self._local_rank = local_rank
+        self._publisher = publisher
+        self.collector = SnapshotCollector(lambda: publisher.latest, torch.__version__,
+                                           lambda: publisher.alive, rank=rank, model=name)
+        self.endpoint: Endpoint | None = None
+        self._system: SystemSampler | None = None
+        self._registered: list[Any] = []  # collectors put in a caller's registry: taken out at detach
+        self.registry: CollectorRegistry | None = None
+        if not config.serve:
+            extra: tuple[Any, ...] = ()
+            if config.system_metrics:
+                system = self._system = SystemSampler(
+                    config.system_interval_s,
+                    gpus=config.gpu_metrics and local_rank == 0,  # one series per GPU per node
+                    name=f"hookprof-system-rank{rank}",
+                )
+                extra = (SystemCollector(lambda: system.latest, rank),)
+            self.registry = make_registry(self.collector, process_metrics=config.system_metrics,
+                                          extra=extra, registry=registry,
+                                          registered=self._registered if registry is not None else None)
+
+    def join(self, document: Callable[[], dict[str, Any]], supervisor: ThreadSupervisor) -> Callable[[], None]:
+        """Serving: join the process's endpoint on the configured port (base_port +
+        LOCAL_RANK; it starts on the first member), its page re-rendered when this model's
+        snapshot changes. Returns what leaves it (and takes out collectors put in a caller's
+        registry)."""
+        if self._config.serve:
+            config, publisher = self._config, self._publisher
+            port = config.port + self._local_rank if config.port else 0
+            member = Member(self._name, SnapshotCollector(
+                lambda: publisher.latest, torch.__version__, lambda: publisher.alive,
+                rank=self._rank, model=self._name, build_info=False), self._page_version,
+                document=document)
+            self.endpoint = endpoint.join(member, config, port, self._rank, self._local_rank)
+            self.registry = self.endpoint.registry
+            supervisor.watch("metrics server", self.endpoint)
+        return self._leave
+
+    def start(self) -> Callable[[], None]:
+        """Start this profiler's own system sampler (not serving); returns what stops it."""
+        return self._system.start() if self._system is not None else lambda: None
+
+    def _page_version(self) -> tuple[Any, ...]:
+        """What this model's part of the /metrics page is made from: the page is re-rendered
+        when any of these changes."""
+        return (self._publisher.latest, self._publisher.alive)
+
+    def _leave(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.leave(self._name)
+        for collector in self._registered:
+            self.registry.unregister(collector)
+        self._registered = []
+
+    @property
+    def url(self) -> str | None:
+        return self.endpoint.url if self.endpoint is not None else None
+
+    @property
+    def port(self) -> int | None:
+        return self.endpoint.port if self.endpoint is not None else None
+
+    @property
+    def server(self) -> Any:
+        """The process endpoint's MetricsServer (tests and benchmarks look at its page)."""
+        return self.endpoint.server if self.endpoint is not None else None

@@ -1,0 +1,368 @@
+"""Step boundaries: which torch hook calls begin a step, make its forward, update it and end it.
+
+Owns: the hooks on the root module (and on its children, for loops that never call the root:
+Lightning's `training_step`, `model.compute_loss(x)`), the process-wide optimizer step hooks
+and the GradScaler watch of one profiler, and the step's flags: whether `prof.step()` took
+over, whether the root ever ran, what this step has seen (a forward, an owned optimizer's
+update, a GradScaler skip), when it started, whether the optimizer already ended it.
+
+It decides *which* event happened and tells the profiler through `StepEvents`, in the order
+the profiler's parts need; it does none of their work. Fault containment: every hook is
+`guarded`, so an exception in a part is counted and never reaches the training loop.
+
+Called by: torch (the hooks), and the `Profiler` (`install`, `step`, `close`).
+
+A step ends at the update (an owned torch.optim step, a GradScaler skip of one, or
+`prof.step()`), however often the model is called in between (docs/nonfinite.md, "What a
+step is"). A model driven without calling its root falls back to "every update ends one".
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from hookprof.compiled import CompileProbe, is_compiling
+from hookprof.faults import Faults, guarded
+from hookprof.step import gradscaler
+from hookprof.step.hooks import LayerHooks
+
+# more training forwards than this between two step boundaries means there are none
+# (gradient accumulation over 1,000 micro-batches is far beyond what runs use)
+MAX_FORWARDS_PER_STEP = 1000
+
+
+def no_step_notice(model_type: str) -> str:
+    """Said once when MAX_FORWARDS_PER_STEP forwards came without a step boundary."""
+    return (f"{MAX_FORWARDS_PER_STEP} forwards of {model_type} without a step boundary: no "
+            "torch.optim optimizer steps its parameters and prof.step() is not called, so "
+            "hookprof cannot tell steps apart; per-layer timing and gradient norms are off until "
+            "one comes. Call prof.step(loss) once per training step (after the parameter update).")
+
+
+class StepEvents(Protocol):
+    """What the profiler does at each event the boundary tells apart (profiler.py). The
+    names are underscored: they are the profiler's insides, called by its boundary only,
+    never part of its public surface."""
+
+    def _on_eval_forward(self) -> None: ...
+    def _on_forward(self, module: nn.Module, args: Any, kwargs: Any, *, entry: bool,
+                   own_layer: int | None, now: int, first_step: bool) -> None: ...
+    def _on_output(self, output: Any) -> None: ...
+    def _on_update_began(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def _on_before_update(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def _closure_judged(self, optimizer: torch.optim.Optimizer) -> bool: ...
+    def _on_closure_call(self, judged: bool) -> None: ...
+    def _on_back_in_optimizer(self) -> None: ...
+    def _on_closure_returned(self, optimizer: torch.optim.Optimizer, judged: bool) -> None: ...
+    def _on_any_update_done(self) -> None: ...
+    def _on_optimizer_returned(self) -> None: ...
+    def _on_no_step_signal(self) -> None: ...
+    def _on_loss(self, loss: Any) -> None: ...
+    def _on_late_loss(self, loss: Any) -> None: ...
+    def _on_step_end(self, loss: Any, *, skipped: bool, started_ns: int | None,
+                    forward_seen: bool) -> tuple[int, int]: ...
+    def _on_step_ended(self, number: int, now: int) -> None: ...
+
+
+class StepBoundary:
+    """The step boundaries of one profiled model (training thread and autograd threads)."""
+
+    def __init__(self, model: nn.Module, params: list[torch.Tensor], root_layer: int | None,
+                 events: StepEvents, hooks: LayerHooks, faults: Faults, clock: Callable[[], int],
+                 compiled: bool):
+        self.module_ids = frozenset(id(m) for m in model.modules())
+        self._param_ids = frozenset(id(p) for p in params)
+        self._root_layer = root_layer  # the root's own layer, when it owns parameters directly
+        self._events = events
+        self._hooks = hooks  # the per-layer hooks: told of the root's calls, and replaying
+        self._faults = faults
+        self._clock = clock
+        self.compiled = compiled  # the model runs under torch.compile: no per-layer hooks
+        self._probe = CompileProbe()
+        self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (key, owns)
+        self._handles: list[Any] = []
+        self._entry_handles: list[Any] = []  # on the root's children, until the root's own forward
+        self._entry: nn.Module | None = None  # the entry call in progress
+        self._detached = False
+        self.manual = False  # prof.step() has been called: only it ends steps
+        self._root_seen = False  # the root module's forward has run at least once
+        self._forward_seen = False  # ... in this step
+        self._forwards = 0  # training forwards of the root in this step
+        self._stepped = False  # an optimizer owning our parameters stepped in this step
+        self._scaler_skipped = False  # a GradScaler skipped such an optimizer in this step
+        self._closed_by_optimizer = False  # this step was ended by the optimizer hook
+        self._step_start_ns: int | None = None
+
+    # ---------------- installing and removing ----------------
+
+    def install(self, model: nn.Module) -> Callable[[], None]:
+        """Hook the root (unless compiled: a hook added now would force a recompile, and do
+        nothing in the graph), its children, the optimizers and GradScaler; returns what
+        removes them all."""
+        if not self.compiled:
+            self._handles.append(model.register_forward_pre_hook(
+                self._on_root_forward, prepend=True, with_kwargs=True))
+            self._handles.append(model.register_forward_hook(self._on_root_output))
+            for child in model.children():
+                self._entry_handles.append(child.register_forward_pre_hook(
+                    self._on_entry_forward, with_kwargs=True))
+                self._entry_handles.append(child.register_forward_hook(
+                    self._on_entry_output, always_call=True))
+        self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
+        self._handles.append(gradscaler.watch(self._on_scaler_decision))
+        return self._remove
+
+    def close(self) -> None:
+        """Detached: every hook from now on does nothing (also a copy's, see _inert)."""
+        self._detached = True
+
+    @property
+    def detached(self) -> bool:
+        return self._detached
+
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._drop_entry_hooks()
+
+    def _drop_entry_hooks(self) -> None:
+        for handle in self._entry_handles:
+            handle.remove()
+        self._entry_handles = []
+        self._entry = None
+
+    def latch_compiled(self) -> bool:
+        """True once, when a compiled call of the model was first seen (Dynamo ran the root's
+        hooks while tracing): from then on the model runs under torch.compile."""
+        if self._probe.seen and not self.compiled:
+            self.compiled = True
+            return True
+        return False
+
+    def __deepcopy__(self, memo: dict) -> "StepBoundary":
+        return _inert()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_inert, ())
+
+    # ---------------- where the step is ----------------
+
+    def in_step(self) -> bool:
+        # the root forward pre-hook tells a new step from a second optimizer of the same
+        # step; a model driven without calling its root falls back to "every step ends one"
+        return self._forward_seen or not self._root_seen
+
+    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        groups = optimizer.param_groups
+        key = sum(len(g["params"]) for g in groups)
+        cached = self._owned.get(optimizer)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        owns = any(id(p) in self._param_ids for g in groups for p in g["params"])
+        self._owned[optimizer] = (key, owns)
+        return owns
+
+    # ---------------- the forward ----------------
+
+    def _on_entry_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """A child of the root is called from outside any call of the model's modules: the
+        loop drives the model without its root forward (training_step, compute_loss), and
+        this call is the step's forward as far as hookprof can see. It gets what a root call
+        gets: the step begins, its inputs are checked and kept for a replay, its output is
+        checked (a NaN in them is the input's; one made by the root's own code between two
+        entry calls is seen as a non-finite input of the second)."""
+        if is_compiling() or self._detached or self._entry is not None or self._hooks.replaying:
+            return  # (detached before the rest: a copy of the model holds an inert boundary)
+        self._entry = module
+        self._forward_began(module, args, kwargs, own_layer=None, entry=True)
+
+    def _on_entry_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        if is_compiling() or self._detached or self._entry is not module:
+            return
+        self._entry = None
+        self._on_root_output(module, args, output)
+
+    def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._detached:  # a copy of the model (see _inert)
+            return
+        if (not is_compiling() and self._entry_handles
+                and torch.is_grad_enabled() and module.training):
+            self._drop_entry_hooks()  # the root's own forward runs: it is the step's forward
+        self._forward_began(module, args, kwargs, own_layer=self._root_layer, entry=False)
+
+    def _forward_began(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None,
+                       entry: bool) -> None:
+        """The root module's forward begins: the step has begun; its inputs are kept for a
+        replay."""
+        if is_compiling():
+            self._probe.seen = True  # Dynamo replays this after every compiled call
+            return
+        if self._hooks.replaying:
+            return
+        # evaluation passes (under no_grad / inference_mode, or with the model in eval mode)
+        # are not training steps
+        training = torch.is_grad_enabled() and module.training
+        self._hooks.root_forward_began(training)
+        if not training:
+            self._events._on_eval_forward()
+            return
+        self._training_forward(module, args, kwargs, own_layer, entry)
+
+    @guarded("forward pre-hook")
+    def _training_forward(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None,
+                          entry: bool) -> None:
+        now = self._clock()
+        self._root_seen = True
+        first_step = False
+        if not self._forward_seen:
+            self._forward_seen = True
+            self._closed_by_optimizer = False
+            if self._step_start_ns is None:  # the first step begins
+                self._step_start_ns = now
+                first_step = True
+        self._events._on_forward(module, args, kwargs, entry=entry, own_layer=own_layer, now=now,
+                                first_step=first_step)
+        self._forwards += 1
+        if self._forwards == MAX_FORWARDS_PER_STEP:
+            self._events._on_no_step_signal()
+
+    def _on_root_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The root module's forward returned: its output is checked (every step)."""
+        if self._detached or is_compiling() or self._hooks.replaying:
+            return
+        training = self._hooks.root_output_arrived()
+        if not training or not torch.is_grad_enabled():
+            return
+        self._output(output)
+
+    @guarded("forward hook")
+    def _output(self, output: Any) -> None:
+        self._events._on_output(output)
+
+    # ---------------- the update ----------------
+
+    def _on_optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        """An optimizer is about to update: the gradients are final, the parameters still
+        this step's (the last moment for a replay). With a closure (LBFGS, Lightning's
+        automatic optimization, sharpness-aware optimizers) the step's forward and backward
+        have not run yet: they run inside the closure, so the closure is wrapped and the
+        gradients are read after each call of it."""
+        if is_compiling():  # a compiled optimizer step: nothing to do inside its graph
+            return None
+        return self._update_begins(optimizer, args, kwargs)
+
+    @guarded("optimizer pre-hook")
+    def _update_begins(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        if not self.owns(optimizer):
+            return None
+        self._events._on_update_began(optimizer)
+        # args are those of the unbound step: (optimizer, closure?, ...)
+        closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
+        if callable(closure):
+            wrapped = self._wrap_closure(closure, optimizer)
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": wrapped}
+            return (args[0], wrapped, *args[2:]), kwargs
+        if self.in_step():
+            self._stepped = True
+            self._events._on_before_update(optimizer)
+        return None
+
+    def _wrap_closure(self, closure: Callable[[], Any],
+                      optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+        judged = self._events._closure_judged(optimizer)
+
+        def closure_then_read() -> Any:
+            self._forwards = 0  # LBFGS calls it thousands of times in one step
+            self._events._on_closure_call(judged)
+            result = closure()
+            self._events._on_back_in_optimizer()
+            self._closure_returned(optimizer, judged)
+            return result
+
+        return closure_then_read
+
+    @guarded("optimizer closure")
+    def _closure_returned(self, optimizer: torch.optim.Optimizer, judged: bool) -> None:
+        # called once or several times (LBFGS); the parameters are still this step's
+        if self.in_step():
+            self._stepped = True
+            self._events._on_closure_returned(optimizer, judged)
+
+    def _on_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if is_compiling():
+            return
+        self._update_done(optimizer)
+
+    @guarded("optimizer hook")
+    def _update_done(self, optimizer: torch.optim.Optimizer) -> None:
+        self._events._on_any_update_done()
+        if not self.owns(optimizer):
+            return
+        # only the post-hook of the step in progress: a subclass calling super().step()
+        # runs the hooks twice when both classes were patched by torch, the outer one
+        # after this hook ended the step
+        if not self.manual and self.in_step():
+            self._end_step(None, by_optimizer=True)  # the optimizer phase ends with it
+        else:
+            self._events._on_optimizer_returned()
+
+    def _on_scaler_decision(self, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
+        """A GradScaler decided an optimizer's step: a skip (its gradients overflowed) ends
+        the step as a skipped one, as the optimizer's own step would have ended it. A step,
+        not an incident, unless skips go on for more than max_skipped_steps in a row."""
+        if not skipped or self._detached:
+            return
+        self._scaler_skip(optimizer)
+
+    @guarded("GradScaler hook")
+    def _scaler_skip(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.in_step() and self.owns(optimizer):
+            if self.manual:
+                self._scaler_skipped = True  # prof.step() ends it
+            else:
+                self._end_step(None, by_optimizer=True, skipped=True)
+
+    # ---------------- the step's end ----------------
+
+    @guarded("step boundary")
+    def step(self, loss: Any) -> None:
+        """`prof.step(loss)`: from its first call on, only these calls end steps."""
+        self.manual = True
+        if self._closed_by_optimizer and not self._forward_seen:
+            # the optimizer hook already ended this step: this call adds its loss
+            self._closed_by_optimizer = False
+            self._events._on_late_loss(loss)
+            return
+        self._events._on_loss(loss)
+        self._end_step(loss, by_optimizer=False, skipped=self._scaler_skipped and not self._stepped)
+
+    def _end_step(self, loss: Any, *, by_optimizer: bool, skipped: bool = False) -> None:
+        number, now = self._events._on_step_end(loss, skipped=skipped, started_ns=self._step_start_ns,
+                                               forward_seen=self._forward_seen)
+        self._stepped = self._scaler_skipped = False
+        self._step_start_ns = now
+        self._forward_seen = False
+        self._forwards = 0
+        self._closed_by_optimizer = by_optimizer
+        self._events._on_step_ended(number, now)
+
+
+def _inert() -> StepBoundary:
+    """What a copy of an attached model (copy.deepcopy, pickling: EMA and SWA copies,
+    whole-model checkpoints) holds in place of the boundary: the root hooks, copied with the
+    model's hook dicts, find it detached and do nothing. Only the original is profiled."""
+    inert = StepBoundary.__new__(StepBoundary)
+    inert._detached = True
+    return inert

@@ -11,7 +11,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -22,8 +22,16 @@ from hookprof.faults import log
 from hookprof.nonfinite.detector import Detector
 from hookprof.snapshot import NonFiniteEvent, Snapshot
 
-if TYPE_CHECKING:
-    from hookprof.publish.publisher import Publisher
+
+class PublisherLike(Protocol):
+    """What the reaction needs of publish.publisher.Publisher, named here rather than imported:
+    a feature package may not import the publish layer above it (tests/unit/test_layering.py)."""
+
+    latest: Snapshot
+
+    def flush(self) -> bool: ...
+
+    def publish_now(self) -> int: ...
 
 
 HOLD_STEPS = 8  # step ends the policy may wait for the replay to name the layer (replay.MAX_LATE)
@@ -37,7 +45,7 @@ class IncidentResponse:
     the other policies read one flag per step back from the device, without waiting for it,
     and bring the counters over as soon as it shows something new."""
 
-    def __init__(self, config: Config, rank: int, detector: Detector, publisher: "Publisher",
+    def __init__(self, config: Config, rank: int, detector: Detector, publisher: PublisherLike,
                  drain_counters: Callable[[], None],
                  replay_pending: Callable[[int], bool] = lambda step: False):
         self._config = config

@@ -16,14 +16,32 @@ import atexit
 import gc
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from hookprof.errors import AlreadyAttachedError
 from hookprof.faults import log
+from hookprof.snapshot import Snapshot
 from hookprof.view import summary
 
-if TYPE_CHECKING:
-    from hookprof.profiler import Profiler
+
+class Profiler(Protocol):
+    """What the registry needs of a profiler (profiler.Profiler), so that the registry does
+    not import the module that imports it."""
+
+    name: str
+    model_type: str
+
+    @property
+    def model(self) -> Any: ...
+
+    @property
+    def detached(self) -> bool: ...
+
+    def detach(self) -> None: ...
+
+    def flush(self, timeout: float | None = ...) -> bool: ...
+
+    def snapshot(self) -> Snapshot: ...
 
 AT_EXIT_FLUSH_S = 2.0  # at exit, how long to wait for the last steps to be folded in
 

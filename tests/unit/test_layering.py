@@ -61,17 +61,7 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
         "Snapshot.__str__, so the table's code loads only when a snapshot is printed",
 }
 
-# TEMPORARY, for the lead to empty: violations in files being rewritten on the issue-27
-# branch (profiler.py is split into live.py, disabled.py, step/boundary.py, step/sampled.py and
-# nonfinite/checks.py; view/summary.py's registry of profilers moves to live.py). Each entry
-# fails test_allowed_imports_are_still_needed once the rewrite removes it: delete it then.
-PENDING_LEAD_REFACTOR: dict[tuple[str, str], str] = {
-    ("hookprof.view.summary", "hookprof.profiler"):
-        "view/summary.py:21, under TYPE_CHECKING, for `_watched: WeakSet[Profiler]`, the "
-        "registry of live profilers that moves to hookprof/live.py",
-}
-
-ALLOWED = {**EXCEPTIONS, **PENDING_LEAD_REFACTOR}
+ALLOWED = EXCEPTIONS
 
 HOW_TO_FIX = (
     "To fix it: move what both need down to a layer both may import; or have the caller pass "
@@ -160,7 +150,7 @@ def stale_allowed(root: Path, allowed: dict[tuple[str, str], str]) -> list[str]:
 def test_allowed_imports_are_still_needed():
     stale = stale_allowed(HOOKPROF, ALLOWED)
     assert not stale, (
-        f"no longer needed: delete from EXCEPTIONS or PENDING_LEAD_REFACTOR in {HERE}:\n"
+        f"no longer needed: delete from EXCEPTIONS in {HERE}:\n"
         + "\n".join(stale))
 
 

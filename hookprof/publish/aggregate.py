@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from hookprof.phases.device import DevicePhaseTotals, device_phase_seconds
+from hookprof.nonfinite.attribution import Attribution, ForwardFinding, forward_roles
 from hookprof.nonfinite.guard import fold_skips
 from hookprof.efficiency.figures import EfficiencyTotals
 from hookprof.nonfinite.detector import PHASE_INDEX, fold_counters
-from hookprof.layers import INPUT_NAME
-from hookprof.step.record import ROOT_INPUT, Packet, StepCounters, StepRecord
+from hookprof.step.record import Packet, StepCounters, StepRecord
 from hookprof.device.timing import Timer
 from hookprof.snapshot import (
     PHASES,
@@ -26,19 +25,8 @@ from hookprof.snapshot import (
     Snapshot,
 )
 
-LOSS_LAYER = "(loss)"  # layer label of an incident seen in the loss alone
 GRADSCALER_LAYER = "(gradscaler)"  # layer label of persistent GradScaler skipping
 FLAG_KINDS = ("vanishing", "exploding")
-
-
-@dataclass(slots=True)
-class ForwardFinding:
-    # innermost calls first: "(input)" when the root's inputs were non-finite, then layers
-    # or container modules with finite inputs and a non-finite output
-    producers: list[str]
-    propagators: list[str]  # layers with non-finite inputs and outputs, in call order
-    bwd_start_of_layer: dict[int, float]
-    last_finite_child: str | None = None  # of producers[0], when it is a container
 
 
 class StepFigures:
@@ -57,16 +45,6 @@ class StepFigures:
         self.checked = False  # the step had activation statistics
         self.finding: ForwardFinding | None = None
         self.device_phases: tuple[float, ...] | None = None  # device seconds per step phase
-
-
-def _with_ancestors(rec: StepRecord, calls: list[int]) -> set[int]:
-    """`calls` and every call enclosing one of them (Call.parent, -1 at the top)."""
-    out: set[int] = set()
-    for c in calls:
-        while c >= 0 and c not in out:
-            out.add(c)
-            c = rec.calls[c].parent
-    return out
 
 
 def _nanmax(values: list[float]) -> float:
@@ -109,11 +87,10 @@ class Aggregator:
         self.last_sampled_step: int | None = None
         self.loss: float | None = None
         self.grad_norm: float | None = None
-        self.first_nonfinite: NonFiniteEvent | None = None
+        self._attribution = Attribution(names)  # who made the first NaN/Inf
         self.counters = fold_counters([], n)  # the device counters as last drained
         # guard.SkipCounters as last drained: name -> (count, persistent)
         self.device_counts: dict[str, tuple[int, int]] = {}
-        self._replayed: tuple[int, ForwardFinding] | None = None
         self.fwd_total = [0.0] * n
         self.fwd_calls_total = [0] * n
         self.bwd_total = [0.0] * n
@@ -142,7 +119,7 @@ class Aggregator:
             loss = self.loss_of(packet)
             if loss is not None and packet.step == self.last_sampled_step:
                 self.loss = loss  # prof.step(loss) after the optimizer ended a sampled step
-            self._update_incident(packet.step, None)
+            self._attribution.update(packet.step, self.counters, None)
             self._dirty = True
             return
         figures = self._read_record(packet, timer)
@@ -150,8 +127,8 @@ class Aggregator:
             if values and not math.isfinite(_nanmax(values)):
                 self.fwd_nonfinite[i] += 1
         if not packet.sampled and figures.finding is not None:
-            self._replayed = (packet.step, figures.finding)
-        self._update_incident(packet.step, figures.finding)
+            self._attribution.replayed(packet.step, figures.finding)
+        self._attribution.update(packet.step, self.counters, figures.finding)
         self._dirty = True
         if packet.sampled:
             self._add_sampled_step(packet, figures)
@@ -202,7 +179,7 @@ class Aggregator:
         figures.checked = bool(rec.act)
         # a replay's layers whose own weights were non-finite (replay.own_weights_nonfinite)
         weights_bad = {i for i, v in enumerate(packet.batch.get("weights_bad")) if v}
-        figures.finding = self._forward_roles(rec, act_max, bwd_start, weights_bad)
+        figures.finding = forward_roles(rec, self._call_names, len(self.names), act_max, bwd_start, weights_bad)
         return figures
 
     def _add_sampled_step(self, packet: Packet, figures: StepFigures) -> None:
@@ -271,88 +248,6 @@ class Aggregator:
                 seen[kind] = True
         for kind, hit in seen.items():
             self.flagged_steps[kind] += hit
-
-    def _forward_roles(
-        self, rec: StepRecord, act_max: dict[int, float], bwd_start: dict[int, float],
-        weights_bad: set[int] = frozenset(),
-    ) -> ForwardFinding:
-        """Who made a NaN/Inf on a checked or replayed step: the root's inputs ("(input)"),
-        else the innermost call with finite inputs and a non-finite output (the first to end:
-        a layer, or a container module whose own code made it); the layers it then flowed
-        through (non-finite inputs and output); plus the backward order."""
-        out_bad: set[int] = set()
-        root_input_bad = False
-        for i, act in enumerate(rec.act):
-            if not math.isfinite(act_max[i]):
-                if act.call >= 0:
-                    out_bad.add(act.call)
-                elif act.call == ROOT_INPUT:
-                    root_input_bad = True
-        in_bad = {call for call, i in rec.inputs if not math.isfinite(act_max[i])}
-        n = len(self.names)
-        names = self._call_names
-        # ordered sets: a module called twice is named once. "(input)" only when no module
-        # made one from finite inputs: a root input may hold -inf on purpose (an additive
-        # attention mask) while a layer is what went wrong
-        made = [c for c in rec.ended if c in out_bad and c not in in_bad]
-        if weights_bad:  # a layer whose own weights made it is no origin, nor its enclosing calls
-            made = [c for c in made if c not in _with_ancestors(rec, [
-                m for m in made if rec.calls[m].layer in weights_bad])]
-        producers: dict[str, None] = dict.fromkeys(names[rec.calls[c].layer] for c in made)
-        if root_input_bad and not producers:
-            producers[INPUT_NAME] = None
-        propagators = dict.fromkeys(names[rec.calls[c].layer] for c in sorted(out_bad)
-                                    if c in in_bad and rec.calls[c].layer < n)
-        last_finite_child = None
-        if made and rec.calls[made[0]].layer >= n:
-            children = [c for c in rec.ended if rec.calls[c].parent == made[0] and c not in out_bad]
-            last_finite_child = names[rec.calls[children[-1]].layer] if children else None
-        start_of_layer: dict[int, float] = {}
-        for call, t in bwd_start.items():
-            layer = rec.calls[call].layer
-            start_of_layer[layer] = min(start_of_layer.get(layer, math.inf), t)
-        return ForwardFinding(list(producers), [p for p in propagators if p not in producers],
-                              start_of_layer, last_finite_child)
-
-    def _update_incident(self, step: int, forward: ForwardFinding | None) -> None:
-        """Keep the first NaN/Inf of the run: its step and phase from the device counters
-        (exact, every step), its layer once known."""
-        event = self.first_nonfinite
-        if event is not None and event.layer is not None:
-            return
-        c = self.counters
-        firsts = [(c["phase_first"][PHASE_INDEX[p]], order, p)
-                  for order, p in enumerate(("forward", "loss", "backward"))
-                  if c["phase_first"][PHASE_INDEX[p]] >= 0]
-        if not firsts:
-            return
-        first_step, _, phase = min(firsts)
-        layer, propagators, last_finite_child = None, (), None
-        if phase == "forward":
-            seen = [(step, forward)] if forward is not None else []
-            if self._replayed is not None:
-                seen.append(self._replayed)  # the incident step's own forward, replayed
-            for at, finding in sorted(seen, key=lambda sf: sf[0] != first_step):
-                poisoned = 0 <= c["phase_first"][PHASE_INDEX["backward"]] < at
-                # a producer seen on a later step counts only if no non-finite gradient
-                # was applied in between: after that, every layer's parameters are suspect
-                if finding.producers and (at == first_step or not poisoned):
-                    layer, propagators = finding.producers[0], tuple(finding.propagators)
-                    last_finite_child = finding.last_finite_child
-                    break
-        elif phase == "loss":
-            layer = LOSS_LAYER
-        else:
-            bad = [i for i, s in enumerate(c["layer_first"]) if s == first_step]
-            if bad:
-                # the first to go bad in backward: earliest backward start when it was timed
-                # on this step, else the last layer in module order (backward runs roughly
-                # in reverse)
-                starts = forward.bwd_start_of_layer if forward is not None and step == first_step else {}
-                first = min(bad, key=lambda i: (starts.get(i, math.inf), -i))
-                layer = self.names[first]
-                propagators = tuple(self.names[i] for i in bad if i != first)
-        self.first_nonfinite = NonFiniteEvent(layer, phase, first_step, propagators, last_finite_child)
 
     def _resolve_times(
         self, rec: StepRecord, timer: Timer
@@ -478,7 +373,7 @@ class Aggregator:
         phase_bad = self.counters["phase_bad"]
         nonfinite_steps = {p: phase_bad[PHASE_INDEX[p]] for p in PHASES}
         nonfinite_steps["backward"] += persistent_skips  # skipping that never stops
-        first = self.first_nonfinite
+        first = self._attribution.event
         if first is None and persistent_skips:
             first = NonFiniteEvent(GRADSCALER_LAYER, "backward", steps)
         return Snapshot(

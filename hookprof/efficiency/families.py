@@ -1,31 +1,26 @@
-"""The efficiency figures of a Snapshot as Prometheus metric families (names in
-docs/efficiency.md): FLOPs and achieved FLOP/s per layer and for the model, utilisation of
-the device's peak, weight and update norms. Rendered by exporter.SnapshotCollector."""
+"""The efficiency figures of a Snapshot as Prometheus metric families (docs/efficiency.md;
+names in hookprof/metrics_names.py): FLOPs and achieved FLOP/s per layer and for the model,
+utilisation of the device's peak, weight and update norms. Rendered by
+serve/exporter.SnapshotCollector."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
+from hookprof import metrics_names as names
+from hookprof.metrics_names import family
 from hookprof.snapshot import Snapshot
 
-# (attribute of LayerEfficiency, metric name, help)
+# (attribute of LayerEfficiency, its metric)
 _LAYER_GAUGES = (
-    ("forward_flops", "hookprof_layer_forward_flops",
-     "FLOPs per forward call of the layer (torch.utils.flop_counter, counted once per input shape)"),
-    ("backward_flops", "hookprof_layer_backward_flops",
-     "FLOPs of the backward of one call of the layer"),
-    ("flops_per_second", "hookprof_layer_flops_per_second",
-     "Achieved FLOP/s of the layer at the last sampled step: its FLOPs over its measured "
-     "forward and backward time"),
-    ("weight_norm", "hookprof_layer_weight_norm",
-     "L2 norm of the layer's own parameters after the last sampled step's update"),
-    ("update_norm", "hookprof_layer_update_norm",
-     "L2 norm of the change the optimizer made to the layer's parameters, at the last "
-     "sampled step that measured it"),
-    ("update_ratio", "hookprof_layer_update_ratio",
-     "Update norm over weight norm of the layer, at the last sampled step that measured it"),
+    ("forward_flops", names.LAYER_FORWARD_FLOPS),
+    ("backward_flops", names.LAYER_BACKWARD_FLOPS),
+    ("flops_per_second", names.LAYER_FLOPS_PER_SECOND),
+    ("weight_norm", names.LAYER_WEIGHT_NORM),
+    ("update_norm", names.LAYER_UPDATE_NORM),
+    ("update_ratio", names.LAYER_UPDATE_RATIO),
 )
 
 
@@ -33,26 +28,20 @@ def efficiency_families(snap: Snapshot, rank: str) -> Iterator[Metric]:
     eff = snap.efficiency
     if eff is None:
         return
-    for attr, name, text in _LAYER_GAUGES:
-        family = GaugeMetricFamily(name, text, labels=["rank", "layer"])
+    for attr, metric in _LAYER_GAUGES:
+        gauge = family(metric)
         for layer in snap.exported_layers:
             stats = eff.layers.get(layer)
             value = getattr(stats, attr) if stats is not None else None
             if value is not None:
-                family.add_metric([rank, layer], value)
-        yield family
-    for value, name, text in (
-        (eff.flops_per_second, "hookprof_model_flops_per_second",
-         "Achieved FLOP/s of the model: FLOPs of a training step over the mean wall time of the "
-         "steps since the sampled step before"),
-        (eff.flops_utilization, "hookprof_model_flops_utilization_ratio",
-         "Model FLOPs utilisation: achieved FLOP/s over the device's peak (Config.peak_flops, or "
-         "the known GPU's); absent when the peak is unknown"),
-        (eff.update_ratio, "hookprof_update_ratio",
-         "Global update-to-weight ratio: sqrt of summed squared update norms over summed squared "
-         "weight norms, over every layer's latest measurement"),
+                gauge.add_metric([rank, layer], value)
+        yield gauge
+    for value, metric in (
+        (eff.flops_per_second, names.MODEL_FLOPS_PER_SECOND),
+        (eff.flops_utilization, names.MODEL_FLOPS_UTILIZATION_RATIO),
+        (eff.update_ratio, names.UPDATE_RATIO),
     ):
         if value is not None:
-            family = GaugeMetricFamily(name, text, labels=["rank"])
-            family.add_metric([rank], value)
-            yield family
+            gauge = family(metric)
+            gauge.add_metric([rank], value)
+            yield gauge

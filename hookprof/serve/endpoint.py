@@ -15,12 +15,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from hookprof._version import __version__
 from hookprof.config import Config
 from hookprof.errors import ConfigError, PortInUseError
+from hookprof.metrics_names import BUILD_INFO, family
 from hookprof.serve.exporter import SnapshotCollector, make_registry
 from hookprof.serve.server import Limits, MetricsServer
 from hookprof.serve.system import SystemCollector, SystemSampler
@@ -170,12 +171,12 @@ class _Models(Collector):
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
         for member in self._endpoint.members():
-            for family in member.collector.collect():  # never raises (see its guard)
-                have = merged.get(family.name)
+            for built in member.collector.collect():  # never raises (see its guard)
+                have = merged.get(built.name)
                 if have is None:
-                    merged[family.name] = family
+                    merged[built.name] = built
                 else:
-                    have.samples.extend(family.samples)
+                    have.samples.extend(built.samples)
         yield from merged.values()
 
 
@@ -184,7 +185,6 @@ class _BuildInfo(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        build = GaugeMetricFamily("hookprof_build_info", "hookprof and torch versions",
-                                  labels=["version", "torch_version"])
+        build = family(BUILD_INFO)
         build.add_metric([__version__, torch.__version__], 1)
         yield build

@@ -1,6 +1,6 @@
 """Prometheus exposition: a custom Collector that renders the latest Snapshot, and the
-per-profiler registry (the HTTP server is hookprof/server.py). Names, types and labels are
-the metric contract in DESIGN.md."""
+per-profiler registry (the HTTP server is hookprof/serve/server.py). Names, types, labels and
+help come from hookprof/metrics_names.py (the contract: docs/metrics.md)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-    SummaryMetricFamily,
-)
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from hookprof import metrics_names as names
 from hookprof._version import __version__
 from hookprof.efficiency.families import efficiency_families
 from hookprof.faults import log
+from hookprof.metrics_names import family
 from hookprof.phases.families import progress_families
 from hookprof.snapshot import LAYER_PHASES, PHASES, Snapshot
 from hookprof.serve.system import PsutilProcessCollector, has_proc_fs
@@ -50,11 +46,11 @@ class SnapshotCollector(Collector):
         if self._model is None:
             yield from self._families()
             return
-        for family in self._families():
-            if family.name != "hookprof_build_info":
-                family.samples = [s._replace(labels={**s.labels, "model": self._model})
-                                  for s in family.samples]
-            yield family
+        for built in self._families():
+            if built.name != names.BUILD_INFO.name:
+                built.samples = [s._replace(labels={**s.labels, names.MODEL_LABEL: self._model})
+                                 for s in built.samples]
+            yield built
 
     def _families(self) -> Iterator[Metric]:
         rank = self._rank
@@ -72,178 +68,61 @@ class SnapshotCollector(Collector):
         yield from families
 
         # read at scrape time, not from the snapshot: a dead publisher publishes nothing
-        up = GaugeMetricFamily(
-            "hookprof_publisher_thread_up",
-            "1 while the background thread that folds sampled steps into snapshots is alive",
-            labels=["rank"],
-        )
-        up.add_metric([rank], 1.0 if self._publisher_alive() else 0.0)
-        yield up
+        yield _one(names.PUBLISHER_THREAD_UP, rank, 1.0 if self._publisher_alive() else 0.0)
 
         if not self._build_info:
             return
-        build = GaugeMetricFamily(
-            "hookprof_build_info",
-            "hookprof and torch versions",
-            labels=["version", "torch_version"],
-        )
+        build = family(names.BUILD_INFO)
         build.add_metric([__version__, self._torch_version], 1)
         yield build
 
     def _step_metrics(self, snap: Snapshot, rank: str) -> Iterator[Metric]:
-        steps = CounterMetricFamily("hookprof_steps", "Training steps completed", labels=["rank"])
-        steps.add_metric([rank], snap.step)
-        yield steps
+        yield _one(names.STEPS_TOTAL, rank, snap.step)
+        yield _one(names.SAMPLED_STEPS_TOTAL, rank, snap.sampled_steps)
 
-        sampled = CounterMetricFamily(
-            "hookprof_sampled_steps", "Steps with per-layer hooks installed", labels=["rank"]
-        )
-        sampled.add_metric([rank], snap.sampled_steps)
-        yield sampled
-
-        duration = HistogramMetricFamily(
-            "hookprof_step_duration_seconds",
-            "Wall time between step boundaries (optimizer steps or Profiler.step calls)",
-            labels=["rank"],
-        )
+        duration = family(names.STEP_DURATION_SECONDS)
         buckets = [(_le(b), c) for b, c in snap.step_duration_buckets] or [("+Inf", 0)]
         duration.add_metric([rank], buckets, snap.step_duration_sum)
         yield duration
 
-        if snap.last_step_timestamp is not None:
-            last = GaugeMetricFamily(
-                "hookprof_last_step_timestamp_seconds",
-                "Unix time at which the last step ended",
-                labels=["rank"],
-            )
-            last.add_metric([rank], snap.last_step_timestamp)
-            yield last
+        # absent until there is a value: no step yet, no loss given, no sampled step yet
+        for metric, value in ((names.LAST_STEP_TIMESTAMP_SECONDS, snap.last_step_timestamp),
+                              (names.LOSS, snap.loss), (names.GRADIENT_NORM, snap.grad_norm)):
+            if value is not None:
+                yield _one(metric, rank, value)
 
-        if snap.loss is not None:
-            loss = GaugeMetricFamily(
-                "hookprof_loss", "Loss at the last sampled step", labels=["rank"]
-            )
-            loss.add_metric([rank], snap.loss)
-            yield loss
-
-        if snap.grad_norm is not None:
-            norm = GaugeMetricFamily(
-                "hookprof_gradient_norm",
-                "Global L2 norm of all gradients at the last sampled step",
-                labels=["rank"],
-            )
-            norm.add_metric([rank], snap.grad_norm)
-            yield norm
-
-        nonfinite = CounterMetricFamily(
-            "hookprof_nonfinite_steps",
-            "Steps on which a NaN or Inf was seen, by phase (forward outputs, gradients, loss)",
-            labels=["rank", "phase"],
-        )
+        nonfinite = family(names.NONFINITE_STEPS_TOTAL)
         for phase in PHASES:  # pre-initialised to 0 so that increase() sees the first one
             nonfinite.add_metric([rank, phase], snap.nonfinite_steps.get(phase, 0))
         yield nonfinite
 
-        skipped = CounterMetricFamily(
-            "hookprof_skipped_steps",
-            "Steps whose optimizer update the GradScaler skipped",
-            labels=["rank"],
-        )
-        skipped.add_metric([rank], snap.skipped_steps)
-        yield skipped
+        yield _one(names.SKIPPED_STEPS_TOTAL, rank, snap.skipped_steps)
+        yield _one(names.HELD_BACK_UPDATES_TOTAL, rank, snap.held_back_updates)
 
-        held = CounterMetricFamily(
-            "hookprof_held_back_updates",
-            "Optimizer updates of non-finite steps that hookprof held back "
-            '(on_nonfinite="skip" or "raise")',
-            labels=["rank"],
-        )
-        held.add_metric([rank], snap.held_back_updates)
-        yield held
-
-        flagged = CounterMetricFamily(
-            "hookprof_gradient_flagged_steps",
-            "Sampled steps on which some layer's gradient norm was vanishing (below "
-            "Config.vanishing_grad_norm) or exploding (above Config.exploding_grad_norm)",
-            labels=["rank", "kind"],
-        )
+        flagged = family(names.GRADIENT_FLAGGED_STEPS_TOTAL)
         for kind in ("vanishing", "exploding"):  # pre-initialised for increase()
             flagged.add_metric([rank, kind], snap.gradient_flagged_steps.get(kind, 0))
         yield flagged
 
-        errors = CounterMetricFamily(
-            "hookprof_internal_errors",
-            "Internal hookprof errors (each switches per-layer instrumentation off)",
-            labels=["rank"],
-        )
-        errors.add_metric([rank], snap.internal_errors)
-        yield errors
-
-        layers = GaugeMetricFamily("hookprof_layers", "Instrumented layers", labels=["rank"])
-        layers.add_metric([rank], len(snap.layers))
-        yield layers
-        exported = GaugeMetricFamily(
-            "hookprof_layers_exported",
-            "Layers with per-layer series in this exposition (Config.max_layers)",
-            labels=["rank"],
-        )
-        exported.add_metric([rank], len(snap.exported_layers))
-        yield exported
+        yield _one(names.INTERNAL_ERRORS_TOTAL, rank, snap.internal_errors)
+        yield _one(names.LAYERS, rank, len(snap.layers))
+        yield _one(names.LAYERS_EXPORTED, rank, len(snap.exported_layers))
 
         if snap.first_nonfinite is not None and snap.first_nonfinite.layer is not None:
-            first = GaugeMetricFamily(
-                "hookprof_first_nonfinite_info",
-                "The first NaN or Inf seen in this run: layer, phase and step",
-                labels=["rank", "layer", "phase", "step"],
-            )
+            first = family(names.FIRST_NONFINITE_INFO)
             event = snap.first_nonfinite
             first.add_metric([rank, event.layer, event.phase, str(event.step)], 1)
             yield first
 
     def _layer_metrics(self, snap: Snapshot, rank: str) -> Iterator[Metric]:
-        fwd = SummaryMetricFamily(
-            "hookprof_layer_forward_seconds",
-            "Forward time per call on sampled steps, excluding instrumented submodules",
-            labels=["rank", "layer", "module"],
-        )
-        bwd = SummaryMetricFamily(
-            "hookprof_layer_backward_seconds",
-            "Backward time per call on sampled steps, excluding instrumented submodules",
-            labels=["rank", "layer", "module"],
-        )
-        recompute = SummaryMetricFamily(
-            "hookprof_layer_recompute_seconds",
-            "Forward recomputation during backward (activation checkpointing) per call on "
-            "sampled steps; only layers that were recomputed. Not part of forward seconds",
-            labels=["rank", "layer", "module"],
-        )
-        grad = GaugeMetricFamily(
-            "hookprof_layer_gradient_norm",
-            "L2 norm of the layer's own parameters' gradients at the last sampled step",
-            labels=["rank", "layer"],
-        )
-        nonfinite = CounterMetricFamily(
-            "hookprof_layer_nonfinite",
-            "Sampled steps on which the layer's outputs (forward) or gradients (backward) "
-            "held a NaN or Inf; only layers that ever did",
-            labels=["rank", "layer", "phase"],
-        )
-        layer_flagged = CounterMetricFamily(
-            "hookprof_layer_gradient_flagged_steps",
-            "Sampled steps on which the layer's gradient norm was vanishing or exploding; "
-            "only layers that ever were",
-            labels=["rank", "layer", "kind"],
-        )
-        zero = GaugeMetricFamily(
-            "hookprof_layer_activation_zero_ratio",
-            "Fraction of exact zeros in the layer's outputs at the last sampled step",
-            labels=["rank", "layer"],
-        )
-        absmax = GaugeMetricFamily(
-            "hookprof_layer_activation_abs_max",
-            "Largest absolute value in the layer's outputs at the last sampled step",
-            labels=["rank", "layer"],
-        )
+        fwd = family(names.LAYER_FORWARD_SECONDS)
+        bwd = family(names.LAYER_BACKWARD_SECONDS)
+        recompute = family(names.LAYER_RECOMPUTE_SECONDS)
+        grad = family(names.LAYER_GRADIENT_NORM)
+        nonfinite = family(names.LAYER_NONFINITE_TOTAL)
+        layer_flagged = family(names.LAYER_GRADIENT_FLAGGED_STEPS_TOTAL)
+        zero = family(names.LAYER_ACTIVATION_ZERO_RATIO)
+        absmax = family(names.LAYER_ACTIVATION_ABS_MAX)
         for name in snap.exported_layers:
             layer = snap.layers[name]
             if layer.forward_calls_total:
@@ -278,6 +157,13 @@ class SnapshotCollector(Collector):
             if layer.activation_abs_max is not None:
                 absmax.add_metric([rank, name], layer.activation_abs_max)
         yield from (fwd, bwd, recompute, grad, nonfinite, layer_flagged, zero, absmax)
+
+
+def _one(metric: names.Metric, rank: str, value: float) -> Metric:
+    """`metric`'s family holding its one series, labelled by rank."""
+    made = family(metric)
+    made.add_metric([rank], value)
+    return made
 
 
 def _le(bound: float) -> str:

@@ -19,11 +19,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
 from hookprof.errors import PortInUseError
+from hookprof.metrics_names import HTTP_CONNECTIONS_REJECTED_TOTAL, family
 from hookprof.serve.httpd import REJECT_REASONS, Limits, Server
 
 
@@ -137,15 +138,10 @@ class ConnectionCounters(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
-            "hookprof_http_connections_rejected",
-            "Connections to the metrics endpoint refused or closed before a response, by reason "
-            "(limits and timeouts: Config.http_*)",
-            labels=["reason"],
-        )
+        rejected = family(HTTP_CONNECTIONS_REJECTED_TOTAL)
         for reason, count in self.counts().items():
-            family.add_metric([reason], count)
-        yield family
+            rejected.add_metric([reason], count)
+        yield rejected
 
 
 class MetricsServer:

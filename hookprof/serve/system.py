@@ -25,8 +25,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
+
+from hookprof import metrics_names as names
+from hookprof.metrics_names import family
 
 log = logging.getLogger("hookprof")
 
@@ -206,17 +209,18 @@ class SystemSampler:
             self.latest = self.sample()
 
 
+# (attribute of GpuSample / CudaMemorySample, its metric)
 _GPU_GAUGES = (
-    ("utilization_ratio", "GPU utilisation (NVML), 0-1"),
-    ("memory_used_bytes", "GPU memory in use on the device, all processes (NVML)"),
-    ("memory_total_bytes", "GPU memory on the device (NVML)"),
-    ("power_watts", "GPU power draw (NVML)"),
-    ("temperature_celsius", "GPU core temperature (NVML)"),
+    ("utilization_ratio", names.GPU_UTILIZATION_RATIO),
+    ("memory_used_bytes", names.GPU_MEMORY_USED_BYTES),
+    ("memory_total_bytes", names.GPU_MEMORY_TOTAL_BYTES),
+    ("power_watts", names.GPU_POWER_WATTS),
+    ("temperature_celsius", names.GPU_TEMPERATURE_CELSIUS),
 )
 _CUDA_GAUGES = (
-    ("allocated_bytes", "Memory held by this process's tensors (torch.cuda.memory_allocated)"),
-    ("reserved_bytes", "Memory held by this process's caching allocator (torch.cuda.memory_reserved)"),
-    ("peak_allocated_bytes", "Peak of allocated bytes since start or reset (torch.cuda.max_memory_allocated)"),
+    ("allocated_bytes", names.CUDA_MEMORY_ALLOCATED_BYTES),
+    ("reserved_bytes", names.CUDA_MEMORY_RESERVED_BYTES),
+    ("peak_allocated_bytes", names.CUDA_MEMORY_PEAK_ALLOCATED_BYTES),
 )
 
 
@@ -240,30 +244,26 @@ class SystemCollector(Collector):
             log.debug("hookprof: system collector failed", exc_info=True)
 
     def _host(self, s: SystemSample) -> Iterator[Metric]:
-        for name, doc, value in (
-            ("hookprof_host_cpu_utilization_ratio", "Host CPU utilisation over the last interval, 0-1 (psutil)", s.host_cpu_utilization_ratio),
-            ("hookprof_host_memory_total_bytes", "Host physical memory (psutil)", s.host_memory_total_bytes),
-            ("hookprof_host_memory_available_bytes", "Host memory available without swapping (psutil)", s.host_memory_available_bytes),
+        for metric, value in (
+            (names.HOST_CPU_UTILIZATION_RATIO, s.host_cpu_utilization_ratio),
+            (names.HOST_MEMORY_TOTAL_BYTES, s.host_memory_total_bytes),
+            (names.HOST_MEMORY_AVAILABLE_BYTES, s.host_memory_available_bytes),
         ):
             if value is not None:
-                yield GaugeMetricFamily(name, doc, value=value)
+                yield family(metric, value)
 
     def _gpus(self, gpus: tuple[GpuSample, ...]) -> Iterator[Metric]:
         if not gpus:
             return
-        # dcgm-exporter's spellings, so `* on(gpu, UUID)` joins; not its camelCase modelName,
-        # which promtool's lint rejects (the UUID identifies the device anyway)
-        labels = ["gpu", "UUID"]
-        for attr, doc in _GPU_GAUGES:
-            family = GaugeMetricFamily(f"hookprof_gpu_{attr}", doc, labels=labels)
+        # labelled gpu and UUID as dcgm-exporter spells them (metrics_names.py)
+        for attr, metric in _GPU_GAUGES:
+            gauge = family(metric)
             for g in gpus:
                 value = getattr(g, attr)
                 if value is not None:
-                    family.add_metric([str(g.index), g.uuid], value)
-            yield family
-        energy = CounterMetricFamily(
-            "hookprof_gpu_energy_joules", "GPU energy since the driver was loaded (NVML)", labels=labels
-        )
+                    gauge.add_metric([str(g.index), g.uuid], value)
+            yield gauge
+        energy = family(names.GPU_ENERGY_JOULES_TOTAL)
         for g in gpus:
             if g.energy_joules is not None:
                 energy.add_metric([str(g.index), g.uuid], g.energy_joules)
@@ -272,11 +272,11 @@ class SystemCollector(Collector):
     def _cuda(self, devices: tuple[CudaMemorySample, ...]) -> Iterator[Metric]:
         if not devices:
             return
-        for attr, doc in _CUDA_GAUGES:
-            family = GaugeMetricFamily(f"hookprof_cuda_memory_{attr}", doc, labels=["rank", "device"])
+        for attr, metric in _CUDA_GAUGES:
+            gauge = family(metric)
             for d in devices:
-                family.add_metric([self._rank, str(d.device)], getattr(d, attr))
-            yield family
+                gauge.add_metric([self._rank, str(d.device)], getattr(d, attr))
+            yield gauge
 
 
 class PsutilProcessCollector(Collector):
@@ -295,22 +295,17 @@ class PsutilProcessCollector(Collector):
         p = self._process
         cpu = _try(p.cpu_times)
         if cpu is not None:
-            yield CounterMetricFamily(
-                "process_cpu_seconds", "Total user and system CPU time spent in seconds.",
-                value=cpu.user + cpu.system,
-            )
+            yield family(names.PROCESS_CPU_SECONDS_TOTAL, cpu.user + cpu.system)
         mem = _try(p.memory_info)
         if mem is not None:
-            yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size in bytes.", value=mem.rss)
-            yield GaugeMetricFamily("process_virtual_memory_bytes", "Virtual memory size in bytes.", value=mem.vms)
+            yield family(names.PROCESS_RESIDENT_MEMORY_BYTES, mem.rss)
+            yield family(names.PROCESS_VIRTUAL_MEMORY_BYTES, mem.vms)
         fds = _try(p.num_fds) if hasattr(p, "num_fds") else None
         if fds is not None:
-            yield GaugeMetricFamily("process_open_fds", "Number of open file descriptors.", value=fds)
+            yield family(names.PROCESS_OPEN_FDS, fds)
         start = _try(p.create_time)
         if start is not None:
-            yield GaugeMetricFamily(
-                "process_start_time_seconds", "Start time of the process since unix epoch in seconds.", value=start
-            )
+            yield family(names.PROCESS_START_TIME_SECONDS, start)
 
 
 def cuda_api() -> Any:

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hookprof import metrics_names as names
 from hookprof.snapshot import LAYER_PHASES, PHASES, Snapshot
 
 
@@ -193,24 +194,25 @@ class _Run:
         return self.layers.setdefault(name, {"nonfinite": {}})
 
 
-# sample name -> (where it goes, key): run-level figures, then per-layer ones
+# sample name -> key: run-level figures, then per-layer ones
 _RUN_SAMPLES = {
-    "hookprof_steps_total": "steps",
-    "hookprof_sampled_steps_total": "sampled_steps",
-    "hookprof_step_duration_seconds_sum": "step_seconds_sum",
-    "hookprof_loss": "loss",
-    "hookprof_gradient_norm": "grad_norm",
-    "hookprof_skipped_steps_total": "skipped_steps",
+    names.STEPS_TOTAL.name: "steps",
+    names.SAMPLED_STEPS_TOTAL.name: "sampled_steps",
+    names.STEP_DURATION_SECONDS.sample("sum"): "step_seconds_sum",
+    names.LOSS.name: "loss",
+    names.GRADIENT_NORM.name: "grad_norm",
+    names.SKIPPED_STEPS_TOTAL.name: "skipped_steps",
 }
 _LAYER_SAMPLES = {
-    "hookprof_layer_forward_seconds_sum": "fwd_sum",
-    "hookprof_layer_forward_seconds_count": "fwd_count",
-    "hookprof_layer_backward_seconds_sum": "bwd_sum",
-    "hookprof_layer_backward_seconds_count": "bwd_count",
-    "hookprof_layer_gradient_norm": "grad_norm",
-    "hookprof_layer_activation_abs_max": "abs_max",
-    "hookprof_layer_activation_zero_ratio": "dead_ratio",
+    names.LAYER_FORWARD_SECONDS.sample("sum"): "fwd_sum",
+    names.LAYER_FORWARD_SECONDS.sample("count"): "fwd_count",
+    names.LAYER_BACKWARD_SECONDS.sample("sum"): "bwd_sum",
+    names.LAYER_BACKWARD_SECONDS.sample("count"): "bwd_count",
+    names.LAYER_GRADIENT_NORM.name: "grad_norm",
+    names.LAYER_ACTIVATION_ABS_MAX.name: "abs_max",
+    names.LAYER_ACTIVATION_ZERO_RATIO.name: "dead_ratio",
 }
+_STEP_BUCKET = names.STEP_DURATION_SECONDS.sample("bucket")
 
 
 def from_metrics(text: str) -> list[RunTable]:
@@ -220,12 +222,12 @@ def from_metrics(text: str) -> list[RunTable]:
 
     runs: dict[tuple[str, int], _Run] = {}
     for family in text_string_to_metric_families(text):
-        if not family.name.startswith("hookprof_"):
+        if not family.name.startswith(names.PREFIX):
             continue
         for s in family.samples:
             if "rank" not in s.labels:
                 continue
-            run = runs.setdefault((s.labels.get("model", ""), int(s.labels["rank"])), _Run())
+            run = runs.setdefault((s.labels.get(names.MODEL_LABEL, ""), int(s.labels["rank"])), _Run())
             _read_sample(run, s.name, s.labels, s.value)
     return [_table(model, rank, run) for (model, rank), run in sorted(runs.items())]
 
@@ -233,27 +235,27 @@ def from_metrics(text: str) -> list[RunTable]:
 def _read_sample(run: _Run, name: str, labels: Mapping[str, str], value: float) -> None:
     if name in _RUN_SAMPLES:
         run.values[_RUN_SAMPLES[name]] = value
-    elif name == "hookprof_step_duration_seconds_bucket":
+    elif name == _STEP_BUCKET:
         run.buckets.append((float(labels["le"]), value))
-    elif name == "hookprof_nonfinite_steps_total":
+    elif name == names.NONFINITE_STEPS_TOTAL.name:
         run.values["nonfinite_steps"][labels["phase"]] = int(value)
-    elif name == "hookprof_first_nonfinite_info":
+    elif name == names.FIRST_NONFINITE_INFO.name:
         run.values["first"] = FirstNonFinite(labels["layer"], labels["phase"], int(labels["step"]))
     elif name in _LAYER_SAMPLES:
         layer = run.layer(labels["layer"])
         layer[_LAYER_SAMPLES[name]] = value
         if "module" in labels:
             layer["module"] = labels["module"]
-    elif name == "hookprof_stall_info":
+    elif name == names.STALL_INFO.name:
         run.values["stall"] = _stall(int(labels["step"]), labels["phase"], labels["layer"],
                                      labels["waiting_on"])
-    elif name == "hookprof_progress_step":
+    elif name == names.PROGRESS_STEP.name:
         run.values["progress_step"] = int(value)
-    elif name == "hookprof_progress_phase":
+    elif name == names.PROGRESS_PHASE.name:
         run.values["progress_phase"] = labels["phase"]
-    elif name == "hookprof_progress_phase_seconds":
+    elif name == names.PROGRESS_PHASE_SECONDS.name:
         run.values["progress_seconds"] = value
-    elif name == "hookprof_layer_nonfinite_total":
+    elif name == names.LAYER_NONFINITE_TOTAL.name:
         run.layer(labels["layer"])["nonfinite"][labels["phase"]] = int(value)
 
 

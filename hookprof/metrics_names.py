@@ -149,6 +149,16 @@ LAYER_ACTIVATION_ABS_MAX = Metric(
     "hookprof_layer_activation_abs_max", "gauge", _LAYER,
     "Largest absolute value in the layer's outputs at the last sampled step")
 
+
+
+def layer_statistic(name: str, help: str) -> Metric:
+    """A per-layer statistic the user gave attach(layer_statistics=...) (step/statistics.py):
+    hookprof_layer_<name>, a gauge per layer; not in ALL (its name is the user's)."""
+    return Metric(f"{LAYER_STATISTIC_PREFIX}{name}", "gauge", _LAYER, help)
+
+
+LAYER_STATISTIC_PREFIX = "hookprof_layer_"
+
 # ---- efficiency (efficiency/families.py; docs/efficiency.md) ----
 
 LAYER_FORWARD_FLOPS = Metric(

@@ -42,6 +42,7 @@ from hookprof.step.boundary import StepBoundary, no_step_notice
 from hookprof.step.gradients import GradientNorms, StepGradients, no_gradients_notice
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import StepCounters, StepRecord, pack_step
+from hookprof.step import statistics
 from hookprof.step.sampled import SampledStep
 from hookprof.device.timing import Timer, timer_for
 from hookprof.view import summary
@@ -49,14 +50,16 @@ from hookprof.view import summary
 detach_all = live.detach_all
 
 
-def attach(model: nn.Module, *, config: Config | None = None, **overrides: Any) -> "Profiler":
+def attach(model: nn.Module, *, config: Config | None = None, layer_statistics: Any = (),
+           **overrides: Any) -> "Profiler":
     """Instrument `model` and start serving its metrics. Returns the Profiler.
 
     `config` defaults to `Config.from_env()` (defaults, then HOOKPROF_* variables);
     `overrides` are Config fields and win over both. HOOKPROF_DISABLE=1 wins over everything
-    and returns a profiler that does nothing. Attaching a model that already has a live
-    profiler (or shares a module with one) raises AlreadyAttachedError naming it.
-    """
+    and returns a profiler that does nothing. A model that already has a live profiler (or
+    shares a module with one) raises AlreadyAttachedError naming it. `layer_statistics`: your
+    own per-layer statistics of sampled steps, exported as hookprof_layer_<name>
+    (hookprof/step/statistics.py)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"hookprof.attach expects a torch.nn.Module, got "
                         f"{type(model).__module__}.{type(model).__qualname__}")
@@ -67,7 +70,7 @@ def attach(model: nn.Module, *, config: Config | None = None, **overrides: Any) 
         cfg = cfg.replace(**overrides)
     if cfg.disable or env_disabled():
         return DisabledProfiler(model, cfg)  # type: ignore[return-value]
-    return Profiler(model, cfg)
+    return Profiler(model, cfg, layer_statistics=layer_statistics)
 
 
 class Profiler:
@@ -87,15 +90,15 @@ class Profiler:
                  clock: Callable[[], int] = time.perf_counter_ns,
                  wall_clock: Callable[[], float] = time.time, timer: Timer | None = None,
                  registry: CollectorRegistry | None = None,
-                 publisher: Callable[..., Publisher] = Publisher):
+                 publisher: Callable[..., Publisher] = Publisher, layer_statistics: Any = ()):
         model, compiled = unwrap_compiled(model)
         # the model is held weakly (as in the layer table, the replay and the hooks): when
         # its owner drops it (a notebook cell run again), the next attach() finds it gone and
         # releases this profiler instead of serving a dead model for ever
         self._model_ref = weakref.ref(model)
         self.model_type = type(model).__qualname__
-        self.config = config
-        self._clock, self._wall_clock = clock, wall_clock
+        self.config, self._clock, self._wall_clock = config, clock, wall_clock
+        layer_statistics = statistics.checked(layer_statistics)
         live.release_orphans()
         live.refuse_overlap(frozenset(id(m) for m in model.modules()))
         self.table = LayerTable(model)
@@ -110,7 +113,7 @@ class Profiler:
         self._counters = StepCounters(config.max_skipped_steps)
         self._grads = StepGradients(GradientNorms(self.table))
         self._hooks = LayerHooks(self.table, self.timer, self._faults, config.activation_stats,
-                                 root=model)
+                                 root=model, statistics=layer_statistics)
         root_layer = next((layer.index for layer in self.table.layers if layer.module is model), None)
         self._boundary = StepBoundary(model, self.table.params, root_layer, self, self._hooks,
                                       self._faults, clock, compiled)
@@ -128,6 +131,7 @@ class Profiler:
             self._publisher = publisher_for_model(
                 publisher, self.table, self.rank, config, self._counters, self._faults, self.timer,
                 self._notices, decorate=self._watch.decorate, device_phases=self._phases.device_totals(),
+                statistics=layer_statistics,
                 efficiency=EfficiencyTotals(self.table.names) if self._efficiency.enabled else None)
             self._sampled = SampledStep(config, self._hooks, self.timer, self._publisher)
             self._nan = NonfiniteChecks(model, self.table, config, hooks=self._hooks,
@@ -168,9 +172,7 @@ class Profiler:
         """http://addr:port/metrics (shared by the process's models), or None when not serving."""
         return self._serving.url
 
-    @property
-    def port(self) -> int | None:
-        return self._serving.port
+    port = property(lambda self: self._serving.port, doc="The endpoint's port (None: not serving).")
 
     @property
     def registry(self) -> CollectorRegistry | None:
@@ -182,9 +184,7 @@ class Profiler:
         """This model's SnapshotCollector (the metrics built from its latest snapshot)."""
         return self._serving.collector
 
-    @property
-    def detached(self) -> bool:
-        return self._boundary.detached
+    detached = property(lambda self: self._boundary.detached, doc="detach() was called.")
 
     @property
     def steps(self) -> int:
@@ -258,7 +258,7 @@ class Profiler:
 
         return report_text(self.snapshot(), self.name)
 
-    def __enter__(self) -> "Profiler":
+    def __enter__(self) -> "Profiler":  # with hookprof.attach(model) as prof: ...
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

@@ -174,6 +174,18 @@ class Snapshot:
     stream's progress between the phase's boundaries (docs/stalls.md). None unless the timer
     is a device timer (on the host clock it would repeat `phase_seconds`)."""
     device_phase_steps: int = 0
+    layer_statistics: Mapping[str, "LayerStatisticValues"] = field(default_factory=lambda: _EMPTY)
+    """The per-layer statistics given to attach(layer_statistics=...): name -> its help and
+    each exported layer's value at the last sampled step with activation statistics."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStatisticValues:
+    """One per-layer statistic's last values (step/statistics.py)."""
+
+    help: str
+    values: Mapping[str, float]
+    """layer -> value, for the exported layers the statistic saw."""
 
 
 @dataclass(frozen=True, slots=True)

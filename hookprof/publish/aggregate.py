@@ -7,7 +7,7 @@ updates StepCounters, nothing else.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -20,6 +20,7 @@ from hookprof.step.record import Packet, StepCounters, StepRecord
 from hookprof.device.timing import Timer
 from hookprof.snapshot import (
     PHASES,
+    LayerStatisticValues,
     LayerStats,
     NonFiniteEvent,
     Snapshot,
@@ -60,18 +61,21 @@ def _nanmax(values: list[float]) -> float:
 class Aggregator:
     @classmethod
     def for_table(cls, table: Any, rank: int, config: Any, *, efficiency: EfficiencyTotals | None,
-                  device_phases: DevicePhaseTotals | None) -> "Aggregator":
+                  device_phases: DevicePhaseTotals | None,
+                  statistics: tuple[Any, ...] = ()) -> "Aggregator":
         """The totals of a model's layer table, with their slice of the config (max_layers,
         vanishing_grad_norm, exploding_grad_norm)."""
         return cls(table.names, [layer.module_type for layer in table.layers], rank, config.max_layers,
                    (config.vanishing_grad_norm, config.exploding_grad_norm),
                    container_names=[name for name, _ in table.containers],
-                   efficiency=efficiency, device_phases=device_phases)
+                   efficiency=efficiency, device_phases=device_phases,
+                   statistics=tuple((s.name, s.help) for s in statistics))
 
     def __init__(self, names: list[str], module_types: list[str], rank: int, max_layers: int,
                  grad_norm_bounds: tuple[float, float] = (1e-6, 1e3), container_names: list[str] = (),
                  *, efficiency: EfficiencyTotals | None = None,
-                 device_phases: DevicePhaseTotals | None = None):
+                 device_phases: DevicePhaseTotals | None = None,
+                 statistics: tuple[tuple[str, str], ...] = ()):
         n = len(names)
         # names of recorded calls: layers, then container modules (hooked by the replay only)
         self._call_names = list(names) + list(container_names)
@@ -104,6 +108,10 @@ class Aggregator:
         self._dirty = True
         self.efficiency = efficiency  # when its figures are measured
         self.device_phases = device_phases  # with a device timer
+        # the user's per-layer statistics (step/statistics.py): (name, help), and the value of
+        # each layer's last call on the last sampled step that had activation statistics
+        self.statistics = statistics
+        self.statistic_values: list[list[float | None]] = [[None] * n for _ in statistics]
 
     # ---- folding one packet ----
 
@@ -211,6 +219,7 @@ class Aggregator:
             "absmax": previous["absmax"] if keep_activations else
             [_nanmax(figures.absmax[i]) if figures.absmax[i] else None for i in range(n)],
         }
+        self._fold_statistics(packet)
         if packet.has_grad:
             self.grad_norm = math.sqrt(sum(squares[i] for i in packet.has_grad))
             self._flag_gradients(squares, packet.has_grad)
@@ -223,6 +232,19 @@ class Aggregator:
             self.loss = loss
         self.sampled_steps += 1
         self.last_sampled_step = packet.step
+
+    def _fold_statistics(self, packet: Packet) -> None:
+        """The per-layer statistics of a sampled step: each layer's last call's value. A
+        step without activation statistics keeps the last ones, as for the abs max."""
+        if not packet.stat_parts:
+            return
+        values = [v for k in range(packet.stat_parts) for v in packet.batch.get(("stat", k))]
+        fresh: list[list[float | None]] = [[None] * len(self.names) for _ in self.statistics]
+        for (k, call), value in zip(packet.stat_order, values):
+            layer = packet.record.calls[call].layer
+            if layer < len(self.names):  # (container modules are hooked by the replay only)
+                fresh[k][layer] = value
+        self.statistic_values = fresh
 
     @staticmethod
     def loss_of(packet: Packet) -> float | None:
@@ -398,7 +420,18 @@ class Aggregator:
             efficiency=self.efficiency.stats() if self.efficiency is not None else None,
             device_phase_seconds=self.device_phases.by_phase() if self.device_phases is not None else None,
             device_phase_steps=self.device_phases.steps if self.device_phases is not None else 0,
+            layer_statistics=self._statistics_view(),
         )
+
+    def _statistics_view(self) -> Mapping[str, LayerStatisticValues]:
+        if not self.statistics:
+            return MappingProxyType({})
+        index = {name: i for i, name in enumerate(self.names)}
+        return MappingProxyType({
+            name: LayerStatisticValues(help, MappingProxyType({
+                layer: values[index[layer]] for layer in self._exported
+                if values[index[layer]] is not None}))
+            for (name, help), values in zip(self.statistics, self.statistic_values)})
 
 
 def _no_pause() -> None:

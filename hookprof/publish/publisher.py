@@ -157,11 +157,12 @@ class Publisher(DaemonThread):
 
 def for_model(make: Callable[..., Publisher], table: Any, rank: int, config: Any, counters: StepCounters,
               faults: Faults, timer: Timer, notices: Notices, *, efficiency: Any, device_phases: Any,
-              decorate: Callable[[Snapshot], Snapshot]) -> Publisher:
+              decorate: Callable[[Snapshot], Snapshot], statistics: tuple[Any, ...] = ()) -> Publisher:
     """A model's publisher (`make`: Publisher, or a test's subclass) over its own totals and
     the report's bounded history, with its slice of the config (publish_interval_s, and the
     aggregator's and history's)."""
-    return make(Aggregator.for_table(table, rank, config, efficiency=efficiency, device_phases=device_phases),
+    return make(Aggregator.for_table(table, rank, config, efficiency=efficiency, device_phases=device_phases,
+                                     statistics=statistics),
                 counters, faults, timer, config.publish_interval_s, name=f"hookprof-publisher-rank{rank}",
                 notices=notices, decorate=decorate,
                 history=History(table.names, layer_slots=min(LAYER_SLOTS, config.max_layers)))

@@ -157,6 +157,11 @@ class SnapshotCollector(Collector):
             if layer.activation_abs_max is not None:
                 absmax.add_metric([rank, name], layer.activation_abs_max)
         yield from (fwd, bwd, recompute, grad, nonfinite, layer_flagged, zero, absmax)
+        for stat_name, stat in snap.layer_statistics.items():  # the user's (step/statistics.py)
+            made = family(names.layer_statistic(stat_name, stat.help))
+            for name, value in stat.values.items():
+                made.add_metric([rank, name], value)
+            yield made
 
 
 def _one(metric: names.Metric, rank: str, value: float) -> Metric:

@@ -94,13 +94,14 @@ class LayerHooks:
     sampled steps (only the record changes) and is removed for unsampled ones."""
 
     def __init__(self, table: LayerTable, timer: Timer, faults: Faults, activation_stats: bool,
-                 root: torch.nn.Module | None = None):
+                 root: torch.nn.Module | None = None, statistics: tuple[Any, ...] = ()):
         self._table = table
         self._timer = timer
         self._faults = faults
         # weakly, like the layer table: the model's life is its owner's business
         self._root_ref = weakref.ref(root) if root is not None else None
         self._activation_stats = activation_stats  # per step: begin(activation_stats=...)
+        self._statistics = statistics  # the user's per-layer statistics (step/statistics.py)
         # dead units are a property of activation outputs: the zero ratio is taken for layers
         # without parameters of their own (ReLU, GELU, Dropout, pooling), not for Linear/Conv
         # outputs, which are almost never exactly zero
@@ -384,6 +385,8 @@ class LayerHooks:
                         rec.act.append(Activation(call, low, high, torch.count_nonzero(sample), sample.numel()))
                     else:
                         rec.act.append(Activation(call, low, high, None, 0))
+                    if self._statistics:
+                        self._reduce_statistics(rec, call, d)
                 if node is not None:
                     roles = pending.get(node)
                     if roles is None:
@@ -396,6 +399,20 @@ class LayerHooks:
                 entry.outer_end = self._timer.mark()
         except Exception as exc:
             self._faults.report("forward hook", exc)
+
+    def _reduce_statistics(self, rec: StepRecord, call: int, output: torch.Tensor) -> None:
+        """Each per-layer statistic of this output, a 0-d float32 on its device. A statistic
+        that fails is reported (once in the log, every time in the count) and skipped for this
+        call alone: the layer's other figures, and the other statistics, go on."""
+        for k, stat in enumerate(self._statistics):
+            try:
+                value = stat.reduce(output)
+                if not isinstance(value, _Tensor) or value.numel() != 1:
+                    raise TypeError(f"layer statistic {stat.name!r}: reduce() must return a "
+                                    f"one-value tensor, got {type(value).__qualname__}")
+                rec.stats.append((k, call, value.detach().reshape(()).to(torch.float32)))
+            except Exception as exc:
+                self._faults.report(f"layer statistic {stat.name}", exc, disable=False)
 
     def _note_input(self, rec: StepRecord, t: torch.Tensor, call: int) -> None:
         """Finiteness of a call's input, to tell the layer that produced a NaN (finite inputs,

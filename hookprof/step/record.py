@@ -63,7 +63,8 @@ class StepRecord:
     backward hooks may run on autograd worker threads."""
 
     __slots__ = ("ref", "calls", "grad_ready", "param_done", "act", "param_hooked",
-                 "param_handles", "pending_marks", "out_stats", "inputs", "recompute", "ended", "phase_marks")
+                 "param_handles", "pending_marks", "out_stats", "inputs", "recompute", "ended", "phase_marks",
+                 "stats")
 
     def __init__(self, ref: Any):
         self.ref = ref  # timer token taken when the step began
@@ -91,6 +92,8 @@ class StepRecord:
         # (phase entered, token) at each step-phase boundary, with a device timer only
         # (device_phases.PhaseMarks); the last is the step's end
         self.phase_marks: list[tuple[int, Any]] = []
+        # (statistic, call, 0-d value on the device): the user's per-layer statistics
+        self.stats: list[tuple[int, int, torch.Tensor]] = []
 
     def tokens(self) -> Iterator[Any]:
         """Every timer token in the record, so the timer can take pooled events back."""
@@ -178,6 +181,10 @@ class Packet:
     # may fold it a few steps later, when the live counters have moved on
     steps_at_end: tuple[int, float] | None = None
     efficiency: Any = None  # an efficiency.EfficiencyPart on sampled steps with those figures
+    # (statistic, call) of each per-layer statistic value, in the order of the batch's
+    # ("stat", 0), ("stat", 1), ... stacks (one per device): step/statistics.py
+    stat_order: list[tuple[int, int]] = field(default_factory=list)
+    stat_parts: int = 0
 
 
 def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.Tensor], *,
@@ -194,6 +201,7 @@ def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.T
     for k, part in enumerate(parts):
         batch.add(("grad_sq", k), part)
     act_order = _add_activations(batch, record) if record is not None else []
+    stat_order, stat_parts = _add_statistics(batch, record) if record is not None else ([], 0)
     for k, block in enumerate(counter_blocks):
         batch.add(("counters", k), block)
     count_parts = {}
@@ -205,7 +213,8 @@ def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.T
         batch.add(key, values)
     packet = Packet(step=step, record=record, sampled=sampled, grad_parts=len(parts),
                     has_grad=has_grad, act_order=act_order, counter_parts=len(counter_blocks),
-                    count_parts=count_parts, efficiency=efficiency)
+                    count_parts=count_parts, efficiency=efficiency, stat_order=stat_order,
+                    stat_parts=stat_parts)
     if isinstance(loss, torch.Tensor) and not transfer.on_host(loss):
         batch.add("loss", loss.detach().reshape(-1)[:1])  # rides the step's one copy
         packet.loss_in_batch = True
@@ -213,6 +222,19 @@ def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.T
         packet.loss = float(loss.detach().reshape(-1)[0]) if isinstance(loss, torch.Tensor) else float(loss)
     packet.batch = batch.send()
     return packet
+
+
+def _add_statistics(batch: ScalarBatch, record: StepRecord) -> tuple[list[tuple[int, int]], int]:
+    """Stack the record's per-layer statistics, one stack per device (keys ("stat", k));
+    returns the (statistic, call) of each stacked value in order, and the number of stacks."""
+    order: list[tuple[int, int]] = []
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, _, value) in enumerate(record.stats):
+        by_device.setdefault(value.device, []).append(i)
+    for k, indices in enumerate(by_device.values()):
+        order.extend(record.stats[i][:2] for i in indices)
+        batch.add(("stat", k), torch.stack([record.stats[i][2] for i in indices]))
+    return order, len(by_device)
 
 
 def _add_activations(batch: ScalarBatch, record: StepRecord) -> list[int]:

@@ -1,0 +1,149 @@
+"""A per-layer statistic written as one part (hookprof/step/statistics.py): given to attach(),
+exported as hookprof_layer_<name> with the value of each layer's last call on the last
+sampled step, never switching anything else off when it fails."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from torch import nn
+
+import hookprof
+from hookprof.errors import ConfigError
+
+EVERY_STEP = dict(port=0, sample_every=1, min_sample_interval_s=0.0, activation_interval_s=0.0,
+                  summary_at_exit=False)
+
+
+class OutputMean:
+    name = "activation_mean"
+    help = "Mean of the layer's output at the last sampled step"
+
+    def reduce(self, output: torch.Tensor) -> torch.Tensor:
+        return output.float().mean()
+
+
+class OutputL2:
+    name = "activation_l2_norm"
+    help = "L2 norm of the layer's output at the last sampled step"
+
+    def reduce(self, output: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(output.float())
+
+
+class Failing:
+    name = "always_fails"
+    help = "A statistic whose reduce raises"
+
+    def reduce(self, output: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this statistic is broken")
+
+
+class NotAScalar:
+    name = "not_a_scalar"
+    help = "A statistic that returns a vector"
+
+    def reduce(self, output: torch.Tensor) -> torch.Tensor:
+        return output.flatten()[:3]
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def train_recording(model: nn.Module, steps: int) -> dict[str, torch.Tensor]:
+    """Train; return each layer's output of the last step, read by hooks of the test's own."""
+    last: dict[str, torch.Tensor] = {}
+    handles = [module.register_forward_hook(
+        lambda m, i, out, name=name: last.__setitem__(name, out.detach().clone()))
+        for name, module in model.named_children()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(8, 6, generator=gen)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for handle in handles:
+        handle.remove()
+    return last
+
+
+def scraped(url: str, metric: str) -> dict[str, float]:
+    page = urllib.request.urlopen(url, timeout=10).read().decode()
+    values = {}
+    for fam in text_string_to_metric_families(page):
+        if fam.name == metric:
+            for sample in fam.samples:
+                values[sample.labels["layer"]] = sample.value
+    return values, page
+
+
+def test_a_statistic_part_is_exported_per_layer_with_the_last_steps_values():
+    model = net()
+    prof = hookprof.attach(model, layer_statistics=(OutputMean(), OutputL2()), **EVERY_STEP)
+    try:
+        outputs = train_recording(model, 4)
+        prof.flush()
+        means, page = scraped(prof.url, "hookprof_layer_activation_mean")
+        norms, _ = scraped(prof.url, "hookprof_layer_activation_l2_norm")
+    finally:
+        prof.detach()
+    assert set(means) == set(norms) == set(outputs) == {"0", "1", "2", "3"}
+    for layer, out in outputs.items():
+        assert means[layer] == pytest.approx(out.mean().item(), rel=1e-5, abs=1e-7)
+        assert norms[layer] == pytest.approx(torch.linalg.vector_norm(out).item(), rel=1e-5)
+    assert "# HELP hookprof_layer_activation_mean Mean of the layer's output" in page
+    if shutil.which("promtool"):
+        lint = subprocess.run(["promtool", "check", "metrics"], input=page, text=True,
+                              capture_output=True, timeout=60)
+        assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_a_failing_statistic_is_counted_and_switches_nothing_else_off():
+    model = net()
+    prof = hookprof.attach(model, layer_statistics=(Failing(), NotAScalar(), OutputMean()),
+                           **EVERY_STEP)
+    try:
+        outputs = train_recording(model, 3)
+        prof.flush()
+        snap = prof.snapshot()
+    finally:
+        prof.detach()
+    assert snap.step == 3 and snap.sampled_steps == 3
+    # 2 broken statistics x 4 layer calls x 3 steps, each counted
+    assert snap.internal_errors == 2 * 4 * 3
+    assert set(snap.layer_statistics) == {"always_fails", "not_a_scalar", "activation_mean"}
+    assert dict(snap.layer_statistics["always_fails"].values) == {}
+    means = snap.layer_statistics["activation_mean"].values
+    assert means["3"] == pytest.approx(outputs["3"].mean().item(), rel=1e-5)
+    # the per-layer instrumentation stayed on: times and activation maxima of the last step
+    assert all(snap.layers[name].activation_abs_max is not None for name in outputs)
+    assert snap.layers["3"].activation_abs_max == pytest.approx(outputs["3"].abs().max().item())
+
+
+@pytest.mark.parametrize("statistics, wrong", [
+    ([OutputMean()], None),  # a list is taken as a tuple
+    (OutputMean(), "a tuple of layer statistics"),
+    ((OutputMean(), OutputMean()), "neither given twice"),
+    ((type("Own", (OutputMean,), {"name": "activation_abs_max"})(),), "one of hookprof's own"),
+    ((type("Bad", (OutputMean,), {"name": "Mean-Value"})(),), "lowercase letters"),
+    ((type("NoHelp", (OutputMean,), {"help": " "})(),), "a help text"),
+    ((object(),), "objects with name, help and reduce"),
+])
+def test_statistics_are_checked_at_attach(statistics, wrong):
+    model = net()
+    if wrong is None:
+        hookprof.attach(model, layer_statistics=statistics, **EVERY_STEP).detach()
+        return
+    with pytest.raises(ConfigError, match=wrong) as raised:
+        hookprof.attach(model, layer_statistics=statistics, **EVERY_STEP)
+    assert raised.value.field == "layer_statistics"
+    assert not any(module._forward_hooks for module in model.modules())  # nothing left on it

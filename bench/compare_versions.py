@@ -77,11 +77,26 @@ def add_worktree(rev: str, into: str) -> str:
     return sha
 
 
+def without(argv: list[str], *options: str) -> list[str]:
+    """`argv` less each of `options` and its value ("--against REV" or "--against=REV"): a
+    script's own command line, to pass on to the processes `alternate` starts."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        elif not arg.startswith(tuple(o + "=" for o in options)):
+            out.append(arg)
+    return out
+
+
 def alternate(script: str, rev: str, rounds: int, args: list[str] = ()) -> dict[str, list]:
-    """`script --json OUT *args` in its own process per version (`rev` in a temporary
+    """`script *args --json OUT` in its own process per version (`rev` in a temporary
     worktree, and the checkout `script` lives in) and round, alternating which goes first,
     with PYTHONPATH and HOOKPROF_ROOT set to that version: {rev: [each round's JSON],
-    "this checkout": [...]}."""
+    "this checkout": [...]}. The one way bench/ runs another version (bench/parts.py
+    --against, bench/host_cost.py --against); the temporary worktree goes at the end."""
     tmp = tempfile.mkdtemp(prefix="hookprof-alternate-")
     base = os.path.join(tmp, "base")
     add_worktree(rev, base)
@@ -98,6 +113,7 @@ def alternate(script: str, rev: str, rounds: int, args: list[str] = ()) -> dict[
         return runs
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", base], cwd=ROOT, check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def describe(path: str) -> str:

@@ -37,29 +37,24 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-# the hookprof under test: HOOKPROF_ROOT (set by --against for each version) or this checkout
-sys.path[:0] = [os.environ.get("HOOKPROF_ROOT", ROOT), HERE, os.path.join(ROOT, "tests")]
+import paths  # first: the hookprof under test (HOOKPROF_ROOT, set by --against) or this checkout's
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-import hookprof  # noqa: E402
-import shapes  # noqa: E402
-from hookprof import profiler as profiler_module  # noqa: E402
-from op_counter import OpCounter  # noqa: E402
-
-BOUNDARY_METHODS = ("_on_root_forward", "_on_root_output", "_on_optimizer_pre", "_on_optimizer_post", "step")
+import hookprof
+import shapes
+from hookprof._testing import step_boundary_methods, step_is_sampled, timing_resolution_method
+from op_counter import OpCounter
 
 
 class BoundaryMeter:
-    """Times (and optionally counts the ATen ops of) the Profiler's step-boundary methods.
-    Patched on the class before attach(), which binds them as hooks; nested calls count once."""
+    """Times (and optionally counts the ATen ops of) the profiler's step-boundary methods
+    (hookprof._testing.step_boundary_methods). Patched on their class before attach(), which
+    binds them as hooks; nested calls count once."""
 
     def __init__(self, clock) -> None:
         self.clock = clock
@@ -67,16 +62,19 @@ class BoundaryMeter:
         self.counter: OpCounter | None = None
         self._depth = threading.local()
         self._saved: dict[str, object] = {}
+        self._owner: type | None = None
 
     def install(self) -> None:
-        for name in BOUNDARY_METHODS:
-            original = getattr(profiler_module.Profiler, name)
+        owner, names = step_boundary_methods()
+        for name in names:
+            original = getattr(owner, name)
             self._saved[name] = original
-            setattr(profiler_module.Profiler, name, self._wrap(original))
+            setattr(owner, name, self._wrap(original))
+        self._owner = owner
 
     def remove(self) -> None:
         for name, original in self._saved.items():
-            setattr(profiler_module.Profiler, name, original)
+            setattr(self._owner, name, original)
 
     def _wrap(self, original):
         meter = self
@@ -128,7 +126,7 @@ def measure_workload(name: str, device: torch.device, full: bool, steps: int, ac
             host = {True: [], False: []}
             boundary = []
             for _ in range(steps):
-                sampled = prof._plan.sampled
+                sampled = step_is_sampled(prof)
                 sync(device)
                 meter.ns = 0
                 t0 = clock()
@@ -137,7 +135,7 @@ def measure_workload(name: str, device: torch.device, full: bool, steps: int, ac
                 if not sampled:
                     boundary.append(meter.ns)
                 sync(device)
-            while prof._plan.sampled:  # count the ops of one unsampled step
+            while step_is_sampled(prof):  # count the ops of one unsampled step
                 shape.step()
             meter.counter = OpCounter()
             shape.step()
@@ -167,7 +165,6 @@ def measure_workload(name: str, device: torch.device, full: bool, steps: int, ac
 
 def measure_publisher(device: torch.device, layers: int = 500, steps: int = 8) -> dict:
     """Resolving one sampled step of a `layers`-layer model: GIL stretches and totals."""
-    from hookprof.publish import aggregate
     from hookprof.device import timing
 
     pairs = [m for _ in range(layers // 2) for m in (nn.Linear(16, 16), nn.ReLU())]
@@ -201,8 +198,9 @@ def measure_publisher(device: torch.device, layers: int = 500, steps: int = 8) -
             timer = timing.CudaEventTimer(event_factory=fake_gpu.FakeEvent)
         kind = "stand-in CUDA events (tests/fake_gpu.py)"
     longest, resolve_ns, fold_ns, tokens = [], [], [], []
-    original_resolve = aggregate.Aggregator._resolve_times
-    original_fold = aggregate.Aggregator.fold
+    folder, resolve = timing_resolution_method()
+    original_resolve = getattr(folder, resolve)
+    original_fold = folder.fold
 
     def timed_resolve(self, rec, tmr):
         tokens.append(sum(1 for _ in rec.tokens()))
@@ -224,8 +222,8 @@ def measure_publisher(device: torch.device, layers: int = 500, steps: int = 8) -
             if packet.record is not None:  # not the drains of the counters that flush() sends
                 fold_ns.append(clock() - t0)
 
-    aggregate.Aggregator._resolve_times = timed_resolve
-    aggregate.Aggregator.fold = timed_fold
+    setattr(folder, resolve, timed_resolve)
+    folder.fold = timed_fold
     try:
         cfg = hookprof.Config(port=0, sample_every=1, min_sample_interval_s=0.0)
         prof = hookprof.Profiler(model, cfg, timer=timer)
@@ -238,8 +236,8 @@ def measure_publisher(device: torch.device, layers: int = 500, steps: int = 8) -
         finally:
             prof.detach()
     finally:
-        aggregate.Aggregator._resolve_times = original_resolve
-        aggregate.Aggregator.fold = original_fold
+        setattr(folder, resolve, original_resolve)
+        folder.fold = original_fold
     skip = 2  # the first folds build the per-layer tables
     return {
         "layers": layers,
@@ -258,7 +256,7 @@ def run_here(args) -> dict:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(hookprof.__file__),
                          capture_output=True, text=True).stdout.strip()
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else None
-    result = {"hookprof": os.path.dirname(os.path.dirname(os.path.abspath(hookprof.__file__))), "rev": rev,
+    result = {"hookprof": paths.hookprof_checkout(), "rev": rev,
               "torch": torch.__version__, "device": gpu or f"CPU ({os.cpu_count()} cores)",
               "full": args.full, "workloads": [], "publisher": None}
     for name in args.workloads.split(","):
@@ -299,28 +297,13 @@ def table(results: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def against(args, argv: list[str], script: str = __file__) -> list[tuple[str, dict]]:
-    """`script` (this one, or another bench that takes --json) once per version, each in its
-    own process with that version's hookprof."""
-    tmp = tempfile.mkdtemp(prefix="hookprof-hostcost-")
-    base = os.path.join(tmp, "base")
-    subprocess.run(["git", "worktree", "add", "--detach", "--quiet", base, args.against], cwd=ROOT, check=True)
-    try:
-        child_args = [a for a in argv if not a.startswith("--against")]
-        if "--against" in argv:  # "--against REV" as two words
-            i = argv.index("--against")
-            child_args = argv[:i] + argv[i + 2:]
-        out = []
-        for label, root in ((args.against, base), ("this checkout", ROOT)):
-            path = os.path.join(tmp, f"{len(out)}.json")
-            env = dict(os.environ, HOOKPROF_ROOT=root, PYTHONPATH=root)
-            subprocess.run([sys.executable, os.path.abspath(script), *child_args, "--json", path],
-                           env=env, check=True)
-            with open(path) as f:
-                out.append((label, json.load(f)))
-        return out
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", base], cwd=ROOT, check=False)
+def against(rev: str, argv: list[str]) -> list[tuple[str, dict]]:
+    """This script once per version, each in its own process with that version's hookprof
+    (compare_versions.alternate, one round)."""
+    from compare_versions import alternate, without
+
+    runs = alternate(__file__, rev, 1, without(argv, "--against", "--json"))
+    return [(label, results[0]) for label, results in runs.items()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
           f"device {args.device}{' (' + torch.cuda.get_device_name() + ')' if args.device == 'cuda' else ''}, "
           f"{'full' if args.full else 'narrow'} sizes", flush=True)
     if args.against:
-        results = against(args, argv)
+        results = against(args.against, argv)
     else:
         results = [("this checkout", run_here(args))]
         if args.json:

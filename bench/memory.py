@@ -11,16 +11,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import warnings
+
+import paths  # noqa: F401  (first: the hookprof under test, HOOKPROF_ROOT's or this checkout's)
 
 import psutil
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import hookprof  # noqa: E402
+import hookprof
 
 MOST_ACTIVE = dict(port=0, sample_every=1, min_sample_interval_s=0.0, activation_interval_s=0.0,
                    publish_interval_s=0.1, system_interval_s=0.5)

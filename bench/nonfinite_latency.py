@@ -43,14 +43,13 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, HERE]
+import paths  # first: the hookprof under test (HOOKPROF_ROOT's or this checkout's) and the tests' helpers
 
-import torch  # noqa: E402
+import torch
 
-import hookprof  # noqa: E402
-import shapes  # noqa: E402
+import hookprof
+import shapes
+from hookprof._testing import step_is_sampled
 
 BAD_STEP = 23
 PRODUCER = "h.5.mlp.c_fc"
@@ -129,7 +128,7 @@ def one_policy(name: str, overrides: dict, device: torch.device, full: bool, aft
         while step < BAD_STEP + after or (
                 result["named"] is None and time.perf_counter() - bad_issued < deadline_s):
             step += 1
-            if step == BAD_STEP and prof._plan.sampled:  # noqa: SLF001 (planned at step 22's end)
+            if step == BAD_STEP and step_is_sampled(prof):  # planned at step 22's end
                 raise SystemExit(f"step {BAD_STEP} is sampled (steps take > ~90 ms here): the "
                                  "bench measures an unsampled one; use a narrower shape")
             fixed_batch = poison.arm(shape) if step == BAD_STEP else None
@@ -213,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.out is None:
         suffix = f"_lag{args.lag}" if args.lag else ""
-        args.out = os.path.join(HERE, "results", f"nonfinite_latency{suffix}.json")
+        args.out = os.path.join(paths.HERE, "results", f"nonfinite_latency{suffix}.json")
     if args.lag:
         return main_emulated(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -235,8 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_emulated(args: argparse.Namespace) -> int:
     """--lag K: every policy with fused and with for-loop AdamW, on the emulated device."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from lagging_device import lagging_device  # noqa: PLC0415 (a test helper, only here)
+    from lagging_device import lagging_device  # a test helper, only here
 
     torch.set_num_threads(1)
     print(f"hookprof nonfinite latency: torch {torch.__version__}, CPU with a device emulated "

@@ -36,11 +36,13 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-from torch import nn
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# this folder, for compare_versions, which runs this file with runpy (no script folder on sys.path)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import paths  # noqa: E402,F401  (first: the hookprof under test, HOOKPROF_ROOT's or this checkout's)
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
 import hookprof  # noqa: E402
 import shapes  # noqa: E402
 from hookprof.serve.exporter import render  # noqa: E402

@@ -19,16 +19,14 @@ import sys
 import time
 import urllib.request
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+import paths  # noqa: F401  (first: the hookprof under test, HOOKPROF_ROOT's or this checkout's, and the tests' helpers)
 
-import torch.multiprocessing as mp  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+import torch.multiprocessing as mp
+from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import free_port, free_port_range  # noqa: E402
-from ddp_straggler_worker import SETUPS, run_rank  # noqa: E402
-from dist_worker import join_or_kill  # noqa: E402
+from conftest import free_port, free_port_range
+from ddp_straggler_worker import SETUPS, run_rank
+from dist_worker import join_or_kill
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 

@@ -1,7 +1,7 @@
 """Counting what one sampled step costs per instrumented leaf, in units that do not depend
 on the machine: timer marks (each one a CUDA event record on a GPU, ~3 us of host time on
 an H100) and hook invocations (each one a Python call torch makes into hookprof), for
-tests/test_leaf_marks.py and bench/leaf_marks.py.
+tests/test_leaf_marks.py and bench/parts.py leaf-marks.
 
 The timer is the CUDA event timer over tests/fake_gpu.py's stand-in events, so the marks
 counted are the ones a GPU run would record: the stand-in stream counts every record.

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from conftest import parse, samples
-from models import run_optionally_profiled
+from support.metrics import parse, samples
+from support.models import run_optionally_profiled
 
 
 class Checkpointed(nn.Module):

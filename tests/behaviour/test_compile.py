@@ -14,6 +14,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import hookprof
+from support.hooks_left import forward_hooks
 
 BACKEND = "aot_eager"  # Dynamo + AOTAutograd (forward and backward graphs), no C++ build
 
@@ -83,7 +84,7 @@ def test_compile_adds_no_graph_break_and_keeps_step_figures(when, every_step, ca
     assert "gradient norms" in messages  # says what still works
     assert len(snap.notices) == 1 and "per-layer forward/backward times" in snap.notices[0]  # kept
     if when == "after":
-        assert not model._forward_hooks and not model._forward_pre_hooks  # nothing added to it
+        assert not forward_hooks(model)  # nothing added to it
 
 
 @pytest.mark.slow

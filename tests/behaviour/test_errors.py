@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 import hookprof
-from conftest import free_port
-from models import DeepNet, seeded, train
-from test_detach import GLOBAL_HOOK_DICTS, hookprof_threads, model_state
+from support.hooks_left import global_hook_counts, hookprof_threads, model_state
+from support.models import DeepNet, seeded, train
+from support.ports import free_port
 
 
 def assert_nothing_attached(model, before, globals_before):
     assert model_state(model) == before
-    assert [len(d) for d in GLOBAL_HOOK_DICTS] == globals_before
+    assert global_hook_counts() == globals_before
     assert hookprof_threads() == []
 
 
@@ -33,7 +33,7 @@ def test_model_without_parameters():
 
 def test_invalid_config_leaves_nothing():
     model = seeded(DeepNet)
-    before, globals_before = model_state(model), [len(d) for d in GLOBAL_HOOK_DICTS]
+    before, globals_before = model_state(model), global_hook_counts()
     with pytest.raises(hookprof.ConfigError, match="sample_every must be >= 1, got -2"):
         hookprof.attach(model, sample_every=-2)
     with pytest.raises(TypeError, match="config must be a hookprof.Config"):
@@ -43,7 +43,7 @@ def test_invalid_config_leaves_nothing():
 
 def test_port_in_use_names_port_and_setting():
     model = seeded(DeepNet)
-    before, globals_before = model_state(model), [len(d) for d in GLOBAL_HOOK_DICTS]
+    before, globals_before = model_state(model), global_hook_counts()
     with socket.socket() as blocker:
         blocker.bind(("127.0.0.1", 0))
         blocker.listen()
@@ -113,11 +113,11 @@ def test_a_notebook_cell_run_again_releases_the_profiler_whose_model_is_gone(cap
     and the model label is the same as before (its dashboards' series go on)."""
     import logging
 
-    globals_before = [len(d) for d in GLOBAL_HOOK_DICTS]
+    globals_before = global_hook_counts()
     port = free_port() if fixed_port else 0
     prof = run_notebook_cell(port)
     threads_once = sorted(hookprof_threads())
-    hooks_once = [len(d) for d in GLOBAL_HOOK_DICTS]
+    hooks_once = global_hook_counts()
     for _ in range(3):  # the cell, run three more times
         earlier = prof
         with caplog.at_level(logging.INFO, logger="hookprof"):
@@ -127,12 +127,12 @@ def test_a_notebook_cell_run_again_releases_the_profiler_whose_model_is_gone(cap
         if fixed_port:
             assert prof.port == port
         assert sorted(hookprof_threads()) == threads_once  # not one more thread per run
-        assert [len(d) for d in GLOBAL_HOOK_DICTS] == hooks_once
+        assert global_hook_counts() == hooks_once
     released = [r.getMessage() for r in caplog.records if "its model is gone" in r.getMessage()]
     assert len(released) == 3 and "DeepNet" in released[0]
     assert prof.steps == 3  # the live profiler counts its own steps only
     prof.detach()
-    assert [len(d) for d in GLOBAL_HOOK_DICTS] == globals_before and hookprof_threads() == []
+    assert global_hook_counts() == globals_before and hookprof_threads() == []
 
 
 def test_an_earlier_profiler_whose_model_is_alive_is_not_released():

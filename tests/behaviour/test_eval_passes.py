@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 import hookprof
-from models import DeepNet, seeded, train
+from support.models import DeepNet, seeded, train
 
 
 def evaluate(model, how: str):

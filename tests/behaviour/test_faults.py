@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import hookprof
-from conftest import parse, samples, scrape
+from hookprof import _testing
 from hookprof.publish.publisher import Publisher
-from models import DeepNet, seeded, train
+from support.metrics import parse, samples, scrape
+from support.models import DeepNet, seeded, train
 
 
 def up(prof) -> float:
@@ -107,13 +108,13 @@ def test_metrics_server_thread_death_is_reported_and_serving_resumes(caplog, eve
     prof = hookprof.attach(model, **every_step)
     try:
         port = prof.port
-        prof._server._server.shutdown()  # its serve_forever returns: the thread ends
-        prof._server._thread.join(5)
-        assert not prof._server.alive
+        _testing.http_server(prof).shutdown()  # its serve_forever returns: the thread ends
+        _testing.serving_thread(prof).join(5)
+        assert not _testing.metrics_server(prof).alive
         with caplog.at_level(logging.ERROR, logger="hookprof"):
             train(model, 2, prof=prof, explicit_step=True)  # the next step notices
             prof.flush()
-        assert prof._server.alive and prof.port == port  # same port, serving again
+        assert _testing.metrics_server(prof).alive and prof.port == port  # same port, serving again
         f = parse(scrape(prof.url))
         assert samples(f, "hookprof_steps", "hookprof_steps_total")[frozenset({"rank": "0"}.items())] == 2
         assert samples(f, "hookprof_internal_errors", "hookprof_internal_errors_total")[

@@ -8,10 +8,10 @@ import logging
 import torch
 
 import hookprof
-from hookprof.publish.publisher import Publisher
 from hookprof.device.timing import CpuTimer
-from conftest import parse, samples, scrape
-from models import MixedNet, seeded, train
+from hookprof.publish.publisher import Publisher
+from support.metrics import parse, samples, scrape
+from support.models import MixedNet, seeded, train
 
 
 def test_failure_inside_a_hook_is_counted_and_training_is_unchanged(caplog):

@@ -26,8 +26,9 @@ lightning = pytest.importorskip(
 )
 
 import hookprof  # noqa: E402
-from conftest import parse, samples  # noqa: E402
-from lightning_models import NanAt, ReadEachStep, SetStep, fit, run_ddp_rank, seeded_regressor  # noqa: E402
+from support.metrics import parse, samples  # noqa: E402
+from support.inject import NanAt  # noqa: E402
+from support.lightning_models import ReadEachStep, SetStep, fit, run_ddp_rank, seeded_regressor  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     # a DataLoader without workers is what a 2-core test wants; Lightning advises against it
@@ -144,7 +145,7 @@ def test_norms_under_trainer_settings_are_those_the_update_reads(trainer_kwargs,
 def test_ddp_two_ranks_report_the_all_reduced_norms_of_each_step():
     """Trainer(strategy="ddp", devices=2) over gloo, each rank launched as torchrun would:
     the norms after DDP's all-reduce, the same on both ranks, step by step."""
-    from test_distributed import run_two
+    from support.ranks import run_two
 
     steps = 4
     results, texts, _ = run_two(run_ddp_rank, steps)

@@ -2,11 +2,11 @@
 training thread (outside `Profiler.flush()`), checked on the CPU.
 
 Each loop a user writes runs on an emulated device that is `LAG` optimizer steps behind the
-host (tests/lagging_device.py: hookprof takes its accelerator code paths) under a SyncWatch
-(tests/sync_watch.py), which records every op that would make the host wait for a GPU and
-whose code asked for it. Steps include sampled ones (every third step) with every feature
-on (activation statistics, update norms, FLOPs, phases), and a NaN made in a layer's
-forward at an unsampled step, under each on_nonfinite policy. The user's own waits
+host (tests/support/lagging_device.py: hookprof takes its accelerator code paths) under a
+SyncWatch (tests/support/sync_watch.py), which records every op that would make the host wait
+for a GPU and whose code asked for it. Steps include sampled ones (every third step) with
+every feature on (activation statistics, update norms, FLOPs, phases), and a NaN made in a
+layer's forward at an unsampled step, under each on_nonfinite policy. The user's own waits
 (`loss.item()` each step) are allowed and seen, and the tests that end this file show the
 watch failing on a wait put into hookprof."""
 
@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 import hookprof
+from hookprof import _testing
 from hookprof.device import transfer
-from hookprof.demo import InjectNonFinite
-from lagging_device import lagging_device
-from models import DeepNet, Discriminator, Generator, loss_of, seeded
-from sync_watch import SyncWatch
+from support.inject import StepInjector
+from support.lagging_device import lagging_device
+from support.models import DeepNet, Discriminator, Generator, loss_of, seeded
+from support.sync_watch import SyncWatch
 
 LAG = 3
 STEPS = 14
@@ -36,10 +37,10 @@ def nothing_left_patched():
     """The emulation, the watch and the bugs put into hookprof below all replace functions
     of hookprof.device.transfer: every one is back after each test (later files would otherwise run
     with flags that are never on the host)."""
-    names = ("on_host", "_start_copy", "peek", "is_ready", "wait_ready")
-    before = [getattr(transfer, n) for n in names]
+    names = ("on_host", "peek", "is_ready", "wait_ready")
+    before = [getattr(transfer, n) for n in names] + [getattr(*_testing.device_copy_seam())]
     yield
-    assert [getattr(transfer, n) for n in names] == before
+    assert [getattr(transfer, n) for n in names] + [getattr(*_testing.device_copy_seam())] == before
 
 
 def watched(model_or_models, settings: dict | None, loop, *, lag: int = LAG):
@@ -79,10 +80,6 @@ def assert_nan_seen(snap, error, policy: str) -> None:
     assert error is None or policy == "raise"
 
 
-def injecting(module: nn.Module) -> InjectNonFinite:
-    return InjectNonFinite(module, {BAD_STEP}, count_calls=False)
-
-
 # -- the loops ---------------------------------------------------------------------------
 
 OPTIMIZERS = {
@@ -115,7 +112,7 @@ def test_mlp_with_each_optimizer_and_policy(kind, policy):
     model = seeded(DeepNet)
     opt = OPTIMIZERS[kind](model.parameters())
     watch, (snap,), error = watched(model, dict(SAMPLED, on_nonfinite=policy),
-                                    plain_loop(model, opt, injecting(model.blocks[1].act)))
+                                    plain_loop(model, opt, StepInjector(model.blocks[1].act, {BAD_STEP})))
     assert_no_hookprof_sync(watch)
     assert_nan_seen(snap, error, policy)
     assert len(watch.by("user")) >= BAD_STEP - 1  # the loop's own loss.item() calls were seen
@@ -127,7 +124,7 @@ def test_default_configuration(check):
     model = seeded(DeepNet)
     opt = OPTIMIZERS["adamw fused"](model.parameters())
     settings = dict(port=0, nonfinite_check=check)
-    watch, (snap,), _ = watched(model, settings, plain_loop(model, opt, injecting(model.blocks[2].fc)))
+    watch, (snap,), _ = watched(model, settings, plain_loop(model, opt, StepInjector(model.blocks[2].fc, {BAD_STEP})))
     assert_no_hookprof_sync(watch)
     assert snap.step == STEPS and snap.first_nonfinite.step == BAD_STEP
 
@@ -136,7 +133,7 @@ def test_loss_only_check_with_sampled_steps():
     model = seeded(DeepNet)
     opt = OPTIMIZERS["sgd"](model.parameters())
     watch, (snap,), _ = watched(model, dict(SAMPLED, nonfinite_check="loss", on_nonfinite="skip"),
-                                plain_loop(model, opt, injecting(model.blocks[0].fc)))
+                                plain_loop(model, opt, StepInjector(model.blocks[0].fc, {BAD_STEP})))
     assert_no_hookprof_sync(watch)
     assert snap.first_nonfinite.step == BAD_STEP
 
@@ -163,7 +160,7 @@ def test_batchnorm_convnet(policy):
     model = seeded(ConvNet)
     opt = OPTIMIZERS["sgd"](model.parameters())
     watch, (snap,), error = watched(model, dict(SAMPLED, on_nonfinite=policy),
-                                    plain_loop(model, opt, injecting(model.bn1)))
+                                    plain_loop(model, opt, StepInjector(model.bn1, {BAD_STEP})))
     assert_no_hookprof_sync(watch)
     assert_nan_seen(snap, error, policy)
 
@@ -172,7 +169,7 @@ def test_batchnorm_convnet(policy):
 def test_model_called_twice_per_step(policy):
     model = seeded(DeepNet)
     opt = OPTIMIZERS["adam fused"](model.parameters())
-    injector = injecting(model.blocks[3].fc)
+    injector = StepInjector(model.blocks[3].fc, {BAD_STEP})
 
     def loop():
         g = torch.Generator().manual_seed(0)
@@ -194,7 +191,7 @@ def test_gan_with_two_optimizers(policy):
     gen, disc = seeded(Generator), seeded(Discriminator, seed=1)
     opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3, fused=True)
     opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3, foreach=True)
-    injector = injecting(gen.net[0])
+    injector = StepInjector(gen.net[0], {BAD_STEP})
     bce = nn.functional.binary_cross_entropy_with_logits
 
     def loop():
@@ -221,7 +218,7 @@ def test_gan_with_two_optimizers(policy):
 def test_hand_written_optimizer_with_explicit_steps(policy):
     """No torch.optim: the update is the user's own, steps end with prof.step(loss)."""
     model = seeded(DeepNet)
-    injector = injecting(model.blocks[1].fc)
+    injector = StepInjector(model.blocks[1].fc, {BAD_STEP})
     profs = []
 
     def loop():
@@ -263,7 +260,7 @@ class DictNet(DeepNet):
 def test_dict_outputs(policy):
     model = seeded(DictNet)
     opt = OPTIMIZERS["adamw foreach"](model.parameters())
-    injector = injecting(model.blocks[2].act)
+    injector = StepInjector(model.blocks[2].act, {BAD_STEP})
 
     def loop():
         g = torch.Generator().manual_seed(0)
@@ -284,7 +281,7 @@ def test_dict_outputs(policy):
 def test_lbfgs_closure_steps(policy):
     model = seeded(DeepNet)
     opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
-    injector = injecting(model.blocks[0].act)
+    injector = StepInjector(model.blocks[0].act, {BAD_STEP})
 
     def loop():
         g = torch.Generator().manual_seed(0)
@@ -341,9 +338,9 @@ def test_detach_mid_run_leaves_nothing_that_waits():
     opt = OPTIMIZERS["sgd"](model.parameters())
     with lagging_device(LAG), SyncWatch() as watch:
         prof = hookprof.attach(model, **SAMPLED, on_nonfinite="skip")
-        plain_loop(model, opt, injecting(model.stem), steps=4, user_item=False)()
+        plain_loop(model, opt, StepInjector(model.stem, {BAD_STEP}), steps=4, user_item=False)()
         prof.detach()
-        plain_loop(model, opt, injecting(model.stem), steps=3, user_item=False)()
+        plain_loop(model, opt, StepInjector(model.stem, {BAD_STEP}), steps=3, user_item=False)()
     assert_no_hookprof_sync(watch)
     assert watch.by("user") == []
 
@@ -369,7 +366,7 @@ def test_nonfinite_sync_waits_for_the_output_flag_until_the_producer_is_named(ki
     model = seeded(DeepNet)
     opt = OPTIMIZERS[kind](model.parameters())
     watch, (snap,), _ = watched(model, dict(SAMPLED, nonfinite_sync=True),
-                                plain_loop(model, opt, injecting(model.blocks[2].fc)))
+                                plain_loop(model, opt, StepInjector(model.blocks[2].fc, {BAD_STEP})))
     assert watch.early_reads == []
     assert documented_waits(watch) == [("LaggingEvent.synchronize", "hookprof/nonfinite/replay.py")] * REPLAY_WAITS
     assert (snap.first_nonfinite.layer, snap.first_nonfinite.step) == ("blocks.2.fc", BAD_STEP)
@@ -383,7 +380,7 @@ def test_nonfinite_sync_with_a_non_fused_optimizer_under_skip_also_waits_for_the
     model = seeded(DeepNet)
     opt = OPTIMIZERS["sgd"](model.parameters())
     watch, (snap,), _ = watched(model, dict(SAMPLED, nonfinite_sync=True, on_nonfinite="skip"),
-                                plain_loop(model, opt, injecting(model.blocks[2].fc)))
+                                plain_loop(model, opt, StepInjector(model.blocks[2].fc, {BAD_STEP})))
     assert watch.early_reads == []
     waits = documented_waits(watch)
     guard = waits.count(("LaggingEvent.synchronize", "hookprof/nonfinite/guard.py"))
@@ -397,7 +394,7 @@ def test_nonfinite_sync_with_a_fused_optimizer_needs_no_guard_wait():
     model = seeded(DeepNet)
     opt = OPTIMIZERS["adamw fused"](model.parameters())
     watch, _, _ = watched(model, dict(SAMPLED, nonfinite_sync=True, on_nonfinite="skip"),
-                          plain_loop(model, opt, injecting(model.blocks[2].fc)))
+                          plain_loop(model, opt, StepInjector(model.blocks[2].fc, {BAD_STEP})))
     assert documented_waits(watch) == [("LaggingEvent.synchronize", "hookprof/nonfinite/replay.py")] * REPLAY_WAITS
 
 
@@ -410,7 +407,7 @@ def test_the_watch_catches_a_flag_read_before_its_copy_completed(monkeypatch):
     monkeypatch.setattr(transfer, "peek", lambda flag: (flag, None))
     model = seeded(DeepNet)
     opt = OPTIMIZERS["sgd"](model.parameters())
-    watch, _, _ = watched(model, dict(SAMPLED), plain_loop(model, opt, injecting(model.stem)))
+    watch, _, _ = watched(model, dict(SAMPLED), plain_loop(model, opt, StepInjector(model.stem, {BAD_STEP})))
     assert watch.hookprofs, "the watch missed a sync put into hookprof"
     frames = {w.frame.split(":")[0] for w in watch.hookprofs}
     assert "hookprof/nonfinite/replay.py" in frames
@@ -429,7 +426,7 @@ def test_the_watch_catches_device_flags_taken_for_host_values():
         emulated, transfer.on_host = transfer.on_host, lambda t: True
         try:
             prof = hookprof.attach(model, **SAMPLED)
-            plain_loop(model, opt, injecting(model.stem), user_item=False)()
+            plain_loop(model, opt, StepInjector(model.stem, {BAD_STEP}), user_item=False)()
             prof.detach()
         finally:
             transfer.on_host = emulated
@@ -447,7 +444,7 @@ def test_the_watch_catches_a_copy_read_while_still_in_flight(monkeypatch):
     model = seeded(DeepNet)
     opt = OPTIMIZERS["sgd"](model.parameters())
     watch, _, _ = watched(model, dict(SAMPLED, on_nonfinite="skip"),
-                          plain_loop(model, opt, injecting(model.stem), user_item=False))
+                          plain_loop(model, opt, StepInjector(model.stem, {BAD_STEP}), user_item=False))
     assert watch.hookprofs == []
     frames = {w.frame.split(":")[0] for w in watch.early_reads}
     assert "hookprof/nonfinite/incident.py" in frames, watch.report()
@@ -479,17 +476,18 @@ def test_waits_inside_flush_are_allowed_and_named():
     opt = OPTIMIZERS["sgd"](model.parameters())
     with lagging_device(LAG), SyncWatch() as watch:
         prof = hookprof.attach(model, **SAMPLED)
-        plain_loop(model, opt, injecting(model.stem), user_item=False)()
+        plain_loop(model, opt, StepInjector(model.stem, {BAD_STEP}), user_item=False)()
         ready = transfer.peek(torch.ones(1))[1]  # a copy still in flight
-        original_drain = prof._drain_counters
+        owner, name = _testing.counter_drain_seam(prof)
+        original_drain = getattr(owner, name)
 
         def drain_and_wait():  # a wait on the training thread inside flush()
             original_drain()
             transfer.wait_ready(ready)
 
-        prof._drain_counters = drain_and_wait
+        setattr(owner, name, drain_and_wait)
         prof.flush()
-        prof._drain_counters = original_drain
+        setattr(owner, name, original_drain)
         prof.detach()
     assert watch.hookprofs == []
     assert [w.op for w in watch.by("flush")] == ["LaggingEvent.synchronize", "Publisher.flush"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hookprof
-from models import DeepNet, MixedNet, seeded, train
+from support.models import DeepNet, MixedNet, seeded, train
 
 
 def params_after(model_cls, steps: int, **attach_kwargs):

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import hookprof
-
-RARELY = dict(port=0, sample_every=1000, min_sample_interval_s=3600.0)  # step 1 only
+from support.hooks_left import post_accumulate_grad_hooks
+from support.inject import NanAt
+from support.settings import RARELY
 
 
 def nan_rows(x: torch.Tensor, at: bool) -> torch.Tensor:
@@ -34,19 +35,7 @@ class Scaled(nn.Module):
         return x * self.scale
 
 
-class PoisonAt(nn.Module):
-    """Makes its output NaN while `.step` is in `at` (set by the loop, so a replay of the
-    step reproduces it)."""
-
-    def __init__(self, at: set[int]):
-        super().__init__()
-        self.at, self.step = at, 0
-
-    def forward(self, x):
-        return x + float("nan") if self.step in self.at else x
-
-
-def bn_model(poison: PoisonAt | None = None) -> nn.Sequential:
+def bn_model(poison: NanAt | None = None) -> nn.Sequential:
     torch.manual_seed(0)
     layers = [nn.Linear(8, 16), nn.BatchNorm1d(16), Scaled(16), nn.ReLU()]
     if poison is not None:
@@ -71,18 +60,18 @@ def train_bn(model: nn.Module, steps: int, prof=None, poison=None, nan_input_at=
 def test_forward_replay_leaves_batchnorm_and_buffer_layers_trainable():
     """Case 1: the replay restored buffers with copy_, which bumped the version of tensors
     autograd had saved for the step's backward: loss.backward() raised."""
-    reference_poison = PoisonAt({3})
+    reference_poison = NanAt({3})
     reference = bn_model(reference_poison)
     train_bn(reference, 6, poison=reference_poison)
 
-    poison = PoisonAt({3})
+    poison = NanAt({3})
     model = bn_model(poison)
     with hookprof.attach(model, **RARELY) as prof:
         train_bn(model, 6, prof=prof, poison=poison)  # raised at step 3 before the fix
         prof.flush()
         snap = prof.snapshot()
     assert snap.step == 6
-    assert snap.first_nonfinite.layer == "4" and snap.first_nonfinite.step == 3  # PoisonAt
+    assert snap.first_nonfinite.layer == "4" and snap.first_nonfinite.step == 3  # NanAt
     assert snap.first_nonfinite.phase == "forward"
     # the replay changed nothing: running statistics and parameters as without hookprof
     for (name, a), b in zip(reference.state_dict().items(), model.state_dict().values()):
@@ -153,7 +142,7 @@ def test_a_bad_forward_step_counts_once_whatever_the_number_of_outputs():
 
 
 class Twice(nn.Module):
-    def __init__(self, poison: PoisonAt):
+    def __init__(self, poison: NanAt):
         super().__init__()
         self.first = nn.Linear(4, 4)
         self.poison = poison
@@ -168,7 +157,7 @@ class Twice(nn.Module):
 
 def test_propagators_name_each_module_once():
     """Case 10: NonFiniteEvent.propagators repeated modules called twice."""
-    poison = PoisonAt({2})
+    poison = NanAt({2})
     torch.manual_seed(0)
     model = Twice(poison)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -188,7 +177,7 @@ def test_propagators_name_each_module_once():
 def test_the_last_step_is_published_without_another_step_or_a_flush():
     """Case 5: the last sampled step was withheld from /metrics until the next forward,
     flush() or detach(): a run that stopped or hung stayed one step behind for ever."""
-    from conftest import parse, samples, scrape
+    from support.metrics import parse, samples, scrape
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -359,7 +348,7 @@ class TwoOutputs:
 
 
 class DataclassNet(nn.Module):
-    def __init__(self, poison: PoisonAt):
+    def __init__(self, poison: NanAt):
         super().__init__()
         self.a = nn.Linear(8, 1)
         self.poison = poison
@@ -372,7 +361,7 @@ class DataclassNet(nn.Module):
 def test_a_dataclass_output_is_checked_and_its_producer_named():
     """Case 7: a @dataclass output was not checked, and a NaN made in `a` was reported as
     ('b', 'backward')."""
-    poison = PoisonAt({3})
+    poison = NanAt({3})
     torch.manual_seed(0)
     model = DataclassNet(poison)
     with hookprof.attach(model, **RARELY) as prof:
@@ -394,13 +383,13 @@ def test_a_replay_on_a_sampled_step_without_checks_leaves_nothing_after_detach()
         loop(model, 3, prof, nan_input_at={2})
         prof.flush()
         assert prof.snapshot().first_nonfinite.layer == "(input)"
-    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    assert all(not post_accumulate_grad_hooks(p) for p in model.parameters())
 
 
 class Masked(nn.Module):
     """An additive attention mask of -inf in the root's inputs, used finitely."""
 
-    def __init__(self, poison: PoisonAt):
+    def __init__(self, poison: NanAt):
         super().__init__()
         self.inner = nn.Linear(8, 8)
         self.poison = poison
@@ -415,7 +404,7 @@ class Masked(nn.Module):
                          ids=["replayed", "checked-step"])
 def test_an_inf_mask_among_the_inputs_does_not_take_the_blame(settings):
     """Review B2: any non-finite root input made "(input)" the producer of every NaN."""
-    poison = PoisonAt({3})
+    poison = NanAt({3})
     torch.manual_seed(0)
     model = Masked(poison)
     mask = torch.triu(torch.full((4, 8), float("-inf")), diagonal=1)

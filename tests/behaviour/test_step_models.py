@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 import hookprof
-from conftest import free_port, parse, samples, scrape
-from models import DeepNet, Discriminator, Generator, hookprof_norms, layer_norms, loss_of, seeded, train
-
-EVERY_STEP = dict(port=0, sample_every=1, min_sample_interval_s=0.0)
+from support.hooks_left import forward_pre_hooks
+from support.metrics import parse, samples, scrape
+from support.models import DeepNet, Discriminator, Generator, hookprof_norms, layer_norms, loss_of, seeded, train
+from support.ports import free_port
+from support.settings import EVERY_STEP
 
 
 def closure_run(model, opt, steps: int, prof):
@@ -228,4 +229,4 @@ def test_entry_calls_end_at_the_roots_first_training_forward_and_spare_copies():
 
 
 def entry_hooked(module, prof) -> bool:
-    return any(getattr(h, "__self__", None) is prof for h in module._forward_pre_hooks.values())
+    return any(getattr(h, "__self__", None) is prof for h in forward_pre_hooks(module))

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import hookprof
-from conftest import parse, samples, scrape
-from models import DeepNet, loss_of, run_optionally_profiled, seeded, train
+from support.metrics import parse, samples, scrape
+from support.models import DeepNet, loss_of, run_optionally_profiled, seeded, train
 
 
 def amp_run(kind: str, settings: dict | None, steps: int = 6):

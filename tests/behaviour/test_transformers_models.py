@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import run_optionally_profiled
+from support.models import run_optionally_profiled
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,7 +4,6 @@ and two models trained in two threads of one process with a profiler each."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -14,10 +13,10 @@ import pytest
 import torch
 
 import hookprof
-from conftest import parse, samples, scrape
-from models import DeepNet, MixedNet, mse_step, seeded, train
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from hookprof import _testing
+from support.metrics import parse, samples, scrape
+from support.models import DeepNet, MixedNet, mse_step, seeded, train
+from support.paths import worker
 
 
 @pytest.mark.slow
@@ -27,7 +26,7 @@ def test_20_scrapers_for_30_seconds_while_training():
     g = torch.Generator().manual_seed(0)
     steps = 0
     with hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0) as prof:
-        load = subprocess.Popen([sys.executable, os.path.join(HERE, "load_scrapers.py"), prof.url,
+        load = subprocess.Popen([sys.executable, worker("load_scrapers.py"), prof.url,
                                  "--scrapers", "20", "--seconds", "30"],
                                 stdout=subprocess.PIPE, text=True)
         try:
@@ -113,7 +112,7 @@ def test_the_page_is_rendered_once_per_change_not_per_scrape(every_step):
     with hookprof.attach(model, **every_step) as prof:
         train(model, 2, prof=prof, explicit_step=True)
         prof.flush()
-        page = prof._server.page
+        page = _testing.metrics_page(prof)
         first = scrape(prof.url)
         before = page.renders
         for _ in range(50):

@@ -1,5 +1,5 @@
 """On a machine with an NVIDIA GPU: the real values behind what CI can only check with
-stand-ins (tests/fake_gpu.py). Every test here is marked cuda, so it is skipped without a
+stand-ins (tests/support/fake_gpu.py). Every test here is marked cuda, so it is skipped without a
 CUDA device and runs alone with `python -m pytest -m cuda`."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import hookprof  # noqa: E402
-from conftest import parse, samples, scrape  # noqa: E402
+from support.metrics import parse, samples, scrape  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 

@@ -4,9 +4,7 @@ event timings resolve with one wait."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import sys
 
 import pytest
@@ -14,9 +12,11 @@ import torch
 
 import hookprof
 from hookprof.device.timing import CudaEventTimer
-from test_host_cost import hookprof_ops_per_unsampled_step
+from support.cuda import no_sync
+from support.op_counter import hookprof_ops_per_unsampled_step
+from support.paths import BENCH
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+sys.path.insert(0, BENCH)
 import shapes  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -26,18 +26,6 @@ CONFIGS = {
     "loss check": {"nonfinite_check": "loss"},
     "every step": {"sample_every": 1, "min_sample_interval_s": 0.0, "activation_interval_s": 0.0},
 }
-
-
-@contextlib.contextmanager
-def no_sync():
-    """Any host-device sync in the block raises (torch.cuda.set_sync_debug_mode is global:
-    it covers hookprof's threads too)."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -50,7 +38,7 @@ def test_benchmark_loops_never_sync(name, config):
     shape = shapes.build(name, torch.device("cuda"), full=False)
     shape.step()  # cuBLAS/cuDNN set-up, outside the check
     try:  # the loop alone first: a sync of torch's (or transformers') own is not hookprof's
-        with no_sync():
+        with no_sync(drain_first=True):
             shape.step()
     except RuntimeError as exc:
         pytest.skip(f"{name}'s training step syncs without hookprof attached, so it cannot "
@@ -58,7 +46,7 @@ def test_benchmark_loops_never_sync(name, config):
     prof = hookprof.attach(shape.model, port=0, **CONFIGS[config])
     try:
         shape.step()  # attach-time work (pinned index copies) happens once, outside the check
-        with no_sync():
+        with no_sync(drain_first=True):
             for _ in range(6):
                 shape.step()
         prof.flush()

@@ -3,7 +3,7 @@ the device. Marked cuda (skipped without CUDA; `python -m pytest -m cuda` runs t
 training loop runs under torch.cuda.set_sync_debug_mode("error"), so a host-device sync
 that hookprof added raises (except row 2's, which reads the loss each step, and a GradScaler
 over a non-fused optimizer, which syncs by itself); the CPU emulation of the same logic is
-tests/test_update_guard.py."""
+tests/unit/nonfinite/test_update_guard.py."""
 
 from __future__ import annotations
 
@@ -14,52 +14,12 @@ import torch
 from torch import nn
 
 import hookprof
+from support.compare import finite
+from support.cuda import BAD_STEP, no_sync, setup
+from support.inject import BadBatch
+from support.settings import RARELY
 
 pytestmark = pytest.mark.cuda
-
-RARELY = dict(port=0, sample_every=1000, min_sample_interval_s=3600.0)
-BAD_STEP = 23
-
-
-class Net(nn.Module):
-    """A small transformer-shaped MLP stack: enough layers for attribution to mean something."""
-
-    def __init__(self, width: int = 256, depth: int = 6):
-        super().__init__()
-        self.embed = nn.Linear(64, width)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
-                          nn.Linear(4 * width, width)) for _ in range(depth))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x):
-        h = self.embed(x)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.head(h)
-
-
-class BadBatch:
-    """`layer` makes a NaN whenever one particular batch runs (a data-dependent overflow)."""
-
-    def __init__(self, model: nn.Module, layer: nn.Module, where: str = "forward"):
-        self.poisoned = None
-        self._current = None
-        model.register_forward_pre_hook(lambda m, args: setattr(self, "_current", args[0]))
-        if where == "forward":
-            layer.register_forward_hook(self._poison)
-        else:  # the layer's gradient goes NaN in the backward only
-            layer.register_full_backward_pre_hook(self._poison_grad)
-
-    def _poison(self, module, args, output):
-        if self._current is not None and self._current is self.poisoned:
-            return output * float("nan")
-        return None
-
-    def _poison_grad(self, module, grad_output):
-        if self._current is self.poisoned and self.poisoned is not None:
-            return tuple(g * float("nan") if g is not None else None for g in grad_output)
-        return None
 
 
 def run(model, opt, steps, bad: BadBatch | None, *, item_every_step=False, scaler=None,
@@ -73,7 +33,7 @@ def run(model, opt, steps, bad: BadBatch | None, *, item_every_step=False, scale
     # device (non-fused: GradScaler._maybe_opt_step reads it with .item()), so such a loop
     # cannot run under the no-sync check without blaming hookprof for torch's own sync
     scaler_syncs = scaler is not None and not getattr(opt, "_step_supports_amp_scaling", False)
-    mode = contextlib.nullcontext() if item_every_step or scaler_syncs else _no_sync()
+    mode = contextlib.nullcontext() if item_every_step or scaler_syncs else no_sync()
     with mode:
         for step, (x, y) in enumerate(zip(xs, ys), 1):
             if bad is not None and step == BAD_STEP:
@@ -95,26 +55,6 @@ def run(model, opt, steps, bad: BadBatch | None, *, item_every_step=False, scale
                 loss.item()
 
 
-@contextlib.contextmanager
-def _no_sync():
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-def setup(fused=True):
-    torch.manual_seed(0)
-    model = Net().cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if fused else {"foreach": True}))
-    return model, opt
-
-
-def finite(model) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
-
-
 def test_row1_forward_nan_on_an_unsampled_step_is_named_under_skip_without_a_sync():
     model, opt = setup()
     bad = BadBatch(model, model.blocks[3][1])
@@ -125,7 +65,7 @@ def test_row1_forward_nan_on_an_unsampled_step_is_named_under_skip_without_a_syn
     prof.detach()
     event = snap.first_nonfinite
     assert (event.layer, event.phase, event.step) == ("blocks.3.1", "forward", BAD_STEP)
-    assert snap.held_back_updates == 1 and finite(model)
+    assert snap.held_back_updates == 1 and finite(model.parameters())
 
 
 def test_row1_under_record_the_step_and_phase_are_exact():
@@ -175,7 +115,7 @@ def test_row4_raise_stops_before_the_weights_are_hit():
     finally:
         prof.detach()
     assert info.value.step == BAD_STEP and info.value.layer == "blocks.3.1"
-    assert finite(model)
+    assert finite(model.parameters())
     for state in opt.state.values():
         assert all(bool(torch.isfinite(v).all()) for v in state.values() if torch.is_tensor(v))
 
@@ -192,7 +132,7 @@ def test_row5_6_gradscaler_skips_equal_the_scalers_count_and_are_no_incident(fus
     original_update = scaler.update
 
     def update(*a, **k):  # the scaler's own count: its scale went down (read after the loop)
-        counted.append(scaler._scale.clone())
+        counted.append(scaler._scale.clone())  # torch's: get_scale() would sync in the loop
         return original_update(*a, **k)
 
     scaler.update = update

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import hookprof
-from conftest import parse, samples, scrape
-from models import DeepNet, seeded
+from support.metrics import parse, samples, scrape
+from support.models import DeepNet, seeded
 
 pytestmark = pytest.mark.cuda
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import hookprof
-from conftest import parse, samples, scrape
+from support.metrics import parse, samples, scrape
 
 pytestmark = pytest.mark.cuda
 

@@ -8,11 +8,11 @@ makes hookprof's accelerator code paths run on the CPU:
 
 - `transfer.on_host` says no tensor can be read without waiting, so output, loss and
   gradient checks stay device flags (0-d tensors) instead of host bools;
-- `transfer._start_copy` (one-value peeks, counter drains, sampled batches) returns a copy
-  with an event that `query()`s ready only once the device has finished `lag` more optimizer
-  steps; `synchronize()` completes it, as on a real device, and records which thread waited.
-  As on one stream, waiting for a copy completes every copy issued before it too (a later
-  `query()` of those says ready without waiting).
+- the device copy (`_testing.device_copy_seam()`: one-value peeks, counter drains, sampled
+  batches) returns a copy with an event that `query()`s ready only once the device has
+  finished `lag` more optimizer steps; `synchronize()` completes it, as on a real device,
+  and records which thread waited. As on one stream, waiting for a copy completes every
+  copy issued before it too (a later `query()` of those says ready without waiting).
 
 What it does not emulate: kernels really running late (values are computed at once; a test
 must only look at them through hookprof), or streams.
@@ -27,6 +27,7 @@ from typing import Iterator
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from hookprof import _testing
 from hookprof.device import transfer
 
 
@@ -61,7 +62,8 @@ class LaggingEvent:
 @contextmanager
 def lagging_device(lag: int) -> Iterator[LaggingDevice]:
     device = LaggingDevice(lag)
-    original_on_host, original_copy = transfer.on_host, transfer._start_copy
+    copy_owner, copy_name = _testing.device_copy_seam()
+    original_on_host, original_copy = transfer.on_host, getattr(copy_owner, copy_name)
 
     def start_copy(t: torch.Tensor):
         return t.detach().clone(), device.event()
@@ -70,10 +72,11 @@ def lagging_device(lag: int) -> Iterator[LaggingDevice]:
         device.steps_done += 1
 
     transfer.on_host = lambda t: False
-    transfer._start_copy = start_copy
+    setattr(copy_owner, copy_name, start_copy)
     handle = register_optimizer_step_post_hook(step_done)
     try:
         yield device
     finally:
         handle.remove()
-        transfer.on_host, transfer._start_copy = original_on_host, original_copy
+        transfer.on_host = original_on_host
+        setattr(copy_owner, copy_name, original_copy)

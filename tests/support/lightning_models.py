@@ -14,23 +14,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from models import hookprof_norms, layer_norms
+from support.inject import NanAt
+from support.models import hookprof_norms, layer_norms
 
 BATCH = 8
-
-
-class NanAt(nn.Module):
-    """A layer that turns its (finite) input into NaN on the steps in `at`. Keyed by the step,
-    which SetStep writes before each batch, not by a call count: a replay of the step by
-    hookprof reproduces the NaN, as it would a NaN that comes from the data or the weights."""
-
-    def __init__(self, at: set[int]):
-        super().__init__()
-        self.at = set(at)
-        self.step = 0
-
-    def forward(self, x):
-        return x + float("nan") if self.step in self.at else x
 
 
 class Regressor(L.LightningModule):
@@ -134,12 +121,10 @@ def run_ddp_rank(rank: int, world: int, master_port: int, base_port: int, steps:
     launches it (TORCHELASTIC_RUN_ID set, so Lightning starts no processes of its own), with
     hookprof attached to the LightningModule exactly as in a single-process script (on a
     free port of its own: base_port, part of run_two's signature, is not used)."""
-    import os
+    from support.ranks import torchrun_environment
 
-    from dist_worker import _environment
-
-    _environment(rank, world, master_port)
-    os.environ.update(TORCHELASTIC_RUN_ID="hookprof-test", GROUP_RANK="0", LOCAL_WORLD_SIZE=str(world))
+    torchrun_environment(rank, world, master_port, TORCHELASTIC_RUN_ID="hookprof-test", GROUP_RANK="0",
+                         LOCAL_WORLD_SIZE=str(world))
     import hookprof
 
     model = seeded_regressor()

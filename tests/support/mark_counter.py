@@ -1,9 +1,9 @@
 """Counting what one sampled step costs per instrumented leaf, in units that do not depend
 on the machine: timer marks (each one a CUDA event record on a GPU, ~3 us of host time on
 an H100) and hook invocations (each one a Python call torch makes into hookprof), for
-tests/test_leaf_marks.py and bench/leaf_marks.py.
+tests/unit/step/test_leaf_marks.py and bench/leaf_marks.py.
 
-The timer is the CUDA event timer over tests/fake_gpu.py's stand-in events, so the marks
+The timer is the CUDA event timer over support/fake_gpu.py's stand-in events, so the marks
 counted are the ones a GPU run would record: the stand-in stream counts every record.
 """
 
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 import hookprof
-from fake_gpu import FakeEvent, FakeStream
+from hookprof import _testing
 from hookprof.device.timing import CudaEventTimer
+from support.fake_gpu import FakeEvent, FakeStream
 
 
 @dataclass
@@ -57,7 +58,7 @@ def count_sampled_step(model: torch.nn.Module, step: Callable[[Callable[[torch.n
             prof.flush()
 
         def read(m: torch.nn.Module) -> None:
-            rec = prof._rec
+            rec = _testing.step_record(prof)
             seen["recorded"] = stream.recorded
             seen["calls"] = len(rec.calls)
             seen["forward"] = sum((c.start is not None) + (c.end is not None) for c in rec.calls)

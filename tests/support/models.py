@@ -120,6 +120,28 @@ def train(model: nn.Module, steps: int, *, prof=None, seed: int = 0, lr: float =
     return losses
 
 
+def scaler_loop(model, opt, steps: int, overflow_at: set[int], on_step=None) -> int:
+    """fp16 autocast + GradScaler; the scaled gradients overflow at `overflow_at`. Returns
+    how many steps the scaler itself skipped (its scale went down), counted apart."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    g = torch.Generator().manual_seed(0)
+    skipped = 0
+    for step in range(1, steps + 1):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_of(model, model.batch(g))
+        if step in overflow_at:
+            loss = loss * 1e38
+        scaler.scale(loss).backward()
+        if on_step is not None:
+            on_step(step, scaler.get_scale())
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.get_scale() < before
+    return skipped
+
+
 def mse_step(forward, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """One plain training iteration (MSE loss, backward, optimizer step); returns the loss.
     `forward` is the model or a wrapper of it (DDP)."""
@@ -153,7 +175,7 @@ def run_optionally_profiled(model: nn.Module, settings: dict | None, steps: int,
     or, when settings is None, without it. Returns (profiler, snapshot after everything was
     folded in, /metrics text if asked), or Nones without hookprof. Always detaches."""
     import hookprof
-    from conftest import scrape
+    from support.metrics import scrape
 
     prof = hookprof.attach(model, **settings) if settings is not None else None
     try:

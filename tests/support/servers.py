@@ -6,18 +6,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import subprocess
 import threading
 import time
 import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from conftest import free_port, require_binaries
-
-RULES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "deploy", "prometheus",
-                                     "hookprof-rules.yml"))
+from support.binaries import require_binaries
+from support.paths import RULES
+from support.ports import free_port, free_port_range
+from support.processes import Processes
+from support.waiting import wait_for
 
 
 def binaries() -> dict[str, str]:
@@ -29,21 +28,6 @@ def binaries() -> dict[str, str]:
 def get_json(url: str, timeout: float = 5.0):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
-
-
-def wait_for(what: str, check, timeout: float, interval: float = 0.2):
-    """Poll check() until it returns something truthy; fail naming `what` after timeout."""
-    deadline = time.monotonic() + timeout
-    last_error = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-            if value:
-                return value
-        except Exception as exc:  # not up yet
-            last_error = exc
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last error: {last_error})")
 
 
 class Webhook:
@@ -74,30 +58,6 @@ class Webhook:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
-
-
-class Processes:
-    """Children started by a test, each stopped by PID however the test ends."""
-
-    def __init__(self):
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, args: list[str], **kwargs) -> subprocess.Popen:
-        proc = subprocess.Popen(args, stdout=kwargs.pop("stdout", subprocess.DEVNULL),
-                                stderr=kwargs.pop("stderr", subprocess.DEVNULL), **kwargs)
-        self.procs.append(proc)
-        return proc
-
-    def stop_all(self):
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGTERM)
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
 
 
 def start_alertmanager(procs: Processes, tmp: str, webhook_port: int) -> int:
@@ -165,8 +125,7 @@ def ranks_scraped(run_rank, args_of_rank, world: int, tmp: str, job: str, scrape
     told to go home, Prometheus is stopped and the workers joined (or killed) whatever happens."""
     import torch.multiprocessing as mp
 
-    from conftest import free_port_range
-    from dist_worker import join_or_kill
+    from support.ranks import join_or_kill
 
     ctx = mp.get_context("spawn")
     out, go_home = ctx.Queue(), ctx.Event()

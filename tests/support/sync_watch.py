@@ -7,7 +7,7 @@ blocking copy to the host (`.cpu()`, `.tolist()`). On the CPU these cost nothing
 on the CPU never notices one; `torch.cuda.set_sync_debug_mode("error")` needs a GPU.
 `SyncWatch` records them on the CPU instead, on the thread that entered it (a
 TorchDispatchMode and a TorchFunctionMode are both thread-local; autograd carries them into
-backward hooks), under `tests/lagging_device.py`, which makes hookprof take its device code
+backward hooks), under `support/lagging_device.py`, which makes hookprof take its device code
 paths on the CPU.
 
 Which ops wait on CUDA (the sources read):
@@ -36,7 +36,7 @@ Which ops wait on CUDA (the sources read):
   publisher thread, which waits for the device).
 `_assert_async` does not wait (the check runs on the device), so it is not counted.
 
-Reads of hookprof's own host copies are no syncs: the tensors `transfer._start_copy` returns
+Reads of hookprof's own host copies are no syncs: the tensors the device copy returns
 (the host side of a one-value peek or a batch) and whatever is computed from them alone are
 tracked, and a read of one is allowed once its copy's event says it has completed. A read
 before that is recorded apart (`early_reads`): on CUDA it would read a copy still in flight.
@@ -66,9 +66,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import hookprof
-import lagging_device
+from hookprof import _testing
 from hookprof.publish import publisher
-from hookprof.device import transfer
+from support import lagging_device
 
 HOOKPROF_DIR = os.path.dirname(os.path.abspath(hookprof.__file__)) + os.sep
 _SKIPPED_DIRS = (
@@ -151,7 +151,7 @@ def _argument(func, args, kwargs, name: str, default):
     """An argument by schema name, given positionally or by keyword."""
     if name in kwargs:
         return kwargs[name]
-    for i, arg in enumerate(func._schema.arguments):
+    for i, arg in enumerate(func._schema.arguments):  # an OpOverload's schema: torch's only record of it
         if arg.name == name:
             return args[i] if i < len(args) and not arg.kwarg_only else default
     return default
@@ -185,7 +185,7 @@ class SyncWatch:
         return self.by("hookprof")
 
     # -- host copies ----------------------------------------------------------------------
-    def _events(self, tensors: list[torch.Tensor]) -> tuple | None:
+    def events_of(self, tensors: list[torch.Tensor]) -> tuple | None:
         """The copy events behind `tensors` if every one is a host copy (or derived from
         host copies only); None when one of them is a device tensor."""
         events: tuple = ()
@@ -198,7 +198,7 @@ class SyncWatch:
             events += known[1]
         return events
 
-    def _mark_host(self, outputs, events: tuple) -> None:
+    def mark_host(self, outputs, events: tuple) -> None:
         for t in tree_leaves(outputs):
             if isinstance(t, torch.Tensor):
                 self._host[id(t)] = (t, events)
@@ -206,7 +206,7 @@ class SyncWatch:
     def reads_device(self, tensors: list[torch.Tensor], op: str) -> bool:
         """Would reading `tensors` on the host wait for the device? Records an early read of
         a host copy still in flight."""
-        events = self._events(tensors)
+        events = self.events_of(tensors)
         if events is None:
             return True
         if not all(e is None or e.query() for e in events):  # the event itself, not hookprof's view
@@ -216,36 +216,37 @@ class SyncWatch:
     def record(self, op: str) -> None:
         self.found.append(attribute(op))
 
-    def _watched(self) -> bool:
+    def on_watched_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
     # -- installing -----------------------------------------------------------------------
     def __enter__(self) -> "SyncWatch":
         self._thread = threading.current_thread()
         watch = self
-        start_copy = transfer._start_copy
+        copy_owner, copy_name = _testing.device_copy_seam()
+        start_copy = getattr(copy_owner, copy_name)
         synchronize = lagging_device.LaggingEvent.synchronize
         flush = publisher.Publisher.flush
 
         def copy_to_host(t):
             host, ready = start_copy(t)
-            watch._mark_host(host, (ready,))
+            watch.mark_host(host, (ready,))
             return host, ready
 
         def waited(event):
-            if watch._watched():
+            if watch.on_watched_thread():
                 watch.record("LaggingEvent.synchronize")
             return synchronize(event)
 
         def flushed(pub, *args, **kwargs):
-            if watch._watched():
+            if watch.on_watched_thread():
                 watch.record("Publisher.flush")
             return flush(pub, *args, **kwargs)
 
-        transfer._start_copy = copy_to_host
+        setattr(copy_owner, copy_name, copy_to_host)
         lagging_device.LaggingEvent.synchronize = waited
         publisher.Publisher.flush = flushed
-        self._restore = [(transfer, "_start_copy", start_copy),
+        self._restore = [(copy_owner, copy_name, start_copy),
                          (lagging_device.LaggingEvent, "synchronize", synchronize),
                          (publisher.Publisher, "flush", flush)]
         for mode in self._modes:
@@ -296,9 +297,9 @@ class _DispatchWatch(TorchDispatchMode):
         if read is not None and self.watch.reads_device(read, str(func)):
             self.watch.record(str(func))
         inputs = _tensors(args, kwargs)
-        events = self.watch._events(inputs) if inputs else None
+        events = self.watch.events_of(inputs) if inputs else None
         if events is not None:  # computed from host tensors alone: a host tensor too
-            self.watch._mark_host(out, events)
+            self.watch.mark_host(out, events)
         return out
 
 
@@ -316,7 +317,7 @@ class _FunctionWatch(TorchFunctionMode):
                 self.watch.record(f"Tensor.{name}")
         out = func(*args, **kwargs)
         if name in _HOST_FACTORIES and kwargs.get("device") is None and func.__module__ == "torch":
-            self.watch._mark_host(out, ())  # made on the host on a GPU machine too
+            self.watch.mark_host(out, ())  # made on the host on a GPU machine too
         return out
 
 

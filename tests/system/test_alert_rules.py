@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 
-from conftest import promtool
-
-RULES_DIR = os.path.join(os.path.dirname(__file__), "..", "deploy", "prometheus")
+from support.binaries import promtool
+from support.paths import RULES_DIR
 
 
 def run_promtool(*args: str) -> subprocess.CompletedProcess:

@@ -6,19 +6,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
-import pytest
-
 import hookprof
-from conftest import free_port, parse, read_until, samples, scrape
-
-pytestmark = pytest.mark.slow
-
-
-def hookprof_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "hookprof.cli", *args]
+from support.metrics import parse, samples, scrape
+from support.ports import free_port
+from support.processes import hookprof_cmd, read_until
 
 
 def test_version():

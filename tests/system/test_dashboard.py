@@ -4,7 +4,6 @@ query, the variables the issue names, per-layer panels bounded by $topk)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -12,14 +11,13 @@ import sys
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-DASHBOARD = os.path.join(ROOT, "grafana", "dashboards", "hookprof-training.json")
+from support.dashboard import dashboard
+from support.paths import ROOT
 
 
 @pytest.fixture(scope="module")
 def board() -> dict:
-    with open(DASHBOARD, encoding="utf-8") as f:
-        return json.load(f)
+    return dashboard()
 
 
 def test_committed_json_is_what_the_generator_writes():

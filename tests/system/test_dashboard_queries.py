@@ -1,6 +1,6 @@
 """Every PromQL expression of the shipped dashboard and alert rules, run against a real
 Prometheus (Debian's) scraping a real `hookprof demo` on loopback. NVML and torch.cuda are
-stand-ins in that demo (tests/fake_gpu_demo.py): CI has no GPU, and the GPU panels must
+stand-ins in that demo (tests/workers/fake_gpu_demo.py): CI has no GPU, and the GPU panels must
 still be shown to return data. A query that returns nothing is named in the failure."""
 
 from __future__ import annotations
@@ -15,48 +15,16 @@ import urllib.parse
 
 import pytest
 
-from conftest import free_port, read_until
-from servers import RULES, Processes, binaries, get_json, query, start_prometheus, wait_for
+from support.dashboard import JOB, alert_rules, dashboard, panel_queries, substitute
+from support.paths import ROOT, worker
+from support.ports import free_port
+from support.processes import Processes, read_until
+from support.servers import binaries, get_json, query, start_prometheus
+from support.waiting import wait_for
 
-pytestmark = pytest.mark.slow
-
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-DASHBOARD = os.path.join(ROOT, "grafana", "dashboards", "hookprof-training.json")
-JOB = "hookprof-demo"
-# what Grafana puts in place of each variable: one concrete job, "All" (".*") elsewhere,
-# and windows a 1 s scrape interval fills ($__rate_interval is 4 scrape intervals at least).
-# model=~".*" also matches series without a `model` label (Prometheus 2.42): every panel
-# returning data below shows the board works with an exporter that does not emit it yet
-VARIABLES = {"$job": JOB, "$model": ".*", "$instance": ".*", "$rank": ".*", "$layer": ".*", "$topk": "10",
-             "$__rate_interval": "5s", "$__range": "1m"}
-
-
-def substitute(expr: str) -> str:
-    for name in sorted(VARIABLES, key=len, reverse=True):  # $__range before $__rate...: no overlap
-        expr = expr.replace(name, VARIABLES[name])
-    assert "$" not in expr, f"unsubstituted variable in {expr!r}"
-    return expr
-
-
-def dashboard() -> dict:
-    with open(DASHBOARD, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def panel_queries(board: dict) -> list[tuple[str, str]]:
-    return [(p["title"], t["expr"]) for p in board["panels"] for t in p.get("targets", []) if t.get("expr")]
-
-
-# exported only while a rank is stalled (the demo never stalls: tests/test_stall_distributed.py
-# runs those rules against real stalls)
+# exported only while a rank is stalled (the demo never stalls:
+# tests/system/test_stall_distributed.py runs those rules against real stalls)
 ONLY_WHILE_STALLED = {"hookprof_stall_info"}
-
-
-def alert_rules() -> list[dict]:
-    import yaml
-
-    with open(RULES, encoding="utf-8") as f:
-        return [r for g in yaml.safe_load(f)["groups"] for r in g["rules"]]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +35,7 @@ def prometheus_on_demo(tmp_path_factory):
     try:
         port = free_port()
         demo = procs.start(
-            [sys.executable, os.path.join(ROOT, "tests", "fake_gpu_demo.py"), "demo", "--port", str(port),
+            [sys.executable, worker("fake_gpu_demo.py"), "demo", "--port", str(port),
              "--nan-at-step", "150", "--nan-layer", "mlp.2", "--step-delay", "0.01"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "HOOKPROF_SYSTEM_INTERVAL_S": "0.5",
@@ -175,7 +143,7 @@ def readme_recording_rules() -> list[dict]:
 
 
 def test_readme_recording_rules_pass_promtool_and_return_data(prometheus_on_demo, tmp_path):
-    from conftest import promtool
+    from support.binaries import promtool
 
     doc = readme_recording_rules()
     path = tmp_path / "recording.yml"

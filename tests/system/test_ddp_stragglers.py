@@ -15,16 +15,14 @@ import json
 import pytest
 import torch.multiprocessing as mp
 
-from servers import binaries, get_json, query, ranks_scraped, wait_for
-from test_dashboard_queries import alert_rules, dashboard, panel_queries, substitute
-
-pytestmark = pytest.mark.slow
+from support.dashboard import JOB, alert_rules, dashboard, panel_queries, substitute
+from support.servers import binaries, get_json, query, ranks_scraped
+from support.waiting import wait_for
 
 DELAY = 0.06  # seconds of sleep in rank 1's data phase, every step
-JOB = "hookprof-demo"  # the job test_dashboard_queries' substitute() selects
 
 
-# (set-up of tests/ddp_straggler_worker.py, the phase where rank 0 waits: measured by
+# (set-up of tests/workers/ddp_straggler_worker.py, the phase where rank 0 waits: measured by
 # bench/straggler_wait_phase.py, checked here)
 SETUPS = {"ddp": "backward", "fsdp": "forward"}
 
@@ -32,7 +30,7 @@ SETUPS = {"ddp": "backward", "fsdp": "forward"}
 @pytest.fixture(scope="module", params=list(SETUPS))
 def synced_ranks_scraped(request, tmp_path_factory):
     binaries()  # skips where Prometheus is not installed
-    from ddp_straggler_worker import run_rank
+    from workers.ddp_straggler_worker import run_rank
 
     stop_at = mp.get_context("spawn").Value("i", 0)  # the step every rank stops after
     tmp = str(tmp_path_factory.mktemp("ddp_straggler"))

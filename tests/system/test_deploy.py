@@ -17,9 +17,10 @@ import pytest
 import torch
 import yaml
 
-from conftest import parse, require_binaries, samples, scrape
+from support.binaries import require_binaries
+from support.metrics import parse, samples, scrape
+from support.paths import ROOT
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 COMPOSE_DIR = os.path.join(ROOT, "deploy", "compose")
 COMPOSE = os.path.join(COMPOSE_DIR, "docker-compose.yml")
 K8S = os.path.join(ROOT, "deploy", "kubernetes")
@@ -211,7 +212,7 @@ def test_the_example_torchrun_script_with_one_gpu_per_rank():
 def run_train_script(nproc: int, layers: int) -> str:
     """Run deploy/kubernetes/train.py under torchrun until every rank has served 5 steps with
     `layers` gradient norms; returns what the ranks printed."""
-    from conftest import free_port_range
+    from support.ports import free_port_range
 
     base = free_port_range(nproc)
     env = {**os.environ, "HOOKPROF_PORT": str(base), "HOOKPROF_SAMPLE_EVERY": "1",

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 
 import pytest
-import torch.multiprocessing as mp
 
-from conftest import free_port, free_port_range, parse, samples, scrape
-from dist_worker import join_or_kill, run_rank
-
-pytestmark = pytest.mark.slow
+from support.metrics import parse, samples
+from support.ranks import run_two
+from workers.dist_worker import run_rank
 
 
 def test_two_ranks_serve_two_ports_with_rank_labels():
@@ -31,29 +29,8 @@ def test_two_ranks_serve_two_ports_with_rank_labels():
     assert with_params and all(v > 0 for v in with_params.values())
 
 
-def run_two(target, steps):
-    ctx = mp.get_context("spawn")
-    out, go_home = ctx.Queue(), ctx.Event()
-    master_port = free_port()
-    base_port = free_port_range(2, avoid=(master_port,))
-    procs = [ctx.Process(target=target, args=(r, 2, master_port, base_port, steps, out, go_home)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = {}
-        for _ in range(2):
-            item = out.get(timeout=180)
-            results[item[0]] = item[1:]
-        texts = {rank: scrape(r[0]) for rank, r in results.items()}
-    finally:
-        go_home.set()
-        join_or_kill(procs)
-    assert [p.exitcode for p in procs] == [0, 0]
-    return results, texts, base_port
-
-
 def test_fsdp2_local_norms_combine_to_the_full_norms():
-    from dist_worker import run_fsdp_rank
+    from workers.dist_worker import run_fsdp_rank
 
     results, texts, _ = run_two(run_fsdp_rank, steps=4)
     (_, norms0, global0, full_layers, total, kind, steps0) = results[0]

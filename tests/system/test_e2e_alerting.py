@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from conftest import free_port, read_until
-from servers import Processes, Webhook, binaries, query, start_alertmanager, start_prometheus, wait_for
-
-pytestmark = pytest.mark.slow
+from support.ports import free_port
+from support.processes import Processes, read_until
+from support.servers import Webhook, binaries, query, start_alertmanager, start_prometheus
+from support.waiting import wait_for
 
 
 @pytest.fixture

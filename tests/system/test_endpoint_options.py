@@ -2,7 +2,7 @@
 with one wording, a host:port given with --cacert or --cert means https for both, and every
 bad input or unreadable endpoint ends in one line saying why, never a traceback.
 
-Driven against hookprof's real TLS endpoint (certificates from tests/certs.py) and real
+Driven against hookprof's real TLS endpoint (certificates from tests/support/certs.py) and real
 loopback sockets that refuse, or accept and never answer."""
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import free_port
-from test_report import Elements, _line_of, number, train
+from support.ports import free_port
+from support.rendered import Elements, demo_run, line_of, number
 
-pytestmark = pytest.mark.slow  # a hookprof process per case, apart from those refused before connecting
 
 COMMANDS = ("top", "report")
 
@@ -60,7 +59,7 @@ def one_line_error(result: subprocess.CompletedProcess, command: str) -> str:
 def tls_run(pki):
     """A trained model whose endpoint serves HTTPS with the test CA's server certificate."""
     cert, key = pki["server"]
-    prof, losses = train(steps=12, nan_at=9, tls_certfile=cert, tls_keyfile=key)
+    prof, losses = demo_run(steps=12, nan_at=9, tls_certfile=cert, tls_keyfile=key)
     try:
         yield prof, losses, pki
     finally:
@@ -82,7 +81,7 @@ def test_report_of_host_port_with_cacert_goes_over_https_and_draws_the_live_run(
     (first,) = el.find("p", **{"class": "bad first-offender"})
     assert (first["data-layer"], first["data-step"], first["data-phase"]) == ("mlp.0", "9", "forward")
     (loss_chart,) = el.find("svg", **{"data-kind": "loss"})
-    line = _line_of(el, loss_chart)
+    line = line_of(el, loss_chart)
     assert line["data-steps"].split() == [str(s) for s in range(1, 13)]
     for step, (drawn, seen) in enumerate(zip((number(v) for v in line["data-values"].split()), losses), start=1):
         if step < 9:  # the losses the training loop computed, read back through TLS
@@ -93,7 +92,7 @@ def test_report_of_host_port_with_cacert_goes_over_https_and_draws_the_live_run(
 
 def test_report_over_mutual_tls_with_host_port(pki, tmp_path):
     cert, key = pki["server"]
-    prof, _ = train(steps=4, nan_at=0, tls_certfile=cert, tls_keyfile=key, tls_client_cafile=pki["ca"])
+    prof, _ = demo_run(steps=4, nan_at=0, tls_certfile=cert, tls_keyfile=key, tls_client_cafile=pki["ca"])
     try:
         port = prof.url.split(":")[2].split("/")[0]
         target = f"127.0.0.1:{port}"
@@ -107,7 +106,7 @@ def test_report_over_mutual_tls_with_host_port(pki, tmp_path):
     assert ok.returncode == 0, ok.stderr
     el = Elements(out.read_text())
     (step_chart,) = el.find("svg", **{"data-kind": "step_seconds"})
-    assert _line_of(el, step_chart)["data-steps"].split() == ["1", "2", "3", "4"]
+    assert line_of(el, step_chart)["data-steps"].split() == ["1", "2", "3", "4"]
     assert stranger.returncode == 1
     assert "pass --cert and --key" in one_line_error(stranger, "report")
     assert not (tmp_path / "no.html").exists()
@@ -240,7 +239,7 @@ def test_an_endpoint_that_trickles_is_given_up_on_after_the_timeout(command, tmp
 
 
 def test_report_says_why_it_cannot_write_the_file(tmp_path):
-    prof, _ = train(steps=3, nan_at=0)
+    prof, _ = demo_run(steps=3, nan_at=0)
     try:
         target = prof.url
         result = hookprof("report", target, "-o", str(tmp_path / "no-such-dir" / "run.html"))
@@ -260,6 +259,7 @@ def tls_options(command: str) -> dict[str, tuple[str | None, str | None]]:
     sub = parser.add_subparsers()
     {"top": cli.add_top_parser, "report": cli.add_report_parser}[command](sub)
     (command_parser,) = sub.choices.values()
+    # argparse keeps a parser's options in _actions only: no public list of them
     return {a.option_strings[0]: (a.metavar, a.help) for a in command_parser._actions
             if a.option_strings and a.option_strings[0] in ("--cacert", "--cert", "--key", "--timeout")}
 

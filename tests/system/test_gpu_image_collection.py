@@ -1,8 +1,8 @@
 """The GPU image (bench/gpu_session.sh: torch, transformers, prometheus_client, psutil,
 nvidia-ml-py and pytest) lacks the other test extras. One test module that imports such an
 extra at module level makes `pytest -m cuda` stop at collection there ("Interrupted: 1 error
-during collection"), and a rare GPU session runs none of the cuda tests. tests/test_top.py
-did (cryptography, through tests/certs.py). Here the suite is collected with those extras
+during collection"), and a rare GPU session runs none of the cuda tests. tests/system/test_top.py
+did (cryptography, through tests/support/certs.py). Here the suite is collected with those extras
 hidden, as on that image: every module must collect, and every cuda test must be found."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.paths import ROOT
 
 # dev extras (pyproject.toml) that the GPU image does not have, by import name; PyYAML and
 # rich stay: transformers and huggingface_hub depend on them
@@ -50,10 +50,11 @@ def test_the_suite_collects_without_the_extras_the_gpu_image_lacks():
     everything = cuda_test_ids(())
     on_the_image = cuda_test_ids(NOT_ON_THE_GPU_IMAGE)
     # test_lightning.py skips itself as a module there (importorskip), its cuda test with it
-    lightning = {t for t in everything if t.startswith("tests/test_lightning.py::")}
+    lightning = {t for t in everything if t.startswith("tests/behaviour/test_lightning.py::")}
     assert len(lightning) == 1
     assert on_the_image == everything - lightning
     files = {t.split("::")[0] for t in everything}
-    assert {"tests/test_gpu.py", "tests/test_gpu_nonfinite.py", "tests/test_gpu_host_cost.py",
-            "tests/test_stalls_cuda.py", "tests/test_efficiency.py", "tests/test_deploy.py",
-            "tests/test_closure_guard.py", "tests/test_step_phases_cuda.py"} < files
+    assert {"tests/gpu/test_gpu.py", "tests/gpu/test_gpu_nonfinite.py", "tests/gpu/test_gpu_host_cost.py",
+            "tests/gpu/test_stalls_cuda.py", "tests/unit/efficiency/test_efficiency.py",
+            "tests/system/test_deploy.py", "tests/unit/nonfinite/test_closure_guard.py",
+            "tests/gpu/test_step_phases_cuda.py"} < files

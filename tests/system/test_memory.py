@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+from support.paths import BENCH
 
 
 @pytest.mark.slow
@@ -18,7 +18,7 @@ def test_5000_steps_leave_memory_flat():
     # one torch thread: this counts memory, not speed, and OpenMP's spinning threads on a
     # loaded 2-core machine made the run 10x slower (280 s of CPU for a 28 s run)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "memory.py"), "--json"],
+    result = subprocess.run([sys.executable, os.path.join(BENCH, "memory.py"), "--json"],
                             capture_output=True, text=True, timeout=280, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(result.stdout.strip().splitlines()[-1])

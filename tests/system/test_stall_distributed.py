@@ -10,14 +10,14 @@ from __future__ import annotations
 import time
 import urllib.parse
 
-import pytest
 import torch.multiprocessing as mp
 
-from conftest import free_port, free_port_range
-from servers import Processes, binaries, get_json, query, start_prometheus, wait_for
-from stall_worker import run_rank
+from support.ports import free_port, free_port_range
+from support.processes import Processes
+from support.servers import binaries, get_json, query, start_prometheus
+from support.waiting import wait_for
+from workers.stall_worker import run_rank
 
-pytestmark = pytest.mark.slow
 
 WORLD, STUCK = 3, 1
 # docs/stalls.md: threshold (here the 1 s floor) + poll (floor / 4) + publish_interval_s

@@ -7,19 +7,17 @@ import json
 
 import pytest
 
-from servers import binaries, get_json, query, ranks_scraped, wait_for
-from test_dashboard_queries import alert_rules, dashboard, panel_queries, substitute
-
-pytestmark = pytest.mark.slow
+from support.dashboard import JOB, alert_rules, dashboard, panel_queries, substitute
+from support.servers import binaries, get_json, query, ranks_scraped
+from support.waiting import wait_for
 
 DELAYS = (0.005, 0.06)  # seconds of sleep per step: rank 1 is the straggler
-JOB = "hookprof-demo"  # the job test_dashboard_queries' substitute() selects
 
 
 @pytest.fixture(scope="module")
 def two_ranks_scraped(tmp_path_factory):
     binaries()  # skips where Prometheus is not installed
-    from straggler_worker import run_rank
+    from workers.straggler_worker import run_rank
 
     tmp = str(tmp_path_factory.mktemp("straggler"))
     with ranks_scraped(run_rank, lambda r, out, go_home: (DELAYS, out, go_home), 2, tmp, JOB,

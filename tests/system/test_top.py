@@ -14,17 +14,16 @@ import uuid
 
 import pytest
 
-from conftest import free_port, parse, read_until, require_binaries, samples, scrape
-from servers import Processes, wait_for
+from support.binaries import require_binaries
+from support.metrics import parse, samples, scrape
+from support.ports import free_port
+from support.processes import Processes, hookprof_cmd, read_until
+from support.rendered import number
+from support.waiting import wait_for
 
-pytestmark = pytest.mark.slow
 
 STEPS = 30
 NAN_AT = 20
-
-
-def hookprof_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "hookprof.cli", *args]
 
 
 def start_demo(procs: Processes, *extra: str, env: dict | None = None) -> str:
@@ -61,10 +60,6 @@ def table_rows(text: str) -> list[list[str]]:
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if "fwd ms/call" in line) + 1
     return [line.split() for line in lines[start:] if line.strip() and not line.startswith("...")]
-
-
-def number(cell: str) -> float | None:
-    return None if cell == "-" else float(cell.rstrip("%"))
 
 
 def test_once_prints_the_table_a_scrape_implies(demos):
@@ -222,7 +217,7 @@ def tls_demo(tmp_path_factory):
     # imported here, as conftest's `pki` does: a machine without `cryptography` (the GPU
     # image) must still collect this module, or `pytest -m cuda` stops at collection
     pytest.importorskip("cryptography.x509")
-    from certs import make_pki
+    from support.certs import make_pki
 
     pki = make_pki(tmp_path_factory.mktemp("pki"))
     procs = Processes()

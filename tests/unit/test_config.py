@@ -9,7 +9,8 @@ import pytest
 import hookprof
 from hookprof import Config, ConfigError
 from hookprof.config import DEFAULT_PORT, read_env
-from models import DeepNet, seeded
+from support.hooks_left import forward_pre_hooks
+from support.models import DeepNet, seeded
 
 
 def test_defaults_are_documented_values():
@@ -151,10 +152,10 @@ def test_attach_reads_environment(monkeypatch):
 def test_kill_switch_returns_a_profiler_that_does_nothing(monkeypatch):
     monkeypatch.setenv("HOOKPROF_DISABLE", "1")
     model = seeded(DeepNet)
-    hooks_before = len(model.stem._forward_pre_hooks)
+    hooks_before = len(forward_pre_hooks(model.stem))
     prof = hookprof.attach(model, port=0, sample_every=1)
     assert not prof.enabled and prof.url is None
-    assert len(model.stem._forward_pre_hooks) == hooks_before
+    assert len(forward_pre_hooks(model.stem)) == hooks_before
     prof.step(1.0)
     assert prof.snapshot().step == 0
     prof.detach()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from dist_worker import _environment
+from support.ranks import torchrun_environment
 
 # name -> what differs; "ddp" is the plain case the test runs
 SETUPS = {
@@ -49,12 +49,12 @@ def run_rank(rank: int, world: int, master_port: int, base_port: int, delays, sl
     go_home (an Event) asks to stop; the ranks must then stop after the same step, or one
     would wait forever in a collective: rank 0 names that step in stop_at (a shared int, 0
     until then) a few steps ahead, which the others, at most one step off, read in time."""
-    _environment(rank, world, master_port)
+    torchrun_environment(rank, world, master_port)
     import torch
     import torch.distributed as dist
 
     import hookprof
-    from models import DeepNet, mse_step, seeded
+    from support.models import DeepNet, mse_step, seeded
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

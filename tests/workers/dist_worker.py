@@ -1,26 +1,19 @@
-"""Body of one rank for test_distributed (a module of its own so spawn can import it)."""
+"""Body of one rank for test_distributed (a module of its own so spawn can import it): DDP,
+and FSDP2, over gloo."""
 
 from __future__ import annotations
 
-import os
-
-
-def _environment(rank: int, world: int, master_port: int) -> None:
-    """What torchrun would set for this rank."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-    )
+from support.ranks import torchrun_environment
 
 
 def run_rank(rank: int, world: int, master_port: int, base_port: int, steps: int, out, go_home):
-    _environment(rank, world, master_port)
+    torchrun_environment(rank, world, master_port)
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import hookprof
-    from models import DeepNet, mse_step, seeded
+    from support.models import DeepNet, mse_step, seeded
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -44,14 +37,14 @@ def run_fsdp_rank(rank: int, world: int, master_port: int, base_port: int, steps
     """FSDP2 (fully_shard) over gloo: hookprof attached after sharding, so its parameters
     are the DTensor shards; each rank reports its local (partial) norms and the full norms
     computed with collectives by the test itself."""
-    _environment(rank, world, master_port)
+    torchrun_environment(rank, world, master_port)
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import hookprof
-    from models import DeepNet, mse_step, seeded
+    from support.models import DeepNet, mse_step, seeded
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -85,12 +78,3 @@ def run_fsdp_rank(rank: int, world: int, master_port: int, base_port: int, steps
         prof.detach()
     finally:
         dist.destroy_process_group()
-
-
-def join_or_kill(procs, timeout: float = 30) -> None:
-    """Wait for the rank processes to leave; kill (by their handle) those that do not."""
-    for p in procs:
-        p.join(timeout=timeout)
-        if p.is_alive():
-            p.kill()
-            p.join(5)

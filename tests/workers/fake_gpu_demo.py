@@ -1,20 +1,20 @@
-"""`hookprof demo` with NVML and torch.cuda replaced by tests/fake_gpu.py's stand-ins, so the
-GPU panels of the dashboard have series to query on a machine without a GPU. The timer is
+"""`hookprof demo` with NVML and torch.cuda replaced by tests/support/fake_gpu.py's stand-ins,
+so the GPU panels of the dashboard have series to query on a machine without a GPU. The timer is
 the real CUDA-event timer over stand-in events stamped by the host clock, so the series that
 exist only with a device timer (hookprof_step_phase_device_seconds) are there, with the host's
 figures. Everything else is the real demo: real training, real hookprof, real HTTP server.
 
-    python tests/fake_gpu_demo.py demo --port 8479 ...
+    python tests/workers/fake_gpu_demo.py demo --port 8479 ...
 """
 
 import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # fake_gpu, and hookprof from this checkout
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # support.fake_gpu, and hookprof from this checkout
 
-import fake_gpu  # noqa: E402
+from support import fake_gpu  # noqa: E402
 import hookprof.profiler  # noqa: E402
 import hookprof.serve.system  # noqa: E402
 from hookprof.device.timing import CudaEventTimer  # noqa: E402

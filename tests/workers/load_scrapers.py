@@ -2,7 +2,7 @@
 Prometheus servers load a training process). Prints one JSON line when done:
 {"scrapes": n, "failures": [...], "steps": [[t, value], ...] per scraper, "non_monotonic": [...]}
 
-    python tests/load_scrapers.py URL --scrapers 20 --seconds 30 [--interval 1]
+    python tests/workers/load_scrapers.py URL --scrapers 20 --seconds 30 [--interval 1]
 """
 
 from __future__ import annotations

@@ -4,22 +4,20 @@ the first step after `go` is set, until `release` is set."""
 
 from __future__ import annotations
 
-import os
 import time
+
+from support.ranks import torchrun_environment
 
 
 def run_rank(rank: int, world: int, master_port: int, base_port: int, stuck: int, out, go, release):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_RANK=str(rank), TORCH_FR_BUFFER_SIZE="64",
-    )
+    torchrun_environment(rank, world, master_port, TORCH_FR_BUFFER_SIZE="64")
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import hookprof
-    from models import DeepNet, seeded
-    from stalling import Sleeper
+    from support.models import DeepNet, seeded
+    from support.stalling import Sleeper
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import time
 
-from dist_worker import _environment
+from support.ranks import torchrun_environment
 
 
 def run_rank(rank: int, world: int, master_port: int, base_port: int, delays, out, go_home):
-    _environment(rank, world, master_port)
+    torchrun_environment(rank, world, master_port)
     import torch
     import torch.distributed as dist
 
     import hookprof
-    from models import DeepNet, mse_step, seeded
+    from support.models import DeepNet, mse_step, seeded
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from fake_gpu import FakeEvent, FakeStream
+from hookprof import _testing
 from hookprof.device.timing import RESOLVE_CHUNK, CpuTimer, CudaEventTimer
+from support.fake_gpu import FakeEvent, FakeStream
 
 
 def fake_timer(**kwargs) -> tuple[CudaEventTimer, list[FakeStream]]:
@@ -45,7 +46,7 @@ def test_profiler_steps_with_the_event_timer(every_step):
     """A CPU model run through the event timer: per-layer times come out of event pairs,
     and every event goes back to the pool after the publisher has read it."""
     import hookprof
-    from models import DeepNet, seeded, train
+    from support.models import DeepNet, seeded, train
 
     timer, lookups = fake_timer()
     model = seeded(DeepNet)
@@ -60,7 +61,7 @@ def test_profiler_steps_with_the_event_timer(every_step):
     for name in model.order():
         assert snap.layers[name].forward_seconds_total > 0
         assert snap.layers[name].backward_seconds_total > 0
-    assert len(timer._pool) == timer.created  # every event released after use
+    assert len(_testing.pooled_events(timer)) == timer.created  # every event released after use
     # the stream is looked up once per sampled step, not at every mark (the fourth has begun)
     assert snap.sampled_steps == 3 and len(lookups) == 4
     assert timer.created > 50
@@ -95,7 +96,7 @@ def test_an_event_the_last_wait_does_not_cover_is_waited_for_alone():
     ref = timer.start()
     step_tokens = [timer.mark() for _ in range(3)]
     other = FakeStream()
-    timer._current_stream = lambda: other
+    setattr(*_testing.current_stream_seam(timer), lambda: other)
     timer.start()  # the next step, on another stream, marked last
     times = timer.resolve(ref, step_tokens)
     assert [times[t] for t in step_tokens] == pytest.approx([250e-6, 500e-6, 750e-6])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hookprof import _testing
 from hookprof.device.streams import MAX_KNOWN, StreamLookup
 
 
@@ -57,7 +58,7 @@ def test_the_cache_is_bounded_no_gpu():
     for sid in range(3 * MAX_KNOWN):
         fake.current[0] = sid
         assert lookup() == ("stream", sid, 0, 1)
-    assert len(lookup._known) <= MAX_KNOWN
+    assert len(_testing.known_streams(lookup)) <= MAX_KNOWN
 
 
 @pytest.mark.cuda

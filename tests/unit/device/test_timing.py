@@ -9,7 +9,7 @@ from torch import nn
 
 import hookprof
 from hookprof.device.timing import CpuTimer
-from models import DeepNet, MixedNet, profiled, seeded
+from support.models import DeepNet, MixedNet, profiled, seeded
 
 
 def test_forward_times_positive_and_sum_below_step_time(every_step):

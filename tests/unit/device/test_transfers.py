@@ -6,7 +6,7 @@ import pytest
 
 import hookprof
 from hookprof.device import transfer
-from models import MixedNet, seeded, train
+from support.models import MixedNet, seeded, train
 
 
 @pytest.mark.parametrize("explicit_step", [False, True])

@@ -15,16 +15,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import hookprof
 import hookprof.efficiency.flops
-from conftest import parse, promtool, samples, scrape
+from hookprof import _testing
 from hookprof.efficiency import peaks
-from hookprof.layers import LayerTable
 from hookprof.efficiency.updates import UpdateNorms
+from hookprof.layers import LayerTable
+from support.binaries import promtool
+from support.metrics import parse, samples, scrape
 
 
-@pytest.fixture
-def every_step(every_step):
-    """Every step sampled, and update norms measured on every one of them."""
-    return {**every_step, "update_norm_interval_s": 0.0}
+# the every_step fixture, with update norms measured on every step too
+pytestmark = pytest.mark.every_step(update_norm_interval_s=0.0)
 
 
 def mlp() -> nn.Sequential:
@@ -186,14 +186,14 @@ def test_turns_fill_the_cap_and_a_large_layer_goes_alone():
     model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(100, 100), nn.Linear(10, 10))
     sizes = [(10 * 10 + 10) * 4, (10 * 10 + 10) * 4, (100 * 100 + 100) * 4, (10 * 10 + 10) * 4]
     norms = UpdateNorms(LayerTable(model), max_bytes=sizes[0] * 2)
-    turns = [norms._turn() for _ in range(4)]
+    turns = [_testing.next_update_norm_turn(norms) for _ in range(4)]
     assert turns == [[0, 1], [2], [3, 0], [1]]
     # what each turn holds: at most max(cap, the largest layer), the large layer alone
     norms = UpdateNorms(LayerTable(model), max_bytes=sizes[0] * 2)
     held = []
     for _ in range(4):
         norms.before_update()
-        held.append(sum(copy.numel() * copy.element_size() for _, copy in norms._before))
+        held.append(sum(copy.numel() * copy.element_size() for _, copy in _testing.held_parameter_copies(norms)))
         norms.drop()
     assert held == [sizes[0] + sizes[1], sizes[2], sizes[3] + sizes[0], sizes[1]]
 

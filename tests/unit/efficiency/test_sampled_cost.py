@@ -13,18 +13,15 @@ import torch
 from torch import nn
 
 import hookprof
-import hookprof.efficiency.flops
+from hookprof import _testing
 from hookprof.efficiency import peaks
 from hookprof.efficiency.figures import StepEfficiency
 from hookprof.layers import LayerTable
 from hookprof.notices import Notices
-from hookprof.efficiency.updates import UpdateNorms
 
 
-@pytest.fixture
-def every_step(every_step):
-    """Every step sampled, update norms measured on every one of them."""
-    return {**every_step, "update_norm_interval_s": 0.0}
+# the every_step fixture, with update norms measured on every step too
+pytestmark = pytest.mark.every_step(update_norm_interval_s=0.0)
 
 
 class AutocastInside(nn.Module):
@@ -79,7 +76,7 @@ def test_a_failing_flops_note_is_said_once_and_the_hooks_stay_on(every_step, mon
     def broken(value):
         raise RuntimeError("signature")
 
-    monkeypatch.setattr(hookprof.efficiency.flops, "_key", broken)  # a call with two arguments uses it
+    monkeypatch.setattr(*_testing.flop_key_seam(), broken)  # a call with two arguments uses it
     torch.manual_seed(0)
     model = nn.Sequential(nn.Bilinear(8, 8, 8), nn.Linear(8, 8))
     first, second = model[0], model[1]
@@ -169,8 +166,8 @@ def test_a_param_group_added_mid_run_is_measured_and_the_grouping_kept_until_the
     change: a backbone frozen at attach, unfrozen later with a param group of its own, has
     its updates measured from then on, exactly."""
     regroups = []
-    real_group = UpdateNorms._group
-    monkeypatch.setattr(UpdateNorms, "_group", lambda self: (regroups.append(1), real_group(self))[1])
+    real_group = getattr(*_testing.update_norm_grouping_seam())
+    monkeypatch.setattr(*_testing.update_norm_grouping_seam(), lambda self: (regroups.append(1), real_group(self))[1])
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     backbone, head = model[0], model[2]

@@ -15,9 +15,9 @@ import torch
 
 import hookprof
 from hookprof.integrations.scalars import PREFIX, headline, step_count
-from test_detach import model_state
+from support.hooks_left import model_state
+from support.settings import EVERY_STEP
 
-EVERY_STEP = dict(port=0, sample_every=1, min_sample_interval_s=0.0)
 STEPS = 6
 
 
@@ -85,7 +85,7 @@ def assert_rows_are_the_snapshots(rows: list[tuple[int, dict, object]], final) -
 @pytest.fixture
 def lightning_parts():
     importorskip("lightning", "Lightning")
-    import lightning_models
+    from support import lightning_models
     from hookprof.integrations import lightning as integration
 
     return lightning_models, integration

@@ -17,94 +17,15 @@ import pytest
 import torch
 
 import hookprof
-from conftest import parse, samples, scrape
-from hookprof.demo import InjectNonFinite
-from lagging_device import lagging_device
-from models import DeepNet, loss_of, seeded
+from support.closures import OPTIMIZERS, closure_loop
+from support.compare import assert_same, finite
+from support.inject import BadBatch, StepInjector
+from support.lagging_device import lagging_device
+from support.metrics import parse, samples, scrape
+from support.models import DeepNet, loss_of, seeded
+from support.settings import RARELY
 
-RARELY = dict(port=0, sample_every=1000, min_sample_interval_s=3600.0)  # step 1 only
 BAD_STEP = 4
-
-
-def evaluation_injector(model, at: set[tuple[int, int]]) -> InjectNonFinite:
-    """NaN out of blocks.1.act on the given (step, call of the closure within it): the
-    closure sets `.step` before its forward, so hookprof's replay of that call reproduces it."""
-    return InjectNonFinite(model.blocks[1].act, at, count_calls=False)
-
-
-def closure_loop(model, opt, steps: int, injector=None, *, hide_nonfinite: bool = False,
-                 skip_steps: frozenset = frozenset(), stop_before: int | None = None,
-                 closure_returns_loss: bool = True) -> list:
-    """`opt.step(closure)` each step, the closure doing zero_grad, forward and backward.
-    `hide_nonfinite`: the reference's own skip (a non-finite evaluation leaves no gradient,
-    which every torch.optim optimizer takes as "leave this parameter and its state alone").
-    Returns what each opt.step returned, with what its closure returned first."""
-    g = torch.Generator().manual_seed(0)
-    returned = []
-    for step in range(1, steps + 1):
-        batch = model.batch(g)
-        if step == stop_before:
-            return returned
-        if step in skip_steps:
-            continue
-        calls = [0]
-        results = []
-
-        def closure(step=step, batch=batch, calls=calls, results=results):
-            calls[0] += 1
-            if injector is not None:
-                injector.step = (step, calls[0])
-            opt.zero_grad(set_to_none=True)
-            loss = loss_of(model, batch)
-            loss.backward()
-            if hide_nonfinite and not torch.isfinite(loss):
-                for p in model.parameters():
-                    p.grad = None
-            results.append(loss)
-            return loss if closure_returns_loss else None
-
-        out = opt.step(closure)
-        returned.append((results[0], out))
-    return returned
-
-
-class SharpnessAware(torch.optim.Optimizer):
-    """SAM (Foret et al., 2021) as closure optimizers are written: evaluate at w, climb to
-    w + rho * g / |g|, evaluate there, come back, and take a momentum SGD step with the
-    gradient found up there. Like torch.optim, it leaves a parameter without a gradient alone."""
-
-    def __init__(self, params, lr: float = 0.05, rho: float = 0.05, momentum: float = 0.9):
-        super().__init__(params, dict(lr=lr, rho=rho, momentum=momentum))
-
-    @torch.no_grad()
-    def step(self, closure):
-        with torch.enable_grad():
-            loss = closure()
-        with_grad = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        climbs = []
-        if with_grad:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in with_grad]))
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        climb = p.grad * (group["rho"] / (norm + 1e-12))
-                        p.add_(climb)
-                        climbs.append((p, climb))
-        with torch.enable_grad():
-            closure()
-        for p, climb in climbs:
-            p.sub_(climb)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = p.grad.clone()
-                else:
-                    state["momentum_buffer"].mul_(group["momentum"]).add_(p.grad)
-                p.add_(state["momentum_buffer"], alpha=-group["lr"])
-        return loss
 
 
 class DelegatingSAM(torch.optim.Optimizer):
@@ -156,25 +77,17 @@ def test_skip_holds_back_a_closure_optimizer_that_delegates_its_update():
     back down from its climb and keep the climbed (NaN) weights: its update is its inner
     optimizer's, judged at that optimizer's pre-hook."""
     reference = seeded(DeepNet)
-    ref_opt = delegating_sam_loop(reference, 8, InjectNonFinite(reference.blocks[1].act, {BAD_STEP}, count_calls=False),
+    ref_opt = delegating_sam_loop(reference, 8, StepInjector(reference.blocks[1].act, {BAD_STEP}),
                                   skip_steps=frozenset({BAD_STEP}))
     model = seeded(DeepNet)
     with hookprof.attach(model, **RARELY, on_nonfinite="skip") as prof:
-        opt = delegating_sam_loop(model, 8, InjectNonFinite(model.blocks[1].act, {BAD_STEP}, count_calls=False))
+        opt = delegating_sam_loop(model, 8, StepInjector(model.blocks[1].act, {BAD_STEP}))
         prof.flush()
         snap = prof.snapshot()
     assert_same(reference, model)
     assert_same_state(ref_opt.base_optimizer, opt.base_optimizer)
     assert snap.held_back_updates == 1 and snap.step == 8
     assert (snap.first_nonfinite.layer, snap.first_nonfinite.step) == ("blocks.1.act", BAD_STEP)
-
-
-OPTIMIZERS = {
-    "lbfgs": lambda m: torch.optim.LBFGS(m.parameters(), lr=0.1, max_iter=4),
-    "lbfgs strong_wolfe": lambda m: torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4,
-                                                      line_search_fn="strong_wolfe"),
-    "sam": lambda m: SharpnessAware(m.parameters()),
-}
 
 
 def flat_state(opt) -> dict:
@@ -200,15 +113,6 @@ def assert_same_state(a_opt, b_opt) -> None:
             assert a[key] == b[key], key
 
 
-def assert_same(a_model, b_model) -> None:
-    for (name, a), b in zip(a_model.named_parameters(), b_model.parameters()):
-        assert torch.equal(a, b), name
-
-
-def finite(values) -> bool:
-    return all(torch.isfinite(torch.as_tensor(v)).all() for v in values if v is not None)
-
-
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
 def test_skip_holds_back_a_closure_step_whose_forward_went_nonfinite(kind):
     """A NaN made in blocks.1.act at step 4, in every evaluation of that step: the update
@@ -218,7 +122,7 @@ def test_skip_holds_back_a_closure_step_whose_forward_went_nonfinite(kind):
     make = OPTIMIZERS[kind]
     reference = seeded(DeepNet)
     ref_opt = make(reference)
-    closure_loop(reference, ref_opt, 9, evaluation_injector(reference, {(BAD_STEP, c) for c in range(1, 100)}),
+    closure_loop(reference, ref_opt, 9, StepInjector(reference.blocks[1].act, {(BAD_STEP, c) for c in range(1, 100)}),
                  hide_nonfinite=True)
     assert finite(reference.parameters())
 
@@ -226,7 +130,7 @@ def test_skip_holds_back_a_closure_step_whose_forward_went_nonfinite(kind):
     opt = make(model)
     attrs = set(vars(opt))
     prof = hookprof.attach(model, **RARELY, on_nonfinite="skip")
-    returned = closure_loop(model, opt, 9, evaluation_injector(model, {(BAD_STEP, c) for c in range(1, 100)}))
+    returned = closure_loop(model, opt, 9, StepInjector(model.blocks[1].act, {(BAD_STEP, c) for c in range(1, 100)}))
     prof.flush()
     snap = prof.snapshot()
     prof.detach()
@@ -262,12 +166,12 @@ def test_skip_holds_back_a_later_lbfgs_evaluation_that_went_nonfinite(kind):
     make = OPTIMIZERS[kind]
     reference = seeded(DeepNet)
     ref_opt = make(reference)
-    closure_loop(reference, ref_opt, 8, evaluation_injector(reference, {(BAD_STEP, 3)}), hide_nonfinite=True)
+    closure_loop(reference, ref_opt, 8, StepInjector(reference.blocks[1].act, {(BAD_STEP, 3)}), hide_nonfinite=True)
 
     model = seeded(DeepNet)
     opt = make(model)
     prof = hookprof.attach(model, **RARELY, on_nonfinite="skip")
-    closure_loop(model, opt, 8, evaluation_injector(model, {(BAD_STEP, 3)}))
+    closure_loop(model, opt, 8, StepInjector(model.blocks[1].act, {(BAD_STEP, 3)}))
     prof.flush()
     snap = prof.snapshot()
     prof.detach()
@@ -291,7 +195,7 @@ def test_raise_stops_a_closure_step_before_its_update(kind):
     prof = hookprof.attach(model, **RARELY, on_nonfinite="raise")
     try:
         with pytest.raises(hookprof.NonFiniteError) as info:
-            closure_loop(model, opt, 9, evaluation_injector(model, {(BAD_STEP, c) for c in range(1, 100)}))
+            closure_loop(model, opt, 9, StepInjector(model.blocks[1].act, {(BAD_STEP, c) for c in range(1, 100)}))
     finally:
         prof.detach()
     assert (info.value.layer, info.value.phase, info.value.step) == ("blocks.1.act", "forward", BAD_STEP)
@@ -317,7 +221,7 @@ def test_skip_with_a_closure_that_returns_none_and_one_that_raises():
     the gradients its own closure made."""
     reference = seeded(DeepNet)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-    closure_loop(reference, ref_opt, 9, evaluation_injector(reference, {(BAD_STEP, 1)}),
+    closure_loop(reference, ref_opt, 9, StepInjector(reference.blocks[1].act, {(BAD_STEP, 1)}),
                  hide_nonfinite=True, closure_returns_loss=False)
 
     model = seeded(DeepNet)
@@ -328,14 +232,14 @@ def test_skip_with_a_closure_that_returns_none_and_one_that_raises():
 
 
 def closure_steps_that_return_none_or_raise(model, opt, reference, ref_opt, prof):
-    returned = closure_loop(model, opt, 9, evaluation_injector(model, {(BAD_STEP, 1)}),
+    returned = closure_loop(model, opt, 9, StepInjector(model.blocks[1].act, {(BAD_STEP, 1)}),
                             closure_returns_loss=False)
     assert all(out is None for _, out in returned)
     assert_same(reference, model)
     assert_same_state(ref_opt, opt)
 
     batch = model.batch(torch.Generator().manual_seed(1))
-    injector = evaluation_injector(model, {"raising"})
+    injector = StepInjector(model.blocks[1].act, {"raising"})
 
     def failing():
         injector.step = "raising"
@@ -367,28 +271,9 @@ def closure_steps_that_return_none_or_raise(model, opt, reference, ref_opt, prof
     assert prof.snapshot().held_back_updates == 2
 
 
-class BadBatch:
-    """blocks.2.fc's output goes NaN whenever one particular batch runs through the model
-    (a data-dependent overflow), so it recurs when that batch's forward is replayed later."""
-
-    def __init__(self, model):
-        self.poisoned = None
-        self._current = None
-        model.register_forward_pre_hook(self._note)
-        model.blocks[2].fc.register_forward_hook(self._poison)
-
-    def _note(self, module, args):
-        self._current = args[0]
-
-    def _poison(self, module, args, output):
-        if self.poisoned is not None and self._current is self.poisoned:
-            return output * float("nan")
-        return None
-
-
 def fused_closure_loop(model, steps: int, bad_step: int, skip_steps=frozenset()):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
-    bad = BadBatch(model)
+    bad = BadBatch(model, model.blocks[2].fc)
     g = torch.Generator().manual_seed(0)
     for step in range(1, steps + 1):
         inputs, target = model.batch(g)
@@ -442,7 +327,8 @@ def test_lightning_automatic_optimization_skip_holds_back_step_7(tmp_path):
     training goes on to step 12 with finite weights, bit for bit as a run whose
     on_before_optimizer_step dropped step 7's gradients, and one held-back update is on
     the /metrics page."""
-    from lightning_models import NanAt, Regressor, SetStep, fit
+    from support.inject import NanAt
+    from support.lightning_models import Regressor, SetStep, fit
 
     class DropsGradientsAt(Regressor):  # the reference skips step 7's update itself
         def on_before_optimizer_step(self, optimizer):
@@ -485,11 +371,11 @@ def test_on_a_device_steps_behind_a_non_fused_closure_step_needs_the_opt_in_wait
     make = OPTIMIZERS["lbfgs"]
     bad = {(BAD_STEP, c) for c in range(1, 100)}
     reference = seeded(DeepNet)
-    closure_loop(reference, make(reference), 7, evaluation_injector(reference, bad), hide_nonfinite=sync)
+    closure_loop(reference, make(reference), 7, StepInjector(reference.blocks[1].act, bad), hide_nonfinite=sync)
     model = seeded(DeepNet)
     with lagging_device(2) as device:
         with hookprof.attach(model, **RARELY, on_nonfinite="skip", nonfinite_sync=sync) as prof:
-            closure_loop(model, make(model), 7, evaluation_injector(model, bad))
+            closure_loop(model, make(model), 7, StepInjector(model.blocks[1].act, bad))
             prof.flush()
             snap = prof.snapshot()
     for a, b in zip(reference.parameters(), model.parameters()):  # NaN where the reference has it
@@ -503,14 +389,14 @@ def test_on_a_device_steps_behind_a_non_fused_closure_step_needs_the_opt_in_wait
 def gpu_closure_run(model, opt, steps: int, bad) -> None:
     """test_gpu_nonfinite's loop with the forward and backward in a closure, under
     set_sync_debug_mode("error"): a sync that hookprof added raises."""
-    from test_gpu_nonfinite import BAD_STEP as GPU_BAD_STEP
-    from test_gpu_nonfinite import _no_sync
+    from support.cuda import BAD_STEP as GPU_BAD_STEP
+    from support.cuda import no_sync
 
     g = torch.Generator(device="cuda").manual_seed(1)
     xs = [torch.randn(32, 64, device="cuda", generator=g) for _ in range(steps)]
     ys = [torch.randn(32, 1, device="cuda", generator=g) for _ in range(steps)]
     torch.cuda.synchronize()
-    with _no_sync():
+    with no_sync():
         for step, (x, y) in enumerate(zip(xs, ys), 1):
             if step == GPU_BAD_STEP:
                 bad.poisoned = x
@@ -530,12 +416,11 @@ def test_cuda_fused_closure_step_is_held_back_on_the_device_without_a_sync(polic
     """On a real GPU, fused AdamW given a closure: the bad step's flag goes to the kernel
     through found_inf, set when the closure returns; the producer is named once the flag
     arrives, with intact weights, and no sync is added."""
-    from test_gpu_nonfinite import BAD_STEP as GPU_BAD_STEP
-    from test_gpu_nonfinite import BadBatch as GpuBadBatch
-    from test_gpu_nonfinite import setup
+    from support.cuda import BAD_STEP as GPU_BAD_STEP
+    from support.cuda import setup
 
     model, opt = setup(fused=True)
-    bad = GpuBadBatch(model, model.blocks[3][1])
+    bad = BadBatch(model, model.blocks[3][1])
     prof = hookprof.attach(model, **RARELY, on_nonfinite=policy)
     try:
         if policy == "raise":

@@ -1,5 +1,5 @@
 """The opt-in wait (`nonfinite_sync=True`) and the guard's bookkeeping, on a device that runs
-steps behind the host (tests/lagging_device.py): what the training thread waits for, and
+steps behind the host (tests/support/lagging_device.py): what the training thread waits for, and
 what the update guard and the forward replay keep between steps."""
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ import pytest
 import torch
 
 import hookprof
-from lagging_device import lagging_device
-from models import DeepNet, loss_of, seeded
-from test_update_guard import BadBatch, momentum_sgd
+from hookprof import _testing
+from support.inject import BadBatch, StepInjector
+from support.lagging_device import lagging_device
+from support.models import DeepNet, loss_of, seeded
+from support.optimizers import momentum_sgd
+from support.settings import RARELY
 
-RARELY = dict(port=0, sample_every=1000, min_sample_interval_s=3600.0)  # step 1 only
 BAD_STEP = 6
 
 
@@ -75,7 +77,7 @@ def test_whether_a_closure_optimizer_delegates_is_worked_out_once_and_held_weakl
     import weakref
 
     import hookprof.nonfinite.guard
-    from test_closure_guard import OPTIMIZERS, closure_loop
+    from support.closures import OPTIMIZERS, closure_loop
 
     answers: list[bool] = []
     original = hookprof.nonfinite.guard.delegates_update
@@ -106,7 +108,7 @@ def ops_per_unsampled_step_on_a_device(policy: str, make_opt, depth: int = 3):
     import copy
 
     from hookprof.step.gradients import GradientNorms
-    from test_host_cost import counted_step, one_step
+    from support.op_counter import counted_step, one_step
 
     base = seeded(DeepNet, depth=depth)
     batch = base.batch(torch.Generator().manual_seed(0))
@@ -155,8 +157,6 @@ def test_two_forwards_of_a_step_on_a_device_count_the_step_once():
     """A model called twice per step (siamese, a discriminator on real and fake), its first
     call's output non-finite at step 4 only: the device flags of both calls fold into one,
     so the step counts once, at step 4."""
-    from test_incidents import StepInjector
-
     model = seeded(DeepNet)
     injector = StepInjector(model.blocks[2].fc, {4})
     opt = momentum_sgd(model)
@@ -193,8 +193,6 @@ def test_a_late_replay_that_fails_leaves_nothing_swapped_in(where, monkeypatch):
     import gc
     import weakref
 
-    from hookprof.nonfinite.replay import ForwardReplay
-
     import logging
 
     # the logged error's traceback (its frames' locals) would hold the inputs for a log
@@ -207,7 +205,7 @@ def test_a_late_replay_that_fails_leaves_nothing_swapped_in(where, monkeypatch):
             failed.append(step)
             raise RuntimeError("injected: the replay failed")
 
-        monkeypatch.setattr(ForwardReplay, "_run", failing_run)
+        monkeypatch.setattr(*_testing.replay_run_seam(), failing_run)
     model = seeded(DeepNet)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     bad = BadBatch(model, model.blocks[2].fc)
@@ -215,7 +213,7 @@ def test_a_late_replay_that_fails_leaves_nothing_swapped_in(where, monkeypatch):
         prof = hookprof.attach(model, **RARELY, on_nonfinite="skip")
         if where == "in its forward":
             def fail_in_replay(module, args):
-                if prof._hooks.replaying:
+                if _testing.replaying(prof):
                     failed.append(step)
                     raise RuntimeError("injected: the replay failed")
 
@@ -232,7 +230,7 @@ def test_a_late_replay_that_fails_leaves_nothing_swapped_in(where, monkeypatch):
                 opt.step()
                 del inputs, target
                 if failed and failed[-1] == step:
-                    bad.poisoned = bad._current = None  # (the test's own references)
+                    bad.poisoned = bad.current = None  # (the test's own references)
                     gc.collect()
                     # the failing step is over: the kept step's inputs are nobody's
                     assert kept() is None, "the kept step's inputs are still held"

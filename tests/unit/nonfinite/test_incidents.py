@@ -12,16 +12,10 @@ import torch
 import hookprof
 from hookprof import NonFiniteEvent
 from hookprof.device import transfer
-from hookprof.demo import InjectNonFinite
-from models import DeepNet, loss_of, seeded
-
-RARELY = dict(port=0, sample_every=1000, min_sample_interval_s=3600.0)  # step 1 only
-
-
-def StepInjector(module, at: set[int], value: float = float("nan")) -> InjectNonFinite:
-    """Keyed by the training step (run() sets .step), not by call count, so a replay of the
-    step reproduces it, as it reproduces a NaN that comes from the data or the parameters."""
-    return InjectNonFinite(module, at, value, count_calls=False)
+from support.inject import StepInjector
+from support.models import DeepNet, loss_of, scaler_loop, seeded
+from support.settings import RARELY
+from support.waiting import wait_for
 
 
 def run(model, steps, prof=None, injector=None, poison=None, loss_override=None):
@@ -107,8 +101,9 @@ def test_counters_reach_the_exporter_with_the_next_sample():
         assert prof.snapshot().step == 2
         assert prof.snapshot().nonfinite_steps["backward"] == 0  # ... not its device counters
         run(model, 2, prof=prof)  # step 4 is sampled and carries the counters
-        snap = wait_for(lambda: (lambda s: s if s.step == 4 and s.nonfinite_steps["backward"] else None)(
-            prof.snapshot()))
+        snap = wait_for("step 4's counters published", lambda: (
+            lambda s: s if s.step == 4 and s.nonfinite_steps["backward"] else None)(prof.snapshot()),
+            interval=0.02, retry_errors=False)
     assert snap.first_nonfinite == NonFiniteEvent("head", "backward", 2)
     assert snap.nonfinite_steps["backward"] >= 1
 
@@ -128,16 +123,6 @@ def test_flush_brings_the_counters_over_without_a_sample():
     assert snap.step == 3 and snap.sampled_steps == 1
     assert snap.first_nonfinite == NonFiniteEvent("head", "backward", 2)
     assert snap.nonfinite_steps["backward"] == 2  # steps 2 and 3 (the NaN reached the weights)
-
-
-def wait_for(check, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 def test_raise_policy_stops_at_the_next_step_boundary():
@@ -203,26 +188,10 @@ def test_policies_that_keep_training_never_disturb_it(policy, tmp_path):
     assert_same_parameters(reference, model)
 
 
-def scaler_run(model, steps, prof, overflow_at):
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(0)
-    for step in range(1, steps + 1):
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_of(model, model.batch(g))
-        if step in overflow_at:
-            loss = loss * 1e38  # the scaled gradients overflow
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    return scaler
-
-
 def test_gradscaler_skip_is_not_an_incident():
     model = seeded(DeepNet)
     prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0)
-    scaler_run(model, 6, prof, overflow_at={3})
+    scaler_loop(model, torch.optim.SGD(model.parameters(), lr=0.01), 6, overflow_at={3})
     prof.detach()
     snap = prof.snapshot()
     assert snap.skipped_steps == 1
@@ -237,7 +206,8 @@ def test_gradscaler_skip_is_not_an_incident():
 def test_persistent_gradscaler_skipping_becomes_an_incident():
     model = seeded(DeepNet)
     prof = hookprof.attach(model, port=0, max_skipped_steps=3)
-    scaler_run(model, 8, prof, overflow_at=set(range(2, 9)))  # steps 2-8 all overflow
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler_loop(model, opt, 8, overflow_at=set(range(2, 9)))  # steps 2-8 all overflow
     model.zero_grad(set_to_none=True)  # the next iteration begins: its forward closes step 8
     model(model.batch(torch.Generator())[0])
     prof.detach()
@@ -254,7 +224,7 @@ def test_vanishing_and_exploding_gradients_are_flagged_per_layer():
 
     def record(step, m):  # the gradient norms hookprof reads at this step, computed apart
         for name, module in m.named_modules():
-            grads = [p.grad.flatten() for p in module._parameters.values() if p is not None]
+            grads = [p.grad.flatten() for p in module.parameters(recurse=False)]
             if grads:
                 reference.setdefault(name, []).append(torch.linalg.vector_norm(torch.cat(grads)).item())
 

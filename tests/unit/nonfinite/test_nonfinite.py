@@ -10,7 +10,7 @@ import pytest
 import hookprof
 from hookprof.demo import InjectNonFinite
 from hookprof.step.hooks import ZERO_SAMPLE
-from models import DeepNet, seeded, train
+from support.models import DeepNet, seeded, train
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])

@@ -6,13 +6,14 @@ script is the GPU measurement (bench/gpu_session.sh measure)."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+from support.paths import BENCH
+
+sys.path.insert(0, BENCH)
 
 import nonfinite_latency as bench  # noqa: E402
 

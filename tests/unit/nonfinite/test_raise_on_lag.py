@@ -1,8 +1,8 @@
-"""Issue 12 on a device that runs steps behind the host (tests/lagging_device.py): how soon
-`raise` and `skip` act once the one-value flag of a forward NaN arrives, which layer they
-name, and that a replay on weights that already took the NaN update names none.
+"""Issue 12 on a device that runs steps behind the host (tests/support/lagging_device.py): how
+soon `raise` and `skip` act once the one-value flag of a forward NaN arrives, which layer
+they name, and that a replay on weights that already took the NaN update names none.
 
-The NaN comes from one particular batch (test_update_guard.BadBatch, a data-dependent
+The NaN comes from one particular batch (support.inject.BadBatch, a data-dependent
 overflow in blocks.1.act at step 5), so the late replay of that step's kept inputs makes it
 again; a NaN keyed on the loop's step counter would not recur a few steps later."""
 
@@ -14,20 +14,18 @@ import pytest
 import torch
 
 import hookprof
-from lagging_device import lagging_device
-from models import DeepNet, loss_of, seeded
-from test_update_guard import BadBatch
+from support.inject import BadBatch
+from support.lagging_device import lagging_device
+from support.models import DeepNet, loss_of, seeded
+from support.optimizers import adam
+from support.settings import RARELY
 
 BAD_STEP = 5
 PRODUCER = "blocks.1.act"
 STEPS = 40
 # the defaults, with sampling off after step 1: the NaN step and the ones after it are
 # unsampled, so only the flag, the drain and the replay can tell
-SETTINGS = dict(port=0, sample_every=1000, min_sample_interval_s=3600.0)
-
-
-def adam(model, fused: bool) -> torch.optim.Optimizer:
-    return torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused, foreach=not fused)
+SETTINGS = RARELY
 
 
 def run(policy: str, fused: bool, lag: int, sync: bool = False, stop_when_named: bool = False):
@@ -35,7 +33,7 @@ def run(policy: str, fused: bool, lag: int, sync: bool = False, stop_when_named:
     it was raised or the snapshot first named a layer (None: never), snapshot after flush,
     the model, the optimizer, threads that waited for the device in the loop)."""
     model = seeded(DeepNet)
-    opt = adam(model, fused)
+    opt = adam(model, "fused" if fused else "foreach")
     bad = BadBatch(model, model.blocks[1].act)
     g = torch.Generator().manual_seed(0)
     error, at = None, None

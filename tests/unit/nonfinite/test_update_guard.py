@@ -1,7 +1,7 @@
 """Issue 12 on the CPU: GradScaler skips of fused optimizers counted exactly, non-finite
 updates held back (on_nonfinite "skip"/"raise"), and the same logic on an emulated device
-that runs steps behind the host (tests/lagging_device.py). The cuda twins are in
-tests/test_gpu_nonfinite.py."""
+that runs steps behind the host (tests/support/lagging_device.py). The cuda twins are in
+tests/gpu/test_gpu_nonfinite.py."""
 
 from __future__ import annotations
 
@@ -9,39 +9,12 @@ import pytest
 import torch
 
 import hookprof
-from lagging_device import lagging_device
-from models import DeepNet, loss_of, seeded
-from test_incidents import StepInjector
-
-EVERY_STEP = dict(port=0, sample_every=1, min_sample_interval_s=0.0)
-RARELY = dict(port=0, sample_every=1000, min_sample_interval_s=3600.0)  # step 1 only
-
-
-def adam(model, kind: str) -> torch.optim.Optimizer:
-    return torch.optim.Adam(model.parameters(), lr=1e-3, **{kind: True})
-
-
-def scaler_loop(model, opt, steps: int, overflow_at: set[int], on_step=None) -> int:
-    """fp16 autocast + GradScaler; the scaled gradients overflow at `overflow_at`. Returns
-    how many steps the scaler itself skipped (its scale went down), counted apart."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    g = torch.Generator().manual_seed(0)
-    skipped = 0
-    for step in range(1, steps + 1):
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_of(model, model.batch(g))
-        if step in overflow_at:
-            loss = loss * 1e38
-        scaler.scale(loss).backward()
-        if on_step is not None:
-            on_step(step, scaler.get_scale())
-        before = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        skipped += scaler.get_scale() < before
-    return skipped
-
+from support.compare import assert_same
+from support.inject import BadBatch, StepInjector
+from support.lagging_device import lagging_device
+from support.models import DeepNet, loss_of, scaler_loop, seeded
+from support.optimizers import adam, momentum_sgd
+from support.settings import EVERY_STEP, RARELY
 
 @pytest.mark.parametrize("kind", ["fused", "foreach"])
 def test_gradscaler_skips_are_counted_exactly_and_are_no_incident(kind):
@@ -95,15 +68,6 @@ def train(model, opt, steps: int, injector=None, skip_update_at: frozenset = fro
             opt.step()
 
 
-def assert_same(a_model, b_model):
-    for a, b in zip(a_model.parameters(), b_model.parameters()):
-        assert torch.equal(a, b)
-
-
-def momentum_sgd(model):
-    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-
 @pytest.mark.parametrize("make_opt", [momentum_sgd, lambda m: adam(m, "fused"),
                                       lambda m: adam(m, "foreach")],
                          ids=["sgd", "fused adam", "foreach adam"])
@@ -143,25 +107,6 @@ def test_raise_policy_stops_before_the_weights_are_hit():
     assert_same(reference, model)  # step 4's update never happened
     for state in opt.state.values():  # nor did it reach the momentum buffers
         assert torch.isfinite(state["momentum_buffer"]).all()
-
-
-class BadBatch:
-    """`layer`'s output goes NaN whenever one particular batch runs through the model (a
-    data-dependent overflow), so it recurs when that batch's forward is replayed later."""
-
-    def __init__(self, model, layer):
-        self.poisoned: torch.Tensor | None = None
-        self._current: torch.Tensor | None = None
-        model.register_forward_pre_hook(self._note)
-        layer.register_forward_hook(self._poison)
-
-    def _note(self, module, args):
-        self._current = args[0]
-
-    def _poison(self, module, args, output):
-        if self._current is not None and self._current is self.poisoned:
-            return output * float("nan")
-        return None
 
 
 def train_with_bad_batch(model, opt, steps: int, bad_step: int, skip_update_at=frozenset()):

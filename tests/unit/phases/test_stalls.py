@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import hookprof
-from conftest import parse, samples, scrape
-from models import DeepNet, seeded
-from stalling import Sleeper, SlowItems
+from hookprof import _testing
+from support.metrics import parse, samples, scrape
+from support.models import DeepNet, seeded
+from support.stalling import Sleeper, SlowItems
 
 FAST = dict(port=0, stall_min_s=0.3, stall_factor=5.0, stall_warmup_steps=2, publish_interval_s=0.1)
 # for the tests that expect no stall: a floor no step of these small models reaches, even on
@@ -191,7 +192,7 @@ def test_threshold_is_factor_times_the_median_within_floor_and_ceiling():
     assert watch.check(now + 21 * s) is None and watch.stall is None
     # the ceiling: a phase whose typical duration is huge still stalls at stall_max_s
     for _ in range(40):
-        watch._typical[FORWARD].append(100.0)
+        _testing.typical_phase_seconds(watch, FORWARD).append(100.0)
     assert watch.threshold(FORWARD) == 30.0
 
 

@@ -10,20 +10,8 @@ import torch
 from torch import nn
 
 import hookprof
-from conftest import parse, samples, scrape
-
-MS = 1_000_000  # ns
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 10 * MS
-
-    def __call__(self) -> int:
-        return self.now
-
-    def advance(self, ms: int) -> None:
-        self.now += ms * MS
+from support.metrics import parse, samples, scrape
+from support.phase_clock import FakeClock, phases
 
 
 class TimedNet(nn.Module):
@@ -59,13 +47,6 @@ torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # wraps SGD.step 
 def profiler(model, clock, **overrides):
     config = hookprof.Config(port=0, stall_detection=False, **overrides)
     return hookprof.Profiler(model, config, clock=clock)
-
-
-def phases(prof) -> dict[str, float]:
-    prof.flush()
-    snap = prof.snapshot()
-    assert snap.phase_steps == snap.step
-    return {k: round(v * 1e3, 6) for k, v in snap.phase_seconds.items()}
 
 
 def test_plain_loop_with_prof_step():

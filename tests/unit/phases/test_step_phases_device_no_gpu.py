@@ -1,6 +1,6 @@
 """hookprof_step_phase_device_seconds with stand-in CUDA events: there is no GPU here.
 
-The profiler runs with the real CudaEventTimer over tests/fake_gpu.py's events, stamped by a
+The profiler runs with the real CudaEventTimer over tests/support/fake_gpu.py's events, stamped by a
 simulated stream (fake_gpu.QueuedDevice): the model, the loop and the optimizer advance the
 host's fake clock and launch "kernels" of known lengths, and an event's time is when the
 stream reaches it (max of the host's time and the end of the work queued before it). The
@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 import hookprof
-from conftest import parse, promtool, samples, scrape
-from fake_gpu import FakeStream, QueuedDevice
 from hookprof.device.timing import CudaEventTimer
-from test_step_phases import FakeClock, phases
+from support.binaries import promtool
+from support.fake_gpu import FakeStream, QueuedDevice
+from support.metrics import parse, samples, scrape
+from support.phase_clock import FakeClock, phases
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 

@@ -12,10 +12,10 @@ import tracemalloc
 import pytest
 import torch
 
+from hookprof.device.timing import CpuTimer
 from hookprof.publish.aggregate import Aggregator
 from hookprof.publish.history import RERANK_POINTS, History
 from hookprof.step.record import StepCounters, pack_step
-from hookprof.device.timing import CpuTimer
 
 
 def step_seconds(step: int) -> float:

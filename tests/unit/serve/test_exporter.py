@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import hookprof
-from conftest import parse, promtool, samples, scrape
 from hookprof.demo import InjectNonFinite
-from models import DeepNet, MixedNet, seeded, train
+from support.binaries import promtool
+from support.metrics import parse, samples, scrape
+from support.models import DeepNet, MixedNet, seeded, train
 
 # DESIGN.md's metric contract: name -> (type, label names). GPU metrics belong to the
 # system collector and need NVML.

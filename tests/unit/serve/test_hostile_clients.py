@@ -20,8 +20,10 @@ import pytest
 import torch
 
 import hookprof
-from conftest import free_port, parse, samples, scrape
-from models import DeepNet, mse_step, seeded
+from hookprof import _testing
+from support.metrics import parse, samples, scrape
+from support.models import DeepNet, mse_step, seeded
+from support.ports import free_port
 
 LIMITS = dict(http_max_requests=4, http_max_connections=32, http_header_timeout_s=1.0,
               http_idle_timeout_s=1.0, http_write_timeout_s=1.0)
@@ -36,30 +38,30 @@ class Trainer:
 
     def __init__(self, model, prof):
         self.model, self.prof, self.steps = model, prof, 0
-        self._stop = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="test-trainer", daemon=True)
-        self._thread.start()
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self.run, name="test-trainer", daemon=True)
+        self.thread.start()
         deadline = time.monotonic() + 60
-        while self.steps < 3 and self._thread.is_alive() and time.monotonic() < deadline:
+        while self.steps < 3 and self.thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
         self.started_with = self.steps
 
-    def _run(self):
+    def run(self):
         g = torch.Generator().manual_seed(0)
         opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
         try:
-            while not self._stop.is_set():
+            while not self.stopping.is_set():
                 self.prof.step(mse_step(self.model, opt, *self.model.batch(g)))
                 self.steps += 1
                 time.sleep(0.001)  # a data loader's pause; the server still competes for the GIL
         except BaseException as exc:  # surfaced by stop()
-            self._error = exc
+            self.error = exc
 
     def stop(self) -> int:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        assert not self._thread.is_alive() and self._error is None, self._error
+        self.stopping.set()
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive() and self.error is None, self.error
         return self.steps
 
 
@@ -142,8 +144,8 @@ def serving(pki, tls: bool, **tls_fields):
         yield Endpoint(prof, trainer, context)
     finally:
         if trainer is not None:
-            trainer._stop.set()
-            trainer._thread.join(timeout=10)
+            trainer.stopping.set()
+            trainer.thread.join(timeout=10)
         prof.detach()
 
 
@@ -330,7 +332,7 @@ def test_mutual_tls_with_a_wrong_or_missing_client_certificate(pki):
 
 def test_more_concurrent_requests_than_the_bound_are_answered_503_at_once(endpoint):
     # requests beyond http_max_requests: 503 straight away, never a queue of threads
-    page = endpoint.prof._server.page
+    page = _testing.metrics_page(endpoint.prof)
     release = threading.Event()
     original = page.get
 
@@ -407,7 +409,7 @@ def test_write_deadline_closes_a_client_that_stops_reading(pki):
                 # on through the small window: waiting for the end would take minutes)
                 assert rejected == ["write_timeout"], rejected
                 assert time.monotonic() - start < 3.0
-                assert got >= 1 and not server._open  # it had begun, and nothing is held
+                assert got >= 1 and not _testing.open_connections(server)  # it had begun, and nothing is held
         finally:
             server.shutdown()
             server.server_close()
@@ -449,10 +451,10 @@ def test_fork_workers_close_the_port_and_after_detach_it_is_free_at_once():
     loader = torch.utils.data.DataLoader(SocketsOfTheWorker(), batch_size=None, num_workers=2,
                                          persistent_workers=True, multiprocessing_context="fork")
     try:
-        listening = os.fstat(prof._server._server.socket.fileno()).st_ino
+        listening = os.fstat(_testing.http_server(prof).socket.fileno()).st_ino
         assert listening in socket_inodes()
         items = list(loader)  # the workers fork from a process that is serving
-        workers = loader._iterator._workers
+        workers = loader._iterator._workers  # torch's: no public list of a DataLoader's workers
         assert {int(t[0]) for t in items} == {w.pid for w in workers}
         for item in items:
             assert listening not in item[1:].tolist()  # each worker closed its copy
@@ -472,8 +474,8 @@ def test_fork_workers_close_the_port_and_after_detach_it_is_free_at_once():
         assert all(w.is_alive() for w in workers)
     finally:
         if trainer is not None:
-            trainer._stop.set()
-        if loader._iterator is not None:
+            trainer.stopping.set()
+        if loader._iterator is not None:  # torch's: persistent workers have no public shutdown
             loader._iterator._shutdown_workers()
         prof.detach()
         if again is not None:
@@ -481,17 +483,17 @@ def test_fork_workers_close_the_port_and_after_detach_it_is_free_at_once():
 
 
 def report_from_forked_child(prof, listening: int, queue) -> None:
-    server = prof._server
+    server = _testing.metrics_server(prof)
     server.restart()  # what the profiler's watchdog would do: nothing, in a child
-    queue.put({"forked": server._server.forked, "alive": server.alive, "restarts": server.restarts,
-               "listening_fd": server._server.socket.fileno(),
+    queue.put({"forked": _testing.http_server(prof).forked, "alive": server.alive, "restarts": server.restarts,
+               "listening_fd": _testing.http_server(prof).socket.fileno(),
                "holds_listening_socket": listening in socket_inodes()})
 
 
 @needs_proc
 def test_a_forked_child_never_serves():
     with hookprof.attach(seeded(DeepNet), port=0, **LIMITS) as prof:
-        listening = os.fstat(prof._server._server.socket.fileno()).st_ino
+        listening = os.fstat(_testing.http_server(prof).socket.fileno()).st_ino
         context = multiprocessing.get_context("fork")
         queue = context.Queue()
         child = context.Process(target=report_from_forked_child, args=(prof, listening, queue))

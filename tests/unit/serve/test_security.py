@@ -1,6 +1,7 @@
 """The metrics endpoint's security: loopback by default, TLS and mutual-TLS (client
-certificate), with certificates generated here (tests/certs.py, the `pki` fixture); and
-label values that survive any module name. Hostile clients: tests/test_hostile_clients.py."""
+certificate), with certificates generated here (tests/support/certs.py, the `pki` fixture);
+and label values that survive any module name. Hostile clients:
+tests/unit/serve/test_hostile_clients.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 from torch import nn
 
 import hookprof
-from conftest import parse, samples
+from hookprof import _testing
+from support.metrics import parse, samples
 
 
 def fetch(url, context=None):
@@ -32,7 +34,7 @@ def model():
 def test_default_bind_is_loopback():
     with hookprof.attach(model(), port=0) as prof:
         assert prof.url.startswith("http://127.0.0.1:")
-        assert prof._server._server.server_address[0] == "127.0.0.1"
+        assert _testing.http_server(prof).server_address[0] == "127.0.0.1"
 
 
 def test_tls_scrape_with_a_certificate_made_here(pki):

@@ -1,5 +1,5 @@
 """Host, process and GPU metrics through the real exporter. psutil and /proc are real; NVML
-and torch.cuda are stand-ins (tests/fake_gpu.py) only where a GPU would be needed."""
+and torch.cuda are stand-ins (tests/support/fake_gpu.py) only where a GPU would be needed."""
 
 from __future__ import annotations
 
@@ -16,8 +16,11 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 import hookprof
 import hookprof.serve.system as system
-from conftest import nvml_driver_present, parse, promtool, samples, scrape
-from fake_gpu import FakeCuda, FakeNvml
+from support.binaries import promtool
+from support.fake_gpu import FakeCuda, FakeNvml
+from support.hardware import nvml_driver_present
+from support.metrics import parse, samples, scrape
+from support.waiting import wait_for
 
 GPU_GAUGES = ["utilization_ratio", "memory_used_bytes", "memory_total_bytes", "power_watts",
               "temperature_celsius"]
@@ -25,16 +28,6 @@ GPU_GAUGES = ["utilization_ratio", "memory_used_bytes", "memory_total_bytes", "p
 
 def small_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-
-
-def wait_for(predicate, timeout: float = 10.0, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError("condition not met within %.1f s" % timeout)
 
 
 @pytest.fixture
@@ -47,8 +40,9 @@ def fake_nvml(monkeypatch):
 def test_host_and_process_metrics_match_psutil():
     with hookprof.attach(small_model(), port=0, system_interval_s=0.1) as prof:
         # the first CPU figure appears after one interval
-        f = wait_for(lambda: (lambda f: f if "hookprof_host_cpu_utilization_ratio" in f else None)(
-            parse(scrape(prof.url))))
+        f = wait_for("the first CPU figure", lambda: (
+            lambda f: f if "hookprof_host_cpu_utilization_ratio" in f else None)(parse(scrape(prof.url))),
+            interval=0.05, retry_errors=False)
         total = samples(f, "hookprof_host_memory_total_bytes")[frozenset()]
         available = samples(f, "hookprof_host_memory_available_bytes")[frozenset()]
         cpu = samples(f, "hookprof_host_cpu_utilization_ratio")[frozenset()]
@@ -61,7 +55,7 @@ def test_host_and_process_metrics_match_psutil():
         assert 0.0 <= cpu <= 1.0
         assert abs(rss - me.memory_info().rss) < 0.2 * rss  # the process allocates meanwhile
         assert abs(fds - me.num_fds()) <= 5
-        # GPU series only where NVML answers (their values: tests/test_gpu.py, marked cuda)
+        # GPU series only where NVML answers (their values: tests/gpu/test_gpu.py, marked cuda)
         assert ("hookprof_gpu_utilization_ratio" in f) == nvml_driver_present()
         if not torch.cuda.is_initialized():  # hookprof itself never initialises CUDA
             assert "hookprof_cuda_memory_allocated_bytes" not in f
@@ -127,9 +121,9 @@ def test_fake_nvml_no_gpu_values_labels_and_units_over_http(fake_nvml):
         first = samples(f, "hookprof_gpu_energy_joules", "hookprof_gpu_energy_joules_total")[key0]
         assert first >= 1000.0
         fake_nvml.devices[0]["util"] = 97
-        later = wait_for(lambda: (lambda f: f if samples(f, "hookprof_gpu_utilization_ratio").get(
+        later = wait_for("GPU 0 at 97%", lambda: (lambda f: f if samples(f, "hookprof_gpu_utilization_ratio").get(
             frozenset({"gpu": "0", "UUID": fake_nvml.devices[0]["uuid"]}.items())) == 0.97
-            else None)(parse(scrape(prof.url))))
+            else None)(parse(scrape(prof.url))), interval=0.05, retry_errors=False)
         assert samples(later, "hookprof_gpu_energy_joules", "hookprof_gpu_energy_joules_total")[key0] > first
     assert fake_nvml.init_calls == 1 and fake_nvml.shutdown_calls == 1  # detach shuts NVML down
 

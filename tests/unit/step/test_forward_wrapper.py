@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import hookprof
-from models import DeepNet, seeded, train
+from support.models import DeepNet, seeded, train
 
 
 def test_copies_of_an_instrumented_layer_run_their_own_parameters(every_step):

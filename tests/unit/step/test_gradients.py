@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hookprof
-from models import DeepNet, MixedNet, seeded, train
+from support.models import DeepNet, MixedNet, seeded, train
 
 # hookprof takes each parameter's norm in float32 and sums squares in float64; the reference
 # concatenates a layer's gradients and takes one float32 norm. They agree to float32 rounding.
@@ -21,8 +21,8 @@ def reference_layer_norms(model: torch.nn.Module) -> dict[str, float]:
     out, seen = {}, set()
     for name, module in model.named_modules():
         grads = []
-        for p in module._parameters.values():
-            if p is not None and id(p) not in seen:
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen:
                 seen.add(id(p))
                 if p.grad is not None:
                     grads.append(p.grad.flatten())

@@ -10,9 +10,7 @@ takes one BLAS dot per gradient, which is right for a CPU and is not what a GPU 
 
 from __future__ import annotations
 
-import copy
 import math
-from collections import Counter
 
 import pytest
 import torch
@@ -20,53 +18,14 @@ import torch
 import hookprof
 from hookprof import NonFiniteEvent
 from hookprof.step.gradients import GradientNorms
-from models import DeepNet, layer_norms, loss_of, seeded
-from op_counter import OpCounter
-
-RARELY = dict(port=0, sample_every=1000, min_sample_interval_s=3600.0)  # step 1 only
+from support.models import DeepNet, layer_norms, loss_of, seeded
+from support.op_counter import hookprof_ops_per_unsampled_step, one_step
+from support.settings import RARELY
 
 
 @pytest.fixture
 def accelerator_path(monkeypatch):
     monkeypatch.setattr(GradientNorms, "cpu_dot_per_tensor", False)
-
-
-def one_step(model, opt, batch, prof=None) -> torch.Tensor:
-    opt.zero_grad(set_to_none=True)
-    loss = loss_of(model, batch)
-    loss.backward()
-    opt.step()
-    if prof is not None:
-        prof.step(loss)
-    return loss
-
-
-def counted_step(model, opt, batch, prof=None) -> Counter[str]:
-    with OpCounter() as counter:
-        one_step(model, opt, batch, prof)
-    return counter.ops
-
-
-def hookprof_ops_per_unsampled_step(depth: int, warmup: int = 3, device: str = "cpu") -> Counter[str]:
-    """The ATen ops of one unsampled step with hookprof attached, less those of the same step
-    without it (two copies of one model, same batch)."""
-    base = seeded(DeepNet, depth=depth).to(device)
-    batch = tuple(t.to(device) for t in base.batch(torch.Generator().manual_seed(0)))
-    bare, watched = base, copy.deepcopy(base)
-    bare_opt = torch.optim.SGD(bare.parameters(), lr=0.0)  # lr 0: every step is the same step
-    watched_opt = torch.optim.SGD(watched.parameters(), lr=0.0)
-    prof = hookprof.attach(watched, **RARELY)
-    try:
-        for _ in range(warmup):  # step 1 is sampled; step 2 builds the cached plan
-            one_step(bare, bare_opt, batch)
-            one_step(watched, watched_opt, batch, prof)
-        with_ops = counted_step(watched, watched_opt, batch, prof)
-        without_ops = counted_step(bare, bare_opt, batch)
-        assert prof.snapshot().sampled_steps <= 1  # the counted step was not sampled
-    finally:
-        prof.detach()
-    assert not (without_ops - with_ops), "hookprof removed ops from the training step?"
-    return with_ops - without_ops
 
 
 def test_ops_per_unsampled_step_do_not_grow_with_parameters(accelerator_path):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from mark_counter import count_sampled_step
+from support.mark_counter import count_sampled_step
 
 
 def step_of(model: nn.Module, x: torch.Tensor):

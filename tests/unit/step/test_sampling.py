@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hookprof
 from hookprof.step.plan import Sampler
-from models import DeepNet, seeded, train
+from support.hooks_left import forward_hooks
+from support.models import DeepNet, seeded, train
 
 SECOND = 1_000_000_000
 
@@ -30,8 +31,7 @@ def test_no_layer_hooks_on_unsampled_steps():
 
     def count_hooks(step, m):
         # a layer is instrumented by a wrapper of its forward (an instance attribute)
-        seen.append(sum(len(mod._forward_hooks) + len(mod._forward_pre_hooks)
-                        + ("forward" in vars(mod)) for mod in m.modules()))
+        seen.append(sum(len(forward_hooks(mod)) + ("forward" in vars(mod)) for mod in m.modules()))
 
     with hookprof.attach(model, port=0, sample_every=4, min_sample_interval_s=0.0) as prof:
         train(model, 9, on_step=count_hooks)

@@ -14,76 +14,23 @@ import shutil
 import ssl
 import struct
 import subprocess
-import sys
 import time
 import urllib.request
 import zlib
-from html.parser import HTMLParser
 
 import pytest
 import torch
 
 import hookprof
-from conftest import read_until, require_binaries
-from hookprof.demo import DemoNet, InjectNonFinite
+from hookprof.demo import DemoNet
 from hookprof.view.report import from_json, history_url
 from hookprof.view.report_html import HEIGHT, PAD_B, PAD_T
-
-NAN_STEP = 40
-STEPS = 60
-
-
-class Elements(HTMLParser):
-    """Every start tag with its attributes, and the text of the page."""
-
-    def __init__(self, page: str):
-        super().__init__()
-        self.tags: list[tuple[str, dict[str, str]]] = []
-        self.text: list[str] = []
-        self.feed(page)
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append((tag, dict(attrs)))
-
-    def handle_startendtag(self, tag, attrs):
-        self.tags.append((tag, dict(attrs)))
-
-    def handle_data(self, data):
-        self.text.append(data)
-
-    def find(self, tag: str, **attrs: str) -> list[dict[str, str]]:
-        return [a for t, a in self.tags if t == tag and all(a.get(k) == v for k, v in attrs.items())]
-
-
-def number(text: str) -> float | None:
-    return None if text == "-" else math.inf if text == "NaN/Inf" else float(text)
-
-
-def train(steps: int = STEPS, nan_at: int = NAN_STEP, **overrides):
-    """DemoNet trained with every step sampled; mlp.0 outputs NaN at `nan_at`. Returns the
-    profiler (attached) and each step's loss as the loop saw it."""
-    torch.manual_seed(0)
-    model = DemoNet()
-    injector = InjectNonFinite(dict(model.named_modules())["mlp.0"], {nan_at}, count_calls=False)
-    prof = hookprof.attach(model, **{"port": 0, "sample_every": 1, "min_sample_interval_s": 0.0, **overrides})
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    generator = torch.Generator().manual_seed(0)
-    losses = []
-    for step in range(1, steps + 1):
-        injector.step = step
-        tokens, labels = model.batch(generator)
-        loss = torch.nn.functional.cross_entropy(model(tokens), labels)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        prof.step(loss)
-        losses.append(loss.item())
-    prof.flush()
-    return prof, losses
-
+from support.binaries import require_binaries
+from support.processes import hookprof_cmd, read_until
+from support.rendered import NAN_STEP, STEPS, Elements, demo_run, line_of, number
 
 def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
-    prof, losses = train()
+    prof, losses = demo_run()
     try:
         path = prof.report(str(tmp_path / "run.html"))
         doc = prof.report_document()
@@ -100,7 +47,7 @@ def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
 
     # the loss chart: the values the loop computed; NaN from the incident on drawn as marks
     (loss_chart,) = el.find("svg", **{"data-kind": "loss"})
-    loss_line = _line_of(el, loss_chart)
+    loss_line = line_of(el, loss_chart)
     drawn = [number(v) for v in loss_line["data-values"].split()]
     for step, (seen, want) in enumerate(zip(drawn, losses), start=1):
         if step < NAN_STEP:
@@ -112,7 +59,7 @@ def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
 
     # each chart's polyline: its y coordinates are its values on the axis it labels
     for svg in el.find("svg", **{"class": "chart"}):
-        line = _line_of(el, svg)
+        line = line_of(el, svg)
         ticks = _ticks_of(el, svg)
         lo, hi = ticks[0], ticks[-1]
         log = svg["data-log"] == "1"
@@ -155,16 +102,6 @@ def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
     assert "first in layer mlp.0" in "".join(el.text)
 
 
-def _line_of(el: Elements, svg: dict) -> dict:
-    seen = False
-    for tag, attrs in el.tags:
-        if attrs is svg:
-            seen = True
-        elif seen and tag == "polyline":
-            return attrs
-    raise AssertionError("chart without a line")
-
-
 def _ticks_of(el: Elements, svg: dict) -> list[float]:
     seen, ticks = False, []
     for tag, attrs in el.tags:
@@ -183,7 +120,7 @@ def _heat_cells(page: str) -> dict[str, list[str]]:
 
 
 def test_history_json_is_served_with_the_metrics(tmp_path):
-    prof, _ = train(steps=12, nan_at=0)
+    prof, _ = demo_run(steps=12, nan_at=0)
     try:
         with urllib.request.urlopen(history_url(prof.url), timeout=10) as response:
             assert response.headers["Content-Type"] == "application/json"
@@ -201,7 +138,7 @@ def test_history_json_is_served_with_the_metrics(tmp_path):
 
 def test_history_json_keeps_the_endpoints_tls_and_client_certificates(pki, tmp_path):
     cert, key = pki["server"]
-    prof, _ = train(steps=5, nan_at=0, tls_certfile=cert, tls_keyfile=key, tls_client_cafile=pki["ca"])
+    prof, _ = demo_run(steps=5, nan_at=0, tls_certfile=cert, tls_keyfile=key, tls_client_cafile=pki["ca"])
     try:
         url = prof.url
         out = tmp_path / "tls.html"
@@ -220,10 +157,6 @@ def test_history_json_keeps_the_endpoints_tls_and_client_certificates(pki, tmp_p
     assert "<polyline" in out.read_text()
     assert refused.returncode == 1 and "cannot read" in refused.stderr and "pass --cert and --key" in refused.stderr
     assert not (tmp_path / "no.html").exists()
-
-
-def hookprof_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "hookprof.cli", *args]
 
 
 @pytest.mark.slow
@@ -257,7 +190,7 @@ def test_the_cli_reports_a_running_demo(tmp_path):
     (first,) = el.find("p", **{"class": "bad first-offender"})
     assert (first["data-layer"], first["data-step"]) == ("mlp.0", "25")
     (loss_chart,) = el.find("svg", **{"data-kind": "loss"})
-    steps = [float(s) for s in _line_of(el, loss_chart)["data-steps"].split()]
+    steps = [float(s) for s in line_of(el, loss_chart)["data-steps"].split()]
     # every step sampled, from the first: a point per step, or per `stride` steps once the
     # demo ran past the history's size (it keeps the later step of two merged points)
     stride = int(steps[0])
@@ -267,7 +200,7 @@ def test_the_cli_reports_a_running_demo(tmp_path):
 
 
 def test_the_cli_says_why_when_nothing_serves(tmp_path):
-    from conftest import free_port
+    from support.ports import free_port
 
     result = subprocess.run(hookprof_cmd("report", f"127.0.0.1:{free_port()}", "-o", str(tmp_path / "x.html"),
                                          "--timeout", "5"), capture_output=True, text=True, timeout=120)
@@ -345,7 +278,7 @@ def test_a_real_browser_renders_the_page_without_errors(tmp_path):
     seen = run_chromium("--dump-dom", "--enable-logging=stderr", "--v=0", f"file://{control}", cwd=str(tmp_path))
     assert "no_such_function" in "".join(console_errors(seen.stderr)), seen.stderr[-2000:]
 
-    prof, _ = train(steps=30, nan_at=20)
+    prof, _ = demo_run(steps=30, nan_at=20)
     try:
         path = prof.report(str(tmp_path / "run.html"))
     finally:
@@ -370,12 +303,12 @@ def test_a_real_browser_renders_the_page_without_errors(tmp_path):
 
 
 def test_a_report_after_detach_and_under_hookprof_disable(tmp_path, monkeypatch):
-    prof, losses = train(steps=6, nan_at=0)
+    prof, losses = demo_run(steps=6, nan_at=0)
     prof.detach()
     page = open(prof.report(str(tmp_path / "after.html")), encoding="utf-8").read()
     el = Elements(page)
     (loss_chart,) = el.find("svg", **{"data-kind": "loss"})
-    drawn = [number(v) for v in _line_of(el, loss_chart)["data-values"].split()]
+    drawn = [number(v) for v in line_of(el, loss_chart)["data-values"].split()]
     assert [round(v, 5) for v in drawn] == [round(v, 5) for v in losses]
     assert "No NaN or Inf in any step so far" in page
 
@@ -387,7 +320,7 @@ def test_a_report_after_detach_and_under_hookprof_disable(tmp_path, monkeypatch)
 
 
 def test_one_endpoint_two_models_two_sections(tmp_path):
-    from conftest import free_port
+    from support.ports import free_port
     from hookprof.view.report import fetch
     from hookprof.view.report_html import render
 

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import hookprof
-from conftest import scrape
-from models import train
+from hookprof import _testing
 from hookprof.demo import DemoNet, InjectNonFinite
 from hookprof.serve.exporter import SnapshotCollector, make_registry, render
 from hookprof.snapshot import LayerStats, NonFiniteEvent, Snapshot
@@ -30,8 +29,12 @@ from hookprof.view.table import (
     sort_rows,
     with_rates,
 )
+from support.metrics import scrape
+from support.models import train
 
 INF = math.inf
+# the every_step fixture here also turns the system metrics off
+pytestmark = pytest.mark.every_step(system_metrics=False)
 
 
 def hand_snapshot(rank: int = 0) -> Snapshot:
@@ -250,12 +253,6 @@ def test_render_cuts_long_tables_and_says_so():
     assert lines[-1] == "... 35 more layers not shown"
 
 
-@pytest.fixture
-def every_step():
-    return {"sample_every": 1, "min_sample_interval_s": 0.0, "activation_interval_s": 0.0,
-            "port": 0, "system_metrics": False}
-
-
 def test_a_real_run_reads_the_same_from_its_page_and_its_snapshot(every_step):
     torch.manual_seed(0)
     model = DemoNet()
@@ -307,20 +304,18 @@ def test_detach_logs_a_summary_naming_the_first_offender(every_step, caplog):
 
 
 def test_summary_opt_out_and_nothing_left_watched(every_step, caplog):
-    from hookprof.view import summary
-
     model = DemoNet()
     prof = hookprof.attach(model, summary_at_exit=False, **every_step)
-    assert not summary._registered  # nothing watched: no exit hook
+    assert not _testing.summary_registered()  # nothing watched: no exit hook
     train(model, 2, prof=prof, explicit_step=True)
     with caplog.at_level(logging.INFO, logger="hookprof"):
         prof.detach()
     assert not [r for r in caplog.records if "hookprof summary" in r.getMessage()]
     prof = hookprof.attach(model, **every_step)
-    assert summary._registered and prof in summary._watched
+    assert _testing.summary_registered() and prof in _testing.summary_watched()
     prof.detach()
     # (atexit._ncallbacks() does not shrink on unregister in CPython: the flag is what tells)
-    assert not summary._registered and not summary._watched
+    assert not _testing.summary_registered() and not _testing.summary_watched()
 
 
 def test_disabled_profiler_reports_that_it_is_disabled():

@@ -4,6 +4,10 @@ Everything here reads (or, where a test must, swaps) a part of hookprof that is 
 Tests and bench/ call these functions instead of reaching into private attributes, so the
 parts can change their insides without breaking every test: when a part moves, the one
 function here that finds it moves with it. Not for users; nothing here is stable.
+
+The readers return what they find. The seams (`*_seam`) return (owner, attribute name) of
+something a test replaces, for `monkeypatch.setattr(*seam(), replacement)` or a
+getattr/setattr pair that puts the original back.
 """
 
 from __future__ import annotations
@@ -12,10 +16,38 @@ from typing import Any
 
 from hookprof.profiler import Profiler
 
+# -- a profiler's parts ----------------------------------------------------------------------
+
 
 def step_is_sampled(prof: Profiler) -> bool:
     """Is the step now in progress (or about to begin) a sampled one?"""
     return prof._sampled.plan.sampled
+
+
+def step_record(prof: Profiler) -> Any:
+    """The StepRecord the sampled step in progress writes (its calls, marks and gradient
+    events); None on an unsampled step."""
+    return prof._sampled.record
+
+
+def replaying(prof: Profiler) -> bool:
+    """Is a forward running now hookprof's replay of a step (to find a NaN's producer)?"""
+    return prof._hooks.replaying
+
+
+def counter_drain_seam(prof: Profiler) -> tuple[Any, str]:
+    """What flush() calls to bring the device's NaN counters over to the host."""
+    return prof, "_drain_counters"
+
+
+def live_profilers() -> list[Profiler]:
+    """Every profiler attached in this process and not yet detached."""
+    from hookprof import live
+
+    return live.profilers()
+
+
+# -- the endpoint ----------------------------------------------------------------------------
 
 
 def metrics_server(prof: Profiler) -> Any:
@@ -28,11 +60,105 @@ def metrics_page(prof: Profiler) -> Any:
     return prof._serving.server.page
 
 
-def live_profilers() -> list[Profiler]:
-    """The profilers of this process not yet detached (live.py's registry)."""
+def http_server(prof: Profiler) -> Any:
+    """The HTTP server (serve.httpd.Server) behind the profiler's endpoint now: its listening
+    `socket`, `server_address`, whether it was inherited by a fork (`forked`), `shutdown()`."""
+    return prof._serving.server._server
+
+
+def serving_thread(prof: Profiler) -> Any:
+    """The thread that runs the profiler's HTTP server now."""
+    return prof._serving.server._thread
+
+
+def open_connections(server: Any) -> set:
+    """The client sockets an httpd.Server holds open now."""
+    return server._open
+
+
+# -- device timing -------------------------------------------------------------------------------
+
+
+def device_copy_seam() -> tuple[Any, str]:
+    """What starts every device-to-host copy hookprof makes (one-value peeks, counter drains,
+    sampled batches): returns (host tensor, ready event). The emulated device and the sync
+    watch replace it."""
+    from hookprof.device import transfer
+
+    return transfer, "_start_copy"
+
+
+def pooled_events(timer: Any) -> list:
+    """The events a CudaEventTimer holds for reuse (each released after its step)."""
+    return list(timer._pool)
+
+
+def current_stream_seam(timer: Any) -> tuple[Any, str]:
+    """What a CudaEventTimer calls to find the training thread's current stream."""
+    return timer, "_current_stream"
+
+
+def known_streams(lookup: Any) -> dict:
+    """The streams a StreamLookup has cached, by what identifies them."""
+    return lookup._known
+
+
+# -- parts of a sampled step -----------------------------------------------------------------
+
+
+def next_update_norm_turn(norms: Any) -> list[int]:
+    """The layers (indices) whose updates UpdateNorms measures next; takes that turn."""
+    return norms._turn()
+
+
+def held_parameter_copies(norms: Any) -> list:
+    """The (parameter index, copy before the update) pairs UpdateNorms holds now; [] when none."""
+    return list(norms._before or ())
+
+
+def update_norm_grouping_seam() -> tuple[Any, str]:
+    """UpdateNorms' method that groups the parameters into turns (run when the optimizer's
+    parameter groups change)."""
+    from hookprof.efficiency.updates import UpdateNorms
+
+    return UpdateNorms, "_group"
+
+
+def flop_key_seam() -> tuple[Any, str]:
+    """The function the FLOP counter keys a layer call's arguments with."""
+    from hookprof.efficiency import flops
+
+    return flops, "_key"
+
+
+def replay_run_seam() -> tuple[Any, str]:
+    """ForwardReplay's method that re-runs a kept step's forward."""
+    from hookprof.nonfinite.replay import ForwardReplay
+
+    return ForwardReplay, "_run"
+
+
+# -- stalls and the exit summary -----------------------------------------------------------
+
+
+def typical_phase_seconds(watch: Any, phase: int) -> Any:
+    """The window of recent durations of `phase` a StallWatch judges "typical" from (a deque
+    a test may add to)."""
+    return watch._typical[phase]
+
+
+def summary_registered() -> bool:
+    """Is the at-exit summary registered with atexit now (live.py)?"""
     from hookprof import live
 
-    return live.profilers()
+    return live.at_exit_watched()[0]
+
+
+def summary_watched() -> list[Profiler]:
+    """The profilers the at-exit summary will speak of (live.py)."""
+    from hookprof import live
+
+    return live.at_exit_watched()[1]
 
 
 # --- used by bench/ ---

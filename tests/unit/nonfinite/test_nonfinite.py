@@ -1,0 +1,83 @@
+"""Non-finite values on sampled steps: counted for the layer that produced them and the
+layers they flowed into, never for layers upstream."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import hookprof
+from hookprof.demo import InjectNonFinite
+from hookprof.step.hooks import ZERO_SAMPLE
+from support.models import DeepNet, seeded, train
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("bad", ["blocks.2.fc", "stem"])
+def test_forward_nonfinite_counted_for_layer_and_downstream_only(bad, value, every_step):
+    model = seeded(DeepNet)
+    order = model.order()
+    at = 3
+    inject = InjectNonFinite(dict(model.named_modules())[bad], {at}, value)
+    with hookprof.attach(model, **every_step) as prof:
+        train(model, at, prof=prof, explicit_step=True)
+        prof.flush()
+        snap = prof.snapshot()
+    inject.remove()
+
+    position = order.index(bad)
+    for name in order[:position]:
+        assert snap.layers[name].nonfinite["forward"] == 0, f"{name} is upstream of {bad}"
+    assert snap.layers[bad].nonfinite["forward"] == 1
+    assert not math.isfinite(snap.layers[bad].activation_abs_max)
+    # a NaN flows through everything after it; an Inf may turn into NaN, still non-finite
+    for name in order[position + 1 :]:
+        assert snap.layers[name].nonfinite["forward"] == 1, name
+    assert snap.nonfinite_steps["forward"] == 1
+    assert snap.nonfinite_steps["loss"] == 1
+    # the producer, and the layers the value flowed through after it
+    assert snap.first_nonfinite == hookprof.NonFiniteEvent(
+        bad, "forward", at, tuple(order[position + 1 :])
+    )
+
+
+def test_gradient_nonfinite_counted_for_the_layer(every_step):
+    """A NaN put into one layer's weight gradient (a tensor hook in the test) is a backward
+    incident of that layer only."""
+    model = seeded(DeepNet)
+    at = 2
+
+    def poison(step, m):
+        if step == at:
+            m.blocks[3].fc.weight.grad[0, 0] = float("nan")
+
+    with hookprof.attach(model, **every_step) as prof:
+        train(model, at, on_step=poison)
+        prof.flush()
+        snap = prof.snapshot()
+    bad = {n for n, s in snap.layers.items() if s.nonfinite["backward"]}
+    assert bad == {"blocks.3.fc"}
+    assert snap.layers["blocks.3.fc"].grad_norm != snap.layers["blocks.3.fc"].grad_norm  # NaN
+    assert snap.nonfinite_steps == {"forward": 0, "backward": 1, "loss": 0}
+    assert snap.first_nonfinite == hookprof.NonFiniteEvent("blocks.3.fc", "backward", at)
+
+
+def test_activation_statistics_match_the_outputs(every_step):
+    model = seeded(DeepNet)
+    captured = {}
+    handle = model.blocks[1].act.register_forward_hook(
+        lambda m, a, out: captured.__setitem__("out", out.detach().clone())
+    )
+    with hookprof.attach(model, **every_step) as prof:
+        train(model, 1, prof=prof, explicit_step=True)
+        prof.flush()
+        stats = prof.snapshot().layers["blocks.1.act"]
+    handle.remove()
+    out = captured["out"]
+    assert stats.activation_abs_max == pytest.approx(out.abs().max().item())
+    # the documented sample: every ceil(numel / ZERO_SAMPLE)-th value
+    stride = -(-out.numel() // ZERO_SAMPLE)
+    sample = out.flatten()[::stride]
+    assert stats.activation_zero_ratio == pytest.approx((sample == 0).float().mean().item())
+    assert 0 < stats.activation_zero_ratio < 1  # a ReLU on random data kills some units

@@ -7,7 +7,7 @@
 
 scrape-load (was bench/scrape_load.py, same options): training slowdown while concurrent
 scrapers hit /metrics, side by side. One model trains with hookprof at its defaults. Two
-scraper processes (tests/load_scrapers.py, N threads each) are paused (SIGSTOP) and resumed
+scraper processes (tests/workers/load_scrapers.py, N threads each) are paused (SIGSTOP) and resumed
 (SIGCONT) round by round:
 - "hookprof": the scrapers hit the training process's own /metrics;
 - "control": the same scrapers hit a copy of the same page served by a separate process
@@ -41,7 +41,7 @@ import urllib.request
 
 import paths  # first: the hookprof under test (HOOKPROF_ROOT's or this checkout's) and the tests' helpers
 
-SCRAPERS = os.path.join(paths.TESTS, "load_scrapers.py")
+SCRAPERS = os.path.join(paths.TESTS, "workers", "load_scrapers.py")
 
 
 def serve_copy(page: bytes, directory: str) -> tuple[subprocess.Popen, str]:
@@ -168,14 +168,14 @@ def attack(args: argparse.Namespace) -> int:
     import torch
 
     import hookprof
-    from models import DeepNet, mse_step, seeded
+    from support.models import DeepNet, mse_step, seeded
 
     fields = {}
     cafile = None
     if args.tls:
         from pathlib import Path
 
-        from certs import make_pki
+        from support.certs import make_pki
 
         pki = make_pki(Path(tempfile.mkdtemp()))
         fields = dict(tls_certfile=pki["server"][0], tls_keyfile=pki["server"][1])

@@ -23,7 +23,7 @@ thread (a shared machine's other processes do not count).
   RESOLVE_CHUNK events), the whole resolution, and the whole fold of the step, all in the
   thread's CPU time (what it computes while holding the GIL; wall time would add the OS's
   preemptions on a loaded machine). On a CPU the
-  timer is the CUDA event timer over tests/fake_gpu.py's stand-in events (the publisher's
+  timer is the CUDA event timer over tests/support/fake_gpu.py's stand-in events (the publisher's
   Python is what is measured); on CUDA, real events. Target: <= 1 ms.
 """
 
@@ -48,7 +48,7 @@ from torch import nn
 import hookprof
 import shapes
 from hookprof._testing import step_boundary_methods, step_is_sampled, timing_resolution_method
-from op_counter import OpCounter
+from support.op_counter import OpCounter
 
 
 class BoundaryMeter:
@@ -188,7 +188,7 @@ def measure_publisher(device: torch.device, layers: int = 500, steps: int = 8) -
             timer = timing.CudaEventTimer()
         kind = "real CUDA events"
     else:
-        import fake_gpu
+        from support import fake_gpu
 
         stream = fake_gpu.FakeStream()
         try:
@@ -196,7 +196,7 @@ def measure_publisher(device: torch.device, layers: int = 500, steps: int = 8) -
                                           yield_gil=yield_gil)
         except TypeError:
             timer = timing.CudaEventTimer(event_factory=fake_gpu.FakeEvent)
-        kind = "stand-in CUDA events (tests/fake_gpu.py)"
+        kind = "stand-in CUDA events (tests/support/fake_gpu.py)"
     longest, resolve_ns, fold_ns, tokens = [], [], [], []
     folder, resolve = timing_resolution_method()
     original_resolve = getattr(folder, resolve)

@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_emulated(args: argparse.Namespace) -> int:
     """--lag K: every policy with fused and with for-loop AdamW, on the emulated device."""
-    from lagging_device import lagging_device  # a test helper, only here
+    from support.lagging_device import lagging_device  # a test helper, only here
 
     torch.set_num_threads(1)
     print(f"hookprof nonfinite latency: torch {torch.__version__}, CPU with a device emulated "

@@ -249,7 +249,7 @@ def leaf_marks(args: argparse.Namespace) -> list[Table]:
     (one sampled step - one unsampled step, the same profiler), so it runs on a CPU, needs no
     repetition and is not moved by a loaded machine."""
     import shapes
-    from mark_counter import count_sampled_step
+    from support.mark_counter import count_sampled_step
 
     table = Table("one sampled step, counted", [
         ("leaves", "d"), ("forward calls", "d"), ("layer marks", "d"), ("marks/leaf", ".2f"), ("forward", "d"),
@@ -379,7 +379,7 @@ def progress(args: argparse.Namespace) -> list[Table]:
     stream passed, DESIGN.md), including handing the 5 events back to the timer's pool,
     which the publisher thread does in real use. The full picture (a real model, with and
     without hookprof) is bench/compare_versions.py."""
-    from fake_gpu import FakeEvent, FakeStream
+    from support.fake_gpu import FakeEvent, FakeStream
     from hookprof.device.timing import CudaEventTimer
     from hookprof.phases.clock import BACKWARD, FORWARD, OPTIMIZER, OTHER, Progress
     from hookprof.phases.device import PhaseMarks
@@ -630,9 +630,9 @@ def guard_measure(label: str, depth: int, steps: int, lag: int) -> tuple[int, fl
 
     import hookprof
     from host_cost import BoundaryMeter
-    from lagging_device import lagging_device
-    from models import DeepNet, loss_of, seeded
-    from op_counter import OpCounter
+    from support.lagging_device import lagging_device
+    from support.models import DeepNet, loss_of, seeded
+    from support.op_counter import OpCounter
 
     policy, kind, sync = GUARD_CONFIGS[label]
 

@@ -24,9 +24,9 @@ import paths  # noqa: F401  (first: the hookprof under test, HOOKPROF_ROOT's or 
 import torch.multiprocessing as mp
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import free_port, free_port_range
-from ddp_straggler_worker import SETUPS, run_rank
-from dist_worker import join_or_kill
+from support.ports import free_port, free_port_range
+from support.ranks import join_or_kill
+from workers.ddp_straggler_worker import SETUPS, run_rank
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 

@@ -30,6 +30,12 @@ def step_record(prof: Profiler) -> Any:
     return prof._sampled.record
 
 
+def hook_owner(prof: Profiler) -> Any:
+    """The object whose bound methods are the profiler's hooks on the model's modules (the
+    root's, and its children's entry hooks): its StepBoundary."""
+    return prof._boundary
+
+
 def replaying(prof: Profiler) -> bool:
     """Is a forward running now hookprof's replay of a step (to find a NaN's producer)?"""
     return prof._hooks.replaying

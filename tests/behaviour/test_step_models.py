@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import hookprof
+from hookprof._testing import hook_owner
 from support.hooks_left import forward_pre_hooks
 from support.metrics import parse, samples, scrape
 from support.models import DeepNet, Discriminator, Generator, hookprof_norms, layer_norms, loss_of, seeded, train
@@ -229,4 +230,4 @@ def test_entry_calls_end_at_the_roots_first_training_forward_and_spare_copies():
 
 
 def entry_hooked(module, prof) -> bool:
-    return any(getattr(h, "__self__", None) is prof for h in forward_pre_hooks(module))
+    return any(getattr(h, "__self__", None) is hook_owner(prof) for h in forward_pre_hooks(module))

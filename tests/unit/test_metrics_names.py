@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import hookprof
-from conftest import promtool
+from support.binaries import promtool
 from hookprof import metrics_names
 from hookprof.metrics_names import ALL, Metric, family
 

@@ -23,7 +23,7 @@ Steps are counted in loop iterations (step 23 is the bad one; "+0" means the bou
 same step). On a CPU every copy is done when it is issued, so everything is "+0": the figures
 that matter are a GPU's, where the host runs ahead of the device.
 
-With `--lag K` the run is on tests/lagging_device.py's emulated device, K optimizer steps
+With `--lag K` the run is on tests/support/lagging_device.py's emulated device, K optimizer steps
 behind the host (one-value flags and counter drains not ready for K steps; a wait completes
 them at once): the GPU's code paths and their step counts, on the CPU. Its seconds are the
 CPU's, and the sync cost is not measured (a wait costs nothing there).
@@ -238,7 +238,7 @@ def main_emulated(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     print(f"hookprof nonfinite latency: torch {torch.__version__}, CPU with a device emulated "
-          f"{args.lag} steps behind the host (tests/lagging_device.py), {time.strftime('%Y-%m-%d')}, "
+          f"{args.lag} steps behind the host (tests/support/lagging_device.py), {time.strftime('%Y-%m-%d')}, "
           f"GPT shape narrow; NaN in {PRODUCER}'s forward at unsampled step {BAD_STEP}")
     out = {}
     for fused in (True, False):

@@ -245,7 +245,7 @@ def leaf_marks(args: argparse.Namespace) -> list[Table]:
     """Timer marks (CUDA event records on a GPU), hook calls and Python function calls per
     instrumented leaf on one sampled step, for the four workload shapes of issue 13
     (bench/shapes.py, narrow sizes: the counts do not depend on width). Deterministic: marks
-    are counted with tests/fake_gpu.py's stand-in events, Python calls with cProfile's count
+    are counted with tests/support/fake_gpu.py's stand-in events, Python calls with cProfile's count
     (one sampled step - one unsampled step, the same profiler), so it runs on a CPU, needs no
     repetition and is not moved by a loaded machine."""
     import shapes
@@ -374,7 +374,7 @@ def progress(args: argparse.Namespace) -> list[Table]:
     makes at its boundaries (root forward, root output, optimizer pre and post, step end),
     side by side with an empty loop of the same shape and with the clock reads alone; and
     what a sampled step on CUDA adds to them: a device-timer mark per boundary
-    (phases/device.py), here the real CudaEventTimer over tests/fake_gpu.py's stand-in
+    (phases/device.py), here the real CudaEventTimer over tests/support/fake_gpu.py's stand-in
     events (their record() is Python, a real one is a C call: ~3 us on an H100 with the
     stream passed, DESIGN.md), including handing the 5 events back to the timer's pool,
     which the publisher thread does in real use. The full picture (a real model, with and
@@ -681,7 +681,7 @@ def guard_measure(label: str, depth: int, steps: int, lag: int) -> tuple[int, fl
 
 def guard_device(args: argparse.Namespace) -> list[Table]:
     """What the NaN/Inf policies cost per unsampled step on a device that runs behind the
-    host, emulated on the CPU (tests/lagging_device.py: output, loss and gradient checks stay
+    host, emulated on the CPU (tests/support/lagging_device.py: output, loss and gradient checks stay
     device flags, one-value copies arrive --lag steps late), so the accelerator code paths of
     the update guard and the forward replay run here. Per configuration (policy, optimizer,
     nonfinite_sync): ops, the ATen ops hookprof adds to one unsampled step (with it, less

@@ -3,7 +3,7 @@
     python bench/straggler_wait_phase.py                      # every set-up, data and forward slowed
     python bench/straggler_wait_phase.py --setups ddp --slow data --delay 0.05
 
-Runs 2 gloo ranks on the CPU (tests/ddp_straggler_worker.py: DDP or FSDP2, rank 1 sleeping
+Runs 2 gloo ranks on the CPU (tests/workers/ddp_straggler_worker.py: DDP or FSDP2, rank 1 sleeping
 `--delay` seconds per step in one phase), reads both ranks' /metrics twice `--seconds` apart
 and prints each rank's mean step time and mean time per step in each phase over that window.
 The phase where rank 0's time grows by about the delay is where it waits; the phase the

@@ -3,7 +3,7 @@
     python grafana/generate.py            # writes grafana/dashboards/hookprof-training.json
     python grafana/generate.py --check    # exits 1 if the committed JSON differs (CI)
 
-Every PromQL expression lives here once; tests/test_dashboard_queries.py runs each of them
+Every PromQL expression lives here once; tests/system/test_dashboard_queries.py runs each of them
 against a real Prometheus scraping a real `hookprof demo`. Per-layer panels go through
 `topk($topk, ...)` and the `layer` variable so that a model with 1,000 layers draws at most
 $topk series per panel.

@@ -39,7 +39,7 @@ def to_host(flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
 def on_host(t: torch.Tensor) -> bool:
     """Can `t` be read without waiting for a device? (CPU tensors.) The one place that says
     so: tests replace it to run the accelerator code paths on the CPU, with a device that
-    runs steps behind the host (tests/lagging_device.py)."""
+    runs steps behind the host (tests/support/lagging_device.py)."""
     return t.device.type == "cpu"
 
 

@@ -8,7 +8,7 @@ exactly when its gradient holds a NaN or Inf, so the host learns both from the s
 
 This runs on every step (nonfinite_check="all"), so on an accelerator its host work must not
 grow with the model: a fixed number of ATen ops per step whatever the number of parameters
-(tests/test_host_cost.py counts them), and the Python around them a list of `.grad`s plus
+(tests/unit/step/test_host_cost.py counts them), and the Python around them a list of `.grad`s plus
 a cached plan (which layer each gradient belongs to, the index tensor on the device) that is
 rebuilt only when the set of parameters holding a gradient changes.
 """

@@ -64,13 +64,17 @@ class DetachedError(HookprofError, RuntimeError):
 class NonFiniteError(HookprofError, FloatingPointError):
     """Raised at a step boundary under on_nonfinite="raise": the first NaN/Inf of the run.
 
-    `layer` is None when the value appeared on a step without per-layer forward checks (the
-    producer is then unknown); `phase` is "forward", "backward" or "loss"."""
+    `layer` is None when no layer could be named (`replay` then says why: "transient" or
+    "not replayed"); `phase` is "forward", "backward" or "loss"; `found_by` says how the layer
+    was found; the message is the log line's (nonfinite/incident.py, describe)."""
 
-    def __init__(self, layer: str | None, phase: str, step: int, rank: int):
+    def __init__(self, layer: str | None, phase: str, step: int, rank: int, *,
+                 found_by: str | None = None, replay: str | None = None, message: str | None = None):
         self.layer = layer
         self.phase = phase
         self.step = step
         self.rank = rank
+        self.found_by = found_by  # how the layer was found (NonFiniteEvent.found_by)
+        self.replay = replay  # "reproducible", "transient", "not replayed" or None
         where = f"layer {layer}" if layer else "an unlocalised layer"
-        super().__init__(f"NaN/Inf in the {phase} phase at step {step} on rank {rank}, first in {where}")
+        super().__init__(message or f"NaN/Inf in the {phase} phase at step {step} on rank {rank}, first in {where}")

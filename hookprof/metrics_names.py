@@ -113,6 +113,11 @@ LAYERS_EXPORTED = Metric("hookprof_layers_exported", "gauge", _RANK,
 FIRST_NONFINITE_INFO = Metric(
     "hookprof_first_nonfinite_info", "gauge", ("rank", "layer", "phase", "step"),
     "The first NaN or Inf seen in this run: layer, phase and step")
+FIRST_NONFINITE_ORIGIN_INFO = Metric(
+    "hookprof_first_nonfinite_origin_info", "gauge",
+    ("rank", "phase", "step", "found_by", "replay", "host", "device"),
+    "How the first NaN or Inf was settled: how its layer was found (found_by) and what a replay "
+    "of its step said (replay: reproducible, transient, not replayed); host and device where it ran")
 PUBLISHER_THREAD_UP = Metric(
     "hookprof_publisher_thread_up", "gauge", _RANK,
     "1 while the background thread that folds sampled steps into snapshots is alive")

@@ -59,6 +59,18 @@ class LayerStats:
     below Config.vanishing_grad_norm / above Config.exploding_grad_norm."""
 
 
+FOUND_BY_SAMPLED = "sampled step"
+FOUND_BY_REPLAY = "replay"
+FOUND_BY_WEIGHTS = "non-finite weights"
+FOUND_BY_INPUT = "input"
+FOUND_BY_BACKWARD = "backward check"
+FOUND_BY_LOSS = "loss check"
+FOUND_BY = (FOUND_BY_SAMPLED, FOUND_BY_REPLAY, FOUND_BY_WEIGHTS, FOUND_BY_INPUT,
+            FOUND_BY_BACKWARD, FOUND_BY_LOSS)
+REPRODUCIBLE, TRANSIENT, NOT_REPLAYED = "reproducible", "transient", "not replayed"
+REPLAY_OUTCOMES = (REPRODUCIBLE, TRANSIENT, NOT_REPLAYED)
+
+
 @dataclass(frozen=True, slots=True)
 class NonFiniteEvent:
     """The first NaN/Inf of a run. `step` and `phase` are exact (device counters, every
@@ -73,10 +85,26 @@ class NonFiniteEvent:
     phase: str
     step: int
     propagators: tuple[str, ...] = ()
+    """Layers the value flowed through on the step where the layer was found."""
     last_finite_child: str | None = None
     """For a producer that is a container module (its own code made the value between its
     children's calls): the last of its children whose output was still finite."""
-    """Layers the value flowed through on the step where the layer was found."""
+    found_by: str | None = None
+    """How `layer` was found (FOUND_BY): "sampled step" (that step's per-layer checks saw a
+    finite input and a non-finite output), "replay" (the step's forward run again with the
+    same inputs, weights and RNG did), "non-finite weights" (the layer's own weights were
+    non-finite before any non-finite update was applied: the cause), "input" (the batch
+    already held it), "backward check" (the first gradient to go non-finite), "loss check".
+    None while no layer is named."""
+    replay: str | None = None
+    """What the replay of a forward NaN's step said (REPLAY_OUTCOMES): "reproducible" (it made
+    the NaN again: the data or the model), "transient" (with the same inputs, weights and RNG
+    it was finite: a non-deterministic kernel, a race, or the hardware), "not replayed" (see
+    `replay_note`). None: not replayed yet, or not a forward NaN."""
+    replay_note: str | None = None
+    """Why the step was not replayed."""
+    device: str = "cpu"
+    """Where the step ran: "cpu", or the GPU's UUID (so a platform team can drain it)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,26 +1,56 @@
 """Who made the first NaN/Inf of the run: the one owner of that answer.
 
-Owns: the run's first non-finite event (its step and phase from the device counters, exact
-on every step; its layer once something names it), and the replayed forward's finding
-kept for it. Decides from what the publisher folds: the counters as last drained, the
-findings of sampled and replayed forwards (`forward_roles`: which call had finite inputs and
-a non-finite output), and which layers went bad first in the backward.
+Owns: what has been observed of the run's NaN/Inf (the device counters, merged so that a
+drain folded late never takes information back; the findings of sampled and replayed
+forwards, kept per step; the steps that could not be replayed, and why) and the first
+event decided from it. The event is a function of what was observed, never of the order in
+which records, replays and counter drains reach the publisher (DESIGN.md invariant 9):
+every fold recomputes it from everything kept.
+
+Evidence, strongest first, for a NaN that first appeared in the forward of step `first`:
+
+1. a forward of `first` whose per-layer checks saw the call with finite inputs and a
+   non-finite output: on the sampled step itself ("sampled step"), else on its replay
+   ("replay"); "(input)" when the batch already held it ("input");
+2. the replay of `first` finding a layer whose own weights were non-finite although no
+   non-finite update had been applied before it: those weights are the cause ("non-finite
+   weights"). Weights that went bad through a non-finite update are no evidence;
+3. the same on a later step, while no non-finite gradient was applied in between.
+
+The replay of `first` also says whether the NaN is *reproducible* (it made one again) or
+*transient* (with the same inputs, weights and RNG it was finite); a step that could not be
+replayed is *not replayed*, with the reason the training thread sent.
 
 Called by: `Aggregator` on the publisher thread (`forward_roles` while reading a record,
-`replayed` for a replay's finding, `update` after each fold). Read by: the snapshot.
+then `counters`, `sampled`, `replayed`, `not_replayed` and `decide` at each fold). Read by:
+the snapshot.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from hookprof.layers import INPUT_NAME
 from hookprof.nonfinite.detector import PHASE_INDEX
-from hookprof.snapshot import NonFiniteEvent
+from hookprof.snapshot import (
+    FOUND_BY_BACKWARD,
+    FOUND_BY_INPUT,
+    FOUND_BY_LOSS,
+    FOUND_BY_REPLAY,
+    FOUND_BY_SAMPLED,
+    FOUND_BY_WEIGHTS,
+    NOT_REPLAYED,
+    REPRODUCIBLE,
+    TRANSIENT,
+    NonFiniteEvent,
+)
 from hookprof.step.record import ROOT_INPUT, StepRecord
 
 LOSS_LAYER = "(loss)"  # layer label of an incident seen in the loss alone
+KEPT_FINDINGS = 64  # sampled steps whose forward saw a NaN/Inf, kept until the counters speak
+KEPT_BACKWARD = 8  # sampled steps whose backward order is kept (for a NaN first in backward)
 
 
 @dataclass(slots=True)
@@ -31,6 +61,10 @@ class ForwardFinding:
     propagators: list[str]  # layers with non-finite inputs and outputs, in call order
     bwd_start_of_layer: dict[int, float]
     last_finite_child: str | None = None  # of producers[0], when it is a container
+    # layers with finite inputs and a non-finite output whose own weights were non-finite at
+    # the time (a replay's record only): not in `producers`, the weights may be the cause
+    weight_producers: list[str] = field(default_factory=list)
+    saw_nonfinite: bool = False  # any output or input of the forward was non-finite
 
 
 
@@ -65,9 +99,9 @@ def forward_roles(rec: StepRecord, names: list[str], n_layers: int, act_max: dic
     # made one from finite inputs: a root input may hold -inf on purpose (an additive
     # attention mask) while a layer is what went wrong
     made = [c for c in rec.ended if c in out_bad and c not in in_bad]
-    if weights_bad:  # a layer whose own weights made it is no origin, nor its enclosing calls
-        made = [c for c in made if c not in _with_ancestors(rec, [
-            m for m in made if rec.calls[m].layer in weights_bad])]
+    weight_made = [m for m in made if rec.calls[m].layer in weights_bad]
+    if weight_made:  # a layer whose own weights made it is no proven origin, nor its enclosing calls
+        made = [c for c in made if c not in _with_ancestors(rec, weight_made)]
     producers: dict[str, None] = dict.fromkeys(names[rec.calls[c].layer] for c in made)
     if root_input_bad and not producers:
         producers[INPUT_NAME] = None
@@ -82,57 +116,133 @@ def forward_roles(rec: StepRecord, names: list[str], n_layers: int, act_max: dic
         layer = rec.calls[call].layer
         start_of_layer[layer] = min(start_of_layer.get(layer, math.inf), t)
     return ForwardFinding(list(producers), [p for p in propagators if p not in producers],
-                          start_of_layer, last_finite_child)
+                          start_of_layer, last_finite_child,
+                          list(dict.fromkeys(names[rec.calls[c].layer] for c in weight_made)),
+                          bool(out_bad or in_bad or root_input_bad))
+
+
+def merge_counters(old: dict[str, list[int]] | None, new: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Two drains of the same cumulative device counters, folded in either order: the
+    larger counts and the earlier first steps (-1: none yet)."""
+    if old is None:
+        return new
+
+    def first(a: int, b: int) -> int:
+        return b if a < 0 else a if b < 0 else min(a, b)
+
+    return {key: [first(a, b) if key.endswith("_first") else max(a, b) for a, b in zip(old[key], new[key])]
+            for key in new}
 
 
 class Attribution:
     """The first NaN/Inf of one model's run (publisher thread only)."""
 
-    def __init__(self, names: list[str]):
+    def __init__(self, names: list[str], *, device: str = "cpu", replay_unavailable: str | None = None):
         self._names = names
+        self._device = device
+        self._unavailable = replay_unavailable  # why no step can be replayed in this run
+        self._counters: dict[str, list[int]] | None = None
+        self._sampled: OrderedDict[int, ForwardFinding] = OrderedDict()  # steps that saw a NaN/Inf
+        self._backward: OrderedDict[int, dict[int, float]] = OrderedDict()  # step -> backward starts
+        self._replayed: dict[int, ForwardFinding] = {}
+        self._not_replayed: dict[int, str] = {}
         self.event: NonFiniteEvent | None = None
-        self._replayed: tuple[int, ForwardFinding] | None = None  # the replay's finding
+
+    # ---------------- what was observed ----------------
+
+    def counters(self, counters: dict[str, list[int]]) -> None:
+        self._counters = merge_counters(self._counters, counters)
+
+    def sampled(self, step: int, finding: ForwardFinding) -> None:
+        """A sampled step's forward, with its per-layer checks."""
+        self._backward[step] = finding.bwd_start_of_layer
+        while len(self._backward) > KEPT_BACKWARD:
+            self._backward.popitem(last=False)
+        if finding.saw_nonfinite:
+            self._sampled[step] = finding
+            while len(self._sampled) > KEPT_FINDINGS:
+                self._sampled.popitem(last=False)
 
     def replayed(self, step: int, finding: ForwardFinding) -> None:
         """The forward of `step` was replayed with the per-layer checks on."""
-        self._replayed = (step, finding)
+        self._replayed[step] = finding
 
-    def update(self, step: int, counters: dict[str, list[int]], forward: ForwardFinding | None) -> None:
-        """Keep the first NaN/Inf of the run: its step and phase from the device counters
-        (exact, every step), its layer once known."""
-        event = self.event
-        if event is not None and event.layer is not None:
-            return
-        c = counters
+    def not_replayed(self, step: int, why: str) -> None:
+        """The forward of `step` went non-finite and could not be replayed, for `why`."""
+        self._not_replayed[step] = why
+
+    # ---------------- the answer ----------------
+
+    def decide(self) -> NonFiniteEvent | None:
+        """The first NaN/Inf from everything observed (the same whatever the order it came
+        in); kept as `event`."""
+        c = self._counters
+        if c is None:
+            return self.event
         firsts = [(c["phase_first"][PHASE_INDEX[p]], order, p)
                   for order, p in enumerate(("forward", "loss", "backward"))
                   if c["phase_first"][PHASE_INDEX[p]] >= 0]
         if not firsts:
-            return
-        first_step, _, phase = min(firsts)
-        layer, propagators, last_finite_child = None, (), None
+            return self.event
+        first, _, phase = min(firsts)
+        for step in [s for s in self._sampled if s < first]:  # clean: the counters say so
+            del self._sampled[step]
         if phase == "forward":
-            seen = [(step, forward)] if forward is not None else []
-            if self._replayed is not None:
-                seen.append(self._replayed)  # the incident step's own forward, replayed
-            for at, finding in sorted(seen, key=lambda sf: sf[0] != first_step):
-                poisoned = 0 <= c["phase_first"][PHASE_INDEX["backward"]] < at
-                # a producer seen on a later step counts only if no non-finite gradient
-                # was applied in between: after that, every layer's parameters are suspect
-                if finding.producers and (at == first_step or not poisoned):
-                    layer, propagators = finding.producers[0], tuple(finding.propagators)
-                    last_finite_child = finding.last_finite_child
-                    break
+            self.event = self._forward(first, c["phase_first"][PHASE_INDEX["backward"]])
         elif phase == "loss":
-            layer = LOSS_LAYER
+            self.event = NonFiniteEvent(LOSS_LAYER, phase, first, found_by=FOUND_BY_LOSS, device=self._device)
         else:
-            bad = [i for i, s in enumerate(c["layer_first"]) if s == first_step]
-            if bad:
-                # the first to go bad in backward: earliest backward start when it was timed
-                # on this step, else the last layer in module order (backward runs roughly
-                # in reverse)
-                starts = forward.bwd_start_of_layer if forward is not None and step == first_step else {}
-                first = min(bad, key=lambda i: (starts.get(i, math.inf), -i))
-                layer = self._names[first]
-                propagators = tuple(self._names[i] for i in bad if i != first)
-        self.event = NonFiniteEvent(layer, phase, first_step, propagators, last_finite_child)
+            self.event = self._backward_first(first, c["layer_first"])
+        return self.event
+
+    def _forward(self, first: int, backward_first: int) -> NonFiniteEvent:
+        def clean_before(step: int) -> bool:
+            # no non-finite gradient before `step`, so no non-finite update was applied
+            # before its forward: every layer's weights were still what the run made them
+            return not 0 <= backward_first < step
+
+        # the forward of `first` itself, then later ones while nothing had poisoned them
+        seen: list[tuple[int, int, ForwardFinding]] = [
+            (step, 0, f) for step, f in self._sampled.items() if step >= first]
+        seen += [(step, 1, f) for step, f in self._replayed.items() if step >= first]
+        layer, found_by, propagators, last_child = None, None, (), None
+        for step, replay, finding in sorted(seen, key=lambda s: (s[0] != first, s[0], s[1])):
+            if step != first and not clean_before(step):
+                continue
+            if finding.producers:
+                layer, propagators = finding.producers[0], tuple(finding.propagators)
+                last_child = finding.last_finite_child
+                found_by = (FOUND_BY_INPUT if layer == INPUT_NAME
+                            else FOUND_BY_REPLAY if replay else FOUND_BY_SAMPLED)
+                break
+            if finding.weight_producers and clean_before(step):
+                layer, propagators = finding.weight_producers[0], tuple(finding.propagators)
+                found_by = FOUND_BY_WEIGHTS
+                break
+        outcome, note = self._replay_of(first)
+        return NonFiniteEvent(layer, "forward", first, propagators, last_child, found_by, outcome,
+                              note, self._device)
+
+    def _replay_of(self, first: int) -> tuple[str | None, str | None]:
+        """What replaying `first` said: reproducible, transient, not replayed (and why), or
+        nothing yet."""
+        finding = self._replayed.get(first)
+        if finding is not None:
+            return (REPRODUCIBLE if finding.saw_nonfinite else TRANSIENT), None
+        if first in self._not_replayed:
+            return NOT_REPLAYED, self._not_replayed[first]
+        if self._unavailable is not None:
+            return NOT_REPLAYED, self._unavailable
+        return None, None
+
+    def _backward_first(self, first: int, layer_first: list[int]) -> NonFiniteEvent:
+        bad = [i for i, s in enumerate(layer_first) if s == first]
+        if not bad:
+            return NonFiniteEvent(None, "backward", first, device=self._device)
+        # the first to go bad in backward: earliest backward start when it was timed on this
+        # step, else the last layer in module order (backward runs roughly in reverse)
+        starts = self._backward.get(first, {})
+        chosen = min(bad, key=lambda i: (starts.get(i, math.inf), -i))
+        return NonFiniteEvent(self._names[chosen], "backward", first,
+                              tuple(self._names[i] for i in bad if i != chosen),
+                              found_by=FOUND_BY_BACKWARD, device=self._device)

@@ -179,9 +179,10 @@ class NonfiniteChecks:
     def replay_forward(self, step: int) -> None:
         """If this step's output went non-finite on an unchecked step, replay its forward
         with the per-layer checks on, before the optimizer changes the parameters."""
+        rec = None
         try:
             rec = self.replay.run_if_bad(self._hooks, self._new_record, step, wait=self._wait)
-            if rec is None and self.replay.keep_late:  # an earlier step's flag may have arrived
+            if rec is None and self.replay.late:  # an earlier step's flag may have arrived
                 late = self.replay.run_late(self._hooks, self._new_record)
                 if late is not None:
                     step, rec = late
@@ -190,7 +191,11 @@ class NonfiniteChecks:
             # hook or step boundary that called it goes on (a late replay runs at a step's
             # end: an exception out of here cost that step its count). Hooks stay on.
             self._faults.report("forward replay", exc, disable=False)
-            return
+        refused = self.replay.take_refused()
+        for bad_step, why in refused:  # the first NaN is then "not replayed", and why
+            self._publisher.submit(self.pack(bad_step, None, sampled=False, not_replayed=why))
+        if refused and self.replay.keep_late:  # skip/raise: the policy may be waiting for it
+            self._replay_token = self._publisher.publish_now()
         if rec is not None:
             weights = [("weights_bad", f) for f in own_weights_nonfinite(self._table.layers)]
             self._publisher.submit(self.pack(step, rec, sampled=False, extra=weights))

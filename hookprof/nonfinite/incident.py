@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -20,7 +21,19 @@ from hookprof.config import Config
 from hookprof.errors import NonFiniteError
 from hookprof.faults import log
 from hookprof.nonfinite.detector import Detector
-from hookprof.snapshot import NonFiniteEvent, Snapshot
+from hookprof.snapshot import (
+    FOUND_BY_BACKWARD,
+    FOUND_BY_INPUT,
+    FOUND_BY_LOSS,
+    FOUND_BY_REPLAY,
+    FOUND_BY_SAMPLED,
+    FOUND_BY_WEIGHTS,
+    NOT_REPLAYED,
+    REPRODUCIBLE,
+    TRANSIENT,
+    NonFiniteEvent,
+    Snapshot,
+)
 
 
 class PublisherLike(Protocol):
@@ -133,13 +146,48 @@ class IncidentResponse:
 
 
 def describe(event: NonFiniteEvent, rank: int) -> str:
-    where = f"layer {event.layer}" if event.layer else "a layer not yet localised"
-    text = f"NaN/Inf in the {event.phase} phase at step {event.step} on rank {rank}, first in {where}"
+    """The first NaN/Inf in words: where, how it was found, and what its replay said
+    (docs/nonfinite.md, "What hookprof says"). The one wording of the log line, the
+    exception, the report and the dump."""
+    text = f"NaN/Inf in the {event.phase} phase at step {event.step} on rank {rank}, first in "
+    text += origin(event)
     if event.last_finite_child:
         text += f", after its child {event.last_finite_child} ran finite"
     if event.propagators:
         text += f" (then {', '.join(event.propagators[:5])}{' ...' if len(event.propagators) > 5 else ''})"
-    return text
+    return text + replay_words(event, rank)
+
+
+def origin(event: NonFiniteEvent) -> str:
+    """Where the NaN was made, and how hookprof knows."""
+    if event.layer is None:
+        if event.replay == TRANSIENT:
+            return "no layer: it did not happen again when the step was replayed"
+        if event.replay == NOT_REPLAYED:
+            return "a layer that cannot be named: the step was not replayed"
+        return "a layer not yet localised"
+    if event.found_by == FOUND_BY_WEIGHTS:
+        return f"{event.layer}: its weights are non-finite (before any non-finite update)"
+    if event.found_by == FOUND_BY_INPUT:
+        return f"{event.layer}: the batch already held it"
+    how = {FOUND_BY_SAMPLED: "seen on that sampled step", FOUND_BY_REPLAY: "seen when the step was replayed",
+           FOUND_BY_BACKWARD: "its gradient went non-finite first", FOUND_BY_LOSS: "the loss alone"}
+    return f"layer {event.layer}" + (f" ({how[event.found_by]})" if event.found_by in how else "")
+
+
+def replay_words(event: NonFiniteEvent, rank: int) -> str:
+    """What the replay of the step said, when it said something."""
+    if event.replay == REPRODUCIBLE:
+        cause = {FOUND_BY_WEIGHTS: "its weights", FOUND_BY_INPUT: "the data"}.get(event.found_by, "the data or the model")
+        return f"; reproducible: a replay with the same inputs, weights and RNG made it again ({cause})"
+    if event.replay == TRANSIENT:
+        where = f"rank {rank} on {socket.gethostname()}, device {event.device}"
+        named = " the sampled step's checks saw it, but" if event.layer is not None else ""
+        return (f";{named} transient: a replay with the same inputs, weights and RNG was finite "
+                f"(a non-deterministic kernel, a race, or the hardware: suspect {where})")
+    if event.replay == NOT_REPLAYED:
+        return f"; not replayed: {event.replay_note}"
+    return ""
 
 
 def apply(policy: str, event: NonFiniteEvent, snap: Snapshot, config: Config, rank: int) -> str | None:
@@ -150,7 +198,8 @@ def apply(policy: str, event: NonFiniteEvent, snap: Snapshot, config: Config, ra
         log.warning("hookprof: %s; the update of every non-finite step is held back "
                     "(hookprof_held_back_updates_total counts them)", describe(event, rank))
     elif policy == "raise":
-        raise NonFiniteError(event.layer, event.phase, event.step, rank)
+        raise NonFiniteError(event.layer, event.phase, event.step, rank, found_by=event.found_by,
+                             replay=event.replay, message=describe(event, rank))
     elif policy == "dump":
         path = write_report(event, snap, config.dump_dir, rank)
         log.warning("hookprof: %s; report written to %s", describe(event, rank), path)

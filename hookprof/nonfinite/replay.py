@@ -38,6 +38,16 @@ from hookprof.step.record import StepRecord
 
 MAX_LATE = 8  # steps whose output flag may still be on its way (the device's lag), kept
 
+# why a non-finite step was not replayed (NonFiniteEvent.replay_note)
+UNHELD = ("its update reached the weights before the device said the step was bad (the device "
+          "runs behind the host), so a replay would run on non-finite weights; nonfinite_sync=True, "
+          "or a fused optimizer (fused=True) under on_nonfinite='skip' or 'raise', holds such an "
+          "update back and replays the step")
+BEHIND = ("its output's flag was still on the device when the optimizer applied the step's update "
+          "(the device runs behind the host); nonfinite_sync=True waits for the flag and replays the "
+          "step in time")
+NO_CAPTURE = "no training forward of the model was seen on that step to replay"
+
 
 def own_weights_nonfinite(layers: list[Any]) -> list[torch.Tensor]:
     """One 0-d flag per layer (layers.Layer, in table order): do its own parameters hold a
@@ -87,10 +97,13 @@ class ForwardReplay:
         self.done = not enabled
         self._flag: tuple[Any, Any] | None = None  # (host flag, ready event) of the output check
         self.keep_late = keep_late
-        # (step, flag, its forward) of steps whose flag is on its way
-        # (None: an unheld step, see `unheld`)
+        # (step, flag, its forward) of steps whose flag is on its way (None: it cannot be
+        # replayed, see `unheld` and `run_if_bad`)
         self._late: deque[tuple[int, tuple[Any, Any], CapturedForward | None]] = deque(maxlen=MAX_LATE)
         self._say = say
+        # (step, why) of non-finite steps that could not be replayed, for the publisher
+        # (the first NaN is then "not replayed", with the reason, never "not yet localised")
+        self._refused: list[tuple[int, str]] = []
 
     @property
     def waiting(self) -> bool:
@@ -151,13 +164,18 @@ class ForwardReplay:
         if wait and not self.done and not transfer.is_ready(flag[1]):
             transfer.wait_ready(flag[1])  # the opt-in wait (unless the guard's did it)
         if not transfer.is_ready(flag[1]):
-            if self.keep_late and not self.done and self.captured is not None:
-                self._late.append((step, flag, self.captured))
+            if not self.done:
+                # kept until the flag arrives: replayed then when its update is held back
+                # (keep_late), else only said to be beyond a replay if it turns out bad
+                self._late.append((step, flag, self.captured if self.keep_late else None))
             return None
-        if not bool(flag[0]) or self.captured is None:  # a host value (or a completed copy)
+        if not bool(flag[0]):  # a host value (or a completed copy)
+            return None
+        if self.captured is None:
+            self._refuse(step, NO_CAPTURE)
             return None
         rec = new_record()
-        return rec if self._run(hooks, rec, self.captured) else None
+        return rec if self._run(hooks, rec, self.captured, step) else None
 
     def run_late(self, hooks: LayerHooks,
                  new_record: Callable[[], StepRecord]) -> tuple[int, StepRecord] | None:
@@ -170,29 +188,35 @@ class ForwardReplay:
                 return None
             self._late.popleft()
             if bool(flag[0]) and captured is None:
-                self._refuse(step)
+                self._refuse(step, UNHELD if self.keep_late else BEHIND)
             elif bool(flag[0]):
                 rec = new_record()
-                return (step, rec) if self._run(hooks, rec, captured) else None
+                return (step, rec) if self._run(hooks, rec, captured, step) else None
         if self.done:
             self._late.clear()
         return None
 
-    def _refuse(self, step: int) -> None:
-        """The first non-finite kept step's update reached the weights: no replay this run
-        (every later one would run on those weights too)."""
+    def take_refused(self) -> list[tuple[int, str]]:
+        """(step, why) of the non-finite steps found beyond a replay since the last call."""
+        refused, self._refused = self._refused, []
+        return refused
+
+    def failed(self, step: int, exc: BaseException) -> None:
+        """The replay of `step` raised (it is over either way: see `_run`)."""
+        self._refused.append((step, f"the replay raised {type(exc).__name__}: {exc}"))
+
+    def _refuse(self, step: int, why: str) -> None:
+        """The first non-finite step found beyond a replay: none this run (every later one
+        would run on weights that took its update), said once and sent to the publisher."""
         self.done = True
         self.clear()
         self._late.clear()
+        self._refused.append((step, why))
         if self._say is not None:
-            self._say("replay after unheld update", (
-                f"the NaN/Inf of step {step} is not localised to a layer: its flag arrived "
-                "after the optimizer had applied that step's non-finite update, so a replay "
-                "would run on non-finite weights and name the first layer that has weights; "
-                "nonfinite_sync=True, or a fused optimizer (fused=True) under "
-                "on_nonfinite='skip' or 'raise', holds such an update back and names it"))
+            self._say("not replayed", f"the NaN/Inf of step {step} is not localised to a layer, "
+                                      f"and not replayed: {why}")
 
-    def _run(self, hooks: LayerHooks, rec: StepRecord, captured: CapturedForward) -> bool:
+    def _run(self, hooks: LayerHooks, rec: StepRecord, captured: CapturedForward, step: int) -> bool:
         """Replay `captured` into `rec`: the one replay of the run, whether it finishes or
         raises; either way the model's buffers and the RNG are put back and nothing kept."""
         model = self._model_ref()
@@ -214,6 +238,9 @@ class ForwardReplay:
             with hooks.replaying_into(rec), torch.no_grad():
                 hooks.note_root_inputs(captured.args, captured.kwargs)
                 target(*captured.args, **(captured.kwargs or {}))
+        except Exception as exc:
+            self.failed(step, exc)
+            raise
         finally:
             for module, name, buffer in originals:  # the very same tensors, untouched
                 module._buffers[name] = buffer

@@ -11,8 +11,9 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from hookprof.device.identity import device_name
 from hookprof.phases.device import DevicePhaseTotals, device_phase_seconds
-from hookprof.nonfinite.attribution import Attribution, ForwardFinding, forward_roles
+from hookprof.nonfinite.attribution import Attribution, ForwardFinding, forward_roles, merge_counters
 from hookprof.nonfinite.guard import fold_skips
 from hookprof.efficiency.figures import EfficiencyTotals
 from hookprof.nonfinite.detector import PHASE_INDEX, fold_counters
@@ -26,6 +27,8 @@ from hookprof.snapshot import (
     Snapshot,
 )
 
+REPLAY_UNAVAILABLE_DTENSOR = ("the model has FSDP2 / tensor-parallel (DTensor) parameters: a replay on one rank "
+                              "would start collectives the other ranks never join")
 GRADSCALER_LAYER = "(gradscaler)"  # layer label of persistent GradScaler skipping
 FLAG_KINDS = ("vanishing", "exploding")
 
@@ -69,13 +72,18 @@ class Aggregator:
                    (config.vanishing_grad_norm, config.exploding_grad_norm),
                    container_names=[name for name, _ in table.containers],
                    efficiency=efficiency, device_phases=device_phases,
-                   statistics=tuple((s.name, s.help) for s in statistics))
+                   statistics=tuple((s.name, s.help) for s in statistics),
+                   device=device_name(table.param_devices()),
+                   # FSDP2 / tensor parallel: a replay on one rank would start collectives
+                   # the other ranks never join (nonfinite/checks.py never runs one)
+                   replay_unavailable=REPLAY_UNAVAILABLE_DTENSOR if table.has_dtensor_params else None)
 
     def __init__(self, names: list[str], module_types: list[str], rank: int, max_layers: int,
                  grad_norm_bounds: tuple[float, float] = (1e-6, 1e3), container_names: list[str] = (),
                  *, efficiency: EfficiencyTotals | None = None,
                  device_phases: DevicePhaseTotals | None = None,
-                 statistics: tuple[tuple[str, str], ...] = ()):
+                 statistics: tuple[tuple[str, str], ...] = (), device: str = "cpu",
+                 replay_unavailable: str | None = None):
         n = len(names)
         # names of recorded calls: layers, then container modules (hooked by the replay only)
         self._call_names = list(names) + list(container_names)
@@ -91,8 +99,8 @@ class Aggregator:
         self.last_sampled_step: int | None = None
         self.loss: float | None = None
         self.grad_norm: float | None = None
-        self._attribution = Attribution(names)  # who made the first NaN/Inf
-        self.counters = fold_counters([], n)  # the device counters as last drained
+        self._attribution = Attribution(names, device=device, replay_unavailable=replay_unavailable)
+        self.counters = fold_counters([], n)  # the device counters, every drain merged
         # guard.SkipCounters as last drained: name -> (count, persistent)
         self.device_counts: dict[str, tuple[int, int]] = {}
         self.fwd_total = [0.0] * n
@@ -118,25 +126,34 @@ class Aggregator:
     def fold(self, packet: Packet, timer: Timer) -> None:
         """Fold one packet in: a drain of the non-finite counters alone, a replayed forward
         (its checks count, its timings do not) or a sampled step."""
+        # the counters are cumulative: a drain folded after a newer one takes nothing back
         if packet.counter_parts:
             parts = [packet.batch.get(("counters", k)) for k in range(packet.counter_parts)]
-            self.counters = fold_counters(parts, len(self.names))
+            self.counters = merge_counters(self.counters, fold_counters(parts, len(self.names)))
+            self._attribution.counters(self.counters)
         for name, n_parts in packet.count_parts.items():
-            self.device_counts[name] = fold_skips([packet.batch.get((name, k)) for k in range(n_parts)])
+            new = fold_skips([packet.batch.get((name, k)) for k in range(n_parts)])
+            old = self.device_counts.get(name, (0, 0))
+            self.device_counts[name] = (max(old[0], new[0]), max(old[1], new[1]))
+        if packet.not_replayed is not None:
+            self._attribution.not_replayed(packet.step, packet.not_replayed)
         if packet.record is None and not packet.sampled:  # a drain of the counters alone
             loss = self.loss_of(packet)
             if loss is not None and packet.step == self.last_sampled_step:
                 self.loss = loss  # prof.step(loss) after the optimizer ended a sampled step
-            self._attribution.update(packet.step, self.counters, None)
+            self._attribution.decide()
             self._dirty = True
             return
         figures = self._read_record(packet, timer)
         for i, values in enumerate(figures.absmax):
             if values and not math.isfinite(_nanmax(values)):
                 self.fwd_nonfinite[i] += 1
-        if not packet.sampled and figures.finding is not None:
-            self._attribution.replayed(packet.step, figures.finding)
-        self._attribution.update(packet.step, self.counters, figures.finding)
+        if figures.finding is not None:
+            if packet.sampled:
+                self._attribution.sampled(packet.step, figures.finding)
+            else:
+                self._attribution.replayed(packet.step, figures.finding)
+        self._attribution.decide()
         self._dirty = True
         if packet.sampled:
             self._add_sampled_step(packet, figures)

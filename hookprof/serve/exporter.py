@@ -5,6 +5,7 @@ help come from hookprof/metrics_names.py (the contract: docs/metrics.md)."""
 from __future__ import annotations
 
 import math
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +21,9 @@ from hookprof.metrics_names import family
 from hookprof.phases.families import progress_families
 from hookprof.snapshot import LAYER_PHASES, PHASES, Snapshot
 from hookprof.serve.system import PsutilProcessCollector, has_proc_fs
+
+
+_HOST = socket.gethostname()  # the hookprof_first_nonfinite_origin_info `host` label
 
 
 class SnapshotCollector(Collector):
@@ -113,6 +117,12 @@ class SnapshotCollector(Collector):
             event = snap.first_nonfinite
             first.add_metric([rank, event.layer, event.phase, str(event.step)], 1)
             yield first
+        event = snap.first_nonfinite
+        if event is not None and (event.found_by is not None or event.replay is not None):
+            origin = family(names.FIRST_NONFINITE_ORIGIN_INFO)
+            origin.add_metric([rank, event.phase, str(event.step), event.found_by or "",
+                               event.replay or "", _HOST, event.device], 1)
+            yield origin
 
     def _layer_metrics(self, snap: Snapshot, rank: str) -> Iterator[Metric]:
         fwd = family(names.LAYER_FORWARD_SECONDS)

@@ -52,6 +52,8 @@ class FirstNonFinite:
     layer: str | None
     phase: str
     step: int
+    found_by: str | None = None  # NonFiniteEvent.found_by
+    replay: str | None = None  # "reproducible", "transient", "not replayed" (NonFiniteEvent.replay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +157,8 @@ def from_snapshot(snap: Snapshot, model: str = "") -> RunTable:
         step_buckets=tuple((float(b), float(c)) for b, c in snap.step_duration_buckets),
         step_seconds_sum=snap.step_duration_sum, loss=snap.loss, grad_norm=snap.grad_norm,
         nonfinite_steps=dict(snap.nonfinite_steps), skipped_steps=snap.skipped_steps,
-        first_nonfinite=FirstNonFinite(first.layer, first.phase, first.step) if first else None,
+        first_nonfinite=FirstNonFinite(first.layer, first.phase, first.step, first.found_by, first.replay)
+        if first else None,
         position=_position(snap.progress.step, snap.progress.phase, snap.progress.phase_seconds)
         if snap.progress is not None else None,
         stall=_stall(snap.stall.step, snap.stall.phase, snap.stall.layer, snap.stall.waiting_on)
@@ -240,7 +243,11 @@ def _read_sample(run: _Run, name: str, labels: Mapping[str, str], value: float) 
     elif name == names.NONFINITE_STEPS_TOTAL.name:
         run.values["nonfinite_steps"][labels["phase"]] = int(value)
     elif name == names.FIRST_NONFINITE_INFO.name:
-        run.values["first"] = FirstNonFinite(labels["layer"], labels["phase"], int(labels["step"]))
+        run.values["first_layer"] = labels["layer"]
+        run.values["first_at"] = (labels["phase"], int(labels["step"]))
+    elif name == names.FIRST_NONFINITE_ORIGIN_INFO.name:
+        run.values["first_origin"] = (labels["found_by"] or None, labels["replay"] or None)
+        run.values["first_at"] = (labels["phase"], int(labels["step"]))
     elif name in _LAYER_SAMPLES:
         layer = run.layer(labels["layer"])
         layer[_LAYER_SAMPLES[name]] = value
@@ -267,7 +274,7 @@ def _table(model: str, rank: int, run: _Run) -> RunTable:
         step_seconds_sum=v.get("step_seconds_sum", 0.0), loss=v.get("loss"),
         grad_norm=v.get("grad_norm"),
         nonfinite_steps={p: v["nonfinite_steps"].get(p, 0) for p in PHASES},
-        skipped_steps=int(v.get("skipped_steps", 0)), first_nonfinite=v.get("first"),
+        skipped_steps=int(v.get("skipped_steps", 0)), first_nonfinite=_first(v),
         position=_position(int(v["progress_step"]), v.get("progress_phase", "?"), v.get("progress_seconds", 0.0))
         if "progress_step" in v else None,
         stall=v.get("stall"),
@@ -422,6 +429,26 @@ def _stall(step: int, phase: str, layer: str, waiting_on: str) -> str:
     return f"STALLED at step {step} in {phase}, innermost layer {layer}, waiting on {waiting_on}"
 
 
+def _first(values: dict[str, Any]) -> FirstNonFinite | None:
+    """The first NaN/Inf from a scraped page: its layer (hookprof_first_nonfinite_info, once
+    named) and how it was settled (hookprof_first_nonfinite_origin_info)."""
+    if "first_at" not in values:
+        return None
+    phase, step = values["first_at"]
+    found_by, replay = values.get("first_origin", (None, None))
+    return FirstNonFinite(values.get("first_layer"), phase, step, found_by, replay)
+
+
+def first_words(f: FirstNonFinite) -> str:
+    """The first NaN/Inf in a few words: the layer, and in brackets how it was found and what
+    its replay said ("mlp.0 (forward) at step 5 [sampled step; reproducible]"; "no layer
+    (forward) at step 7 [transient]")."""
+    settled = f.layer is not None or f.replay is not None
+    where = f.layer if f.layer is not None else "no layer" if settled else "(not yet localised)"
+    how = "; ".join(x for x in (f.found_by, f.replay) if x)
+    return f"{where} ({f.phase}) at step {f.step}" + (f" [{how}]" if how else "")
+
+
 def nonfinite_line(h: RunHeader) -> str:
     counts = {p: h.nonfinite_steps.get(p, 0) for p in PHASES}
     if not any(counts.values()):
@@ -430,7 +457,7 @@ def nonfinite_line(h: RunHeader) -> str:
         text = "non-finite steps: " + ", ".join(f"{p} {c}" for p, c in counts.items())
     if h.first_nonfinite is not None:
         f = h.first_nonfinite
-        text += f"; first: {f.layer or '(not yet localised)'} ({f.phase}) at step {f.step}"
+        text += f"; first: {first_words(f)}"
     if h.skipped_steps:
         text += f"; GradScaler skipped {h.skipped_steps} steps"
     return text

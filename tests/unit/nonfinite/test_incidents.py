@@ -49,7 +49,8 @@ def test_forward_nan_on_an_unsampled_step_is_localised_exactly(value):
 
     order = model.order()
     after = tuple(order[order.index("blocks.2.fc") + 1 :])
-    assert snap.first_nonfinite == NonFiniteEvent("blocks.2.fc", "forward", 7, after)
+    assert snap.first_nonfinite == NonFiniteEvent("blocks.2.fc", "forward", 7, after, found_by="replay",
+                                                 replay="reproducible")
     assert snap.sampled_steps == 1  # found by replaying step 7, not by sampling it
     assert snap.nonfinite_steps == {"forward": 4, "backward": 4, "loss": 4}  # steps 7-10
     # the replay changed nothing: same parameters as the run without hookprof
@@ -70,7 +71,7 @@ def test_gradient_nan_on_an_unsampled_step(value):
     assert transfer.transfer_count() == start + 1  # step 1's sample; nothing since
     prof.detach()
     snap = prof.snapshot()
-    assert snap.first_nonfinite == NonFiniteEvent("blocks.3.fc", "backward", 5)
+    assert snap.first_nonfinite == NonFiniteEvent("blocks.3.fc", "backward", 5, found_by="backward check")
     assert snap.nonfinite_steps == {"forward": 0, "backward": 1, "loss": 0}
     assert snap.layers["blocks.3.fc"].nonfinite["backward"] == 1
     assert sum(s.nonfinite["backward"] for s in snap.layers.values()) == 1
@@ -84,7 +85,7 @@ def test_the_loss_alone():
     prof.detach()
     snap = prof.snapshot()
     assert snap.nonfinite_steps == {"forward": 0, "backward": 0, "loss": 1}
-    assert snap.first_nonfinite == NonFiniteEvent("(loss)", "loss", 3)
+    assert snap.first_nonfinite == NonFiniteEvent("(loss)", "loss", 3, found_by="loss check")
 
 
 def test_counters_reach_the_exporter_with_the_next_sample():
@@ -104,7 +105,7 @@ def test_counters_reach_the_exporter_with_the_next_sample():
         snap = wait_for("step 4's counters published", lambda: (
             lambda s: s if s.step == 4 and s.nonfinite_steps["backward"] else None)(prof.snapshot()),
             interval=0.02, retry_errors=False)
-    assert snap.first_nonfinite == NonFiniteEvent("head", "backward", 2)
+    assert snap.first_nonfinite == NonFiniteEvent("head", "backward", 2, found_by="backward check")
     assert snap.nonfinite_steps["backward"] >= 1
 
 
@@ -121,7 +122,7 @@ def test_flush_brings_the_counters_over_without_a_sample():
         prof.flush()
         snap = prof.snapshot()
     assert snap.step == 3 and snap.sampled_steps == 1
-    assert snap.first_nonfinite == NonFiniteEvent("head", "backward", 2)
+    assert snap.first_nonfinite == NonFiniteEvent("head", "backward", 2, found_by="backward check")
     assert snap.nonfinite_steps["backward"] == 2  # steps 2 and 3 (the NaN reached the weights)
 
 
@@ -164,7 +165,9 @@ def test_warn_policy_logs_one_line(caplog):
         run(model, 5, prof=prof, injector=injector)
     prof.detach()
     lines = [r.getMessage() for r in caplog.records if "NaN/Inf" in r.getMessage()]
-    assert lines == ["hookprof: NaN/Inf in the forward phase at step 2 on rank 0, first in layer head"]
+    assert lines == ["hookprof: NaN/Inf in the forward phase at step 2 on rank 0, first in layer head "
+                     "(seen when the step was replayed); reproducible: a replay with the same inputs, "
+                     "weights and RNG made it again (the data or the model)"]
 
 
 def assert_same_parameters(a_model, b_model):
@@ -288,7 +291,7 @@ def test_gradient_made_non_finite_by_a_tensor_hook():
     prof.detach()
     handle.remove()
     snap = prof.snapshot()
-    assert snap.first_nonfinite == NonFiniteEvent("blocks.1.fc", "backward", 4)
+    assert snap.first_nonfinite == NonFiniteEvent("blocks.1.fc", "backward", 4, found_by="backward check")
     assert snap.layers["blocks.1.fc"].nonfinite["backward"] >= 1
 
 
@@ -306,5 +309,5 @@ def test_activation_statistics_are_rate_limited_and_replay_covers_the_gap():
     assert snap.layers["blocks.0.act"].activation_zero_ratio is not None  # kept from step 1
     order = model.order()
     assert snap.first_nonfinite == NonFiniteEvent(
-        "blocks.3.fc", "forward", 4, tuple(order[order.index("blocks.3.fc") + 1 :])
-    )
+        "blocks.3.fc", "forward", 4, tuple(order[order.index("blocks.3.fc") + 1 :]),
+        found_by="replay", replay="reproducible")

@@ -38,7 +38,7 @@ def test_forward_nonfinite_counted_for_layer_and_downstream_only(bad, value, eve
     assert snap.nonfinite_steps["loss"] == 1
     # the producer, and the layers the value flowed through after it
     assert snap.first_nonfinite == hookprof.NonFiniteEvent(
-        bad, "forward", at, tuple(order[position + 1 :])
+        bad, "forward", at, tuple(order[position + 1 :]), found_by="sampled step"
     )
 
 
@@ -60,7 +60,7 @@ def test_gradient_nonfinite_counted_for_the_layer(every_step):
     assert bad == {"blocks.3.fc"}
     assert snap.layers["blocks.3.fc"].grad_norm != snap.layers["blocks.3.fc"].grad_norm  # NaN
     assert snap.nonfinite_steps == {"forward": 0, "backward": 1, "loss": 0}
-    assert snap.first_nonfinite == hookprof.NonFiniteEvent("blocks.3.fc", "backward", at)
+    assert snap.first_nonfinite == hookprof.NonFiniteEvent("blocks.3.fc", "backward", at, found_by="backward check")
 
 
 def test_activation_statistics_match_the_outputs(every_step):

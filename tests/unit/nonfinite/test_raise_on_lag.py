@@ -116,12 +116,15 @@ def test_with_nonfinite_sync_a_non_fused_optimizer_gets_the_producer_and_finite_
     assert "MainThread" in waits  # the opt-in wait, once per step
 
 
-def test_a_replay_never_names_a_layer_whose_own_weights_were_already_non_finite():
+def test_a_replay_names_a_layer_whose_weights_were_non_finite_before_any_non_finite_update():
     """The check inside the replay itself, on the CPU (the replay runs before the update):
-    the loop writes a NaN into stem's weight between steps 3 and 4 (as a non-finite update
-    would), so stem's output is NaN from a finite input. The NaN did not begin in stem's
-    forward; naming it would send the reader to the wrong code, so no layer is named.
-    The same run with the NaN made by blocks.1.act's forward names blocks.1.act."""
+    the loop writes a NaN into stem's weight between steps 3 and 4, so stem's output is NaN
+    from a finite input. No non-finite update had been applied before (the device counters
+    say so: no non-finite gradient before step 4), so those weights are the cause: stem is
+    named, found by its non-finite weights (issue 28; the rule "never a layer whose own
+    weights are non-finite" was too broad). The same run with the NaN made by blocks.1.act's
+    forward names blocks.1.act. (Weights made non-finite by an applied update are never
+    evidence: test_a_non_fused_update_that_took_the_nan_is_not_replayed_so_no_wrong_layer_is_named.)"""
     def first_event(corrupt_weight: bool):
         model = seeded(DeepNet)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -146,10 +149,11 @@ def test_a_replay_never_names_a_layer_whose_own_weights_were_already_non_finite(
             prof.detach()
 
     event = first_event(corrupt_weight=True)
-    assert (event.phase, event.step) == ("forward", 4)
-    assert event.layer is None
+    assert (event.layer, event.phase, event.step) == ("stem", "forward", 4)
+    assert (event.found_by, event.replay) == ("non-finite weights", "reproducible")
     event = first_event(corrupt_weight=False)
     assert (event.layer, event.phase, event.step) == (PRODUCER, "forward", 4)
+    assert (event.found_by, event.replay) == ("replay", "reproducible")
 
 
 @pytest.mark.parametrize("lag", [0, 3])

@@ -98,7 +98,7 @@ def test_accelerator_path_finds_the_first_bad_step_exactly(accelerator_path, val
     finally:
         prof.detach()
     snap = prof.snapshot()
-    assert snap.first_nonfinite == NonFiniteEvent("blocks.3.fc", "backward", 5)
+    assert snap.first_nonfinite == NonFiniteEvent("blocks.3.fc", "backward", 5, found_by="backward check")
     assert snap.nonfinite_steps["backward"] == 2
     assert snap.layers["blocks.3.fc"].nonfinite["backward"] == 2
     assert sum(s.nonfinite["backward"] for s in snap.layers.values()) == 2

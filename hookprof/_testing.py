@@ -82,6 +82,16 @@ def open_connections(server: Any) -> set:
     return server._open
 
 
+def unfinished_copies(publisher: Any) -> int:
+    """How many device-to-host copies of the packets a Publisher has been given and not
+    folded yet have not completed, asked of each copy's own event (not transfer.is_ready,
+    which a test may replace): what a flush on the training thread would wait for."""
+    with publisher._in_flight_lock:
+        batches = list(publisher._in_flight)
+    return sum(1 for batch in batches if batch is not None
+               for _, ready in batch._sent.values() if ready is not None and not ready.query())
+
+
 # -- device timing -------------------------------------------------------------------------------
 
 

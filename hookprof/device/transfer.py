@@ -135,6 +135,10 @@ class HostBatch:
         self._sent = sent
         self._lists: dict[torch.device, list[float]] | None = None
 
+    def ready(self) -> bool:
+        """Have its copies completed (so reading it waits for no device)?"""
+        return self._lists is not None or all(is_ready(ready) for _, ready in self._sent.values())
+
     def wait(self) -> None:
         if self._lists is None:
             for _, ready in self._sent.values():

@@ -46,6 +46,8 @@ class PublisherLike(Protocol):
 
     def publish_now(self) -> int: ...
 
+    def settle(self) -> bool: ...
+
 
 HOLD_STEPS = 8  # step ends the policy may wait for the replay to name the layer (replay.MAX_LATE)
 
@@ -89,6 +91,10 @@ class IncidentResponse:
         policy = self._config.on_nonfinite
         if policy != "record":
             self._poll_flag()
+            if self._act_by is not None or self._drained_at > self._known_bad:
+                # a drain or a replay this policy waits for: folded now if the device has
+                # caught up with it (the publisher's Python work only, never a device wait)
+                self._publisher.settle()
         snap = self._publisher.latest
         bad = sum(snap.nonfinite_steps.values())
         if bad <= self._known_bad:

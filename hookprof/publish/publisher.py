@@ -10,6 +10,7 @@ run that stops or hangs is published all the same."""
 from __future__ import annotations
 
 import queue
+from collections import deque
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +62,9 @@ class Publisher(DaemonThread):
         self._decorate = decorate
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: list[Packet] = []  # arrived, not folded yet (kept across a restart)
+        # the batches of packets submitted and not folded yet, in order (settle reads them)
+        self._in_flight: deque[Any] = deque()
+        self._in_flight_lock = threading.Lock()
         self._oldest = 0.0  # when the oldest waiting packet arrived (monotonic)
         self.latest: Snapshot = self._build()
         self._requested = 0  # publish_now requests made (training thread)
@@ -68,7 +72,21 @@ class Publisher(DaemonThread):
         DaemonThread.__init__(self, name)
 
     def submit(self, packet: Packet) -> None:
+        with self._in_flight_lock:
+            self._in_flight.append(packet.batch)
         self._queue.put(packet)
+
+    def settle(self, timeout: float = 2.0) -> bool:
+        """If the copies of everything submitted so far have completed, fold and publish it
+        now and return True: the caller waits for the publisher's Python work only, never for
+        a device. Otherwise return False at once. For a NaN policy waiting on a drain or a
+        replay: it then acts at the first step end after the device has caught up, whatever
+        the publisher thread's scheduling."""
+        with self._in_flight_lock:
+            batches = list(self._in_flight)
+        if not batches or not all(b is None or b.ready() for b in batches):
+            return False
+        return self.flush(timeout)
 
     def nudge(self) -> None:
         """Fold what has arrived now (the training thread is about to run a backward)."""
@@ -153,6 +171,10 @@ class Publisher(DaemonThread):
                 self.fold(packet)
             except Exception as exc:  # one bad packet costs that packet only
                 self._faults.report("publisher thread", exc, disable=False)
+            finally:
+                with self._in_flight_lock:
+                    if self._in_flight:
+                        self._in_flight.popleft()
 
 
 def for_model(make: Callable[..., Publisher], table: Any, rank: int, config: Any, counters: StepCounters,

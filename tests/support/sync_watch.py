@@ -32,8 +32,9 @@ Which ops wait on CUDA (the sources read):
   (a blocking device-to-host copy on CUDA; NVIDIA's "perf-torch-sync-free" guide lists
   `.item()`, `.cpu()`, boolean indexing and `torch.tensor` on CUDA as the usual culprits).
 - Waits outside ATen: the lagging device's `LaggingEvent.synchronize` (what
-  `transfer.wait_ready` calls), and `Publisher.flush` (the training thread waiting for the
-  publisher thread, which waits for the device).
+  `transfer.wait_ready` calls), and `Publisher.flush` while a copy it must fold is still in
+  flight (the training thread waiting for the publisher thread, which waits for the device;
+  a flush of completed copies, Publisher.settle's, waits for Python work only).
 `_assert_async` does not wait (the check runs on the device), so it is not counted.
 
 Reads of hookprof's own host copies are no syncs: the tensors the device copy returns
@@ -239,7 +240,9 @@ class SyncWatch:
             return synchronize(event)
 
         def flushed(pub, *args, **kwargs):
-            if watch.on_watched_thread():
+            # a wait for the device only while a copy it must fold is still in flight: a
+            # flush of completed copies waits for the publisher's Python work alone
+            if watch.on_watched_thread() and _testing.unfinished_copies(pub):
                 watch.record("Publisher.flush")
             return flush(pub, *args, **kwargs)
 

@@ -6,7 +6,6 @@ kept until the optimizer's parameter groups change."""
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 import torch
@@ -106,10 +105,19 @@ def test_autocast_inside_the_forward_gives_the_bf16_peak_on_cuda():
     assert not math.isclose(peaks.lookup(name, "bf16"), peaks.lookup(name, "tf32"))
 
 
+class ListeningHooks:
+    """LayerHooks' listening surface (listen; on_call is what the hooks call)."""
+
+    on_call = None
+
+    def listen(self, on_call):
+        self.on_call = on_call
+
+
 def efficiency_steps(eff, x, precisions):
     """Sampled steps of a StepEfficiency as the layer hooks drive it, one layer call each:
     the peak each step ends with."""
-    hooks = types.SimpleNamespace(on_call=None)  # LayerHooks' attribute
+    hooks = ListeningHooks()
     eff.listen(hooks)
     got = []
     for step, precision in enumerate(precisions, 1):

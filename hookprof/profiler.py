@@ -154,8 +154,7 @@ class Profiler:
             undo.callback(self._serving.start())
             if compiled:  # a hook added now would force a recompile, and do nothing in the graph
                 explain_attached_after_compile(self._notices)
-            undo.callback(self._boundary.install(model))
-            undo.callback(self._release_step)
+            undo.callback(self._boundary.install(model)), undo.callback(self._release_step)
             self._begin_step(1, clock())
             live.add(self, self._boundary.module_ids, summary_at_exit=config.summary_at_exit)
             self._undo = undo.pop_all()
@@ -198,7 +197,8 @@ class Profiler:
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Make `snapshot()` current: bring the every-step counters over and wait until the
         publisher has folded in everything up to now (on a GPU this waits for the device)."""
-        if not self.detached:
+        if not self.detached:  # flags a replay waits for are waited for too: answered now
+            self._nan.settle(self._counters.steps + 1)
             self._drain_counters()
         return self._publisher.flush(timeout)
 

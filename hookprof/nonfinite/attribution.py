@@ -29,7 +29,6 @@ the snapshot.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from hookprof.layers import INPUT_NAME
@@ -49,8 +48,9 @@ from hookprof.snapshot import (
 from hookprof.step.record import ROOT_INPUT, StepRecord
 
 LOSS_LAYER = "(loss)"  # layer label of an incident seen in the loss alone
-KEPT_FINDINGS = 64  # sampled steps whose forward saw a NaN/Inf, kept until the counters speak
-KEPT_BACKWARD = 8  # sampled steps whose backward order is kept (for a NaN first in backward)
+# sampled steps whose forward (or backward) saw a NaN/Inf, kept until the counters say which
+# step was first; past this many the latest go first: the first bad step is the earliest
+KEPT_FINDINGS = 64
 
 
 @dataclass(slots=True)
@@ -142,8 +142,8 @@ class Attribution:
         self._device = device
         self._unavailable = replay_unavailable  # why no step can be replayed in this run
         self._counters: dict[str, list[int]] | None = None
-        self._sampled: OrderedDict[int, ForwardFinding] = OrderedDict()  # steps that saw a NaN/Inf
-        self._backward: OrderedDict[int, dict[int, float]] = OrderedDict()  # step -> backward starts
+        self._sampled: dict[int, ForwardFinding] = {}  # steps whose forward saw a NaN/Inf
+        self._backward: dict[int, dict[int, float]] = {}  # step with a non-finite gradient -> backward starts
         self._replayed: dict[int, ForwardFinding] = {}
         self._not_replayed: dict[int, str] = {}
         self.event: NonFiniteEvent | None = None
@@ -153,15 +153,31 @@ class Attribution:
     def counters(self, counters: dict[str, list[int]]) -> None:
         self._counters = merge_counters(self._counters, counters)
 
-    def sampled(self, step: int, finding: ForwardFinding) -> None:
-        """A sampled step's forward, with its per-layer checks."""
-        self._backward[step] = finding.bwd_start_of_layer
-        while len(self._backward) > KEPT_BACKWARD:
-            self._backward.popitem(last=False)
+    def sampled(self, step: int, finding: ForwardFinding, backward_bad: bool = False) -> None:
+        """A sampled step's forward, with its per-layer checks (and whether any of its
+        gradients was non-finite: then its backward order is kept)."""
         if finding.saw_nonfinite:
             self._sampled[step] = finding
-            while len(self._sampled) > KEPT_FINDINGS:
-                self._sampled.popitem(last=False)
+        if backward_bad:
+            self._backward[step] = finding.bwd_start_of_layer
+        self._prune()
+
+    def _prune(self) -> None:
+        """Steps before the first bad one are clean (the counters say so); past
+        KEPT_FINDINGS the latest steps go, never the earliest. Both depend only on what was
+        observed, not on the order it came in."""
+        first = self._first()
+        for kept in (self._sampled, self._backward):
+            for step in [s for s in kept if first is not None and s < first]:
+                del kept[step]
+            for step in sorted(kept, reverse=True)[:max(0, len(kept) - KEPT_FINDINGS)]:
+                del kept[step]
+
+    def _first(self) -> int | None:
+        """The first bad step of any phase, once the counters have one."""
+        c = self._counters
+        firsts = [s for s in c["phase_first"] if s >= 0] if c is not None else []
+        return min(firsts) if firsts else None
 
     def replayed(self, step: int, finding: ForwardFinding) -> None:
         """The forward of `step` was replayed with the per-layer checks on."""
@@ -185,8 +201,7 @@ class Attribution:
         if not firsts:
             return self.event
         first, _, phase = min(firsts)
-        for step in [s for s in self._sampled if s < first]:  # clean: the counters say so
-            del self._sampled[step]
+        self._prune()
         if phase == "forward":
             self.event = self._forward(first, c["phase_first"][PHASE_INDEX["backward"]])
         elif phase == "loss":

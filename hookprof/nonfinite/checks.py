@@ -202,6 +202,13 @@ class NonfiniteChecks:
             if self.replay.keep_late:  # skip/raise: the policy may be waiting for its layer
                 self._replay_token = self._publisher.publish_now()
 
+    def settle(self, step: int) -> None:
+        """flush(), which may wait: the output flags the replay keeps are waited for, so a
+        kept non-finite step is replayed, or said to be beyond a replay, now rather than at
+        a step end that may never come (the run may be over)."""
+        if self.replay.wait_for_flags():
+            self.replay_forward(step)
+
     def replay_pending(self, bad_step: int) -> bool:
         """Can the forward replay still name the producer of `bad_step`'s NaN: a kept step
         up to it not looked at yet, or the replay's packet not published yet?"""

@@ -196,6 +196,14 @@ class ForwardReplay:
             self._late.clear()
         return None
 
+    def wait_for_flags(self) -> bool:
+        """Wait for the copies of every flag still on its way (only `Profiler.flush` may);
+        True when there is one to look at."""
+        pending = [flag for _, flag, _ in self._late] + ([self._flag] if self._flag is not None else [])
+        for flag in pending:
+            transfer.wait_ready(flag[1])  # note: a CPU-GPU sync point, inside flush() only
+        return bool(pending)
+
     def take_refused(self) -> list[tuple[int, str]]:
         """(step, why) of the non-finite steps found beyond a replay since the last call."""
         refused, self._refused = self._refused, []

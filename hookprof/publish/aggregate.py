@@ -150,7 +150,9 @@ class Aggregator:
                 self.fwd_nonfinite[i] += 1
         if figures.finding is not None:
             if packet.sampled:
-                self._attribution.sampled(packet.step, figures.finding)
+                backward_bad = any(not math.isfinite(v) for k in range(packet.grad_parts)
+                                   for v in packet.batch.get(("grad_sq", k)))
+                self._attribution.sampled(packet.step, figures.finding, backward_bad)
             else:
                 self._attribution.replayed(packet.step, figures.finding)
         self._attribution.decide()

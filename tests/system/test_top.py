@@ -70,7 +70,7 @@ def test_once_prints_the_table_a_scrape_implies(demos):
     assert lines[0].startswith(f"rank 0  model DemoNet  step {STEPS} ({STEPS} sampled)  0.0 steps/s")
     assert lines[1].strip() == (f"non-finite steps: forward {STEPS - NAN_AT + 1}, backward "
                                 f"{STEPS - NAN_AT + 1}, loss {STEPS - NAN_AT + 1}; "
-                                f"first: mlp.0 (forward) at step {NAN_AT}")
+                                f"first: mlp.0 (forward) at step {NAN_AT} [replay; reproducible]")
     # the same figures computed here from a scrape of the (now idle) endpoint
     f = parse(scrape(url))
     fwd_sum = {dict(k)["layer"]: v for k, v in samples(f, "hookprof_layer_forward_seconds",

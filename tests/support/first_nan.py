@@ -182,6 +182,11 @@ class Scenario:
     def expected(self, lag: int, policy: str) -> Outcome:
         raise NotImplementedError
 
+    def steps(self, lag: int) -> int:
+        """Long enough for the flag of the bad step to arrive, a late replay to run, and a
+        few steps of the incident after it."""
+        return self.at + 2 * lag + 4
+
 
 def _not_replayed(layer_phase_step: tuple[str, int], lag: int, policy: str) -> tuple[str, str] | None:
     """What a device `lag` steps behind under `policy` makes of a forward NaN of an unsampled
@@ -296,6 +301,9 @@ class BackwardNaN(Scenario):
 
     def expected(self, lag, policy):
         return Outcome(self.layer, "backward", self.at, FOUND_BY_BACKWARD, None)
+
+    def steps(self, lag):
+        return self.at + 10  # training goes on: ten more sampled steps after the first NaN
 
 
 SCENARIOS: dict[str, Callable[[], Scenario]] = {

@@ -330,6 +330,12 @@ def fused_sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.01, fused=True)
 
 
+def behind_by(lag: int):
+    """The emulated device `lag` optimizer steps behind the host (its LaggingDevice), or the
+    plain CPU for lag 0 (None)."""
+    return lagging_device(lag) if lag else contextlib.nullcontext()
+
+
 @dataclass
 class Run:
     model: nn.Module
@@ -353,7 +359,7 @@ def run(scenario: Scenario, *, lag: int, policy: str, steps: int, publisher: Any
     config = hookprof.Config(summary_at_exit=False).replace(
         **{**scenario.settings, **(settings or {}), "on_nonfinite": policy, **more})
     error, error_step, waits = None, None, []
-    with lagging_device(lag) if lag else contextlib.nullcontext() as device:
+    with behind_by(lag) as device:
         if publisher is not None:
             prof = hookprof.Profiler(model, config, publisher=publisher)
         else:

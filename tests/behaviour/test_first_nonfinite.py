@@ -234,6 +234,19 @@ def test_a_stateful_poison_on_a_sampled_checked_step_is_named_every_time(lag):
     assert [key for _, key in seen] == [expected] * 20, seen
 
 
+def test_a_stateful_poison_on_a_sampled_but_unchecked_step_is_transient():
+    """Issue 28's own reproduction sampled every step but left activation_interval_s at its
+    default, so step 7 was sampled without per-layer output checks (here: never checked after
+    step 1, whatever the machine's speed). Nothing saw the poison make the NaN; its replay is
+    finite: transient, no layer, never "not yet localised"."""
+    scenario = TransientPoison(at=7)
+    result = run(scenario, lag=0, policy="record", steps=scenario.steps(0),
+                 settings=dict(sample_every=1, min_sample_interval_s=0.0, activation_interval_s=3600.0))
+    assert result.snapshot.sampled_steps == scenario.steps(0)  # step 7 was a sampled step
+    assert_event(result.snapshot.first_nonfinite, Outcome(None, "forward", 7, None, "transient"))
+    assert_never_not_yet_localised(result)
+
+
 # ---------------------------------------------------------------- e. transient
 
 

@@ -7,6 +7,7 @@ Training
   optimizers     the optimizers the NaN-guard tests step (fused, for-each, momentum SGD)
   closures       closure steps: the loop, a SAM optimizer, the closure optimizers
   inject         every NaN/Inf injector (by step, by batch, a NaN-making layer)
+  first_nan      issue 28's first-NaN scenarios, what hookprof must say of each, their loop
   compare        parameters compared bit for bit with a reference run, finiteness
   lightning_models  a LightningModule, its callbacks, one DDP rank of Trainer.fit
 Devices and costs

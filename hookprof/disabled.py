@@ -74,3 +74,27 @@ class DisabledProfiler:
 
     def __repr__(self) -> str:
         return "<hookprof.Profiler disabled (HOOKPROF_DISABLE)>"
+
+
+class InertProfiler:
+    """What a copy of an attached profiler holds in its place (copy.deepcopy of an object
+    holding one; unpickling a whole-model checkpoint saved while attached, including by
+    hookprof versions whose model hooks were the Profiler's own methods): detached, and
+    every hook those versions put on a model does nothing, so such a checkpoint loads and
+    trains unprofiled. Only the original is profiled."""
+
+    enabled = False
+    detached = True
+
+    def detach(self) -> None:
+        pass
+
+    def _ignore(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    # the hooks checkpoints saved under earlier hookprof versions refer to by name
+    _on_root_forward = _on_root_output = _on_entry_forward = _on_entry_output = _ignore
+    _on_optimizer_pre = _on_optimizer_post = _on_scaler_decision = _ignore
+
+    def __repr__(self) -> str:
+        return "<hookprof.Profiler copy (inert)>"

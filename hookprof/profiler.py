@@ -22,7 +22,7 @@ from torch import nn
 from hookprof import live
 from hookprof.compiled import explain_attached_after_compile, explain_compiled_forward, unwrap_compiled
 from hookprof.config import Config, env_disabled
-from hookprof.disabled import DisabledProfiler
+from hookprof.disabled import DisabledProfiler, InertProfiler
 from hookprof.distributed import detect_local_rank, detect_rank
 from hookprof.efficiency.figures import EfficiencyTotals, StepEfficiency
 from hookprof.errors import DetachedError
@@ -269,7 +269,7 @@ class Profiler:
         state = "detached" if self.detached else "attached"
         return f"<hookprof.Profiler {self.model_type} rank={self.rank} {where} {state}>"
 
-    def __deepcopy__(self, memo: dict) -> "Profiler":  # copies are inert (_inert_copy)
+    def __deepcopy__(self, memo: dict) -> Any:  # copies are inert (_inert_copy)
         return _inert_copy()
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -295,11 +295,9 @@ class Profiler:
     def _on_forward(self, module: nn.Module, args: Any, kwargs: Any, *, entry: bool,
                    own_layer: int | None, now: int, first_step: bool) -> None:
         """A training forward of the root (or an entry call) begins."""
-        checked = self._sampled.plan.checked
-        if not checked:  # an unchecked step may need a replay
-            self._nan.capture(args, kwargs, module if entry else None)
+        self._nan.capture(args, kwargs, module if entry else None)  # for a replay
         self._sampled.install_late(module, args, own_layer, entry)
-        if checked:  # a NaN in the batch is the input's, not a layer's
+        if self._sampled.plan.checked:  # a NaN in the batch is the input's, not a layer's
             self._hooks.note_root_inputs(args, kwargs)
         if first_step:
             self._phases.restart(now)
@@ -309,7 +307,7 @@ class Profiler:
     def _on_output(self, output: Any) -> None:
         """The root's forward returned: check its output (every step)."""
         self._phases.enter(BACKWARD, self._clock())
-        self._nan.check_output(output, checked=self._sampled.plan.checked, step=self._counters.steps + 1)
+        self._nan.check_output(output, step=self._counters.steps + 1)
         self._sampled.nudge()
 
     def _on_update_began(self, optimizer: torch.optim.Optimizer) -> None:
@@ -441,10 +439,6 @@ class Profiler:
         self._sampled.release()
 
 
-def _inert_copy() -> Profiler:
-    """What a copy of something holding an attached profiler gets: a detached one. Only the
-    original is profiled (a copy of the model itself holds an inert StepBoundary)."""
-    inert = Profiler.__new__(Profiler)
-    inert._boundary = StepBoundary.__new__(StepBoundary)
-    inert._boundary.close()
-    return inert
+def _inert_copy() -> InertProfiler:
+    """What a copy of an attached profiler is (pickles name this function: keep its path)."""
+    return InertProfiler()

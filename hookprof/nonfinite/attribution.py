@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from hookprof.layers import INPUT_NAME
 from hookprof.nonfinite.detector import PHASE_INDEX
+from hookprof.nonfinite.replay import LATER_WEIGHTS
 from hookprof.snapshot import (
     FOUND_BY_BACKWARD,
     FOUND_BY_INPUT,
@@ -51,6 +52,9 @@ LOSS_LAYER = "(loss)"  # layer label of an incident seen in the loss alone
 # sampled steps whose forward (or backward) saw a NaN/Inf, kept until the counters say which
 # step was first; past this many the latest go first: the first bad step is the earliest
 KEPT_FINDINGS = 64
+WEIGHTS_UNPROVEN = ("the replay made it again in a layer whose weights were already non-finite; with "
+                    "nonfinite_check='loss' the gradients of unsampled steps are not checked, so whether "
+                    "an earlier update made those weights so is unknown and no layer is named")
 
 
 @dataclass(slots=True)
@@ -64,7 +68,7 @@ class ForwardFinding:
     # layers with finite inputs and a non-finite output whose own weights were non-finite at
     # the time (a replay's record only): not in `producers`, the weights may be the cause
     weight_producers: list[str] = field(default_factory=list)
-    saw_nonfinite: bool = False  # any output or input of the forward was non-finite
+    saw_nonfinite: bool = False  # an output of a call of the forward was non-finite
 
 
 
@@ -103,7 +107,9 @@ def forward_roles(rec: StepRecord, names: list[str], n_layers: int, act_max: dic
     if weight_made:  # a layer whose own weights made it is no proven origin, nor its enclosing calls
         made = [c for c in made if c not in _with_ancestors(rec, weight_made)]
     producers: dict[str, None] = dict.fromkeys(names[rec.calls[c].layer] for c in made)
-    if root_input_bad and not producers:
+    if root_input_bad and not producers and out_bad:
+        # (a root input may hold -inf on purpose, an additive attention mask: it is the
+        # input's only when something the model made went non-finite)
         producers[INPUT_NAME] = None
     propagators = dict.fromkeys(names[rec.calls[c].layer] for c in sorted(out_bad)
                                 if c in in_bad and rec.calls[c].layer < n)
@@ -118,7 +124,7 @@ def forward_roles(rec: StepRecord, names: list[str], n_layers: int, act_max: dic
     return ForwardFinding(list(producers), [p for p in propagators if p not in producers],
                           start_of_layer, last_finite_child,
                           list(dict.fromkeys(names[rec.calls[c].layer] for c in weight_made)),
-                          bool(out_bad or in_bad or root_input_bad))
+                          bool(out_bad))
 
 
 def merge_counters(old: dict[str, list[int]] | None, new: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -137,14 +143,18 @@ def merge_counters(old: dict[str, list[int]] | None, new: dict[str, list[int]]) 
 class Attribution:
     """The first NaN/Inf of one model's run (publisher thread only)."""
 
-    def __init__(self, names: list[str], *, device: str = "cpu", replay_unavailable: str | None = None):
+    def __init__(self, names: list[str], *, device: str = "cpu", replay_unavailable: str | None = None,
+                 gradients_every_step: bool = True):
         self._names = names
+        # every step's gradients checked (nonfinite_check="all"): only then do the counters
+        # tell whether a non-finite update was applied before a step (the weights' evidence)
+        self._every_step = gradients_every_step
         self._device = device
         self._unavailable = replay_unavailable  # why no step can be replayed in this run
         self._counters: dict[str, list[int]] | None = None
         self._sampled: dict[int, ForwardFinding] = {}  # steps whose forward saw a NaN/Inf
         self._backward: dict[int, dict[int, float]] = {}  # step with a non-finite gradient -> backward starts
-        self._replayed: dict[int, ForwardFinding] = {}
+        self._replayed: dict[int, tuple[ForwardFinding, int]] = {}  # step -> (finding, updates since)
         self._not_replayed: dict[int, str] = {}
         self.event: NonFiniteEvent | None = None
 
@@ -179,9 +189,10 @@ class Attribution:
         firsts = [s for s in c["phase_first"] if s >= 0] if c is not None else []
         return min(firsts) if firsts else None
 
-    def replayed(self, step: int, finding: ForwardFinding) -> None:
-        """The forward of `step` was replayed with the per-layer checks on."""
-        self._replayed[step] = finding
+    def replayed(self, step: int, finding: ForwardFinding, moved: int = 0) -> None:
+        """The forward of `step` was replayed with the per-layer checks on, `moved` updates
+        after it (0: on that forward's very weights)."""
+        self._replayed[step] = (finding, moved)
 
     def not_replayed(self, step: int, why: str) -> None:
         """The forward of `step` went non-finite and could not be replayed, for `why`."""
@@ -219,8 +230,8 @@ class Attribution:
         # the forward of `first` itself, then later ones while nothing had poisoned them
         seen: list[tuple[int, int, ForwardFinding]] = [
             (step, 0, f) for step, f in self._sampled.items() if step >= first]
-        seen += [(step, 1, f) for step, f in self._replayed.items() if step >= first]
-        layer, found_by, propagators, last_child = None, None, (), None
+        seen += [(step, 1, f) for step, (f, _) in self._replayed.items() if step >= first]
+        layer, found_by, propagators, last_child, unproven = None, None, (), None, None
         for step, replay, finding in sorted(seen, key=lambda s: (s[0] != first, s[0], s[1])):
             if step != first and not clean_before(step):
                 continue
@@ -231,19 +242,29 @@ class Attribution:
                             else FOUND_BY_REPLAY if replay else FOUND_BY_SAMPLED)
                 break
             if finding.weight_producers and clean_before(step):
+                if not self._every_step:  # nothing says no update made those weights so
+                    unproven = unproven or WEIGHTS_UNPROVEN
+                    continue
                 layer, propagators = finding.weight_producers[0], tuple(finding.propagators)
                 found_by = FOUND_BY_WEIGHTS
                 break
         outcome, note = self._replay_of(first)
+        if layer is None and outcome == REPRODUCIBLE and unproven:
+            note = unproven
         return NonFiniteEvent(layer, "forward", first, propagators, last_child, found_by, outcome,
                               note, self._device)
 
     def _replay_of(self, first: int) -> tuple[str | None, str | None]:
         """What replaying `first` said: reproducible, transient, not replayed (and why), or
         nothing yet."""
-        finding = self._replayed.get(first)
-        if finding is not None:
-            return (REPRODUCIBLE if finding.saw_nonfinite else TRANSIENT), None
+        replayed = self._replayed.get(first)
+        if replayed is not None:
+            finding, moved = replayed
+            if finding.saw_nonfinite:
+                return REPRODUCIBLE, None
+            if moved:  # finite on other weights proves nothing of the step's own
+                return NOT_REPLAYED, LATER_WEIGHTS
+            return TRANSIENT, None
         if first in self._not_replayed:
             return NOT_REPLAYED, self._not_replayed[first]
         if self._unavailable is not None:

@@ -18,6 +18,7 @@ step: `step_began`, `capture` (each training forward), `check_output` (its end),
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,7 @@ class NonfiniteChecks:
         self.replay = ForwardReplay(model, enabled=not table.has_dtensor_params,
                                     keep_late=self.guard is not None, say=say)
         self._replay_token = 0  # the publisher's publish_now token of the replay's packet
+        self._thread: int | None = None  # the training thread (the last forward's)
         self._scaler_view: ScalerView | None = None  # a fused optimizer's GradScaler state
         self._masked: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (squares, checked)
 
@@ -72,16 +74,19 @@ class NonfiniteChecks:
         self.output.clear()
 
     def capture(self, args: Any, kwargs: Any, entry_module: nn.Module | None) -> None:
-        """A training forward of an unchecked step begins: keep its inputs for a replay (the
-        root is never held: the replay keeps the model weakly)."""
+        """A training forward begins: keep its inputs for a replay (the root is never held:
+        the replay keeps the model weakly)."""
         self.replay.capture(args, kwargs, entry_module)
 
-    def check_output(self, output: Any, *, checked: bool, step: int) -> None:
+    def check_output(self, output: Any, *, step: int) -> None:
         """A training forward returned: one reduction of the model's output, every step,
-        counted once at the step's end; on an unchecked step a known-bad output is replayed
-        at once (the parameters are still this step's)."""
+        counted once at the step's end; a known-bad output is replayed at once (the
+        parameters are still this step's)."""
         self.output.add(nonfinite_flags(output))
-        if not checked and self.replay.note_output(self.output.forward_flag):
+        self._thread = threading.get_ident()
+        # also on a checked step: its record may see no producer (a NaN made by the root's
+        # own code between layers), and the replay also says reproducible or transient
+        if self.replay.note_output(self.output.forward_flag, self.output.earlier_flag):
             self.replay_forward(step)
 
     def check_loss(self, loss: Any, step: int) -> None:
@@ -138,6 +143,11 @@ class NonfiniteChecks:
             self.replay_forward(step)
 
     def update_done(self) -> None:
+        """An optimizer step returned: unless the guard held it back, its update reached the
+        weights (counted for the replay; a GradScaler skip inside a fused kernel counts too,
+        which errs on the side of "not the same weights")."""
+        if not self.holding:
+            self.replay.updated()
         if self.guard is not None:
             self.guard.after_update()
 
@@ -198,7 +208,8 @@ class NonfiniteChecks:
             self._replay_token = self._publisher.publish_now()
         if rec is not None:
             weights = [("weights_bad", f) for f in own_weights_nonfinite(self._table.layers)]
-            self._publisher.submit(self.pack(step, rec, sampled=False, extra=weights))
+            self._publisher.submit(self.pack(step, rec, sampled=False, extra=weights,
+                                             replay_moved=self.replay.moved))
             if self.replay.keep_late:  # skip/raise: the policy may be waiting for its layer
                 self._replay_token = self._publisher.publish_now()
 
@@ -206,6 +217,8 @@ class NonfiniteChecks:
         """flush(), which may wait: the output flags the replay keeps are waited for, so a
         kept non-finite step is replayed, or said to be beyond a replay, now rather than at
         a step end that may never come (the run may be over)."""
+        if threading.get_ident() != self._thread:  # the replay runs the model: its thread only
+            return
         if self.replay.wait_for_flags():
             self.replay_forward(step)
 

@@ -171,6 +171,8 @@ def origin(event: NonFiniteEvent) -> str:
             return "no layer: it did not happen again when the step was replayed"
         if event.replay == NOT_REPLAYED:
             return "a layer that cannot be named: the step was not replayed"
+        if event.replay == REPRODUCIBLE:
+            return f"a layer that cannot be named: {event.replay_note}"
         return "a layer not yet localised"
     if event.found_by == FOUND_BY_WEIGHTS:
         return f"{event.layer}: its weights are non-finite (before any non-finite update)"

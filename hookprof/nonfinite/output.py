@@ -32,22 +32,26 @@ class OutputFlags:
     last forward's (the replay's), `step_flags` the whole step's (the guard's, the
     detector's). `clear` at each step's beginning."""
 
-    __slots__ = ("_host", "_by_device", "_last")
+    __slots__ = ("_host", "_by_device", "_last", "_earlier")
 
     def __init__(self) -> None:
         self._host: bool | None = None  # None: no check on the host this step
         self._by_device: dict[torch.device, torch.Tensor] = {}
         self._last: bool | torch.Tensor | None = None
+        self._earlier: bool | torch.Tensor | None = None  # the step's forwards before the last
 
     def clear(self) -> None:
         self._host = None
         self._by_device = {}
         self._last = None
+        self._earlier = None
 
     def add(self, flags: list[bool | torch.Tensor]) -> None:
         """One forward's flags: at most one host bool and one flag per device."""
         host = [f for f in flags if not isinstance(f, torch.Tensor)]
         on_device = [f for f in flags if isinstance(f, torch.Tensor)]
+        if self._last is not None:  # a second forward of the step: the first is an earlier one
+            self._earlier = _either(self._earlier, self._last)
         if host:
             self._host = bool(self._host) or any(host)
         for f in on_device:
@@ -68,9 +72,28 @@ class OutputFlags:
         still to be read, None when it had nothing to check."""
         return self._last
 
+    @property
+    def earlier_flag(self) -> bool | torch.Tensor | None:
+        """The step's forwards before the last, combined (None: the last is the first): the
+        replay covers the last forward, and must know when the NaN was in an earlier one."""
+        return self._earlier
+
     def step_flags(self) -> list[bool | torch.Tensor]:
         """The step's output so far: a host bool (if any check ran on the host), then one
         0-d bool per device."""
         out: list[bool | torch.Tensor] = [] if self._host is None else [self._host]
         out.extend(self._by_device.values())
         return out
+
+
+def _either(a: bool | torch.Tensor | None, b: bool | torch.Tensor) -> bool | torch.Tensor:
+    """Two flags combined: a host True wins outright; device flags fold with one op."""
+    if a is True or b is True:
+        return True
+    if a is None or a is False:
+        return b
+    if b is False:
+        return a
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device == b.device:
+        return a | b
+    return a if isinstance(a, torch.Tensor) else b

@@ -47,6 +47,15 @@ BEHIND = ("its output's flag was still on the device when the optimizer applied 
           "(the device runs behind the host); nonfinite_sync=True waits for the flag and replays the "
           "step in time")
 NO_CAPTURE = "no training forward of the model was seen on that step to replay"
+LATER_WEIGHTS = ("its forward was replayed only after later updates had changed the weights (the device "
+                 "runs behind the host), and was finite there: not the same weights, so neither "
+                 "reproducible nor transient; nonfinite_sync=True replays the step on its own weights")
+EARLIER_FORWARD = ("the NaN/Inf was in an earlier forward of the step (gradient accumulation, a model "
+                   "called several times per step); the replay covers the step's last forward only")
+
+
+def _ready(flag: tuple[Any, Any], earlier: tuple[Any, Any] | None) -> bool:
+    return transfer.is_ready(flag[1]) and (earlier is None or transfer.is_ready(earlier[1]))
 
 
 def own_weights_nonfinite(layers: list[Any]) -> list[torch.Tensor]:
@@ -78,12 +87,13 @@ class CapturedForward:
     step never swaps the current step's capture out and back (an exception in between
     would leave the kept step's in its place)."""
 
-    __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng")
+    __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng", "updates")
 
     def __init__(self, module: nn.Module | None, args: tuple, kwargs: dict | None,
-                 cpu_rng: torch.Tensor, cuda_rng: list[torch.Tensor] | None):
+                 cpu_rng: torch.Tensor, cuda_rng: list[torch.Tensor] | None, updates: int = 0):
         self.module, self.args, self.kwargs = module, args, kwargs
         self.cpu_rng, self.cuda_rng = cpu_rng, cuda_rng
+        self.updates = updates  # updates applied to the weights before this forward
 
 
 class ForwardReplay:
@@ -96,10 +106,14 @@ class ForwardReplay:
         self.captured: CapturedForward | None = None  # this step's last training forward
         self.done = not enabled
         self._flag: tuple[Any, Any] | None = None  # (host flag, ready event) of the output check
+        # ... and of the step's earlier forwards (gradient accumulation, a model called twice)
+        self._earlier: tuple[Any, Any] | None = None
+        self._updates = 0  # updates applied to the weights so far (`updated`)
+        self.moved = 0  # updates applied between the last replayed forward and its replay
         self.keep_late = keep_late
-        # (step, flag, its forward) of steps whose flag is on its way (None: it cannot be
-        # replayed, see `unheld` and `run_if_bad`)
-        self._late: deque[tuple[int, tuple[Any, Any], CapturedForward | None]] = deque(maxlen=MAX_LATE)
+        # (step, flag, its forward, the earlier forwards' flag) of steps whose flags are on
+        # their way (forward None: it cannot be replayed, see `unheld` and `run_if_bad`)
+        self._late: deque[tuple[int, tuple[Any, Any], CapturedForward | None, Any]] = deque(maxlen=MAX_LATE)
         self._say = say
         # (step, why) of non-finite steps that could not be replayed, for the publisher
         # (the first NaN is then "not replayed", with the reason, never "not yet localised")
@@ -118,13 +132,19 @@ class ForwardReplay:
     def may_replay(self, step: int) -> bool:
         """Can a late replay still run for a step up to `step` (a kept step whose update was
         held back, its flag not looked at yet)?"""
-        return not self.done and any(s <= step and c is not None for s, _, c in self._late)
+        return not self.done and any(s <= step and c is not None for s, _, c, _ in self._late)
 
     def unheld(self, step: int) -> None:
         """`step`'s update was not held back (guard.UpdateGuard.unguarded): if its flag says
         non-finite, the weights have taken that update, so its forward is not replayed."""
         if self._late and self._late[-1][0] == step:
-            self._late[-1] = (step, self._late[-1][1], None)
+            step_, flag, _, earlier = self._late[-1]
+            self._late[-1] = (step_, flag, None, earlier)
+
+    def updated(self) -> None:
+        """An update reached the weights (not held back, not skipped): a forward captured
+        before it replays on other weights from now on."""
+        self._updates += 1
 
     def capture(self, args: tuple, kwargs: dict, module: nn.Module | None = None) -> None:
         """Keep a training forward's inputs: of the root, or of the entry call `module` (a
@@ -133,18 +153,22 @@ class ForwardReplay:
             return
         self.captured = CapturedForward(
             module, args, kwargs, torch.get_rng_state(),
-            torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+            torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None, self._updates)
 
     def clear(self) -> None:
         self.captured = None
 
-    def note_output(self, flag: bool | torch.Tensor | None) -> bool:
-        """This forward's output check, as its owner combined it (output_check.OutputFlags:
-        the replay reads it, never stacks it again). True when it is already known bad on
-        the host: the replay can run at once. A device flag is peeked at, to be read when
-        its copy has completed (`run_if_bad`)."""
+    def note_output(self, flag: bool | torch.Tensor | None,
+                    earlier: bool | torch.Tensor | None = None) -> bool:
+        """This forward's output check, and the step's earlier forwards' (None: this is the
+        step's first), as their owner combined them (output.OutputFlags: the replay reads
+        them, never stacks them again). True when this one is already known bad on the host:
+        the replay can run at once. Device flags are peeked at, to be read when their copies
+        have completed (`run_if_bad`)."""
         if self.done:
             return False
+        self._earlier = None if earlier is None or earlier is False else \
+            (True, None) if earlier is True else transfer.peek(earlier)
         if flag is True:
             self._flag = (True, None)
             return True
@@ -159,17 +183,22 @@ class ForwardReplay:
         only with `wait`, Config.nonfinite_sync; else kept for `run_late` under keep_late),
         or when there is nothing to replay."""
         flag, self._flag = self._flag, None
+        earlier, self._earlier = self._earlier, None
         if flag is None:
             return None
-        if wait and not self.done and not transfer.is_ready(flag[1]):
-            transfer.wait_ready(flag[1])  # the opt-in wait (unless the guard's did it)
-        if not transfer.is_ready(flag[1]):
+        if wait and not self.done:
+            for f in (flag, earlier):
+                if f is not None and not transfer.is_ready(f[1]):
+                    transfer.wait_ready(f[1])  # the opt-in wait (unless the guard's did it)
+        if not _ready(flag, earlier):
             if not self.done:
-                # kept until the flag arrives: replayed then when its update is held back
+                # kept until the flags arrive: replayed then when its update is held back
                 # (keep_late), else only said to be beyond a replay if it turns out bad
-                self._late.append((step, flag, self.captured if self.keep_late else None))
+                self._late.append((step, flag, self.captured if self.keep_late else None, earlier))
             return None
         if not bool(flag[0]):  # a host value (or a completed copy)
+            if earlier is not None and bool(earlier[0]) and not self.done:
+                self._refuse(step, EARLIER_FORWARD)
             return None
         if self.captured is None:
             self._refuse(step, NO_CAPTURE)
@@ -183,8 +212,8 @@ class ForwardReplay:
         replayed (on the current weights, finite since its update was held back). Returns
         (its step, the record). Never waits: a flag still on its way stays queued."""
         while self._late and not self.done:
-            step, flag, captured = self._late[0]
-            if not transfer.is_ready(flag[1]):
+            step, flag, captured, earlier = self._late[0]
+            if not _ready(flag, earlier):
                 return None
             self._late.popleft()
             if bool(flag[0]) and captured is None:
@@ -192,6 +221,8 @@ class ForwardReplay:
             elif bool(flag[0]):
                 rec = new_record()
                 return (step, rec) if self._run(hooks, rec, captured, step) else None
+            elif earlier is not None and bool(earlier[0]):
+                self._refuse(step, EARLIER_FORWARD)
         if self.done:
             self._late.clear()
         return None
@@ -199,7 +230,8 @@ class ForwardReplay:
     def wait_for_flags(self) -> bool:
         """Wait for the copies of every flag still on its way (only `Profiler.flush` may);
         True when there is one to look at."""
-        pending = [flag for _, flag, _ in self._late] + ([self._flag] if self._flag is not None else [])
+        pending = [f for _, flag, _, earlier in self._late for f in (flag, earlier) if f is not None]
+        pending += [f for f in (self._flag, self._earlier) if f is not None]
         for flag in pending:
             transfer.wait_ready(flag[1])  # note: a CPU-GPU sync point, inside flush() only
         return bool(pending)
@@ -232,6 +264,7 @@ class ForwardReplay:
             return False
         target = captured.module if captured.module is not None else model
         self.done = True
+        self.moved = self._updates - captured.updates  # 0: the very weights of that forward
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if captured.cuda_rng is not None else None
         originals = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()

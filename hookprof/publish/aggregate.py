@@ -76,14 +76,15 @@ class Aggregator:
                    device=device_name(table.param_devices()),
                    # FSDP2 / tensor parallel: a replay on one rank would start collectives
                    # the other ranks never join (nonfinite/checks.py never runs one)
-                   replay_unavailable=REPLAY_UNAVAILABLE_DTENSOR if table.has_dtensor_params else None)
+                   replay_unavailable=REPLAY_UNAVAILABLE_DTENSOR if table.has_dtensor_params else None,
+                   gradients_every_step=config.nonfinite_check == "all")
 
     def __init__(self, names: list[str], module_types: list[str], rank: int, max_layers: int,
                  grad_norm_bounds: tuple[float, float] = (1e-6, 1e3), container_names: list[str] = (),
                  *, efficiency: EfficiencyTotals | None = None,
                  device_phases: DevicePhaseTotals | None = None,
                  statistics: tuple[tuple[str, str], ...] = (), device: str = "cpu",
-                 replay_unavailable: str | None = None):
+                 replay_unavailable: str | None = None, gradients_every_step: bool = True):
         n = len(names)
         # names of recorded calls: layers, then container modules (hooked by the replay only)
         self._call_names = list(names) + list(container_names)
@@ -99,7 +100,8 @@ class Aggregator:
         self.last_sampled_step: int | None = None
         self.loss: float | None = None
         self.grad_norm: float | None = None
-        self._attribution = Attribution(names, device=device, replay_unavailable=replay_unavailable)
+        self._attribution = Attribution(names, device=device, replay_unavailable=replay_unavailable,
+                                        gradients_every_step=gradients_every_step)
         self.counters = fold_counters([], n)  # the device counters, every drain merged
         # guard.SkipCounters as last drained: name -> (count, persistent)
         self.device_counts: dict[str, tuple[int, int]] = {}
@@ -154,7 +156,7 @@ class Aggregator:
                                    for v in packet.batch.get(("grad_sq", k)))
                 self._attribution.sampled(packet.step, figures.finding, backward_bad)
             else:
-                self._attribution.replayed(packet.step, figures.finding)
+                self._attribution.replayed(packet.step, figures.finding, packet.replay_moved)
         self._attribution.decide()
         self._dirty = True
         if packet.sampled:

@@ -107,12 +107,22 @@ class StepBoundary:
     def install(self, model: nn.Module) -> Callable[[], None]:
         """Hook the root (unless compiled: a hook added now would force a recompile, and do
         nothing in the graph), its children, the optimizers and GradScaler; returns what
-        removes them all."""
+        removes them all. A registration that fails takes the others out before it raises."""
+        try:
+            self._register(model)
+        except BaseException:
+            self._remove()
+            raise
+        return self._remove
+
+    def _register(self, model: nn.Module) -> None:
         if not self.compiled:
             self._handles.append(model.register_forward_pre_hook(
                 self._on_root_forward, prepend=True, with_kwargs=True))
             self._handles.append(model.register_forward_hook(self._on_root_output))
             for child in model.children():
+                if isinstance(child, torch.jit.ScriptModule):
+                    continue  # takes no Python hooks; a loop calls the root of such a model
                 self._entry_handles.append(child.register_forward_pre_hook(
                     self._on_entry_forward, with_kwargs=True))
                 self._entry_handles.append(child.register_forward_hook(
@@ -120,7 +130,6 @@ class StepBoundary:
         self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
         self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
         self._handles.append(gradscaler.watch(self._on_scaler_decision))
-        return self._remove
 
     def close(self) -> None:
         """Detached: every hook from now on does nothing (also a copy's, see _inert)."""
@@ -285,17 +294,21 @@ class StepBoundary:
 
         def closure_then_read() -> Any:
             self._forwards = 0  # LBFGS calls it thousands of times in one step
-            self._events._on_closure_call(judged)
-            result = closure()
-            self._events._on_back_in_optimizer()
+            self._closure_called(judged)
+            result = closure()  # the user's: what it raises is theirs
             self._closure_returned(optimizer, judged)
             return result
 
         return closure_then_read
 
     @guarded("optimizer closure")
+    def _closure_called(self, judged: bool) -> None:
+        self._events._on_closure_call(judged)
+
+    @guarded("optimizer closure")
     def _closure_returned(self, optimizer: torch.optim.Optimizer, judged: bool) -> None:
         # called once or several times (LBFGS); the parameters are still this step's
+        self._events._on_back_in_optimizer()
         if self.in_step():
             self._stepped = True
             self._events._on_closure_returned(optimizer, judged)

@@ -223,15 +223,18 @@ def test_transformers_trainer_with_a_nan_weight_names_h1_mlp_c_fc(lag, accumulat
 @pytest.mark.parametrize("lag", LAGS)
 def test_a_stateful_poison_on_a_sampled_checked_step_is_named_every_time(lag):
     """The poison makes a NaN at its 7th call only; every step is sampled and checked, so
-    step 7's own checks saw finite inputs and a NaN output. Twenty runs, each named."""
-    seen = []
+    step 7's own checks saw finite inputs and a NaN output. Twenty runs, each named from
+    that step, whatever its replay then says (the poison's next call is finite: transient on
+    the step's own weights, else no verdict)."""
+    seen, expected = [], []
     for attempt in range(20):
         policy = ("record", "skip")[attempt % 2]
         scenario = SampledPoison(at=7)
         result = run(scenario, lag=lag, policy=policy, steps=scenario.steps(lag))
-        seen.append((policy, event_key(result.snapshot.first_nonfinite)))
-    expected = ("poison", "forward", 7, "sampled step", None)
-    assert [key for _, key in seen] == [expected] * 20, seen
+        seen.append(event_key(result.snapshot.first_nonfinite))
+        expected.append(scenario.expected(lag, policy).key)
+    assert seen == expected, seen
+    assert all(key[:4] == ("poison", "forward", 7, "sampled step") for key in seen)
 
 
 def test_a_stateful_poison_on_a_sampled_but_unchecked_step_is_transient():
@@ -251,9 +254,10 @@ def test_a_stateful_poison_on_a_sampled_but_unchecked_step_is_transient():
 
 
 def transient_expected(lag: int, policy: str) -> Outcome:
-    if lag and policy in ("record", "warn"):
-        return Outcome(None, "forward", 7, None, "not replayed", BEHIND)
-    return Outcome(None, "forward", 7, None, "transient")
+    """Transient needs a replay on the step's own weights: lag 0 (or nonfinite_sync); a late
+    replay under skip/raise ran after later updates, and under record/warn on a device behind
+    there is none: not replayed, each with its reason."""
+    return TransientPoison(at=7).expected(lag, "skip" if policy in ("skip", "raise") else "record")
 
 
 @pytest.mark.parametrize("policy", ["record", "warn", "raise", "skip"])
@@ -268,7 +272,7 @@ def test_a_nan_that_its_replay_does_not_make_again_is_transient(lag, policy, cap
     expected = transient_expected(lag, policy)
     assert_event(result.snapshot.first_nonfinite, expected)
     if expected.replay == "not replayed":
-        assert "nonfinite_sync" in result.snapshot.first_nonfinite.replay_note
+        assert "nonfinite_sync=True" in result.snapshot.first_nonfinite.replay_note
     said = [str(result.error)] if policy == "raise" else nan_lines(caplog)
     if policy == "record":
         assert said == []
@@ -280,10 +284,10 @@ def test_a_nan_that_its_replay_does_not_make_again_is_transient(lag, policy, cap
             assert "transient" in said[0]
             assert f"rank 0 on {HOST}, device cpu" in said[0]
         else:
-            assert "not replayed: " + BEHIND in said[0]
+            assert "not replayed: " + expected.replay_note in said[0]
     if policy == "raise":
         assert (result.error.layer, result.error.step, result.error.found_by, result.error.replay) == \
-            (None, 7, None, "transient")
+            (None, 7, None, expected.replay)
     assert_never_not_yet_localised(result)
 
 
@@ -304,10 +308,12 @@ def test_a_batch_row_that_overflows_fc1_is_reproducible_and_names_fc1(lag, polic
 
 @pytest.mark.parametrize("lag", LAGS)
 def test_a_batch_row_that_overflows_fc1_on_a_sampled_step_names_fc1_from_that_step(lag):
-    """On a sampled, checked step no replay is needed: its own checks saw fc1 overflow."""
+    """On a sampled, checked step its own checks saw fc1 overflow, and name it from there;
+    the replay then makes it again (reproducible) when it can run on the step's weights."""
     scenario = Overflow(at=5)
     result = run(scenario, lag=lag, policy="record", steps=scenario.steps(lag), settings=EVERY_STEP_CHECKED)
-    assert_event(result.snapshot.first_nonfinite, Outcome("fc1", "forward", 5, "sampled step", None))
+    replay = ("reproducible", None) if lag == 0 else ("not replayed", BEHIND)
+    assert_event(result.snapshot.first_nonfinite, Outcome("fc1", "forward", 5, "sampled step", *replay))
 
 
 # ---------------------------------------------------------------- the backward's first

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 import hookprof
-from hookprof.nonfinite.replay import BEHIND, UNHELD
+from hookprof.nonfinite.replay import BEHIND, LATER_WEIGHTS
 from hookprof.snapshot import (
     FOUND_BY_BACKWARD,
     FOUND_BY_REPLAY,
@@ -197,6 +197,17 @@ def _not_replayed(layer_phase_step: tuple[str, int], lag: int, policy: str) -> t
     return NOT_REPLAYED, BEHIND  # record: the update reached the weights before the flag came
 
 
+def _finite_replay(lag: int, policy: str) -> tuple[str, str | None]:
+    """What a replay that comes out finite says: transient only on the step's own weights
+    (lag 0: replayed before the update); a late replay (skip/raise, held back) ran after
+    later updates, so no verdict; under record on a device behind, no replay at all."""
+    if lag == 0:
+        return TRANSIENT, None
+    if policy in ("skip", "raise"):
+        return NOT_REPLAYED, LATER_WEIGHTS
+    return NOT_REPLAYED, BEHIND
+
+
 class WeightNaN(Scenario):
     name = "nan weight"
     layer = "features.3"
@@ -235,7 +246,10 @@ class SampledPoison(Scenario):
         return PoisonNet(self.at)
 
     def expected(self, lag, policy):
-        return Outcome(self.layer, "forward", self.at, FOUND_BY_SAMPLED, None)
+        # the sampled step names it; its replay (the poison's next call) is finite, which is
+        # a verdict only on the step's own weights (lag 0); a late replay runs after other
+        # updates (skip, raise), and under record on a device behind there is none
+        return Outcome(self.layer, "forward", self.at, FOUND_BY_SAMPLED, *_finite_replay(lag, policy))
 
 
 class TransientPoison(SampledPoison):
@@ -245,9 +259,7 @@ class TransientPoison(SampledPoison):
     settings = UNSAMPLED
 
     def expected(self, lag, policy):
-        if _not_replayed(None, lag, policy):
-            return Outcome(None, "forward", self.at, None, NOT_REPLAYED, BEHIND)
-        return Outcome(None, "forward", self.at, None, TRANSIENT)
+        return Outcome(None, "forward", self.at, None, *_finite_replay(lag, policy))
 
 
 class Overflow(Scenario):

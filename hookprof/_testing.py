@@ -82,6 +82,22 @@ def open_connections(server: Any) -> set:
     return server._open
 
 
+def settle_would_wait(publisher: Any) -> bool:
+    """Would Publisher.settle fold a packet whose copy has not completed, asked of each
+    copy's own event (settle folds the oldest packets while `ready()` says so; a test may
+    make that lie by replacing transfer.is_ready)?"""
+    with publisher._in_flight_lock:
+        batches = list(publisher._in_flight)
+    for batch in batches:
+        if batch is None:
+            continue
+        if not batch.ready():
+            return False
+        if any(ready is not None and not ready.query() for _, ready in batch._sent.values()):
+            return True
+    return False
+
+
 def unfinished_copies(publisher: Any) -> int:
     """How many device-to-host copies of the packets a Publisher has been given and not
     folded yet have not completed, asked of each copy's own event (not transfer.is_ready,

@@ -28,6 +28,10 @@ _STOP = object()
 _NUDGE = object()
 
 
+class _Settle(threading.Event):
+    """A request to fold the waiting packets whose copies have completed, and publish."""
+
+
 class _PublishNow:
     """A request to fold what has arrived and publish at once, not at the next interval:
     an incident's drain or replay (IncidentResponse reads `latest` at the next step ends)."""
@@ -77,16 +81,19 @@ class Publisher(DaemonThread):
         self._queue.put(packet)
 
     def settle(self, timeout: float = 2.0) -> bool:
-        """If the copies of everything submitted so far have completed, fold and publish it
-        now and return True: the caller waits for the publisher's Python work only, never for
-        a device. Otherwise return False at once. For a NaN policy waiting on a drain or a
-        replay: it then acts at the first step end after the device has caught up, whatever
-        the publisher thread's scheduling."""
+        """Fold and publish now the packets, oldest first, whose copies have completed, and
+        return True once that is done: the caller waits for the publisher's Python work only,
+        never for a device (a packet whose copy is still in flight stops the folding). False
+        at once when the oldest packet's copy is still in flight. For a NaN policy waiting
+        on a drain or a replay: it acts at the first step end after the device has caught up
+        with it, whatever the publisher thread's scheduling."""
         with self._in_flight_lock:
-            batches = list(self._in_flight)
-        if not batches or not all(b is None or b.ready() for b in batches):
+            oldest = self._in_flight[0] if self._in_flight else None
+        if oldest is None or not oldest.ready() or not self._thread.is_alive():
             return False
-        return self.flush(timeout)
+        done = _Settle()
+        self._queue.put(done)
+        return done.wait(timeout)
 
     def nudge(self) -> None:
         """Fold what has arrived now (the training thread is about to run a backward)."""
@@ -147,6 +154,11 @@ class Publisher(DaemonThread):
                         self._oldest = time.monotonic()
                     self._waiting.append(item)
                     continue
+                if isinstance(item, _Settle):  # (set in `finally`)
+                    self._fold_waiting(ready_only=True)
+                    self._publish()
+                    last_publish = time.monotonic()
+                    continue
                 now = time.monotonic()
                 if item is not None or now - self._oldest >= self._interval_s:
                     self._fold_waiting()  # nudged, flushed, stopping, or waited long enough
@@ -164,8 +176,12 @@ class Publisher(DaemonThread):
                 if isinstance(item, threading.Event):
                     item.set()
 
-    def _fold_waiting(self) -> None:
+    def _fold_waiting(self, ready_only: bool = False) -> None:
+        """Fold the waiting packets in order (`ready_only`: while their copies have completed,
+        so this thread waits for no device either)."""
         while self._waiting:
+            if ready_only and not self._waiting[0].batch.ready():
+                break
             packet = self._waiting.pop(0)
             try:
                 self.fold(packet)

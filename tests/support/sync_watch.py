@@ -32,9 +32,10 @@ Which ops wait on CUDA (the sources read):
   (a blocking device-to-host copy on CUDA; NVIDIA's "perf-torch-sync-free" guide lists
   `.item()`, `.cpu()`, boolean indexing and `torch.tensor` on CUDA as the usual culprits).
 - Waits outside ATen: the lagging device's `LaggingEvent.synchronize` (what
-  `transfer.wait_ready` calls), and `Publisher.flush` while a copy it must fold is still in
-  flight (the training thread waiting for the publisher thread, which waits for the device;
-  a flush of completed copies, Publisher.settle's, waits for Python work only).
+  `transfer.wait_ready` calls), `Publisher.flush` while a copy it must fold is still in
+  flight (the training thread waiting for the publisher thread, which waits for the device),
+  and `Publisher.settle` if a copy it folds has not in truth completed (it folds only those
+  that say they have: then it waits for Python work only).
 `_assert_async` does not wait (the check runs on the device), so it is not counted.
 
 Reads of hookprof's own host copies are no syncs: the tensors the device copy returns
@@ -228,6 +229,7 @@ class SyncWatch:
         start_copy = getattr(copy_owner, copy_name)
         synchronize = lagging_device.LaggingEvent.synchronize
         flush = publisher.Publisher.flush
+        settle = publisher.Publisher.settle
 
         def copy_to_host(t):
             host, ready = start_copy(t)
@@ -246,12 +248,21 @@ class SyncWatch:
                 watch.record("Publisher.flush")
             return flush(pub, *args, **kwargs)
 
+        def settled(pub, *args, **kwargs):
+            # settle folds only packets whose copies say they have completed: a wait for the
+            # device only if one of those has not, in truth
+            if watch.on_watched_thread() and _testing.settle_would_wait(pub):
+                watch.record("Publisher.settle")
+            return settle(pub, *args, **kwargs)
+
         setattr(copy_owner, copy_name, copy_to_host)
         lagging_device.LaggingEvent.synchronize = waited
         publisher.Publisher.flush = flushed
+        publisher.Publisher.settle = settled
         self._restore = [(copy_owner, copy_name, start_copy),
                          (lagging_device.LaggingEvent, "synchronize", synchronize),
-                         (publisher.Publisher, "flush", flush)]
+                         (publisher.Publisher, "flush", flush),
+                         (publisher.Publisher, "settle", settle)]
         for mode in self._modes:
             mode.__enter__()
         return self

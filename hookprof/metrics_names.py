@@ -120,7 +120,7 @@ FIRST_NONFINITE_ORIGIN_INFO = Metric(
     "of its step said (replay: reproducible, transient, not replayed); host and device where it ran")
 PUBLISHER_THREAD_UP = Metric(
     "hookprof_publisher_thread_up", "gauge", _RANK,
-    "1 while the background thread that folds sampled steps into snapshots is alive")
+    "1 while the background thread that folds sampled steps into snapshots is alive and publishing")
 BUILD_INFO = Metric("hookprof_build_info", "gauge", ("version", "torch_version"),
                     "hookprof and torch versions", per_model=False)
 

@@ -143,7 +143,8 @@ class Profiler:
             self._supervisor.watch("publisher", self._publisher)
             if config.stall_detection:
                 self._supervisor.watch("stall watch", self._watch)
-            self._serving = Serving(config, self.name, self.rank, local_rank, self._publisher, registry)
+            self._serving = Serving(config, self.name, self.rank, local_rank, self._publisher, registry,
+                                    faults=self._faults, counters=self._counters)
             earlier = live.earlier_notice(self.model_type, self.name) if config.serve else None
             if earlier:
                 self._notices.say("earlier profiler", earlier)

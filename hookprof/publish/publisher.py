@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hookprof.publish.aggregate import Aggregator
-from hookprof.faults import DaemonThread, Faults
+from hookprof.faults import Backoff, DaemonThread, Faults
 from hookprof.publish.history import LAYER_SLOTS, History
 from hookprof.notices import Notices
 from hookprof.step.record import Packet, StepCounters
@@ -70,9 +70,13 @@ class Publisher(DaemonThread):
         self._in_flight: deque[Any] = deque()
         self._in_flight_lock = threading.Lock()
         self._oldest = 0.0  # when the oldest waiting packet arrived (monotonic)
+        # a snapshot that cannot be built (or a loop that keeps failing) is retried later and
+        # later, not at once: retried at once, its deadline already passed, it spun a core
+        self._backoff = Backoff()
         self.latest: Snapshot = self._build()
         self._requested = 0  # publish_now requests made (training thread)
         self.published_token = 0  # the last one whose fold is in `latest` (publisher thread)
+        self._wanted_token = 0  # the last one whose packets are folded (publisher thread)
         DaemonThread.__init__(self, name)
 
     def submit(self, packet: Packet) -> None:
@@ -128,8 +132,17 @@ class Publisher(DaemonThread):
             self._queue.put(_STOP)
             self._thread.join(timeout)
 
+    @property
+    def publishing(self) -> bool:
+        """The thread is alive and its last snapshot build succeeded: `latest` is current
+        (up to one interval). False while a failing build backs off: `latest` is stale."""
+        return self.alive and not self._backoff.failing
+
     def _publish(self) -> None:
         self.latest = self._build()
+        self._backoff.succeeded()
+        # a publish_now whose packets were folded is in `latest` now, whichever publish it was
+        self.published_token = max(self.published_token, self._wanted_token)
 
     def _build(self) -> Snapshot:
         snap = self._aggregator.snapshot(self._counters, self._faults.errors, self._notices.all())
@@ -144,6 +157,8 @@ class Publisher(DaemonThread):
             due = last_publish + self._interval_s
             if self._waiting:
                 due = min(due, self._oldest + self._interval_s)
+            if self._backoff.failing:
+                due = max(due, self._backoff.until)
             try:
                 item = self._queue.get(timeout=due - now) if due > now else self._queue.get_nowait()
             except queue.Empty:
@@ -156,21 +171,27 @@ class Publisher(DaemonThread):
                     continue
                 if isinstance(item, _Settle):  # (set in `finally`)
                     self._fold_waiting(ready_only=True)
-                    self._publish()
+                    if self._backoff.ready():
+                        self._publish()
                     last_publish = time.monotonic()
                     continue
                 now = time.monotonic()
                 if item is not None or now - self._oldest >= self._interval_s:
                     self._fold_waiting()  # nudged, flushed, stopping, or waited long enough
-                if item is _STOP:
-                    self._publish()
+                if item is _STOP:  # one last try, whatever the back-off; a failure ends it too
+                    with self._faults.contain("publisher thread", disable=False):
+                        self._publish()
                     return
-                if item is not _NUDGE or now - last_publish >= self._interval_s:
+                if isinstance(item, _PublishNow):  # its packets are folded: the next publish holds them
+                    self._wanted_token = max(self._wanted_token, item.token)
+                # a nudge comes every step: while backing off only a flush (the caller asked
+                # and waits) tries before the back-off is over
+                if ((item is not _NUDGE or now - last_publish >= self._interval_s)
+                        and (self._backoff.ready() or type(item) is threading.Event)):
                     self._publish()
                     last_publish = time.monotonic()
-                if isinstance(item, _PublishNow):  # after the publish that holds its packets
-                    self.published_token = max(self.published_token, item.token)
             except Exception as exc:  # never die: a lost sample is better than no exporter
+                self._backoff.failed()
                 self._faults.report("publisher thread", exc, disable=False)
             finally:
                 if isinstance(item, threading.Event):

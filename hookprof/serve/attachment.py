@@ -18,25 +18,30 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from hookprof.config import Config
-from hookprof.faults import ThreadSupervisor
+from hookprof.faults import Faults, ThreadSupervisor
 from hookprof.serve import endpoint
 from hookprof.serve.endpoint import Endpoint, Member
 from hookprof.serve.exporter import SnapshotCollector, make_registry
 from hookprof.serve.system import SystemCollector, SystemSampler
+from hookprof.step.record import StepCounters
 
 
 class Serving:
     """One profiler's place on the /metrics page."""
 
     def __init__(self, config: Config, name: str, rank: int, local_rank: int, publisher: Any,
-                 registry: CollectorRegistry | None):
+                 registry: CollectorRegistry | None, *, faults: Faults | None = None,
+                 counters: StepCounters | None = None):
         self._config = config
         self._name = name
         self._rank = rank
         self._local_rank = local_rank
         self._publisher = publisher
-        self.collector = SnapshotCollector(lambda: publisher.latest, torch.__version__,
-                                           lambda: publisher.alive, rank=rank, model=name)
+        # the faults and the step count are exported from these as well as from the snapshot,
+        # so that a snapshot that cannot be built leaves neither invisible
+        self._faults = faults
+        self._counters = counters
+        self.collector = self._collector(build_info=True)
         self.endpoint: Endpoint | None = None
         self._system: SystemSampler | None = None
         self._registered: list[Any] = []  # collectors put in a caller's registry: taken out at detach
@@ -60,12 +65,10 @@ class Serving:
         snapshot changes. Returns what leaves it (and takes out collectors put in a caller's
         registry)."""
         if self._config.serve:
-            config, publisher = self._config, self._publisher
+            config = self._config
             port = config.port + self._local_rank if config.port else 0
-            member = Member(self._name, SnapshotCollector(
-                lambda: publisher.latest, torch.__version__, lambda: publisher.alive,
-                rank=self._rank, model=self._name, build_info=False), self._page_version,
-                document=document)
+            member = Member(self._name, self._collector(build_info=False), self._page_version,
+                            document=document)
             self.endpoint = endpoint.join(member, config, port, self._rank, self._local_rank)
             self.registry = self.endpoint.registry
             supervisor.watch("metrics server", self.endpoint)
@@ -75,10 +78,21 @@ class Serving:
         """Start this profiler's own system sampler (not serving); returns what stops it."""
         return self._system.start() if self._system is not None else lambda: None
 
+    def _collector(self, build_info: bool) -> SnapshotCollector:
+        publisher = self._publisher
+        # publisher "up" while it publishes: a thread alive but failing to build is not
+        return SnapshotCollector(lambda: publisher.latest, torch.__version__, lambda: publisher.publishing,
+                                 rank=self._rank, model=self._name, build_info=build_info,
+                                 faults=self._faults, counters=self._counters)
+
     def _page_version(self) -> tuple[Any, ...]:
         """What this model's part of the /metrics page is made from: the page is re-rendered
-        when any of these changes."""
-        return (self._publisher.latest, self._publisher.alive)
+        when any of these changes (the step count only while the snapshot is stale: it is
+        then read from the counters)."""
+        publishing = self._publisher.publishing
+        return (self._publisher.latest, publishing,
+                self._faults.errors if self._faults is not None else None,
+                None if publishing or self._counters is None else self._counters.steps)
 
     def _leave(self) -> None:
         if self.endpoint is not None:

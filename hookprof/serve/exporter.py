@@ -16,11 +16,12 @@ from prometheus_client.registry import Collector
 from hookprof import metrics_names as names
 from hookprof._version import __version__
 from hookprof.efficiency.families import efficiency_families
-from hookprof.faults import log
+from hookprof.faults import Faults, log
 from hookprof.metrics_names import family
 from hookprof.phases.families import progress_families
 from hookprof.snapshot import LAYER_PHASES, PHASES, Snapshot
 from hookprof.serve.system import PsutilProcessCollector, has_proc_fs
+from hookprof.step.record import StepCounters
 
 
 _HOST = socket.gethostname()  # the hookprof_first_nonfinite_origin_info `host` label
@@ -30,14 +31,23 @@ class SnapshotCollector(Collector):
     """Builds metric families from `get_snapshot()` at scrape time. Never touches the device
     or the hooks; reads one immutable object. With `model`, every series it makes carries
     that `model` label (several models share a process's endpoint); `build_info` False
-    leaves hookprof_build_info to the endpoint, which serves it once."""
+    leaves hookprof_build_info to the endpoint, which serves it once.
+
+    `publisher_alive`: False while the publisher cannot publish (its thread died, or its
+    snapshot build keeps failing), so the snapshot is stale. `faults` and `counters` (read
+    at scrape time; both are safe to read from another thread): the internal errors and the
+    step count go out from them, not only from the snapshot, so that a snapshot that cannot
+    be built, or cannot be rendered, still shows its faults and the steps taken."""
 
     def __init__(self, get_snapshot: Callable[[], Snapshot], torch_version: str,
                  publisher_alive: Callable[[], bool] = lambda: True, rank: int = 0,
-                 model: str | None = None, build_info: bool = True):
+                 model: str | None = None, build_info: bool = True,
+                 faults: Faults | None = None, counters: StepCounters | None = None):
         self._get_snapshot = get_snapshot
         self._torch_version = torch_version
         self._publisher_alive = publisher_alive
+        self._faults = faults
+        self._counters = counters
         self._failed = False  # logged once
         self._rank = str(rank)  # for the series that go out even when the snapshot fails
         self._model = model
@@ -58,21 +68,22 @@ class SnapshotCollector(Collector):
 
     def _families(self) -> Iterator[Metric]:
         rank = self._rank
+        # read at scrape time, not from the snapshot: a dead publisher publishes nothing
+        up = self._publisher_alive()
         try:
             snap = self._get_snapshot()
             rank = str(snap.rank)
             # built whole before the first yield: a failure leaves no half-rendered page
-            families = [*self._step_metrics(snap, rank), *self._layer_metrics(snap, rank),
+            families = [*self._step_metrics(snap, rank, up), *self._layer_metrics(snap, rank),
                         *progress_families(snap, rank), *efficiency_families(snap, rank)]
         except Exception:  # a scrape must not fail: the thread gauge and build info still go out
-            families = []
+            families = [*self._live_counts(rank, None, None)]
             if not self._failed:
                 self._failed = True
                 log.error("hookprof: rendering the snapshot failed; serving the rest", exc_info=True)
         yield from families
 
-        # read at scrape time, not from the snapshot: a dead publisher publishes nothing
-        yield _one(names.PUBLISHER_THREAD_UP, rank, 1.0 if self._publisher_alive() else 0.0)
+        yield _one(names.PUBLISHER_THREAD_UP, rank, 1.0 if up else 0.0)
 
         if not self._build_info:
             return
@@ -80,8 +91,25 @@ class SnapshotCollector(Collector):
         build.add_metric([__version__, self._torch_version], 1)
         yield build
 
-    def _step_metrics(self, snap: Snapshot, rank: str) -> Iterator[Metric]:
-        yield _one(names.STEPS_TOTAL, rank, snap.step)
+    def _live_counts(self, rank: str, steps: int | None, errors: int | None) -> Iterator[Metric]:
+        """hookprof_steps_total from the step counters (`steps`: the snapshot's, used while
+        the publisher publishes, so that the page agrees with itself) and
+        hookprof_internal_errors_total from the faults as they are now (never fewer than the
+        snapshot's `errors`). Without counters or faults (a caller's own snapshot source),
+        the snapshot's figures only."""
+        if steps is None and self._counters is not None:
+            steps = self._counters.steps
+        if steps is not None:
+            yield _one(names.STEPS_TOTAL, rank, steps)
+        if self._faults is not None:
+            errors = max(errors or 0, self._faults.errors)
+        if errors is not None:
+            yield _one(names.INTERNAL_ERRORS_TOTAL, rank, errors)
+
+    def _step_metrics(self, snap: Snapshot, rank: str, up: bool = True) -> Iterator[Metric]:
+        live = self._live_counts(rank, snap.step if up or self._counters is None else None,
+                                 snap.internal_errors)
+        yield next(live)  # hookprof_steps_total
         yield _one(names.SAMPLED_STEPS_TOTAL, rank, snap.sampled_steps)
 
         duration = family(names.STEP_DURATION_SECONDS)
@@ -108,7 +136,7 @@ class SnapshotCollector(Collector):
             flagged.add_metric([rank, kind], snap.gradient_flagged_steps.get(kind, 0))
         yield flagged
 
-        yield _one(names.INTERNAL_ERRORS_TOTAL, rank, snap.internal_errors)
+        yield from live  # hookprof_internal_errors_total
         yield _one(names.LAYERS, rank, len(snap.layers))
         yield _one(names.LAYERS_EXPORTED, rank, len(snap.exported_layers))
 

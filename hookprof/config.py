@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -210,8 +212,16 @@ class Config:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             _check_type(field.name, getattr(self, field.name), _FIELD_TYPES[field.name])
+        # every interval finite and bounded, first (so that an inf is named, not the field
+        # compared with it): inf (or 1e300) passed `> 0`, then killed the thread that waits
+        # on it (OverflowError) or stopped it for good. Each field's own rule follows.
+        for name, high in _BOUNDS.items():
+            value = getattr(self, name)
+            _check_range(name, value, value is None or value <= high, f"a finite number <= {high:g}")  # nan too
         _check_range("port", self.port, 0 <= self.port <= 65535, "an integer in [0, 65535]")
         _check_range("addr", self.addr, bool(self.addr.strip()), "a non-empty host address")
+        _check_range("addr", self.addr, _is_address(self.addr),
+                     "an IPv4 or IPv6 address or a host name (e.g. 127.0.0.1, ::1, 0.0.0.0, localhost)")
         if self.name is not None:
             _check_range("name", self.name, bool(self.name.strip()), "a non-empty name, or None for the class name")
         _check_tls(self)
@@ -252,6 +262,16 @@ class Config:
         for name in ("rank", "local_rank"):
             value = getattr(self, name)
             _check_range(name, value, value is None or value >= 0, ">= 0 or None")
+        if self.local_rank is not None:
+            self.check_local_rank(self.local_rank)
+
+    def check_local_rank(self, local_rank: int, source: str | None = None) -> None:
+        """The served port, `port + local_rank`, must be a TCP port (`source`: where
+        local_rank came from, e.g. $LOCAL_RANK; None: the config field)."""
+        if self.serve and self.port and self.port + local_rank > 65535:
+            raise ConfigError("local_rank", local_rank,
+                              f"at most {65535 - self.port}: port {self.port} + local_rank is the served "
+                              "port, which must be <= 65535", source)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **fields: Any) -> "Config":
@@ -270,6 +290,40 @@ class Config:
 
 
 _FIELD_TYPES: dict[str, Any] = typing.get_type_hints(Config)
+
+_DAY = 86400.0
+# the highest value of every interval and threshold in seconds, and of the other floats
+# that nothing else bounds (each field's own rule says its lowest). docs/configuration.md
+# lists them.
+_BOUNDS: dict[str, float] = {
+    "publish_interval_s": 3600.0,
+    "system_interval_s": 3600.0,
+    "min_sample_interval_s": _DAY,
+    "activation_interval_s": _DAY,
+    "update_norm_interval_s": _DAY,
+    "http_header_timeout_s": _DAY,
+    "http_idle_timeout_s": _DAY,
+    "http_write_timeout_s": _DAY,
+    "stall_min_s": 7 * _DAY,
+    "stall_max_s": 7 * _DAY,
+    "stall_factor": 1e6,
+    "peak_flops": 1e21,  # a zettaFLOP/s per device
+}
+
+# a host name: dot-separated labels of letters, digits and hyphens (RFC 1123), the last one
+# not all digits (so that 999.1.1.1 is a bad IPv4 address, not a host name). No DNS lookup.
+_LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
+_HOST_NAME = re.compile(rf"^(?:{_LABEL}\.)*(?!\d+\.?$){_LABEL}\.?$")
+
+
+def _is_address(addr: str) -> bool:
+    """An IPv4 or IPv6 literal, or a host name of valid form (never looked up here)."""
+    try:
+        ipaddress.ip_address(addr)
+        return True
+    except ValueError:
+        pass
+    return len(addr) <= 253 and _HOST_NAME.match(addr) is not None
 
 
 def env_name(field: str) -> str:

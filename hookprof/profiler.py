@@ -107,6 +107,7 @@ class Profiler:
                              "train, so nothing for hookprof to profile")
         self.rank = config.rank if config.rank is not None else detect_rank()
         local_rank = config.local_rank if config.local_rank is not None else detect_local_rank()
+        config.check_local_rank(local_rank, "LOCAL_RANK" if config.local_rank is None else None)
         self.timer: Timer = timer if timer is not None else timer_for(self.table.param_devices())
         self._faults = Faults()
         self._notices = Notices()

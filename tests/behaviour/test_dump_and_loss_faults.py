@@ -19,27 +19,10 @@ from support.inject import StepInjector
 from support.models import DeepNet, loss_of, seeded
 from support.paths import ROOT, TESTS, worker
 from support.settings import EVERY_STEP, RARELY
+from workers.file_fault_worker import nan_gradients_from
 
 STEPS, BAD_FROM = 100, 10  # a backward NaN at every step from 10 on: 91 bad steps
 BAD_STEPS = STEPS - BAD_FROM + 1
-
-
-def nan_gradients_from(bad_from: int, steps: int, **settings):
-    """The first layer's weight gradient goes NaN from `bad_from` on; prof.step ends the
-    steps and nothing updates the weights, so every later step is a backward NaN step."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-    state = {"step": 0}
-    model[0].weight.register_hook(lambda g: g * float("nan") if state["step"] >= bad_from else g)
-    prof = hookprof.attach(model, serve=False, **settings)
-    for step in range(1, steps + 1):
-        state["step"] = step
-        loss = model(torch.randn(2, 4)).pow(2).mean()
-        loss.backward()
-        prof.step(loss)
-        model.zero_grad()
-    prof.flush()
-    return prof
 
 
 def test_a_dump_dir_under_a_file_costs_the_report_only(tmp_path, caplog):

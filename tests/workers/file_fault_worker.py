@@ -27,7 +27,10 @@ def full_disk(limit: int | None) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
-def train(directory: str, steps: int, bad_from: int) -> dict:
+def nan_gradients_from(bad_from: int, steps: int, **settings):
+    """A profiled run (returned flushed, attached) whose first layer's weight gradient goes
+    NaN from `bad_from` on; prof.step ends the steps and nothing updates the weights, so
+    every later step is a backward NaN step. test_dump_and_loss_faults runs it in-process."""
     import torch
     from torch import nn
 
@@ -36,10 +39,8 @@ def train(directory: str, steps: int, bad_from: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     state = {"step": 0}
-    # the first layer's weight gradient goes NaN from `bad_from` on; nothing updates the
-    # weights (prof.step ends the steps), so every later step is a backward NaN step
     model[0].weight.register_hook(lambda g: g * float("nan") if state["step"] >= bad_from else g)
-    prof = hookprof.attach(model, serve=False, on_nonfinite="dump", dump_dir=directory)
+    prof = hookprof.attach(model, serve=False, **settings)
     for step in range(1, steps + 1):
         state["step"] = step
         loss = model(torch.randn(2, 4)).pow(2).mean()
@@ -47,6 +48,11 @@ def train(directory: str, steps: int, bad_from: int) -> dict:
         prof.step(loss)
         model.zero_grad()
     prof.flush()
+    return prof
+
+
+def train(directory: str, steps: int, bad_from: int) -> dict:
+    prof = nan_gradients_from(bad_from, steps, on_nonfinite="dump", dump_dir=directory)
     snap = prof.snapshot()
     prof.detach()
     return {"steps": prof.steps, "nonfinite_steps": dict(snap.nonfinite_steps),

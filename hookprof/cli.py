@@ -182,6 +182,7 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_report(args: argparse.Namespace) -> int:
+    from hookprof.files import write_atomic
     from hookprof.view.report import read_history
     from hookprof.view.report_html import render
     from hookprof.view.scrape import ScrapeError, endpoints
@@ -197,10 +198,9 @@ def run_report(args: argparse.Namespace) -> int:
     except ScrapeError as exc:
         print(f"hookprof report: cannot read {exc.url}: {exc.reason}", file=sys.stderr)
         return 1
-    page = render(documents, source=url)  # before opening the file: no half-written page
-    try:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(page)
+    page = render(documents, source=url)
+    try:  # whole or not at all: a failed write leaves the previous report as it was
+        write_atomic(args.output, page)
     except OSError as exc:
         print(f"hookprof report: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
         return 1

@@ -41,7 +41,7 @@ from hookprof.snapshot import Snapshot
 from hookprof.step.boundary import StepBoundary, no_step_notice
 from hookprof.step.gradients import GradientNorms, StepGradients, no_gradients_notice
 from hookprof.step.hooks import LayerHooks
-from hookprof.step.record import StepCounters, StepRecord, pack_step
+from hookprof.step.record import StepCounters, StepRecord, loss_notice, pack_step, real_loss
 from hookprof.step import statistics
 from hookprof.step.sampled import SampledStep
 from hookprof.device.timing import Timer, timer_for
@@ -139,7 +139,8 @@ class Profiler:
                                         publisher=self._publisher, new_record=self._sampled.new_record,
                                         faults=self._faults, say=self._notices.say)
             self._incidents = IncidentResponse(config, self.rank, self._nan.detector, self._publisher,
-                                               self._drain_counters, self._nan.replay_pending)
+                                               self._drain_counters, self._nan.replay_pending,
+                                               model=self.name, faults=self._faults)
             self._supervisor = ThreadSupervisor(self._faults)
             self._supervisor.watch("publisher", self._publisher)
             if config.stall_detection:
@@ -216,6 +217,9 @@ class Profiler:
         """
         if self.detached:
             raise DetachedError("Profiler.step() called after detach(); attach the model again")
+        loss, what = real_loss(loss)
+        if what is not None:  # a (loss, outputs) tuple and the like: said once, steps go on
+            self._notices.say("loss type", loss_notice(what))
         self._boundary.step(loss)
 
     @contextlib.contextmanager

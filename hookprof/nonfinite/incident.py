@@ -6,9 +6,11 @@ sampled) until its layer is known; the first one is acted on by the configured p
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -19,7 +21,8 @@ import torch
 from hookprof.device import transfer
 from hookprof.config import Config
 from hookprof.errors import NonFiniteError
-from hookprof.faults import log
+from hookprof.faults import Faults, log
+from hookprof.files import write_atomic
 from hookprof.nonfinite.detector import Detector
 from hookprof.snapshot import (
     FOUND_BY_BACKWARD,
@@ -49,6 +52,7 @@ class PublisherLike(Protocol):
     def settle(self) -> bool: ...
 
 
+MAX_DUMP_TRIES = 3  # writes of the "dump" report a run tries, when they fail
 HOLD_STEPS = 8  # step ends the policy may wait for the replay to name the layer (replay.MAX_LATE)
 
 
@@ -62,9 +66,15 @@ class IncidentResponse:
 
     def __init__(self, config: Config, rank: int, detector: Detector, publisher: PublisherLike,
                  drain_counters: Callable[[], None],
-                 replay_pending: Callable[[int], bool] = lambda step: False):
+                 replay_pending: Callable[[int], bool] = lambda step: False, *,
+                 model: str = "model", faults: Faults | None = None):
         self._config = config
         self._rank = rank
+        self._model = model  # the profiler's `model` label: the dump's file name carries it
+        # a dump that cannot be written is a fault of the dump alone (reported with
+        # disable=False): NaN detection and step counting go on (DESIGN.md invariant 3)
+        self._faults = faults if faults is not None else Faults()
+        self._dump_tries = 0  # failed dumps are tried again at later incidents, a few times
         self._detector = detector
         self._publisher = publisher
         self._drain_counters = drain_counters
@@ -125,7 +135,28 @@ class IncidentResponse:
         event = snap.first_nonfinite or event
         self._act_by = None
         self._acted = True
-        apply(self._config.on_nonfinite, event, snap, self._config, self._rank)
+        if self._config.on_nonfinite == "dump":
+            self._dump(event, snap)
+        else:
+            apply(self._config.on_nonfinite, event, snap, self._config, self._rank, model=self._model)
+
+    def _dump(self, event: NonFiniteEvent, snap: Snapshot) -> None:
+        """The "dump" policy, contained: a report that cannot be written (a full disk, a
+        dump_dir under a file) is counted in hookprof_internal_errors_total and said in the
+        log with its path, and costs only the report. The next new non-finite step tries
+        again, up to MAX_DUMP_TRIES writes in all."""
+        self._dump_tries += 1
+        try:
+            apply("dump", event, snap, self._config, self._rank, model=self._model)
+        except Exception as exc:  # OSError mostly; whatever it is, it costs only the report
+            path = dump_path(self._config.dump_dir, self._model, self._rank, event.step)
+            again = self._dump_tries < MAX_DUMP_TRIES
+            self._acted = not again  # not acted yet: a later incident writes its report
+            if self._dump_tries == 1:  # the incident and the failure, said once
+                log.warning("hookprof: %s; the report could not be written to %s: %s%s",
+                            describe(event, self._rank), path, getattr(exc, "strerror", None) or exc,
+                            "; tried again at the next new non-finite step" if again else "")
+            self._faults.report(f"nonfinite dump ({path})", exc, disable=False)
 
     def _poll_flag(self) -> None:
         for device, c in self._detector.by_device.items():
@@ -198,8 +229,10 @@ def replay_words(event: NonFiniteEvent, rank: int) -> str:
     return ""
 
 
-def apply(policy: str, event: NonFiniteEvent, snap: Snapshot, config: Config, rank: int) -> str | None:
-    """Act on the first incident of a run. Returns the report's path under "dump"."""
+def apply(policy: str, event: NonFiniteEvent, snap: Snapshot, config: Config, rank: int,
+          *, model: str = "model") -> str | None:
+    """Act on the first incident of a run. Returns the report's path under "dump" (raises
+    OSError when it cannot be written: IncidentResponse contains that)."""
     if policy == "warn":
         log.warning("hookprof: %s", describe(event, rank))
     elif policy == "skip":
@@ -209,7 +242,7 @@ def apply(policy: str, event: NonFiniteEvent, snap: Snapshot, config: Config, ra
         raise NonFiniteError(event.layer, event.phase, event.step, rank, found_by=event.found_by,
                              replay=event.replay, message=describe(event, rank))
     elif policy == "dump":
-        path = write_report(event, snap, config.dump_dir, rank)
+        path = write_report(event, snap, config.dump_dir, rank, model=model)
         log.warning("hookprof: %s; report written to %s", describe(event, rank), path)
         return path
     return None
@@ -226,12 +259,27 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def write_report(event: NonFiniteEvent, snap: Snapshot, directory: str, rank: int) -> str:
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"hookprof-nonfinite-rank{rank}-step{event.step}.json")
+def dump_path(directory: str, model: str, rank: int, step: int) -> str:
+    """The dump's file: model, rank, process and step, so that two models of one process, or
+    processes of one rank (several jobs, a restarted job) sharing dump_dir, never write one
+    file. A model name that is not a plain file name is made one (with a short hash of the
+    real name, so that two names never become one)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", model)[:80] or "model"
+    if safe != model:
+        safe += "-" + hashlib.sha1(model.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return os.path.join(directory, f"hookprof-nonfinite-{safe}-rank{rank}-pid{os.getpid()}-step{step}.json")
+
+
+def write_report(event: NonFiniteEvent, snap: Snapshot, directory: str, rank: int,
+                 *, model: str = "model") -> str:
+    """The incident's JSON report in `directory` (made if missing), written whole or not at
+    all (files.write_atomic); returns its path. Raises OSError when it cannot be written."""
+    path = dump_path(directory, model, rank, event.step)
     report = {
         "summary": describe(event, rank),
+        "model": model,
         "rank": rank,
+        "pid": os.getpid(),
         "written_at": time.time(),
         "incident": dataclasses.asdict(event),
         "step": snap.step,
@@ -241,8 +289,4 @@ def write_report(event: NonFiniteEvent, snap: Snapshot, directory: str, rank: in
         "layers": {name: {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
                    for name, stats in snap.layers.items()},
     }
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(_plain(report), f, indent=2)
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, json.dumps(_plain(report), indent=2), make_dirs=True)

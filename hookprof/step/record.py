@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -188,6 +189,37 @@ class Packet:
     # the forward of `step` went non-finite and could not be replayed: why (nonfinite/replay.py)
     not_replayed: str | None = None
     replay_moved: int = 0  # a replay's packet: updates applied between its forward and the replay
+
+
+def real_loss(loss: Any) -> tuple[Any, str | None]:
+    """The loss `prof.step(loss)` was given, if it is a real scalar: a tensor of one real
+    (not complex) element, or a real number. Returns (loss, None) for those (a number that is
+    not a Python one, e.g. numpy's, as a float), else (None, what it is, in words): a tuple
+    `(loss, outputs)`, a dict, a list, a complex or many-element tensor is neither checked
+    nor exported, and the step goes on like one given no loss. Never raises, never waits for
+    a device (a tensor's size and dtype are on the host)."""
+    if loss is None:
+        return None, None
+    try:
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() == 1 and not loss.is_complex():
+                return loss, None
+            return None, f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+        if isinstance(loss, numbers.Real):
+            return loss, None
+        if not isinstance(loss, (numbers.Complex, str, bytes)):
+            return float(loss), None  # numpy's one-element arrays and the like
+    except Exception:
+        pass  # an object whose float() fails: not a loss hookprof can read
+    return None, f"a {type(loss).__module__}.{type(loss).__qualname__}".replace("a builtins.", "a ")
+
+
+def loss_notice(what: str) -> str:
+    """The notice for a loss that is not a real scalar (real_loss)."""
+    return (f"prof.step(loss) was given {what}, not a real scalar: the loss is neither exported "
+            "(hookprof_loss) nor checked for NaN/Inf; steps are counted and the gradients and "
+            "per-layer checks go on. Pass the scalar loss itself, e.g. prof.step(loss) rather than "
+            "prof.step((loss, outputs)), or .real/.mean() of it")
 
 
 def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.Tensor], *,

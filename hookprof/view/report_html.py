@@ -11,6 +11,8 @@ import math
 import time
 from typing import Any
 
+from hookprof.files import write_atomic
+
 WIDTH, HEIGHT = 440, 170  # one line chart: two side by side in a 1000-pixel window
 PAD_L, PAD_R, PAD_T, PAD_B = 58, 12, 10, 26
 BAR_LAYERS = 25  # the busiest layers drawn as bars
@@ -279,8 +281,6 @@ def render(documents: list[dict[str, Any]], source: str = "") -> str:
 
 
 def write(path: str, documents: list[dict[str, Any]], source: str = "") -> str:
-    """The page for `documents` written to `path`; returns the path."""
-    page = render(documents, source=source)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(page)
-    return path
+    """The page for `documents` written to `path`; returns the path. Written whole or not
+    at all (files.write_atomic): a failed write leaves the previous report as it was."""
+    return write_atomic(path, render(documents, source=source))

@@ -41,6 +41,7 @@ LAYERS = (
         "_version", "config", "errors", "snapshot",  # the public surface's data types
         "faults", "notices", "layers", "tensors", "compiled", "distributed",
         "metrics_names",  # every exported name, label and unit (issue 27; may not exist yet)
+        "files",  # the one atomic, no-follow writer of every file hookprof writes (issue 29)
     )),
     Layer("device", ("device",)),  # the only host<->device seam
     Layer("step", ("step",)),  # hooks, the sampled step's record, plan, gradients

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 
 import pytest
@@ -148,8 +149,9 @@ def test_dump_policy_writes_a_readable_report_and_keeps_training(tmp_path):
     run(model, 6, prof=prof, injector=injector)
     prof.detach()
     assert prof.snapshot().step == 6
-    files = list(tmp_path.glob("hookprof-nonfinite-rank0-step3.json"))
-    assert len(files) == 1
+    # model, rank, process and step: never one file for two models or two processes
+    files = list(tmp_path.glob(f"hookprof-nonfinite-DeepNet-rank0-pid{os.getpid()}-step3.json"))
+    assert len(files) == 1 and sorted(p.name for p in tmp_path.iterdir()) == [files[0].name]
     report = json.loads(files[0].read_text())
     assert report["incident"]["layer"] == "blocks.0.fc"
     assert report["incident"]["phase"] == "forward" and report["incident"]["step"] == 3

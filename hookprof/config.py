@@ -88,6 +88,13 @@ class Config:
     """Most layers exported per rank. Beyond it: the layers with the most time, plus every
     layer that went non-finite. `hookprof_layers` / `hookprof_layers_exported` tell."""
 
+    max_layer_series: int = 9000
+    """Most per-layer series on a rank's /metrics page (the budget counts series, not layers:
+    a layer exports 4 to 12 with the defaults, docs/metrics.md). Beyond it: every layer that
+    went non-finite first (in layer order), then the layers with the most time, while they
+    fit. `max_layers` still bounds the number of layers; the default (500 x 18, the most a
+    layer exports) leaves `max_layers` the binding one."""
+
     activation_stats: bool = True
     """On sampled steps, compute each layer output's zero ratio and absolute maximum
     (which also detects non-finite outputs)."""
@@ -234,6 +241,7 @@ class Config:
             ">= 0",
         )
         _check_range("max_layers", self.max_layers, self.max_layers >= 1, ">= 1")
+        _check_range("max_layer_series", self.max_layer_series, self.max_layer_series >= 1, ">= 1")
         _check_range("activation_interval_s", self.activation_interval_s,
                      self.activation_interval_s >= 0, ">= 0")
         _check_range(

@@ -117,7 +117,7 @@ class Profiler:
                                  root=model, statistics=layer_statistics)
         root_layer = next((layer.index for layer in self.table.layers if layer.module is model), None)
         self._boundary = StepBoundary(model, self.table.params, root_layer, self, self._hooks,
-                                      self._faults, clock, compiled)
+                                      self._faults, clock, compiled, say=self._notices.say)
         with contextlib.ExitStack() as undo:
             self.name = live.reserve_name(config.name or self.model_type)  # the `model` label
             undo.callback(live.remove, self, self.name)

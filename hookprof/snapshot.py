@@ -253,3 +253,21 @@ class StallReport:
     collectives: tuple[str, ...] = ()
     """The rank's last collectives from torch's flight recorder, when it is on."""
 
+
+def layer_series(layer: "LayerStats", efficiency: "LayerEfficiency | None", statistics: int = 0) -> int:
+    """The series one exported layer puts on a /metrics page, by the exporter's own rules
+    (serve/exporter.py: a timing summary's _sum and _count where it was called, a gauge where
+    its value is known, a counter where it is not 0; efficiency/families.py: one per known
+    figure), plus `statistics` of the user's per-layer statistics with a value for it. What
+    the series budget (Config.max_layer_series) counts; docs/metrics.md has the totals."""
+    n = 2 * sum(1 for calls in (layer.forward_calls_total, layer.backward_calls_total,
+                                 layer.recompute_calls_total) if calls)
+    n += sum(1 for v in (layer.grad_norm, layer.activation_zero_ratio, layer.activation_abs_max)
+             if v is not None)
+    n += sum(1 for count in layer.nonfinite.values() if count)
+    n += sum(1 for count in layer.gradient_flags.values() if count)
+    if efficiency is not None:
+        n += sum(1 for v in (efficiency.forward_flops, efficiency.backward_flops,
+                             efficiency.flops_per_second, efficiency.weight_norm,
+                             efficiency.update_norm, efficiency.update_ratio) if v is not None)
+    return n + statistics

@@ -25,6 +25,7 @@ the end of its closure) and neither waiting for the device:
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -143,6 +144,51 @@ class DelegationCache:
         return delegates
 
 
+# the code of torch's Optimizer.step wrapper (profile_hook_step): it runs the step pre-hooks,
+# the step and the post-hooks; every patched optimizer's step runs in a frame of this code
+_STEP_WRAPPER_CODE = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
+
+
+class UnwindWatch:
+    """Runs `put_back` when the optimizer step in progress on this thread leaves its frame,
+    however it leaves: the exit a post-hook never sees is a step that raises.
+
+    Why a profile function, and only for a held step: torch runs the post-hooks only after a
+    step that returned, and nothing of ours is on the stack when the step raises. Wrapping
+    the user's optimizer (an instance `step`) would see it, but torch's LR schedulers patch
+    that same attribute, a pickled or copied optimizer would carry the wrapper, and every
+    step would pay for it. `sys.setprofile` set from the step pre-hook, for the one step
+    whose gradients were hidden (a non-finite step: rare), sees the return of the step's
+    wrapper frame, by exception too, and takes itself off there. The rest of such a step
+    (which updates nothing) pays a Python call per function call. Never over someone
+    else's profile function (cProfile, torch.profiler's Python stacks): then `watch` says
+    False and the gradients of a step that raises stay hidden (dropped at the next update)."""
+
+    def __init__(self, put_back: Any):
+        self._put_back = put_back
+        self._frame: Any = None  # the step wrapper's frame being watched
+
+    def watch(self) -> bool:
+        if self._frame is not None:
+            return True
+        if sys.getprofile() is not None:
+            return False
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code is not _STEP_WRAPPER_CODE:
+            frame = frame.f_back
+        if frame is None:  # not inside an optimizer step (a direct call): nothing to watch
+            return True
+        self._frame = frame
+        sys.setprofile(self._on_event)
+        return True
+
+    def _on_event(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "return" and frame is self._frame:  # returned or raised
+            self._frame = None
+            sys.setprofile(None)
+            self._put_back()
+
+
 class UpdateGuard:
     """Holds back this step's update when its checks found a NaN/Inf (policies "skip" and
     "raise"). `begin_update` runs at an optimizer's step pre-hook, `before_update` where the
@@ -169,14 +215,18 @@ class UpdateGuard:
         # device, no nonfinite_sync): if the step was non-finite, the weights took it
         self.unguarded = False
         self.delegates = DelegationCache()  # judged at the inner optimizer's pre-hook
+        # puts the hidden gradients back when the step raises (no post-hook runs then)
+        self._unwind = UnwindWatch(self._put_back_grads)
 
     @property
     def holding(self) -> bool:
         return self._step_held
 
     def begin_update(self) -> None:
-        """An optimizer step begins: an update that raised never reached after_update, so
-        what it took is not put back onto a later step's parameters, nor its found_inf kept."""
+        """An optimizer step begins: an update that raised never reached after_update (its
+        gradients were put back as it raised, see UnwindWatch, unless another profile function
+        was set), so what it took is not put back onto a later step's parameters, nor its
+        found_inf kept."""
         self._hidden.clear()
         self._take_back_found_inf()
 
@@ -221,16 +271,24 @@ class UpdateGuard:
                 self._hidden.append((p, p.grad))
                 p.grad = None
         self._step_held = True
+        if self._hidden and not self._unwind.watch():
+            self._say("held step raises", (
+                "another profile function is set (sys.setprofile: cProfile, a Python-stack "
+                "profiler): if an optimizer step held back by on_nonfinite raises, the "
+                "gradients hookprof hid from it are not put back"))
 
     def after_update(self) -> None:
         """Put back the gradients (the loop may read them after the step) and take our
         found_inf off the optimizer, unless someone replaced it since. Also called before a
         closure runs again, so that the closure finds the gradients it left."""
+        self._put_back_grads()
+        self._take_back_found_inf()
+
+    def _put_back_grads(self) -> None:
         for p, grad in self._hidden:
             if p.grad is None:
                 p.grad = grad
         self._hidden.clear()
-        self._take_back_found_inf()
 
     def end_step(self) -> torch.Tensor | None:
         """The step ended: count it once if held back on the host; returns the device flag

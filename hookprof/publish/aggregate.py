@@ -25,6 +25,7 @@ from hookprof.snapshot import (
     LayerStats,
     NonFiniteEvent,
     Snapshot,
+    layer_series,
 )
 
 REPLAY_UNAVAILABLE_DTENSOR = ("the model has FSDP2 / tensor-parallel (DTensor) parameters: a replay on one rank "
@@ -67,11 +68,11 @@ class Aggregator:
                   device_phases: DevicePhaseTotals | None,
                   statistics: tuple[Any, ...] = ()) -> "Aggregator":
         """The totals of a model's layer table, with their slice of the config (max_layers,
-        vanishing_grad_norm, exploding_grad_norm)."""
+        max_layer_series, vanishing_grad_norm, exploding_grad_norm)."""
         return cls(table.names, [layer.module_type for layer in table.layers], rank, config.max_layers,
                    (config.vanishing_grad_norm, config.exploding_grad_norm),
                    container_names=[name for name, _ in table.containers],
-                   efficiency=efficiency, device_phases=device_phases,
+                   max_series=config.max_layer_series, efficiency=efficiency, device_phases=device_phases,
                    statistics=tuple((s.name, s.help) for s in statistics),
                    device=device_name(table.param_devices()),
                    # FSDP2 / tensor parallel: a replay on one rank would start collectives
@@ -81,7 +82,7 @@ class Aggregator:
 
     def __init__(self, names: list[str], module_types: list[str], rank: int, max_layers: int,
                  grad_norm_bounds: tuple[float, float] = (1e-6, 1e3), container_names: list[str] = (),
-                 *, efficiency: EfficiencyTotals | None = None,
+                 *, max_series: int | None = None, efficiency: EfficiencyTotals | None = None,
                  device_phases: DevicePhaseTotals | None = None,
                  statistics: tuple[tuple[str, str], ...] = (), device: str = "cpu",
                  replay_unavailable: str | None = None, gradients_every_step: bool = True):
@@ -96,6 +97,7 @@ class Aggregator:
         self.module_types = module_types
         self.rank = rank
         self.max_layers = max_layers
+        self.max_series = max_series  # per-layer series on the page (None: layers only)
         self.sampled_steps = 0
         self.last_sampled_step: int | None = None
         self.loss: float | None = None
@@ -385,18 +387,41 @@ class Aggregator:
         self._exported = self._select_exported()
 
     def _select_exported(self) -> tuple[str, ...]:
+        """The layers on the page: all of them within both budgets (max_layers layers,
+        max_series series, counted as the exporter writes them: snapshot.layer_series);
+        beyond, every layer that went non-finite first (in layer order: the earliest is the
+        producer), then the layers with the most forward+backward time, while they fit."""
         n = len(self.names)
-        if n <= self.max_layers:
+        cost = self._series_per_layer()
+        budget = self.max_series if self.max_series is not None else float("inf")
+        if n <= self.max_layers and sum(cost) <= budget:
             return tuple(self.names)
-        bad = {i for i in range(n) if any(self._layer_nonfinite(i).values())}
-        room = max(self.max_layers - len(bad), 0)
-        by_time = sorted(
-            (i for i in range(n) if i not in bad),
-            key=lambda i: self.fwd_total[i] + self.bwd_total[i],
-            reverse=True,
-        )
-        keep = sorted(bad | set(by_time[:room]))
-        return tuple(self.names[i] for i in keep)
+        bad = [i for i in range(n) if any(self._layer_nonfinite(i).values())]
+        bad_set = set(bad)
+        by_time = sorted((i for i in range(n) if i not in bad_set),
+                         key=lambda i: self.fwd_total[i] + self.bwd_total[i], reverse=True)
+        keep: list[int] = []
+        used = 0
+        for i in bad:  # a bad layer that does not fit leaves room for a later, smaller one
+            if used + cost[i] <= budget:
+                keep.append(i)
+                used += cost[i]
+        room = max(self.max_layers - len(keep), 0)
+        for i in by_time[:room]:  # the top layers by time, down to the first that does not fit
+            if used + cost[i] > budget:
+                break
+            keep.append(i)
+            used += cost[i]
+        return tuple(self.names[i] for i in sorted(keep))
+
+    def _series_per_layer(self) -> list[int]:
+        if self.max_series is None:
+            return [0] * len(self.names)
+        eff = self.efficiency.stats().layers if self.efficiency is not None else {}
+        stats = [sum(1 for values in self.statistic_values if values[i] is not None)
+                 for i in range(len(self.names))]
+        return [layer_series(self._layers[name], eff.get(name), stats[i])
+                for i, name in enumerate(self.names)]
 
     def _layer_nonfinite(self, i: int) -> dict[str, int]:
         # forward: sampled steps' output checks; backward: the device counters (every step)

@@ -40,6 +40,16 @@ from hookprof.step.hooks import LayerHooks
 MAX_FORWARDS_PER_STEP = 1000
 
 
+def trains_in_eval_notice(model_type: str) -> str:
+    """Said once when an optimizer stepped after forwards of the model in eval mode only."""
+    return (f"{model_type} trains in eval mode (model.eval() while gradients flow and an "
+            "optimizer steps, as in fine-tuning with frozen BatchNorm): from the next step on "
+            "its forwards with gradients enabled are training forwards, whatever "
+            "module.training says (this step's forward was taken for an evaluation: its layer "
+            "calls are not recorded); a forward under no_grad or inference_mode stays an "
+            "evaluation.")
+
+
 def no_step_notice(model_type: str) -> str:
     """Said once when MAX_FORWARDS_PER_STEP forwards came without a step boundary."""
     return (f"{MAX_FORWARDS_PER_STEP} forwards of {model_type} without a step boundary: no "
@@ -78,7 +88,7 @@ class StepBoundary:
 
     def __init__(self, model: nn.Module, params: list[torch.Tensor], root_layer: int | None,
                  events: StepEvents, hooks: LayerHooks, faults: Faults, clock: Callable[[], int],
-                 compiled: bool):
+                 compiled: bool, say: Callable[[str, str], None] | None = None):
         self.module_ids = frozenset(id(m) for m in model.modules())
         self._param_ids = frozenset(id(p) for p in params)
         self._root_layer = root_layer  # the root's own layer, when it owns parameters directly
@@ -101,6 +111,16 @@ class StepBoundary:
         self._scaler_skipped = False  # a GradScaler skipped such an optimizer in this step
         self._closed_by_optimizer = False  # this step was ended by the optimizer hook
         self._step_start_ns: int | None = None
+        # training in eval mode (frozen BatchNorm): a grad-enabled forward of the model in
+        # eval mode is a training forward when the run trains that way. Told apart from a
+        # validation pass that forgot no_grad by what follows: an owned optimizer stepping
+        # after such forwards only (no train-mode forward since the last update) means the
+        # run trains in eval mode; an update after a train-mode forward means it does not
+        self._trains_in_eval = False
+        self._eval_grad_seen = False  # a grad-enabled eval-mode forward since the last update
+        self._train_mode_seen = False  # a grad-enabled train-mode forward since the last update
+        self._say = say
+        self._model_type = type(model).__name__
 
     # ---------------- installing and removing ----------------
 
@@ -206,7 +226,7 @@ class StepBoundary:
         if self._detached:  # a copy of the model (see _inert)
             return
         if (not is_compiling() and self._entry_handles
-                and torch.is_grad_enabled() and module.training):
+                and torch.is_grad_enabled() and (module.training or self._trains_in_eval)):
             self._drop_entry_hooks()  # the root's own forward runs: it is the step's forward
         self._forward_began(module, args, kwargs, own_layer=self._root_layer, entry=False)
 
@@ -219,9 +239,15 @@ class StepBoundary:
             return
         if self._hooks.replaying:
             return
-        # evaluation passes (under no_grad / inference_mode, or with the model in eval mode)
-        # are not training steps
-        training = torch.is_grad_enabled() and module.training
+        # evaluation passes (under no_grad / inference_mode, or with the model in eval mode
+        # unless the run trains in eval mode) are not training steps
+        grad = torch.is_grad_enabled()
+        if grad:
+            if module.training:
+                self._train_mode_seen = True
+            else:
+                self._eval_grad_seen = True
+        training = grad and (module.training or self._trains_in_eval)
         self._hooks.root_forward_began(training)
         if not training:
             self._events._on_eval_forward()
@@ -278,11 +304,12 @@ class StepBoundary:
         self._events._on_update_began(optimizer)
         # args are those of the unbound step: (optimizer, closure?, ...)
         closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
-        if callable(closure):
+        if callable(closure):  # (its forwards run inside: judged as the closure returns)
             wrapped = self._wrap_closure(closure, optimizer)
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
             return (args[0], wrapped, *args[2:]), kwargs
+        self._judge_eval_mode()
         if self.in_step():
             self._stepped = True
             self._events._on_before_update(optimizer)
@@ -309,9 +336,27 @@ class StepBoundary:
     def _closure_returned(self, optimizer: torch.optim.Optimizer, judged: bool) -> None:
         # called once or several times (LBFGS); the parameters are still this step's
         self._events._on_back_in_optimizer()
+        self._judge_eval_mode()
         if self.in_step():
             self._stepped = True
             self._events._on_closure_returned(optimizer, judged)
+
+    def _judge_eval_mode(self) -> None:
+        """An owned update: do the forwards since the last one say the run trains in eval
+        mode? Only eval-mode forwards with gradients: yes (this update ends a step, its
+        forward unrecorded); a train-mode forward: no (from then on an eval-mode forward is
+        an evaluation again); no forward at all (a second optimizer of the step): unchanged."""
+        if self._train_mode_seen:
+            self._trains_in_eval = False
+        elif self._eval_grad_seen and not self._trains_in_eval:
+            self._trains_in_eval = True
+            if not self._forward_seen:  # this window is a step (its forward went unrecorded)
+                self._forward_seen = True
+                self._closed_by_optimizer = False
+                self._root_seen = True
+            if self._say is not None:
+                self._say("trains in eval mode", trains_in_eval_notice(self._model_type))
+        self._train_mode_seen = self._eval_grad_seen = False
 
     def _on_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if is_compiling():

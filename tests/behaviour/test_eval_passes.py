@@ -52,3 +52,40 @@ def test_eval_passes_change_nothing(every_step):
         assert got.backward_calls_total == stats.backward_calls_total, name
         assert got.nonfinite == stats.nonfinite, name
         assert got.grad_norm == stats.grad_norm, name
+
+
+def test_training_in_eval_mode_is_training(every_step, caplog):
+    """Issue 29 item 7: fine-tuning with frozen BatchNorm (model.eval() while gradients flow
+    and the optimizer steps) is training: the layers' forward calls are recorded on sampled
+    steps and a NaN made by layer '3' at step 6 is named there, in the forward (before: 0
+    forward calls over 8 sampled steps, and ('4', backward, 6)). A pass under no_grad stays
+    an evaluation."""
+    from support.inject import StepInjector
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
+    injector = StepInjector(model[3], {6})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    with hookprof.attach(model, **every_step, on_nonfinite="record") as prof:
+        model.eval()  # BatchNorm frozen: running statistics used, not updated
+        for step in range(1, 9):
+            injector.step = step
+            opt.zero_grad(set_to_none=True)
+            x = torch.randn(16, 8, generator=g)
+            torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+            opt.step()
+            with torch.no_grad():  # a validation pass: still no step, no layer call
+                model(torch.full((4, 8), float("nan")))
+        prof.flush()
+        snap = prof.snapshot()
+    assert snap.step == 8
+    assert snap.sampled_steps == 8
+    # step 1's forward came before hookprof could know (said in a notice): steps 2 to 8
+    for name in ("0", "1", "2", "3", "4"):
+        assert snap.layers[name].forward_calls_total == 7, name
+    event = snap.first_nonfinite
+    assert (event.layer, event.phase, event.step) == ("3", "forward", 6)
+    assert snap.nonfinite_steps["forward"] == 3  # 6, then 7 and 8 on the weights step 6 hit
+    assert any("trains in eval mode" in r.getMessage() for r in caplog.records)

@@ -60,6 +60,7 @@ def test_environment_variables_fill_every_field():
         "HOOKPROF_SAMPLE_EVERY": "7",
         "HOOKPROF_MIN_SAMPLE_INTERVAL_S": "0.5",
         "HOOKPROF_MAX_LAYERS": "20",
+        "HOOKPROF_MAX_LAYER_SERIES": "240",
         "HOOKPROF_ACTIVATION_STATS": "0",
         "HOOKPROF_RANK": "3",
         "HOOKPROF_LOCAL_RANK": "none",
@@ -102,7 +103,7 @@ def test_environment_variables_fill_every_field():
     c = Config.from_env(env)
     assert c == Config(
         port=9001, addr="0.0.0.0", serve=False, sample_every=7, min_sample_interval_s=0.5,
-        max_layers=20, activation_stats=False, rank=3, local_rank=None,
+        max_layers=20, max_layer_series=240, activation_stats=False, rank=3, local_rank=None,
         publish_interval_s=2.0, disable=False, nonfinite_check="loss", on_nonfinite="dump",
         dump_dir="/tmp/reports", incident_steps=5, max_skipped_steps=3,
         vanishing_grad_norm=1e-8, exploding_grad_norm=100.0, activation_interval_s=0.25,

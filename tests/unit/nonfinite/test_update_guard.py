@@ -262,3 +262,65 @@ def test_two_profilers_sharing_one_fused_optimizer_hold_back_only_the_bad_step()
     dec(enc(torch.randn(4, 8))).pow(2).mean().backward()
     opt.step()
     assert any(not torch.equal(b, p) for b, p in zip(before, dec.parameters()))
+
+
+class FailsOnHeldStep(torch.optim.SGD):
+    """An optimizer whose own step raises when it finds no gradient at all (what hookprof's
+    guard leaves it on a held-back step): a custom optimizer that asserts its inputs."""
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        if all(p.grad is None for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("no gradients to step on")
+        super().step()
+        return loss
+
+
+@pytest.mark.parametrize("with_closure", [False, True], ids=["step()", "step(closure)"])
+def test_a_held_back_step_that_raises_gives_the_gradients_back(with_closure):
+    """Issue 29 item 10: under skip, the guard hides a non-finite step's gradients from the
+    optimizer; when the optimizer's step raises (no post-hook runs), the user's .grad must
+    still be there as the exception reaches the loop, equal to what backward produced."""
+    import sys
+
+    model = seeded(DeepNet, depth=2)
+    opt = FailsOnHeldStep(model.parameters(), lr=0.05)
+    prof = hookprof.attach(model, **RARELY, on_nonfinite="skip")
+    injector = StepInjector(model.blocks[1].act, {3})
+    g = torch.Generator().manual_seed(0)
+    try:
+        for step in range(1, 4):
+            injector.step = step
+            opt.zero_grad(set_to_none=True)
+            batch = model.batch(g)
+
+            def closure():
+                loss = loss_of(model, batch)
+                loss.backward()
+                return loss
+
+            if with_closure:
+                if step < 3:
+                    opt.step(closure)
+                    continue
+                with pytest.raises(RuntimeError, match="no gradients to step on"):
+                    opt.step(closure)
+                grads = None
+            else:
+                closure()
+                grads = [p.grad.clone() for p in model.parameters()]
+                if step < 3:
+                    opt.step()
+                    continue
+                with pytest.raises(RuntimeError, match="no gradients to step on"):
+                    opt.step()
+        params = list(model.parameters())
+        assert sum(p.grad is not None for p in params) == len(params)  # was 0 of 6
+        if grads is not None:
+            for p, grad in zip(params, grads):  # bit for bit, the NaNs where they were
+                torch.testing.assert_close(p.grad, grad, rtol=0, atol=0, equal_nan=True)
+        else:  # the closure's backward made them: NaN where the injected NaN went
+            assert not all(torch.isfinite(p.grad).all() for p in params)
+        assert sys.getprofile() is None  # the watch took itself off
+    finally:
+        prof.detach()

@@ -256,7 +256,7 @@ def _why(reason: object, url: str, timeout: float) -> str:
         hint = ("" if url.startswith("https:") else
                 "; if the endpoint serves TLS (Config.tls_certfile), use https:// and --cacert")
         if isinstance(reason, TimeoutError):
-            return f"no complete answer within {timeout:g} s (--timeout)" + hint
+            return f"no answer in time: the answer took longer than {timeout:g} s (--timeout)" + hint
         return "the connection was closed without an answer" + hint
     if isinstance(reason, http.client.IncompleteRead):
         return "the connection was closed before the whole answer was sent"

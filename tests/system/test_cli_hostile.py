@@ -121,7 +121,7 @@ def test_a_response_head_trickled_a_byte_a_second_is_given_up_at_the_timeout(com
         args = ("top", "--once", server.url) if command == "top" else ("report", server.url, "-o", "/dev/null")
         out, ended = run_cli(*args, "--timeout", "2")
         took = ended - server.accepted[0]
-    one_line_error(out, 1, "within 2 s")
+    one_line_error(out, 1, "took longer than 2 s (--timeout)")
     assert took < 2 + MARGIN_S, f"{took:.1f} s after connecting, with --timeout 2"
 
 
@@ -148,9 +148,9 @@ def test_top_on_a_page_that_is_not_hookprof_metrics(body, why):
 
 
 @pytest.mark.parametrize("body", [
-    b'{"models":[{}]}', b'{"models":5}', b'{"models":[{"model":"m","rank":0,"steps":3', b"[" * 200_000,
+    b'{"models":[{}]}', b'{"models":5}', b"[" * 200_000,
     b'{"models":[{"model":"m"}]}', b'{"models":[{"model":"m","layer_totals":5,"history":"x"}]}',
-    b'{"models":[5]}', b'"just a string"',
+    b'{"models":[5]}',
 ])
 def test_report_on_json_that_is_not_a_hookprof_history(body, tmp_path):
     with hostile(reply(body, headers=b"Content-Type: application/json\r\n")) as server:

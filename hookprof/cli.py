@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -77,12 +78,17 @@ def add_top_parser(sub: Any) -> None:
 
 
 def run_top(args: argparse.Namespace) -> int:
-    from hookprof.view.scrape import DEFAULT_TARGET, endpoints
+    from hookprof.view.scrape import DEFAULT_TARGET, check_timeout, endpoints
     from hookprof.view.top import Scraper, run_live, run_once
 
     try:
+        check_timeout(args.timeout)
+        if not (math.isfinite(args.interval) and args.interval >= 0):
+            raise ValueError(f"--interval {args.interval}: not a number of seconds >= 0")
+        if args.limit < 0:
+            raise ValueError(f"--limit {args.limit}: not a number of layers >= 0")
         urls, context = endpoints(args.urls or [DEFAULT_TARGET], args.cacert, args.cert, args.key)
-    except ValueError as exc:  # a bad URL, a certificate file missing or unusable
+    except ValueError as exc:  # a bad option or URL, a certificate file missing or unusable
         print(f"hookprof top: {exc}", file=sys.stderr)
         return 2
     scraper = Scraper(urls, context, args.timeout)
@@ -98,6 +104,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     import hookprof
     from hookprof.config import env_name
+    from hookprof.errors import ConfigError
     from hookprof.demo import DemoNet, InjectNonFinite
 
     torch.manual_seed(args.seed)
@@ -122,7 +129,11 @@ def run_demo(args: argparse.Namespace) -> int:
                                count_calls=False)
     if env_name("on_nonfinite") not in os.environ:
         overrides["on_nonfinite"] = "warn"  # the demo shows hookprof's one-line diagnosis
-    prof = hookprof.attach(model, **overrides)
+    try:
+        prof = hookprof.attach(model, **overrides)
+    except (ConfigError, OSError) as exc:  # a bad option, the port in use, an address not ours
+        print(f"hookprof demo: cannot serve metrics: {exc}", file=sys.stderr)
+        return 2
     print(f"hookprof demo: serving metrics at {prof.url}", flush=True)
     if args.nan_at_step:
         print(f"hookprof demo: {args.nan_layer} will output NaN at step {args.nan_at_step}", flush=True)
@@ -183,22 +194,22 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_report(args: argparse.Namespace) -> int:
     from hookprof.files import write_atomic
-    from hookprof.view.report import read_history
-    from hookprof.view.report_html import render
-    from hookprof.view.scrape import ScrapeError, endpoints
+    from hookprof.view.report import read_history, render_history
+    from hookprof.view.scrape import ScrapeError, check_timeout, endpoints
     from hookprof.serve.server import HISTORY_PATH
 
     try:
+        check_timeout(args.timeout)
         (url,), context = endpoints([args.url], args.cacert, args.cert, args.key, path=HISTORY_PATH)
     except ValueError as exc:  # a bad URL, a certificate file missing or unusable
         print(f"hookprof report: {exc}", file=sys.stderr)
         return 2
     try:
         documents = read_history(url, context, args.timeout)
+        page = render_history(url, documents)  # before opening the file: no half-written page
     except ScrapeError as exc:
         print(f"hookprof report: cannot read {exc.url}: {exc.reason}", file=sys.stderr)
         return 1
-    page = render(documents, source=url)
     try:  # whole or not at all: a failed write leaves the previous report as it was
         write_atomic(args.output, page)
     except OSError as exc:

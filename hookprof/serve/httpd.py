@@ -17,6 +17,7 @@ import heapq
 import itertools
 import logging
 import os
+import re
 import selectors
 import socket
 import ssl
@@ -32,6 +33,7 @@ log = logging.getLogger("hookprof")
 
 # request line and headers; Prometheus sends about 300 bytes. A longer head gets 431.
 MAX_HEAD_BYTES = 16384
+_DIGITS = re.compile(r"[0-9]+")  # a Content-Length: ASCII digits only (str.isdigit takes "²")
 ACCEPTS_PER_WAKEUP = 64  # a flood of new connections cannot starve the waiting ones
 ACCEPT_PAUSE_S = 0.1  # after running out of file descriptors, before accepting again
 
@@ -110,7 +112,13 @@ def parse_head(head: bytes) -> Request:
         name, sep, value = line.partition(":")
         if not sep or not name or name != name.strip():
             raise ValueError(f"bad header line {line[:80]!r}")
-        headers[name.lower()] = value.strip()
+        name = name.lower()
+        if name == "content-length" and (name in headers or not _DIGITS.fullmatch(value.strip())):
+            # with the last one winning, "Content-Length: 5" then "...: 0" kept the
+            # connection alive and the 5 body bytes were read as the next request
+            # (request smuggling through a proxy that honours the first): RFC 9112 6.3
+            raise ValueError(f"duplicate or bad Content-Length {value.strip()[:20]!r}")
+        headers[name] = value.strip()
     return Request(parts[0], parts[1], parts[2], headers)
 
 
@@ -297,6 +305,8 @@ class Server:
                 return
             while True:
                 end = conn.buf.find(b"\r\n\r\n")
+                if end > MAX_HEAD_BYTES:  # sent in one piece, it arrives whole: still too long
+                    return self._reject(conn, "bad_request", HEAD_TOO_LARGE)
                 if end >= 0:
                     return self._dispatch(conn, end)
                 if len(conn.buf) > MAX_HEAD_BYTES:

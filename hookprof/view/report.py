@@ -8,7 +8,8 @@ from typing import Any
 
 from hookprof.publish.document import from_json
 from hookprof.serve.server import HISTORY_PATH
-from hookprof.view.scrape import ScrapeError, endpoints, fetch_bytes, normalize
+from hookprof.view.report_html import render
+from hookprof.view.scrape import ScrapeError, endpoints, fetch_bytes, normalize, one_line
 
 MAX_RESPONSE_BYTES = 64 << 20  # a history is well under a megabyte: more is not one
 
@@ -33,7 +34,24 @@ def read_history(target: str, context: ssl.SSLContext | None, timeout: float) ->
     it cannot be read or what it sends is not a hookprof history."""
     body = fetch_bytes(target, context, timeout, MAX_RESPONSE_BYTES)
     try:
-        return from_json(body)
-    except (ValueError, KeyError, TypeError):  # not JSON, or JSON without "models"
-        raise ScrapeError(target, "what it sent is not a hookprof history (is it a hookprof endpoint, "
-                                  "and one recent enough to serve /history.json?)") from None
+        documents = from_json(body)
+    except (ValueError, KeyError, TypeError, RecursionError):  # not JSON, JSON without "models", too deep
+        raise _not_history(target) from None
+    if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
+        raise _not_history(target, '"models" is not a list of documents')
+    return documents
+
+
+def render_history(target: str, documents: list[dict[str, Any]]) -> str:
+    """The report page of documents read from `target`; ScrapeError when they are not what
+    a hookprof endpoint serves (a field missing or of another type): the page is drawn from
+    foreign JSON, and any field it needs may be absent there."""
+    try:
+        return render(documents, source=target)
+    except (LookupError, TypeError, ValueError, AttributeError, ArithmeticError, RecursionError) as exc:
+        raise _not_history(target, f"{type(exc).__name__}: {one_line(str(exc), 80)}") from None
+
+
+def _not_history(target: str, why: str = "") -> ScrapeError:
+    return ScrapeError(target, "what it sent is not a hookprof history" + (f" ({why})" if why else "")
+                       + " (is it a hookprof endpoint, and one recent enough to serve /history.json?)")

@@ -8,12 +8,13 @@ https; an explicit http:// with them is refused (the options would be silently i
 from __future__ import annotations
 
 import http.client
+import io
+import math
 import os
+import socket
 import ssl
 import time
-import urllib.error
-import urllib.request
-from urllib.parse import SplitResult, urlsplit, urlunsplit
+from urllib.parse import SplitResult, quote, urljoin, urlsplit, urlunsplit
 
 from hookprof.config import DEFAULT_PORT
 
@@ -98,35 +99,140 @@ def endpoints(targets: list[str], cacert: str | None = None, cert: str | None = 
     return urls, tls_context(cacert, cert, key)
 
 
+MAX_PAGE_BYTES = 64 << 20  # a /metrics page of 3,000 layers is a few MB: more is not one
+MAX_REDIRECTS = 5
+_REDIRECTS = (301, 302, 303, 307, 308)
+
+
 def fetch(url: str, context: ssl.SSLContext | None = None, timeout: float = 5.0) -> str:
     """The page at `url` as text; ScrapeError on any failure."""
     return fetch_bytes(url, context, timeout).decode("utf-8", errors="replace")
 
 
 def fetch_bytes(url: str, context: ssl.SSLContext | None = None, timeout: float = 5.0,
-                max_bytes: int | None = None) -> bytes:
-    """The body at `url`; ScrapeError on any failure. `timeout` bounds each wait on the
-    network and, checked between reads, the whole body: an endpoint that trickles its
-    answer is given up on after about twice `timeout`, not held on to for ever."""
-    deadline = time.monotonic() + timeout
+                max_bytes: int = MAX_PAGE_BYTES) -> bytes:
+    """The body at `url`; ScrapeError on any failure. `timeout` bounds the whole fetch
+    (connect, TLS handshake, response head and body, redirects): every wait on the network
+    is given only the time left, so an endpoint that trickles its answer a byte at a time is
+    given up on at `timeout`. Redirects are followed on the same endpoint only; a body over
+    `max_bytes` is refused. ValueError for a timeout that is not a positive number."""
+    check_timeout(timeout)
+    deadline = _Deadline(timeout)
     try:
-        with urllib.request.urlopen(url, timeout=timeout,
-                                    context=context if url.startswith("https:") else None) as r:
+        for _ in range(MAX_REDIRECTS + 1):
+            status, reason, location, body = _get(url, context, deadline, max_bytes)
+            if status not in _REDIRECTS or location is None:
+                break
+            target = urljoin(url, location)
+            if _origin(target) != _origin(url):
+                raise ScrapeError(url, f"it redirects to another endpoint ({one_line(target)}): "
+                                       "not followed; give that URL if it is the one meant")
+            url = target
+        else:
+            raise ScrapeError(url, f"more than {MAX_REDIRECTS} redirects (a redirect loop?)")
+    except (OSError, http.client.HTTPException, UnicodeError) as exc:  # UnicodeError: a host IDNA refuses
+        raise ScrapeError(url, _why(exc, url, timeout)) from None
+    if not 200 <= status < 300:
+        raise ScrapeError(url, f"HTTP {status} {one_line(reason)}".rstrip())
+    return body
+
+
+def check_timeout(timeout: float) -> float:
+    """`timeout` when it is a positive finite number of seconds; ValueError otherwise (0 put
+    the socket in non-blocking mode: "[Errno 115] Operation now in progress")."""
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"--timeout {timeout}: not a positive number of seconds")
+    return timeout
+
+
+class _Deadline:
+    """One fetch's time limit; `left()` is what the next wait on the network may take."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+
+    def left(self) -> float:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        return min(left, 86400.0)  # settimeout takes no more than a C timeval holds
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The socket as http.client reads it (response head and body), each read waiting only
+    until the fetch's deadline: a socket timeout bounds one wait, not a trickle of them."""
+
+    def __init__(self, sock: socket.socket, deadline: _Deadline):
+        super().__init__()
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        self._sock.settimeout(self._deadline.left())
+        return self._sock.recv_into(buffer)
+
+
+class _DeadlineSocket:
+    """What http.client.HTTPResponse needs of a socket: makefile()."""
+
+    def __init__(self, sock: socket.socket, deadline: _Deadline):
+        self._sock, self._deadline = sock, deadline
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+
+def _get(url: str, context: ssl.SSLContext | None, deadline: _Deadline,
+         max_bytes: int) -> tuple[int, str, str | None, bytes]:
+    """One GET: (status, reason, Location header, body)."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    sock = socket.create_connection((host, port), timeout=deadline.left())
+    try:
+        if parts.scheme == "https":
+            sock.settimeout(deadline.left())  # a total for the handshake (CPython's _ssl)
+            sock = (context or ssl.create_default_context()).wrap_socket(sock, server_hostname=host)
+        target = quote((parts.path or "/") + (f"?{parts.query}" if parts.query else ""), safe=_URL_SAFE)
+        request = (f"GET {target} HTTP/1.1\r\nHost: {parts.netloc.rpartition('@')[2]}\r\n"
+                   f"User-Agent: hookprof\r\nAccept-Encoding: identity\r\nConnection: close\r\n\r\n")
+        sock.settimeout(deadline.left())  # sendall: the timeout bounds the whole call
+        sock.sendall(request.encode("ascii"))
+        response = http.client.HTTPResponse(_DeadlineSocket(sock, deadline), method="GET")  # type: ignore[arg-type]
+        try:
+            response.begin()  # 100 headers of 64 KiB each at most (http.client)
             chunks, size = [], 0
-            while chunk := r.read1(1 << 16):
+            while chunk := response.read1(1 << 16):
                 size += len(chunk)
-                if max_bytes is not None and size > max_bytes:
+                if size > max_bytes:
                     raise ScrapeError(url, f"it sent more than {max_bytes} bytes: not a hookprof page")
-                if time.monotonic() > deadline:
-                    raise ScrapeError(url, f"the answer took longer than {timeout:g} s (--timeout)")
                 chunks.append(chunk)
-            return b"".join(chunks)
-    except urllib.error.HTTPError as exc:
-        raise ScrapeError(url, f"HTTP {exc.code} {exc.reason}") from None
-    except urllib.error.URLError as exc:
-        raise ScrapeError(url, _why(exc.reason, url)) from None
-    except (OSError, http.client.HTTPException) as exc:
-        raise ScrapeError(url, _why(exc, url)) from None
+            return response.status, response.reason, response.getheader("Location"), b"".join(chunks)
+        finally:
+            response.close()
+    finally:
+        sock.close()
+
+
+# what a URL's path and query may hold as they are (RFC 3986); anything else is %-escaped
+_URL_SAFE = "/?&=%:@!$'()*+,;~-._"
+
+
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """Foreign text on one line: control characters replaced, cut at `limit`."""
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _unusable(exc: OSError, expected: str) -> str:
@@ -137,7 +243,7 @@ def _unusable(exc: OSError, expected: str) -> str:
     return f"cannot read it ({exc.strerror or exc})"
 
 
-def _why(reason: object, url: str) -> str:
+def _why(reason: object, url: str, timeout: float) -> str:
     if isinstance(reason, ssl.SSLCertVerificationError):
         return (f"its TLS certificate is not trusted ({reason.verify_message}): pass --cacert "
                 "with the CA that signed the endpoint's certificate")
@@ -150,6 +256,10 @@ def _why(reason: object, url: str) -> str:
         hint = ("" if url.startswith("https:") else
                 "; if the endpoint serves TLS (Config.tls_certfile), use https:// and --cacert")
         if isinstance(reason, TimeoutError):
-            return "no answer in time" + hint
+            return f"no answer in time: the answer took longer than {timeout:g} s (--timeout)" + hint
         return "the connection was closed without an answer" + hint
-    return str(reason)
+    if isinstance(reason, http.client.IncompleteRead):
+        return "the connection was closed before the whole answer was sent"
+    if isinstance(reason, http.client.HTTPException):
+        return f"what it sent is not HTTP ({type(reason).__name__}: {one_line(str(reason), 80)})"
+    return one_line(str(reason))

@@ -216,6 +216,7 @@ _LAYER_SAMPLES = {
     names.LAYER_ACTIVATION_ZERO_RATIO.name: "dead_ratio",
 }
 _STEP_BUCKET = names.STEP_DURATION_SECONDS.sample("bucket")
+_RUN_COUNTS = ("steps", "sampled_steps", "skipped_steps")  # read as ints: int() of NaN raised
 
 
 def from_metrics(text: str) -> list[RunTable]:
@@ -224,46 +225,68 @@ def from_metrics(text: str) -> list[RunTable]:
     from prometheus_client.parser import text_string_to_metric_families
 
     runs: dict[tuple[str, int], _Run] = {}
-    for family in text_string_to_metric_families(text):
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError as exc:  # an HTML page, garbage: the parser's words, on the line it stopped at
+        raise ValueError(f"not the Prometheus text format: {exc}") from None
+    for family in families:
         if not family.name.startswith(names.PREFIX):
             continue
         for s in family.samples:
             if "rank" not in s.labels:
                 continue
-            run = runs.setdefault((s.labels.get(names.MODEL_LABEL, ""), int(s.labels["rank"])), _Run())
-            _read_sample(run, s.name, s.labels, s.value)
+            try:
+                key = (s.labels.get(names.MODEL_LABEL, ""), _whole(s.labels["rank"], "the rank label"))
+                _read_sample(runs.setdefault(key, _Run()), s.name, s.labels, s.value)
+            except KeyError as exc:
+                raise ValueError(f"{s.name} without its {exc.args[0]} label") from None
+            except ValueError as exc:
+                raise ValueError(f"{s.name}: {exc}") from None
     return [_table(model, rank, run) for (model, rank), run in sorted(runs.items())]
+
+
+def _whole(value: Any, what: str) -> int:
+    """A count or a rank or step label read from a page, as an int; ValueError naming `what`
+    for anything else (NaN, an infinity, "abc"): int() raised on them from deep in top."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not number.is_integer():
+        raise ValueError(f"{what} is {str(value)[:40]!r}, not a whole number")
+    return int(number)
 
 
 def _read_sample(run: _Run, name: str, labels: Mapping[str, str], value: float) -> None:
     if name in _RUN_SAMPLES:
-        run.values[_RUN_SAMPLES[name]] = value
+        key = _RUN_SAMPLES[name]
+        run.values[key] = _whole(value, "the count") if key in _RUN_COUNTS else value
     elif name == _STEP_BUCKET:
         run.buckets.append((float(labels["le"]), value))
     elif name == names.NONFINITE_STEPS_TOTAL.name:
-        run.values["nonfinite_steps"][labels["phase"]] = int(value)
+        run.values["nonfinite_steps"][labels["phase"]] = _whole(value, "the count")
     elif name == names.FIRST_NONFINITE_INFO.name:
         run.values["first_layer"] = labels["layer"]
-        run.values["first_at"] = (labels["phase"], int(labels["step"]))
+        run.values["first_at"] = (labels["phase"], _whole(labels["step"], "the step label"))
     elif name == names.FIRST_NONFINITE_ORIGIN_INFO.name:
         run.values["first_origin"] = (labels["found_by"] or None, labels["replay"] or None)
-        run.values["first_at"] = (labels["phase"], int(labels["step"]))
+        run.values["first_at"] = (labels["phase"], _whole(labels["step"], "the step label"))
     elif name in _LAYER_SAMPLES:
         layer = run.layer(labels["layer"])
         layer[_LAYER_SAMPLES[name]] = value
         if "module" in labels:
             layer["module"] = labels["module"]
     elif name == names.STALL_INFO.name:
-        run.values["stall"] = _stall(int(labels["step"]), labels["phase"], labels["layer"],
+        run.values["stall"] = _stall(_whole(labels["step"], "the step label"), labels["phase"], labels["layer"],
                                      labels["waiting_on"])
     elif name == names.PROGRESS_STEP.name:
-        run.values["progress_step"] = int(value)
+        run.values["progress_step"] = _whole(value, "the step")
     elif name == names.PROGRESS_PHASE.name:
         run.values["progress_phase"] = labels["phase"]
     elif name == names.PROGRESS_PHASE_SECONDS.name:
         run.values["progress_seconds"] = value
     elif name == names.LAYER_NONFINITE_TOTAL.name:
-        run.layer(labels["layer"])["nonfinite"][labels["phase"]] = int(value)
+        run.layer(labels["layer"])["nonfinite"][labels["phase"]] = _whole(value, "the count")
 
 
 def _table(model: str, rank: int, run: _Run) -> RunTable:

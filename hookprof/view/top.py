@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hookprof.view.scrape import ScrapeError, fetch
+from hookprof.view.scrape import ScrapeError, fetch, one_line
 from hookprof.view.table import (
     COLUMNS,
     RunTable,
@@ -61,7 +61,11 @@ class Scraper:
                 errors[url] = exc.reason
                 continue
             now = time.monotonic()
-            found = from_metrics(text)
+            try:
+                found = from_metrics(text)
+            except ValueError as exc:  # an HTML page, garbage, a rank that is not a number
+                errors[url] = f"what it sent is not a hookprof /metrics page ({one_line(str(exc), 120)})"
+                continue
             if not found:
                 errors[url] = "no hookprof series on this page (is it a hookprof endpoint?)"
             for table in found:

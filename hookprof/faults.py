@@ -167,20 +167,36 @@ class ThreadSupervisor:
     """hookprof's own threads end only when detach() stops them: one that ended anyway (its
     loop catches every Exception, so something stronger killed it) is reported (log,
     hookprof_internal_errors_total) and started again, a few times at most. Checked by the
-    training thread at step boundaries: a dict walk, no waiting."""
+    training thread at step boundaries: a dict walk, no waiting.
+
+    `close()` (at detach, before the threads are stopped) ends it: a check running on the
+    training thread while another thread detaches either finishes before the threads are
+    stopped or sees closed, so nothing stopped by detach is started again."""
 
     def __init__(self, faults: Faults):
         self._faults = faults
         self._watched: dict[str, Restartable] = {}
         self._given_up: set[str] = set()  # reported as not restarted again
+        self._lock = threading.Lock()  # a check against close()
+        self._closed = False
 
     def watch(self, what: str, part: Restartable) -> None:
         self._watched[what] = part
 
+    def close(self) -> None:
+        """Detached: no thread is checked or restarted from now on (waits for a check)."""
+        with self._lock:
+            self._closed = True
+
     def check(self) -> None:
-        for what, part in self._watched.items():
-            if not part.alive:
-                self._revive(what, part)
+        if self._closed:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            for what, part in self._watched.items():
+                if not part.alive:
+                    self._revive(what, part)
 
     def _revive(self, what: str, part: Restartable) -> None:
         err = RuntimeError(f"hookprof {what} thread died")

@@ -86,8 +86,7 @@ class Profiler:
 
     enabled = True
 
-    def __init__(self, model: nn.Module, config: Config, *,
-                 clock: Callable[[], int] = time.perf_counter_ns,
+    def __init__(self, model: nn.Module, config: Config, *, clock: Callable[[], int] = time.perf_counter_ns,
                  wall_clock: Callable[[], float] = time.time, timer: Timer | None = None,
                  registry: CollectorRegistry | None = None,
                  publisher: Callable[..., Publisher] = Publisher, layer_statistics: Any = ()):
@@ -440,6 +439,7 @@ class Profiler:
 
     def _release_step(self) -> None:
         """At detach: layer hooks out; a sampled step that never ended gives its events back."""
+        self._supervisor.close()  # runs before the threads stop: none restarts after detach
         self._hooks.remove()
         self._efficiency.drop()
         self._sampled.release()

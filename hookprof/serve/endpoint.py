@@ -74,6 +74,7 @@ class Endpoint:
         self._members: dict[str, Member] = {}
         self._members_lock = threading.Lock()
         self._restart_lock = threading.Lock()
+        self._closed = False  # its last member left: never served again
         self.system: SystemSampler | None = None
         extra: tuple[Collector, ...] = (_BuildInfo(),)
         if config.system_metrics:
@@ -103,7 +104,7 @@ class Endpoint:
 
     def restart(self) -> None:
         with self._restart_lock:  # two models' step boundaries may notice it at once
-            if not self.server.alive:
+            if not self._closed and not self.server.alive:
                 self.server.restart()
 
     @property
@@ -140,6 +141,8 @@ class Endpoint:
             if empty:
                 _endpoints.pop((self.config.addr, self.port), None)
         if empty:
+            with self._restart_lock:  # a restart in progress ends first; none starts after
+                self._closed = True
             if self.system is not None:
                 self.system.stop()
             self.server.close()

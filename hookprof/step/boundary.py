@@ -1,8 +1,8 @@
 """Step boundaries: which torch hook calls begin a step, make its forward, update it and end it.
 
 Owns: the hooks on the root module (and on its children, for loops that never call the root:
-Lightning's `training_step`, `model.compute_loss(x)`), the process-wide optimizer step hooks
-and the GradScaler watch of one profiler, and the step's flags: whether `prof.step()` took
+Lightning's `training_step`, `model.compute_loss(x)`), the listening of one profiler to the
+process's optimizer step hooks (step/dispatch.py) and its GradScaler watch, and the step's flags: whether `prof.step()` took
 over, whether the root ever ran, what this step has seen (a forward, an owned optimizer's
 update, a GradScaler skip), when it started, whether the optimizer already ended it.
 
@@ -25,14 +25,9 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
-
 from hookprof.compiled import CompileProbe, is_compiling
 from hookprof.faults import Faults, guarded
-from hookprof.step import gradscaler
+from hookprof.step import dispatch, gradscaler
 from hookprof.step.hooks import LayerHooks
 
 # more training forwards than this between two step boundaries means there are none
@@ -147,8 +142,9 @@ class StepBoundary:
                     self._on_entry_forward, with_kwargs=True))
                 self._entry_handles.append(child.register_forward_hook(
                     self._on_entry_output, always_call=True))
-        self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
-        self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
+        # through the process's one pair of optimizer hooks: adding or removing a hook of
+        # torch's own while another thread's optimizer steps breaks that step (dispatch.py)
+        self._handles.append(dispatch.listen(self._on_optimizer_pre, self._on_optimizer_post))
         self._handles.append(gradscaler.watch(self._on_scaler_decision))
 
     def close(self) -> None:
@@ -293,7 +289,9 @@ class StepBoundary:
         automatic optimization, sharpness-aware optimizers) the step's forward and backward
         have not run yet: they run inside the closure, so the closure is wrapped and the
         gradients are read after each call of it."""
-        if is_compiling():  # a compiled optimizer step: nothing to do inside its graph
+        # detached: from another thread, or while this step was in progress (the dispatcher
+        # may call a listener once more after it left)
+        if self._detached or is_compiling():  # compiled: nothing to do inside its graph
             return None
         return self._update_begins(optimizer, args, kwargs)
 
@@ -320,10 +318,13 @@ class StepBoundary:
         judged = self._events._closure_judged(optimizer)
 
         def closure_then_read() -> Any:
+            if self._detached:  # detached (from another thread) during this optimizer step
+                return closure()
             self._forwards = 0  # LBFGS calls it thousands of times in one step
             self._closure_called(judged)
             result = closure()  # the user's: what it raises is theirs
-            self._closure_returned(optimizer, judged)
+            if not self._detached:
+                self._closure_returned(optimizer, judged)
             return result
 
         return closure_then_read
@@ -359,7 +360,7 @@ class StepBoundary:
         self._train_mode_seen = self._eval_grad_seen = False
 
     def _on_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if is_compiling():
+        if self._detached or is_compiling():
             return
         self._update_done(optimizer)
 
@@ -407,6 +408,8 @@ class StepBoundary:
         self._end_step(loss, by_optimizer=False, skipped=self._scaler_skipped and not self._stepped)
 
     def _end_step(self, loss: Any, *, by_optimizer: bool, skipped: bool = False) -> None:
+        if self._detached:  # detach() on another thread: the profiler's parts are stopping
+            return
         number, now = self._events._on_step_end(loss, skipped=skipped, started_ns=self._step_start_ns,
                                                forward_seen=self._forward_seen)
         self._stepped = self._scaler_skipped = False
@@ -414,7 +417,8 @@ class StepBoundary:
         self._forward_seen = False
         self._forwards = 0
         self._closed_by_optimizer = by_optimizer
-        self._events._on_step_ended(number, now)
+        if not self._detached:  # (detached meanwhile: no next step to plan, nothing to check)
+            self._events._on_step_ended(number, now)
 
 
 def _inert() -> StepBoundary:

@@ -4,10 +4,13 @@ A GradScaler skips the update of a step whose gradients overflowed. With a plain
 it skips by not calling `optimizer.step()`: no optimizer hook runs, and nothing in the shape
 of the loop tells a skipped step from a model called several times per step (siamese nets,
 GAN discriminators) or a hand-written update. So hookprof watches the one method where the
-scaler decides, `GradScaler._maybe_opt_step`, and a global optimizer pre-hook tells whether
-the optimizer then stepped. The wrapper sits on the class while at least one profiler
-watches and is removed with the last (detach leaves torch as it was); it adds no device
-work (the scaler has already read its flag when it decides).
+scaler decides, `GradScaler._maybe_opt_step`, and the process's optimizer pre-hook
+(step/dispatch.py: registered once, never removed, so that no watch changes what a running
+optimizer step iterates) tells whether the optimizer then stepped. The wrapper sits on the
+class while at least one profiler watches and is removed with the last (swapping a class
+attribute disturbs no call in progress: a decision already inside the wrapper finishes
+there); it adds no device work (the scaler has already read its flag when it decides). The
+watchers are a tuple replaced under the lock, never changed while a decision reads it.
 
 Fused optimizers (`_step_supports_amp_scaling`) are always stepped and skip on the device
 through `optimizer.found_inf`: not a host decision, so not seen here.
@@ -19,7 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from hookprof.step import dispatch
 
 try:
     from torch.amp.grad_scaler import GradScaler
@@ -29,8 +32,8 @@ except ImportError:  # torch < 2.3 keeps it under torch.cuda.amp only
 Watcher = Callable[[Any, bool], None]  # (optimizer, skipped)
 
 _lock = threading.Lock()
-_watchers: list[Watcher] = []
-_installed: tuple[Any, Any] | None = None  # (the original method, the step hook's handle)
+_watchers: tuple[Watcher, ...] = ()  # replaced, never changed in place
+_installed: tuple[Any, Any] | None = None  # (the original method, the step listener)
 _stepped: set[int] = set()  # ids of optimizers stepped inside a scaler's decision
 
 
@@ -41,12 +44,12 @@ class Watch:
         self._watcher: Watcher | None = watcher
 
     def remove(self) -> None:
-        global _installed
+        global _installed, _watchers
         with _lock:
             if self._watcher is None:
                 return
-            _watchers.remove(self._watcher)
-            self._watcher = None
+            watcher, self._watcher = self._watcher, None
+            _watchers = tuple(w for w in _watchers if w is not watcher)
             if not _watchers and _installed is not None:
                 original, handle = _installed
                 GradScaler._maybe_opt_step = original
@@ -56,14 +59,14 @@ class Watch:
 
 def watch(watcher: Watcher) -> Watch:
     """Call `watcher(optimizer, skipped)` after each GradScaler decision of this process."""
-    global _installed
+    global _installed, _watchers
     with _lock:
         if GradScaler is not None and _installed is None:
             original = GradScaler.__dict__["_maybe_opt_step"]
-            handle = register_optimizer_step_pre_hook(_note_step)
+            handle = dispatch.listen(pre=_note_step)
             GradScaler._maybe_opt_step = _deciding(original)
             _installed = (original, handle)
-        _watchers.append(watcher)
+        _watchers = (*_watchers, watcher)
     return Watch(watcher)
 
 
@@ -78,7 +81,7 @@ def _deciding(original: Callable[..., Any]) -> Callable[..., Any]:
         result = original(self, optimizer, optimizer_state, *args, **kwargs)
         skipped = key not in _stepped
         _stepped.discard(key)
-        for watcher in list(_watchers):
+        for watcher in _watchers:  # the tuple read now: a watch ending meanwhile is not disturbed
             watcher(optimizer, skipped)
         return result
 

@@ -38,6 +38,20 @@ def global_hook_counts() -> list[int]:
     return [len(d) for d in GLOBAL_HOOK_DICTS]
 
 
+def dispatcher_hook_counts() -> list[int]:
+    """How many of those hooks are hookprof's process-wide dispatcher (step/dispatch.py): one
+    per optimizer registry once anything attached in this process, never removed."""
+    from hookprof.step import dispatch
+
+    ours = (dispatch._dispatch_pre, dispatch._dispatch_post)
+    return [sum(1 for h in d.values() if h in ours) for d in GLOBAL_HOOK_DICTS]
+
+
+def foreign_global_hook_counts() -> list[int]:
+    """global_hook_counts() without the dispatcher's hooks."""
+    return [n - ours for n, ours in zip(global_hook_counts(), dispatcher_hook_counts())]
+
+
 def model_state(model: torch.nn.Module) -> dict:
     """Everything hookprof could leave behind on a model: attribute names, hook dicts,
     parameter hooks."""

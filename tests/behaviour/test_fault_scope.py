@@ -51,11 +51,36 @@ def _forward_calls(snap) -> int:
     return sum(layer.forward_calls_total for layer in snap.layers.values())
 
 
-def test_vmap_grad_over_an_attached_model_leaves_gradients_and_nan_checks_on(caplog):
+def _setup():
     model = _mlp()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, x, y, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def _train_watching(prof, model, opt, x, y, steps: range, before=lambda step: None):
+    """Train `steps`; returns the last step's gradients and the layer calls recorded so far
+    after each step (flushed: current)."""
+    seen = []
+    for step in steps:
+        before(step)
+        grads = _train_step(model, opt, x, y, step)
+        prof.flush()
+        seen.append(_forward_calls(prof.snapshot()))
+    return grads, seen
+
+
+def _assert_core_kept(snap, grads) -> None:
+    """Steps counted, the last step's global gradient norm (computed apart from hookprof)
+    exported, every NaN step's gradient seen."""
+    assert snap.step == 10
+    truth = torch.linalg.vector_norm(torch.cat([gr.double().flatten() for gr in grads])).item()
+    assert abs(snap.grad_norm - truth) <= 1e-5 * truth
+    assert snap.nonfinite_steps["backward"] == len(NAN_STEPS)
+
+
+def test_vmap_grad_over_an_attached_model_leaves_gradients_and_nan_checks_on(caplog):
+    model, x, y, opt = _setup()
     prof = hookprof.attach(model, **SETTINGS)
     try:
         with caplog.at_level(logging.ERROR, logger="hookprof"):
@@ -64,21 +89,13 @@ def test_vmap_grad_over_an_attached_model_leaves_gradients_and_nan_checks_on(cap
             per_sample = _per_sample_grads(model, x, y)
             prof.flush()
             calls_before = _forward_calls(prof.snapshot())
-            seen = []
-            for step in range(6, 11):
-                grads = _train_step(model, opt, x, y, step)
-                prof.flush()
-                seen.append(_forward_calls(prof.snapshot()))
+            grads, seen = _train_watching(prof, model, opt, x, y, range(6, 11))
         snap = prof.snapshot()
     finally:
         prof.detach()
 
     assert per_sample["0.weight"].shape == (8, 16, 6)  # the transform itself worked
-    assert snap.step == 10
-    # the last step's global gradient norm, computed apart from hookprof
-    truth = torch.linalg.vector_norm(torch.cat([gr.double().flatten() for gr in grads])).item()
-    assert abs(snap.grad_norm - truth) <= 1e-5 * truth
-    assert snap.nonfinite_steps["backward"] == len(NAN_STEPS)
+    _assert_core_kept(snap, grads)
     # every later step is sampled (EVERY_STEP): each records 3 layer calls more
     assert seen == [calls_before + 3 * k for k in range(1, 6)]
     assert snap.internal_errors == 0, caplog.text  # hookprof stepped aside under vmap
@@ -87,10 +104,7 @@ def test_vmap_grad_over_an_attached_model_leaves_gradients_and_nan_checks_on(cap
 def test_a_fault_in_the_layer_hooks_costs_that_step_only(caplog):
     """A fault in the per-layer hooks turns them off for the rest of its step, and they are
     tried again at the next step; gradients and NaN checks never stop."""
-    model = _mlp()
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, x, y, opt = _setup()
     failing = {"left": 0}  # failures still to inject
 
     class FailingTimer(CpuTimer):
@@ -107,20 +121,13 @@ def test_a_fault_in_the_layer_hooks_costs_that_step_only(caplog):
     prof = hookprof.Profiler(model, hookprof.Config(**SETTINGS), timer=FailingTimer())
     try:
         with caplog.at_level(logging.ERROR, logger="hookprof"):
-            seen = []
-            for step in range(1, 11):
-                failing["left"] = 1 if step == 5 else 0
-                grads = _train_step(model, opt, x, y, step)
-                prof.flush()
-                seen.append(_forward_calls(prof.snapshot()))
+            grads, seen = _train_watching(prof, model, opt, x, y, range(1, 11),
+                                          before=lambda step: failing.update(left=int(step == 5)))
         snap = prof.snapshot()
     finally:
         prof.detach()
 
     assert snap.internal_errors == 1 and "injected layer hook failure" in caplog.text
-    assert snap.step == 10
-    truth = torch.linalg.vector_norm(torch.cat([gr.double().flatten() for gr in grads])).item()
-    assert abs(snap.grad_norm - truth) <= 1e-5 * truth
-    assert snap.nonfinite_steps["backward"] == len(NAN_STEPS)
+    _assert_core_kept(snap, grads)
     # steps 1-4 record 3 calls each, step 5 (the fault) none, steps 6-10 3 each again
     assert seen == [3, 6, 9, 12, 12, 15, 18, 21, 24, 27]

@@ -28,6 +28,24 @@ if is_compiling is None:  # torch < 2.3
     is_compiling = torch._dynamo.is_compiling
 
 
+is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", lambda: False)
+# torch.jit.is_tracing() without its Python frame (what it returns outside TorchScript)
+_is_tracing = torch._C._is_tracing
+# torch.func (vmap, grad, jacrev, functional_call under them): no public predicate in torch
+# 2.13; torch.autograd.Function asks torch this same private question for the same reason
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def transformed() -> bool:
+    """True while the model runs under a transform that is not training: torch.jit.trace
+    (SummaryWriter.add_graph), a torch.func transform (per-sample gradients with
+    vmap(grad(...))), torch.export. hookprof steps aside there: what its hooks do (a clock,
+    device reductions, a host read of a flag) would be traced into the graph, fails on
+    BatchedTensors, and the call is no training step. ~0.1 us, on sampled steps and root
+    calls only."""
+    return _is_tracing() or _functorch_active() or is_exporting()
+
+
 class CompileProbe:
     """Set by the root forward pre-hook when it runs inside a compiled graph."""
 

@@ -19,15 +19,35 @@ log = logging.getLogger("hookprof")
 
 
 class Faults:
-    """Shared by every hook of one profiler. The first internal error switches the per-layer
-    instrumentation off for good (DESIGN.md invariant 3); step counting and the exporter
-    keep working so the failure is visible as `hookprof_internal_errors_total`."""
+    """Shared by every hook of one profiler. An internal error in the per-layer
+    instrumentation (`report` with `disable`) switches it off for the rest of that step only
+    (`broken`); it is tried again at a later step (`layers_off`), backing off while it keeps
+    failing (DESIGN.md invariant 3). Step counting, gradient reading, the NaN checks and the
+    exporter never read `broken`: they go on, and the failure is visible as
+    `hookprof_internal_errors_total`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.errors = 0
-        self.broken = False
+        self.broken = False  # the per-layer instrumentation failed: off until layers_off says
         self._logged: set[str] = set()
+        self._step = 0
+        # counted in steps, not seconds (the clock is the step number): after n failures in a
+        # row the layers wait 2**(n-1) steps, at most 64, so a fault that comes back at every
+        # step costs one failed try per 64 steps, not one per step
+        self._layers = Backoff(first_s=1.0, cap_s=64.0, clock=lambda: self._step)
+
+    def layers_off(self, step: int) -> bool:
+        """At step `step`'s start: does the per-layer instrumentation stay off for it? Off
+        only while its back-off lasts; a step that began with it on and met no fault resets
+        the back-off."""
+        with self._lock:
+            self._step = step
+            if self.broken and self._layers.ready():
+                self.broken = False  # tried again
+            elif not self.broken and self._layers.failing:
+                self._layers.succeeded()
+            return self.broken
 
     @contextlib.contextmanager
     def contain(self, part: str, *, disable: bool = True) -> Iterator[None]:
@@ -44,14 +64,17 @@ class Faults:
     def report(self, where: str, exc: BaseException, *, disable: bool = True) -> None:
         with self._lock:
             self.errors += 1
-            self.broken = self.broken or disable
+            if disable and not self.broken:
+                self.broken = True  # for this step; retried by layers_off
+                self._layers.failed()
             first = where not in self._logged
             self._logged.add(where)
         if first:
             log.error(
                 "hookprof: internal error in %s%s; training continues unaffected",
                 where,
-                "; per-layer instrumentation is now off" if disable else "",
+                "; per-layer instrumentation is off for this step and tried again later"
+                if disable else "",
                 exc_info=exc,
             )
 
@@ -102,7 +125,8 @@ def guarded(part: str, *, disable: bool = True, default: Any = None) -> Callable
     boundary): an exception from hookprof's own code is reported to the object's `_faults` as
     a fault of `part` and the method returns `default`; training goes on. NonFiniteError (the
     `raise` policy speaking to the user) is the one exception let through. `disable=False`
-    for parts whose failure must not switch the per-layer instrumentation off.
+    for parts whose failure must not switch the per-layer instrumentation off (for the rest
+    of the step: Faults.layers_off).
 
     One decorator instead of a `try/except` copied into every hook, so that what a fault
     switches off is decided here, in one place."""

@@ -289,8 +289,8 @@ class Profiler:
         incident = self._incidents.open(number)  # an open incident samples every step
         self._grads.forget()
         self._nan.step_began()
-        record = self._sampled.begin(number, now_ns, incident=incident, broken=self._faults.broken,
-                                     compiled=self._boundary.compiled)
+        record = self._sampled.begin(number, now_ns, incident=incident, compiled=self._boundary.compiled,
+                                     broken=self._faults.layers_off(number))
         self._phases.bind(record)  # a sampled step's phases are marked on the device too
 
     def _on_eval_forward(self) -> None:
@@ -420,9 +420,9 @@ class Profiler:
 
     def _reads_gradients(self) -> bool:
         """Per-layer squared gradient norms on the device (checked at the step's end): on
-        every step with nonfinite_check="all", else on sampled steps."""
-        return not self._faults.broken and (self._sampled.plan.sampled
-                                             or self.config.nonfinite_check == "all")
+        every step with nonfinite_check="all", else on sampled steps. Never off because of a
+        fault elsewhere (DESIGN.md invariant 3)."""
+        return self._sampled.plan.sampled or self.config.nonfinite_check == "all"
 
     @guarded("efficiency figures", disable=False, default=(None, ()))
     def _efficiency_of(self, number: int, now_ns: int, duration_s: float,

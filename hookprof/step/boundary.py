@@ -25,7 +25,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from hookprof.compiled import CompileProbe, is_compiling
+
+from hookprof.compiled import CompileProbe, is_compiling, is_exporting, transformed
 from hookprof.faults import Faults, guarded
 from hookprof.step import dispatch, gradscaler
 from hookprof.step.hooks import LayerHooks
@@ -207,13 +208,14 @@ class StepBoundary:
         gets: the step begins, its inputs are checked and kept for a replay, its output is
         checked (a NaN in them is the input's; one made by the root's own code between two
         entry calls is seen as a non-finite input of the second)."""
-        if is_compiling() or self._detached or self._entry is not None or self._hooks.replaying:
+        if (is_compiling() or self._detached or self._entry is not None or self._hooks.replaying
+                or transformed()):
             return  # (detached before the rest: a copy of the model holds an inert boundary)
         self._entry = module
         self._forward_began(module, args, kwargs, own_layer=None, entry=True)
 
     def _on_entry_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        if is_compiling() or self._detached or self._entry is not module:
+        if is_compiling() or self._detached or self._entry is not module or transformed():
             return
         self._entry = None
         self._on_root_output(module, args, output)
@@ -221,6 +223,8 @@ class StepBoundary:
     def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self._detached:  # a copy of the model (see _inert)
             return
+        if not is_compiling() and transformed():
+            return  # jit.trace, vmap, export: no training step, hookprof steps aside
         if (not is_compiling() and self._entry_handles
                 and torch.is_grad_enabled() and (module.training or self._trains_in_eval)):
             self._drop_entry_hooks()  # the root's own forward runs: it is the step's forward
@@ -231,7 +235,10 @@ class StepBoundary:
         """The root module's forward begins: the step has begun; its inputs are kept for a
         replay."""
         if is_compiling():
-            self._probe.seen = True  # Dynamo replays this after every compiled call
+            # Dynamo replays this after every compiled call; torch.export traces the model
+            # once, and the eager run goes on: never latched into "compiled" by it
+            if not is_exporting():
+                self._probe.seen = True
             return
         if self._hooks.replaying:
             return
@@ -270,7 +277,7 @@ class StepBoundary:
 
     def _on_root_output(self, module: nn.Module, args: Any, output: Any) -> None:
         """The root module's forward returned: its output is checked (every step)."""
-        if self._detached or is_compiling() or self._hooks.replaying:
+        if self._detached or is_compiling() or self._hooks.replaying or transformed():
             return
         training = self._hooks.root_output_arrived()
         if not training or not torch.is_grad_enabled():

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hookprof.compiled import is_compiling
+from hookprof.compiled import is_compiling, transformed
 from hookprof.faults import Faults
 from hookprof.layers import LayerTable
 from hookprof.step.record import ROOT_INPUT, Activation, Call, StepRecord
@@ -290,7 +290,8 @@ class LayerHooks:
         rec = self._rec
         # the plain flag first: inside the training forward no C call is needed
         if rec is None or self._paused or self._faults.broken or not (
-                self._in_training_forward or torch.is_grad_enabled() or self._replaying):
+                self._in_training_forward or torch.is_grad_enabled() or self._replaying) \
+                or transformed():  # jit.trace, vmap, export: their calls are no step's
             return False
         try:
             mark = self._timer.mark
@@ -342,7 +343,7 @@ class LayerHooks:
 
     def _leave(self, layer_index: int, output: Any) -> None:
         """A call ended with `output` (None when it raised)."""
-        if not is_compiling():
+        if not is_compiling() and not transformed():  # (as _enter: it recorded nothing)
             self._end(layer_index, output)
 
     def _end(self, layer_index: int, output: Any) -> None:

@@ -42,7 +42,9 @@ UNSAMPLED = StepPlan(False, False)
 class StepPlanner:
     """Sampling, plus the separate rate limit of activation statistics
     (`activation_interval_s`). An open incident (a NaN/Inf whose layer is not known yet)
-    samples and checks every step; nothing is sampled once hookprof's hooks have failed."""
+    samples and checks every step. A fault in hookprof's own per-layer hooks does not change
+    the plan (DESIGN.md invariant 3): the step keeps its gradient norms and NaN checks, only
+    its per-layer hooks stay out (SampledStep.begin)."""
 
     def __init__(self, every: int, min_interval_s: float, activation_stats: bool,
                  activation_interval_s: float):
@@ -51,8 +53,8 @@ class StepPlanner:
         self._check_interval_ns = int(activation_interval_s * 1e9)
         self._last_checked_ns = -(1 << 62)
 
-    def plan(self, step: int, now_ns: int, *, incident: bool, broken: bool) -> StepPlan:
-        sampled = not broken and (self._sampler.should_sample(step, now_ns) or incident)
+    def plan(self, step: int, now_ns: int, *, incident: bool) -> StepPlan:
+        sampled = self._sampler.should_sample(step, now_ns) or incident
         checked = sampled and self._activation_stats and (
             incident or now_ns - self._last_checked_ns >= self._check_interval_ns
         )

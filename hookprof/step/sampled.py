@@ -49,10 +49,11 @@ class SampledStep:
 
     def begin(self, number: int, now_ns: int, *, incident: bool, broken: bool,
               compiled: bool) -> StepRecord | None:
-        """Plan step `number`: sampled or not, with output checks or not; hooks in or out.
-        Returns the step's record (None: not sampled)."""
-        self.plan = self._planner.plan(number, now_ns, incident=incident, broken=broken)
-        if self.plan.sampled and not compiled:
+        """Plan step `number`: sampled or not, with output checks or not; hooks in or out
+        (out under torch.compile, and while a fault in them backs off: `broken`, whose step
+        is still sampled for its gradient norms). Returns the step's record (None: no hooks)."""
+        self.plan = self._planner.plan(number, now_ns, incident=incident)
+        if self.plan.sampled and not compiled and not broken:
             self.record = StepRecord(self._timer.start())
             # the first step's hooks go in at its first eager forward (install_late): a model
             # compiled after attach() must never see them, or Dynamo recompiles
@@ -83,18 +84,18 @@ class SampledStep:
             self._publisher.nudge()
 
     def end(self, number: int, *, broken: bool, pack: Callable[[StepRecord | None], Packet]) -> bool:
-        """Step `number` ends. A sampled step's hooks come out; unless the hooks failed half-way
-        (`broken`: no sample) its record is packed by `pack` (its one device-to-host copy starts
-        now; the publisher folds it when nudged or within publish_interval_s) and submitted.
+        """Step `number` ends. A sampled step's hooks come out and it is packed by `pack` (its
+        one device-to-host copy starts now; the publisher folds it when nudged or within
+        publish_interval_s) and submitted; when the hooks failed half-way (`broken`) without
+        their record, whose calls are partial: the gradient norms and counters still go.
         Returns whether the step was sampled."""
         sampled = self.plan.sampled
         if sampled:
             self._hooks.end()
-            if not broken:
-                self._publisher.submit(pack(self.record))
-                self.last_sent, self._unfolded = number, True
-            else:
+            if broken:
                 self.release()
+            self._publisher.submit(pack(self.record))
+            self.last_sent, self._unfolded = number, True
         self.record = None
         return sampled
 

@@ -119,15 +119,8 @@ def test_an_attention_masks_minus_inf_is_no_evidence_the_nan_reproduced():
     assert (event.layer, event.step, event.found_by, event.replay) == (None, BAD_STEP, None, "transient")
 
 
-class MaskedInput(nn.Module):
+class MaskedInput(MaskedAttention):
     """The -inf comes in with the batch (an additive mask passed as input)."""
-
-    def __init__(self, at: int):
-        super().__init__()
-        torch.manual_seed(0)
-        self.proj = nn.Linear(4, 4)
-        self.fault = Fault(at)
-        self.out = nn.Linear(4, 2)
 
     def forward(self, x):
         x, mask = x[:, :4], x[:, 4:]

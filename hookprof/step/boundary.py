@@ -54,6 +54,17 @@ def no_step_notice(model_type: str) -> str:
             "one comes. Call prof.step(loss) once per training step (after the parameter update).")
 
 
+def model_changed_notice(model_type: str, names: list[str]) -> str:
+    """Said once when an optimizer steps parameters of the model that were not there at
+    attach() (a head added, LoRA adapters injected, load_state_dict(assign=True))."""
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (f"{model_type} changed after attach(): an optimizer steps {len(names)} of its "
+            f"parameters that were not there at attach ({shown}). Steps are counted, but these "
+            "parameters have no gradient norms (the global norm leaves them out) and no "
+            "per-layer figures; re-attach to cover them: prof.detach(); "
+            "prof = hookprof.attach(model).")
+
+
 class StepEvents(Protocol):
     """What the profiler does at each event the boundary tells apart (profiler.py). The
     names are underscored: they are the profiler's insides, called by its boundary only,
@@ -117,6 +128,9 @@ class StepBoundary:
         self._train_mode_seen = False  # a grad-enabled train-mode forward since the last update
         self._say = say
         self._model_type = type(model).__name__
+        # the model, for what it holds *now*: an optimizer over parameters added after attach
+        # (model surgery) still steps this model (weak: the profiler never keeps it alive)
+        self._model_ref = weakref.ref(model)
 
     # ---------------- installing and removing ----------------
 
@@ -195,9 +209,26 @@ class StepBoundary:
         cached = self._owned.get(optimizer)
         if cached is not None and cached[0] == key:
             return cached[1]
-        owns = any(id(p) in self._param_ids for g in groups for p in g["params"])
+        params = [p for g in groups for p in g["params"]]
+        owns = any(id(p) in self._param_ids for p in params)
+        new = [p for p in params if id(p) not in self._param_ids]
+        if new:  # once per optimizer and parameter groups: never on the hot path
+            owns = self._changed_model(new) or owns
         self._owned[optimizer] = (key, owns)
         return owns
+
+    def _changed_model(self, new: list[torch.Tensor]) -> bool:
+        """Are any of `new` (an optimizer's parameters unknown at attach) parameters of the
+        model now? Then the model changed after attach: the optimizer steps it (its steps are
+        counted), and a notice names what the layer table does not cover."""
+        model = self._model_ref()
+        if model is None:
+            return False
+        new_ids = {id(p) for p in new}
+        names = [name for name, p in model.named_parameters() if id(p) in new_ids]
+        if names and self._say is not None:
+            self._say("model changed", model_changed_notice(self._model_type, names))
+        return bool(names)
 
     # ---------------- the forward ----------------
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from torch import nn
 
@@ -82,52 +83,53 @@ def said(caplog, snap) -> list[str]:
     return kept
 
 
-def test_head_added_after_attach_is_named(caplog):
+def after_surgery(caplog, surgery, steps: int):
+    """Attach to a Net, operate on it (`surgery(model)` returns what the loop calls and the
+    parameters its optimizer steps), train `steps` steps: the snapshot."""
     torch.manual_seed(0)
     model = Net()
     with caplog.at_level(logging.WARNING, logger="hookprof"):
         with hookprof.attach(model, serve=False, sample_every=1) as prof:
-            model.heads.append(nn.Linear(4, 3))
-            run(model, model.parameters(), 3)
+            forward, params = surgery(model)
+            run(forward, params, steps)
             prof.flush()
             snap = prof.snapshot()
-    assert snap.step == 3
+    return snap
+
+
+def add_head(model: Net):
+    model.heads.append(nn.Linear(4, 3))
+    return model, model.parameters()
+
+
+def lora(model: Net):
+    peft_model = inject_lora(model)
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    assert len(trainable) == 2  # only the adapters: none of them known at attach
+    return peft_model, trainable
+
+
+def assign_state(model: Net):
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)  # new Parameter objects
+    return model, model.parameters()
+
+
+@pytest.mark.parametrize("surgery, steps, new", [
+    (add_head, 3, "2 of its parameters that were not there at attach (heads.0.weight, heads.0.bias)"),
+    # 0 of 6 steps counted before
+    (lora, 6, "2 of its parameters that were not there at attach "
+              "(body.lora_A.default.weight, body.lora_B.default.weight)"),
+    # 0 of 4 steps counted before
+    (assign_state, 4, "4 of its parameters that were not there at attach "
+                      "(body.weight, body.bias, out.weight, out.bias)"),
+], ids=["head added", "LoRA injected", "load_state_dict assign"])
+def test_surgery_after_attach_counts_every_step_and_names_what_is_not_covered(
+        caplog, surgery, steps, new):
+    snap = after_surgery(caplog, surgery, steps)
+    assert snap.step == steps
     (notice,) = said(caplog, snap)
-    assert "steps 2 of its parameters" in notice
-    assert "(heads.0.weight, heads.0.bias)" in notice
-
-
-def test_lora_injected_after_attach_counts_every_step(caplog):
-    torch.manual_seed(0)
-    model = Net()
-    with caplog.at_level(logging.WARNING, logger="hookprof"):
-        with hookprof.attach(model, serve=False, sample_every=1) as prof:
-            peft_model = inject_lora(model)
-            trainable = [p for p in peft_model.parameters() if p.requires_grad]
-            assert len(trainable) == 2  # only the adapters: none of them known at attach
-            run(peft_model, trainable, 6)
-            prof.flush()
-            snap = prof.snapshot()
-    assert snap.step == 6  # 0 of 6 before
-    (notice,) = said(caplog, snap)
-    assert "steps 2 of its parameters" in notice
-    assert "(body.lora_A.default.weight, body.lora_B.default.weight)" in notice
-
-
-def test_load_state_dict_assign_counts_every_step(caplog):
-    torch.manual_seed(0)
-    model = Net()
-    with caplog.at_level(logging.WARNING, logger="hookprof"):
-        with hookprof.attach(model, serve=False, sample_every=1) as prof:
-            state = {k: v.clone() for k, v in model.state_dict().items()}
-            model.load_state_dict(state, assign=True)  # new Parameter objects
-            run(model, model.parameters(), 4)
-            prof.flush()
-            snap = prof.snapshot()
-    assert snap.step == 4  # 0 of 4 before
-    (notice,) = said(caplog, snap)
-    assert "steps 4 of its parameters" in notice
-    assert "(body.weight, body.bias, out.weight, out.bias)" in notice
+    assert f"an optimizer steps {new}" in notice
 
 
 def test_unchanged_model_says_nothing(caplog):

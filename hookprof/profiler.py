@@ -347,8 +347,8 @@ class Profiler:
             self._grads.forget()
         self._on_before_update(optimizer)
 
-    def _on_any_update_done(self) -> None:
-        self._nan.update_done()
+    def _on_any_update_done(self, owned: bool) -> None:
+        self._nan.update_done(owned)
 
     def _on_optimizer_returned(self) -> None:
         if self._phases.where[1] == OPTIMIZER:

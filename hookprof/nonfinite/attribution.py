@@ -127,19 +127,6 @@ def forward_roles(rec: StepRecord, names: list[str], n_layers: int, act_max: dic
                           bool(out_bad))
 
 
-def merge_counters(old: dict[str, list[int]] | None, new: dict[str, list[int]]) -> dict[str, list[int]]:
-    """Two drains of the same cumulative device counters, folded in either order: the
-    larger counts and the earlier first steps (-1: none yet)."""
-    if old is None:
-        return new
-
-    def first(a: int, b: int) -> int:
-        return b if a < 0 else a if b < 0 else min(a, b)
-
-    return {key: [first(a, b) if key.endswith("_first") else max(a, b) for a, b in zip(old[key], new[key])]
-            for key in new}
-
-
 class Attribution:
     """The first NaN/Inf of one model's run (publisher thread only)."""
 
@@ -161,7 +148,8 @@ class Attribution:
     # ---------------- what was observed ----------------
 
     def counters(self, counters: dict[str, list[int]]) -> None:
-        self._counters = merge_counters(self._counters, counters)
+        """The device counters, as the aggregator merged every drain so far."""
+        self._counters = counters
 
     def sampled(self, step: int, finding: ForwardFinding, backward_bad: bool = False) -> None:
         """A sampled step's forward, with its per-layer checks (and whether any of its
@@ -170,7 +158,6 @@ class Attribution:
             self._sampled[step] = finding
         if backward_bad:
             self._backward[step] = finding.bwd_start_of_layer
-        self._prune()
 
     def _prune(self) -> None:
         """Steps before the first bad one are clean (the counters say so); past

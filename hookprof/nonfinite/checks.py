@@ -142,11 +142,12 @@ class NonfiniteChecks:
         if self.replay.waiting:
             self.replay_forward(step)
 
-    def update_done(self) -> None:
-        """An optimizer step returned: unless the guard held it back, its update reached the
-        weights (counted for the replay; a GradScaler skip inside a fused kernel counts too,
-        which errs on the side of "not the same weights")."""
-        if not self.holding:
+    def update_done(self, owned: bool) -> None:
+        """An optimizer step returned (any optimizer: the guard gives back what it hid). If it
+        updates this model and the guard did not hold it back, its update reached the weights
+        (counted for the replay; a GradScaler skip inside a fused kernel counts too, which
+        errs on the side of "not the same weights")."""
+        if owned and not self.holding:
             self.replay.updated()
         if self.guard is not None:
             self.guard.after_update()

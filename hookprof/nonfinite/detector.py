@@ -151,9 +151,6 @@ def fold_counters(parts: list[list[float]], n_layers: int) -> dict[str, list[int
     phase_bad = [0] * n_phases
     phase_first = [-1] * n_phases
 
-    def first_of(a: int, b: int) -> int:
-        return b if a < 0 else a if b < 0 else min(a, b)
-
     for flat in parts:
         values = [int(v) for v in flat]
         half = n_layers + n_phases
@@ -165,14 +162,28 @@ def fold_counters(parts: list[list[float]], n_layers: int) -> dict[str, list[int
             pf[PHASE_INDEX[name]] = values[half + n_layers + k]
         for i in range(n_layers):
             layer_bad[i] += lb[i]
-            layer_first[i] = first_of(layer_first[i], lf[i])
+            layer_first[i] = first_step(layer_first[i], lf[i])
         for i in range(n_phases):
             # a step bad on two devices is one bad step: the larger count is the better bound
             phase_bad[i] = max(phase_bad[i], pb[i])
-            phase_first[i] = first_of(phase_first[i], pf[i])
+            phase_first[i] = first_step(phase_first[i], pf[i])
     return {
         "layer_bad": layer_bad,
         "layer_first": layer_first,
         "phase_bad": phase_bad,
         "phase_first": phase_first,
     }
+
+
+def first_step(a: int, b: int) -> int:
+    """The earlier of two first steps (-1: none yet)."""
+    return b if a < 0 else a if b < 0 else min(a, b)
+
+
+def merge_counters(old: dict[str, list[int]] | None, new: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Two drains of the same cumulative counters (fold_counters), folded in either order: the
+    larger counts and the earlier first steps, so a drain folded late takes nothing back."""
+    if old is None:
+        return new
+    return {key: [first_step(a, b) if key.endswith("_first") else max(a, b) for a, b in zip(old[key], new[key])]
+            for key in new}

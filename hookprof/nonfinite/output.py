@@ -50,8 +50,10 @@ class OutputFlags:
         """One forward's flags: at most one host bool and one flag per device."""
         host = [f for f in flags if not isinstance(f, torch.Tensor)]
         on_device = [f for f in flags if isinstance(f, torch.Tensor)]
-        if self._last is not None:  # a second forward of the step: the first is an earlier one
-            self._earlier = _either(self._earlier, self._last)
+        if self._last is not None:  # a second forward of the step: the step so far is earlier
+            devices = list(self._by_device.values())
+            self._earlier = (bool(self._host) if self._host or not devices
+                             else devices[0] if len(devices) == 1 else any_flag(devices))
         if host:
             self._host = bool(self._host) or any(host)
         for f in on_device:
@@ -85,15 +87,3 @@ class OutputFlags:
         out.extend(self._by_device.values())
         return out
 
-
-def _either(a: bool | torch.Tensor | None, b: bool | torch.Tensor) -> bool | torch.Tensor:
-    """Two flags combined: a host True wins outright; device flags fold with one op."""
-    if a is True or b is True:
-        return True
-    if a is None or a is False:
-        return b
-    if b is False:
-        return a
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device == b.device:
-        return a | b
-    return a if isinstance(a, torch.Tensor) else b

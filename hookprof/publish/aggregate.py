@@ -13,10 +13,10 @@ from typing import Any
 
 from hookprof.device.identity import device_name
 from hookprof.phases.device import DevicePhaseTotals, device_phase_seconds
-from hookprof.nonfinite.attribution import Attribution, ForwardFinding, forward_roles, merge_counters
+from hookprof.nonfinite.attribution import Attribution, ForwardFinding, forward_roles
 from hookprof.nonfinite.guard import fold_skips
 from hookprof.efficiency.figures import EfficiencyTotals
-from hookprof.nonfinite.detector import PHASE_INDEX, fold_counters
+from hookprof.nonfinite.detector import PHASE_INDEX, fold_counters, merge_counters
 from hookprof.step.record import Packet, StepCounters, StepRecord
 from hookprof.device.timing import Timer
 from hookprof.snapshot import (

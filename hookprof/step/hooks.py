@@ -343,8 +343,8 @@ class LayerHooks:
 
     def _leave(self, layer_index: int, output: Any) -> None:
         """A call ended with `output` (None when it raised)."""
-        if not is_compiling() and not transformed():  # (as _enter: it recorded nothing)
-            self._end(layer_index, output)
+        if self._rec is not None and not is_compiling() and not transformed():
+            self._end(layer_index, output)  # (under a compile or transform _enter recorded nothing)
 
     def _end(self, layer_index: int, output: Any) -> None:
         """_leave for a call whose _enter recorded it (so not one Dynamo traces): what the

@@ -183,3 +183,29 @@ def test_a_nan_made_by_the_roots_own_code_on_a_checked_step_names_the_root():
     assert (event.layer, event.phase, event.step) == ("(root)", "forward", BAD_STEP)
     assert (event.found_by, event.replay, event.last_finite_child) == ("replay", "reproducible", "fc1")
     assert "not yet localised" not in report
+
+
+def test_another_models_optimizer_does_not_make_a_replay_inconclusive():
+    """A GAN-like loop on a device behind the host with nonfinite_sync: the other model's
+    optimizer steps between this model's forward and its update. Only this model's updates
+    change its weights, so the on-time replay of the stateful fault is still a verdict:
+    transient (counting every optimizer of the process made it "not replayed")."""
+    model, other = nn.Sequential(nn.Linear(4, 4), Fault(BAD_STEP), nn.Linear(4, 2)), Mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    other_opt = torch.optim.SGD(other.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    with lagging_device(1):
+        prof = hookprof.attach(model, summary_at_exit=False, nonfinite_sync=True, **UNSAMPLED)
+        try:
+            for _ in range(BAD_STEP + 3):
+                opt.zero_grad(set_to_none=True)
+                other_opt.zero_grad(set_to_none=True)
+                model(torch.randn(6, 4, generator=g)).pow(2).mean().backward()
+                other(torch.randn(6, 4, generator=g)).pow(2).mean().backward()
+                other_opt.step()  # another model's update, before this model's
+                opt.step()
+            prof.flush()
+            event = prof.snapshot().first_nonfinite
+        finally:
+            prof.detach()
+    assert (event.layer, event.step, event.replay) == (None, BAD_STEP, "transient")

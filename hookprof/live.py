@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import gc
 import threading
-import weakref
 from typing import Any, Protocol
 
 from hookprof.errors import AlreadyAttachedError
@@ -48,9 +47,9 @@ AT_EXIT_FLUSH_S = 2.0  # at exit, how long to wait for the last steps to be fold
 _lock = threading.Lock()
 _live: dict["Profiler", frozenset[int]] = {}  # attached, not yet detached -> its modules' ids
 _names: set[str] = set()  # the `model` labels taken, from reserve_name to remove
-# the profilers whose summary is said at exit (Config.summary_at_exit); weakly held: the
-# watch keeps nothing alive, and the atexit hook is there only while something is watched
-_summarised: "weakref.WeakSet[Profiler]" = weakref.WeakSet()
+# the live profilers whose summary is said at exit (Config.summary_at_exit): the atexit hook
+# is registered only while there is one
+_summarised: set["Profiler"] = set()
 _at_exit_registered = False
 
 

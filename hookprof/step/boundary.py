@@ -28,7 +28,7 @@ from torch import nn
 
 from hookprof.compiled import CompileProbe, is_compiling, is_exporting, transformed
 from hookprof.faults import Faults, guarded
-from hookprof.step import dispatch, gradscaler
+from hookprof.step import copies, dispatch, gradscaler
 from hookprof.step.hooks import LayerHooks
 
 # more training forwards than this between two step boundaries means there are none
@@ -146,6 +146,8 @@ class StepBoundary:
         return self._remove
 
     def _register(self, model: nn.Module) -> None:
+        # first: a copy of the model (EMA, SWA, torch.save) must never carry what follows
+        self._handles.append(copies.Placed(model))
         if not self.compiled:
             self._handles.append(model.register_forward_pre_hook(
                 self._on_root_forward, prepend=True, with_kwargs=True))

@@ -61,13 +61,16 @@ class ForwardWrapper:
     forward. Copies of the module (deepcopy, pickle: EMA models, checkpoints of the whole
     module) get the module's own forward back, never one that runs the original module."""
 
-    __slots__ = ("_enter", "_end", "_layer", "__wrapped__")
+    __slots__ = ("_enter", "_end", "_layer", "__wrapped__", "prior")
 
-    def __init__(self, enter: Any, end: Any, layer_index: int, forward: Any):
+    def __init__(self, enter: Any, end: Any, layer_index: int, forward: Any, prior: Any = None):
         self._enter = enter
         self._end = end  # LayerHooks._end: the call's end, for a call _enter recorded
         self._layer = layer_index
         self.__wrapped__ = forward  # inspect.signature() follows it to the module's own
+        # the module's instance attribute `forward` it replaced; None: there was none (the
+        # class's forward ran), so a copy of the module has none either (step/copies.py)
+        self.prior = prior
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self.__wrapped__
@@ -236,7 +239,8 @@ class LayerHooks:
             # model sees, so hookprof's own hook goes after it
             return False
         prior = module.__dict__.get("forward", _NO_ATTRIBUTE)
-        wrapper = ForwardWrapper(self._enter, self._end, layer_index, module.forward)
+        wrapper = ForwardWrapper(self._enter, self._end, layer_index, module.forward,
+                                 None if prior is _NO_ATTRIBUTE else prior)
         try:
             module.forward = wrapper
         except Exception:  # a module type that refuses the attribute gets a hook pair

@@ -207,14 +207,14 @@ def test_entry_calls_end_at_the_roots_first_training_forward_and_spare_copies():
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = torch.randn(16, 8), torch.randn(16, 1)
     with hookprof.attach(model, **EVERY_STEP) as prof:
-        ema = copy.deepcopy(model)  # carries the entry hooks, bound to an inert profiler
+        ema = copy.deepcopy(model)  # holds nothing of hookprof (step/copies.py)
         ema.compute_loss(x, y).backward()  # nothing happens in hookprof, nothing raises
         for _ in range(2):
             opt.zero_grad(set_to_none=True)
             model.compute_loss(x, y).backward()
             opt.step()
         assert all(entry_hooked(m, prof) for m in model.children())
-        assert not any(entry_hooked(m, prof) for m in ema.children())  # the copy's are inert
+        assert not any(entry_hooked(m, prof) for m in ema.children())  # the copy has none
         prof.flush()
         assert prof.snapshot().step == 2 and prof.snapshot().internal_errors == 0
     assert not any(entry_hooked(m, prof) for m in model.children())  # detach: gone

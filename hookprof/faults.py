@@ -17,6 +17,37 @@ from hookprof.errors import NonFiniteError
 
 log = logging.getLogger("hookprof")
 
+# The parts a fault is counted under (hookprof_internal_errors_total's `part` label), each
+# exported from the start so that increase() sees its first fault, and which `where`s (the
+# place a fault is reported from, said in the log) belong to each, by prefix. A `where` no
+# prefix claims is counted under "other"; tests/unit/test_fault_parts.py finds every `where`
+# in the package and checks that each has its part.
+PARTS = ("layer hooks", "layer statistics", "step boundary", "nonfinite", "efficiency",
+         "stall watch", "publisher", "metrics server", "summary", "detach", "other")
+_PART_OF_WHERE = (
+    ("forward pre-hook", "layer hooks"), ("forward hook", "layer hooks"),
+    ("backward hook", "layer hooks"), ("gradient hook", "layer hooks"),
+    ("layer statistic", "layer statistics"),
+    ("step boundary", "step boundary"), ("root forward", "step boundary"),
+    ("optimizer", "step boundary"),
+    ("GradScaler", "step boundary"),
+    ("forward replay", "nonfinite"), ("nonfinite", "nonfinite"),
+    ("efficiency", "efficiency"),
+    ("stall watch", "stall watch"),
+    ("publisher", "publisher"), ("snapshot", "publisher"),
+    ("metrics server", "metrics server"),
+    ("summary", "summary"),
+    ("detach", "detach"),
+)
+
+
+def part_of(where: str) -> str:
+    """The part (PARTS) a fault reported from `where` is counted under."""
+    for prefix, part in _PART_OF_WHERE:
+        if where.startswith(prefix):
+            return part
+    return "other"
+
 
 class Faults:
     """Shared by every hook of one profiler. An internal error in the per-layer
@@ -29,6 +60,7 @@ class Faults:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.errors = 0
+        self.by_part = dict.fromkeys(PARTS, 0)  # the same faults, by part (part_of)
         self.broken = False  # the per-layer instrumentation failed: off until layers_off says
         self._logged: set[str] = set()
         self._step = 0
@@ -64,6 +96,7 @@ class Faults:
     def report(self, where: str, exc: BaseException, *, disable: bool = True) -> None:
         with self._lock:
             self.errors += 1
+            self.by_part[part_of(where)] += 1
             if disable and not self.broken:
                 self.broken = True  # for this step; retried by layers_off
                 self._layers.failed()

@@ -105,8 +105,9 @@ GRADIENT_FLAGGED_STEPS_TOTAL = Metric(
     "Sampled steps on which some layer's gradient norm was vanishing (below "
     "Config.vanishing_grad_norm) or exploding (above Config.exploding_grad_norm)")
 INTERNAL_ERRORS_TOTAL = Metric(
-    "hookprof_internal_errors_total", "counter", _RANK,
-    "Internal hookprof errors (each switches per-layer instrumentation off)")
+    "hookprof_internal_errors_total", "counter", ("rank", "part"),
+    "Internal hookprof errors, by the part that failed (a fault disables only that part, for "
+    "that call or step, and it is tried again)")
 LAYERS = Metric("hookprof_layers", "gauge", _RANK, "Instrumented layers")
 LAYERS_EXPORTED = Metric("hookprof_layers_exported", "gauge", _RANK,
                          "Layers with per-layer series in this exposition (Config.max_layers)")

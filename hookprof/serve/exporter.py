@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 from hookprof import metrics_names as names
 from hookprof._version import __version__
 from hookprof.efficiency.families import efficiency_families
-from hookprof.faults import Faults, log
+from hookprof.faults import PARTS, Faults, log
 from hookprof.metrics_names import family
 from hookprof.phases.families import progress_families
 from hookprof.snapshot import LAYER_PHASES, PHASES, Snapshot
@@ -94,17 +94,23 @@ class SnapshotCollector(Collector):
     def _live_counts(self, rank: str, steps: int | None, errors: int | None) -> Iterator[Metric]:
         """hookprof_steps_total from the step counters (`steps`: the snapshot's, used while
         the publisher publishes, so that the page agrees with itself) and
-        hookprof_internal_errors_total from the faults as they are now (never fewer than the
-        snapshot's `errors`). Without counters or faults (a caller's own snapshot source),
-        the snapshot's figures only."""
+        hookprof_internal_errors_total from the faults as they are now, by part. Without
+        counters or faults (a caller's own snapshot source), the snapshot's figures only (its
+        errors under part "other": it does not say where)."""
         if steps is None and self._counters is not None:
             steps = self._counters.steps
         if steps is not None:
             yield _one(names.STEPS_TOTAL, rank, steps)
         if self._faults is not None:
-            errors = max(errors or 0, self._faults.errors)
-        if errors is not None:
-            yield _one(names.INTERNAL_ERRORS_TOTAL, rank, errors)
+            by_part = dict(self._faults.by_part)
+        elif errors is not None:  # the snapshot says how many, not where
+            by_part = {**dict.fromkeys(PARTS, 0), "other": errors}
+        else:
+            return
+        internal = family(names.INTERNAL_ERRORS_TOTAL)
+        for part, count in by_part.items():  # every part, 0 included: increase() sees the first
+            internal.add_metric([rank, part], count)
+        yield internal
 
     def _step_metrics(self, snap: Snapshot, rank: str, up: bool = True) -> Iterator[Metric]:
         live = self._live_counts(rank, snap.step if up or self._counters is None else None,

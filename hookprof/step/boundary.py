@@ -290,7 +290,7 @@ class StepBoundary:
             return
         self._training_forward(module, args, kwargs, own_layer, entry)
 
-    @guarded("forward pre-hook")
+    @guarded("root forward pre-hook")
     def _training_forward(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None,
                           entry: bool) -> None:
         now = self._clock()
@@ -317,7 +317,7 @@ class StepBoundary:
             return
         self._output(output)
 
-    @guarded("forward hook")
+    @guarded("root forward hook")
     def _output(self, output: Any) -> None:
         self._events._on_output(output)
 

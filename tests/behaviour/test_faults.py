@@ -12,7 +12,8 @@ import torch
 import hookprof
 from hookprof import _testing
 from hookprof.publish.publisher import Publisher
-from support.metrics import parse, samples, scrape
+from hookprof.faults import PARTS
+from support.metrics import errors_by_part, parse, samples, scrape
 from support.models import DeepNet, seeded, train
 
 
@@ -117,8 +118,7 @@ def test_metrics_server_thread_death_is_reported_and_serving_resumes(caplog, eve
         assert _testing.metrics_server(prof).alive and prof.port == port  # same port, serving again
         f = parse(scrape(prof.url))
         assert samples(f, "hookprof_steps", "hookprof_steps_total")[frozenset({"rank": "0"}.items())] == 2
-        assert samples(f, "hookprof_internal_errors", "hookprof_internal_errors_total")[
-            frozenset({"rank": "0"}.items())] == 1
+        assert errors_by_part(f) == {**dict.fromkeys(PARTS, 0.0), "metrics server": 1.0}
         assert any("metrics server thread" in r.getMessage() for r in caplog.records)
     finally:
         prof.detach()

@@ -10,7 +10,8 @@ import time
 
 import hookprof
 from hookprof.publish.publisher import Publisher
-from support.metrics import parse, samples, scrape
+from hookprof.faults import PARTS
+from support.metrics import errors_by_part, parse, samples, scrape
 from support.models import MixedNet, seeded, train
 
 RANK0 = frozenset({"rank": "0"}.items())
@@ -57,7 +58,7 @@ def test_a_snapshot_build_that_keeps_failing_backs_off_and_the_page_shows_it():
         assert prof.flush()
         healthy = parse(scrape(prof.url))
         assert samples(healthy, "hookprof_publisher_thread_up") == {RANK0: 1.0}
-        assert samples(healthy, "hookprof_internal_errors", "hookprof_internal_errors_total") == {RANK0: 0.0}
+        assert errors_by_part(healthy) == dict.fromkeys(PARTS, 0.0)
 
         publisher.failing.set()
         cpu_before = time.thread_time()  # (this thread's: the training thread)
@@ -76,8 +77,8 @@ def test_a_snapshot_build_that_keeps_failing_backs_off_and_the_page_shows_it():
         assert steps > 0
 
         # the page: the faults and the steps taken, although no snapshot could be built
-        errors = samples(page, "hookprof_internal_errors", "hookprof_internal_errors_total")
-        assert errors[RANK0] >= 1
+        errors = errors_by_part(page)
+        assert errors["publisher"] >= 1 and sum(errors.values()) == errors["publisher"]
         assert samples(page, "hookprof_steps", "hookprof_steps_total") == {RANK0: float(failing_steps)}
         assert samples(page, "hookprof_publisher_thread_up") == {RANK0: 0.0}
 
@@ -88,7 +89,7 @@ def test_a_snapshot_build_that_keeps_failing_backs_off_and_the_page_shows_it():
         recovered = parse(scrape(prof.url))
         assert samples(recovered, "hookprof_publisher_thread_up") == {RANK0: 1.0}
         assert samples(recovered, "hookprof_steps", "hookprof_steps_total") == {RANK0: float(failing_steps)}
-        assert samples(recovered, "hookprof_internal_errors", "hookprof_internal_errors_total")[RANK0] >= 1
+        assert errors_by_part(recovered)["publisher"] >= 1
 
 
 def test_detach_while_the_snapshot_build_fails_stops_the_publisher_at_once():

@@ -45,3 +45,15 @@ def samples(families: dict, name: str, sample_name: str | None = None, *, model=
         out[frozenset(labels.items())] = s.value
     assert len(models) <= 1, f"{name}: models {sorted(models)} on one page: pass model=..."
     return out
+
+
+def errors_by_part(families: dict, rank: str = "0", *, model=ONE_MODEL) -> dict[str, float]:
+    """{part: count} of hookprof_internal_errors_total for one rank (faults.PARTS: every part
+    is on the page, 0 included)."""
+    out = {}
+    for labels, value in samples(families, "hookprof_internal_errors", "hookprof_internal_errors_total",
+                                 model=model).items():
+        labels = dict(labels)
+        if labels["rank"] == rank:
+            out[labels["part"]] = value
+    return out

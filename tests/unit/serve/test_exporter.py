@@ -35,7 +35,7 @@ CONTRACT = {
     "hookprof_layer_activation_abs_max": ("gauge", {"model", "rank", "layer"}),
     "hookprof_layers": ("gauge", {"model", "rank"}),
     "hookprof_layers_exported": ("gauge", {"model", "rank"}),
-    "hookprof_internal_errors": ("counter", {"model", "rank"}),
+    "hookprof_internal_errors": ("counter", {"model", "rank", "part"}),
     "hookprof_gradient_flagged_steps": ("counter", {"model", "rank", "kind"}),
     "hookprof_build_info": ("gauge", {"version", "torch_version"}),
 }

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from hookprof.faults import Backoff, Faults
+from hookprof.faults import PARTS, Backoff, Faults
 from hookprof.serve.exporter import SnapshotCollector
 from hookprof.step.record import StepCounters
-from support.metrics import parse, samples
+from support.metrics import errors_by_part, parse, samples
 
 RANK3 = frozenset({"rank": "3"}.items())
 
@@ -26,7 +26,7 @@ def test_a_snapshot_that_cannot_be_rendered_still_shows_the_faults_and_the_steps
     registry.register(SnapshotCollector(broken, "9.9", lambda: False, rank=3, faults=faults, counters=counters))
     f = parse(generate_latest(registry).decode())
     assert samples(f, "hookprof_steps", "hookprof_steps_total") == {RANK3: 7.0}
-    assert samples(f, "hookprof_internal_errors", "hookprof_internal_errors_total") == {RANK3: 1.0}
+    assert errors_by_part(f, "3") == {**dict.fromkeys(PARTS, 0.0), "publisher": 1.0}
     assert samples(f, "hookprof_publisher_thread_up") == {RANK3: 0.0}
 
 

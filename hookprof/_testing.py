@@ -163,6 +163,14 @@ def flop_key_seam() -> tuple[Any, str]:
     return flops, "_key"
 
 
+def step_end_seam() -> tuple[Any, str]:
+    """IncidentResponse's method that each step's end calls before the next step is planned
+    (its layer hooks put in): where a test holds a step end to race detach() against it."""
+    from hookprof.nonfinite.incident import IncidentResponse
+
+    return IncidentResponse, "at_step_end"
+
+
 def replay_run_seam() -> tuple[Any, str]:
     """ForwardReplay's method that re-runs a kept step's forward."""
     from hookprof.nonfinite.replay import ForwardReplay

@@ -19,6 +19,7 @@ step is"). A model driven without calling its root falls back to "every update e
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -110,6 +111,11 @@ class StepBoundary:
         self._entry_handles: list[Any] = []  # on the root's children, until the root's own forward
         self._entry: nn.Module | None = None  # the entry call in progress
         self._detached = False
+        # held while a step ends or a training forward begins, and by close(): once close()
+        # returns, no step end or forward on another thread is half-way through putting the
+        # layer hooks back in after detach took them out (re-entrant: a part may end a step
+        # from inside one, as prof.step() inside a hook does)
+        self._lock = threading.RLock()
         self.manual = False  # prof.step() has been called: only it ends steps
         self._root_seen = False  # the root module's forward has run at least once
         self._forward_seen = False  # ... in this step
@@ -165,8 +171,10 @@ class StepBoundary:
         self._handles.append(gradscaler.watch(self._on_scaler_decision))
 
     def close(self) -> None:
-        """Detached: every hook from now on does nothing (also a copy's, see _inert)."""
-        self._detached = True
+        """Detached: every hook from now on does nothing (also a copy's, see _inert). Waits
+        for a step end or forward in progress on another thread to finish first."""
+        with self._lock:
+            self._detached = True
 
     @property
     def detached(self) -> bool:
@@ -293,6 +301,12 @@ class StepBoundary:
     @guarded("root forward pre-hook")
     def _training_forward(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None,
                           entry: bool) -> None:
+        with self._lock:
+            if not self._detached:  # (detach() on another thread since the hook was called)
+                self._forward_under_lock(module, args, kwargs, own_layer, entry)
+
+    def _forward_under_lock(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None,
+                            entry: bool) -> None:
         now = self._clock()
         self._root_seen = True
         first_step = False
@@ -449,8 +463,13 @@ class StepBoundary:
         self._end_step(loss, by_optimizer=False, skipped=self._scaler_skipped and not self._stepped)
 
     def _end_step(self, loss: Any, *, by_optimizer: bool, skipped: bool = False) -> None:
-        if self._detached:  # detach() on another thread: the profiler's parts are stopping
+        if self._detached:  # detached (or a copy's inert boundary): nothing to end
             return
+        with self._lock:
+            if not self._detached:  # detach() on another thread since the check above
+                self._end_under_lock(loss, by_optimizer, skipped)
+
+    def _end_under_lock(self, loss: Any, by_optimizer: bool, skipped: bool) -> None:
         number, now = self._events._on_step_end(loss, skipped=skipped, started_ns=self._step_start_ns,
                                                forward_seen=self._forward_seen)
         self._stepped = self._scaler_skipped = False
@@ -458,7 +477,7 @@ class StepBoundary:
         self._forward_seen = False
         self._forwards = 0
         self._closed_by_optimizer = by_optimizer
-        if not self._detached:  # (detached meanwhile: no next step to plan, nothing to check)
+        if not self._detached:  # (detached by this thread meanwhile: nothing to plan)
             self._events._on_step_ended(number, now)
 
 

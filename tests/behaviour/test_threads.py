@@ -96,3 +96,47 @@ def test_detach_from_another_thread_while_training():
         assert prof.detached
         assert hookprof_threads() == [], f"trial {trial}"
         assert _refuses(port), f"trial {trial}: port {port} still listening"
+
+
+def test_detach_from_another_thread_during_a_step_end_leaves_no_layer_hooks(monkeypatch):
+    """detach() on another thread while the training thread is inside a step's end, between
+    the step's check for detach and the planning of the next sampled step (which puts the
+    layer hooks in): the step end is held there until detach has finished, or for 3 s if
+    detach waits for it. Before the fix, detach finished, then the step end put the forward
+    wrappers back on every layer, for good."""
+    from hookprof import _testing
+    from support.hooks_left import forward_hooks, forward_pre_hooks
+
+    owner, name = _testing.step_end_seam()
+    original = getattr(owner, name)
+    inside, detach_done = threading.Event(), threading.Event()
+    held = []
+
+    def held_step_end(self, step):
+        if step == 3 and not held:
+            held.append(step)
+            inside.set()
+            detach_done.wait(3.0)
+        return original(self, step)
+
+    monkeypatch.setattr(owner, name, held_step_end)
+    model, opt = _tiny(0)
+    prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
+                           summary_at_exit=False, system_metrics=False)
+    trainer = threading.Thread(target=_train, args=(model, opt, 3))
+    trainer.start()
+    assert inside.wait(30.0)
+
+    def detach() -> None:
+        prof.detach()
+        detach_done.set()
+
+    detacher = threading.Thread(target=detach)
+    detacher.start()
+    detacher.join(30.0)
+    trainer.join(30.0)
+    assert not detacher.is_alive() and not trainer.is_alive() and prof.detached
+    left = [(n, sorted(vars(m))) for n, m in model.named_modules()
+            if "forward" in vars(m) or forward_hooks(m) or forward_pre_hooks(m)]
+    assert left == []
+    _train(model, opt, 2)  # and it trains on, unprofiled

@@ -8,7 +8,10 @@ Dynamo replays after every compiled call: `CompileProbe.seen`. At the next step 
 profiler sees it and stops installing per-layer hooks for good (their installation would
 change Dynamo's guards and force recompiles). What keeps working: step count and duration,
 gradient norms and non-finite gradient checks (taken in the optimizer hooks, which run
-eagerly), the loss passed to `Profiler.step(loss)`, and system metrics.
+eagerly), the model-output check (traced into the graph: nonfinite/traced.py) and the eager
+replay that names a forward NaN's layer, the loss passed to `Profiler.step(loss)`, and
+system metrics. Under regional compilation (blocks compiled one by one) the layers inside
+the compiled blocks get no per-layer hooks (`compiled_region_layers`), the others do.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from hookprof.layers import ROOT_NAME
 
 log = logging.getLogger("hookprof")
 
@@ -46,6 +51,38 @@ def transformed() -> bool:
     return _is_tracing() or _functorch_active() or is_exporting()
 
 
+def is_compiled_region(module: nn.Module) -> bool:
+    """Is `module` compiled on its own (module.compile(), or torch.compile(module) put in its
+    parent's place), so that its calls run inside a graph?"""
+    return (getattr(module, "_compiled_call_impl", None) is not None
+            or type(module).__name__ == "OptimizedModule")
+
+
+def compiled_region_layers(table: Any) -> set[int]:
+    """Indices of the layers of `table` (layers.LayerTable) that run inside a compiled region:
+    a layer compiled itself, or below a container that is, or below a torch.compile wrapper
+    that took a module's place in its parent. One pass over the containers' children, on
+    sampled steps only."""
+    regions: list[str] = []
+    for name, module in table.containers:
+        if module is None:
+            continue
+        if is_compiled_region(module):
+            regions.append(name)
+        for child_name, child in module._modules.items():
+            if child is not None and type(child).__name__ == "OptimizedModule":
+                regions.append(child_name if name == ROOT_NAME else f"{name}.{child_name}")
+    inside = set()
+    for layer in table.layers:
+        module = layer.module
+        if module is not None and is_compiled_region(module):
+            inside.add(layer.index)
+        elif regions and any(r == ROOT_NAME or layer.name == r or layer.name.startswith(r + ".")
+                             for r in regions):
+            inside.add(layer.index)
+    return inside
+
+
 class CompileProbe:
     """Set by the root forward pre-hook when it runs inside a compiled graph."""
 
@@ -66,10 +103,12 @@ def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
 
 
 COMPILED_NOTE = (
-    "per-layer forward/backward times and activation checks are off (inside a compiled graph a "
-    "hook can time nothing, and installing one forces a recompile); step count and duration, "
-    "gradient norms, non-finite gradient and loss checks and system metrics continue. For "
-    "per-layer times, profile an eager run."
+    "per-layer forward/backward times and activation checks are off inside the compiled graph (a "
+    "hook can time nothing there, and installing one forces a recompile); the model-output "
+    "NaN/Inf check runs inside the graph, and a forward NaN/Inf is localised by replaying that "
+    "step's forward eagerly; step count and duration, gradient norms, non-finite gradient and "
+    "loss checks and system metrics continue. For per-layer times, compile block by block "
+    "(the layers between the blocks are timed) or profile an eager run."
 )
 
 

@@ -156,7 +156,7 @@ class Profiler:
             undo.callback(self._serving.start())
             if compiled:  # a hook added now would force a recompile, and do nothing in the graph
                 explain_attached_after_compile(self._notices)
-            undo.callback(self._boundary.install(model)), undo.callback(self._release_step)
+            undo.callback(self._boundary.install(model, self._nan.traced)), undo.callback(self._release_step)
             self._begin_step(1, clock())
             live.add(self, self._boundary.module_ids, summary_at_exit=config.summary_at_exit)
             self._undo = undo.pop_all()
@@ -316,7 +316,7 @@ class Profiler:
         self._sampled.nudge()
 
     def _on_update_began(self, optimizer: torch.optim.Optimizer) -> None:
-        self._nan.update_began()
+        self._nan.update_began(self._counters.steps + 1)
         now = self._clock()
         self._phases.enter(OPTIMIZER, now)
         # the parameters before the update (a second optimizer of the step finds them taken)

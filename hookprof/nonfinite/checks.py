@@ -32,6 +32,7 @@ from hookprof.nonfinite.detector import Detector, loss_flag, nonfinite_flags
 from hookprof.nonfinite.guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
 from hookprof.nonfinite.output import OutputFlags
 from hookprof.nonfinite.replay import ForwardReplay, own_weights_nonfinite
+from hookprof.nonfinite.traced import TracedOutputCheck
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import Packet, StepRecord, pack_step
 
@@ -61,6 +62,9 @@ class NonfiniteChecks:
         # (sampled) steps instead
         self.replay = ForwardReplay(model, enabled=not table.has_dtensor_params,
                                     keep_late=self.guard is not None, say=say)
+        # the output check of a compiled model, traced into its graph (traced.py)
+        params = table.params
+        self.traced = TracedOutputCheck(params[0].device if params else torch.device("cpu"))
         self._replay_token = 0  # the publisher's publish_now token of the replay's packet
         self._thread: int | None = None  # the training thread (the last forward's)
         self._scaler_view: ScalerView | None = None  # a fused optimizer's GradScaler state
@@ -69,6 +73,7 @@ class NonfiniteChecks:
     # ---------------- within a step ----------------
 
     def step_began(self) -> None:
+        self.traced.step_began()
         self._scaler_view = None
         self._masked = None
         self.output.clear()
@@ -83,6 +88,7 @@ class NonfiniteChecks:
         counted once at the step's end; a known-bad output is replayed at once (the
         parameters are still this step's)."""
         self.output.add(nonfinite_flags(output))
+        self.traced.eager_forward()
         self._thread = threading.get_ident()
         # also on a checked step: its record may see no producer (a NaN made by the root's
         # own code between layers), and the replay also says reproducible or transient
@@ -93,7 +99,8 @@ class NonfiniteChecks:
         if loss is not None:
             self.detector.add_flag("loss", loss_flag(loss), step)
 
-    def update_began(self) -> None:
+    def update_began(self, step: int) -> None:
+        self._take_compiled(step)  # first: the guard judges the update with it
         if self.guard is not None:
             self.guard.begin_update()
 
@@ -157,6 +164,8 @@ class NonfiniteChecks:
         and its forward check: a step is non-finite in its forward once, however many
         forwards (siamese nets, a discriminator on real and fake, entry calls) and output
         tensors it had: one flag per device, one host bool."""
+        if self._take_compiled(step) and self.replay.waiting:  # no optimizer hook took it
+            self.replay_forward(step)
         if squares is not None:
             self.detector.add_layer_squares(self._checked_squares(squares[0]), step)
         for flag in self.output.step_flags():  # combined as they came (OutputFlags)
@@ -186,6 +195,21 @@ class NonfiniteChecks:
     def drain(self, steps: int) -> None:
         """Send the non-finite counters alone (no sampled step to carry them)."""
         self._publisher.submit(self.pack(steps, None, sampled=False))
+
+    def _take_compiled(self, step: int) -> bool:
+        """The compiled forwards' output check since the last take, handed to the same
+        readers as the eager check's; True when there was one."""
+        taken = self.traced.take()
+        if taken is None:
+            return False
+        last, any_forward, inputs = taken
+        self.output.add_compiled(last, any_forward)
+        self._thread = threading.get_ident()
+        if inputs is not None:
+            self.replay.capture(inputs[0], inputs[1], rng=self.traced.rng)
+        if self.replay.note_output(self.output.forward_flag, self.output.earlier_flag):
+            self.replay_forward(step)
+        return True
 
     def replay_forward(self, step: int) -> None:
         """If this step's output went non-finite on an unchecked step, replay its forward

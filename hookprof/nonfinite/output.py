@@ -68,6 +68,17 @@ class OutputFlags:
         else:
             self._last = False if host else None
 
+    def add_compiled(self, last: bool | torch.Tensor, any_forward: bool | torch.Tensor) -> None:
+        """The compiled forwards' check (traced.py): whether the last forward's output was
+        non-finite and whether any of the step's was (it stands for the earlier ones: the
+        replay needs only to know that one of them was, when the last was not)."""
+        if isinstance(any_forward, torch.Tensor):
+            self._by_device[any_forward.device] = any_forward
+        else:
+            self._host = any_forward
+        self._last = last
+        self._earlier = any_forward
+
     @property
     def forward_flag(self) -> bool | torch.Tensor | None:
         """The last forward's output: True/False when known on the host, a 0-d device bool

@@ -23,6 +23,7 @@ localised, and `say` tells why, once.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -52,6 +53,12 @@ LATER_WEIGHTS = ("its forward was replayed only after later updates had changed 
                  "reproducible nor transient; nonfinite_sync=True replays the step on its own weights")
 EARLIER_FORWARD = ("the NaN/Inf was in an earlier forward of the step (gradient accumulation, a model "
                    "called several times per step); the replay covers the step's last forward only")
+
+
+def eager() -> Any:
+    """A context in which compiled modules and functions run their Python eagerly."""
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def _ready(flag: tuple[Any, Any], earlier: tuple[Any, Any] | None) -> bool:
@@ -146,14 +153,16 @@ class ForwardReplay:
         before it replays on other weights from now on."""
         self._updates += 1
 
-    def capture(self, args: tuple, kwargs: dict, module: nn.Module | None = None) -> None:
+    def capture(self, args: tuple, kwargs: dict, module: nn.Module | None = None,
+                rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None) -> None:
         """Keep a training forward's inputs: of the root, or of the entry call `module` (a
-        child of the root, when the loop never calls the root itself)."""
+        child of the root, when the loop never calls the root itself); `rng`: the RNG state
+        at its start when that was earlier than now (a compiled forward, kept afterwards)."""
         if self.done:
             return
-        self.captured = CapturedForward(
-            module, args, kwargs, torch.get_rng_state(),
-            torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None, self._updates)
+        if rng is None:
+            rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+        self.captured = CapturedForward(module, args, kwargs, rng[0], rng[1], self._updates)
 
     def clear(self) -> None:
         self.captured = None
@@ -276,7 +285,8 @@ class ForwardReplay:
             torch.set_rng_state(captured.cpu_rng)
             if captured.cuda_rng is not None:
                 torch.cuda.set_rng_state_all(captured.cuda_rng)
-            with hooks.replaying_into(rec), torch.no_grad():
+            # eagerly, with the layer hooks: a model compiled in place (model.compile()) too
+            with hooks.replaying_into(rec), torch.no_grad(), eager():
                 hooks.note_root_inputs(captured.args, captured.kwargs)
                 target(*captured.args, **(captured.kwargs or {}))
         except Exception as exc:

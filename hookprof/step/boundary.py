@@ -66,6 +66,15 @@ def model_changed_notice(model_type: str, names: list[str]) -> str:
             "prof = hookprof.attach(model).")
 
 
+class TracedForward(Protocol):
+    """What the root's hooks do while Dynamo traces them (nonfinite/traced.py): tensor ops
+    and attribute stores only, which compile into the graph."""
+
+    def note_inputs(self, args: Any, kwargs: Any) -> None: ...
+
+    def note_output(self, output: Any) -> None: ...
+
+
 class StepEvents(Protocol):
     """What the profiler does at each event the boundary tells apart (profiler.py). The
     names are underscored: they are the profiler's insides, called by its boundary only,
@@ -106,6 +115,7 @@ class StepBoundary:
         self._clock = clock
         self.compiled = compiled  # the model runs under torch.compile: no per-layer hooks
         self._probe = CompileProbe()
+        self._traced: TracedForward | None = None  # the output check compiled into the graph
         self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (key, owns)
         self._handles: list[Any] = []
         self._entry_handles: list[Any] = []  # on the root's children, until the root's own forward
@@ -140,10 +150,12 @@ class StepBoundary:
 
     # ---------------- installing and removing ----------------
 
-    def install(self, model: nn.Module) -> Callable[[], None]:
+    def install(self, model: nn.Module, traced: TracedForward | None = None) -> Callable[[], None]:
         """Hook the root (unless compiled: a hook added now would force a recompile, and do
         nothing in the graph), its children, the optimizers and GradScaler; returns what
-        removes them all. A registration that fails takes the others out before it raises."""
+        removes them all. A registration that fails takes the others out before it raises.
+        `traced`: what the root's hooks do inside a compiled graph."""
+        self._traced = traced
         try:
             self._register(model)
         except BaseException:
@@ -280,6 +292,9 @@ class StepBoundary:
             # once, and the eager run goes on: never latched into "compiled" by it
             if not is_exporting():
                 self._probe.seen = True
+                if self._traced is not None and torch.is_grad_enabled() and (
+                        module.training or self._trains_in_eval):
+                    self._traced.note_inputs(args, kwargs)  # for a replay of this step
             return
         if self._hooks.replaying:
             return
@@ -323,8 +338,14 @@ class StepBoundary:
             self._events._on_no_step_signal()
 
     def _on_root_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        """The root module's forward returned: its output is checked (every step)."""
-        if self._detached or is_compiling() or self._hooks.replaying or transformed():
+        """The root module's forward returned: its output is checked (every step), inside
+        the graph when the model runs compiled."""
+        if is_compiling():
+            if (not self._detached and self._traced is not None and torch.is_grad_enabled()
+                    and (module.training or self._trains_in_eval)):
+                self._traced.note_output(output)
+            return
+        if self._detached or self._hooks.replaying or transformed():
             return
         training = self._hooks.root_output_arrived()
         if not training or not torch.is_grad_enabled():

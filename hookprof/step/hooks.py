@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hookprof.compiled import is_compiling, transformed
+from hookprof.compiled import compiled_region_layers, is_compiling, transformed
 from hookprof.faults import Faults
 from hookprof.layers import LayerTable
 from hookprof.step.record import ROOT_INPUT, Activation, Call, StepRecord
@@ -110,6 +110,7 @@ class LayerHooks:
         # outputs, which are almost never exactly zero
         self._zero_ratio = [not layer.param_indices for layer in table.layers] + [False] * len(table.containers)
         self._handles: list[Any] = []  # hook handles (root layer, modules that refuse a wrapper)
+        self._skipped: list[int] = []  # layers left out: their calls run inside a compiled graph
         # (module, wrapper, the instance attribute `forward` it replaced or _NO_ATTRIBUTE)
         self._wrapped: list[tuple[torch.nn.Module, Any, Any]] = []
         self._rec: StepRecord | None = None
@@ -178,8 +179,11 @@ class LayerHooks:
         self._replaying = True
         self._activation_stats = True
         containers: list[Any] = []
+        handles_before, wrapped_before = len(self._handles), len(self._wrapped)
         try:
             self.begin(rec)
+            if installed and self._skipped:  # the layers inside compiled regions, for the replay
+                self._install_layers([self._table.layers[i] for i in self._skipped])
             first = len(self._table.layers)
             for k, (_, module) in enumerate(self._table.containers):
                 if module is None:
@@ -194,6 +198,7 @@ class LayerHooks:
             self._replaying = False
             self._activation_stats = stats_were_on
             if installed:
+                self._uninstall(handles_before, wrapped_before)  # what the replay added
                 self.end()  # the replay's record: its parameter hooks go
                 # the sampled step goes on recording (its own hooks are removed at its end)
                 self._rec, self._local = step_rec, step_local
@@ -217,9 +222,19 @@ class LayerHooks:
             self._faults.report("forward pre-hook", exc)
 
     def install(self) -> None:
+        """Instrument every layer, except those whose calls run inside a compiled graph
+        (regional compilation: blocks compiled one by one). There a hook times nothing, and
+        a wrapper put in or taken out changes what Dynamo guards on: each sampled step
+        would recompile every block, until Dynamo gives up and runs it eagerly. A replay
+        (eager, under set_stance("force_eager")) instruments them too."""
         if self.installed:
             return
-        for layer in self._table.layers:
+        skipped = set() if self._replaying else compiled_region_layers(self._table)
+        self._install_layers([layer for layer in self._table.layers if layer.index not in skipped])
+        self._skipped = sorted(skipped)
+
+    def _install_layers(self, layers: list[Any]) -> None:
+        for layer in layers:
             module = layer.module
             if module is None:  # the model is gone (its profiler is waiting to be released)
                 continue
@@ -259,10 +274,15 @@ class LayerHooks:
 
     def remove(self) -> None:
         self.end()
-        for handle in self._handles:
+        self._uninstall(0, 0)
+        self._local = threading.local()
+
+    def _uninstall(self, handles_from: int, wrapped_from: int) -> None:
+        """Take out the hooks and wrappers put in from these positions on."""
+        for handle in self._handles[handles_from:]:
             handle.remove()
-        self._handles.clear()
-        for module, wrapper, prior in self._wrapped:
+        del self._handles[handles_from:]
+        for module, wrapper, prior in self._wrapped[wrapped_from:]:
             # restore only our own attribute: one set over ours since is left alone (our
             # wrapper inside it then just calls through)
             if module.__dict__.get("forward") is wrapper:
@@ -270,8 +290,7 @@ class LayerHooks:
                     del module.forward
                 else:
                     module.forward = prior
-        self._wrapped.clear()
-        self._local = threading.local()
+        del self._wrapped[wrapped_from:]
 
     # --- hook bodies: never raise, never return anything, never read a device value ---
 

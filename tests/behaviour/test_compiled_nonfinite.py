@@ -1,0 +1,169 @@
+"""The first NaN under torch.compile (issue 30): a data row that overflows layer `0`'s forward
+at step 7 is counted in the forward, at step 7, and its producer named by the replay as on the
+same model run eagerly; with aot_eager and inductor, fullgraph or not, compiled whole
+(torch.compile(model), model.compile()) or block by block (regional compilation). hookprof adds
+no graph break and compiles nothing after the first step that the run without it does not
+(torch._dynamo's counters), and training stays bit-identical."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+
+import hookprof
+
+BAD_STEP = 7
+STEPS = 10
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class Net(nn.Module):
+    """`inp` overflows on the bad row (its weights are scaled up), then repeated blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.out = nn.Linear(16, 1)
+        with torch.no_grad():
+            self.inp.weight.mul_(10)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def compile_model(model: nn.Module, how: str, backend: str, fullgraph: bool):
+    """What the loop calls: the model compiled `how` ("eager": not at all)."""
+    if how == "eager":
+        return model
+    if how == "whole":
+        return torch.compile(model, backend=backend, fullgraph=fullgraph)
+    if how == "in place":
+        model.compile(backend=backend, fullgraph=fullgraph)
+        return model
+    assert how == "regional"
+    for block in model.blocks:
+        block.compile(backend=backend, fullgraph=fullgraph)
+    return model
+
+
+def run(how: str, backend: str, fullgraph: bool, attach: bool, poison=None):
+    """Train STEPS steps, the batch of BAD_STEP with a row that overflows `inp`. Returns
+    (the parameters, the first non-finite event, the non-finite step counts, Dynamo's
+    counts: graph breaks, frames compiled in all, and frames compiled after step 2)."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    prof = hookprof.attach(model, port=0, summary_at_exit=False) if attach else None
+    call = compile_model(model, how, backend, fullgraph)
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for step in range(1, STEPS + 1):
+            x = torch.randn(4, 8, generator=gen)
+            if step == BAD_STEP and poison is None:
+                x[0] = 3e38
+            elif step == BAD_STEP:
+                poison(model)
+            opt.zero_grad()
+            call(x).square().mean().backward()
+            opt.step()
+            if step == 2:
+                frames_warm = counters["frames"]["total"]
+        dynamo = (sum(counters["graph_break"].values()), counters["frames"]["total"],
+                  counters["frames"]["total"] - frames_warm)
+        event = counts = None
+        if prof is not None:
+            prof.flush()
+            snap = prof.snapshot()
+            assert snap.internal_errors == 0 and snap.step == STEPS
+            event, counts = snap.first_nonfinite, dict(snap.nonfinite_steps)
+        return [p.detach().clone() for p in model.parameters()], event, counts, dynamo
+    finally:
+        if prof is not None:
+            prof.detach()
+
+
+def bits(params):
+    return [p.view(torch.int32) for p in params]  # NaN-aware: the very same bits
+
+
+def event_of(event):
+    return (event.layer, event.phase, event.step, event.found_by, event.replay)
+
+
+CASES = [
+    ("whole", "aot_eager", False),
+    ("whole", "aot_eager", True),
+    ("in place", "aot_eager", False),
+    ("regional", "aot_eager", True),
+    pytest.param("whole", "inductor", False, marks=pytest.mark.slow),
+    pytest.param("regional", "inductor", True, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("how,backend,fullgraph", CASES)
+def test_a_forward_overflow_under_compile_is_named_as_in_eager_mode(how, backend, fullgraph):
+    _, eager_event, eager_counts, _ = run("eager", backend, fullgraph, attach=True)
+    assert event_of(eager_event) == ("inp", "forward", BAD_STEP, "replay", "reproducible")
+
+    plain, _, _, plain_dynamo = run(how, backend, fullgraph, attach=False)
+    params, event, counts, dynamo = run(how, backend, fullgraph, attach=True)
+    assert event_of(event) == event_of(eager_event)
+    assert counts == eager_counts and counts["forward"] >= 1
+    # no graph break, nothing compiled after warm-up (no recompile), as without hookprof
+    assert dynamo[0] == plain_dynamo[0] == 0
+    assert dynamo[2] == plain_dynamo[2] == 0
+    if how == "regional":  # the compiled blocks are left alone: the very same frames
+        assert dynamo[1] == plain_dynamo[1]
+    assert [torch.equal(a, b) for a, b in zip(bits(plain), bits(params))] == [True] * len(plain)
+
+
+def poison_block_weight(model):
+    with torch.no_grad():
+        model.blocks[1].fc1.weight[0, 0] = float("nan")
+
+
+@pytest.mark.parametrize("how", ["whole", "regional"])
+def test_a_nan_weight_under_compile_is_named_as_in_eager_mode(how):
+    _, eager_event, eager_counts, _ = run("eager", "aot_eager", False, attach=True, poison=poison_block_weight)
+    assert eager_event.layer == "blocks.1.fc1" and eager_event.phase == "forward"
+    _, event, counts, _ = run(how, "aot_eager", False, attach=True, poison=poison_block_weight)
+    assert event_of(event) == event_of(eager_event) and counts == eager_counts
+
+
+def test_regional_compilation_times_the_layers_outside_the_compiled_blocks():
+    """The blocks run inside their graphs (no hook there); the layers around them are
+    timed on sampled steps as in eager mode."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with hookprof.attach(model, port=0, summary_at_exit=False, sample_every=1,
+                         min_sample_interval_s=0.0) as prof:
+        compile_model(model, "regional", "aot_eager", True)
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+        prof.flush()
+        layers = prof.snapshot().layers
+    outside = {n: s.forward_calls_total for n, s in layers.items() if not n.startswith("blocks.")}
+    inside = {n: s.forward_calls_total for n, s in layers.items() if n.startswith("blocks.")}
+    assert outside == {"inp": 4, "out": 4}
+    assert set(inside.values()) == {0} and len(inside) == 6

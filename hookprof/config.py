@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import os
 import re
 import typing
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -22,6 +24,8 @@ NonfiniteCheck = Literal["all", "loss"]
 NonfinitePolicy = Literal["record", "warn", "raise", "dump", "skip"]
 NONFINITE_CHECKS: tuple[str, ...] = typing.get_args(NonfiniteCheck)
 NONFINITE_POLICIES: tuple[str, ...] = typing.get_args(NonfinitePolicy)
+PortConflict = Literal["free", "off", "raise"]
+PORT_CONFLICTS: tuple[str, ...] = typing.get_args(PortConflict)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -44,6 +48,13 @@ class Config:
     serve: bool = True
     """Start the HTTP server. With False, register `Profiler.collector` in your own
     prometheus_client registry instead."""
+
+    port_conflict: PortConflict = "free"
+    """When `port` is taken by another process: "free" logs one error naming the port and
+    its holder and serves on a free port the system picks (the log and `Profiler.url` say
+    which; hookprof_metrics_port_conflict_info on that page says it happened), "off" logs
+    it and serves nothing, "raise" raises hookprof.PortInUseError at attach. Training goes
+    on under "free" and "off": a metrics port is not worth a run."""
 
     tls_certfile: str | None = None
     """PEM certificate: serve /metrics over HTTPS (with `tls_keyfile`)."""
@@ -252,6 +263,8 @@ class Config:
         )
         _check_range("nonfinite_check", self.nonfinite_check,
                      self.nonfinite_check in NONFINITE_CHECKS, f"one of {NONFINITE_CHECKS}")
+        _check_range("port_conflict", self.port_conflict,
+                     self.port_conflict in PORT_CONFLICTS, f"one of {PORT_CONFLICTS}")
         _check_range("on_nonfinite", self.on_nonfinite,
                      self.on_nonfinite in NONFINITE_POLICIES, f"one of {NONFINITE_POLICIES}")
         _check_range("incident_steps", self.incident_steps, self.incident_steps >= 0, ">= 0")
@@ -285,19 +298,17 @@ class Config:
     def from_env(cls, environ: Mapping[str, str] | None = None, **fields: Any) -> "Config":
         """Defaults, overridden by `HOOKPROF_<FIELD>` variables, overridden by `fields`."""
         values = read_env(os.environ if environ is None else environ)
+        check_fields(fields)
         values.update(fields)
         return cls(**values)
 
     def replace(self, **fields: Any) -> "Config":
-        unknown = sorted(set(fields) - set(_FIELD_TYPES))
-        if unknown:
-            raise TypeError(
-                f"unknown hookprof config field(s) {unknown}; known: {sorted(_FIELD_TYPES)}"
-            )
+        check_fields(fields)
         return dataclasses.replace(self, **fields)
 
 
 _FIELD_TYPES: dict[str, Any] = typing.get_type_hints(Config)
+_warned: set[str] = set()  # misspelt variables already warned about
 
 _DAY = 86400.0
 # the highest value of every interval and threshold in seconds, and of the other floats
@@ -334,12 +345,52 @@ def _is_address(addr: str) -> bool:
     return len(addr) <= 253 and _HOST_NAME.match(addr) is not None
 
 
+def closest_field(name: str, cutoff: float = 0.6) -> str | None:
+    """The Config field closest to a misspelt `name` (difflib's ratio >= cutoff), if any."""
+    close = difflib.get_close_matches(name.lower(), list(_FIELD_TYPES), n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
+def did_you_mean(name: str) -> str:
+    field = closest_field(name)
+    return f" (did you mean {field!r}?)" if field else ""
+
+
+def check_fields(fields: Mapping[str, Any]) -> None:
+    """A TypeError for a name that is no Config field, with the closest field when one is
+    close (a list of all 40-odd fields hides the one meant)."""
+    unknown = sorted(set(fields) - set(_FIELD_TYPES))
+    if unknown:
+        hints = ", ".join(repr(name) + did_you_mean(name) for name in unknown)
+        raise TypeError(f"unknown hookprof config field(s): {hints}; every field is listed in "
+                        "docs/configuration.md and help(hookprof.Config)")
+
+
 def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
+def misspelt_env(environ: Mapping[str, str]) -> list[str]:
+    """One line per `HOOKPROF_*` variable that is no setting but close to one (a variable
+    far from every setting may be someone else's, e.g. a script's HOOKPROF_ROOT)."""
+    lines = []
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX) and name.removeprefix(ENV_PREFIX).lower() not in _FIELD_TYPES:
+            # closer than for a keyword argument: HOOKPROF_ROOT is no misspelt HOOKPROF_PORT
+            field = closest_field(name.removeprefix(ENV_PREFIX), cutoff=0.75)
+            if field is not None:
+                lines.append(f"{name} is not a hookprof setting and is ignored "
+                             f"(did you mean {env_name(field)}?)")
+    return lines
+
+
 def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Parse every `HOOKPROF_<FIELD>` present in `environ`; errors name the variable."""
+    """Parse every `HOOKPROF_<FIELD>` present in `environ`; errors name the variable. A
+    misspelt one is warned about (misspelt_env), once per variable and process."""
+    for line in misspelt_env(environ):
+        if line not in _warned:
+            _warned.add(line)
+            warnings.warn(line, UserWarning, stacklevel=3)
     values: dict[str, Any] = {}
     for field, hint in _FIELD_TYPES.items():
         name = env_name(field)

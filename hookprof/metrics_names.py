@@ -235,6 +235,10 @@ HTTP_CONNECTIONS_REJECTED_TOTAL = Metric(
     "hookprof_http_connections_rejected_total", "counter", ("reason",),
     "Connections to the metrics endpoint refused or closed before a response, by reason "
     "(limits and timeouts: Config.http_*)", per_model=False)
+METRICS_PORT_CONFLICT_INFO = Metric(
+    "hookprof_metrics_port_conflict_info", "gauge", ("wanted_port", "holder"),
+    "Present when the configured metrics port was taken and this endpoint serves on a free port "
+    "instead (Config.port_conflict): the port wanted and the process that held it", per_model=False)
 
 # ---- host, GPUs and CUDA memory (serve/system.py), once per endpoint ----
 

@@ -175,10 +175,15 @@ class Snapshot:
     """"vanishing" / "exploding" -> sampled steps on which any layer was flagged."""
 
     def __str__(self) -> str:
-        """The per-layer table a person reads (hookprof/table.py): `print(prof.snapshot())`."""
+        """The per-layer table a person reads (hookprof/table.py): `print(prof.snapshot())`,
+        under a line that names the model and the step it is as of: the snapshot is published
+        by a background thread, so right after training it may be a step or so behind
+        (`prof.flush()` first, or `prof.report()`, for up to now)."""
         from hookprof.view.table import from_snapshot, render
 
-        return render([from_snapshot(self)])
+        as_of = (f"hookprof snapshot of {self.model or 'a model'}, rank {self.rank}, as of step {self.step} "
+                 "(published in the background: prof.flush() first, or prof.report(), for up to now)")
+        return as_of + "\n" + render([from_snapshot(self, self.model)])
 
     def __repr__(self) -> str:
         bad = sum(self.nonfinite_steps.values())
@@ -205,6 +210,8 @@ class Snapshot:
     layer_statistics: Mapping[str, "LayerStatisticValues"] = field(default_factory=lambda: _EMPTY)
     """The per-layer statistics given to attach(layer_statistics=...): name -> its help and
     each exported layer's value at the last sampled step with activation statistics."""
+    model: str = ""
+    """The model's name (its `model` label: Config.name, by default its class name)."""
 
 
 @dataclass(frozen=True, slots=True)

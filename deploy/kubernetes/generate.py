@@ -1,7 +1,8 @@
 """Writes the Kubernetes manifests that are copies of files kept elsewhere in the repo, so
 there is one source for each:
 
-    prometheusrule.yaml        <- deploy/prometheus/hookprof-rules.yml
+    prometheusrule.yaml        <- deploy/prometheus/*.yml (rule files only; their promtool tests
+                                  are in deploy/prometheus/tests/)
     grafana-dashboards.yaml    <- grafana/dashboards/*.json (ConfigMap for Grafana's sidecar)
     train-script.yaml          <- deploy/kubernetes/train.py (ConfigMap mounted by the Job)
 
@@ -20,7 +21,7 @@ import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
-RULES = os.path.join(ROOT, "deploy", "prometheus", "hookprof-rules.yml")
+RULES = os.path.join(ROOT, "deploy", "prometheus", "*.yml")  # the rules' glob
 DASHBOARDS = os.path.join(ROOT, "grafana", "dashboards")
 TRAIN_SCRIPT = os.path.join(HERE, "train.py")
 
@@ -48,16 +49,34 @@ def dump(doc: dict) -> str:
     return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
 
 
+class NotARuleFile(Exception):
+    pass
+
+
+def rule_groups() -> list[dict]:
+    """The groups of every file in the rules' glob, which must all be rule files: Prometheus
+    loads such a glob as `rule_files:` and `promtool check rules` is run over it."""
+    groups: list[dict] = []
+    for path in sorted(glob.glob(RULES)):
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+        if not isinstance(doc, dict) or set(doc) != {"groups"}:
+            raise NotARuleFile(
+                f"{os.path.relpath(path, ROOT)} is in the rules' glob (deploy/prometheus/*.yml) but is "
+                "not a rule file (a top-level `groups:` only); promtool unit tests go in deploy/prometheus/tests/")
+        groups.extend(doc["groups"])
+    return groups
+
+
 def prometheus_rule() -> str:
-    with open(RULES, encoding="utf-8") as f:
-        groups = yaml.safe_load(f)["groups"]
+    groups = rule_groups()
     doc = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
         "metadata": {"name": "hookprof", "labels": {"release": RELEASE, "app.kubernetes.io/part-of": "hookprof"}},
         "spec": {"groups": groups},
     }
-    return HEADER.format(source="deploy/prometheus/hookprof-rules.yml") + dump(doc)
+    return HEADER.format(source="deploy/prometheus/*.yml") + dump(doc)
 
 
 def dashboards_configmap() -> str:
@@ -105,7 +124,11 @@ def main() -> int:
     stale = []
     for name, make in OUTPUTS.items():
         path = os.path.join(HERE, name)
-        text = make()
+        try:
+            text = make()
+        except NotARuleFile as e:
+            print(e, file=sys.stderr)
+            return 1
         current = open(path, encoding="utf-8").read() if os.path.exists(path) else None
         if current == text:
             continue

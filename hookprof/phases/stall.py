@@ -214,7 +214,8 @@ class StallWatch(DaemonThread):
     # ---- what the snapshot shows ----
 
     def decorate(self, snap: Snapshot) -> Snapshot:
-        """The publisher's snapshot with the phase totals, the position and the stall."""
+        """The publisher's snapshot with the phase totals, the position, the stall and the
+        model's name."""
         step, phase, since, label = self._progress.where
         steps, sums = self._progress.totals
         position = StepProgress(step, phase_name(phase), max(0.0, (self._clock() - since) * 1e-9), label)
@@ -223,7 +224,7 @@ class StallWatch(DaemonThread):
         current = judged == (step, phase, since)
         return dataclasses.replace(
             snap, phase_seconds=dict(zip(PHASES, sums)), phase_steps=steps, progress=position,
-            stall=stall if current else None, stalls=self.stalls)
+            stall=stall if current else None, stalls=self.stalls, model=self._model_name)
 
 
 def _stack_of(thread_id: int) -> list[Any]:

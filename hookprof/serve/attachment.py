@@ -70,8 +70,9 @@ class Serving:
             member = Member(self._name, self._collector(build_info=False), self._page_version,
                             document=document)
             self.endpoint = endpoint.join(member, config, port, self._rank, self._local_rank)
-            self.registry = self.endpoint.registry
-            supervisor.watch("metrics server", self.endpoint)
+            if self.endpoint is not None:  # (None: its port was taken, port_conflict="off")
+                self.registry = self.endpoint.registry
+                supervisor.watch("metrics server", self.endpoint)
         return self._leave
 
     def start(self) -> Callable[[], None]:

@@ -23,6 +23,7 @@ from hookprof.config import Config
 from hookprof.errors import ConfigError, PortInUseError
 from hookprof.metrics_names import BUILD_INFO, family
 from hookprof.serve.exporter import SnapshotCollector, make_registry
+from hookprof.serve.port_conflict import PortConflict, PortConflictInfo, port_holder
 from hookprof.serve.server import Limits, MetricsServer
 from hookprof.serve.system import SystemCollector, SystemSampler
 
@@ -46,21 +47,30 @@ class Member:
         self.document = document  # the run report's data (report.py), served at /history.json
 
 
-def join(member: Member, config: Config, port: int, rank: int, local_rank: int) -> "Endpoint":
+def join(member: Member, config: Config, port: int, rank: int, local_rank: int) -> "Endpoint | None":
     """The endpoint serving (config.addr, port), started if none does; `member` is on it.
-    Port 0 always starts one of its own (it picks a free port)."""
+    Port 0 always starts one of its own (it picks a free port). A port held elsewhere:
+    `config.port_conflict` says what follows (serve/port_conflict.py); None when nothing
+    serves ("off")."""
     with _lock:
+        # (a port found taken before is looked up too: the endpoint on the free port serves it)
         endpoint = _endpoints.get((config.addr, port)) if port else None
         if endpoint is None:
             try:
                 endpoint = Endpoint(config, port, rank, local_rank)
             except PortInUseError as exc:
-                holder = next((e for (_, p), e in _endpoints.items() if p == port), None)
-                if holder is None:
-                    raise
-                # this process serves that port on another address: say whose it is
-                names = ", ".join(m.name for m in holder.members())
-                raise PortInUseError(config.addr, port, holder=names) from exc
+                ours = next((e for (_, p), e in _endpoints.items() if p == port), None)
+                if ours is not None:  # this process serves that port on another address: whose
+                    exc = PortInUseError(config.addr, port, holder=", ".join(m.name for m in ours.members()))
+                if config.port_conflict == "raise":
+                    raise exc
+                conflict = PortConflict(config.addr, port, _holder(exc, port))
+                if config.port_conflict == "off":
+                    conflict.say(None)
+                    return None
+                endpoint = Endpoint(config, 0, rank, local_rank, conflict=conflict)
+                conflict.say(endpoint.port)
+                _endpoints[(config.addr, port)] = endpoint  # later models asking for it join it
             _endpoints[(config.addr, endpoint.port)] = endpoint
         else:
             endpoint.check_settings(config)
@@ -68,15 +78,25 @@ def join(member: Member, config: Config, port: int, rank: int, local_rank: int) 
         return endpoint
 
 
+def _holder(exc: PortInUseError, port: int) -> str | None:
+    if exc.holder is not None:
+        return f"this process (hookprof serving {exc.holder} on another address)"
+    return port_holder(port)
+
+
 class Endpoint:
-    def __init__(self, config: Config, port: int, rank: int, local_rank: int):
+    def __init__(self, config: Config, port: int, rank: int, local_rank: int, *,
+                 conflict: PortConflict | None = None):
         self.config = config
+        self.conflict = conflict  # the taken port this endpoint stands in for
         self._members: dict[str, Member] = {}
         self._members_lock = threading.Lock()
         self._restart_lock = threading.Lock()
         self._closed = False  # its last member left: never served again
         self.system: SystemSampler | None = None
         extra: tuple[Collector, ...] = (_BuildInfo(),)
+        if conflict is not None:
+            extra += (PortConflictInfo(conflict),)
         if config.system_metrics:
             self.system = SystemSampler(
                 config.system_interval_s,
@@ -139,7 +159,8 @@ class Endpoint:
                 self._members.pop(name, None)
                 empty = not self._members
             if empty:
-                _endpoints.pop((self.config.addr, self.port), None)
+                for key in [key for key, endpoint in _endpoints.items() if endpoint is self]:
+                    del _endpoints[key]
         if empty:
             with self._restart_lock:  # a restart in progress ends first; none starts after
                 self._closed = True

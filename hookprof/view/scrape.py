@@ -34,7 +34,7 @@ class ScrapeError(Exception):
 
 def normalize(url: str, tls: bool = False, path: str | None = None) -> str:
     """"host:port" -> "http://host:port/metrics" ("https" when TLS options were given); a
-    URL without a path gets /metrics. `path`: the page to read whatever path the URL names
+    host alone gets hookprof's default port (not http's 80), a URL without a path /metrics. `path`: the page to read whatever path the URL names
     (`hookprof report` takes the /metrics URL and reads /history.json beside it).
     ValueError for what is not an http(s) endpoint, or an http:// URL given with TLS options."""
     given = url
@@ -43,6 +43,8 @@ def normalize(url: str, tls: bool = False, path: str | None = None) -> str:
     parts = urlsplit(url)
     if not _is_endpoint(parts):
         raise ValueError(f"not an http(s) endpoint URL: {given!r} (expected e.g. {DEFAULT_TARGET} or {DEFAULT_URL})")
+    if "://" not in given and parts.port is None:  # `hookprof report localhost`
+        parts = parts._replace(netloc=f"{parts.netloc}:{DEFAULT_PORT}")
     if tls and parts.scheme == "http":
         # top used to read it in plain http with the options unused: a TLS endpoint then
         # answered "connection reset", the options given looking like the wrong ones

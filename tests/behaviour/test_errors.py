@@ -49,7 +49,7 @@ def test_port_in_use_names_port_and_setting():
         blocker.listen()
         port = blocker.getsockname()[1]
         with pytest.raises(hookprof.PortInUseError) as info:
-            hookprof.attach(model, port=port)
+            hookprof.attach(model, port=port, port_conflict="raise")
     message = str(info.value)
     assert f"127.0.0.1:{port}" in message and "HOOKPROF_PORT" in message and "port=" in message
     assert info.value.port == port
@@ -62,7 +62,7 @@ def test_a_port_this_process_serves_on_another_address_names_the_holder():
     with hookprof.attach(first_model, port=port, addr="0.0.0.0"):
         before = model_state(second_model)
         with pytest.raises(hookprof.PortInUseError, match=str(port)) as info:
-            hookprof.attach(second_model, port=port)  # 127.0.0.1: the port is taken by us
+            hookprof.attach(second_model, port=port, port_conflict="raise")  # 127.0.0.1: taken by us
         assert model_state(second_model) == before
     # issue 11 case 6: the message says who holds it and what releases it
     assert info.value.holder == "DeepNet"

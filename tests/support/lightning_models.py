@@ -38,10 +38,12 @@ class Regressor(L.LightningModule):
         self.lr = lr
         self.before_step: list[dict[str, float]] = []
         self.total_before_step: list[float] = []
+        self.losses: list[float] = []  # each training_step's loss, as computed (the test's own sync)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self.body(x), y)
+        self.losses.append(loss.item())
         if self.automatic_optimization:
             return loss
         # manual optimization: backward before the step, a step without a closure

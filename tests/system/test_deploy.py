@@ -147,6 +147,17 @@ def test_generated_manifests_are_up_to_date():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_generator_check_refuses_a_promtool_test_file_in_the_rules_glob(tmp_path):
+    # a copy of the repository's deploy/ and dashboards, with a unit-test file put back where
+    # it was before issue 32: the rules' glob must hold rule files only
+    shutil.copytree(os.path.join(ROOT, "deploy"), tmp_path / "deploy")
+    shutil.copytree(os.path.join(ROOT, "grafana", "dashboards"), tmp_path / "grafana" / "dashboards")
+    shutil.copy(tmp_path / "deploy/prometheus/tests/hookprof-rules.test.yml", tmp_path / "deploy/prometheus")
+    result = run([sys.executable, str(tmp_path / "deploy/kubernetes/generate.py"), "--check"])
+    assert result.returncode == 1
+    assert "deploy/prometheus/hookprof-rules.test.yml is in the rules' glob" in result.stderr
+
+
 def test_prometheusrule_groups_pass_promtool(tmp_path):
     rule = manifest("prometheusrule.yaml")
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"

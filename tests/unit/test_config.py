@@ -98,6 +98,7 @@ def test_environment_variables_fill_every_field():
         "HOOKPROF_UPDATE_NORMS": "off",
         "HOOKPROF_UPDATE_NORM_MAX_BYTES": "1048576",
         "HOOKPROF_UPDATE_NORM_INTERVAL_S": "0.5",
+        "HOOKPROF_PORT_CONFLICT": "off",
         "UNRELATED": "x",
     }
     c = Config.from_env(env)
@@ -114,7 +115,7 @@ def test_environment_variables_fill_every_field():
         summary_at_exit=False, nonfinite_sync=True,
         stall_detection=False, stall_factor=3.0, stall_min_s=12.5, stall_max_s=60.0, stall_warmup_steps=9,
         flop_counting=False, peak_flops=9.89e14, update_norms=False, update_norm_max_bytes=2**20,
-        update_norm_interval_s=0.5,
+        update_norm_interval_s=0.5, port_conflict="off",
     )
     # every field has a variable: a new field without one fails here
     assert {f.name for f in dataclasses.fields(Config)} == {
@@ -165,5 +166,27 @@ def test_kill_switch_returns_a_profiler_that_does_nothing(monkeypatch):
 
 
 def test_unknown_override_is_a_clear_error():
-    with pytest.raises(TypeError, match="unknown hookprof config field.*'sample_evry'"):
+    with pytest.raises(TypeError, match="unknown hookprof config field.*'sample_evry'") as info:
         hookprof.attach(seeded(DeepNet), sample_evry=3)
+    # issue 32: the field meant, not a list of every field
+    assert "'sample_evry' (did you mean 'sample_every'?)" in str(info.value)
+    assert "max_layer_series" not in str(info.value)
+    with pytest.raises(TypeError, match=r"'on_nonfinit' \(did you mean 'on_nonfinite'\?\)"):
+        Config.from_env({}, on_nonfinit="raise")
+
+
+def test_a_misspelt_variable_is_warned_about_with_the_setting_meant():
+    environ = {"HOOKPROF_SMAPLE_EVERY": "3", "HOOKPROF_PORT": "0",
+               "HOOKPROF_ROOT": "/srv"}  # far from every setting: someone else's, left alone
+    with pytest.warns(UserWarning) as caught:
+        config = Config.from_env(environ)
+    assert [str(w.message) for w in caught] == [
+        "HOOKPROF_SMAPLE_EVERY is not a hookprof setting and is ignored (did you mean HOOKPROF_SAMPLE_EVERY?)"]
+    assert (config.sample_every, config.port) == (Config().sample_every, 0)
+
+
+def test_port_conflict_is_validated_and_read_from_the_environment():
+    assert Config().port_conflict == "free"
+    assert read_env({"HOOKPROF_PORT_CONFLICT": "raise"}) == {"port_conflict": "raise"}
+    with pytest.raises(ConfigError, match=r"port_conflict must be one of \('free', 'off', 'raise'\), got 'stop'"):
+        Config(port_conflict="stop")

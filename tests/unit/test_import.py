@@ -40,3 +40,30 @@ def test_public_surface():
     assert set(hookprof.__all__) >= {"attach", "Config", "Profiler", "Snapshot", "LayerStats"}
     for name in hookprof.__all__:
         assert hasattr(hookprof, name), name
+
+
+# issue 32: every CLI call printed torch's "Failed to initialize NumPy" warning twice where
+# numpy was absent; hookprof now depends on numpy (pyproject), so pip installs it
+def test_numpy_is_a_dependency_and_the_cli_prints_no_torch_warning():
+    import os
+
+    import pytest
+
+    from support.paths import ROOT as root
+
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+")
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    assert any(d.split(">")[0].split("=")[0].strip() == "numpy" for d in dependencies), dependencies
+    out = subprocess.run([sys.executable, "-m", "hookprof.cli", "--version"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+
+
+def test_the_readme_says_what_tops_live_view_needs():
+    import os
+
+    from support.paths import ROOT
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        assert "hookprof[top]" in f.read()

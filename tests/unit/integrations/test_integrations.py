@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hookprof
-from hookprof.integrations.scalars import PREFIX, headline, step_count
+from hookprof.integrations.scalars import GRAD_NORM, PREFIX, SAMPLED_STEP, counters, headline, step_count
 from support.hooks_left import model_state
 from support.settings import EVERY_STEP
 
@@ -53,29 +53,26 @@ def test_integration_without_its_package_names_what_to_install(module, package):
     assert f"pip install {package}" in out.stderr
 
 
-def without_step_time(scalars: dict) -> dict:
-    """The scalars that are the snapshot's own figures (the step time is a mean over the
-    steps since the previous log; `sampled_step` says which step they are)."""
-    return {k: v for k, v in scalars.items()
-            if k.startswith(PREFIX) and k not in (PREFIX + "step_time_s", PREFIX + "sampled_step")}
-
-
 def assert_rows_are_the_snapshots(rows: list[tuple[int, dict, object]], final) -> None:
     """Each logged row (step, scalars, the snapshot they came from) holds that snapshot's
-    headline scalars, with the step time as the mean since the previous row; one row per
-    sampled step, the last one the final snapshot's."""
+    headline scalars at the step its counters describe, with the step time as the mean
+    since the previous row and a sampled step's gradient norm once, naming its step; the
+    last row has the final counts (issue 32: they were logged at an older sampled step, and
+    the final ones never)."""
     steps = [step for step, _, _ in rows]
-    assert steps == sorted(set(steps)), "a sampled step logged twice"
+    assert steps == sorted(set(steps)), "a step logged twice"
     previous, total = None, 0.0
     for step, scalars, snap in rows:
-        assert step == snap.last_sampled_step
+        assert step == snap.step
         assert scalars == headline(snap, previous)
         assert scalars[PREFIX + "nonfinite_steps/backward"] == snap.nonfinite_steps["backward"]
+        if GRAD_NORM in scalars:
+            assert scalars[SAMPLED_STEP] == snap.last_sampled_step != (previous and previous.last_sampled_step)
         # the windows' mean step times, times their step counts, add up to the duration sum
         total += scalars[PREFIX + "step_time_s"] * (step_count(snap) - (step_count(previous) if previous else 0))
         previous = snap
-    assert steps[-1] == final.last_sampled_step == final.step == step_count(final)
-    assert without_step_time(rows[-1][1]) == without_step_time(headline(final))
+    assert steps[-1] == final.step == step_count(final)
+    assert counters(final) == {k: v for k, v in rows[-1][1].items() if k in counters(final)}
     assert total == pytest.approx(final.step_duration_sum, rel=1e-9)
 
 
@@ -159,10 +156,16 @@ def test_lightning_callback_attaches_for_fit_and_logs_the_snapshot(lightning_par
     assert final.step == trainer.global_step == STEPS
     assert_rows_are_the_snapshots(logger.rows, final)
     assert 0 < final.step_duration_sum < wall
-    # the norms are those Lightning handed to each update (on_before_optimizer_step)
-    for step, scalars, _ in logger.rows:
-        assert scalars[PREFIX + "grad_norm"] == pytest.approx(model.total_before_step[step - 1], rel=1e-5)
+    # the norms are those Lightning handed to each update (on_before_optimizer_step; no
+    # clipping here), each at the step it names
+    normed = [row for _, row, _ in logger.rows if GRAD_NORM in row]
+    assert normed
+    for scalars in normed:
+        step = int(scalars[SAMPLED_STEP])
+        assert scalars[GRAD_NORM] == pytest.approx(model.total_before_step[step - 1], rel=1e-5)
     assert logger.rows[-1][1][PREFIX + "nonfinite_steps/backward"] == 0
+    # the loss reached hookprof (issue 32: never): the last step's, as training_step made it
+    assert final.loss == pytest.approx(model.losses[-1], rel=1e-6)
 
 
 @lightning_warnings
@@ -195,6 +198,39 @@ def test_lightning_callback_logs_a_nan_and_detaches_when_fit_fails(lightning_par
     for step, scalars, _ in logger.rows:
         assert (scalars[PREFIX + "nonfinite_steps/backward"] > 0) == (step >= 3), step
     assert final.nonfinite_steps["backward"] == 3
+    # issue 32: the NaN loss of steps 3, 4 and 5 was counted as none ("loss 0")
+    assert final.nonfinite_steps["loss"] == 3
+    assert logger.rows[-1][1][PREFIX + "nonfinite_steps/loss"] == 3
+
+
+@lightning_warnings
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_lightning_callback_hands_each_optimizer_steps_loss_to_hookprof(lightning_parts, tmp_path, accumulate):
+    """prof.step(loss) once per optimizer step, with the mean of its micro-batches' losses
+    (Lightning divides each by accumulate_grad_batches; the callback adds them up)."""
+    models, integration = lightning_parts
+    steps = 4
+    callback = integration.HookprofCallback(**EVERY_STEP)
+    losses: dict[int, float] = {}
+
+    import lightning as L
+
+    class ReadLoss(L.Callback):  # runs after the hookprof callback: the step is handed over
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if (batch_idx + 1) % accumulate == 0:
+                callback.profiler.flush()
+                snap = callback.profiler.snapshot()
+                losses[snap.step] = snap.loss
+
+    model = models.seeded_regressor()
+    trainer = models.fit(model, steps, callbacks=[callback, ReadLoss()], root_dir=tmp_path,
+                         batches=steps * accumulate, accumulate_grad_batches=accumulate)
+    assert trainer.global_step == callback.profiler.snapshot().step == steps
+    expected = {step: sum(model.losses[(step - 1) * accumulate:step * accumulate]) / accumulate
+                for step in range(1, steps + 1)}
+    assert losses == pytest.approx(expected, rel=1e-6)
+    page = callback.profiler.snapshot()
+    assert page.nonfinite_steps["loss"] == 0
 
 
 # ---------------------------------------------------------------- Hugging Face
@@ -278,14 +314,20 @@ def test_hf_callback_attaches_for_train_and_logs_the_snapshot(mixin, hf_referenc
     assert final.step == trainer.state.global_step == HF_STEPS
     # one log per step: each carries the scalars of its own step (flushed at the log)
     rows = [entry for entry in trainer.state.log_history if PREFIX + "sampled_step" in entry]
-    assert [row["step"] for row in rows] == [row[PREFIX + "sampled_step"] for row in rows] == list(range(1, HF_STEPS + 1))
-    assert without_step_time(rows[-1]) == without_step_time(headline(final))
-    # the norm hookprof read is the one Trainer computed for the same step (clip_grad_norm_)
+    assert [row["step"] for row in rows] == [row[SAMPLED_STEP] for row in rows] == list(range(1, HF_STEPS + 1))
+    assert {k: v for k, v in rows[-1].items() if k in counters(final)} == counters(final)
+    # unclipped here (max_grad_norm huge), the norm hookprof read after clipping is the one
+    # Trainer computed before it for the same step (clip_grad_norm_)
     for row in rows:
-        assert row[PREFIX + "grad_norm"] == pytest.approx(row["grad_norm"], rel=1e-5)
+        assert row[GRAD_NORM] == pytest.approx(row["grad_norm"], rel=1e-5)
+    # the loss: with the mixin each step's, as Trainer logs it (a log every step: the step's)
+    if mixin:
+        assert final.loss == pytest.approx(rows[-1]["loss"], rel=1e-5)
+    else:
+        assert final.loss is None
     means = [row[PREFIX + "step_time_s"] for row in rows]
     assert sum(means) == pytest.approx(final.step_duration_sum, rel=1e-9)
 
     # the report_to integrations run first: only the mixin's Trainer.log reaches them
-    reached = [entry for entry in early if PREFIX + "grad_norm" in entry]
+    reached = [entry for entry in early if GRAD_NORM in entry]
     assert len(reached) == (HF_STEPS if mixin else 0)

@@ -228,7 +228,8 @@ def test_sorting_filtering_and_choosing():
 
 def test_str_of_a_snapshot_is_the_readable_table_and_repr_is_short():
     text = str(hand_snapshot())
-    lines = text.splitlines()
+    as_of, *lines = text.splitlines()
+    assert as_of.startswith("hookprof snapshot of a model, rank 0, as of step 30 (")  # no name given
     assert lines[0].startswith("rank 0  step 30 (3 sampled)")
     assert "step time p50 7.5 ms p95 22.8 ms" in lines[0] and "loss 1.25" in lines[0]
     assert lines[1].strip() == ("non-finite steps: forward 0, backward 2, loss 0; "
@@ -357,3 +358,26 @@ def test_interpreter_exit_while_attached_says_the_summary(how):
         # logging not set up: straight to stderr, and the last steps are in (flushed at exit)
         assert "hookprof summary (DemoNet, rank 0): 6 steps, 6 sampled" in out.stderr, out.stderr
         assert "top layers by share of step time: " in out.stderr
+
+
+# issue 32: print(prof.snapshot()) right after training showed a step behind without saying
+# so, and its header did not name the model
+def test_the_printed_snapshot_names_its_model_and_the_step_it_is_as_of():
+    from hookprof.snapshot import Snapshot
+
+    first, header = str(Snapshot(step=7, rank=2, model="Discriminator")).splitlines()[:2]
+    assert first.startswith("hookprof snapshot of Discriminator, rank 2, as of step 7 (")
+    assert "prof.flush()" in first
+    assert header.startswith("rank 2  model Discriminator  step 7 ")
+
+
+def test_a_profilers_snapshot_carries_the_models_name():
+    import hookprof
+    from support.models import DeepNet, seeded, train
+
+    model = seeded(DeepNet)
+    with hookprof.attach(model, port=0, name="student", sample_every=1, min_sample_interval_s=0.0) as prof:
+        train(model, 2)
+        prof.flush()
+        assert prof.snapshot().model == "student"
+        assert "hookprof snapshot of student, rank 0, as of step 2 (" in str(prof.snapshot())

@@ -28,6 +28,7 @@ from torch import nn
 from hookprof.config import Config
 from hookprof.faults import Faults
 from hookprof.layers import LayerTable
+from hookprof.nonfinite.capsule import Capsules
 from hookprof.nonfinite.detector import Detector, loss_flag, nonfinite_flags
 from hookprof.nonfinite.guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
 from hookprof.nonfinite.output import OutputFlags
@@ -59,8 +60,12 @@ class NonfiniteChecks:
         # FSDP2 / tensor parallel: re-running the forward on one rank would start all-gathers
         # the other ranks never join, so a forward NaN is localised on the following
         # (sampled) steps instead
+        # the incident capsule (Config.capsule_dir): rides the replay, sent with the counters
+        self.capsules = None if config.capsule_dir is None else Capsules(
+            config, faults=faults, say=say,
+            send=lambda step, path: publisher.submit(self.pack(step, None, sampled=False, capsule=path)))
         self.replay = ForwardReplay(model, enabled=not table.has_dtensor_params,
-                                    keep_late=self.guard is not None, say=say)
+                                    keep_late=self.guard is not None, say=say, witness=self.capsules)
         self._replay_token = 0  # the publisher's publish_now token of the replay's packet
         self._thread: int | None = None  # the training thread (the last forward's)
         self._scaler_view: ScalerView | None = None  # a fused optimizer's GradScaler state

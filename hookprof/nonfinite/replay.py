@@ -23,6 +23,7 @@ localised, and `say` tells why, once.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -87,13 +88,15 @@ class CapturedForward:
     step never swaps the current step's capture out and back (an exception in between
     would leave the kept step's in its place)."""
 
-    __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng", "updates")
+    __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng", "updates", "modes")
 
     def __init__(self, module: nn.Module | None, args: tuple, kwargs: dict | None,
-                 cpu_rng: torch.Tensor, cuda_rng: list[torch.Tensor] | None, updates: int = 0):
+                 cpu_rng: torch.Tensor, cuda_rng: list[torch.Tensor] | None, updates: int = 0,
+                 modes: dict | None = None):
         self.module, self.args, self.kwargs = module, args, kwargs
         self.cpu_rng, self.cuda_rng = cpu_rng, cuda_rng
         self.updates = updates  # updates applied to the weights before this forward
+        self.modes = modes  # grad mode and autocast at its start (kept for a capsule only)
 
 
 class ForwardReplay:
@@ -101,8 +104,11 @@ class ForwardReplay:
     one replay of the run has happened (`enabled=False`: never, e.g. under DTensor)."""
 
     def __init__(self, model: nn.Module, enabled: bool = True, keep_late: bool = False,
-                 say: Callable[[str, str], None] | None = None):
+                 say: Callable[[str, str], None] | None = None, witness: Any = None):
         self._model_ref = weakref.ref(model)  # weakly: see layers.Layer.module_ref
+        # capsule.Capsules when Config.capsule_dir is set: it watches the one replay and
+        # keeps what it used (`watch`), and the forward's modes are kept for it (`modes`)
+        self._witness = witness
         self.captured: CapturedForward | None = None  # this step's last training forward
         self.done = not enabled
         self._flag: tuple[Any, Any] | None = None  # (host flag, ready event) of the output check
@@ -153,7 +159,8 @@ class ForwardReplay:
             return
         self.captured = CapturedForward(
             module, args, kwargs, torch.get_rng_state(),
-            torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None, self._updates)
+            torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None, self._updates,
+            self._witness.modes() if self._witness is not None else None)
 
     def clear(self) -> None:
         self.captured = None
@@ -269,6 +276,9 @@ class ForwardReplay:
         cuda_rng = torch.cuda.get_rng_state_all() if captured.cuda_rng is not None else None
         originals = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
                      if b is not None]
+        watch = (self._witness.watch(model, captured, step) if self._witness is not None
+                 else contextlib.nullcontext(None))
+        keep = None
         try:
             with torch.no_grad():
                 for module, name, buffer in originals:
@@ -276,7 +286,7 @@ class ForwardReplay:
             torch.set_rng_state(captured.cpu_rng)
             if captured.cuda_rng is not None:
                 torch.cuda.set_rng_state_all(captured.cuda_rng)
-            with hooks.replaying_into(rec), torch.no_grad():
+            with hooks.replaying_into(rec), torch.no_grad(), watch as keep:
                 hooks.note_root_inputs(captured.args, captured.kwargs)
                 target(*captured.args, **(captured.kwargs or {}))
         except Exception as exc:
@@ -290,4 +300,6 @@ class ForwardReplay:
                 torch.cuda.set_rng_state_all(cuda_rng)
             self.clear()  # done: no step's inputs are kept from here on
             self._late.clear()
+        if keep is not None:  # the capsule's copy, with the model's own buffers back
+            keep(self.moved)
         return True

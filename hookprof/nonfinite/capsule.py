@@ -78,7 +78,14 @@ def _give_back_slot() -> None:
 
 
 def capsule_path(directory: str, model: str, rank: int, step: int) -> str:
-    return os.path.join(directory, f"hookprof-capsule-{safe_label(model)}-rank{rank}-step{step}-{os.getpid()}.pt")
+    """The capsule's file; a second one of this process for the same model, rank and step (a
+    model attached again under the same name) is told apart by a count: never overwritten."""
+    stem = os.path.join(directory, f"hookprof-capsule-{safe_label(model)}-rank{rank}-step{step}-{os.getpid()}")
+    path, n = stem + ".pt", 1
+    while os.path.lexists(path):
+        n += 1
+        path = f"{stem}-{n}.pt"
+    return path
 
 
 def forward_modes() -> dict[str, Any]:

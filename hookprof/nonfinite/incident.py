@@ -144,26 +144,26 @@ class IncidentResponse:
     def flushed(self, done: bool, detached: bool) -> bool:
         """Profiler.flush() returned `done`: a capsule waiting for its incident to settle is
         written now (the run may end here: no later step end would write it)."""
-        if not detached:
-            self._capsule_when_settled(self._publisher.latest)
+        if not detached and self._capsule_when_settled(self._publisher.latest):
+            done = self._publisher.flush()  # the snapshot carries its path from now on
         return done
 
-    def _capsule_when_settled(self, snap: Snapshot) -> None:
+    def _capsule_when_settled(self, snap: Snapshot) -> bool:
         """Write the capsule once the first NaN/Inf is settled: its replay's verdict known
         (or it is another step's). A policy still holding for the replay writes it when it
         acts (`_with_capsule`), so that its log line or exception gives the path; under
         "record", or after the policy acted, its own log line does."""
         capsules, event = self._capsules, snap.first_nonfinite
         if capsules is None or capsules.draft is None or event is None or self._act_by is not None:
-            return
+            return False
         if event.step == capsules.draft.step and event.replay is None:
-            return  # the replay's packet is not folded yet
-        acts_later = self._config.on_nonfinite != "record" and not self._acted
-        if acts_later:
-            return
+            return False  # the replay's packet is not folded yet
+        if self._config.on_nonfinite != "record" and not self._acted:
+            return False  # the policy writes it as it acts
         path = capsules.write(event, model=self._model, rank=self._rank, summary=describe(event, self._rank))
         if path is not None:
             log.warning("hookprof: %s", describe(dataclasses.replace(event, capsule=path), self._rank))
+        return path is not None
 
     def _with_capsule(self, event: NonFiniteEvent) -> NonFiniteEvent:
         """`event` with its capsule's path, the capsule written now if it waits."""

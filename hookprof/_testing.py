@@ -243,3 +243,11 @@ def peak_lookup(efficiency: Any, precision: str) -> Any:
     a forward that ran in `precision` ("bf16", "fp32", ...)."""
     efficiency._precision = precision
     return efficiency._peak
+
+
+def forget_capsules_written() -> None:
+    """Start the process's count of incident capsules again (Config.capsule_max_count is per
+    process: tests of one process would share it)."""
+    from hookprof.nonfinite import capsule
+
+    capsule.forget_written()

@@ -1,4 +1,5 @@
-"""The `hookprof` command: `hookprof --version`, `hookprof demo`, `hookprof top`, `hookprof report`."""
+"""The `hookprof` command: `hookprof --version`, `hookprof demo`, `hookprof top`, `hookprof report`,
+`hookprof replay`."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="exit after the last step (default: keep serving until Ctrl-C)")
     add_top_parser(sub)
     add_report_parser(sub)
+    add_replay_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return run_demo(args)
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_top(args)
     if args.command == "report":
         return run_report(args)
+    if args.command == "replay":
+        return run_replay(args)
     parser.print_help()
     return 0
 
@@ -218,6 +222,26 @@ def run_report(args: argparse.Namespace) -> int:
     names = ", ".join(d["model"] for d in documents) or "no model"
     print(f"hookprof report: wrote {args.output} ({names})")
     return 0
+
+
+def add_replay_parser(sub: argparse._SubParsersAction) -> None:
+    replay = sub.add_parser(
+        "replay", help="re-run an incident capsule (Config.capsule_dir) and say whether its NaN/Inf comes back",
+        description="Re-run the NaN/Inf of an incident capsule: exit status 0 reproduced, 1 not reproduced, "
+                    "2 could not load. The capsule is unpickled: the model's code must be importable, and "
+                    "only load a capsule you trust.")
+    replay.add_argument("capsule", help="the capsule file (hookprof-capsule-*.pt)")
+    replay.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run it (default cpu)")
+    replay.add_argument("--runs", type=int, default=3, help="runs before saying not reproduced (default 3)")
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from hookprof.nonfinite.reproduce import NOT_LOADED, replay
+
+    if args.runs < 1:
+        print(f"could not load: --runs {args.runs}: not a number of runs >= 1")
+        return NOT_LOADED
+    return replay(args.capsule, device=args.device, runs=args.runs)
 
 
 if __name__ == "__main__":

@@ -150,6 +150,20 @@ class Config:
     dump_dir: str = "hookprof-dumps"
     """Where on_nonfinite="dump" writes its reports."""
 
+    capsule_dir: str | None = None
+    """Where the incident capsule of a run's first NaN/Inf is written (one file: the producer
+    module, its inputs and output, or the step's forward inputs and the model, for
+    `hookprof replay`). None (the default): none is written. A capsule holds a batch of
+    training data: set it only where that data may be kept (docs/nonfinite.md)."""
+
+    capsule_max_count: int = 3
+    """At most this many capsules per process (several models, attach after attach)."""
+
+    capsule_max_bytes: int = 256 * 2**20
+    """A capsule holds the model's state_dict when it and the step's inputs fit in this many
+    bytes; above it, the inputs and a sha256 of each parameter (a named producer's module is
+    saved whatever its size)."""
+
     incident_steps: int = 20
     """After a NaN/Inf is seen, sample every step (forward checks on) for up to this many
     steps, until the layer that produced it is found."""
@@ -268,6 +282,10 @@ class Config:
         _check_range("on_nonfinite", self.on_nonfinite,
                      self.on_nonfinite in NONFINITE_POLICIES, f"one of {NONFINITE_POLICIES}")
         _check_range("incident_steps", self.incident_steps, self.incident_steps >= 0, ">= 0")
+        _check_range("capsule_dir", self.capsule_dir,
+                     self.capsule_dir is None or bool(self.capsule_dir.strip()), "a directory path, or None for no capsule")
+        _check_range("capsule_max_count", self.capsule_max_count, self.capsule_max_count >= 1, ">= 1")
+        _check_range("capsule_max_bytes", self.capsule_max_bytes, self.capsule_max_bytes >= 0, ">= 0")
         _check_range("max_skipped_steps", self.max_skipped_steps, self.max_skipped_steps >= 0, ">= 0")
         _check_range("vanishing_grad_norm", self.vanishing_grad_norm,
                      0 <= self.vanishing_grad_norm < self.exploding_grad_norm,

@@ -14,7 +14,9 @@ meant to be read by whoever reads the run's directory; a umask of 077 keeps them
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import secrets
 
 _FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
@@ -78,3 +80,13 @@ def _sync_directory(directory: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def safe_label(name: str) -> str:
+    """`name` (a model's label) as a plain file-name part: characters other than letters,
+    digits, `_`, `.`, `-` made `_`, with a short hash of the real name when any was, so
+    that two names never become one."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] or "model"
+    if safe != name:
+        safe += "-" + hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return safe

@@ -119,6 +119,12 @@ FIRST_NONFINITE_ORIGIN_INFO = Metric(
     ("rank", "phase", "step", "found_by", "replay", "host", "device"),
     "How the first NaN or Inf was settled: how its layer was found (found_by) and what a replay "
     "of its step said (replay: reproducible, transient, not replayed); host and device where it ran")
+CAPSULES_WRITTEN_TOTAL = Metric(
+    "hookprof_capsules_written_total", "counter", _RANK,
+    "Incident capsules written for the first NaN or Inf (Config.capsule_dir; hookprof replay re-runs one)")
+FIRST_NONFINITE_CAPSULE_INFO = Metric(
+    "hookprof_first_nonfinite_capsule_info", "gauge", ("rank", "step", "path"),
+    "The incident capsule of the first NaN or Inf: where it was written (path, on the training host)")
 PUBLISHER_THREAD_UP = Metric(
     "hookprof_publisher_thread_up", "gauge", _RANK,
     "1 while the background thread that folds sampled steps into snapshots is alive and publishing")

@@ -139,7 +139,7 @@ class Profiler:
                                         faults=self._faults, say=self._notices.say)
             self._incidents = IncidentResponse(config, self.rank, self._nan.detector, self._publisher,
                                                self._drain_counters, self._nan.replay_pending,
-                                               model=self.name, faults=self._faults)
+                                               model=self.name, faults=self._faults, capsules=self._nan.capsules)
             self._supervisor = ThreadSupervisor(self._faults)
             self._supervisor.watch("publisher", self._publisher)
             if config.stall_detection:
@@ -202,7 +202,7 @@ class Profiler:
         if not self.detached:  # flags a replay waits for are waited for too: answered now
             self._nan.settle(self._counters.steps + 1)
             self._drain_counters()
-        return self._publisher.flush(timeout)
+        return self._incidents.flushed(self._publisher.flush(timeout), self.detached)
 
     def report_document(self) -> dict[str, Any]:
         """The run report's data for this model (what /history.json serves; publish/document.py)."""

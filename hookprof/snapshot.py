@@ -105,6 +105,9 @@ class NonFiniteEvent:
     """Why the step was not replayed."""
     device: str = "cpu"
     """Where the step ran: "cpu", or the GPU's UUID (so a platform team can drain it)."""
+    capsule: str | None = None
+    """The incident capsule's path (Config.capsule_dir; `hookprof replay` re-runs it), once
+    written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +164,7 @@ class Snapshot:
     )
     skipped_steps: int = 0
     held_back_updates: int = 0  # non-finite updates held back (on_nonfinite "skip"/"raise")
+    capsules_written: int = 0  # incident capsules written (Config.capsule_dir)
     internal_errors: int = 0
     layers: Mapping[str, LayerStats] = field(default_factory=lambda: _EMPTY)
     """Every instrumented layer by qualified name, in named_modules() order."""

@@ -28,6 +28,7 @@ the snapshot.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -143,6 +144,7 @@ class Attribution:
         self._backward: dict[int, dict[int, float]] = {}  # step with a non-finite gradient -> backward starts
         self._replayed: dict[int, tuple[ForwardFinding, int]] = {}  # step -> (finding, updates since)
         self._not_replayed: dict[int, str] = {}
+        self._capsules: list[str] = []  # incident capsules written (capsule.py): the first is the event's
         self.event: NonFiniteEvent | None = None
 
     # ---------------- what was observed ----------------
@@ -185,6 +187,14 @@ class Attribution:
         """The forward of `step` went non-finite and could not be replayed, for `why`."""
         self._not_replayed[step] = why
 
+    def capsule_written(self, path: str) -> None:
+        """The incident capsule of the run's replayed NaN/Inf was written to `path`."""
+        self._capsules.append(path)
+
+    @property
+    def capsules_written(self) -> int:
+        return len(self._capsules)
+
     # ---------------- the answer ----------------
 
     def decide(self) -> NonFiniteEvent | None:
@@ -201,11 +211,12 @@ class Attribution:
         first, _, phase = min(firsts)
         self._prune()
         if phase == "forward":
-            self.event = self._forward(first, c["phase_first"][PHASE_INDEX["backward"]])
+            event = self._forward(first, c["phase_first"][PHASE_INDEX["backward"]])
         elif phase == "loss":
-            self.event = NonFiniteEvent(LOSS_LAYER, phase, first, found_by=FOUND_BY_LOSS, device=self._device)
+            event = NonFiniteEvent(LOSS_LAYER, phase, first, found_by=FOUND_BY_LOSS, device=self._device)
         else:
-            self.event = self._backward_first(first, c["layer_first"])
+            event = self._backward_first(first, c["layer_first"])
+        self.event = dataclasses.replace(event, capsule=self._capsules[0]) if self._capsules else event
         return self.event
 
     def _forward(self, first: int, backward_first: int) -> NonFiniteEvent:

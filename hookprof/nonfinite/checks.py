@@ -28,6 +28,7 @@ from torch import nn
 from hookprof.config import Config
 from hookprof.faults import Faults
 from hookprof.layers import LayerTable
+from hookprof.nonfinite.capsule import Capsules
 from hookprof.nonfinite.detector import Detector, loss_flag, nonfinite_flags
 from hookprof.nonfinite.guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
 from hookprof.nonfinite.output import OutputFlags
@@ -60,8 +61,12 @@ class NonfiniteChecks:
         # FSDP2 / tensor parallel: re-running the forward on one rank would start all-gathers
         # the other ranks never join, so a forward NaN is localised on the following
         # (sampled) steps instead
+        # the incident capsule (Config.capsule_dir): rides the replay, sent with the counters
+        self.capsules = None if config.capsule_dir is None else Capsules(
+            config, faults=faults, say=say,
+            send=lambda step, path: publisher.submit(self.pack(step, None, sampled=False, capsule=path)))
         self.replay = ForwardReplay(model, enabled=not table.has_dtensor_params,
-                                    keep_late=self.guard is not None, say=say)
+                                    keep_late=self.guard is not None, say=say, witness=self.capsules)
         # the output check of a compiled model, traced into its graph (traced.py)
         params = table.params
         self.traced = TracedOutputCheck(params[0].device if params else torch.device("cpu"))

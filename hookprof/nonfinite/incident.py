@@ -6,11 +6,9 @@ sampled) until its layer is known; the first one is acted on by the configured p
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
-import re
 import socket
 import time
 from collections.abc import Callable
@@ -22,7 +20,8 @@ from hookprof.device import transfer
 from hookprof.config import Config
 from hookprof.errors import NonFiniteError
 from hookprof.faults import Faults, log
-from hookprof.files import write_atomic
+from hookprof.files import safe_label, write_atomic
+from hookprof.nonfinite.capsule import Capsules, describe_capsule
 from hookprof.nonfinite.detector import Detector
 from hookprof.snapshot import (
     FOUND_BY_BACKWARD,
@@ -67,8 +66,9 @@ class IncidentResponse:
     def __init__(self, config: Config, rank: int, detector: Detector, publisher: PublisherLike,
                  drain_counters: Callable[[], None],
                  replay_pending: Callable[[int], bool] = lambda step: False, *,
-                 model: str = "model", faults: Faults | None = None):
+                 model: str = "model", faults: Faults | None = None, capsules: Capsules | None = None):
         self._config = config
+        self._capsules = capsules  # the incident capsule (Config.capsule_dir), written from here
         self._rank = rank
         self._model = model  # the profiler's `model` label: the dump's file name carries it
         # a dump that cannot be written is a fault of the dump alone (reported with
@@ -106,6 +106,7 @@ class IncidentResponse:
                 # caught up with it (the publisher's Python work only, never a device wait)
                 self._publisher.settle()
         snap = self._publisher.latest
+        self._capsule_when_settled(snap)
         bad = sum(snap.nonfinite_steps.values())
         if bad <= self._known_bad:
             if self._act_by is not None:
@@ -132,13 +133,47 @@ class IncidentResponse:
         # the replay may have been published since `snap` was read (its token is set after
         # `latest`): act on the newest snapshot, which then names the layer
         snap = self._publisher.latest
-        event = snap.first_nonfinite or event
+        event = self._with_capsule(snap.first_nonfinite or event)
         self._act_by = None
         self._acted = True
         if self._config.on_nonfinite == "dump":
             self._dump(event, snap)
         else:
             apply(self._config.on_nonfinite, event, snap, self._config, self._rank, model=self._model)
+
+    def flushed(self, done: bool, detached: bool) -> bool:
+        """Profiler.flush() returned `done`: a capsule waiting for its incident to settle is
+        written now (the run may end here: no later step end would write it)."""
+        if not detached and self._capsule_when_settled(self._publisher.latest):
+            done = self._publisher.flush()  # the snapshot carries its path from now on
+        return done
+
+    def _capsule_when_settled(self, snap: Snapshot) -> bool:
+        """Write the capsule once the first NaN/Inf is settled: its replay's verdict known
+        (or it is another step's). A policy still holding for the replay writes it when it
+        acts (`_with_capsule`), so that its log line or exception gives the path; under
+        "record", or after the policy acted, its own log line does."""
+        capsules, event = self._capsules, snap.first_nonfinite
+        if capsules is None or capsules.draft is None or event is None or self._act_by is not None:
+            return False
+        if event.step == capsules.draft.step and event.replay is None:
+            return False  # the replay's packet is not folded yet
+        if self._config.on_nonfinite != "record" and not self._acted:
+            return False  # the policy writes it as it acts
+        path = capsules.write(event, model=self._model, rank=self._rank, summary=describe(event, self._rank))
+        if path is not None:
+            log.warning("hookprof: %s", describe(dataclasses.replace(event, capsule=path), self._rank))
+        return path is not None
+
+    def _with_capsule(self, event: NonFiniteEvent) -> NonFiniteEvent:
+        """`event` with its capsule's path, the capsule written now if it waits."""
+        capsules = self._capsules
+        if capsules is None:
+            return event
+        path = capsules.path
+        if capsules.draft is not None:
+            path = capsules.write(event, model=self._model, rank=self._rank, summary=describe(event, self._rank))
+        return dataclasses.replace(event, capsule=path) if path is not None else event
 
     def _dump(self, event: NonFiniteEvent, snap: Snapshot) -> None:
         """The "dump" policy, contained: a report that cannot be written (a full disk, a
@@ -192,7 +227,7 @@ def describe(event: NonFiniteEvent, rank: int) -> str:
         text += f", after its child {event.last_finite_child} ran finite"
     if event.propagators:
         text += f" (then {', '.join(event.propagators[:5])}{' ...' if len(event.propagators) > 5 else ''})"
-    return text + replay_words(event, rank)
+    return text + replay_words(event, rank) + describe_capsule(event.capsule)
 
 
 def origin(event: NonFiniteEvent) -> str:
@@ -264,10 +299,7 @@ def dump_path(directory: str, model: str, rank: int, step: int) -> str:
     processes of one rank (several jobs, a restarted job) sharing dump_dir, never write one
     file. A model name that is not a plain file name is made one (with a short hash of the
     real name, so that two names never become one)."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", model)[:80] or "model"
-    if safe != model:
-        safe += "-" + hashlib.sha1(model.encode("utf-8", "surrogatepass")).hexdigest()[:8]
-    return os.path.join(directory, f"hookprof-nonfinite-{safe}-rank{rank}-pid{os.getpid()}-step{step}.json")
+    return os.path.join(directory, f"hookprof-nonfinite-{safe_label(model)}-rank{rank}-pid{os.getpid()}-step{step}.json")
 
 
 def write_report(event: NonFiniteEvent, snap: Snapshot, directory: str, rank: int,

@@ -94,13 +94,15 @@ class CapturedForward:
     step never swaps the current step's capture out and back (an exception in between
     would leave the kept step's in its place)."""
 
-    __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng", "updates")
+    __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng", "updates", "modes")
 
     def __init__(self, module: nn.Module | None, args: tuple, kwargs: dict | None,
-                 cpu_rng: torch.Tensor, cuda_rng: list[torch.Tensor] | None, updates: int = 0):
+                 cpu_rng: torch.Tensor, cuda_rng: list[torch.Tensor] | None, updates: int = 0,
+                 modes: dict | None = None):
         self.module, self.args, self.kwargs = module, args, kwargs
         self.cpu_rng, self.cuda_rng = cpu_rng, cuda_rng
         self.updates = updates  # updates applied to the weights before this forward
+        self.modes = modes  # grad mode and autocast at its start (kept for a capsule only)
 
 
 class ForwardReplay:
@@ -108,8 +110,11 @@ class ForwardReplay:
     one replay of the run has happened (`enabled=False`: never, e.g. under DTensor)."""
 
     def __init__(self, model: nn.Module, enabled: bool = True, keep_late: bool = False,
-                 say: Callable[[str, str], None] | None = None):
+                 say: Callable[[str, str], None] | None = None, witness: Any = None):
         self._model_ref = weakref.ref(model)  # weakly: see layers.Layer.module_ref
+        # capsule.Capsules when Config.capsule_dir is set: it watches the one replay and
+        # keeps what it used (`watch`), and the forward's modes are kept for it (`modes`)
+        self._witness = witness
         self.captured: CapturedForward | None = None  # this step's last training forward
         self.done = not enabled
         self._flag: tuple[Any, Any] | None = None  # (host flag, ready event) of the output check
@@ -162,7 +167,8 @@ class ForwardReplay:
             return
         if rng is None:
             rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
-        self.captured = CapturedForward(module, args, kwargs, rng[0], rng[1], self._updates)
+        self.captured = CapturedForward(module, args, kwargs, rng[0], rng[1], self._updates,
+                                        self._witness.modes() if self._witness is not None else None)
 
     def clear(self) -> None:
         self.captured = None
@@ -278,6 +284,9 @@ class ForwardReplay:
         cuda_rng = torch.cuda.get_rng_state_all() if captured.cuda_rng is not None else None
         originals = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
                      if b is not None]
+        watch = (self._witness.watch(model, captured, step) if self._witness is not None
+                 else contextlib.nullcontext(None))
+        keep = None
         try:
             with torch.no_grad():
                 for module, name, buffer in originals:
@@ -286,7 +295,7 @@ class ForwardReplay:
             if captured.cuda_rng is not None:
                 torch.cuda.set_rng_state_all(captured.cuda_rng)
             # eagerly, with the layer hooks: a model compiled in place (model.compile()) too
-            with hooks.replaying_into(rec), torch.no_grad(), eager():
+            with hooks.replaying_into(rec), torch.no_grad(), eager(), watch as keep:
                 hooks.note_root_inputs(captured.args, captured.kwargs)
                 target(*captured.args, **(captured.kwargs or {}))
         except Exception as exc:
@@ -300,4 +309,6 @@ class ForwardReplay:
                 torch.cuda.set_rng_state_all(cuda_rng)
             self.clear()  # done: no step's inputs are kept from here on
             self._late.clear()
+        if keep is not None:  # the capsule's copy, with the model's own buffers back
+            keep(self.moved)
         return True

@@ -141,6 +141,8 @@ class Aggregator:
             self.device_counts[name] = (max(old[0], new[0]), max(old[1], new[1]))
         if packet.not_replayed is not None:
             self._attribution.not_replayed(packet.step, packet.not_replayed)
+        if packet.capsule is not None:
+            self._attribution.capsule_written(packet.capsule)
         if packet.record is None and not packet.sampled:  # a drain of the counters alone
             loss = self.loss_of(packet)
             if loss is not None and packet.step == self.last_sampled_step:
@@ -457,6 +459,7 @@ class Aggregator:
             nonfinite_steps=MappingProxyType(nonfinite_steps),
             skipped_steps=skipped,
             held_back_updates=held_back,
+            capsules_written=self._attribution.capsules_written,
             internal_errors=internal_errors,
             layers=self._layers,
             exported_layers=self._exported,

@@ -136,6 +136,7 @@ class SnapshotCollector(Collector):
 
         yield _one(names.SKIPPED_STEPS_TOTAL, rank, snap.skipped_steps)
         yield _one(names.HELD_BACK_UPDATES_TOTAL, rank, snap.held_back_updates)
+        yield _one(names.CAPSULES_WRITTEN_TOTAL, rank, snap.capsules_written)
 
         flagged = family(names.GRADIENT_FLAGGED_STEPS_TOTAL)
         for kind in ("vanishing", "exploding"):  # pre-initialised for increase()
@@ -157,6 +158,10 @@ class SnapshotCollector(Collector):
             origin.add_metric([rank, event.phase, str(event.step), event.found_by or "",
                                event.replay or "", _HOST, event.device], 1)
             yield origin
+        if event is not None and event.capsule is not None:
+            capsule = family(names.FIRST_NONFINITE_CAPSULE_INFO)
+            capsule.add_metric([rank, str(event.step), event.capsule], 1)
+            yield capsule
 
     def _layer_metrics(self, snap: Snapshot, rank: str) -> Iterator[Metric]:
         fwd = family(names.LAYER_FORWARD_SECONDS)

@@ -189,6 +189,7 @@ class Packet:
     # the forward of `step` went non-finite and could not be replayed: why (nonfinite/replay.py)
     not_replayed: str | None = None
     replay_moved: int = 0  # a replay's packet: updates applied between its forward and the replay
+    capsule: str | None = None  # the incident capsule written for `step` (nonfinite/capsule.py)
 
 
 def real_loss(loss: Any) -> tuple[Any, str | None]:
@@ -227,7 +228,7 @@ def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.T
               loss: Any = None, sampled: bool = True,
               counts: dict[str, list[torch.Tensor]] | None = None, efficiency: Any = None,
               extra: list[tuple[Any, torch.Tensor]] = (), not_replayed: str | None = None,
-              replay_moved: int = 0) -> Packet:
+              replay_moved: int = 0, capsule: str | None = None) -> Packet:
     """Gather one step's device scalars (per-device gradient squares, the record's activation
     reductions, the non-finite counter blocks, the loss) and start their one device-to-host
     copy; the returned packet is the publisher's. Also for a replayed forward (`sampled=False`
@@ -250,7 +251,8 @@ def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.T
     packet = Packet(step=step, record=record, sampled=sampled, grad_parts=len(parts),
                     has_grad=has_grad, act_order=act_order, counter_parts=len(counter_blocks),
                     count_parts=count_parts, efficiency=efficiency, stat_order=stat_order,
-                    stat_parts=stat_parts, not_replayed=not_replayed, replay_moved=replay_moved)
+                    stat_parts=stat_parts, not_replayed=not_replayed, replay_moved=replay_moved,
+                    capsule=capsule)
     if isinstance(loss, torch.Tensor) and not transfer.on_host(loss):
         batch.add("loss", loss.detach().reshape(-1)[:1])  # rides the step's one copy
         packet.loss_in_batch = True

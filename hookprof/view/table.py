@@ -54,6 +54,7 @@ class FirstNonFinite:
     step: int
     found_by: str | None = None  # NonFiniteEvent.found_by
     replay: str | None = None  # "reproducible", "transient", "not replayed" (NonFiniteEvent.replay)
+    capsule: str | None = None  # the incident capsule's path (NonFiniteEvent.capsule)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,8 +158,8 @@ def from_snapshot(snap: Snapshot, model: str = "") -> RunTable:
         step_buckets=tuple((float(b), float(c)) for b, c in snap.step_duration_buckets),
         step_seconds_sum=snap.step_duration_sum, loss=snap.loss, grad_norm=snap.grad_norm,
         nonfinite_steps=dict(snap.nonfinite_steps), skipped_steps=snap.skipped_steps,
-        first_nonfinite=FirstNonFinite(first.layer, first.phase, first.step, first.found_by, first.replay)
-        if first else None,
+        first_nonfinite=FirstNonFinite(first.layer, first.phase, first.step, first.found_by, first.replay,
+                                       first.capsule) if first else None,
         position=_position(snap.progress.step, snap.progress.phase, snap.progress.phase_seconds)
         if snap.progress is not None else None,
         stall=_stall(snap.stall.step, snap.stall.phase, snap.stall.layer, snap.stall.waiting_on)
@@ -271,6 +272,8 @@ def _read_sample(run: _Run, name: str, labels: Mapping[str, str], value: float) 
     elif name == names.FIRST_NONFINITE_ORIGIN_INFO.name:
         run.values["first_origin"] = (labels["found_by"] or None, labels["replay"] or None)
         run.values["first_at"] = (labels["phase"], _whole(labels["step"], "the step label"))
+    elif name == names.FIRST_NONFINITE_CAPSULE_INFO.name:
+        run.values["first_capsule"] = labels["path"]
     elif name in _LAYER_SAMPLES:
         layer = run.layer(labels["layer"])
         layer[_LAYER_SAMPLES[name]] = value
@@ -459,7 +462,7 @@ def _first(values: dict[str, Any]) -> FirstNonFinite | None:
         return None
     phase, step = values["first_at"]
     found_by, replay = values.get("first_origin", (None, None))
-    return FirstNonFinite(values.get("first_layer"), phase, step, found_by, replay)
+    return FirstNonFinite(values.get("first_layer"), phase, step, found_by, replay, values.get("first_capsule"))
 
 
 def first_words(f: FirstNonFinite) -> str:
@@ -483,6 +486,8 @@ def nonfinite_line(h: RunHeader) -> str:
         text += f"; first: {first_words(f)}"
     if h.skipped_steps:
         text += f"; GradScaler skipped {h.skipped_steps} steps"
+    if h.first_nonfinite is not None and h.first_nonfinite.capsule:
+        text += f"; capsule: {h.first_nonfinite.capsule} (hookprof replay it)"
     return text
 
 

@@ -130,11 +130,12 @@ def test_the_docs_list_exactly_what_the_demo_exports(demo_page):
 
 
 @pytest.fixture(scope="module")
-def demo_page() -> str:
+def demo_page(tmp_path_factory) -> str:
     """The /metrics page of a real `hookprof demo` once every series the docs promise on a
     CPU is on it (or COMPLETE_TIMEOUT_S passed: the test then says what is missing)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKPROF_")}
-    env.update(DEMO_ENV, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    env.update(DEMO_ENV, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+               HOOKPROF_CAPSULE_DIR=str(tmp_path_factory.mktemp("capsules")))  # its NaN's capsule
     proc = subprocess.Popen([sys.executable, "-m", "hookprof.cli", *DEMO_ARGS], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

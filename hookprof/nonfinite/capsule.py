@@ -1,0 +1,451 @@
+"""The incident capsule: the bad step's computation saved to one file, to be re-run anywhere.
+
+When `Config.capsule_dir` is set, the forward replay that names a NaN's producer (replay.py)
+is watched: every module call of the replay is seen (its inputs, output and the RNG state at
+its start, by reference: nothing is copied while the replay runs). When the replay is over,
+still at the incident step, one read of the calls' finiteness flags (the one wait for the
+device, and only at that step) picks the calls that made a NaN/Inf from finite inputs: the
+candidate producers. Their modules, inputs and outputs are copied to the CPU then, with the
+step's forward inputs and the model itself (under `capsule_max_bytes`; above it a hash of
+each parameter). That copy (the `CapsuleDraft`) is written once the first NaN/Inf is settled
+(`write`): the producer the attribution named, or the whole forward when none is, and
+hookprof's view of the incident. `hookprof replay CAPSULE` (reproduce.py) re-runs it.
+
+Nothing here runs without an incident: the hooks go in for the replay only, and the replay
+runs only for a non-finite step. At most `capsule_max_count` capsules are written per
+process (a process-wide count: several models, attach after attach).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import io
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookprof._version import __version__
+from hookprof.config import Config
+from hookprof.device.identity import device_name
+from hookprof.faults import Faults
+from hookprof.files import safe_label, write_atomic
+from hookprof.layers import INPUT_NAME, ROOT_NAME
+from hookprof.snapshot import NonFiniteEvent
+from hookprof.tensors import iter_tensors
+
+FORMAT = 1  # the capsule's layout (reproduce.py refuses a newer one by name)
+FORM_PRODUCER = "producer"  # the named producer module, its inputs and output
+FORM_MODEL = "model"  # no layer named: the step's forward inputs and the whole model
+FORM_HASHES = "inputs and hashes"  # ... the model above capsule_max_bytes: a hash per parameter
+
+_count_lock = threading.Lock()
+_written = 0  # capsules written (or being written) by this process
+
+
+def written_in_process() -> int:
+    return _written
+
+
+def forget_written() -> None:
+    """Start the per-process count again (hookprof._testing: tests in one process)."""
+    global _written
+    with _count_lock:
+        _written = 0
+
+
+def _take_slot(limit: int) -> bool:
+    global _written
+    with _count_lock:
+        if _written >= limit:
+            return False
+        _written += 1
+        return True
+
+
+def _give_back_slot() -> None:
+    global _written
+    with _count_lock:
+        _written -= 1
+
+
+def capsule_path(directory: str, model: str, rank: int, step: int) -> str:
+    """The capsule's file; a second one of this process for the same model, rank and step (a
+    model attached again under the same name) is told apart by a count: never overwritten."""
+    stem = os.path.join(directory, f"hookprof-capsule-{safe_label(model)}-rank{rank}-step{step}-{os.getpid()}")
+    path, n = stem + ".pt", 1
+    while os.path.lexists(path):
+        n += 1
+        path = f"{stem}-{n}.pt"
+    return path
+
+
+def forward_modes() -> dict[str, Any]:
+    """Grad mode and autocast as a training forward starts (the replay runs outside them)."""
+    modes: dict[str, Any] = {"grad_enabled": torch.is_grad_enabled(), "autocast": {}}
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            modes["autocast"][device_type] = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+    return modes
+
+
+# ---------------------------------------------------------------- copies to the CPU
+
+
+def to_cpu(value: Any) -> Any:
+    """`value` with every tensor in it (tuples, lists, dicts) copied to the CPU, detached."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(to_cpu(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, to_cpu(v)) for k, v in value.items())
+    return value
+
+
+def module_on_cpu(module: nn.Module) -> nn.Module:
+    """A copy of `module` on the CPU without its hooks, made without a second copy on its
+    device: parameters and buffers go straight to the CPU (deepcopy's memo), the hook
+    dictionaries (hookprof's or anyone's) come back empty."""
+    memo: dict[int, Any] = {}
+    for m in module.modules():
+        for key, value in vars(m).items():
+            if key.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called")) and isinstance(value, dict):
+                memo[id(value)] = type(value)()
+        for name, p in m._parameters.items():
+            if p is not None and id(p) not in memo:
+                memo[id(p)] = nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
+        for name, b in m._buffers.items():
+            if b is not None and id(b) not in memo:
+                memo[id(b)] = b.detach().to("cpu", copy=True)
+    return copy.deepcopy(module, memo)
+
+
+def class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def importable(cls: type) -> bool:
+    """Can a fresh process import `cls` by its name (what unpickling the module needs)?"""
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        return False
+    try:
+        import importlib
+
+        found: Any = importlib.import_module(cls.__module__)
+        for part in cls.__qualname__.split("."):
+            found = getattr(found, part)
+    except Exception:
+        return False
+    return found is cls
+
+
+def module_entry(module: nn.Module) -> dict[str, Any]:
+    """A module as the capsule holds it: pickled whole (bytes, loaded on its own by
+    `hookprof replay`) when its class is importable, else its state_dict and class name.
+    `module` is a CPU copy already."""
+    entry: dict[str, Any] = {"class": class_name(type(module)), "training": module.training}
+    why = None
+    if importable(type(module)):
+        try:
+            buffer = io.BytesIO()
+            torch.save(module, buffer)
+            entry["pickle"] = buffer.getvalue()
+            return entry
+        except Exception as exc:  # an attribute that does not pickle (a lambda, a lock)
+            why = f"it does not pickle: {type(exc).__name__}: {exc}"
+    entry["state_dict"] = {k: v.detach() for k, v in module.state_dict().items()}
+    entry["not_pickled"] = why or f"its class {entry['class']} cannot be imported by name"
+    return entry
+
+
+def tensor_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in iter_tensors(value))
+
+
+def parameter_hash(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes as stored (compare with the same of a checkpoint's)."""
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+
+
+def dtypes_of(value: Any) -> list[str]:
+    return [str(t.dtype).removeprefix("torch.") for t in iter_tensors(value)]
+
+
+# ---------------------------------------------------------------- the replay, watched
+
+
+@dataclasses.dataclass(slots=True)
+class CallSeen:
+    name: str
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    versions: list[int]  # of the input tensors at the call's start (an in-place change shows)
+    inputs_finite: Any  # 0-d bool tensor (or True)
+    cpu_rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+    output: Any = None
+    output_bad: Any = False
+
+
+def _all_finite(value: Any) -> Any:
+    """One 0-d bool on the device (no wait): is every floating tensor in `value` finite?"""
+    flags = [torch.isfinite(t.detach()).all() for t in iter_tensors(value)
+             if (t.is_floating_point() or t.is_complex()) and t.numel()]
+    if not flags:
+        return True
+    return torch.stack([f.to(flags[0].device) for f in flags]).all()
+
+
+@dataclasses.dataclass
+class CapsuleDraft:
+    """What the replay of step `step` saw, on the CPU, until the first NaN/Inf is settled."""
+
+    step: int
+    moved: int  # updates between the bad forward and its replay (0: the weights it had)
+    modes: dict[str, Any] | None
+    entry: str | None  # the module the loop called (None: the model itself)
+    inputs: bytes  # torch.save of (args, kwargs) of the step's forward
+    input_dtypes: list[str]
+    cpu_rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+    producers: dict[str, dict[str, Any]]  # candidate name -> its capsule entry
+    model: dict[str, Any] | None  # module_entry of the model, under the cap
+    hashes: dict[str, str] | None  # above the cap: sha256 of each parameter
+    left_out: list[str]
+    model_class: str
+    device: str
+    parameter_dtypes: dict[str, str]
+    sizes: dict[str, int]
+
+
+class ReplayWatch:
+    """The hooks of one replay: every module call's inputs, output, RNG at its start."""
+
+    def __init__(self, model: nn.Module, cuda: bool):
+        self._names = {id(m): (name or ROOT_NAME) for name, m in model.named_modules()}
+        self._cuda = cuda
+        self.calls: list[CallSeen] = []
+        self._open: list[CallSeen] = []
+
+    @contextmanager
+    def watching(self, model: nn.Module) -> Iterator[None]:
+        handles = []
+        try:
+            for module in model.modules():
+                handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+                handles.append(module.register_forward_hook(self._post, always_call=True))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        tensors = list(iter_tensors((args, kwargs)))
+        call = CallSeen(self._names.get(id(module), type(module).__name__), module, args, kwargs,
+                        [t._version for t in tensors], _all_finite((args, kwargs)), torch.get_rng_state(),
+                        torch.cuda.get_rng_state_all() if self._cuda else None)
+        self._open.append(call)
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self._open or self._open[-1].module is not module:
+            return  # a call begun before the hooks went in
+        call = self._open.pop()
+        call.output = output
+        flag = _all_finite(output)
+        call.output_bad = False if flag is True else ~flag
+        self.calls.append(call)  # in the order calls end: innermost first
+
+    def producers(self) -> list[CallSeen]:
+        """The calls that made a NaN/Inf from finite inputs, innermost first, one per name."""
+        flags = []
+        for c in self.calls:
+            flags += [c.inputs_finite, c.output_bad]
+        tensors = [f for f in flags if isinstance(f, torch.Tensor)]
+        # note: a CPU-GPU sync point, at the incident step only (after its replay)
+        values = iter(torch.stack([t.to("cpu") for t in tensors]).tolist()) if tensors else iter(())
+        read = [bool(next(values)) if isinstance(f, torch.Tensor) else bool(f) for f in flags]
+        out: dict[str, CallSeen] = {}
+        for k, c in enumerate(self.calls):
+            if read[2 * k] and read[2 * k + 1] and c.name not in out:
+                out[c.name] = c
+        return list(out.values())
+
+
+# ---------------------------------------------------------------- the part
+
+
+class Capsules:
+    """The capsule of one profiler: watches its replay (at most one per run), keeps the
+    draft, writes it when asked (`write`). Faults here cost the capsule only."""
+
+    def __init__(self, config: Config, *, faults: Faults, send: Callable[[int, str], None],
+                 say: Callable[[str, str], None] | None = None):
+        self._dir = config.capsule_dir
+        self._max_count = config.capsule_max_count
+        self._max_bytes = config.capsule_max_bytes
+        self._policy = config.on_nonfinite
+        self._faults = faults
+        self._send = send  # (step, path) to the publisher: the event and the counter carry it
+        self._say = say
+        self.draft: CapsuleDraft | None = None
+        self.path: str | None = None  # the capsule written, once it is
+
+    modes = staticmethod(forward_modes)
+
+    @contextmanager
+    def watch(self, model: nn.Module, captured: Any, step: int) -> Iterator[Callable[[int], None]]:
+        """Around one replay of `captured` (replay.CapturedForward): yields `done(moved)`,
+        which the replay calls after its forward ran and the model's buffers are back. A
+        fault here (setting up, or building the draft) is counted and costs the capsule."""
+        watch = None
+        with self._faults.contain("incident capsule", disable=False):
+            if self.draft is None and self.path is None:
+                watch = ReplayWatch(model, captured.cuda_rng is not None)
+        if watch is None:
+            yield lambda moved: None
+            return
+
+        def done(moved: int) -> None:
+            with self._faults.contain("incident capsule", disable=False):
+                self.draft = self._draft(model, watch, captured, step, moved)
+            watch.calls.clear()  # nothing of the step is held past here but the draft
+
+        with watch.watching(model):
+            yield done
+
+    def _draft(self, model: nn.Module, watch: ReplayWatch, captured: Any, step: int,
+               moved: int) -> CapsuleDraft:
+        left_out: list[str] = []
+        producers = {}
+        for call in watch.producers():
+            now = [t._version for t in iter_tensors((call.args, call.kwargs))]
+            entry = module_entry(module_on_cpu(call.module))
+            entry.update(name=call.name, module_type=type(call.module).__name__,
+                         inputs=_saved((to_cpu(call.args), to_cpu(call.kwargs))),
+                         output=_saved(to_cpu(call.output)), cpu_rng=call.cpu_rng,
+                         cuda_rng=call.cuda_rng, input_dtypes=dtypes_of((call.args, call.kwargs)),
+                         output_dtypes=dtypes_of(call.output),
+                         inputs_changed_in_place=now != call.versions)
+            producers[call.name] = entry
+        inputs = (to_cpu(captured.args), to_cpu(captured.kwargs or {}))
+        state = model.state_dict()
+        state_bytes = tensor_bytes(state)
+        input_bytes = tensor_bytes(inputs)
+        sizes = {"state_dict_bytes": state_bytes, "input_bytes": input_bytes, "max_bytes": self._max_bytes}
+        model_entry, hashes = None, None
+        if state_bytes + input_bytes <= self._max_bytes:
+            model_entry = module_entry(module_on_cpu(model))
+        else:
+            hashes = {name: parameter_hash(t) for name, t in state.items()}
+            left_out.append(f"the model's state_dict ({state_bytes} bytes, with {input_bytes} bytes of inputs "
+                            f"above capsule_max_bytes={self._max_bytes}): a sha256 of each tensor instead")
+        devices = {t.device for t in state.values()}
+        return CapsuleDraft(
+            step=step, moved=moved, modes=getattr(captured, "modes", None),
+            entry=next((n for n, m in model.named_modules() if m is captured.module), None)
+            if captured.module is not None else None,
+            inputs=_saved(inputs), input_dtypes=dtypes_of(inputs), cpu_rng=captured.cpu_rng,
+            cuda_rng=captured.cuda_rng, producers=producers, model=model_entry, hashes=hashes,
+            left_out=left_out, model_class=class_name(type(model)), device=device_name(devices),
+            parameter_dtypes={k: str(v.dtype).removeprefix("torch.") for k, v in state.items()},
+            sizes=sizes)
+
+    def write(self, event: NonFiniteEvent, *, model: str, rank: int, summary: str = "") -> str | None:
+        """Write the draft for `event` (the first NaN/Inf, settled or about to be acted on);
+        returns the capsule's path, None when there is none to write or it failed (counted
+        in hookprof_internal_errors_total, said once: training goes on)."""
+        draft, self.draft = self.draft, None
+        if draft is None:
+            return None
+        if not _take_slot(self._max_count):
+            if self._say is not None:
+                self._say("capsule limit", f"no capsule written for the NaN/Inf of step {draft.step}: this "
+                                           f"process has written capsule_max_count={self._max_count} already")
+            return None
+        path = capsule_path(self._dir, model, rank, draft.step)
+        try:
+            buffer = io.BytesIO()
+            torch.save(self._contents(draft, event, path, model, rank, summary), buffer)
+            write_atomic(path, buffer.getvalue(), make_dirs=True)
+        except Exception as exc:  # a full disk, capsule_dir not a directory: the capsule only
+            _give_back_slot()
+            self._faults.report(f"incident capsule ({path})", exc, disable=False)
+            return None
+        self.path = path
+        self._send(draft.step, path)
+        return path
+
+    def _contents(self, draft: CapsuleDraft, event: NonFiniteEvent, path: str, model: str,
+                  rank: int, summary: str) -> dict[str, Any]:
+        named = event.layer if event.layer in draft.producers else None
+        left_out = list(draft.left_out)
+        if named is not None:
+            form = FORM_PRODUCER
+            left_out.append("the model's other modules and the step's forward inputs (the producer was named)")
+        else:
+            form = FORM_MODEL if draft.model is not None else FORM_HASHES
+            if event.layer == INPUT_NAME:
+                left_out.append("no producer: the batch already held the NaN/Inf")
+        cuda = draft.cuda_rng is not None
+        view = {
+            "event": {**dataclasses.asdict(event), "capsule": path},
+            "summary": summary,
+            "step": draft.step,
+            "model": model,
+            "model_class": draft.model_class,
+            "rank": rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "written_at": time.time(),
+            "device": draft.device,
+            "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+            "device_uuid": draft.device if draft.device.startswith("GPU-") else None,
+            "torch_version": str(torch.__version__),
+            "hookprof_version": __version__,
+            "policy": self._policy,
+            "weights_intact": draft.moved == 0,
+            "updates_since_forward": draft.moved,
+            "modes": draft.modes,
+            "dtypes": {"inputs": draft.input_dtypes, "parameters": draft.parameter_dtypes},
+            "form": form,
+            "left_out": left_out,
+            "sizes": draft.sizes,
+        }
+        contents: dict[str, Any] = {"format": FORMAT, "view": view}
+        if named is not None:
+            contents["producer"] = draft.producers[named]
+            return contents
+        contents["forward"] = {"inputs": draft.inputs, "entry": draft.entry, "cpu_rng": draft.cpu_rng,
+                               "cuda_rng": draft.cuda_rng}
+        if draft.model is not None:
+            contents["model"] = draft.model
+        else:
+            contents["hashes"] = draft.hashes
+        return contents
+
+
+def _saved(value: Any) -> bytes:
+    """torch.save of `value` as bytes: the capsule itself loads without the user's classes,
+    and each part that needs them is loaded on its own (reproduce.py names what is missing)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def describe_capsule(path: str | None) -> str:
+    return f"; capsule written to {path} (hookprof replay {path})" if path else ""
+
+

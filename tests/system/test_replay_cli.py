@@ -1,0 +1,69 @@
+"""`hookprof replay CAPSULE` in a fresh process (issue 31): a capsule written by a real
+training run is re-run by the real command; its verdict line, exit status and ranges."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hookprof import _testing
+from support.capsules import capsule_of, local_producer_capsule
+from support.first_nan import Overflow, TransientPoison
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def fresh_count():
+    _testing.forget_capsules_written()
+    yield
+    _testing.forget_capsules_written()
+
+
+def replay(path: str, *args: str) -> subprocess.CompletedProcess:
+    """The command in a new process, with the tests' models importable (as the user's model
+    code must be) and nothing of the training process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKPROF_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    return subprocess.run([sys.executable, "-m", "hookprof.cli", "replay", path, *args], env=env,
+                          capture_output=True, text=True, timeout=300, cwd="/")
+
+
+def test_overflowing_row_reproduces_on_the_cpu_and_names_the_layer(tmp_path):
+    _, path = capsule_of(Overflow(at=5), tmp_path)
+    done = replay(path, "--device", "cpu", "--runs", "2")
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert lines[0] == "reproduced: NaN/Inf made by fc1 (aten.addmm in Linear)"
+    # the bad row is +-3e38 (finite), fc1's output holds Infs: the ranges say both
+    assert lines[lines.index("inputs:") + 1] == "  args: float32 8x8, finite range [-3e+38, 3e+38], 0 NaN, 0 Inf"
+    out = lines[lines.index("output:") + 1]
+    assert out.startswith("  output: float32 8x16, finite range [") and not out.endswith(" 0 Inf")
+
+
+def test_stateful_fault_is_not_reproduced_exit_1(tmp_path):
+    _, path = capsule_of(TransientPoison(at=7), tmp_path)
+    done = replay(path, "--runs", "4")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.splitlines()[0] == "not reproduced in 4 runs on cpu: transient (suspect nondeterminism or hardware)"
+
+
+def test_producer_class_not_importable_exit_2_with_one_line(tmp_path):
+    _, path = local_producer_capsule(tmp_path)
+    done = replay(path)
+    assert done.returncode == 2
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("could not load: the capsule holds only the state_dict of ")
+    assert "local_producer_capsule.<locals>.LocalExp" in lines[0] and not done.stderr
+
+
+def test_not_a_capsule_exit_2(tmp_path):
+    missing = replay(str(tmp_path / "nothing.pt"))
+    assert (missing.returncode, missing.stdout) == (2, f"could not load: no capsule at {tmp_path / 'nothing.pt'}\n")
+    (tmp_path / "junk.pt").write_bytes(b"not a pickle")
+    junk = replay(str(tmp_path / "junk.pt"))
+    assert junk.returncode == 2 and len(junk.stdout.splitlines()) == 1

@@ -1,0 +1,184 @@
+"""The incident capsule (issue 31): what a real run's capsule holds, compared with values
+computed apart from hookprof; the size cap; the device behind the host; a capsule_dir that
+cannot be written; the per-process limit; nothing at all without an incident. Replaying in
+a subprocess: tests/system/test_replay_cli.py."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import re
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+from torch import nn
+
+import hookprof
+from hookprof import _testing
+from hookprof.nonfinite import capsule, reproduce
+from support.capsules import capsule_of, local_producer_capsule
+from support.first_nan import UNSAMPLED, Mlp, Overflow, TransientPoison, run
+
+
+@pytest.fixture(autouse=True)
+def fresh_count():
+    _testing.forget_capsules_written()
+    yield
+    _testing.forget_capsules_written()
+
+
+def opened(path: str) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)  # no user class needed
+
+
+def part(data: bytes):
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def test_overflowing_row_saves_the_producer_its_inputs_output_and_weights_before_the_update(tmp_path):
+    r, path = capsule_of(Overflow(at=5), tmp_path, keep_attached=True)
+    try:
+        assert re.fullmatch(rf"hookprof-capsule-Mlp-rank0-step5-{os.getpid()}\.pt", os.path.basename(path))
+        assert os.path.dirname(path) == str(tmp_path)
+        capsule = opened(path)
+        assert capsule["view"]["form"] == "producer"
+        producer = capsule["producer"]
+        assert producer["name"] == "fc1" and producer["module_type"] == "Linear"
+        fc1 = part(producer["pickle"])  # pickled whole: nn.Linear is importable
+        assert isinstance(fc1, nn.Linear) and not fc1._forward_hooks and not fc1._forward_pre_hooks
+        (x,), kwargs = part(producer["inputs"])
+        # the bad row, as the scenario made it from fc1's weights before the update
+        assert torch.equal(x[0], 3e38 * torch.sign(fc1.weight[0]))
+        assert torch.isfinite(fc1.weight).all()
+        assert not torch.isfinite(r.model.fc1.weight).all()  # record: the NaN update landed later
+        expected = nn.functional.linear(x, fc1.weight, fc1.bias)
+        assert torch.equal(part(producer["output"]), expected) and not torch.isfinite(expected).all()
+        assert producer["input_dtypes"] == ["float32"] and producer["output_dtypes"] == ["float32"]
+        assert torch.equal(producer["cpu_rng"], producer["cpu_rng"]) and producer["cpu_rng"].dtype == torch.uint8
+        view = capsule["view"]
+        assert view["event"]["layer"] == "fc1" and view["event"]["replay"] == "reproducible"
+        assert view["event"]["capsule"] == path
+        assert (view["step"], view["rank"], view["policy"], view["device"]) == (5, 0, "record", "cpu")
+        assert view["weights_intact"] is True and view["updates_since_forward"] == 0
+        assert view["torch_version"] == torch.__version__ and view["hookprof_version"] == hookprof.__version__
+        assert view["modes"] == {"grad_enabled": True, "autocast": {}}
+        assert view["dtypes"]["parameters"] == {k: "float32" for k in r.model.state_dict()}
+        assert "fc1" in view["summary"]
+        # the snapshot, the counter and the info metric carry it
+        assert r.snapshot.capsules_written == 1 and r.snapshot.first_nonfinite.capsule == path
+        page = generate_latest(r.prof.registry).decode()
+        assert re.search(r'hookprof_capsules_written_total\{[^}]*\} 1\.0', page)
+        assert f'path="{path}"' in page
+        assert f"capsule: {path}" in r.prof.report()
+    finally:
+        r.prof.detach()
+
+
+def test_the_log_line_and_the_exception_give_the_path(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="hookprof"):
+        r, path = capsule_of(Overflow(at=5), tmp_path / "warn", policy="warn")
+    assert sum(f"capsule written to {path}" in rec.getMessage() for rec in caplog.records) == 1
+    _testing.forget_capsules_written()
+    r, path = capsule_of(Overflow(at=5), tmp_path / "raise", policy="raise")
+    assert r.error is not None and f"capsule written to {path}" in str(r.error)
+
+
+def test_transient_fault_saves_the_forward_inputs_and_the_whole_model(tmp_path):
+    r, path = capsule_of(TransientPoison(at=7), tmp_path)
+    capsule = opened(path)
+    assert capsule["view"]["form"] == "model" and capsule["view"]["event"]["replay"] == "transient"
+    assert "producer" not in capsule and capsule["forward"]["entry"] is None
+    model = part(capsule["model"]["pickle"])
+    (x,), _ = part(capsule["forward"]["inputs"])
+    assert x.shape == (8, 8) and torch.isfinite(x).all()
+    # the poison's counter was pickled as it was after the replay (7 training calls + 1)
+    assert model.poison.calls == 8
+    assert reproduce.replay(path, say=lambda line: None) == reproduce.NOT_REPRODUCED
+
+
+def test_model_above_the_size_cap_keeps_inputs_and_a_hash_of_each_parameter(tmp_path):
+    before: dict[str, str] = {}
+
+    class Watched(TransientPoison):
+        def before_step(self, step, model, inputs):
+            if step == self.at:  # the weights the bad forward used, hashed apart from hookprof
+                before.update({k: hashlib.sha256(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                               .hexdigest() for k, v in model.state_dict().items()})
+            return inputs
+
+    r, path = capsule_of(Watched(at=7), tmp_path, capsule_max_bytes=64)
+    capsule = opened(path)
+    assert capsule["view"]["form"] == "inputs and hashes"
+    assert "model" not in capsule and capsule["hashes"] == before
+    assert any("capsule_max_bytes=64" in why for why in capsule["view"]["left_out"])
+    (x,), _ = part(capsule["forward"]["inputs"])
+    assert x.shape == (8, 8)
+    lines = []
+    assert reproduce.replay(path, say=lines.append) == reproduce.NOT_LOADED
+    assert len(lines) == 1 and "holds no weights" in lines[0] and "capsule_max_bytes" in lines[0]
+
+
+def test_producer_class_not_importable_gets_a_state_dict_and_exit_2(tmp_path):
+    gain, path = local_producer_capsule(tmp_path)
+    producer = opened(path)["producer"]
+    assert producer["name"] == "scale" and "pickle" not in producer
+    assert producer["class"].endswith("local_producer_capsule.<locals>.LocalExp")
+    assert torch.equal(producer["state_dict"]["gain"], gain)  # the bad forward's, before its update
+    lines = []
+    assert reproduce.replay(path, say=lines.append) == reproduce.NOT_LOADED
+    assert len(lines) == 1 and "LocalExp" in lines[0] and lines[0].startswith("could not load:")
+
+
+@pytest.mark.parametrize("lag", [1, 3])
+def test_capsule_from_a_device_behind_the_host(tmp_path, lag):
+    """skip holds the fused update back; the late replay, some finite updates later, writes
+    the capsule, which says its weights were not the bad forward's; and no wait is added."""
+    plain = run(Overflow(at=5), lag=lag, policy="skip", steps=Overflow(at=5).steps(lag))
+    r, path = capsule_of(Overflow(at=5), tmp_path, lag=lag, policy="skip")
+    assert r.device_waits == plain.device_waits
+    view = opened(path)["view"]
+    assert view["event"]["layer"] == "fc1" and view["form"] == "producer"
+    assert view["weights_intact"] is False and view["updates_since_forward"] >= 1
+    assert reproduce.replay(path, say=lambda line: None) == reproduce.REPRODUCED
+
+
+def test_capsule_dir_not_writable_is_counted_said_once_and_training_goes_on(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="hookprof"):
+        r = run(Overflow(at=5), lag=0, policy="warn", steps=12, capsule_dir=str(blocker / "capsules"))
+    assert r.snapshot.step == 12 and r.error is None
+    assert r.snapshot.internal_errors == 1 and r.snapshot.capsules_written == 0
+    assert r.snapshot.first_nonfinite.layer == "fc1" and r.snapshot.first_nonfinite.capsule is None
+    said = [rec for rec in caplog.records if "incident capsule" in rec.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.ERROR
+    assert not list(tmp_path.glob("**/*.pt")) and not list(tmp_path.glob("**/.*.tmp"))
+
+
+def test_at_most_capsule_max_count_per_process(tmp_path):
+    paths = [run(Overflow(at=5), lag=0, policy="record", steps=8, capsule_dir=str(tmp_path),
+                 capsule_max_count=2).snapshot.first_nonfinite.capsule for _ in range(3)]
+    assert paths[0] and paths[1] and paths[2] is None
+    assert len(list(tmp_path.glob("hookprof-capsule-*.pt"))) == 2
+
+
+def test_no_incident_no_capsule_no_hook(tmp_path, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the replay was watched without an incident")
+
+    monkeypatch.setattr(capsule.ReplayWatch, "__init__", never)  # a call would count a fault
+    torch.manual_seed(0)
+    model = Mlp()
+    config = hookprof.Config(summary_at_exit=False, capsule_dir=str(tmp_path / "caps")).replace(**UNSAMPLED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with hookprof.attach(model, config=config) as prof:
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randn(8, 8)).sum().backward()
+            opt.step()
+        prof.flush()
+        assert prof.snapshot().capsules_written == 0 and prof.snapshot().internal_errors == 0
+    assert not (tmp_path / "caps").exists()

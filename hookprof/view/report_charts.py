@@ -191,7 +191,8 @@ def heatmap(xs: Scale, steps: list[float], spans: list[float], layers: list[dict
     out = [_svg("heatmap", height, xs, f'data-lo="{10 ** lo:.6g}" data-hi="{10 ** hi:.6g}"'),
            f'<defs><pattern id="{hatch_id}" width="6" height="6" patternUnits="userSpaceOnUse" '
            f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#f4f4f4"/>'
-           f'<line x1="0" y1="0" x2="0" y2="6" stroke="#bbb" stroke-width="2"/></pattern></defs>']
+           f'<line x1="0" y1="0" x2="0" y2="6" stroke="#bbb" stroke-width="2"/></pattern></defs>',
+           step_axis_marks(xs, bottom + 2, top)]  # first: its grid lines under the cells
     for k, (name, vals) in enumerate(binned):
         y = top + k * HEAT_ROW
         short = name if len(name) <= NAME_CHARS else "..." + name[-(NAME_CHARS - 3):]
@@ -212,7 +213,6 @@ def heatmap(xs: Scale, steps: list[float], spans: list[float], layers: list[dict
                        f'width="{max(x1 - x0, 0.5) + 0.5:.1f}" height="{HEAT_ROW - 2}" fill="{fill}"/>')
             j = end + 1
         out.append("</g>")
-    out.append(step_axis_marks(xs, bottom + 2, top))
     out.append(incident_mark(xs, incident, 0, bottom + 2, label=False))
     out.append(f'<line class="cross" x1="0" x2="0" y1="{top}" y2="{bottom}" display="none"/></svg>')
     return "".join(out) + _heat_legend(lo, hi, hatch_id)

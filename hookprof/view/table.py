@@ -324,6 +324,44 @@ def _table(model: str, rank: int, run: _Run) -> RunTable:
     return RunTable(header, tuple(rows))
 
 
+# ---------------- source 3: a run report's document ----------------
+
+
+def from_document(doc: Mapping[str, Any]) -> RunTable:
+    """The table of a run report's document (publish/document.py: a snapshot's exported
+    layers, in the training process or read back from /history.json): the figures `hookprof
+    top` shows for the same snapshot, since both divide the same totals here. A document from
+    an older endpoint lacks the call counts and activation figures: those cells are "-"."""
+    first = doc.get("first_nonfinite")
+    steps = int(doc["steps"])
+    mean = doc.get("step_seconds_mean")
+    header = RunHeader(
+        rank=int(doc["rank"]), model=str(doc["model"]), steps=steps, sampled_steps=int(doc["sampled_steps"]),
+        step_seconds_sum=doc.get("step_seconds_sum", (mean or 0.0) * steps),
+        loss=doc.get("loss"), grad_norm=doc.get("grad_norm"),
+        nonfinite_steps=dict(doc["nonfinite_steps"]), skipped_steps=int(doc.get("skipped_steps", 0)),
+        first_nonfinite=FirstNonFinite(first["layer"], first["phase"], int(first["step"]), first.get("found_by"),
+                                       first.get("replay")) if first else None,
+    )
+    layers = doc["layer_totals"]
+    totals = [(layer.get("forward_seconds_total", 0.0), layer.get("forward_calls", 0),
+               layer.get("backward_seconds_total", 0.0), layer.get("backward_calls", 0)) for layer in layers]
+    step_seconds = _step_seconds(header, (f + b for f, _, b, _ in totals))
+    rows = []
+    for layer, (fwd, fwd_calls, bwd, bwd_calls) in zip(layers, totals):
+        nonfinite = layer.get("nonfinite") or {}
+        rows.append(LayerRow(
+            layer=layer["name"], module=layer["module"],
+            forward_ms=_per_call_ms(fwd, fwd_calls), backward_ms=_per_call_ms(bwd, bwd_calls),
+            share=_share(fwd + bwd, fwd_calls + bwd_calls, header, step_seconds),
+            grad_norm=layer.get("grad_norm"), abs_max=layer.get("activation_abs_max"),
+            dead_ratio=layer.get("activation_zero_ratio"),
+            nonfinite={p: nonfinite[p] for p in LAYER_PHASES if nonfinite.get(p)},
+            first=first is not None and first["layer"] == layer["name"], rank=header.rank, model=header.model,
+        ))
+    return RunTable(header, tuple(rows))
+
+
 def with_rates(now: RunTable, before: RunTable | None, seconds: float) -> RunTable:
     """`now` with steps/s and the recent step-time histogram, from an earlier observation
     of the same run `seconds` before."""

@@ -44,7 +44,7 @@ def line_of(el: Elements, svg: dict) -> dict:
     for tag, attrs in el.tags:
         if attrs is svg:
             seen = True
-        elif seen and tag == "polyline":
+        elif seen and attrs.get("class") == "line":
             return attrs
     raise AssertionError("chart without a line")
 
@@ -57,7 +57,8 @@ def number(text: str) -> float | None:
 
 def demo_run(steps: int = STEPS, nan_at: int = NAN_STEP, **overrides):
     """DemoNet trained with every step sampled; mlp.0 outputs NaN at `nan_at`. Returns the
-    profiler (attached) and each step's loss as the loop saw it."""
+    profiler (attached) and each step's loss as the loop saw it. Under on_nonfinite="raise"
+    the loop ends where hookprof raised (the losses of the steps before it)."""
     torch.manual_seed(0)
     model = DemoNet()
     injector = InjectNonFinite(dict(model.named_modules())["mlp.0"], {nan_at}, count_calls=False)
@@ -65,14 +66,18 @@ def demo_run(steps: int = STEPS, nan_at: int = NAN_STEP, **overrides):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(0)
     losses = []
-    for step in range(1, steps + 1):
-        injector.step = step
-        tokens, labels = model.batch(generator)
-        loss = torch.nn.functional.cross_entropy(model(tokens), labels)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        prof.step(loss)
-        losses.append(loss.item())
+    try:
+        for step in range(1, steps + 1):
+            injector.step = step
+            tokens, labels = model.batch(generator)
+            loss = torch.nn.functional.cross_entropy(model(tokens), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            prof.step(loss)
+            losses.append(loss.item())
+    except hookprof.NonFiniteError:
+        if overrides.get("on_nonfinite") != "raise":
+            raise
     prof.flush()
     return prof, losses

@@ -6,6 +6,8 @@ came from, and against numbers the test computed itself; the CLI runs against a 
 
 from __future__ import annotations
 
+import copy
+import html
 import json
 import math
 import os
@@ -24,7 +26,9 @@ import torch
 import hookprof
 from hookprof.demo import DemoNet
 from hookprof.view.report import from_json, history_url
-from hookprof.view.report_html import HEIGHT, PAD_B, PAD_T
+from hookprof.view import table
+from hookprof.view.report_charts import BAD, HEIGHT, PAD_B, PAD_T
+from hookprof.view.report_html import render
 from support.binaries import require_binaries
 from support.processes import hookprof_cmd, read_until
 from support.rendered import NAN_STEP, STEPS, Elements, demo_run, line_of, number
@@ -35,88 +39,252 @@ def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
         path = prof.report(str(tmp_path / "run.html"))
         doc = prof.report_document()
         snap = prof.snapshot()
+        top_rows = {r.layer: table.cells(r) for t in table.from_metrics(scrape(prof.url)) for r in t.rows}
     finally:
         prof.detach()
     page = open(path, encoding="utf-8").read()
-    # self-contained: nothing to fetch, no script
-    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", page) and "<script" not in page
-    assert "@import" not in page and "url(" not in page
+    # self-contained: nothing to fetch; the one script is inline
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", page) and "<script src" not in page
+    assert "@import" not in page and re.findall(r"url\(([^)]*)\)", page) and all(
+        u.startswith("#") for u in re.findall(r"url\(([^)]*)\)", page))  # only the page's own patterns
     el = Elements(page)
     pts = doc["history"]["points"]
     assert pts["step"] == [float(s) for s in range(1, STEPS + 1)]  # every step sampled: a point each
 
-    # the loss chart: the values the loop computed; NaN from the incident on drawn as marks
+    # the loss chart: the values the loop computed; NaN from the incident on drawn as red bands
     (loss_chart,) = el.find("svg", **{"data-kind": "loss"})
-    loss_line = line_of(el, loss_chart)
-    drawn = [number(v) for v in loss_line["data-values"].split()]
+    drawn = [number(v) for v in line_of(el, loss_chart)["data-values"].split()]
     for step, (seen, want) in enumerate(zip(drawn, losses), start=1):
         if step < NAN_STEP:
             assert math.isclose(seen, want, rel_tol=1e-6), (step, seen, want)
         else:
             assert math.isnan(want) and seen == math.inf
-    marks = [float(a["data-step"]) for a in el.find("line", **{"class": "nonfinite"})]
-    assert marks and min(marks) == NAN_STEP
+    marks = [float(a["data-step"]) for a in el.find("rect", **{"class": "nonfinite"})]
+    assert marks and min(marks) == NAN_STEP and all(a["fill"] == BAD for a in el.find("rect", **{"class": "nonfinite"}))
 
-    # each chart's polyline: its y coordinates are its values on the axis it labels
+    for svg in el.find("svg", **{"class": "chart"}) + el.find("svg", **{"class": "heatmap"}):
+        x_of = _step_axis(page, svg)
+        # the incident on every chart, at its step on the axis the chart labels
+        (incident,) = _inside(el, svg, "line", "incident")
+        assert incident["data-step"] == str(NAN_STEP) and abs(float(incident["x1"]) - x_of(NAN_STEP)) < 0.06
     for svg in el.find("svg", **{"class": "chart"}):
-        line = line_of(el, svg)
-        ticks = _ticks_of(el, svg)
-        lo, hi = ticks[0], ticks[-1]
+        x_of = _step_axis(page, svg)
+        labels, values = _yticks(page, svg)
+        assert len(set(labels)) == len(labels) >= 3  # no two ticks alike
+        lo, hi = values[0], values[-1]
         log = svg["data-log"] == "1"
-        finite = [v for v in (number(x) for x in line["data-values"].split()) if v is not None and math.isfinite(v)]
-        ys = [float(p.split(",")[1]) for p in line["points"].split()]
-        assert len(ys) == len(finite)
-        for v, y in zip(finite, ys):
+        line = line_of(el, svg)
+        steps = [float(s) for s in line["data-steps"].split()]
+        vals = [number(v) for v in line["data-values"].split()]
+        drawn_points = [tuple(map(float, p.split(","))) for p in re.findall(r"-?[\d.]+,-?[\d.]+", line["d"])]
+        finite = [(s, v) for s, v in zip(steps, vals) if v is not None and math.isfinite(v)]
+        assert len(drawn_points) == len(finite)
+        for (s, v), (x, y) in zip(finite, drawn_points):  # each point at its step and value on the labelled axes
             a, b = (math.log10(lo), math.log10(hi)) if log else (lo, hi)
             t = ((math.log10(v) if log else v) - a) / (b - a)
-            assert abs(y - ((HEIGHT - PAD_B) + t * (PAD_T - (HEIGHT - PAD_B)))) <= 0.05 + 1e-6  # one decimal in the SVG
+            assert abs(y - ((HEIGHT - PAD_B) + t * (PAD_T - (HEIGHT - PAD_B)))) <= 0.05 + 1e-6
+            assert abs(x - x_of(s)) <= 0.05 + 1e-6
+        # the line breaks where the values stop being finite: one piece before the incident
+        assert line["d"].count("M") == 1
 
     # step time: the points' means, weighted by the steps they cover, add up to the total
     total = sum(s * n for s, n in zip(pts["step_seconds"], pts["steps"]))
     assert math.isclose(total, snap.step_duration_sum, rel_tol=1e-9)
 
-    # bars: mean forward/backward ms per sampled step, as the snapshot's totals say
-    bars = {a["data-layer"]: float(a["data-ms"]) for a in el.find("rect", **{"class": "fwd"})}
-    assert set(bars) == set(snap.layers)
-    for name, ms in bars.items():
-        want = snap.layers[name].forward_seconds_total / snap.sampled_steps * 1e3
-        assert math.isclose(ms, want, rel_tol=1e-5), name
-    widths = {a["data-layer"]: float(a["width"]) for a in el.find("rect", **{"class": "fwd"})}
-    busiest = max(bars, key=bars.get)
-    for name in bars:  # widths proportional to the times
-        assert abs(widths[name] / widths[busiest] - bars[name] / bars[busiest]) < 0.01
-
-    # the heatmap: one row per layer with a gradient; red (non-finite) from the incident on
-    rows = [a["data-layer"] for a in el.find("g", **{"class": "row"})]
+    # the heatmap: a row per layer with a gradient; each cell the largest norm of the points
+    # whose steps it covers; red exactly where that is not finite, from the incident on
+    (heat,) = el.find("svg", **{"class": "heatmap"})
+    x_of = _step_axis(page, heat)
+    rows = _heat_cells(page)
     assert set(rows) == {n for n, s in snap.layers.items() if s.grad_norm is not None}
-    cells = _heat_cells(page)
-    hist_rows = {r["name"]: r["grad_norm"] for r in doc["history"]["layers"]}
-    for name in rows:
-        assert [number(v) for v in cells[name]] == [
-            None if v is None else float(f"{v:.9g}") if math.isfinite(v) else math.inf for v in hist_rows[name]]
-    assert cells["head"][NAN_STEP - 2] != "NaN/Inf" and cells["head"][NAN_STEP] == "NaN/Inf"
+    history = {r["name"]: dict(zip(pts["step"], r["grad_norm"])) for r in doc["history"]["layers"]}
+    for name, cells_ in rows.items():
+        covered = []
+        for cell in cells_:
+            first, last = (float(v) for v in cell["data-s"].split("-"))
+            inside = [v for s, v in history[name].items() if first <= s <= last and v is not None]
+            want = max(inside)
+            assert number(cell["data-v"]) == (math.inf if math.isinf(want) else float(f"{want:.6g}")), (name, cell)
+            assert (cell["fill"] == BAD) == math.isinf(want)
+            start = max(first, NAN_STEP) - 1 if math.isinf(want) else first - 1
+            assert abs(float(cell["x"]) - x_of(start)) < 0.06
+            covered.append((first, last))
+        assert covered[0][0] == 1 and covered[-1][1] == STEPS  # the rects tile the run
+        assert all(b[0] == a[1] + 1 for a, b in zip(covered, covered[1:]))
+    head_red = [c for c in rows["head"] if c["fill"] == BAD]
+    assert head_red and float(head_red[0]["data-s"].split("-")[0]) == NAN_STEP
 
-    # the NaN timeline names the first offender
+    # the per-layer table: what `hookprof top` shows for the same run, cell for cell; and
+    # times per call from the snapshot's totals, "-" for a layer never called
+    shown = _table_cells(page)
+    assert set(shown) == set(snap.layers) == set(top_rows)
+    for name, cells_ in shown.items():  # (top learns a module's class from its timing series: none
+        assert cells_[2:] == top_rows[name][2:], name  # for a layer never called, so its module is blank)
+        assert top_rows[name][1] in ("", cells_[1]) and cells_[1] == snap.layers[name].module
+    for name, layer in snap.layers.items():
+        fwd = shown[name][2]
+        if layer.forward_calls_total:
+            assert float(fwd) == pytest.approx(layer.forward_seconds_total / layer.forward_calls_total * 1e3,
+                                               rel=0.01, abs=0.001)
+        else:
+            assert fwd == "-"
+    assert shown["attn.out_proj"][2] == "-"  # used through its weight: never called, never 0 ms
+    assert shown["mlp.0"][8].startswith("first")
+    assert 'class=bad-row' in page and re.search(r'<tr data-layer="mlp.0" class=bad-row>', page)
+
+    # the first NaN/Inf in words, how it was found and what its replay said
     (first,) = el.find("p", **{"class": "bad first-offender"})
     assert (first["data-layer"], first["data-step"], first["data-phase"]) == ("mlp.0", str(NAN_STEP), "forward")
     assert "first in layer mlp.0" in "".join(el.text)
+    (verdict,) = el.find("span", **{"class": "verdict"})
+    assert verdict["data-replay"] == snap.first_nonfinite.replay == "reproducible"
 
 
-def _ticks_of(el: Elements, svg: dict) -> list[float]:
-    seen, ticks = False, []
-    for tag, attrs in el.tags:
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def _inside(el: Elements, svg: dict, tag: str, cls: str) -> list[dict]:
+    """The `tag` elements of class `cls` inside one chart."""
+    seen, found = False, []
+    for t, attrs in el.tags:
         if attrs is svg:
             seen = True
-        elif seen and tag == "svg":
+        elif seen and t == "svg":
             break
-        elif seen and attrs.get("class") == "ytick":
-            ticks.append(float(attrs["data-value"]))
-    return ticks
+        elif seen and t == tag and attrs.get("class") == cls:
+            found.append(attrs)
+    return found
 
 
-def _heat_cells(page: str) -> dict[str, list[str]]:
+def _chart_source(page: str, svg: dict) -> str:
+    """The markup of one chart, found by its opening tag's attributes."""
+    key = f'data-s1="{svg["data-s1"]}"'
+    for chunk in re.findall(r"<svg [^>]*>.*?</svg>", page, flags=re.S):
+        opening = chunk[:chunk.index(">")]
+        if key in opening and svg.get("data-kind", "") in opening and svg["class"] in opening:
+            return chunk
+    raise AssertionError("chart not found")
+
+
+def _step_axis(page: str, svg: dict):
+    """x of a step, read from the chart's own labelled x ticks (two of them fix the line)."""
+    ticks = [(float(s), float(x)) for s, x in re.findall(r'class="xtick" data-step="([^"]+)" x="([^"]+)"',
+                                                         _chart_source(page, svg))]
+    assert len(ticks) >= 3 and [t[0] for t in ticks] == sorted(t[0] for t in ticks)
+    (s0, x0), (s1, x1) = ticks[0], ticks[-1]
+    return lambda s: x0 + (s - s0) * (x1 - x0) / (s1 - s0)
+
+
+def _yticks(page: str, svg: dict) -> tuple[list[str], list[float]]:
+    found = re.findall(r'class="ytick" data-value="([^"]+)"[^>]*>([^<]+)</text>', _chart_source(page, svg))
+    return [label for _, label in found], [float(v) for v, _ in found]
+
+
+def _heat_cells(page: str) -> dict[str, list[dict]]:
     rows = re.findall(r'<g class="row" data-layer="([^"]+)">(.*?)</g>', page)
-    return {name: re.findall(r'data-v="([^"]+)"', body) for name, body in rows}
+    return {name: [Elements(r).tags[0][1] for r in re.findall(r"<rect [^>]*/>", body)] for name, body in rows}
+
+
+def _table_cells(page: str) -> dict[str, list[str]]:
+    body = re.search(r'<table class="layers".*?<tbody>(.*?)</tbody>', page, flags=re.S).group(1)
+    out = {}
+    for row in re.findall(r"<tr[^>]*>(.*?)</tr>", body):
+        texts = [html.unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+        out[texts[0]] = texts
+    return out
+
+
+def test_under_raise_every_chart_reaches_the_incident_step(tmp_path):
+    """on_nonfinite="raise" stops the loop at the incident, after the last sampled step:
+    the charts' step axis still reaches it, and every chart marks it there."""
+    prof, losses = demo_run(steps=40, nan_at=23, sample_every=5, on_nonfinite="raise")
+    try:
+        page = open(prof.report(str(tmp_path / "raise.html")), encoding="utf-8").read()
+        doc = prof.report_document()
+    finally:
+        prof.detach()
+    assert len(losses) == 22  # the loop stopped at the incident
+    assert max(doc["history"]["points"]["step"]) < 23 == doc["first_nonfinite"]["step"]
+    el = Elements(page)
+    charts = el.find("svg", **{"class": "chart"}) + el.find("svg", **{"class": "heatmap"}) + \
+        el.find("svg", **{"class": "timeline"})
+    assert len(charts) == 5
+    for svg in charts:
+        x_of = _step_axis(page, svg)
+        assert float(svg["data-s1"]) > 23
+        (mark,) = _inside(el, svg, "line", "incident")
+        assert abs(float(mark["x1"]) - x_of(23)) < 0.06 and float(mark["x1"]) < float(svg["data-x1"])
+
+
+@pytest.fixture(scope="module")
+def small_document():
+    prof, _ = demo_run(steps=8, nan_at=0)
+    try:
+        return prof.report_document()
+    finally:
+        prof.detach()
+
+
+def _with(doc: dict, **changes) -> dict:
+    out = copy.deepcopy(doc)
+    out.update(changes)
+    return out
+
+
+def test_dropped_events_are_a_labelled_gap_not_a_clean_line(small_document):
+    """The history keeps the first and the latest events: where it dropped some, the
+    timeline draws a hatched, labelled stretch, with the steps the counts say were lost."""
+    def event(step, new, total):
+        return {"step": step, "wall_time": None, "new_nonfinite_steps": new, "nonfinite_steps": total,
+                "layers": ["mlp.0"], "more_layers": 0}
+    events = [event(3, 1, 1), event(4, 1, 2), event(700, 1, 300), event(800, 2, 302)]  # 297 steps lost
+    hist = _with(small_document["history"], events=events, events_dropped=704)
+    doc = _with(small_document, history=hist, steps=800,
+                first_nonfinite={"layer": "mlp.0", "phase": "forward", "step": 3, "summary": "NaN at 3"})
+    page = render([doc])
+    el = Elements(page)
+    (gap,) = el.find("rect", **{"class": "dropped"})
+    assert (gap["data-from"], gap["data-to"], gap["data-steps"], gap["data-events"]) == ("4", "700", "297", "704")
+    (svg,) = el.find("svg", **{"class": "timeline"})
+    x_of = _step_axis(page, svg)
+    assert abs(float(gap["x"]) - x_of(4)) < 0.06 and abs(float(gap["x"]) + float(gap["width"]) - x_of(700)) < 0.2
+    assert gap["fill"].startswith("url(#") and "704 events not kept (297 non-finite steps)" in page
+    assert [a["data-step"] for a in el.find("circle", **{"class": "event"})] == ["3", "4", "700", "800"]
+
+
+def test_the_incident_says_how_it_was_found_its_replay_and_its_capsule(small_document):
+    first = {"layer": None, "phase": "forward", "step": 5, "propagators": [], "found_by": None,
+             "replay": "transient", "replay_note": None, "device": "GPU-1234", "summary": "NaN/Inf at step 5",
+             "capsule": "/runs/7/hookprof-capsule-DemoNet-rank0-step5-99.pt"}
+    page = render([_with(small_document, first_nonfinite=first)])
+    el = Elements(page)
+    (verdict,) = el.find("span", **{"class": "verdict"})
+    assert verdict["data-replay"] == "transient"
+    text = "".join(el.text)
+    assert "no layer named (forward phase), step 5" in text and "suspect a non-deterministic kernel" in text
+    assert "hookprof replay /runs/7/hookprof-capsule-DemoNet-rank0-step5-99.pt" in text and "GPU-1234" in text
+    # before issue 31's field exists: no capsule row, nothing else missing
+    del first["capsule"]
+    page = render([_with(small_document, first_nonfinite=first)])
+    assert "hookprof replay" not in page and 'data-replay="transient"' in page
+
+
+def test_narrow_ranges_get_distinct_ticks_and_missing_values_break_the_line(small_document):
+    pts = small_document["history"]["points"]
+    n = len(pts["step"])
+    loss = [2.3012 + 0.001 * (k % 3) for k in range(n)]
+    loss[3] = None  # no loss given at that point: a gap, not a line across it
+    hist = _with(small_document["history"], points={**pts, "loss": loss})
+    page = render([_with(small_document, history=hist)])
+    el = Elements(page)
+    (svg,) = el.find("svg", **{"data-kind": "loss"})
+    labels, values = _yticks(page, svg)
+    assert len(set(labels)) == len(labels) >= 3 and values[0] <= min(v for v in loss if v) and values[-1] >= max(
+        v for v in loss if v)
+    assert [float(t) for t in labels] == pytest.approx(values)  # a label is its tick's value
+    assert line_of(el, svg)["d"].count("M") == 2
 
 
 def test_history_json_is_served_with_the_metrics(tmp_path):
@@ -154,7 +322,7 @@ def test_history_json_keeps_the_endpoints_tls_and_client_certificates(pki, tmp_p
     finally:
         prof.detach()
     assert ok.returncode == 0, ok.stderr
-    assert "<polyline" in out.read_text()
+    assert 'class="line"' in out.read_text()
     assert refused.returncode == 1 and "cannot read" in refused.stderr and "pass --cert and --key" in refused.stderr
     assert not (tmp_path / "no.html").exists()
 
@@ -196,7 +364,7 @@ def test_the_cli_reports_a_running_demo(tmp_path):
     stride = int(steps[0])
     assert stride & (stride - 1) == 0
     assert steps[:12] == [float(stride * k) for k in range(1, 13)]
-    assert {a["data-layer"] for a in el.find("rect", **{"class": "fwd"})} >= {"embed", "attn", "mlp.0", "head"}
+    assert {a["data-layer"] for a in el.find("tr") if "data-layer" in a} >= {"embed", "attn", "mlp.0", "head"}
 
 
 def test_the_cli_says_why_when_nothing_serves(tmp_path):
@@ -268,8 +436,40 @@ def run_chromium(*args: str, cwd: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
+PROBE = """<script>
+window.addEventListener('load', function () {
+  function at(svg, step, y) {  // where a person's pointer is over `step` of a chart, in the window
+    var d = svg.dataset, p = svg.createSVGPoint();
+    p.x = +d.x0 + (step - d.s0) / (d.s1 - d.s0) * (d.x1 - d.x0); p.y = y;
+    return p.matrixTransform(svg.getScreenCTM());
+  }
+  function hover(svg, step, y) {
+    svg.scrollIntoView({block: 'center'});
+    var p = at(svg, step, y), target = document.elementFromPoint(p.x, p.y);
+    target.dispatchEvent(new MouseEvent('mousemove', {clientX: p.x, clientY: p.y, bubbles: true}));
+    return document.getElementById('tip').textContent;
+  }
+  var loss = document.querySelector('svg[data-kind=loss]'), heat = document.querySelector('svg.heatmap');
+  var firstRow = heat.querySelector('g.row rect');
+  var out = {
+    page: document.documentElement.clientWidth,
+    charts: Array.prototype.map.call(document.querySelectorAll('svg.chart, svg.heatmap'),
+                                     function (s) { return s.getBoundingClientRect().width; }),
+    label_fill: getComputedStyle(document.querySelector('.incident-label')).fill,
+    nan_colour: getComputedStyle(document.querySelector('td.nan-marks')).color,
+    loss_tip: hover(loss, PROBE_STEP, 100),
+    heat_tip: hover(heat, PROBE_NAN, +firstRow.getAttribute('y') + 5),
+  };
+  var pre = document.createElement('pre'); pre.id = 'probe'; pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+});
+</script>"""
+
+
 @pytest.mark.slow
 def test_a_real_browser_renders_the_page_without_errors(tmp_path):
+    """What a person sees at 1400 pixels, for a NaN at step 50 of 80 with every 5th step
+    sampled: charts across the page, red marks red, hover values that are the history's."""
     browser = chromium()
     assert browser
     # first, that a page's errors do show where this test looks for them
@@ -278,28 +478,49 @@ def test_a_real_browser_renders_the_page_without_errors(tmp_path):
     seen = run_chromium("--dump-dom", "--enable-logging=stderr", "--v=0", f"file://{control}", cwd=str(tmp_path))
     assert "no_such_function" in "".join(console_errors(seen.stderr)), seen.stderr[-2000:]
 
-    prof, _ = demo_run(steps=30, nan_at=20)
+    prof, _ = demo_run(steps=80, nan_at=50, sample_every=5)
     try:
         path = prof.report(str(tmp_path / "run.html"))
+        doc = prof.report_document()
     finally:
         prof.detach()
     url = "file://" + path
-    dom = run_chromium("--dump-dom", "--enable-logging=stderr", "--v=0", url, cwd=str(tmp_path))
+    dom = run_chromium("--dump-dom", "--enable-logging=stderr", "--v=0", "--window-size=1400,1000", url,
+                       cwd=str(tmp_path))
     assert dom.returncode == 0, dom.stderr[-2000:]
     # the DOM chromium built has every chart, and the console saw no error
     assert dom.stdout.count('class="chart"') == 3 and 'class="heatmap"' in dom.stdout
     assert "first in layer mlp.0" in dom.stdout
     assert not console_errors(dom.stderr), console_errors(dom.stderr)
+
+    # the page as a person's pointer finds it: the same file with a probe script after it
+    probe_step = 30
+    probed = tmp_path / "probed.html"
+    probed.write_text(open(path, encoding="utf-8").read().replace(
+        "</body>", PROBE.replace("PROBE_STEP", str(probe_step)).replace("PROBE_NAN", "65") + "</body>"))
+    seen = run_chromium("--dump-dom", "--enable-logging=stderr", "--v=0", "--window-size=1400,1000",
+                        f"file://{probed}", cwd=str(tmp_path))
+    assert not console_errors(seen.stderr), console_errors(seen.stderr)
+    probe = json.loads(html.unescape(re.search(r'<pre id="probe">(.*?)</pre>', seen.stdout, flags=re.S).group(1)))
+    assert all(w >= 0.9 * probe["page"] for w in probe["charts"]), probe  # the charts use the width
+    assert probe["label_fill"] == probe["nan_colour"] == "rgb(214, 39, 40)", probe  # red text is red
+    steps = doc["history"]["points"]["step"]
+    k = min(range(len(steps)), key=lambda i: abs(steps[i] - probe_step))  # the point nearest the pointer
+    tip = re.fullmatch(r"steps (\d+)-(\d+): ([\d.]+)", probe["loss_tip"])
+    assert tip, probe["loss_tip"]
+    assert (int(tip[1]), int(tip[2])) == (steps[k - 1] + 1, steps[k])
+    assert float(tip[3]) == pytest.approx(doc["history"]["points"]["loss"][k], rel=1e-4)
+    assert "gradient norm NaN/Inf" in probe["heat_tip"] and probe["heat_tip"].startswith("embed, steps")
+
     shot = tmp_path / "shot.png"
-    run = run_chromium(f"--screenshot={shot}", "--window-size=800,1200", url, cwd=str(tmp_path))
+    run = run_chromium(f"--screenshot={shot}", "--window-size=1400,1800", url, cwd=str(tmp_path))
     assert run.returncode == 0 and shot.exists(), run.stderr[-2000:]
     width, height, pixels = png_pixels(str(shot))
-    assert (width, height) == (800, 1200)
-    red = sum(p == bytes.fromhex("d62728") for p in pixels)  # non-finite marks and heatmap cells
-    blue = sum(p == bytes.fromhex("1f77b4") for p in pixels)  # forward bars
-    white = sum(p == b"\xff\xff\xff" for p in pixels)
-    assert red > 500 and blue > 500, (red, blue)
-    assert white < len(pixels) * 0.99  # a blank page is all white
+    assert (width, height) == (1400, 1800)
+    red = sum(p == bytes.fromhex("d62728") for p in pixels)  # non-finite bands, heatmap cells
+    blue = [i % width for i, p in enumerate(pixels) if p == bytes.fromhex("1f77b4")]  # the lines
+    assert red > 5000 and blue, red
+    assert max(blue) - min(blue) > 0.5 * width  # lines across the page, not a third of it
 
 
 def test_a_report_after_detach_and_under_hookprof_disable(tmp_path, monkeypatch):

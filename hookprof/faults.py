@@ -31,7 +31,7 @@ _PART_OF_WHERE = (
     ("step boundary", "step boundary"), ("root forward", "step boundary"),
     ("optimizer", "step boundary"),
     ("GradScaler", "step boundary"),
-    ("forward replay", "nonfinite"), ("nonfinite", "nonfinite"),
+    ("forward replay", "nonfinite"), ("nonfinite", "nonfinite"), ("incident", "nonfinite"),
     ("efficiency", "efficiency"),
     ("stall watch", "stall watch"),
     ("publisher", "publisher"), ("snapshot", "publisher"),

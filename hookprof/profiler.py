@@ -187,10 +187,7 @@ class Profiler:
 
     detached = property(lambda self: self._boundary.detached, doc="detach() was called.")
 
-    @property
-    def steps(self) -> int:
-        """Steps counted so far (a host counter: never waits)."""
-        return self._counters.steps
+    steps = property(lambda self: self._counters.steps, doc="Steps counted so far (a host counter: never waits).")
 
     def snapshot(self) -> Snapshot:
         """The latest published statistics (hookprof.Snapshot); `flush()` first for up to now."""
@@ -244,6 +241,7 @@ class Profiler:
         self._boundary.close()
         with self._faults.contain("detach", disable=False):
             self._drain_counters()  # counters of the steps since the last sample
+            self._incidents.at_detach()  # a capsule still waiting for its incident: written now
         self._undo.close()
         if self.config.summary_at_exit:
             with self._faults.contain("summary", disable=False):  # never a failed detach()

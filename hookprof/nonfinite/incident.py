@@ -141,6 +141,13 @@ class IncidentResponse:
         else:
             apply(self._config.on_nonfinite, event, snap, self._config, self._rank, model=self._model)
 
+    def at_detach(self) -> None:
+        """The run ends: a capsule still waiting for its incident to settle is written now
+        (under on_nonfinite="record" no later step end or flush() would)."""
+        capsules = self._capsules
+        if capsules is not None and capsules.draft is not None:
+            self.flushed(self._publisher.flush(), detached=False)
+
     def flushed(self, done: bool, detached: bool) -> bool:
         """Profiler.flush() returned `done`: a capsule waiting for its incident to settle is
         written now (the run may end here: no later step end would write it)."""

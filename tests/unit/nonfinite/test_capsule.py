@@ -20,7 +20,7 @@ import hookprof
 from hookprof import _testing
 from hookprof.nonfinite import capsule, reproduce
 from support.capsules import capsule_of, local_producer_capsule
-from support.first_nan import UNSAMPLED, Mlp, Overflow, TransientPoison, run
+from support.first_nan import UNSAMPLED, Mlp, Overflow, TransientPoison, fused_sgd, loss_of, run
 
 
 @pytest.fixture(autouse=True)
@@ -182,3 +182,26 @@ def test_no_incident_no_capsule_no_hook(tmp_path, monkeypatch):
         prof.flush()
         assert prof.snapshot().capsules_written == 0 and prof.snapshot().internal_errors == 0
     assert not (tmp_path / "caps").exists()
+
+
+def test_a_capsule_waiting_at_detach_is_written_then(tmp_path):
+    """Under on_nonfinite="record" the capsule waits for its incident to settle (a later
+    step end or flush()); a run that ends at the bad step and detaches without a flush
+    would lose it: detach writes it."""
+    scenario = Overflow(at=3)
+    model = scenario.make_model()
+    opt = fused_sgd(model)
+    g = torch.Generator().manual_seed(1)
+    config = hookprof.Config(summary_at_exit=False, capsule_dir=str(tmp_path)).replace(
+        **{**scenario.settings, "on_nonfinite": "record"})
+    prof = hookprof.attach(model, config=config)
+    for step in range(1, 4):  # the last step's forward overflows
+        inputs, target = model.batch(g)
+        inputs = scenario.before_step(step, model, inputs)
+        opt.zero_grad(set_to_none=True)
+        loss_of(model, model(inputs), target).backward()
+        opt.step()
+    prof.detach()  # no flush, no later step
+    assert len(list(tmp_path.glob("hookprof-capsule-*.pt"))) == 1
+    event = prof.snapshot().first_nonfinite
+    assert event.phase == "forward" and event.step == 3 and event.capsule is not None

@@ -377,7 +377,7 @@ def test_nonfinite_sync_with_a_non_fused_optimizer_under_skip_also_waits_for_the
     """Under skip with a non-fused optimizer, the guard waits for the step's flags
     (hookprof/nonfinite/guard.py, through transfer.read_now) at every optimizer pre-hook, and that one
     wait per step is all: it decides before the replay, whose output flag was copied before
-    the guard's and so is on the host by then (docs/nonfinite-sync.md)."""
+    the guard's and so is on the host by then (docs/nonfinite.md, nonfinite_sync)."""
     model = seeded(DeepNet)
     opt = OPTIMIZERS["sgd"](model.parameters())
     watch, (snap,), _ = watched(model, dict(SAMPLED, nonfinite_sync=True, on_nonfinite="skip"),

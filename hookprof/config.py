@@ -223,7 +223,7 @@ class Config:
 
     peak_flops: float | None = None
     """Peak FLOP/s of one device for the model's precision, for the utilisation ratio. None:
-    looked up by GPU name and precision (hookprof/peaks.py); unknown GPUs and CPUs get none."""
+    looked up by GPU name and precision (hookprof/efficiency/peaks.py); unknown GPUs and CPUs get none."""
 
     update_norms: bool = True
     """On sampled steps, export each layer's weight norm, update norm (the change the

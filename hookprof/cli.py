@@ -133,6 +133,10 @@ def run_demo(args: argparse.Namespace) -> int:
                                count_calls=False)
     if env_name("on_nonfinite") not in os.environ:
         overrides["on_nonfinite"] = "warn"  # the demo shows hookprof's one-line diagnosis
+    if args.port and env_name("port_conflict") not in os.environ:
+        # a port asked for on the command line is where the person will look: one line
+        # saying it is taken, not the metrics served somewhere else
+        overrides["port_conflict"] = "raise"
     try:
         prof = hookprof.attach(model, **overrides)
     except (ConfigError, OSError) as exc:  # a bad option, the port in use, an address not ours

@@ -19,6 +19,7 @@ step is"). A model driven without calling its root falls back to "every update e
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -64,6 +65,21 @@ def model_changed_notice(model_type: str, names: list[str]) -> str:
             "parameters have no gradient norms (the global norm leaves them out) and no "
             "per-layer figures; re-attach to cover them: prof.detach(); "
             "prof = hookprof.attach(model).")
+
+
+def _under_lock(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a hook's body holding the boundary's lock, and not at all once detached: a
+    detach() on another thread then either waits for it or has finished before it starts,
+    never runs beside it (a replay putting layer hooks in while detach takes them out)."""
+
+    @functools.wraps(method)
+    def locked(self: "StepBoundary", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._detached:
+                return None
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class TracedForward(Protocol):
@@ -314,14 +330,9 @@ class StepBoundary:
         self._training_forward(module, args, kwargs, own_layer, entry)
 
     @guarded("root forward pre-hook")
+    @_under_lock
     def _training_forward(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None,
                           entry: bool) -> None:
-        with self._lock:
-            if not self._detached:  # (detach() on another thread since the hook was called)
-                self._forward_under_lock(module, args, kwargs, own_layer, entry)
-
-    def _forward_under_lock(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None,
-                            entry: bool) -> None:
         now = self._clock()
         self._root_seen = True
         first_step = False
@@ -353,6 +364,7 @@ class StepBoundary:
         self._output(output)
 
     @guarded("root forward hook")
+    @_under_lock
     def _output(self, output: Any) -> None:
         self._events._on_output(output)
 
@@ -371,6 +383,7 @@ class StepBoundary:
         return self._update_begins(optimizer, args, kwargs)
 
     @guarded("optimizer pre-hook")
+    @_under_lock
     def _update_begins(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if not self.owns(optimizer):
             return None
@@ -405,10 +418,12 @@ class StepBoundary:
         return closure_then_read
 
     @guarded("optimizer closure")
+    @_under_lock
     def _closure_called(self, judged: bool) -> None:
         self._events._on_closure_call(judged)
 
     @guarded("optimizer closure")
+    @_under_lock
     def _closure_returned(self, optimizer: torch.optim.Optimizer, judged: bool) -> None:
         # called once or several times (LBFGS); the parameters are still this step's
         self._events._on_back_in_optimizer()
@@ -440,6 +455,7 @@ class StepBoundary:
         self._update_done(optimizer)
 
     @guarded("optimizer hook")
+    @_under_lock
     def _update_done(self, optimizer: torch.optim.Optimizer) -> None:
         owned = self.owns(optimizer)
         self._events._on_any_update_done(owned)  # (the guard's, for any optimizer)
@@ -462,6 +478,7 @@ class StepBoundary:
         self._scaler_skip(optimizer)
 
     @guarded("GradScaler hook")
+    @_under_lock
     def _scaler_skip(self, optimizer: torch.optim.Optimizer) -> None:
         if self.in_step() and self.owns(optimizer):
             if self.manual:

@@ -114,5 +114,8 @@ class PortConflictInfo(Collector):
 
     def collect(self) -> Iterator[Metric]:
         info = family(METRICS_PORT_CONFLICT_INFO)
-        info.add_metric([str(self._conflict.port), self._conflict.holder or "unknown"], 1)
+        # the pid only: a command line can hold a token or a password, and the page is
+        # read by anyone who reaches the port (the log line has the command)
+        holder = self._conflict.holder
+        info.add_metric([str(self._conflict.port), holder.split(" (", 1)[0] if holder else "unknown"], 1)
         yield info

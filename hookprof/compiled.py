@@ -61,25 +61,31 @@ def is_compiled_region(module: nn.Module) -> bool:
 def compiled_region_layers(table: Any) -> set[int]:
     """Indices of the layers of `table` (layers.LayerTable) that run inside a compiled region:
     a layer compiled itself, or below a container that is, or below a torch.compile wrapper
-    that took a module's place in its parent. One pass over the containers' children, on
-    sampled steps only."""
-    regions: list[str] = []
+    that took a module's place in its parent. One pass over the containers' children and one
+    over each layer's name prefixes (its depth), on sampled steps only."""
+    regions: set[str] = set()
     for name, module in table.containers:
         if module is None:
             continue
         if is_compiled_region(module):
-            regions.append(name)
+            regions.add(name)
         for child_name, child in module._modules.items():
             if child is not None and type(child).__name__ == "OptimizedModule":
-                regions.append(child_name if name == ROOT_NAME else f"{name}.{child_name}")
+                regions.add(child_name if name == ROOT_NAME else f"{name}.{child_name}")
+    if ROOT_NAME in regions:  # the whole model is one region
+        return {layer.index for layer in table.layers}
     inside = set()
     for layer in table.layers:
         module = layer.module
         if module is not None and is_compiled_region(module):
             inside.add(layer.index)
-        elif regions and any(r == ROOT_NAME or layer.name == r or layer.name.startswith(r + ".")
-                             for r in regions):
-            inside.add(layer.index)
+        elif regions:
+            name = layer.name
+            while name:  # the layer's own name, then each enclosing module's
+                if name in regions:
+                    inside.add(layer.index)
+                    break
+                name = name.rpartition(".")[0]
     return inside
 
 

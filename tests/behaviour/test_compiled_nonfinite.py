@@ -147,23 +147,32 @@ def test_a_nan_weight_under_compile_is_named_as_in_eager_mode(how):
     assert event_of(event) == event_of(eager_event) and counts == eager_counts
 
 
-def test_regional_compilation_times_the_layers_outside_the_compiled_blocks():
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_regional_compilation_times_the_layers_outside_the_compiled_blocks(fullgraph):
     """The blocks run inside their graphs (no hook there); the layers around them are
-    timed on sampled steps as in eager mode."""
+    timed on sampled steps as in eager mode. With every other step sampled (the layer hooks
+    going in and out), nothing is compiled after the first step: before the fix each
+    sampled step recompiled every block, until Dynamo's cache limit made it run eagerly."""
     torch._dynamo.reset()
+    counters.clear()
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with hookprof.attach(model, port=0, summary_at_exit=False, sample_every=1,
+    with hookprof.attach(model, port=0, summary_at_exit=False, sample_every=2,
                          min_sample_interval_s=0.0) as prof:
-        compile_model(model, "regional", "aot_eager", True)
-        for _ in range(4):
+        compile_model(model, "regional", "aot_eager", fullgraph)
+        for step in range(1, 9):
             opt.zero_grad()
             model(torch.randn(4, 8)).square().mean().backward()
             opt.step()
+            if step == 1:
+                frames_warm = counters["frames"]["total"]
         prof.flush()
-        layers = prof.snapshot().layers
+        snap = prof.snapshot()
+    assert counters["frames"]["total"] == frames_warm
+    assert 2 <= snap.sampled_steps < 8  # the hooks went in and out
+    layers = snap.layers
     outside = {n: s.forward_calls_total for n, s in layers.items() if not n.startswith("blocks.")}
     inside = {n: s.forward_calls_total for n, s in layers.items() if n.startswith("blocks.")}
-    assert outside == {"inp": 4, "out": 4}
+    assert outside == {"inp": snap.sampled_steps, "out": snap.sampled_steps}
     assert set(inside.values()) == {0} and len(inside) == 6

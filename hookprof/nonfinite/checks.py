@@ -69,7 +69,7 @@ class NonfiniteChecks:
                                     keep_late=self.guard is not None, say=say, witness=self.capsules)
         # the output check of a compiled model, traced into its graph (traced.py)
         params = table.params
-        self.traced = TracedOutputCheck(params[0].device if params else torch.device("cpu"))
+        self.traced = TracedOutputCheck(params[0].device if params else torch.device("cpu"), say)
         self._replay_token = 0  # the publisher's publish_now token of the replay's packet
         self._thread: int | None = None  # the training thread (the last forward's)
         self._scaler_view: ScalerView | None = None  # a fused optimizer's GradScaler state

@@ -17,12 +17,18 @@ step's forward again eagerly (torch.compiler.set_stance("force_eager")) with the
 checks on, and names the layer as on an eager model.
 
 The RNG state for that replay is taken at the step's beginning (eagerly: `get_rng_state`
-breaks a graph), so dropout draws the same masks as the compiled forward did, unless the
-loop draws random numbers of its own between the step's start and its forward.
+breaks a graph). Under `aot_eager` dropout then draws the same masks as the compiled forward
+did (unless the loop draws random numbers between the step's start and its forward); under
+`inductor`, which generates its own random numbers, it does not (docs/nonfinite.md).
+
+Where the check runs: with `fullgraph=True` Dynamo inlines the root's hooks, and the check is
+part of the model's graph; otherwise each hook is compiled as a frame of its own, and the
+check is a small graph beside the model's (compiled once, like it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,9 +42,10 @@ class TracedOutputCheck:
     last compiled forward and the RNG state at the step's start. `note_inputs` and
     `note_output` run traced (inside Dynamo); everything else eagerly."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, say: Callable[[str, str], None] | None = None):
         # [last forward non-finite (0/1), non-finite forwards this step]
         self.counts = torch.zeros(2, dtype=torch.int32, device=device)
+        self._say = say
         self.inputs: tuple[Any, Any] | None = None  # (args, kwargs) of the last compiled forward
         self.called = False  # a compiled forward of the model ran since the last take()
         self.compiled = True  # until an eager forward says otherwise (then no RNG is kept)
@@ -67,6 +74,17 @@ class TracedOutputCheck:
 
     # ---- eager ----
 
+    def _moved(self, device: torch.device) -> None:
+        """The model runs on another device than at attach (model.cuda() after attach): the
+        counters follow it; the compiled graph picks them up at its next (one) recompile."""
+        was = self.counts.device
+        self.counts = torch.zeros(2, dtype=torch.int32, device=device)
+        if self._say is not None:
+            self._say("compiled check moved",
+                      f"the compiled model's inputs are on {device}, its parameters were on {was} at "
+                      f"attach(): its output NaN/Inf check moves to {device} (one recompile); the step "
+                      "it was found on went unchecked. Attach after moving the model to its device.")
+
     def step_began(self) -> None:
         """Keep the RNG state for a replay of this step's compiled forward (a few us)."""
         if self.compiled:
@@ -86,9 +104,13 @@ class TracedOutputCheck:
             return None
         self.called = False
         self.compiled = True
+        inputs, self.inputs = self.inputs, None
+        device = next((t.device for t in iter_tensors(inputs)), None) if inputs is not None else None
+        if device is not None and device != self.counts.device:
+            self._moved(device)
+            return None  # this step's outputs were not on the counters' device: not checked
         flags = self.counts.gt(0)
         self.counts.zero_()
-        inputs, self.inputs = self.inputs, None
         if flags.device.type == "cpu":
             last, any_forward = flags.tolist()
             return last, any_forward, inputs

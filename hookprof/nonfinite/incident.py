@@ -142,11 +142,33 @@ class IncidentResponse:
             apply(self._config.on_nonfinite, event, snap, self._config, self._rank, model=self._model)
 
     def at_detach(self) -> None:
-        """The run ends: a capsule still waiting for its incident to settle is written now
-        (under on_nonfinite="record" no later step end or flush() would)."""
+        """The run ends, and no later step end will come: a first incident the policy has not
+        acted on (held for the replay to name the layer, or not seen by a step end yet) is
+        acted on now, with what is known, and a capsule still waiting is written. Under "raise" nothing is raised out
+        of detach(): the incident is said as under "warn"."""
         capsules = self._capsules
-        if capsules is not None and capsules.draft is not None:
-            self.flushed(self._publisher.flush(), detached=False)
+        waiting = capsules is not None and capsules.draft is not None
+        # only an incident already known on the host: detach never waits on the device to
+        # find one (a flag still on its way stays there)
+        policy_open = self._config.on_nonfinite != "record" and not self._acted and (
+            self._act_by is not None or self._publisher.latest.first_nonfinite is not None)
+        if not (policy_open or waiting):
+            return
+        if waiting:  # the capsule needs its incident's replay folded (an opt-in wait)
+            self._publisher.flush()
+        snap = self._publisher.latest
+        if policy_open and snap.first_nonfinite is not None:
+            # held for the replay, or seen by a flush() after the last step end (a device
+            # behind the host: the last steps' flags arrived after it)
+            event = self._with_capsule(snap.first_nonfinite)
+            self._act_by, self._acted = None, True
+            if self._config.on_nonfinite == "dump":
+                self._dump(event, snap)
+            else:
+                policy = "warn" if self._config.on_nonfinite == "raise" else self._config.on_nonfinite
+                apply(policy, event, snap, self._config, self._rank, model=self._model)
+        if self._capsule_when_settled(self._publisher.latest):
+            self._publisher.flush()  # the snapshot carries its path
 
     def flushed(self, done: bool, detached: bool) -> bool:
         """Profiler.flush() returned `done`: a capsule waiting for its incident to settle is

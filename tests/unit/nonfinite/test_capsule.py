@@ -205,3 +205,18 @@ def test_a_capsule_waiting_at_detach_is_written_then(tmp_path):
     assert len(list(tmp_path.glob("hookprof-capsule-*.pt"))) == 1
     event = prof.snapshot().first_nonfinite
     assert event.phase == "forward" and event.step == 3 and event.capsule is not None
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_run_ending_while_the_policy_holds_for_the_replay_says_it_and_writes_the_capsule(
+        tmp_path, caplog, policy):
+    """On a device 3 steps behind, the policy waits for the late replay to name the layer;
+    a run whose last step is the bad one ends (detach, no later step end) while it waits:
+    detach acts on it (under "raise" it says it, never raises out of detach) and writes the
+    capsule. Before, neither the line nor the capsule came."""
+    with caplog.at_level(logging.WARNING, logger="hookprof"):
+        r = run(Overflow(at=5), lag=3, policy=policy, steps=5, capsule_dir=str(tmp_path))
+    assert r.error is None
+    lines = [rec.getMessage() for rec in caplog.records if "step 5" in rec.getMessage()]
+    assert len(lines) == 1 and "fc1" in lines[0] and "hookprof-capsule-" in lines[0]
+    assert len(list(tmp_path.glob("hookprof-capsule-*.pt"))) == 1

@@ -199,7 +199,7 @@ class Profiler:
         if not self.detached:  # flags a replay waits for are waited for too: answered now
             self._nan.settle(self._counters.steps + 1)
             self._drain_counters()
-        return self._incidents.flushed(self._publisher.flush(timeout), self.detached)
+        return self._incidents.flushed(self._publisher.flush(timeout), self.detached, timeout)
 
     def report_document(self) -> dict[str, Any]:
         """The run report's data for this model (what /history.json serves; publish/document.py)."""

@@ -301,6 +301,7 @@ class Capsules:
         self._send = send  # (step, path) to the publisher: the event and the counter carry it
         self._say = say
         self.draft: CapsuleDraft | None = None
+        self._taking = threading.Lock()
         self.path: str | None = None  # the capsule written, once it is
 
     modes = staticmethod(forward_modes)
@@ -369,7 +370,8 @@ class Capsules:
         """Write the draft for `event` (the first NaN/Inf, settled or about to be acted on);
         returns the capsule's path, None when there is none to write or it failed (counted
         in hookprof_internal_errors_total, said once: training goes on)."""
-        draft, self.draft = self.draft, None
+        with self._taking:  # flush() on another thread and a step end: one writes it
+            draft, self.draft = self.draft, None
         if draft is None:
             return None
         if not _take_slot(self._max_count):

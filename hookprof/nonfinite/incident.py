@@ -170,11 +170,12 @@ class IncidentResponse:
         if self._capsule_when_settled(self._publisher.latest):
             self._publisher.flush()  # the snapshot carries its path
 
-    def flushed(self, done: bool, detached: bool) -> bool:
+    def flushed(self, done: bool, detached: bool, timeout: float | None = 10.0) -> bool:
         """Profiler.flush() returned `done`: a capsule waiting for its incident to settle is
-        written now (the run may end here: no later step end would write it)."""
+        written now (the run may end here: no later step end would write it), and the
+        snapshot brought up to it (a second wait, bounded by `timeout` like the first)."""
         if not detached and self._capsule_when_settled(self._publisher.latest):
-            done = self._publisher.flush()  # the snapshot carries its path from now on
+            done = self._publisher.flush(timeout) and done  # the snapshot carries its path
         return done
 
     def _capsule_when_settled(self, snap: Snapshot) -> bool:

@@ -13,9 +13,11 @@ the attribute itself). The copy is the module as it was before attach: no hookpr
 hookprof attributes; `torch.jit.script` takes it; a pickle of it names nothing of hookprof and
 loads where hookprof is not installed. The original is untouched and stays profiled.
 
-A class with a `__deepcopy__` of its own (torch.fx's GraphModule) copies its `__dict__`
-wholesale instead: its copy keeps hookprof's hooks, bound to an inert step boundary that does
-nothing (boundary._inert), and this attribute rebound to the copy.
+A class with a `__deepcopy__` of its own (torch's parametrized modules: weight_norm,
+spectral_norm, orthogonal; torch.fx's GraphModule) copies its `__dict__` wholesale instead:
+such a module gets an instance `__deepcopy__` too (CleanDeepcopy), which runs the class's
+own and then takes hookprof's part out of the copy's `__dict__`. A pickle of such a class's
+module (its own `__reduce__`) keeps hookprof's hooks, which do nothing in the copy.
 
 Called by: StepBoundary.install (attach), which removes it again with the hooks (detach).
 """
@@ -32,6 +34,7 @@ from torch import nn
 from hookprof.step.hooks import ForwardWrapper
 
 ATTRIBUTE = "__reduce_ex__"
+DEEPCOPY = "__deepcopy__"
 
 # a module's hook dicts that may hold hookprof's hooks, and the dicts keyed by those hooks'
 # ids that say how to call them (handle ids are unique across all dicts)
@@ -55,6 +58,8 @@ def without_hookprof(state: dict[str, Any]) -> dict[str, Any]:
     clean = dict(state)
     if isinstance(clean.get(ATTRIBUTE), CleanReduce):
         del clean[ATTRIBUTE]
+    if isinstance(clean.get(DEEPCOPY), CleanDeepcopy):
+        del clean[DEEPCOPY]
     forward = clean.get("forward")
     if isinstance(forward, ForwardWrapper):
         if forward.prior is None:  # the class's forward: no instance attribute to restore
@@ -114,24 +119,55 @@ def _nothing() -> None:
     return None
 
 
+class CleanDeepcopy:
+    """The `__deepcopy__` of a module whose class has one of its own, while attached: the
+    class's copy, minus hookprof."""
+
+    __slots__ = ("_module",)
+
+    def __init__(self, module: nn.Module):
+        self._module = weakref.ref(module)
+
+    def __call__(self, memo: dict) -> Any:
+        module = self._module()
+        copied = type(module).__deepcopy__(module, memo)
+        state = getattr(copied, "__dict__", None)
+        if isinstance(state, dict):
+            clean = without_hookprof(state)
+            wrapper = module.__dict__.get("forward")
+            if isinstance(wrapper, ForwardWrapper) and wrapper.prior is None:
+                # the class's copy took the wrapper's own copy: the copy's bound forward
+                clean.pop("forward", None)
+            state.clear()
+            state.update(clean)
+        return copied
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self  # inside the class's copy of the __dict__: taken out right after
+
+
 class Placed:
-    """The CleanReduce attributes placed on a model's modules; `remove()` takes each away
-    where it is still ours (a handle, like torch's RemovableHandle)."""
+    """The CleanReduce (and CleanDeepcopy) attributes placed on a model's modules; `remove()`
+    takes each away where it is still ours (a handle, like torch's RemovableHandle)."""
 
     def __init__(self, model: nn.Module):
-        self._placed: list[tuple[weakref.ref, CleanReduce]] = []
+        self._placed: list[tuple[weakref.ref, str, Any]] = []  # (module, attribute, ours)
         for module in model.modules():
             if ATTRIBUTE in module.__dict__ or _is_script(module):
                 continue  # a reduction of the module's own (or a ScriptModule's C++ state): left alone
             reducer = CleanReduce(module)
             module.__dict__[ATTRIBUTE] = reducer
-            self._placed.append((weakref.ref(module), reducer))
+            self._placed.append((weakref.ref(module), ATTRIBUTE, reducer))
+            if getattr(type(module), DEEPCOPY, None) is not None and DEEPCOPY not in module.__dict__:
+                copier = CleanDeepcopy(module)
+                module.__dict__[DEEPCOPY] = copier
+                self._placed.append((weakref.ref(module), DEEPCOPY, copier))
 
     def remove(self) -> None:
-        for ref, reducer in self._placed:
+        for ref, attribute, ours in self._placed:
             module = ref()
-            if module is not None and module.__dict__.get(ATTRIBUTE) is reducer:
-                del module.__dict__[ATTRIBUTE]
+            if module is not None and module.__dict__.get(attribute) is ours:
+                del module.__dict__[attribute]
         self._placed.clear()
 
 

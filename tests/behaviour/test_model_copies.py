@@ -90,6 +90,30 @@ def test_a_copy_of_an_attached_model_is_the_copy_of_a_model_never_attached(how, 
     assert torch.equal(scripted(x), copied(x))
 
 
+def make_parametrized_model() -> nn.Module:
+    """weight_norm through torch's parametrizations: the class it injects copies its own
+    __dict__ in a __deepcopy__ of its own (so does spectral_norm, orthogonal)."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    return nn.Sequential(weight_norm(nn.Linear(6, 16)), nn.ReLU(), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("how", ["deepcopy (EMA)", "AveragedModel (SWA)"])
+def test_a_copy_of_a_parametrized_model_is_the_copy_of_one_never_attached(how):
+    make_copy = COPIES[how]
+    model, twin = make_parametrized_model(), make_parametrized_model()
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin))
+    with hookprof.attach(model, summary_at_exit=False, **EVERY_STEP):
+        train_steps(model, opt, 2, seed=1)  # the layers' forwards are wrapped now
+        train_steps(twin, twin_opt, 2, seed=1)
+        copied = make_copy(model)
+        assert what_hookprof_could_leave(copied) == what_hookprof_could_leave(make_copy(twin))
+    assert what_hookprof_could_leave(model) == what_hookprof_could_leave(twin)
+    x = torch.randn(4, 6)
+    assert torch.equal(copied(x), make_copy(twin)(x))
+
+
 def test_ema_and_swa_copies_train_bit_identically_and_script_while_attached():
     """A training run with an EMA and an SWA copy made at step 2, with and without hookprof:
     every parameter and buffer of model, EMA and SWA copy bit-identical after 6 steps, and the

@@ -233,6 +233,10 @@ def replay(path: str, device: str = "cpu", runs: int = 3, say: Callable[[str], N
         status = NOT_REPRODUCED
     say(f"capsule of step {view['step']} on rank {view['rank']} ({view['host']}, {view['device']}); "
         f"hookprof said: {view['event'].get('replay') or 'no replay verdict'}, layer {view['event'].get('layer')}")
+    if (capsule.get("producer") or {}).get("inputs_changed_in_place"):
+        say("note: the producer's inputs were changed in place after its call (the capsule holds "
+            "them as they were when the replay ended): a verdict of (input) or transient may come "
+            "from that")
     say("inputs:")
     for line in describe_range("args", args) + describe_range("kwargs", kwargs):
         say(line)

@@ -220,3 +220,17 @@ def test_a_run_ending_while_the_policy_holds_for_the_replay_says_it_and_writes_t
     lines = [rec.getMessage() for rec in caplog.records if "step 5" in rec.getMessage()]
     assert len(lines) == 1 and "fc1" in lines[0] and "hookprof-capsule-" in lines[0]
     assert len(list(tmp_path.glob("hookprof-capsule-*.pt"))) == 1
+
+
+def test_replay_says_when_the_producers_inputs_were_changed_in_place(tmp_path):
+    """The capsule records whether the producer's inputs were changed in place after its
+    call; `hookprof replay` says so next to its verdict (and only then)."""
+    _, path = capsule_of(Overflow(at=5), tmp_path)
+    for changed in (False, True):
+        contents = torch.load(path, weights_only=True)
+        contents["producer"]["inputs_changed_in_place"] = changed
+        edited = str(tmp_path / f"edited-{changed}.pt")
+        torch.save(contents, edited)
+        lines = []
+        assert reproduce.replay(edited, say=lines.append) == reproduce.REPRODUCED
+        assert any("changed in place" in line for line in lines) is changed

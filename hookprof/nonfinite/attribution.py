@@ -262,6 +262,8 @@ class Attribution:
                 return REPRODUCIBLE, None
             if moved:  # finite on other weights proves nothing of the step's own
                 return NOT_REPLAYED, LATER_WEIGHTS
+            if first in self._not_replayed:  # a finite replay with a caveat (replay.COMPILED_RNG)
+                return NOT_REPLAYED, self._not_replayed[first]
             return TRANSIENT, None
         if first in self._not_replayed:
             return NOT_REPLAYED, self._not_replayed[first]

@@ -239,7 +239,8 @@ class NonfiniteChecks:
         if rec is not None:
             weights = [("weights_bad", f) for f in own_weights_nonfinite(self._table.layers)]
             self._publisher.submit(self.pack(step, rec, sampled=False, extra=weights,
-                                             replay_moved=self.replay.moved))
+                                             replay_moved=self.replay.moved,
+                                             not_replayed=self.replay.caveat))
             if self.replay.keep_late:  # skip/raise: the policy may be waiting for its layer
                 self._replay_token = self._publisher.publish_now()
 

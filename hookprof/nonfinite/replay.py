@@ -51,6 +51,9 @@ NO_CAPTURE = "no training forward of the model was seen on that step to replay"
 LATER_WEIGHTS = ("its forward was replayed only after later updates had changed the weights (the device "
                  "runs behind the host), and was finite there: not the same weights, so neither "
                  "reproducible nor transient; nonfinite_sync=True replays the step on its own weights")
+COMPILED_RNG = ("the step's forward ran compiled and draws random numbers (dropout): the eager replay "
+                "draws other ones than a backend generating its own (inductor) did, so a finite replay "
+                "does not make it transient")
 EARLIER_FORWARD = ("the NaN/Inf was in an earlier forward of the step (gradient accumulation, a model "
                    "called several times per step); the replay covers the step's last forward only")
 
@@ -59,6 +62,16 @@ def eager() -> Any:
     """A context in which compiled modules and functions run their Python eagerly."""
     set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
     return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+def _drew_random_numbers(captured: CapturedForward) -> bool:
+    """Did the replayed forward draw from the RNG it was started with (its state moved)?"""
+    if not torch.equal(torch.get_rng_state(), captured.cpu_rng):
+        return True
+    if captured.cuda_rng is not None:
+        return any(not torch.equal(now, then)
+                   for now, then in zip(torch.cuda.get_rng_state_all(), captured.cuda_rng))
+    return False
 
 
 def _ready(flag: tuple[Any, Any], earlier: tuple[Any, Any] | None) -> bool:
@@ -94,7 +107,7 @@ class CapturedForward:
     step never swaps the current step's capture out and back (an exception in between
     would leave the kept step's in its place)."""
 
-    __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng", "updates", "modes")
+    __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng", "updates", "modes", "compiled")
 
     def __init__(self, module: nn.Module | None, args: tuple, kwargs: dict | None,
                  cpu_rng: torch.Tensor, cuda_rng: list[torch.Tensor] | None, updates: int = 0,
@@ -103,6 +116,7 @@ class CapturedForward:
         self.cpu_rng, self.cuda_rng = cpu_rng, cuda_rng
         self.updates = updates  # updates applied to the weights before this forward
         self.modes = modes  # grad mode and autocast at its start (kept for a capsule only)
+        self.compiled = False  # it ran compiled (its RNG state was taken at the step's start)
 
 
 class ForwardReplay:
@@ -130,6 +144,8 @@ class ForwardReplay:
         # (step, why) of non-finite steps that could not be replayed, for the publisher
         # (the first NaN is then "not replayed", with the reason, never "not yet localised")
         self._refused: list[tuple[int, str]] = []
+        # why the replay that ran cannot call a finite result transient (None: it can)
+        self.caveat: str | None = None
 
     @property
     def waiting(self) -> bool:
@@ -165,10 +181,12 @@ class ForwardReplay:
         at its start when that was earlier than now (a compiled forward, kept afterwards)."""
         if self.done:
             return
+        compiled = rng is not None  # a compiled forward's, taken at the step's start
         if rng is None:
             rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
         self.captured = CapturedForward(module, args, kwargs, rng[0], rng[1], self._updates,
                                         self._witness.modes() if self._witness is not None else None)
+        self.captured.compiled = compiled
 
     def clear(self) -> None:
         self.captured = None
@@ -298,6 +316,8 @@ class ForwardReplay:
             with hooks.replaying_into(rec), torch.no_grad(), eager(), watch as keep:
                 hooks.note_root_inputs(captured.args, captured.kwargs)
                 target(*captured.args, **(captured.kwargs or {}))
+            if captured.compiled and _drew_random_numbers(captured):
+                self.caveat = COMPILED_RNG
         except Exception as exc:
             self.failed(step, exc)
             raise

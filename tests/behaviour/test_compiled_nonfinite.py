@@ -176,3 +176,43 @@ def test_regional_compilation_times_the_layers_outside_the_compiled_blocks(fullg
     inside = {n: s.forward_calls_total for n, s in layers.items() if n.startswith("blocks.")}
     assert outside == {"inp": snap.sampled_steps, "out": snap.sampled_steps}
     assert set(inside.values()) == {0} and len(inside) == 6
+
+
+class DropoutNet(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.inp, self.drop, self.out = nn.Linear(8, 16), nn.Dropout(p), nn.Linear(16, 1)
+        with torch.no_grad():
+            self.inp.weight.mul_(10)
+
+    def forward(self, x):
+        return self.out(self.drop(self.inp(x)))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_a_finite_replay_of_a_compiled_forward_that_draws_random_numbers_is_not_called_transient(p):
+    """The bad row is zeroed after the backward (before the update, when the replay runs),
+    so the replay is finite: transient without dropout; with dropout active the compiled
+    forward drew random numbers the eager replay cannot be sure to draw again (inductor
+    generates its own), so it is "not replayed", and says why."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = DropoutNet(p)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with hookprof.attach(model, port=0, summary_at_exit=False) as prof:
+        call = torch.compile(model, backend="aot_eager")
+        for step in range(1, 6):
+            x = torch.randn(4, 8)
+            if step == 3:
+                x[0] = 3e38
+            opt.zero_grad()
+            call(x).square().mean().backward()
+            x[0] = 0.0  # what the replay will see
+            opt.step()
+        prof.flush()
+        event = prof.snapshot().first_nonfinite
+    assert (event.phase, event.step) == ("forward", 3)
+    if p == 0.0:
+        assert event.replay == "transient"
+    else:
+        assert event.replay == "not replayed" and "random numbers" in event.replay_note

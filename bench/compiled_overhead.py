@@ -8,8 +8,9 @@ Under torch.compile hookprof's model-output check is traced into the graph (one
 `isfinite().all()` of the output, two counter writes) and taken eagerly at the update (a
 `gt` and a `zero_` on two int32 values); the step counters and the optimizer hooks run as on
 an eager model. This script trains the same MLP (8 x Linear(512), GELU, batch 256) compiled
-whole and block by block (regional compilation), once without hookprof and once attached with
-the defaults, each with its own copy of the model, in interleaved rounds (rotating order) so
+whole and block by block (regional compilation), without hookprof, attached with the
+defaults, and attached sampling every step with activation checks (each sampled step's
+forward re-run eagerly for the per-layer statistics), each with its own copy of the model, in interleaved rounds (rotating order) so
 that machine noise hits both alike. It prints the median step time per configuration and
 two ratios to "none": of the medians, and the median of each round's ratio to the "none"
 round beside it. Dynamo's graph breaks and frames compiled while warming up are printed for each,
@@ -57,15 +58,22 @@ class Mlp(nn.Module):
         return self.head(x)
 
 
+# no hookprof; the defaults; every step sampled with activation checks (each one's forward
+# re-run eagerly for the per-layer statistics: the most that costs)
+CONFIGS = ("none", "hookprof", "every step")
+
+
 class Run:
     """One configuration: its own model, optimizer and compiled callable."""
 
-    def __init__(self, attach: bool, how: str, backend: str, device: str):
+    def __init__(self, config: str, how: str, backend: str, device: str):
         torch.manual_seed(0)
         self.model = Mlp().to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.prof = hookprof.attach(self.model, port=0, summary_at_exit=False,
-                                    system_metrics=False) if attach else None
+        every = dict(sample_every=1, min_sample_interval_s=0.0, activation_interval_s=0.0)
+        self.prof = None if config == "none" else hookprof.attach(
+            self.model, port=0, summary_at_exit=False, system_metrics=False,
+            **(every if config == "every step" else {}))
         if how == "whole":
             self.call = torch.compile(self.model, backend=backend)
         else:
@@ -99,9 +107,9 @@ def measure(how: str, backend: str, device: str, rounds: int, steps: int) -> Non
     runs = {}
     dynamo = {}
     torch._dynamo.reset()  # once: a reset between the two would drop the first one's graphs
-    for name in ("none", "hookprof"):
+    for name in CONFIGS:
         counters.clear()
-        run = Run(name == "hookprof", how, backend, device)
+        run = Run(name, how, backend, device)
         run.steps(3)  # compile and warm up
         dynamo[name] = (sum(counters["graph_break"].values()), counters["frames"]["total"])
         runs[name] = run
@@ -109,7 +117,7 @@ def measure(how: str, backend: str, device: str, rounds: int, steps: int) -> Non
     times: dict[str, list[float]] = {name: [] for name in runs}
     order = list(runs)
     for r in range(rounds):
-        for name in order[r % 2:] + order[:r % 2]:
+        for name in order[r % len(order):] + order[:r % len(order)]:
             times[name].append(runs[name].steps(steps))
     recompiled = counters["frames"]["total"]  # during the measured rounds: 0 expected
     for run in runs.values():
@@ -117,11 +125,12 @@ def measure(how: str, backend: str, device: str, rounds: int, steps: int) -> Non
     base = statistics.median(times["none"])
     print(f"| {how} | {backend} | none | {base * 1e3:.2f} | 1.000 | 1.000 | "
           f"{dynamo['none'][0]} / {dynamo['none'][1]} |")
-    t = times["hookprof"]
-    paired = statistics.median(a / b for a, b in zip(t, times["none"]))
-    print(f"| {how} | {backend} | hookprof | {statistics.median(t) * 1e3:.2f} | "
-          f"{statistics.median(t) / base:.3f} | {paired:.3f} | "
-          f"{dynamo['hookprof'][0]} / {dynamo['hookprof'][1]} |")
+    for name in CONFIGS[1:]:
+        t = times[name]
+        paired = statistics.median(a / b for a, b in zip(t, times["none"]))
+        print(f"| {how} | {backend} | {name} | {statistics.median(t) * 1e3:.2f} | "
+              f"{statistics.median(t) / base:.3f} | {paired:.3f} | "
+              f"{dynamo[name][0]} / {dynamo[name][1]} |")
     print(f"|  |  | frames compiled during the measured rounds: {recompiled} |  |  |  |  |")
 
 

@@ -109,8 +109,9 @@ def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
 
 
 COMPILED_NOTE = (
-    "per-layer forward/backward times and activation checks are off inside the compiled graph (a "
-    "hook can time nothing there, and installing one forces a recompile); the model-output "
+    "per-layer forward/backward times are off inside the compiled graph (a hook can time nothing "
+    "there, and installing one forces a recompile), and per-layer activation statistics come from "
+    "an eager re-run of sampled steps' forward; the model-output "
     "NaN/Inf check runs inside the graph, and a forward NaN/Inf is localised by replaying that "
     "step's forward eagerly; step count and duration, gradient norms, non-finite gradient and "
     "loss checks and system metrics continue. For per-layer times, compile block by block "

@@ -27,7 +27,7 @@ PARTS = ("layer hooks", "layer statistics", "step boundary", "nonfinite", "effic
 _PART_OF_WHERE = (
     ("forward pre-hook", "layer hooks"), ("forward hook", "layer hooks"),
     ("backward hook", "layer hooks"), ("gradient hook", "layer hooks"),
-    ("layer statistic", "layer statistics"),
+    ("layer statistic", "layer statistics"), ("forward re-run", "layer hooks"),
     ("step boundary", "step boundary"), ("root forward", "step boundary"),
     ("optimizer", "step boundary"),
     ("GradScaler", "step boundary"),

@@ -315,6 +315,8 @@ class Profiler:
 
     def _on_update_began(self, optimizer: torch.optim.Optimizer) -> None:
         self._nan.update_began(self._counters.steps + 1)
+        if self._boundary.compiled and self._sampled.plan.checked:  # its statistics, eagerly
+            self._sampled.record_by(self._nan.rerun)
         now = self._clock()
         self._phases.enter(OPTIMIZER, now)
         # the parameters before the update (a second optimizer of the step finds them taken)

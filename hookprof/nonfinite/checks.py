@@ -32,7 +32,7 @@ from hookprof.nonfinite.capsule import Capsules
 from hookprof.nonfinite.detector import Detector, loss_flag, nonfinite_flags
 from hookprof.nonfinite.guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
 from hookprof.nonfinite.output import OutputFlags
-from hookprof.nonfinite.replay import ForwardReplay, own_weights_nonfinite
+from hookprof.nonfinite.replay import CapturedForward, ForwardReplay, forward_again, own_weights_nonfinite
 from hookprof.nonfinite.traced import TracedOutputCheck
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import Packet, StepRecord, pack_step
@@ -70,6 +70,7 @@ class NonfiniteChecks:
         # the output check of a compiled model, traced into its graph (traced.py)
         params = table.params
         self.traced = TracedOutputCheck(params[0].device if params else torch.device("cpu"), say)
+        self._compiled_forward: CapturedForward | None = None  # this step's, for `rerun`
         self._replay_token = 0  # the publisher's publish_now token of the replay's packet
         self._thread: int | None = None  # the training thread (the last forward's)
         self._scaler_view: ScalerView | None = None  # a fused optimizer's GradScaler state
@@ -79,6 +80,7 @@ class NonfiniteChecks:
 
     def step_began(self) -> None:
         self.traced.step_began()
+        self._compiled_forward = None
         self._scaler_view = None
         self._masked = None
         self.output.clear()
@@ -212,9 +214,27 @@ class NonfiniteChecks:
         self._thread = threading.get_ident()
         if inputs is not None:
             self.replay.capture(inputs[0], inputs[1], rng=self.traced.rng)
+            # kept for this step's re-run (statistics of a sampled step), whatever the replay's state
+            self._compiled_forward = CapturedForward(None, inputs[0], inputs[1], *self.traced.rng)
         if self.replay.note_output(self.output.forward_flag, self.output.earlier_flag):
             self.replay_forward(step)
         return True
+
+    def rerun(self, rec: StepRecord) -> StepRecord | None:
+        """A sampled step of a compiled model: its forward once more, eagerly, under no_grad,
+        with the layer checks on (activation statistics and non-finite flags per layer; no
+        times: the record says it is a re-run). Before the update: the step's own weights.
+        Returns the record, None when there is no compiled forward of this step to re-run
+        or it failed (counted; training goes on)."""
+        captured, self._compiled_forward = self._compiled_forward, None
+        model = self.replay.model
+        if captured is None or model is None:
+            return None
+        rec.rerun = True
+        with self._faults.contain("forward re-run", disable=False):
+            forward_again(model, self._hooks, rec, captured)
+            return rec
+        return None
 
     def replay_forward(self, step: int) -> None:
         """If this step's output went non-finite on an unchecked step, replay its forward

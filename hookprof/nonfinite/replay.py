@@ -148,6 +148,11 @@ class ForwardReplay:
         self.caveat: str | None = None
 
     @property
+    def model(self) -> nn.Module | None:
+        """The model (None once it is gone: it is held weakly)."""
+        return self._model_ref()
+
+    @property
     def waiting(self) -> bool:
         """An output flag of this step has not been looked at yet."""
         return self._flag is not None
@@ -295,40 +300,52 @@ class ForwardReplay:
         model = self._model_ref()
         if self.done or model is None:
             return False
-        target = captured.module if captured.module is not None else model
         self.done = True
         self.moved = self._updates - captured.updates  # 0: the very weights of that forward
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if captured.cuda_rng is not None else None
-        originals = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
-                     if b is not None]
         watch = (self._witness.watch(model, captured, step) if self._witness is not None
                  else contextlib.nullcontext(None))
-        keep = None
         try:
-            with torch.no_grad():
-                for module, name, buffer in originals:
-                    module._buffers[name] = buffer.clone()  # the replay writes here, if anywhere
-            torch.set_rng_state(captured.cpu_rng)
-            if captured.cuda_rng is not None:
-                torch.cuda.set_rng_state_all(captured.cuda_rng)
-            # eagerly, with the layer hooks: a model compiled in place (model.compile()) too
-            with hooks.replaying_into(rec), torch.no_grad(), eager(), watch as keep:
-                hooks.note_root_inputs(captured.args, captured.kwargs)
-                target(*captured.args, **(captured.kwargs or {}))
-            if captured.compiled and _drew_random_numbers(captured):
+            keep, drew = forward_again(model, hooks, rec, captured, watch)
+            if drew:
                 self.caveat = COMPILED_RNG
         except Exception as exc:
             self.failed(step, exc)
             raise
         finally:
-            for module, name, buffer in originals:  # the very same tensors, untouched
-                module._buffers[name] = buffer
-            torch.set_rng_state(cpu_rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
             self.clear()  # done: no step's inputs are kept from here on
             self._late.clear()
         if keep is not None:  # the capsule's copy, with the model's own buffers back
             keep(self.moved)
         return True
+
+
+def forward_again(model: nn.Module, hooks: LayerHooks, rec: StepRecord, captured: CapturedForward,
+                  watch: Any = None) -> tuple[Any, bool]:
+    """Run `captured` once more, eagerly (a compiled model too), under no_grad, with the
+    layer checks recording into `rec`, on the model's current weights, from the RNG state
+    of its start; the model's buffers and the RNG are as they were afterwards, whatever
+    happens. Returns (what `watch` yielded, whether the forward drew random numbers: asked
+    of a compiled forward's only, whose RNG state hookprof took itself)."""
+    target = captured.module if captured.module is not None else model
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if captured.cuda_rng is not None else None
+    originals = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
+                 if b is not None]
+    try:
+        with torch.no_grad():
+            for module, name, buffer in originals:
+                module._buffers[name] = buffer.clone()  # the replay writes here, if anywhere
+        torch.set_rng_state(captured.cpu_rng)
+        if captured.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(captured.cuda_rng)
+        with hooks.replaying_into(rec), torch.no_grad(), eager(), \
+                (watch if watch is not None else contextlib.nullcontext(None)) as kept:
+            hooks.note_root_inputs(captured.args, captured.kwargs)
+            target(*captured.args, **(captured.kwargs or {}))
+        return kept, captured.compiled and _drew_random_numbers(captured)
+    finally:
+        for module, name, buffer in originals:  # the very same tensors, untouched
+            module._buffers[name] = buffer
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)

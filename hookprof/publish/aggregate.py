@@ -180,7 +180,7 @@ class Aggregator:
         finally:
             timer.release(rec.tokens())
         n = len(self.names)
-        for call_id, call in enumerate(rec.calls):
+        for call_id, call in enumerate(rec.calls if not rec.rerun else ()):  # a re-run: no times
             layer = call.layer
             if layer >= n:
                 continue  # a container module's call (replay): it only tells who made a NaN

@@ -62,6 +62,18 @@ class SampledStep:
             self._hooks.remove()
         return self.record
 
+    def record_by(self, make: Callable[[StepRecord], StepRecord | None]) -> None:
+        """A sampled step without hooks of its own (a compiled model) gets its record from
+        `make` (nonfinite/checks.py `rerun`: its forward once more, eagerly), packed with the
+        step at its end; when `make` gives none, the record's timer events go back."""
+        if not self.plan.sampled or self.record is not None:
+            return
+        record = self.new_record()
+        if make(record) is None:
+            self._timer.release(record.tokens())
+        else:
+            self.record = record
+
     def install_late(self, module: nn.Module, args: Any, own_layer: int | None, entry: bool) -> None:
         """A training forward of the root begins on a sampled step whose hooks are not in
         yet (step 1): put them in now."""

@@ -38,6 +38,12 @@ from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import Packet, StepRecord, pack_step
 
 
+def _several_ranks() -> bool:
+    """Is this process one of several ranks of torch.distributed?"""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 class NonfiniteChecks:
     """The training thread's side of NaN/Inf handling for one profiler."""
 
@@ -228,7 +234,9 @@ class NonfiniteChecks:
         or it failed (counted; training goes on)."""
         captured, self._compiled_forward = self._compiled_forward, None
         model = self.replay.model
-        if captured is None or model is None:
+        if captured is None or model is None or self._table.has_dtensor_params or _several_ranks():
+            # a forward run on one rank alone would start collectives (FSDP2, tensor parallel,
+            # an all-reduce in the model's code) that the other ranks never join
             return None
         rec.rerun = True
         with self._faults.contain("forward re-run", disable=False):

@@ -65,3 +65,16 @@ def test_hookprof_runs_no_collectives():
     found = [f"{path.name}:{n}: {line.strip()}" for path in sorted(package.glob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert found == [], found
+
+
+def test_compiled_ranks_never_rerun_their_forward_alone():
+    """Several ranks: a sampled step's eager re-run (the per-layer statistics of a compiled
+    model) is not made, as a forward run on one rank could start collectives the others never
+    join; the steps are all counted."""
+    from workers.dist_worker import run_compiled_rank
+
+    results, _, _ = run_two(run_compiled_rank, steps=4)
+    for rank in (0, 1):
+        _, absmax, steps = results[rank]
+        assert steps == 4
+        assert set(absmax.values()) == {None}

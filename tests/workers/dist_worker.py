@@ -78,3 +78,48 @@ def run_fsdp_rank(rank: int, world: int, master_port: int, base_port: int, steps
         prof.detach()
     finally:
         dist.destroy_process_group()
+
+
+def run_compiled_rank(rank: int, world: int, master_port: int, base_port: int, steps: int, out, go_home):
+    """A compiled model (aot_eager) whose forward all-reduces (as hand-written tensor
+    parallelism does), sampled every step with activation checks: no rank re-runs its
+    forward for the statistics (alone, it would start an all-reduce the others never join),
+    and training goes on. Puts (rank, url, the layers' activation abs max, steps)."""
+    torchrun_environment(rank, world, master_port)
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import hookprof
+
+    class AllReduced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            y = self.fc(x)
+            dist.all_reduce(y)
+            return self.head(y)
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = AllReduced()
+        prof = hookprof.attach(model, port=base_port, sample_every=1, min_sample_interval_s=0.0,
+                               activation_interval_s=0.0)
+        call = torch.compile(model, backend="aot_eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(steps):
+            opt.zero_grad()
+            call(torch.randn(4, 8, generator=g)).square().mean().backward()
+            opt.step()
+        prof.flush()
+        snap = prof.snapshot()
+        out.put((rank, prof.url, {n: s.activation_abs_max for n, s in snap.layers.items()}, snap.step))
+        go_home.wait(60)
+        prof.detach()
+    finally:
+        dist.destroy_process_group()

@@ -167,9 +167,9 @@ class StepBoundary:
     # ---------------- installing and removing ----------------
 
     def install(self, model: nn.Module, traced: TracedForward | None = None) -> Callable[[], None]:
-        """Hook the root (unless compiled: a hook added now would force a recompile, and do
-        nothing in the graph), its children, the optimizers and GradScaler; returns what
-        removes them all. A registration that fails takes the others out before it raises.
+        """Hook the root, its children (unless compiled before attach: their entry hooks
+        serve eager loops only), the optimizers and GradScaler; returns what removes them
+        all. A registration that fails takes the others out before it raises.
         `traced`: what the root's hooks do inside a compiled graph."""
         self._traced = traced
         try:
@@ -182,10 +182,13 @@ class StepBoundary:
     def _register(self, model: nn.Module) -> None:
         # first: a copy of the model (EMA, SWA, torch.save) must never carry what follows
         self._handles.append(copies.Placed(model))
+        # the root's pair also on a model compiled before attach: traced with it, it is the
+        # output NaN check inside the graph and keeps the inputs for a replay (a model that
+        # already ran compiled recompiles once for it; one compiled after attach does not)
+        self._handles.append(model.register_forward_pre_hook(
+            self._on_root_forward, prepend=True, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._on_root_output))
         if not self.compiled:
-            self._handles.append(model.register_forward_pre_hook(
-                self._on_root_forward, prepend=True, with_kwargs=True))
-            self._handles.append(model.register_forward_hook(self._on_root_output))
             for child in model.children():
                 if isinstance(child, torch.jit.ScriptModule):
                     continue  # takes no Python hooks; a loop calls the root of such a model

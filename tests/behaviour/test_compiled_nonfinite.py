@@ -50,7 +50,7 @@ def compile_model(model: nn.Module, how: str, backend: str, fullgraph: bool):
     """What the loop calls: the model compiled `how` ("eager": not at all)."""
     if how == "eager":
         return model
-    if how == "whole":
+    if how in ("whole", "whole, then attach"):
         return torch.compile(model, backend=backend, fullgraph=fullgraph)
     if how == "in place":
         model.compile(backend=backend, fullgraph=fullgraph)
@@ -70,8 +70,12 @@ def run(how: str, backend: str, fullgraph: bool, attach: bool, poison=None):
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    prof = hookprof.attach(model, port=0, summary_at_exit=False) if attach else None
-    call = compile_model(model, how, backend, fullgraph)
+    if how == "whole, then attach":  # torch.compile(model), then attach(the compiled model)
+        call = compile_model(model, how, backend, fullgraph)
+        prof = hookprof.attach(call, port=0, summary_at_exit=False) if attach else None
+    else:
+        prof = hookprof.attach(model, port=0, summary_at_exit=False) if attach else None
+        call = compile_model(model, how, backend, fullgraph)
     gen = torch.Generator().manual_seed(1)
     try:
         for step in range(1, STEPS + 1):
@@ -110,6 +114,7 @@ def event_of(event):
 CASES = [
     ("whole", "aot_eager", False),
     ("whole", "aot_eager", True),
+    ("whole, then attach", "aot_eager", False),
     ("in place", "aot_eager", False),
     ("regional", "aot_eager", True),
     pytest.param("whole", "inductor", False, marks=pytest.mark.slow),

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=0, help="stop after N steps (0: run until stopped)")
     demo.add_argument("--port", type=int, default=None, help="metrics port (default: Config.port / HOOKPROF_PORT; 0 picks a free one)")
     demo.add_argument("--addr", default=None, help="bind address (default 127.0.0.1)")
-    demo.add_argument("--sample-every", type=int, default=None)
+    demo.add_argument("--sample-every", type=int, default=None, help="sample every Nth step (default: Config.sample_every)")
     demo.add_argument("--min-sample-interval", type=float, default=None, help="seconds")
     demo.add_argument("--nan-at-step", type=int, default=0, help="make --nan-layer output NaN at this step (1-based)")
     demo.add_argument("--nan-layer", default="mlp.0", help="qualified module name for --nan-at-step and SIGUSR1")
@@ -34,16 +34,17 @@ def main(argv: list[str] | None = None) -> int:
     add_report_parser(sub)
     add_replay_parser(sub)
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        return run_demo(args)
-    if args.command == "top":
-        return run_top(args)
-    if args.command == "report":
-        return run_report(args)
-    if args.command == "replay":
-        return run_replay(args)
-    parser.print_help()
-    return 0
+    run = {"demo": run_demo, "top": run_top, "report": run_report, "replay": run_replay}.get(args.command)
+    if run is None:
+        parser.print_help()
+        return 0
+    try:
+        return run(args)
+    except BrokenPipeError:
+        # `hookprof top --once | head`: the reader left; no traceback, and none at exit
+        # either (Python flushes stdout then: it goes to /dev/null from here)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a program killed by the closed pipe would
 
 
 def add_connection_args(parser: argparse.ArgumentParser, timeout: float) -> None:
@@ -245,6 +246,9 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.runs < 1:
         print(f"could not load: --runs {args.runs}: not a number of runs >= 1")
         return NOT_LOADED
+    # as `python -m` does: the model's code next to where the person runs it is importable
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     return replay(args.capsule, device=args.device, runs=args.runs)
 
 

@@ -99,7 +99,7 @@ def load_module(entry: dict[str, Any]) -> nn.Module:
             return torch.load(io.BytesIO(entry["pickle"]), map_location="cpu", weights_only=False)
         except (ImportError, AttributeError) as exc:
             raise CannotLoad(f"the module class {entry['class']} cannot be imported here ({exc}); "
-                             "the model's code must be importable, as for any pickle") from None
+                             f"{_WHERE_CODE}") from None
     why = entry.get("not_pickled", "")
     module_name, _, qualname = entry["class"].rpartition(".")
     try:
@@ -112,8 +112,14 @@ def load_module(entry: dict[str, Any]) -> nn.Module:
         module.load_state_dict(entry["state_dict"])
     except Exception as exc:
         raise CannotLoad(f"the capsule holds only the state_dict of {entry['class']} ({why}), and that "
-                         f"class cannot be built here ({type(exc).__name__}: {exc})") from None
+                         f"class cannot be built here ({type(exc).__name__}: {exc}); {_WHERE_CODE}") from None
     return module
+
+
+# what a "cannot be imported" message says to do
+_WHERE_CODE = ("run `hookprof replay` where the model's code can be imported (its folder is on the path "
+               "when you run from it, or set PYTHONPATH), with the class defined in a module, not in the "
+               "training script run as __main__")
 
 
 def _autocast(modes: dict[str, Any] | None, device: str) -> Any:

@@ -67,3 +67,64 @@ def test_not_a_capsule_exit_2(tmp_path):
     (tmp_path / "junk.pt").write_bytes(b"not a pickle")
     junk = replay(str(tmp_path / "junk.pt"))
     assert junk.returncode == 2 and len(junk.stdout.splitlines()) == 1
+
+
+MYNET = """
+import torch
+from torch import nn
+
+
+class Exp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return torch.exp(x * self.gain)
+
+
+class MyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = Exp()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.scale(x))
+"""
+
+
+def test_replay_run_from_the_model_codes_folder_imports_it(tmp_path, monkeypatch):
+    """The producer's class lives in mynet.py next to where the person runs `hookprof replay`
+    (no PYTHONPATH): it is importable there, as under `python -m` (exit 2 before)."""
+    import hookprof
+    import torch
+
+    (tmp_path / "mynet.py").write_text(MYNET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from mynet import MyNet
+
+    torch.manual_seed(0)
+    model = MyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = hookprof.Config(port=0, summary_at_exit=False, capsule_dir=str(tmp_path / "caps"))
+    with hookprof.attach(model, config=config) as prof:
+        for step in range(1, 5):
+            x = torch.randn(4, 8) * 0.1
+            if step == 3:
+                x[0] = 100.0  # exp(100) overflows float32: the producer is mynet.Exp
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        prof.flush()
+        path = prof.snapshot().first_nonfinite.capsule
+    assert path is not None
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKPROF_") and k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)  # hookprof itself, not the model's folder
+    # the installed console script (not `python -m`, which puts the folder on the path itself)
+    script = os.path.join(os.path.dirname(sys.executable), "hookprof")
+    assert os.path.exists(script), "hookprof is installed in this environment (pip install -e .)"
+    done = subprocess.run([script, "replay", path], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("reproduced: NaN/Inf made by scale")

@@ -281,3 +281,17 @@ def test_a_short_terminal_still_shows_the_offender():
     # 15 lines: 2 of header, 7 of table frame and footer, 6 rows: five by share, then l39
     assert names == ["l0", "l1", "l2", "l3", "l4", "l39"]
     assert "6 of 40 layers (a taller terminal shows more)" in screen
+
+
+def test_once_into_a_pipe_closed_early_exits_quietly(demos):
+    """`hookprof top --once | head -2`: the reader leaves before the table is written; top
+    exits with 141 (as if killed by SIGPIPE) and no traceback (there was one before)."""
+    proc = subprocess.Popen(hookprof_cmd("top", "--once", "--interval", "0.2", demos[0]),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before top writes
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 141 and "Traceback" not in err, err

@@ -47,13 +47,23 @@ def last_step(doc: dict[str, Any]) -> float:
                 *(e["step"] for e in doc["history"]["events"]), *([first["step"]] if first else [])])
 
 
+def _after(doc: dict[str, Any]) -> str:
+    """When the last sampled step came before the first NaN/Inf (few sampled steps in a short
+    run, or the incident after the last one): say so next to a value that reads finite."""
+    steps, first = doc["history"]["points"]["step"], doc["first_nonfinite"]
+    if not steps or first is None or first["step"] <= steps[-1]:
+        return ""
+    return f" at step {int(steps[-1]):,}; NaN/Inf from step {first['step']:,}"
+
+
 def summary(doc: dict[str, Any]) -> str:
     hist = doc["history"]
     counts = doc["nonfinite_steps"]
     bad = sum(counts.values())
     figures = [("steps", f'{doc["steps"]:,}'), ("sampled steps", f'{doc["sampled_steps"]:,}'),
                ("mean step time", _num(doc["step_seconds_mean"] and doc["step_seconds_mean"] * 1e3, " ms")),
-               ("loss, last sampled", _num(doc["loss"])), ("gradient norm, last sampled", _num(doc["grad_norm"])),
+               ("loss, last sampled", _num(doc["loss"]) + _after(doc)),
+               ("gradient norm, last sampled", _num(doc["grad_norm"]) + _after(doc)),
                ("non-finite steps", ", ".join(f"{p} {c:,}" for p, c in counts.items()) if bad else "none")]
     if doc["skipped_steps"]:
         figures.append(("GradScaler skipped", f'{doc["skipped_steps"]:,} steps'))

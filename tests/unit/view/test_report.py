@@ -571,3 +571,18 @@ def test_one_endpoint_two_models_two_sections(tmp_path):
     assert sorted(a["data-model"] for a in el.find("section")) == ["D", "G"]
     assert len(el.find("svg", **{"data-kind": "step_seconds"})) == 2
     assert not el.find("svg", **{"data-kind": "loss"})  # no loss given: "no values yet", no empty chart
+
+
+def test_a_last_sampled_value_from_before_the_incident_says_so(small_document):
+    """A short run with few sampled steps: the loss and gradient norm tiles show the last
+    sampled step's (finite) values; when the first NaN/Inf came after it, the tiles say at
+    which step they were taken and from which step the run was non-finite (a new user read
+    `loss 2.514` as the loss at the end of a run whose loss was NaN from step 120)."""
+    last = int(small_document["history"]["points"]["step"][-1])
+    after = _with(small_document, first_nonfinite={"layer": "(input)", "phase": "forward", "step": last + 5,
+                                                   "summary": "NaN"})
+    page = render([after])
+    assert page.count(f"at step {last:,}; NaN/Inf from step {last + 5:,}") == 2  # loss and gradient norm
+    before = _with(small_document, first_nonfinite={"layer": "(input)", "phase": "forward", "step": 1,
+                                                    "summary": "NaN"})
+    assert "NaN/Inf from step" not in render([before])

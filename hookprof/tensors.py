@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -35,3 +36,23 @@ def _walk_tensors(value: Any, limit: int) -> Iterator[torch.Tensor]:
             stack.extend(reversed(list(item.values())))
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):
             stack.extend(reversed([getattr(item, f.name) for f in dataclasses.fields(item)]))
+
+
+def every_tensor(value: Any) -> Iterator[torch.Tensor]:
+    """All the tensors in `value` (a state_dict, a batch), with no cap: iter_tensors looks at
+    a call's first few only, which is right for a hook and wrong for a size or a list."""
+    return _walk_tensors(value, limit=sys.maxsize)
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`value` with each tensor replaced by `fn(tensor)`, through tuples (named ones too),
+    lists and dicts; anything else kept as it is."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(map_tensors(v, fn) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, map_tensors(v, fn)) for k, v in value.items())
+    return value

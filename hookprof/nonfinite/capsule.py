@@ -40,7 +40,7 @@ from hookprof.faults import Faults
 from hookprof.files import safe_label, write_atomic
 from hookprof.layers import INPUT_NAME, ROOT_NAME
 from hookprof.snapshot import NonFiniteEvent
-from hookprof.tensors import iter_tensors
+from hookprof.tensors import every_tensor, iter_tensors, map_tensors
 
 FORMAT = 1  # the capsule's layout (reproduce.py refuses a newer one by name)
 FORM_PRODUCER = "producer"  # the named producer module, its inputs and output
@@ -102,15 +102,7 @@ def forward_modes() -> dict[str, Any]:
 
 def to_cpu(value: Any) -> Any:
     """`value` with every tensor in it (tuples, lists, dicts) copied to the CPU, detached."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)(*(to_cpu(v) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(to_cpu(v) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, to_cpu(v)) for k, v in value.items())
-    return value
+    return map_tensors(value, lambda t: t.detach().to("cpu", copy=True))
 
 
 def module_on_cpu(module: nn.Module) -> nn.Module:
@@ -170,7 +162,7 @@ def module_entry(module: nn.Module) -> dict[str, Any]:
 
 
 def tensor_bytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in iter_tensors(value))
+    return sum(t.numel() * t.element_size() for t in every_tensor(value))
 
 
 def parameter_hash(t: torch.Tensor) -> str:
@@ -180,7 +172,7 @@ def parameter_hash(t: torch.Tensor) -> str:
 
 
 def dtypes_of(value: Any) -> list[str]:
-    return [str(t.dtype).removeprefix("torch.") for t in iter_tensors(value)]
+    return [str(t.dtype).removeprefix("torch.") for t in every_tensor(value)]
 
 
 # ---------------------------------------------------------------- the replay, watched
@@ -274,8 +266,9 @@ class ReplayWatch:
         for c in self.calls:
             flags += [c.inputs_finite, c.output_bad]
         tensors = [f for f in flags if isinstance(f, torch.Tensor)]
-        # note: a CPU-GPU sync point, at the incident step only (after its replay)
-        values = iter(torch.stack([t.to("cpu") for t in tensors]).tolist()) if tensors else iter(())
+        # note: a CPU-GPU sync point, at the incident step only (after its replay): one
+        # stack on the flags' device, then one copy to the host (not one per flag)
+        values = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist()) if tensors else iter(())
         read = [bool(next(values)) if isinstance(f, torch.Tensor) else bool(f) for f in flags]
         out: dict[str, CallSeen] = {}
         for k, c in enumerate(self.calls):

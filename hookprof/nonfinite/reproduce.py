@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hookprof.layers import INPUT_NAME, ROOT_NAME
-from hookprof.tensors import iter_tensors
+from hookprof.tensors import iter_tensors, map_tensors
 
 REPRODUCED, NOT_REPRODUCED, NOT_LOADED = 0, 1, 2
 
@@ -40,15 +40,7 @@ def _bad(value: Any) -> bool:
 
 
 def _to(value: Any, device: str) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_to(v, device) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _to(v, device)) for k, v in value.items())
-    return value
+    return map_tensors(value, lambda t: t.to(device))
 
 
 class FirstNonFiniteOp(TorchDispatchMode):

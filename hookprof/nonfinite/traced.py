@@ -112,6 +112,8 @@ class TracedOutputCheck:
         flags = self.counts.gt(0)
         self.counts.zero_()
         if flags.device.type == "cpu":
+            # a read of two CPU values, no device to wait for (an accelerator's flags stay
+            # there, read later without waiting, like the eager check's)
             last, any_forward = flags.tolist()
             return last, any_forward, inputs
         return flags[0], flags[1], inputs

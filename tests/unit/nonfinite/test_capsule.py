@@ -234,3 +234,15 @@ def test_replay_says_when_the_producers_inputs_were_changed_in_place(tmp_path):
         lines = []
         assert reproduce.replay(edited, say=lines.append) == reproduce.REPRODUCED
         assert any("changed in place" in line for line in lines) is changed
+
+
+def test_the_size_cap_and_the_dtypes_count_every_tensor_of_a_model():
+    """A state_dict of 20 tensors (more than a hook's look at a call's first 8): the capsule's
+    size, held against capsule_max_bytes, and its dtypes cover all of them (they covered 8:
+    a large model was copied whole under a cap it exceeded)."""
+    model = nn.Sequential(*(nn.Linear(10, 10) for _ in range(10)))
+    model[3].half()
+    state = model.state_dict()
+    assert len(state) == 20
+    assert capsule.tensor_bytes(state) == sum(t.numel() * t.element_size() for t in state.values())
+    assert capsule.dtypes_of(state) == [str(t.dtype).removeprefix("torch.") for t in state.values()]

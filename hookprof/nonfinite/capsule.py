@@ -88,15 +88,6 @@ def capsule_path(directory: str, model: str, rank: int, step: int) -> str:
     return path
 
 
-def forward_modes() -> dict[str, Any]:
-    """Grad mode and autocast as a training forward starts (the replay runs outside them)."""
-    modes: dict[str, Any] = {"grad_enabled": torch.is_grad_enabled(), "autocast": {}}
-    for device_type in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(device_type):
-            modes["autocast"][device_type] = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
-    return modes
-
-
 # ---------------------------------------------------------------- copies to the CPU
 
 
@@ -296,8 +287,6 @@ class Capsules:
         self.draft: CapsuleDraft | None = None
         self._taking = threading.Lock()
         self.path: str | None = None  # the capsule written, once it is
-
-    modes = staticmethod(forward_modes)
 
     @contextmanager
     def watch(self, model: nn.Module, captured: Any, step: int) -> Iterator[Callable[[int], None]]:

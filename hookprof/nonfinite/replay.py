@@ -58,6 +58,25 @@ EARLIER_FORWARD = ("the NaN/Inf was in an earlier forward of the step (gradient 
                    "called several times per step); the replay covers the step's last forward only")
 
 
+def forward_modes() -> dict[str, Any]:
+    """Grad mode and autocast as a training forward starts: the replay, which runs later
+    (at the update, outside the loop's `autocast` block), runs in them again, or an fp16
+    overflow would replay in fp32 and read transient. Two C calls per forward."""
+    modes: dict[str, Any] = {"grad_enabled": torch.is_grad_enabled(), "autocast": {}}
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            modes["autocast"][device_type] = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+    return modes
+
+
+def autocast_of(modes: dict[str, Any] | None) -> contextlib.ExitStack:
+    """The autocast a forward ran in (forward_modes), entered again."""
+    stack = contextlib.ExitStack()
+    for device_type, dtype in ((modes or {}).get("autocast") or {}).items():
+        stack.enter_context(torch.autocast(device_type=device_type, dtype=getattr(torch, dtype)))
+    return stack
+
+
 def eager() -> Any:
     """A context in which compiled modules and functions run their Python eagerly."""
     set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
@@ -115,7 +134,7 @@ class CapturedForward:
         self.module, self.args, self.kwargs = module, args, kwargs
         self.cpu_rng, self.cuda_rng = cpu_rng, cuda_rng
         self.updates = updates  # updates applied to the weights before this forward
-        self.modes = modes  # grad mode and autocast at its start (kept for a capsule only)
+        self.modes = modes  # grad mode and autocast at its start (forward_modes)
         self.compiled = False  # it ran compiled (its RNG state was taken at the step's start)
 
 
@@ -190,7 +209,7 @@ class ForwardReplay:
         if rng is None:
             rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
         self.captured = CapturedForward(module, args, kwargs, rng[0], rng[1], self._updates,
-                                        self._witness.modes() if self._witness is not None else None)
+                                        forward_modes())
         self.captured.compiled = compiled
 
     def clear(self) -> None:
@@ -338,7 +357,7 @@ def forward_again(model: nn.Module, hooks: LayerHooks, rec: StepRecord, captured
         torch.set_rng_state(captured.cpu_rng)
         if captured.cuda_rng is not None:
             torch.cuda.set_rng_state_all(captured.cuda_rng)
-        with hooks.replaying_into(rec), torch.no_grad(), eager(), \
+        with hooks.replaying_into(rec), torch.no_grad(), eager(), autocast_of(captured.modes), \
                 (watch if watch is not None else contextlib.nullcontext(None)) as kept:
             hooks.note_root_inputs(captured.args, captured.kwargs)
             target(*captured.args, **(captured.kwargs or {}))

@@ -12,7 +12,7 @@ from torch import nn
 import hookprof
 from hookprof.nonfinite.attribution import WEIGHTS_UNPROVEN
 from hookprof.nonfinite.replay import EARLIER_FORWARD
-from support.first_nan import EVERY_STEP_CHECKED, LAGS, UNSAMPLED
+from support.first_nan import EVERY_STEP_CHECKED, LAGS, UNSAMPLED, behind_by
 from support.lagging_device import lagging_device
 
 BAD_STEP = 5
@@ -209,3 +209,34 @@ def test_another_models_optimizer_does_not_make_a_replay_inconclusive():
         finally:
             prof.detach()
     assert (event.layer, event.step, event.replay) == (None, BAD_STEP, "transient")
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_an_fp16_overflow_under_autocast_replays_in_fp16(lag):
+    """A row whose layer-0 output is 80,000: past float16's 65,504 under CPU autocast, finite
+    in float32. On a device behind the host the replay runs at the update, outside the loop's
+    autocast block: it runs in the forward's autocast again (before: in float32, finite, and
+    the NaN was never named)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)
+        model[0].bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6, fused=True)
+    with behind_by(lag):
+        prof = hookprof.attach(model, port=0, summary_at_exit=False, on_nonfinite="skip")
+        try:
+            for step in range(1, 8):
+                x = torch.rand(4, 8)
+                if step == 4:
+                    x[0] = 20000.0  # 8 x 0.5 x 20,000
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(x)
+                out.float().square().mean().backward()
+                opt.step()
+            prof.flush()
+            event = prof.snapshot().first_nonfinite
+        finally:
+            prof.detach()
+    assert (event.layer, event.phase, event.step, event.replay) == ("0", "forward", 4, "reproducible")

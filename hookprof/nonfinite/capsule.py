@@ -39,6 +39,7 @@ from hookprof.device.identity import device_name
 from hookprof.faults import Faults
 from hookprof.files import safe_label, write_atomic
 from hookprof.layers import INPUT_NAME, ROOT_NAME
+from hookprof.nonfinite.replay import rng_state
 from hookprof.snapshot import NonFiniteEvent
 from hookprof.tensors import every_tensor, iter_tensors, map_tensors
 
@@ -49,10 +50,6 @@ FORM_HASHES = "inputs and hashes"  # ... the model above capsule_max_bytes: a ha
 
 _count_lock = threading.Lock()
 _written = 0  # capsules written (or being written) by this process
-
-
-def written_in_process() -> int:
-    return _written
 
 
 def forget_written() -> None:
@@ -238,8 +235,7 @@ class ReplayWatch:
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         tensors = list(iter_tensors((args, kwargs)))
         call = CallSeen(self._names.get(id(module), type(module).__name__), module, args, kwargs,
-                        [t._version for t in tensors], _all_finite((args, kwargs)), torch.get_rng_state(),
-                        torch.cuda.get_rng_state_all() if self._cuda else None)
+                        [t._version for t in tensors], _all_finite((args, kwargs)), *rng_state(self._cuda))
         self._open.append(call)
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:

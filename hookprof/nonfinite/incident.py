@@ -133,13 +133,17 @@ class IncidentResponse:
         # the replay may have been published since `snap` was read (its token is set after
         # `latest`): act on the newest snapshot, which then names the layer
         snap = self._publisher.latest
-        event = self._with_capsule(snap.first_nonfinite or event)
+        self._act(snap.first_nonfinite or event, snap, self._config.on_nonfinite)
+
+    def _act(self, event: NonFiniteEvent, snap: Snapshot, policy: str) -> None:
+        """Carry out `policy` on the first incident, once, with its capsule's path."""
+        event = self._with_capsule(event)
         self._act_by = None
         self._acted = True
-        if self._config.on_nonfinite == "dump":
+        if policy == "dump":
             self._dump(event, snap)
         else:
-            apply(self._config.on_nonfinite, event, snap, self._config, self._rank, model=self._model)
+            apply(policy, event, snap, self._config, self._rank, model=self._model)
 
     def at_detach(self) -> None:
         """The run ends, and no later step end will come: a first incident the policy has not
@@ -160,13 +164,8 @@ class IncidentResponse:
         if policy_open and snap.first_nonfinite is not None:
             # held for the replay, or seen by a flush() after the last step end (a device
             # behind the host: the last steps' flags arrived after it)
-            event = self._with_capsule(snap.first_nonfinite)
-            self._act_by, self._acted = None, True
-            if self._config.on_nonfinite == "dump":
-                self._dump(event, snap)
-            else:
-                policy = "warn" if self._config.on_nonfinite == "raise" else self._config.on_nonfinite
-                apply(policy, event, snap, self._config, self._rank, model=self._model)
+            policy = self._config.on_nonfinite
+            self._act(snap.first_nonfinite, snap, "warn" if policy == "raise" else policy)
         if self._capsule_when_settled(self._publisher.latest):
             self._publisher.flush()  # the snapshot carries its path
 

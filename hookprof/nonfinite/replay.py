@@ -58,6 +58,23 @@ EARLIER_FORWARD = ("the NaN/Inf was in an earlier forward of the step (gradient 
                    "called several times per step); the replay covers the step's last forward only")
 
 
+RngState = tuple[torch.Tensor, "list[torch.Tensor] | None"]
+
+
+def rng_state(cuda: bool | None = None) -> RngState:
+    """The CPU generator's state and, with CUDA in use (`cuda` None: once it is initialized),
+    every CUDA device's: what a replay starts its forward from."""
+    if cuda is None:
+        cuda = torch.cuda.is_initialized()
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
+
+
+def set_rng(state: RngState) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
 def forward_modes() -> dict[str, Any]:
     """Grad mode and autocast as a training forward starts: the replay, which runs later
     (at the update, outside the loop's `autocast` block), runs in them again, or an fp16
@@ -207,7 +224,7 @@ class ForwardReplay:
             return
         compiled = rng is not None  # a compiled forward's, taken at the step's start
         if rng is None:
-            rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+            rng = rng_state()
         self.captured = CapturedForward(module, args, kwargs, rng[0], rng[1], self._updates,
                                         forward_modes())
         self.captured.compiled = compiled
@@ -346,17 +363,14 @@ def forward_again(model: nn.Module, hooks: LayerHooks, rec: StepRecord, captured
     happens. Returns (what `watch` yielded, whether the forward drew random numbers: asked
     of a compiled forward's only, whose RNG state hookprof took itself)."""
     target = captured.module if captured.module is not None else model
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if captured.cuda_rng is not None else None
+    outside = rng_state(cuda=captured.cuda_rng is not None)
     originals = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
                  if b is not None]
     try:
         with torch.no_grad():
             for module, name, buffer in originals:
                 module._buffers[name] = buffer.clone()  # the replay writes here, if anywhere
-        torch.set_rng_state(captured.cpu_rng)
-        if captured.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(captured.cuda_rng)
+        set_rng((captured.cpu_rng, captured.cuda_rng))
         with hooks.replaying_into(rec), torch.no_grad(), eager(), autocast_of(captured.modes), \
                 (watch if watch is not None else contextlib.nullcontext(None)) as kept:
             hooks.note_root_inputs(captured.args, captured.kwargs)
@@ -365,6 +379,4 @@ def forward_again(model: nn.Module, hooks: LayerHooks, rec: StepRecord, captured
     finally:
         for module, name, buffer in originals:  # the very same tensors, untouched
             module._buffers[name] = buffer
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        set_rng(outside)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from hookprof.compiled import is_exporting
+from hookprof.nonfinite.replay import RngState, rng_state
 from hookprof.tensors import iter_tensors
 
 
@@ -49,7 +50,7 @@ class TracedOutputCheck:
         self.inputs: tuple[Any, Any] | None = None  # (args, kwargs) of the last compiled forward
         self.called = False  # a compiled forward of the model ran since the last take()
         self.compiled = True  # until an eager forward says otherwise (then no RNG is kept)
-        self.rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
+        self.rng: RngState | None = None
 
     # ---- traced: plain tensor ops and attribute stores only ----
 
@@ -88,8 +89,7 @@ class TracedOutputCheck:
     def step_began(self) -> None:
         """Keep the RNG state for a replay of this step's compiled forward (a few us)."""
         if self.compiled:
-            self.rng = (torch.get_rng_state(),
-                        torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+            self.rng = rng_state()
 
     def eager_forward(self) -> None:
         """An eager training forward of the model ran: it is checked the eager way."""

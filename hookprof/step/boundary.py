@@ -414,8 +414,7 @@ class StepBoundary:
             self._forwards = 0  # LBFGS calls it thousands of times in one step
             self._closure_called(judged)
             result = closure()  # the user's: what it raises is theirs
-            if not self._detached:
-                self._closure_returned(optimizer, judged)
+            self._closure_returned(optimizer, judged)  # (nothing once detached: _under_lock)
             return result
 
         return closure_then_read

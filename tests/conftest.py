@@ -49,6 +49,16 @@ def every_step(request):
 
 
 @pytest.fixture(autouse=True)
+def _fresh_capsule_count():
+    """capsule_max_count counts per process: each test starts from none written."""
+    from hookprof import _testing
+
+    _testing.forget_capsules_written()
+    yield
+    _testing.forget_capsules_written()
+
+
+@pytest.fixture(autouse=True)
 def _no_leftover_profilers():
     yield
     from hookprof import _testing

@@ -24,13 +24,14 @@ HEAT_LEVELS = 32  # colours in the heatmap's scale: neighbours of one colour are
 NAME_CHARS = 26  # a layer name longer than this is cut in the heatmap's margin (hover: whole)
 
 
-def num(v: float | None, digits: int = 9) -> str:
-    """A value in a data-* attribute: "-" for none, "NaN/Inf" for a non-finite one."""
+def num(v: float | None, digits: int = 9, unit: str = "") -> str:
+    """A value as the page shows it (9 digits: in a data-* attribute): "-" for none, "NaN/Inf"
+    for a non-finite one."""
     if v is None:
         return "-"
     if math.isinf(v):
         return "NaN/Inf"
-    return f"{v:.{digits}g}"
+    return f"{v:.{digits}g}{unit}"
 
 
 def step_label(s: float) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 from hookprof.files import write_atomic
 from hookprof.view.report_axes import step_axis
-from hookprof.view.report_charts import heatmap, line_chart, point_spans, timeline
+from hookprof.view.report_charts import heatmap, line_chart, num, point_spans, timeline
 from hookprof.view.report_script import CSS, SCRIPT
 from hookprof.view.table import COLUMNS, TITLES, LayerRow, cells, choose, from_document, sort_rows
 
@@ -29,14 +29,6 @@ REPLAY_WORDS = {
                  "(suspect a non-deterministic kernel, a race, or the hardware)",
     "not replayed": "not replayed",
 }
-
-
-def _num(v: float | None, unit: str = "", digits: int = 4) -> str:
-    if v is None:
-        return "-"
-    if math.isinf(v):
-        return "NaN/Inf"
-    return f"{v:.{digits}g}{unit}"
 
 
 def last_step(doc: dict[str, Any]) -> float:
@@ -61,9 +53,9 @@ def summary(doc: dict[str, Any]) -> str:
     counts = doc["nonfinite_steps"]
     bad = sum(counts.values())
     figures = [("steps", f'{doc["steps"]:,}'), ("sampled steps", f'{doc["sampled_steps"]:,}'),
-               ("mean step time", _num(doc["step_seconds_mean"] and doc["step_seconds_mean"] * 1e3, " ms")),
-               ("loss, last sampled", _num(doc["loss"]) + _after(doc)),
-               ("gradient norm, last sampled", _num(doc["grad_norm"]) + _after(doc)),
+               ("mean step time", num(doc["step_seconds_mean"] and doc["step_seconds_mean"] * 1e3, 4, " ms")),
+               ("loss, last sampled", num(doc["loss"], 4) + _after(doc)),
+               ("gradient norm, last sampled", num(doc["grad_norm"], 4) + _after(doc)),
                ("non-finite steps", ", ".join(f"{p} {c:,}" for p, c in counts.items()) if bad else "none")]
     if doc["skipped_steps"]:
         figures.append(("GradScaler skipped", f'{doc["skipped_steps"]:,} steps'))

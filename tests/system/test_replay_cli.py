@@ -10,18 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from hookprof import _testing
 from support.capsules import capsule_of, local_producer_capsule
 from support.first_nan import Overflow, TransientPoison
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(autouse=True)
-def fresh_count():
-    _testing.forget_capsules_written()
-    yield
-    _testing.forget_capsules_written()
 
 
 def replay(path: str, *args: str) -> subprocess.CompletedProcess:

@@ -23,13 +23,6 @@ from support.capsules import capsule_of, local_producer_capsule
 from support.first_nan import UNSAMPLED, Mlp, Overflow, TransientPoison, fused_sgd, loss_of, run
 
 
-@pytest.fixture(autouse=True)
-def fresh_count():
-    _testing.forget_capsules_written()
-    yield
-    _testing.forget_capsules_written()
-
-
 def opened(path: str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)  # no user class needed
 

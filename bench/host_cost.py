@@ -329,7 +329,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results[0][1], f, indent=2)
-            return 0
     print()
     print(table(results))
     return 0

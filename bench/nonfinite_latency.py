@@ -222,13 +222,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hookprof nonfinite latency: torch {torch.__version__}, {where}, "
           f"{time.strftime('%Y-%m-%d')}, GPT shape {'full' if args.full else 'narrow'}; "
           f"NaN in {PRODUCER}'s forward at unsampled step {BAD_STEP}")
-    results = [one_policy(name, overrides, device, args.full, args.after, args.deadline) for name, overrides in POLICIES]
-    print_rows(results)
+    out = {}
+    # fused AdamW holds a bad update back on the device (found_inf); the for-loop one cannot
+    # without nonfinite_sync: both, as docs/nonfinite.md's table has a column for each
+    for fused in ((True, False) if device.type == "cuda" else (None,)):
+        if fused is not None:
+            print(f"AdamW fused={fused}", flush=True)
+        results = [one_policy(name, overrides, device, args.full, args.after, args.deadline, fused=fused)
+                   for name, overrides in POLICIES]
+        print_rows(results)
+        out[f"fused={fused}" if fused is not None else "shape's optimizer"] = results
     cost = sync_cost(device, args.full, args.rounds, args.steps)
     print(f"nonfinite_sync=True: step {cost['step_ms_on']:.2f} ms vs {cost['step_ms_off']:.2f} ms, "
           f"paired ratio {cost['paired_ratio']:.3f} ({cost['rounds']} rounds x {cost['steps']} steps)")
     write(args.out, {"device": where, "torch": torch.__version__, "full": args.full,
-                     "policies": results, "nonfinite_sync_cost": cost})
+                     "policies": out, "nonfinite_sync_cost": cost})
     return 0
 
 

@@ -371,17 +371,20 @@ def bench_many_layers(n: int = 10_000) -> dict:
 
 def table(results: list[dict]) -> str:
     configs = list(CONFIGS)
+    with_floor = "floor" in CONFIGS and "hookprof default" in CONFIGS
     lines = [
-        "| workload | " + " | ".join(configs) + " | default / floor |",
-        "|---|" + "---|" * (len(configs) + 1),
+        "| workload | " + " | ".join(configs) + (" | default / floor |" if with_floor else " |"),
+        "|---|" + "---|" * (len(configs) + with_floor),
     ]
     for r in results:
         cells = []
         for c in configs:
             ms, ratio = r["step_ms"][c], r["ratio"][c]
             cells.append(f"{ms:.1f} ms" if c == "none" else f"{ms:.1f} ms ({ratio:.3f}x)")
-        to_floor = r["step_ms"]["hookprof default"] / r["step_ms"]["floor"]
-        lines.append(f"| {r['workload']} | " + " | ".join(cells) + f" | {to_floor:.3f}x |")
+        last = ""
+        if with_floor:
+            last = f" {r['step_ms']['hookprof default'] / r['step_ms']['floor']:.3f}x |"
+        lines.append(f"| {r['workload']} | " + " | ".join(cells) + " |" + last)
     return "\n".join(lines)
 
 
@@ -393,11 +396,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--quick", action="store_true", help="3 rounds of 5 steps")
     parser.add_argument("--skip-many-layers", action="store_true")
+    parser.add_argument("--configs", default=None,
+                        help="a comma-separated subset of the configurations (default: all); "
+                             "'none' is always measured")
     parser.add_argument("--gpu", action="store_true",
                         help="issue 13's workloads on CUDA (default 16 rounds; --workloads from "
                              f"{','.join(shapes.NAMES)})")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "overhead.json"))
     args = parser.parse_args(argv)
+    if args.configs:
+        keep = ["none"] + [c.strip() for c in args.configs.split(",") if c.strip() != "none"]
+        unknown = [c for c in keep if c not in CONFIGS]
+        if unknown:
+            parser.error(f"--configs: unknown {unknown}; known: {list(CONFIGS)}")
+        for c in list(CONFIGS):
+            if c not in keep:
+                del CONFIGS[c]
     if args.gpu:
         return main_gpu(args, argv)
     if args.quick:

@@ -44,19 +44,23 @@ case $stage in
     measure)
         if [ -n "${RERUN:-}" ]; then
             # shellcheck disable=SC2086  # node ids, one per word
-            timeout 120 python -m pytest -q -rfEs -p no:cacheprovider --timeout 100 $RERUN >>"$OUT/summary.txt" 2>&1
+            timeout 70 python -m pytest -q -rfEs -p no:cacheprovider --timeout 60 $RERUN >"$OUT/rerun.txt" 2>&1
             say "rerun exit $?"
+            timeout 70 python bench/cudagraphs.py --quick --modes reduce-overhead,default \
+                --json "$json/cudagraphs.json" >"$OUT/cudagraphs.txt" 2>&1
+            say "cudagraphs exit $?"
         fi
-        timeout 90 python bench/host_cost.py --full --steps 16 --json "$json/host_cost.json" >"$OUT/host_cost.txt" 2>&1
+        timeout 80 python bench/host_cost.py --full --steps 16 --profile resnet50,mlp \
+            --json "$json/host_cost.json" >"$OUT/host_cost.txt" 2>&1
         say "host_cost exit $?"
-        timeout 130 python bench/nonfinite_latency.py --full --after 40 --rounds 6 \
+        timeout 100 python bench/nonfinite_latency.py --full --after 30 --rounds 6 \
             --out "$json/nonfinite_latency.json" >"$OUT/nonfinite_latency.txt" 2>&1
         say "nonfinite_latency exit $?"
-        timeout 200 python bench/overhead.py --gpu --rounds 12 \
+        timeout 170 python bench/overhead.py --gpu --rounds 10 \
             --configs "none again,floor,hookprof default,hookprof loss check,hookprof every step,torch.profiler" \
             --out "$json/overhead.json" >"$OUT/overhead.txt" 2>&1
         say "overhead exit $?"
-        timeout 70 python bench/mfu.py --json "$json/mfu.json" >"$OUT/mfu.txt" 2>&1
+        timeout 50 python bench/mfu.py --json "$json/mfu.json" >"$OUT/mfu.txt" 2>&1
         say "mfu exit $?"
         ;;
     *)

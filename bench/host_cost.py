@@ -249,6 +249,40 @@ def measure_publisher(device: torch.device, layers: int = 500, steps: int = 8) -
     }
 
 
+def profile_workload(name: str, device: torch.device, full: bool, steps: int, top: int = 18) -> None:
+    """Where hookprof's host time goes: cProfile over `steps` unsampled steps, then `steps`
+    sampled ones, of one workload; prints hookprof's functions by their own time per step
+    (cProfile slows every Python call alike, so read the shares, not the microseconds)."""
+    import cProfile
+    import pstats
+
+    shape = shapes.build(name, device, full=full)
+    for label, every in (("unsampled", 1_000_000), ("sampled", 1)):
+        prof = hookprof.attach(shape.model, port=0, sample_every=every, min_sample_interval_s=0.0)
+        try:
+            for _ in range(4):
+                shape.step()
+            sync(device)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(steps):
+                shape.step()
+            profiler.disable()
+            sync(device)
+        finally:
+            prof.detach()
+        stats = pstats.Stats(profiler)
+        rows = []
+        for (path, line, func), (_, calls, own, cumulative, _) in stats.stats.items():
+            if f"{os.sep}hookprof{os.sep}" in path and f"{os.sep}bench{os.sep}" not in path:
+                rows.append((own, cumulative, calls, f"{os.path.relpath(path, os.path.dirname(paths.UNDER_TEST))}:{line} {func}"))
+        total = sum(r[0] for r in rows)
+        print(f"# profile, {shape.name}, {label} steps: hookprof's own time {total / steps * 1e6:.0f} us/step "
+              f"under cProfile; top {top} by own time (us/step own, us/step cumulative, calls/step)")
+        for own, cumulative, calls, where in sorted(rows, reverse=True)[:top]:
+            print(f"#   {own / steps * 1e6:8.1f} {cumulative / steps * 1e6:9.1f} {calls / steps:7.1f}  {where}")
+
+
 def run_here(args) -> dict:
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -266,6 +300,8 @@ def run_here(args) -> dict:
         r = measure_workload(name, device, args.full, args.steps, args.accelerator_path)
         result["workloads"].append(r)
         print(f"# {name}: {json.dumps(r)}", flush=True)
+    for name in (args.profile.split(",") if args.profile else ()):
+        profile_workload(name, device, args.full, steps=10)
     if not args.skip_publisher:
         result["publisher"] = measure_publisher(device)
         print(f"# publisher: {json.dumps(result['publisher'])}", flush=True)
@@ -316,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accelerator-path", action="store_true",
                         help="on a CPU, reduce gradients as on a GPU (one fused pass), where the version can")
     parser.add_argument("--skip-publisher", action="store_true")
+    parser.add_argument("--profile", metavar="WORKLOADS", default="",
+                        help="also profile hookprof's functions on these workloads (cProfile)")
     parser.add_argument("--against", metavar="REV", help="also run a git revision (in a temporary worktree)")
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args(argv)

@@ -469,6 +469,7 @@ def main_gpu(args: argparse.Namespace, argv: list[str] | None) -> int:
         print(f"{key}: " + ", ".join(f"{c} {v:.3f}x" for c, v in r["ratio"].items()), flush=True)
         print(f"{key} (paired by round): "
               + ", ".join(f"{c} {v:.3f}x" for c, v in r["paired_ratio"].items()), flush=True)
+        print(f"{key} (ms): " + ", ".join(f"{c} {v:.2f}" for c, v in r["step_ms"].items()), flush=True)
         torch.cuda.empty_cache()
     print()
     print(table(results))

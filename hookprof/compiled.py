@@ -33,7 +33,18 @@ if is_compiling is None:  # torch < 2.3
     is_compiling = torch._dynamo.is_compiling
 
 
-is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", lambda: False)
+_compiler = getattr(torch, "compiler", None)
+if hasattr(_compiler, "_is_exporting_flag"):
+    def is_exporting() -> bool:
+        """torch.export is tracing the model. Not torch.compiler.is_exporting(): up to torch
+        2.12 Dynamo folds that call to the constant True inside every trace, torch.compile's
+        too (fixed in 2.13), so a compiled root hook took itself for an export and skipped
+        the output check (found on the first GPU run, torch 2.11: every compiled forward NaN
+        was missed). The flag it returns is a module global, which Dynamo reads as a guarded
+        constant in every version."""
+        return _compiler._is_exporting_flag
+else:  # torch < 2.3: no flag; the function where there is one
+    is_exporting = getattr(_compiler, "is_exporting", lambda: False)
 # torch.jit.is_tracing() without its Python frame (what it returns outside TorchScript)
 _is_tracing = torch._C._is_tracing
 # torch.func (vmap, grad, jacrev, functional_call under them): no public predicate in torch

@@ -220,6 +220,11 @@ _STEP_BUCKET = names.STEP_DURATION_SECONDS.sample("bucket")
 _RUN_COUNTS = ("steps", "sampled_steps", "skipped_steps")  # read as ints: int() of NaN raised
 
 
+# the families a process's endpoint serves once (found on the first GPU run: the CUDA
+# allocator gauges carry `rank` and made a second, empty table named "")
+_PER_PROCESS = frozenset(m.family_name for m in names.ALL if not m.per_model)
+
+
 def from_metrics(text: str) -> list[RunTable]:
     """The tables of one /metrics page: one per (model, rank) whose hookprof series it holds
     (several models can share a process's endpoint). Parsed by prometheus_client's parser."""
@@ -231,8 +236,8 @@ def from_metrics(text: str) -> list[RunTable]:
     except ValueError as exc:  # an HTML page, garbage: the parser's words, on the line it stopped at
         raise ValueError(f"not the Prometheus text format: {exc}") from None
     for family in families:
-        if not family.name.startswith(names.PREFIX):
-            continue
+        if not family.name.startswith(names.PREFIX) or family.name in _PER_PROCESS:
+            continue  # per-process series (CUDA allocator, GPUs) carry a rank but no model
         for s in family.samples:
             if "rank" not in s.labels:
                 continue

@@ -151,7 +151,10 @@ def test_top_on_a_page_that_is_not_hookprof_metrics(body, why):
     b'{"models":[{}]}', b'{"models":5}', b"[" * 200_000,
     b'{"models":[{"model":"m"}]}', b'{"models":[{"model":"m","layer_totals":5,"history":"x"}]}',
     b'{"models":[5]}',
-])
+], ids=["model-without-fields", "models-not-a-list", "200k-brackets", "model-without-history",
+        "history-not-a-list", "model-not-an-object"])  # pytest's own id of 200 KB of "[" went into
+# PYTEST_CURRENT_TEST, and an environment string over 128 KiB fails every subprocess (E2BIG,
+# seen with the GPU image's pytest)
 def test_report_on_json_that_is_not_a_hookprof_history(body, tmp_path):
     with hostile(reply(body, headers=b"Content-Type: application/json\r\n")) as server:
         out, _ = run_cli("report", server.url, "-o", str(tmp_path / "run.html"), "--timeout", "5")

@@ -115,7 +115,11 @@ def test_replay_run_from_the_model_codes_folder_imports_it(tmp_path, monkeypatch
     env["PYTHONPATH"] = str(ROOT)  # hookprof itself, not the model's folder
     # the installed console script (not `python -m`, which puts the folder on the path itself)
     script = os.path.join(os.path.dirname(sys.executable), "hookprof")
-    assert os.path.exists(script), "hookprof is installed in this environment (pip install -e .)"
+    if not os.path.exists(script):  # run from a checkout on PYTHONPATH (the GPU image): no script
+        reason = f"no console script {script}: hookprof is not pip-installed here (pip install -e .)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{reason}; .ci/run installs it in CI")
+        pytest.skip(reason)
     done = subprocess.run([script, "replay", path], env=env,
                           capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr

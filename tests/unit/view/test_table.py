@@ -16,6 +16,7 @@ import torch
 
 import hookprof
 from hookprof import _testing
+from hookprof import metrics_names as names
 from hookprof.demo import DemoNet, InjectNonFinite
 from hookprof.serve.exporter import SnapshotCollector, make_registry, render
 from hookprof.snapshot import LayerStats, NonFiniteEvent, Snapshot
@@ -183,6 +184,17 @@ def test_a_page_with_two_models_gets_a_model_column():
     lines = render_table(tables, by="layer").splitlines()
     assert lines[4].split()[:3] == ["rank", "model", "layer"]
     assert [line.split()[:3] for line in lines[5:]] == [["0", "M", "fc"], ["0", "M-2", "fc"]]
+
+
+def test_per_process_series_with_a_rank_make_no_table_of_their_own():
+    """A GPU process's page also holds the CUDA allocator gauges, labelled rank and device
+    but no model (served once per process): the first GPU run's `top` read them as a second,
+    empty table named "" (test_stalls failed there)."""
+    cuda_lines = "\n".join(
+        f'{metric.name}{{device="0",rank="0"}} 1.2e+09' for metric in
+        (names.CUDA_MEMORY_ALLOCATED_BYTES, names.CUDA_MEMORY_RESERVED_BYTES))
+    tables = from_metrics(PAGE + cuda_lines + "\n")
+    assert [(t.header.model, t.header.rank) for t in tables] == [("M", 0), ("M", 1)]
 
 
 def test_steps_per_second_and_recent_quantiles_from_two_looks():

@@ -48,7 +48,11 @@ class _Meta:
         self.requires_grad = t.requires_grad
 
     def build(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device="meta").requires_grad_(self.requires_grad)
+        """Under grad mode. A tensor that required a gradient was an activation in the real
+        call, not a leaf: built as one (a clone), so that an in-place layer (ReLU(inplace=True),
+        in every torchvision ResNet) runs on it instead of raising on a leaf."""
+        t = torch.empty(self.shape, dtype=self.dtype, device="meta")
+        return t.requires_grad_().clone() if self.requires_grad else t
 
 
 def _key(value: Any) -> Any:
@@ -114,8 +118,9 @@ def count(module: torch.nn.Module, args: Any, kwargs: Any) -> tuple[int, int]:
 
     clone = _meta_clone(module)
     clone.train(module.training)
-    margs, mkwargs = tree_map(lambda v: v.build() if isinstance(v, _Meta) else v, (args, kwargs),
-                              is_leaf=lambda v: isinstance(v, _Meta))
+    with torch.enable_grad():
+        margs, mkwargs = tree_map(lambda v: v.build() if isinstance(v, _Meta) else v, (args, kwargs),
+                                  is_leaf=lambda v: isinstance(v, _Meta))
     with torch.enable_grad(), FlopCounterMode(display=False) as counter:
         out = clone(*margs, **mkwargs)
         forward = counter.get_total_flops()

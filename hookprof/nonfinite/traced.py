@@ -38,6 +38,18 @@ from hookprof.nonfinite.replay import RngState, rng_state
 from hookprof.tensors import iter_tensors
 
 
+def _static_address(counts: torch.Tensor) -> torch.Tensor:
+    """The counters marked as torch._dynamo.mark_static_address(counts) marks a tensor (that
+    attribute is all it sets; importing torch._dynamo at attach would cost ~1 s): their address
+    never changes, so under CUDA graphs (mode="reduce-overhead") their in-place updates are
+    those of a buffer, like BatchNorm's running statistics, instead of a mutated input for
+    which inductor skips the graph (seen on the first GPU run: cudagraph_skips 1 with hookprof,
+    0 without). tests/behaviour/test_compiled_nonfinite.py checks that torch's own machinery
+    sees them as static inputs."""
+    counts._dynamo_static_input_type = "unguarded"  # type: ignore[attr-defined]
+    return counts
+
+
 class TracedOutputCheck:
     """Owns the two device counters of the compiled output check, the inputs of the step's
     last compiled forward and the RNG state at the step's start. `note_inputs` and
@@ -45,7 +57,7 @@ class TracedOutputCheck:
 
     def __init__(self, device: torch.device, say: Callable[[str, str], None] | None = None):
         # [last forward non-finite (0/1), non-finite forwards this step]
-        self.counts = torch.zeros(2, dtype=torch.int32, device=device)
+        self.counts = _static_address(torch.zeros(2, dtype=torch.int32, device=device))
         self._say = say
         self.inputs: tuple[Any, Any] | None = None  # (args, kwargs) of the last compiled forward
         self.called = False  # a compiled forward of the model ran since the last take()
@@ -79,7 +91,7 @@ class TracedOutputCheck:
         """The model runs on another device than at attach (model.cuda() after attach): the
         counters follow it; the compiled graph picks them up at its next (one) recompile."""
         was = self.counts.device
-        self.counts = torch.zeros(2, dtype=torch.int32, device=device)
+        self.counts = _static_address(torch.zeros(2, dtype=torch.int32, device=device))
         if self._say is not None:
             self._say("compiled check moved",
                       f"the compiled model's inputs are on {device}, its parameters were on {was} at "

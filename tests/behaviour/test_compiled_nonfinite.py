@@ -293,3 +293,60 @@ def test_sampled_steps_of_a_compiled_model_get_activation_statistics_from_an_eag
         assert {s.forward_calls_total for s in layers.values()} == {0}
     else:  # the layers outside the compiled BatchNorm are timed on the sampled steps
         assert layers["inp"].forward_calls_total > 0
+
+
+@pytest.fixture
+def dynamo_folds_is_exporting_to_true(monkeypatch):
+    """Dynamo as in torch <= 2.12: `torch.compiler.is_exporting()` traced to the constant True
+    in every trace, torch.compile's too (the first GPU run's torch 2.11 did; 2.13 reads the
+    flag). Emulated by replacing Dynamo's handler for that one function, where this torch has
+    the handler table; elsewhere the test runs on the torch as it is."""
+    from torch._dynamo.variables import ConstantVariable
+    from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+    handlers = getattr(TorchInGraphFunctionVariable, "_get_handlers", None)
+    if handlers is None or torch.compiler.is_exporting not in handlers():
+        yield False
+        return
+    table = handlers()
+    monkeypatch.setitem(table, torch.compiler.is_exporting, lambda self, tx, *a, **k: ConstantVariable.create(True))
+    torch._dynamo.reset()
+    yield True
+    torch._dynamo.reset()
+
+
+def test_a_forward_overflow_is_seen_where_dynamo_calls_every_trace_an_export(dynamo_folds_is_exporting_to_true):
+    """hookprof's root hooks tell torch.export from torch.compile by the flag itself: with
+    is_exporting() folded to True, the hooks took every compiled trace for an export and left
+    the output check out, so the forward NaN read as layer `out`, backward (11 tests failed
+    on torch 2.11; this one fails on 2.13 without the fix)."""
+    _, event, counts, dynamo = run("whole", "aot_eager", True, attach=True)
+    assert event_of(event) == ("inp", "forward", BAD_STEP, "replay", "reproducible")
+    assert counts["forward"] >= 1 and dynamo[0] == 0 and dynamo[2] == 0
+
+
+def test_the_counters_are_static_inputs_so_cuda_graphs_keep_the_graph():
+    """Under mode="reduce-overhead" inductor skips the CUDA graph of any graph that updates
+    an input in place, unless that input is static (a parameter, a buffer, a tensor marked
+    with mark_static_address): the counters the traced check adds to are marked so (the
+    first GPU run counted one CUDA-graph skip with hookprof, none without). What torch's own
+    machinery says, on the CPU: AOTAutograd lists them among the static inputs."""
+    import logging
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    logger = logging.getLogger("torch._functorch._aot_autograd.frontend_utils")
+    handler = Keep(logging.DEBUG)
+    torch._logging.set_logs(cudagraph_static_inputs=True)
+    logger.addHandler(handler)
+    try:
+        _, event, _, _ = run("whole", "aot_eager", True, attach=True)
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+    assert event.phase == "forward"
+    assert any(m.startswith("Adding static input") and m.endswith("._traced.counts") for m in said), said

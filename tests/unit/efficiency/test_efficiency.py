@@ -275,6 +275,28 @@ def test_a_layer_that_cannot_run_on_meta_tensors_is_said_and_skipped(every_step)
         assert torch.equal(a, b)
 
 
+def test_an_in_place_layer_is_counted_not_refused(every_step):
+    """ReLU(inplace=True) after a layer (every torchvision ResNet): its meta input was built
+    as a leaf that requires grad, on which an in-place op raises, so the layer was said to
+    be uncountable (seen on the first GPU run's ResNet-50). It does no matmul: 0 FLOPs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 4))
+    with hookprof.attach(model, **every_step) as prof:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.randn(5, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        prof.flush()
+        snap = prof.snapshot()
+    layers = snap.efficiency.layers
+    assert (layers["1"].forward_flops, layers["1"].backward_flops) == (0, 0)
+    # the first layer's input needs no gradient: its backward is the weight gradient only
+    assert (layers["0"].forward_flops, layers["0"].backward_flops) == (2 * 5 * 8 * 16, 2 * 5 * 8 * 16)
+    assert (layers["2"].forward_flops, layers["2"].backward_flops) == (2 * 5 * 16 * 4, 4 * 5 * 16 * 4)
+    assert not [n for n in snap.notices if "cannot be counted" in n], snap.notices
+
+
 @pytest.mark.parametrize("name, precision, expected", [
     ("NVIDIA H100 80GB HBM3", "bf16", 989.5e12),
     ("NVIDIA H100 PCIe", "tf32", 378e12),

@@ -84,7 +84,7 @@ class Net(nn.Module):
 
 def dynamo_counts() -> dict:
     return {"graph_breaks": sum(counters["graph_break"].values()),
-            "frames": counters["frames"]["total"],
+            "frames": counters["frames"]["total"] + counters["stats"]["unique_graphs"],
             "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
 
 

@@ -17,7 +17,7 @@ the compiled blocks get no per-layer hooks (`compiled_region_layers`), the other
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -98,6 +98,58 @@ def compiled_region_layers(table: Any) -> set[int]:
                     break
                 name = name.rpartition(".")[0]
     return inside
+
+
+class Region(NamedTuple):
+    """A module compiled on its own below the root (regional compilation): its calls run
+    inside a graph, so its layers cannot be timed, but the call itself starts and ends
+    outside it and is timed as one row."""
+
+    row: int  # the layer table's layer index, or len(layers) + k for its k-th container
+    name: str
+    target: nn.Module  # the object whose compiled call is wrapped
+    attribute: str  # "_compiled_call_impl" (module.compile()) or "forward" (torch.compile's wrapper)
+
+
+def compiled_regions(table: Any) -> list[Region]:
+    """The outermost compiled regions of `table`'s model below its root: a module compiled
+    with module.compile() (its `_compiled_call_impl`), or one whose parent holds a
+    torch.compile wrapper in its place (the wrapper's `forward`). A region inside another
+    (its calls run inside the outer graph) and the root itself (the whole model compiled:
+    the step's time is its time) are left out. On sampled steps only."""
+    rows: dict[int, tuple[int, str]] = {}  # id(module) -> (row, name)
+    for layer in table.layers:
+        module = layer.module
+        if module is not None:
+            rows[id(module)] = (layer.index, layer.name)
+    first = len(table.layers)
+    containers = table.containers
+    for k, (name, module) in enumerate(containers):
+        if module is not None:
+            rows[id(module)] = (first + k, name)
+    found: dict[str, Region] = {}
+    for name, module in [(c, m) for c, m in containers] + [(layer.name, layer.module) for layer in table.layers]:
+        if module is None:
+            continue
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            row, _ = rows[id(module)]
+            found[name] = Region(row, name, module, "_compiled_call_impl")
+        for child in module._modules.values():
+            if child is not None and type(child).__name__ == "OptimizedModule":
+                # the wrapper's own row (compiled before attach), else its module's (after)
+                known = rows.get(id(child)) or rows.get(id(getattr(child, "_orig_mod", None)))
+                if known is not None:
+                    found[known[1]] = Region(known[0], known[1], child, "forward")
+    if ROOT_NAME in found:
+        return []
+    outermost = []
+    for name, region in found.items():
+        outer = name.rpartition(".")[0]
+        while outer and outer not in found:
+            outer = outer.rpartition(".")[0]
+        if not outer:
+            outermost.append(region)
+    return sorted(outermost, key=lambda r: r.row)
 
 
 class CompileProbe:

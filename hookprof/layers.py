@@ -85,6 +85,25 @@ class LayerTable:
     def names(self) -> list[str]:
         return [layer.name for layer in self.layers]
 
+    # rows: the layers, then the containers. A recorded call is numbered by its row: the
+    # replay hooks containers too, and a container compiled on its own (regional
+    # compilation) is timed as one call (compiled.compiled_regions)
+
+    @property
+    def rows(self) -> int:
+        return len(self.layers) + len(self._containers)
+
+    def row_name(self, row: int) -> str:
+        if row < len(self.layers):
+            return self.layers[row].name
+        return self._containers[row - len(self.layers)][0]
+
+    def row_module(self, row: int) -> nn.Module | None:
+        """The row's module, or None once it has been garbage-collected."""
+        if row < len(self.layers):
+            return self.layers[row].module
+        return self._containers[row - len(self.layers)][1]()
+
     @property
     def has_dtensor_params(self) -> bool:
         """FSDP2 or tensor parallel: parameters (and so gradients) are DTensor shards."""

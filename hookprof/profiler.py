@@ -298,7 +298,9 @@ class Profiler:
     def _on_forward(self, module: nn.Module, args: Any, kwargs: Any, *, entry: bool,
                    own_layer: int | None, now: int, first_step: bool) -> None:
         """A training forward of the root (or an entry call) begins."""
-        self._nan.capture(args, kwargs, module if entry else None)  # for a replay
+        # for a replay; and for this step's re-run when its compiled regions hide layers
+        self._nan.capture(args, kwargs, module if entry else None,
+                          rerun=self._sampled.plan.checked and self._hooks.hides_compiled_layers)
         self._sampled.install_late(module, args, own_layer, entry)
         if self._sampled.plan.checked:  # a NaN in the batch is the input's, not a layer's
             self._hooks.note_root_inputs(args, kwargs)
@@ -315,8 +317,8 @@ class Profiler:
 
     def _on_update_began(self, optimizer: torch.optim.Optimizer) -> None:
         self._nan.update_began(self._counters.steps + 1)
-        if self._boundary.compiled and self._sampled.plan.checked:  # its statistics, eagerly
-            self._sampled.record_by(self._nan.rerun)
+        if self._sampled.plan.checked and (self._boundary.compiled or self._hooks.hides_compiled_layers):
+            self._sampled.record_by(self._nan.rerun)  # the statistics the graphs hide, eagerly
         now = self._clock()
         self._phases.enter(OPTIMIZER, now)
         # the parameters before the update (a second optimizer of the step finds them taken)

@@ -85,6 +85,9 @@ def _meta_clone(module: torch.nn.Module) -> torch.nn.Module:
     its full shape: FSDP computes with the gathered parameter."""
     clone = copy.copy(module)
     clone.__dict__ = dict(module.__dict__)
+    # a module compiled on its own (module.compile()) runs its class's code here: its
+    # compiled call belongs to the original module (and would compile again for meta inputs)
+    clone.__dict__.pop("_compiled_call_impl", None)
     own = clone.__dict__.pop("forward", None)
     if own is not None:
         wrapped = getattr(own, "__wrapped__", None)  # hookprof's ForwardWrapper
@@ -139,10 +142,14 @@ class FlopCounter:
     def __init__(self, table: LayerTable, notices: Any = None):
         self._table = table
         self._notices = notices
-        # per layer kind: signature -> (forward, backward); layers of one kind share one
-        self._kind = [_kind(layer.module) if layer.module is not None else object() for layer in table.layers]
-        shared: dict[Any, OrderedDict] = {}
-        self._cache: list[OrderedDict] = [shared.setdefault(k, OrderedDict()) for k in self._kind]
+        # per layer kind: signature -> (forward, backward); layers of one kind share one.
+        # By row: the layers, then the containers, whose caches are made at their first call
+        # (a container compiled on its own is called, and counted, as one unit; most
+        # containers are never called through hookprof, and a kind reads every parameter)
+        self._shared: dict[Any, OrderedDict] = {}
+        self._cache: list[OrderedDict | None] = [
+            self._shared.setdefault(_kind(layer.module) if layer.module is not None else object(), OrderedDict())
+            for layer in table.layers] + [None] * (table.rows - len(table.layers))
         self._calls: list[tuple[int, Any, bool]] = []  # (layer, key, nested) of this step
         # (id of a kind's cache, signature) -> (layer, args, kwargs) to count at the step's end
         self._pending: dict[tuple[int, Any], tuple[int, Any, Any]] = {}
@@ -154,9 +161,13 @@ class FlopCounter:
         try:
             if layer >= len(self._cache) or layer in self._failed:
                 return
-            module = self._table.layers[layer].module
+            module = self._table.row_module(layer)
             if module is None:
                 return
+            if type(module).__name__ == "OptimizedModule":  # torch.compile's wrapper (a row when
+                module = module._orig_mod                   # compiled before attach): its module
+            if self._cache[layer] is None:  # a container's first call
+                self._cache[layer] = self._shared.setdefault(_kind(module), OrderedDict())
             if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
                 a = args[0]  # forward(x), inline: the same key as below for ~1/3 of its cost
                 key = (module.training, ((a.shape, a.dtype, a.requires_grad),))
@@ -186,15 +197,17 @@ class FlopCounter:
         for n, ((_, key), (layer, args, kwargs)) in enumerate(list(self._pending.items())):
             if n >= MAX_COUNTS_PER_STEP:
                 break
-            module = self._table.layers[layer].module
+            module = self._table.row_module(layer)
+            if type(module).__name__ == "OptimizedModule":
+                module = module._orig_mod
             if module is None:  # the model is gone
                 continue
             try:
                 result = count(module, args, kwargs)
             except Exception as exc:
-                self._failed.update(i for i, c in enumerate(self._cache) if c is self._cache[layer])
+                self._failed.update(i for i, c in enumerate(self._cache) if c is not None and c is self._cache[layer])
                 if self._notices is not None:
-                    name = self._table.layers[layer].name
+                    name = self._table.row_name(layer)
                     self._notices.say(f"flops {name}", (
                         f"FLOPs of layer {name} cannot be counted on meta tensors "
                         f"({type(exc).__name__}: {str(exc)[:160]}): it has no FLOP figures"))
@@ -208,7 +221,7 @@ class FlopCounter:
         fwd, bwd, calls = [0] * n, [0] * n, [0] * n
         model = 0
         for layer, key, nested in self._calls:
-            counted = self._cache[layer].get(key)
+            counted = self._cache[layer].get(key)  # (noted, so made)
             if counted is None:
                 continue  # counted on a later step (or never, for a layer that failed)
             fwd[layer] += counted[0]

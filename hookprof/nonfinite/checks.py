@@ -32,7 +32,8 @@ from hookprof.nonfinite.capsule import Capsules
 from hookprof.nonfinite.detector import Detector, loss_flag, nonfinite_flags
 from hookprof.nonfinite.guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
 from hookprof.nonfinite.output import OutputFlags
-from hookprof.nonfinite.replay import CapturedForward, ForwardReplay, forward_again, own_weights_nonfinite
+from hookprof.nonfinite.replay import (CapturedForward, ForwardReplay, forward_again, forward_modes,
+                                       own_weights_nonfinite, rng_state)
 from hookprof.nonfinite.traced import TracedOutputCheck
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import Packet, StepRecord, pack_step
@@ -91,10 +92,14 @@ class NonfiniteChecks:
         self._masked = None
         self.output.clear()
 
-    def capture(self, args: Any, kwargs: Any, entry_module: nn.Module | None) -> None:
+    def capture(self, args: Any, kwargs: Any, entry_module: nn.Module | None, *, rerun: bool = False) -> None:
         """A training forward begins: keep its inputs for a replay (the root is never held:
-        the replay keeps the model weakly)."""
+        the replay keeps the model weakly); with `rerun`, for this step's re-run too (a
+        sampled step with checks whose compiled regions hide their layers: `rerun`)."""
         self.replay.capture(args, kwargs, entry_module)
+        if rerun:  # whatever the replay's state (it keeps nothing once its one replay ran)
+            self._compiled_forward = CapturedForward(entry_module, args, kwargs, *rng_state(),
+                                                     modes=forward_modes())
 
     def check_output(self, output: Any, *, step: int) -> None:
         """A training forward returned: one reduction of the model's output, every step,
@@ -227,18 +232,20 @@ class NonfiniteChecks:
         return True
 
     def rerun(self, rec: StepRecord) -> StepRecord | None:
-        """A sampled step of a compiled model: its forward once more, eagerly, under no_grad,
-        with the layer checks on (activation statistics and non-finite flags per layer; no
-        times: the record says it is a re-run). Before the update: the step's own weights.
-        Returns the record, None when there is no compiled forward of this step to re-run
-        or it failed (counted; training goes on)."""
+        """A sampled step of a compiled model, or of one compiled block by block: its forward
+        once more, eagerly, under no_grad, with the layer checks on (activation statistics
+        and non-finite flags per layer; no times: the record says where the re-run's calls
+        begin), into the step's own record when it has one (the blocks' layers join the
+        layers around them). Before the update: the step's own weights. Returns the record,
+        None when there is no forward of this step to re-run or it failed (counted; training
+        goes on)."""
         captured, self._compiled_forward = self._compiled_forward, None
         model = self.replay.model
         if captured is None or model is None or self._table.has_dtensor_params or _several_ranks():
             # a forward run on one rank alone would start collectives (FSDP2, tensor parallel,
             # an all-reduce in the model's code) that the other ranks never join
             return None
-        rec.rerun = True
+        rec.rerun_from = len(rec.calls)
         with self._faults.contain("forward re-run", disable=False):
             forward_again(model, self._hooks, rec, captured)
             return rec

@@ -35,15 +35,18 @@ FLAG_KINDS = ("vanishing", "exploding")
 
 
 class StepFigures:
-    """One step's per-layer figures, read from its record (lists indexed by layer)."""
+    """One step's per-layer figures, read from its record (lists indexed by layer; the
+    times by row: the layers, then the container modules, timed when a container is a
+    compiled region)."""
 
-    def __init__(self, n: int):
-        self.calls = [0] * n
-        self.fwd = [0.0] * n  # exclusive forward seconds
-        self.bwd = [0.0] * n  # exclusive backward seconds
-        self.bwd_calls = [0] * n
-        self.recompute = [0.0] * n  # activation checkpointing's forward recomputation
-        self.recompute_calls = [0] * n
+    def __init__(self, n: int, rows: int | None = None):
+        rows = n if rows is None else rows
+        self.calls = [0] * rows
+        self.fwd = [0.0] * rows  # exclusive forward seconds
+        self.bwd = [0.0] * rows  # exclusive backward seconds
+        self.bwd_calls = [0] * rows
+        self.recompute = [0.0] * rows  # activation checkpointing's forward recomputation
+        self.recompute_calls = [0] * rows
         self.absmax: list[list[float]] = [[] for _ in range(n)]  # per output
         self.zeros = [0.0] * n  # zeros and values in the zero samples
         self.numel = [0] * n
@@ -72,6 +75,7 @@ class Aggregator:
         return cls(table.names, [layer.module_type for layer in table.layers], rank, config.max_layers,
                    (config.vanishing_grad_norm, config.exploding_grad_norm),
                    container_names=[name for name, _ in table.containers],
+                   container_types=[type(m).__name__ if m is not None else "" for _, m in table.containers],
                    max_series=config.max_layer_series, efficiency=efficiency, device_phases=device_phases,
                    statistics=tuple((s.name, s.help) for s in statistics),
                    device=device_name(table.param_devices()),
@@ -82,13 +86,17 @@ class Aggregator:
 
     def __init__(self, names: list[str], module_types: list[str], rank: int, max_layers: int,
                  grad_norm_bounds: tuple[float, float] = (1e-6, 1e3), container_names: list[str] = (),
-                 *, max_series: int | None = None, efficiency: EfficiencyTotals | None = None,
+                 *, container_types: list[str] = (), max_series: int | None = None, efficiency: EfficiencyTotals | None = None,
                  device_phases: DevicePhaseTotals | None = None,
                  statistics: tuple[tuple[str, str], ...] = (), device: str = "cpu",
                  replay_unavailable: str | None = None, gradients_every_step: bool = True):
         n = len(names)
-        # names of recorded calls: layers, then container modules (hooked by the replay only)
+        # names of recorded calls: layers, then container modules (hooked by the replay, and
+        # timed on sampled steps when one is a compiled region: regional compilation)
         self._call_names = list(names) + list(container_names)
+        self._row_types = list(module_types) + list(container_types) + [""] * (
+            len(container_names) - len(container_types))
+        rows = len(self._call_names)
         self.grad_norm_bounds = grad_norm_bounds
         # sampled steps on which a layer's gradient norm was below / above the bounds
         self.flagged = {k: [0] * n for k in FLAG_KINDS}
@@ -107,12 +115,12 @@ class Aggregator:
         self.counters = fold_counters([], n)  # the device counters, every drain merged
         # guard.SkipCounters as last drained: name -> (count, persistent)
         self.device_counts: dict[str, tuple[int, int]] = {}
-        self.fwd_total = [0.0] * n
-        self.fwd_calls_total = [0] * n
-        self.bwd_total = [0.0] * n
-        self.bwd_calls_total = [0] * n
-        self.recompute_total = [0.0] * n  # activation checkpointing's forward recomputation
-        self.recompute_calls_total = [0] * n
+        self.fwd_total = [0.0] * rows  # by row: compiled regions' times too
+        self.fwd_calls_total = [0] * rows
+        self.bwd_total = [0.0] * rows
+        self.bwd_calls_total = [0] * rows
+        self.recompute_total = [0.0] * rows  # activation checkpointing's forward recomputation
+        self.recompute_calls_total = [0] * rows
         self.fwd_nonfinite = [0] * n  # per layer, from sampled and replayed steps
         self._last: dict[str, list[Any]] = {}
         self._layers: MappingProxyType = MappingProxyType({})
@@ -169,7 +177,8 @@ class Aggregator:
     def _read_record(self, packet: Packet, timer: Timer) -> StepFigures:
         """Per-layer figures of the packet's record: times resolved from the timer's tokens
         (which go back to its pool), activation reductions read from the batch."""
-        figures = StepFigures(len(self.names))
+        rows = len(self._call_names)
+        figures = StepFigures(len(self.names), rows)
         rec = packet.record
         if rec is None:  # a sampled step without per-layer hooks (a compiled model)
             return figures
@@ -180,10 +189,11 @@ class Aggregator:
         finally:
             timer.release(rec.tokens())
         n = len(self.names)
-        for call_id, call in enumerate(rec.calls if not rec.rerun else ()):  # a re-run: no times
+        timed = rec.calls if rec.rerun_from is None else rec.calls[:rec.rerun_from]  # a re-run: no times
+        for call_id, call in enumerate(timed):
             layer = call.layer
-            if layer >= n:
-                continue  # a container module's call (replay): it only tells who made a NaN
+            if layer >= rows or call_id in rec.compiling:
+                continue  # (not a row); a compiled region's call that compiled: not its time
             if call_id in rec.recompute:  # reported apart, never as forward time
                 figures.recompute_calls[layer] += 1
                 figures.recompute[layer] += call_fwd[call_id]
@@ -222,7 +232,7 @@ class Aggregator:
         for part in range(packet.grad_parts):
             for i, v in enumerate(packet.batch.get(("grad_sq", part))):
                 squares[i] += v
-        for i in range(n):
+        for i in range(len(self._call_names)):
             self.fwd_total[i] += figures.fwd[i]
             self.fwd_calls_total[i] += figures.calls[i]
             self.bwd_total[i] += figures.bwd[i]
@@ -363,44 +373,52 @@ class Aggregator:
 
     def _rebuild_layers(self) -> None:
         n = len(self.names)
-        last = self._last
-        layers = {}
-        for i in range(n):
-            layers[self.names[i]] = LayerStats(
-                name=self.names[i],
-                module=self.module_types[i],
-                calls=last["calls"][i] if last else 0,
-                forward_seconds=last["fwd"][i] if last else 0.0,
-                backward_seconds=last["bwd"][i] if last else 0.0,
-                grad_norm=last["grad"][i] if last else None,
-                activation_zero_ratio=last["zero_ratio"][i] if last else None,
-                activation_abs_max=last["absmax"][i] if last else None,
-                forward_seconds_total=self.fwd_total[i],
-                forward_calls_total=self.fwd_calls_total[i],
-                backward_seconds_total=self.bwd_total[i],
-                backward_calls_total=self.bwd_calls_total[i],
-                recompute_seconds=last["recompute"][i] if last else 0.0,
-                recompute_seconds_total=self.recompute_total[i],
-                recompute_calls_total=self.recompute_calls_total[i],
-                nonfinite=MappingProxyType(self._layer_nonfinite(i)),
-                gradient_flags=MappingProxyType({k: self.flagged[k][i] for k in FLAG_KINDS}),
-            )
+        layers = {self.names[i]: self._row_stats(i) for i in range(n)}
+        for i in range(n, len(self._call_names)):
+            # a container timed is a compiled region (a block compiled on its own): one call,
+            # its own layers inside its graph untimed; no gradients or activations of its own
+            if self.fwd_calls_total[i] or self.bwd_calls_total[i]:
+                layers[self._call_names[i]] = self._row_stats(i)
         self._layers = MappingProxyType(layers)
         self._exported = self._select_exported()
+
+    def _row_stats(self, i: int) -> LayerStats:
+        last = self._last
+        layer = i < len(self.names)  # else a compiled region's row
+        return LayerStats(
+            name=self._call_names[i],
+            module=self._row_types[i],
+            calls=last["calls"][i] if last else 0,
+            forward_seconds=last["fwd"][i] if last else 0.0,
+            backward_seconds=last["bwd"][i] if last else 0.0,
+            grad_norm=last["grad"][i] if last and layer else None,
+            activation_zero_ratio=last["zero_ratio"][i] if last and layer else None,
+            activation_abs_max=last["absmax"][i] if last and layer else None,
+            forward_seconds_total=self.fwd_total[i],
+            forward_calls_total=self.fwd_calls_total[i],
+            backward_seconds_total=self.bwd_total[i],
+            backward_calls_total=self.bwd_calls_total[i],
+            recompute_seconds=last["recompute"][i] if last else 0.0,
+            recompute_seconds_total=self.recompute_total[i],
+            recompute_calls_total=self.recompute_calls_total[i],
+            nonfinite=MappingProxyType(self._layer_nonfinite(i)),
+            gradient_flags=MappingProxyType({k: self.flagged[k][i] if layer else 0 for k in FLAG_KINDS}),
+        )
 
     def _select_exported(self) -> tuple[str, ...]:
         """The layers on the page: all of them within both budgets (max_layers layers,
         max_series series, counted as the exporter writes them: snapshot.layer_series);
         beyond, every layer that went non-finite first (in layer order: the earliest is the
         producer), then the layers with the most forward+backward time, while they fit."""
-        n = len(self.names)
+        names = self._call_names
+        rows = [i for i in range(len(names)) if i < len(self.names) or names[i] in self._layers]
         cost = self._series_per_layer()
         budget = self.max_series if self.max_series is not None else float("inf")
-        if n <= self.max_layers and sum(cost) <= budget:
-            return tuple(self.names)
-        bad = [i for i in range(n) if any(self._layer_nonfinite(i).values())]
+        if len(rows) <= self.max_layers and sum(cost[i] for i in rows) <= budget:
+            return tuple(names[i] for i in rows)
+        bad = [i for i in rows if any(self._layer_nonfinite(i).values())]
         bad_set = set(bad)
-        by_time = sorted((i for i in range(n) if i not in bad_set),
+        by_time = sorted((i for i in rows if i not in bad_set),
                          key=lambda i: self.fwd_total[i] + self.bwd_total[i], reverse=True)
         keep: list[int] = []
         used = 0
@@ -414,19 +432,24 @@ class Aggregator:
                 break
             keep.append(i)
             used += cost[i]
-        return tuple(self.names[i] for i in sorted(keep))
+        return tuple(names[i] for i in sorted(keep))
 
     def _series_per_layer(self) -> list[int]:
+        """Series each row writes (0 for a container that is not a compiled region)."""
+        names = self._call_names
         if self.max_series is None:
-            return [0] * len(self.names)
+            return [0] * len(names)
         eff = self.efficiency.stats().layers if self.efficiency is not None else {}
-        stats = [sum(1 for values in self.statistic_values if values[i] is not None)
-                 for i in range(len(self.names))]
-        return [layer_series(self._layers[name], eff.get(name), stats[i])
-                for i, name in enumerate(self.names)]
+        n = len(self.names)
+        stats = [sum(1 for values in self.statistic_values if values[i] is not None) for i in range(n)]
+        return [layer_series(self._layers[name], eff.get(name), stats[i] if i < n else 0)
+                if name in self._layers else 0 for i, name in enumerate(names)]
 
     def _layer_nonfinite(self, i: int) -> dict[str, int]:
-        # forward: sampled steps' output checks; backward: the device counters (every step)
+        # forward: sampled steps' output checks; backward: the device counters (every step);
+        # a compiled region's row has neither (its own layers are checked through the replay)
+        if i >= len(self.names):
+            return {"forward": 0, "backward": 0}
         return {"forward": self.fwd_nonfinite[i], "backward": self.counters["layer_bad"][i]}
 
     def snapshot(self, counters: StepCounters, internal_errors: int,
@@ -479,7 +502,7 @@ class Aggregator:
         return MappingProxyType({
             name: LayerStatisticValues(help, MappingProxyType({
                 layer: values[index[layer]] for layer in self._exported
-                if values[index[layer]] is not None}))
+                if layer in index and values[index[layer]] is not None}))
             for (name, help), values in zip(self.statistics, self.statistic_values)})
 
 

@@ -12,7 +12,9 @@ Memory is fixed however long the run:
   keeps the shape of the whole run at 1/2048th the resolution, never a cut-off window.
 - per-layer series for at most `layer_slots` layers: all of them when the model has no more,
   else the layers that went non-finite and then the top ones by total time. A layer that
-  takes a slot later has no values before it did (a slot handed over is cleared).
+  takes a slot later has no values before it did (a slot handed over is cleared). A compiled
+  region (a block compiled on its own, timed as one row: the rows after the layers) is
+  followed like a layer once it has been timed, in a slot of its own while slots are left.
 - at most `max_events` non-finite events: the first half kept, then the latest half.
 
 How merged points combine: step and wall time are the later point's; step time is the mean
@@ -80,10 +82,14 @@ class History:
     """Owned by the publisher thread, which calls `observe`; anyone may call `view`."""
 
     def __init__(self, names: list[str], *, max_points: int = MAX_POINTS,
-                 layer_slots: int = LAYER_SLOTS, max_events: int = MAX_EVENTS):
+                 layer_slots: int = LAYER_SLOTS, max_events: int = MAX_EVENTS,
+                 container_names: list[str] = ()):
         if max_points < 2 or max_points % 2:
             raise ValueError(f"max_points must be an even number >= 2, got {max_points}")
-        self.names = list(names)
+        # rows: the layers, then the container modules (timed when one is a compiled region)
+        self.names = list(names) + list(container_names)
+        self._n_layers = len(names)
+        self._max_slots = layer_slots
         self.max_points = max_points
         self.layer_slots = min(layer_slots, len(names))
         self.max_events = max_events
@@ -101,6 +107,7 @@ class History:
         self._seen_sum = 0.0
         self._seen_bad = 0  # non-finite steps already in an event
         self._seen_layer_bad: list[int] = [0] * len(names)
+        self._regions_seen = 0  # timed compiled-region rows when slots were last looked at
         self._opened = 0  # points opened so far
         self._ranked_bad = 0  # non-finite steps when the slots were last assigned
 
@@ -137,6 +144,10 @@ class History:
             self._opened += 1
         # ranking 10,000 layers takes ~10 ms of the publisher thread: done every RERANK_POINTS
         # points, at a point's opening when more steps went non-finite, and at once the first time
+        regions = self._timed_regions(aggregator)
+        if len(regions) != self._regions_seen:
+            self._regions_seen = len(regions)
+            self._add_region_slots(regions)
         if (opening and (self._opened % RERANK_POINTS == 1 or bad != self._ranked_bad)) or (
                 bad and not self._ranked_bad):
             self._ranked_bad = bad
@@ -144,7 +155,8 @@ class History:
         per_layer = {
             "forward_seconds": [last["fwd"][i] if last else _MISSING for i in self._slot_layer],
             "backward_seconds": [last["bwd"][i] if last else _MISSING for i in self._slot_layer],
-            "grad_norm": [stored(last["grad"][i]) if last else _MISSING for i in self._slot_layer],
+            "grad_norm": [stored(last["grad"][i]) if last and i < self._n_layers else _MISSING
+                          for i in self._slot_layer],
         }
         if not opening:
             self._merge_into_last(point, per_layer)  # the open point takes this one in
@@ -194,22 +206,45 @@ class History:
             self._cols[name] = halved(self._cols[name], COLUMNS[name])
         self.stride *= 2
 
+    def _timed_regions(self, aggregator: "Aggregator") -> list[int]:
+        """Rows past the layers that have been timed: the model's compiled regions."""
+        totals = aggregator.fwd_calls_total
+        return [i for i in range(self._n_layers, len(self.names)) if totals[i]]
+
+    def _add_region_slots(self, regions: list[int]) -> None:
+        """Compiled regions timed for the first time: a slot each while fewer than the
+        limit are in use (no values before now), else they compete for the slots by time."""
+        held = set(self._slot_layer)
+        points = len(self._cols["step"])
+        for i in regions:
+            if i in held:
+                continue
+            if self.layer_slots >= self._max_slots:
+                self._fixed_slots = False  # ranked from now on, regions among the layers
+                continue
+            self._slot_layer.append(i)
+            self.layer_slots += 1
+            for name in LAYER_COLUMNS:
+                self._layer_cols[name].append(array("d", [_MISSING] * points))
+
     def _assign_slots(self, aggregator: "Aggregator") -> None:
         """Which layers the per-layer series follow: every layer when they fit, else the
         non-finite ones first, then the top by total time. A layer keeps its slot while it
         stays among those; a newcomer takes a free slot or the least busy one left out."""
         if self._fixed_slots:
             return
-        n = len(self.names)
+        n = self._n_layers
         layer_bad = aggregator.counters["layer_bad"]
-        time_of = [aggregator.fwd_total[i] + aggregator.bwd_total[i] for i in range(n)]
+        rows = len(self.names)
+        time_of = [aggregator.fwd_total[i] + aggregator.bwd_total[i] for i in range(rows)]
         bad = [i for i in range(n) if layer_bad[i] or aggregator.fwd_nonfinite[i]]
         room = self.layer_slots - len(bad)
         if room <= 0:  # once a NaN has spread, the non-finite layers alone fill the slots
             wanted = bad[: self.layer_slots]
         else:  # (one set, not one per layer: this runs on the publisher thread, 10k layers)
             bad_set = set(bad)
-            wanted = bad + heapq.nlargest(room, (i for i in range(n) if i not in bad_set),
+            candidates = [*range(n), *self._timed_regions(aggregator)]
+            wanted = bad + heapq.nlargest(room, (i for i in candidates if i not in bad_set),
                                           key=time_of.__getitem__)
         held = set(self._slot_layer)
         wanted_set = set(wanted)
@@ -227,9 +262,9 @@ class History:
 
     def _add_event(self, step: int, wall: float | None, aggregator: "Aggregator", bad: int) -> None:
         layer_bad = aggregator.counters["layer_bad"]
-        newly = [self.names[i] for i in range(len(self.names))
+        newly = [self.names[i] for i in range(self._n_layers)
                  if layer_bad[i] + aggregator.fwd_nonfinite[i] > self._seen_layer_bad[i]]
-        self._seen_layer_bad = [layer_bad[i] + aggregator.fwd_nonfinite[i] for i in range(len(self.names))]
+        self._seen_layer_bad = [layer_bad[i] + aggregator.fwd_nonfinite[i] for i in range(self._n_layers)]
         event = {"step": step, "wall_time": wall, "new_nonfinite_steps": bad - self._seen_bad,
                  "nonfinite_steps": bad, "layers": newly[:8], "more_layers": max(len(newly) - 8, 0)}
         self._seen_bad = bad

@@ -224,4 +224,5 @@ def for_model(make: Callable[..., Publisher], table: Any, rank: int, config: Any
                                      statistics=statistics),
                 counters, faults, timer, config.publish_interval_s, name=f"hookprof-publisher-rank{rank}",
                 notices=notices, decorate=decorate,
-                history=History(table.names, layer_slots=min(LAYER_SLOTS, config.max_layers)))
+                history=History(table.names, layer_slots=min(LAYER_SLOTS, config.max_layers),
+                                container_names=[name for name, _ in table.containers]))

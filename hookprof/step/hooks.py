@@ -22,6 +22,7 @@ resolved later by the publisher thread.
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from hookprof.compiled import compiled_region_layers, is_compiling, transformed
+from hookprof.compiled import compiled_region_layers, compiled_regions, is_compiling, transformed
 from hookprof.faults import Faults
 from hookprof.layers import LayerTable
 from hookprof.step.record import ROOT_INPUT, Activation, Call, StepRecord
@@ -54,6 +55,14 @@ _NO_ATTRIBUTE = object()  # a module without an instance attribute `forward` of 
 # -1 unless the autograd engine runs a backward pass on this thread: a forward call then is
 # a recomputation (torch.utils.checkpoint, reentrant or not)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _graphs_compiled() -> int:
+    """Graphs Dynamo has compiled in this process (its own counter, bumped for every graph,
+    fullgraph or not: its "frames" count misses fullgraph=True; torch._dynamo is loaded
+    wherever a compiled region exists, and is not imported here for the others)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils.counters["stats"]["unique_graphs"] if utils is not None else 0
 
 
 class ForwardWrapper:
@@ -111,8 +120,10 @@ class LayerHooks:
         self._zero_ratio = [not layer.param_indices for layer in table.layers] + [False] * len(table.containers)
         self._handles: list[Any] = []  # hook handles (root layer, modules that refuse a wrapper)
         self._skipped: list[int] = []  # layers left out: their calls run inside a compiled graph
-        # (module, wrapper, the instance attribute `forward` it replaced or _NO_ATTRIBUTE)
-        self._wrapped: list[tuple[torch.nn.Module, Any, Any]] = []
+        # (module, attribute, wrapper, the instance attribute it replaced or _NO_ATTRIBUTE):
+        # a layer's `forward`, or a compiled region's compiled call (see _install_regions)
+        self._wrapped: list[tuple[torch.nn.Module, str, Any, Any]] = []
+        self._regions: frozenset[int] = frozenset()  # rows timed as compiled regions this step
         self._rec: StepRecord | None = None
         self._local = threading.local()  # each thread's stack of open forward calls
         # the three states below change only through the methods that say what happened:
@@ -133,6 +144,11 @@ class LayerHooks:
     @property
     def replaying(self) -> bool:
         return self._replaying
+
+    @property
+    def hides_compiled_layers(self) -> bool:
+        """Installed, with layers left out because they run inside compiled regions."""
+        return bool(self._skipped) and self.installed
 
     def listen(self, on_call: Any) -> None:
         """Have `on_call(layer, args, kwargs, nested)` told of each training layer call of a
@@ -232,6 +248,52 @@ class LayerHooks:
         skipped = set() if self._replaying else compiled_region_layers(self._table)
         self._install_layers([layer for layer in self._table.layers if layer.index not in skipped])
         self._skipped = sorted(skipped)
+        if skipped:
+            self._install_regions()
+
+    def _install_regions(self) -> None:
+        """Time each compiled region (a block compiled on its own) as one call: its compiled
+        call is wrapped from outside, where Dynamo does not look (the module's
+        `_compiled_call_impl` after module.compile(), or the `forward` of the torch.compile
+        wrapper put in its place), so no guard changes and nothing recompiles. Its row is
+        the region's layer or container row; its backward is timed by the same node marks as
+        a layer's. Its output is not checked: a NaN inside it is found by the model-output
+        check and named, layer by layer, by the eager replay."""
+        rows = []
+        for region in compiled_regions(self._table):
+            target, attribute = region.target, region.attribute
+            prior = target.__dict__.get(attribute, _NO_ATTRIBUTE)
+            wrapper = ForwardWrapper(self._enter_region, self._end_region, region.row, getattr(target, attribute),
+                                     None if prior is _NO_ATTRIBUTE else prior)
+            try:
+                setattr(target, attribute, wrapper)
+            except Exception:  # left untimed rather than failing the step
+                continue
+            self._wrapped.append((target, attribute, wrapper, prior))
+            rows.append(region.row)
+        # a container's call: its output unchecked (a NaN there would be blamed on the whole
+        # block, not the layer inside it that the replay names); a layer compiled on its own
+        # is checked as any layer (the output is its own)
+        self._regions = frozenset(r for r in rows if r >= len(self._table.layers))
+
+    def _enter_region(self, row: int, args: Any, kwargs: Any = None) -> bool:
+        """A compiled region's call begins: recorded as a training call, never in a replay
+        (the replay runs eagerly and sees the region's own layers)."""
+        if self._replaying:
+            return False
+        self._local.graphs = _graphs_compiled()
+        return self._enter(row, args, kwargs)
+
+    def _end_region(self, row: int, output: Any) -> None:
+        """A compiled region's call ended. When Dynamo compiled during it (the region's first
+        call, a recompile for a new shape), its time is compilation: the call is kept (its
+        FLOPs count) and its times are not (StepRecord.compiling)."""
+        compiled = _graphs_compiled() != getattr(self._local, "graphs", None)
+        stack = getattr(self._local, "stack", None)
+        rec = self._rec
+        if compiled and stack and rec is not None:
+            rec.compiling.add(stack[-1])
+        self._end(row, output)
 
     def _install_layers(self, layers: list[Any]) -> None:
         for layer in layers:
@@ -260,7 +322,7 @@ class LayerHooks:
             module.forward = wrapper
         except Exception:  # a module type that refuses the attribute gets a hook pair
             return False
-        self._wrapped.append((module, wrapper, prior))
+        self._wrapped.append((module, "forward", wrapper, prior))
         return True
 
     def end(self) -> None:
@@ -282,15 +344,17 @@ class LayerHooks:
         for handle in self._handles[handles_from:]:
             handle.remove()
         del self._handles[handles_from:]
-        for module, wrapper, prior in self._wrapped[wrapped_from:]:
+        for module, attribute, wrapper, prior in self._wrapped[wrapped_from:]:
             # restore only our own attribute: one set over ours since is left alone (our
             # wrapper inside it then just calls through)
-            if module.__dict__.get("forward") is wrapper:
+            if module.__dict__.get(attribute) is wrapper:
                 if prior is _NO_ATTRIBUTE:
-                    del module.forward
+                    delattr(module, attribute)
                 else:
-                    module.forward = prior
+                    setattr(module, attribute, prior)
         del self._wrapped[wrapped_from:]
+        if not self._wrapped:
+            self._regions = frozenset()
 
     # --- hook bodies: never raise, never return anything, never read a device value ---
 
@@ -335,7 +399,9 @@ class LayerHooks:
                 self.on_call(layer_index, args, kwargs, bool(stack))
             inputs_need_grad = False
             pending = rec.pending_marks
-            stats = self._activation_stats and not recompute
+            # a compiled region's own input and output are not checked (see _install_regions)
+            stats = self._activation_stats and not recompute and (
+                self._replaying or layer_index not in self._regions)
             role = call << 1  # an input: the call's backward ends when its gradient is ready
             # forward(x), inline: a call of iter_tensors costs about as much as the loop
             tensors = args if type(args) is tuple and len(args) == 1 and isinstance(args[0], _Tensor) \
@@ -389,7 +455,8 @@ class LayerHooks:
             entry = rec.calls[call]
             entry.end = end
             recompute = call in rec.recompute
-            stats = self._activation_stats and not recompute  # seen on the first pass
+            stats = self._activation_stats and not recompute and (  # seen on the first pass
+                self._replaying or layer_index not in self._regions)  # (a region: not checked)
             if stats:
                 rec.ended.append(call)
             pending = rec.pending_marks

@@ -65,7 +65,7 @@ class StepRecord:
 
     __slots__ = ("ref", "calls", "grad_ready", "param_done", "act", "param_hooked",
                  "param_handles", "pending_marks", "out_stats", "inputs", "recompute", "ended", "phase_marks",
-                 "stats", "rerun")
+                 "stats", "rerun_from", "compiling")
 
     def __init__(self, ref: Any):
         self.ref = ref  # timer token taken when the step began
@@ -95,9 +95,13 @@ class StepRecord:
         self.phase_marks: list[tuple[int, Any]] = []
         # (statistic, call, 0-d value on the device): the user's per-layer statistics
         self.stats: list[tuple[int, int, torch.Tensor]] = []
-        # an eager no_grad re-run of a compiled step's forward (nonfinite/checks.py): its
-        # activations are the step's, its call times are not (eager, without gradients)
-        self.rerun = False
+        # the first call of an eager no_grad re-run of the step's forward (nonfinite/checks.py:
+        # a compiled model's, or one whose compiled regions hide their layers), None: none.
+        # Its activations are the step's, its call times are not (eager, without gradients)
+        self.rerun_from: int | None = None
+        # compiled regions' calls during which Dynamo compiled (a first call, a recompile):
+        # their forward and backward times are compilation, not the region's, and not counted
+        self.compiling: set[int] = set()
 
     def tokens(self) -> Iterator[Any]:
         """Every timer token in the record, so the timer can take pooled events back."""

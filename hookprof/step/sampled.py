@@ -65,8 +65,12 @@ class SampledStep:
     def record_by(self, make: Callable[[StepRecord], StepRecord | None]) -> None:
         """A sampled step without hooks of its own (a compiled model) gets its record from
         `make` (nonfinite/checks.py `rerun`: its forward once more, eagerly), packed with the
-        step at its end; when `make` gives none, the record's timer events go back."""
-        if not self.plan.sampled or self.record is not None:
+        step at its end; when `make` gives none, the record's timer events go back. A step
+        with a record of its own (compiled regions) has `make` add to it."""
+        if not self.plan.sampled:
+            return
+        if self.record is not None:
+            make(self.record)
             return
         record = self.new_record()
         if make(record) is None:

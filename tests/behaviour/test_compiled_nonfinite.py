@@ -14,6 +14,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import hookprof
+from hookprof.serve.exporter import render
 
 BAD_STEP = 7
 STEPS = 10
@@ -61,10 +62,16 @@ def compile_model(model: nn.Module, how: str, backend: str, fullgraph: bool):
     return model
 
 
+def compiled_so_far() -> int:
+    """What Dynamo has compiled: its "frames" counter misses fullgraph=True (that path
+    bypasses it), "unique_graphs" counts every graph either way."""
+    return counters["frames"]["total"] + counters["stats"]["unique_graphs"]
+
+
 def run(how: str, backend: str, fullgraph: bool, attach: bool, poison=None):
     """Train STEPS steps, the batch of BAD_STEP with a row that overflows `inp`. Returns
     (the parameters, the first non-finite event, the non-finite step counts, Dynamo's
-    counts: graph breaks, frames compiled in all, and frames compiled after step 2)."""
+    counts: graph breaks, frames and graphs compiled in all, and after step 2)."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
@@ -88,9 +95,8 @@ def run(how: str, backend: str, fullgraph: bool, attach: bool, poison=None):
             call(x).square().mean().backward()
             opt.step()
             if step == 2:
-                frames_warm = counters["frames"]["total"]
-        dynamo = (sum(counters["graph_break"].values()), counters["frames"]["total"],
-                  counters["frames"]["total"] - frames_warm)
+                warm = compiled_so_far()
+        dynamo = (sum(counters["graph_break"].values()), compiled_so_far(), compiled_so_far() - warm)
         event = counts = None
         if prof is not None:
             prof.flush()
@@ -152,35 +158,136 @@ def test_a_nan_weight_under_compile_is_named_as_in_eager_mode(how):
     assert event_of(event) == event_of(eager_event) and counts == eager_counts
 
 
-@pytest.mark.parametrize("fullgraph", [False, True])
-def test_regional_compilation_times_the_layers_outside_the_compiled_blocks(fullgraph):
-    """The blocks run inside their graphs (no hook there); the layers around them are
-    timed on sampled steps as in eager mode. With every other step sampled (the layer hooks
-    going in and out), nothing is compiled after the first step: before the fix each
-    sampled step recompiled every block, until Dynamo's cache limit made it run eagerly."""
+def regional_run(compile_blocks, *, attach: bool, fullgraph: bool, backend: str = "aot_eager",
+                 attach_first: bool = True, steps: int = 8, **extra):
+    """Train `steps` steps of Net, every other one sampled, its blocks compiled by
+    `compile_blocks(model, backend, fullgraph)` after attach (or before, `attach_first=False`).
+    Returns (parameters, snapshot or None, compiled after step 1, graph breaks, the page and
+    the report's document, graphs compiled in step 1)."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with hookprof.attach(model, port=0, summary_at_exit=False, sample_every=2,
-                         min_sample_interval_s=0.0) as prof:
-        compile_model(model, "regional", "aot_eager", fullgraph)
-        for step in range(1, 9):
+    settings = dict(port=0, summary_at_exit=False, sample_every=2, min_sample_interval_s=0.0, **extra)
+    if not attach_first:
+        compile_blocks(model, backend, fullgraph)
+    prof = hookprof.attach(model, **settings) if attach else None
+    if attach_first:
+        compile_blocks(model, backend, fullgraph)
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for step in range(1, steps + 1):
             opt.zero_grad()
-            model(torch.randn(4, 8)).square().mean().backward()
+            model(torch.randn(4, 8, generator=gen) * 0.1).square().mean().backward()  # finite
             opt.step()
             if step == 1:
-                frames_warm = counters["frames"]["total"]
-        prof.flush()
-        snap = prof.snapshot()
-    assert counters["frames"]["total"] == frames_warm
-    assert 2 <= snap.sampled_steps < 8  # the hooks went in and out
+                warm = compiled_so_far()
+                first_graphs = counters["stats"]["unique_graphs"]  # compiled inside step 1's calls
+        snap = None
+        if prof is not None:
+            prof.flush()
+            snap = prof.snapshot()
+            page = {"metrics": render(prof.registry).decode(), "report": prof.report_document()}
+    finally:
+        if prof is not None:
+            prof.detach()
+    params = [p.detach().clone() for p in model.parameters()]
+    return params, snap, compiled_so_far() - warm, sum(counters["graph_break"].values()), \
+        (page if attach else None), first_graphs
+
+
+def blocks_compiled_in_place(model, backend, fullgraph):
+    for block in model.blocks:
+        block.compile(backend=backend, fullgraph=fullgraph)
+
+
+def blocks_replaced_by_compiled(model, backend, fullgraph):
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, backend=backend, fullgraph=fullgraph)
+
+
+REGIONAL = [
+    (blocks_compiled_in_place, False, "aot_eager", True),
+    (blocks_compiled_in_place, True, "aot_eager", True),
+    (blocks_compiled_in_place, True, "aot_eager", False),
+    (blocks_replaced_by_compiled, False, "aot_eager", True),
+    (blocks_replaced_by_compiled, True, "aot_eager", False),
+    pytest.param(blocks_compiled_in_place, True, "inductor", True, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("compile_blocks,fullgraph,backend,attach_first", REGIONAL)
+def test_regional_compilation_times_each_compiled_block_as_one_row(compile_blocks, fullgraph, backend,
+                                                                   attach_first):
+    """Blocks compiled one by one (module.compile(), or torch.compile(block) put in its
+    place; before or after attach): each block's call is timed from outside its graph as one
+    row named as the block (module `Block`), forward and backward, on every sampled step but
+    the one that compiled it (its time is compilation); the layers between the blocks are
+    timed as layers; the blocks' own layers are not (they run inside the graph). Nothing is
+    compiled after the first step, no graph break, training bit-identical to the same run
+    without hookprof; the model's FLOPs per step equal the eager run's (the blocks counted
+    as units), and the rows are on the page."""
+    plain, _, plain_compiled, plain_breaks, _, _ = regional_run(
+        compile_blocks, attach=False, fullgraph=fullgraph, backend=backend, attach_first=attach_first)
+    params, snap, compiled, breaks, page, first_graphs = regional_run(
+        compile_blocks, attach=True, fullgraph=fullgraph, backend=backend, attach_first=attach_first)
+    _, eager, _, _, _, _ = regional_run(lambda *a: None, attach=True, fullgraph=fullgraph)
+    assert snap.internal_errors == 0
+    assert compiled == plain_compiled == 0 and breaks == plain_breaks == 0
+    assert all(torch.isfinite(p).all() for p in params)
+    assert [torch.equal(a, b) for a, b in zip(bits(plain), bits(params))] == [True] * len(plain)
+    sampled = snap.sampled_steps
+    assert sampled == 4 and first_graphs >= 1
     layers = snap.layers
-    outside = {n: s.forward_calls_total for n, s in layers.items() if not n.startswith("blocks.")}
-    inside = {n: s.forward_calls_total for n, s in layers.items() if n.startswith("blocks.")}
-    assert outside == {"inp": snap.sampled_steps, "out": snap.sampled_steps}
-    assert set(inside.values()) == {0} and len(inside) == 6
+    timed = 0
+    for k in range(2):
+        row = layers[f"blocks.{k}"]
+        assert row.module == "Block" or (row.module == "OptimizedModule" and not attach_first)
+        # step 1 was sampled: a block call inside which Dynamo compiled is not timed (its
+        # time is compilation); the other block, served by the same graph, is
+        assert sampled - 1 <= row.forward_calls_total == row.backward_calls_total <= sampled, row
+        timed += row.forward_calls_total
+        assert row.forward_seconds_total > 0 and row.backward_seconds_total > 0
+        assert row.grad_norm is None and row.activation_abs_max is None
+        for inner in ("fc1", "act", "fc2"):
+            inside = [s for n, s in layers.items() if n in (f"blocks.{k}.{inner}", f"blocks.{k}._orig_mod.{inner}")]
+            assert len(inside) == 1 and inside[0].forward_calls_total == 0, inside
+        assert (f'hookprof_layer_forward_seconds_count{{layer="blocks.{k}",model="Net",module="{row.module}",'
+                f'rank="0"}} {float(row.forward_calls_total)}') in page["metrics"]
+        # the report follows it like a layer: a series of forward times, one value per timed step
+        (series,) = [s for s in page["report"]["history"]["layers"] if s["name"] == f"blocks.{k}"]
+        assert sum(v is not None and v > 0 for v in series["forward_seconds"]) == row.forward_calls_total
+    assert timed == 2 * sampled - first_graphs
+    for outside in ("inp", "out"):
+        assert layers[outside].forward_calls_total == sampled
+    # the blocks' FLOPs counted as units: the model's per step as in the eager run
+    assert snap.efficiency.flops_per_step == eager.efficiency.flops_per_step > 0
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_regional_compilation_gets_the_blocks_layers_statistics_from_an_eager_rerun(fullgraph):
+    """Sampled steps with activation checks: the layers inside the compiled blocks get
+    their activation abs max and zero ratio from an eager no_grad re-run of the step's
+    forward at its update, equal to the eager run's; the layers around them from the step
+    itself (the same values); the re-run's times are not counted (the blocks' layers show no
+    calls), nothing is recompiled and training stays bit-identical."""
+    every = dict(activation_interval_s=0.0)
+    plain, _, _, _, _, _ = regional_run(blocks_compiled_in_place, attach=False, fullgraph=fullgraph)
+    params, snap, compiled, _, _, _ = regional_run(blocks_compiled_in_place, attach=True,
+                                                   fullgraph=fullgraph, **every)
+    _, eager, _, _, _, _ = regional_run(lambda *a: None, attach=True, fullgraph=fullgraph, **every)
+    assert snap.internal_errors == 0 and compiled == 0
+    assert [torch.equal(a, b) for a, b in zip(bits(plain), bits(params))] == [True] * len(plain)
+    for name, e in eager.layers.items():
+        s = snap.layers[name]
+        assert e.activation_abs_max is not None, name
+        assert s.activation_abs_max == pytest.approx(e.activation_abs_max, rel=1e-6), name
+        assert s.activation_zero_ratio == e.activation_zero_ratio, name
+        if name.startswith("blocks."):
+            assert s.forward_calls_total == 0, name  # the re-run's calls are not timed
+        else:
+            assert s.forward_calls_total == eager.layers[name].forward_calls_total == 4, name
 
 
 class DropoutNet(nn.Module):
@@ -256,7 +363,7 @@ def stats_run(how: str, attach: bool):
             call(torch.randn(16, 8, generator=gen)).square().mean().backward()
             opt.step()
             if step == 2:
-                frames_warm = counters["frames"]["total"]
+                frames_warm = compiled_so_far()
         if prof is not None:
             prof.flush()
             layers = prof.snapshot().layers
@@ -265,7 +372,7 @@ def stats_run(how: str, attach: bool):
         if prof is not None:
             prof.detach()
     state = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
-    return state, layers, counters["frames"]["total"] - frames_warm
+    return state, layers, compiled_so_far() - frames_warm
 
 
 @pytest.mark.parametrize("how", ["whole", "regional"])
@@ -279,20 +386,18 @@ def test_sampled_steps_of_a_compiled_model_get_activation_statistics_from_an_eag
     state, layers, recompiled = stats_run(how, attach=True)
     assert [torch.equal(a, b) for a, b in zip(plain, state)] == [True] * len(plain)
     assert recompiled == 0
-    # block by block, the compiled block's own layers get no statistics yet (the step's own
-    # hooks see the others; no re-run): what the docs say
-    blind = {"norm"} if how == "regional" else set()
+    # block by block: the BatchNorm compiled on its own is a layer called from outside its
+    # graph, timed and checked by the step's own hooks like the others (no re-run)
     for name, s in layers.items():
         e = eager[name]
-        if name in blind:
-            assert s.activation_abs_max is None and s.forward_calls_total == 0, name
-            continue
         assert s.activation_abs_max == pytest.approx(e.activation_abs_max, rel=1e-6), name
         assert s.activation_zero_ratio == e.activation_zero_ratio, name
     if how == "whole":  # nothing timed inside the graph, and the re-run's times are not counted
         assert {s.forward_calls_total for s in layers.values()} == {0}
-    else:  # the layers outside the compiled BatchNorm are timed on the sampled steps
-        assert layers["inp"].forward_calls_total > 0
+    else:  # every layer is timed on the sampled steps, the compiled BatchNorm from outside its
+        # graph (but not on a step that compiled it: torch 2.13's Dynamo skips a torch.nn
+        # module's own frames, so nothing may be compiled at all)
+        assert layers["inp"].forward_calls_total == 4 and layers["norm"].forward_calls_total in (3, 4)
 
 
 @pytest.fixture

@@ -50,9 +50,10 @@ def run(fullgraph: bool, attach: bool):
             call(x).square().mean().backward()
             opt.step()
             if step == 2:
-                warm = counters["frames"]["total"]
+                warm = counters["frames"]["total"] + counters["stats"]["unique_graphs"]
         torch.cuda.synchronize()
-        dynamo = (sum(counters["graph_break"].values()), counters["frames"]["total"] - warm,
+        dynamo = (sum(counters["graph_break"].values()),
+                  counters["frames"]["total"] + counters["stats"]["unique_graphs"] - warm,
                   counters["inductor"]["cudagraph_skips"])
         event = None
         if prof is not None:

@@ -71,11 +71,13 @@ def is_compiled_region(module: nn.Module) -> bool:
 
 def compiled_region_layers(table: Any) -> set[int]:
     """Indices of the layers of `table` (layers.LayerTable) that run inside a compiled region:
-    a layer compiled itself, or below a container that is, or below a torch.compile wrapper
-    that took a module's place in its parent. One pass over the containers' children and one
-    over each layer's name prefixes (its depth), on sampled steps only."""
+    a layer compiled itself, or below a module that is (a container, or a layer that has
+    children of its own), or below a torch.compile wrapper that took a module's place in its
+    parent. One pass over the modules' children and one over each layer's name prefixes (its
+    depth), on sampled steps only."""
     regions: set[str] = set()
-    for name, module in table.containers:
+    modules = [*table.containers, *((layer.name, layer.module) for layer in table.layers)]
+    for name, module in modules:
         if module is None:
             continue
         if is_compiled_region(module):
@@ -86,11 +88,8 @@ def compiled_region_layers(table: Any) -> set[int]:
     if ROOT_NAME in regions:  # the whole model is one region
         return {layer.index for layer in table.layers}
     inside = set()
-    for layer in table.layers:
-        module = layer.module
-        if module is not None and is_compiled_region(module):
-            inside.add(layer.index)
-        elif regions:
+    if regions:
+        for layer in table.layers:
             name = layer.name
             while name:  # the layer's own name, then each enclosing module's
                 if name in regions:

@@ -108,7 +108,8 @@ INTERNAL_ERRORS_TOTAL = Metric(
     "hookprof_internal_errors_total", "counter", ("rank", "part"),
     "Internal hookprof errors, by the part that failed (a fault disables only that part, for "
     "that call or step, and it is tried again)")
-LAYERS = Metric("hookprof_layers", "gauge", _RANK, "Instrumented layers")
+LAYERS = Metric("hookprof_layers", "gauge", _RANK,
+                "Instrumented layers, and compiled regions (blocks compiled on their own) once timed")
 LAYERS_EXPORTED = Metric("hookprof_layers_exported", "gauge", _RANK,
                          "Layers with per-layer series in this exposition (Config.max_layers)")
 FIRST_NONFINITE_INFO = Metric(

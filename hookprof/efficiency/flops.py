@@ -79,6 +79,11 @@ def _kind(module: torch.nn.Module) -> Any:
     return (type(module), config, tensors)
 
 
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The module inside torch.compile's wrapper (an OptimizedModule), else the module."""
+    return module._orig_mod if type(module).__name__ == "OptimizedModule" else module
+
+
 def _meta_clone(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of `module` with meta parameters and buffers, no hooks and its class's own
     forward, sharing nothing mutable with the original. A DTensor parameter (FSDP2) gets
@@ -88,6 +93,10 @@ def _meta_clone(module: torch.nn.Module) -> torch.nn.Module:
     # a module compiled on its own (module.compile()) runs its class's code here: its
     # compiled call belongs to the original module (and would compile again for meta inputs)
     clone.__dict__.pop("_compiled_call_impl", None)
+    for name, value in module.__dict__.items():
+        if isinstance(value, torch.Tensor):  # a plain tensor attribute (a counter, a cache):
+            # on meta too, or the copy's forward would write into the real one
+            clone.__dict__[name] = torch.empty(value.shape, dtype=value.dtype, device="meta")
     own = clone.__dict__.pop("forward", None)
     if own is not None:
         wrapped = getattr(own, "__wrapped__", None)  # hookprof's ForwardWrapper
@@ -103,7 +112,8 @@ def _meta_clone(module: torch.nn.Module) -> torch.nn.Module:
     }
     clone._buffers = {name: None if b is None else torch.empty(b.shape, dtype=b.dtype, device="meta")
                       for name, b in module._buffers.items()}
-    clone._modules = {name: None if m is None else _meta_clone(m) for name, m in module._modules.items()}
+    # a child put in torch.compile's wrapper runs its module's code here, eagerly
+    clone._modules = {name: None if m is None else _meta_clone(_unwrapped(m)) for name, m in module._modules.items()}
     for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                   "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
                   "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
@@ -164,8 +174,7 @@ class FlopCounter:
             module = self._table.row_module(layer)
             if module is None:
                 return
-            if type(module).__name__ == "OptimizedModule":  # torch.compile's wrapper (a row when
-                module = module._orig_mod                   # compiled before attach): its module
+            module = _unwrapped(module)  # torch.compile's wrapper (a row when compiled before attach)
             if self._cache[layer] is None:  # a container's first call
                 self._cache[layer] = self._shared.setdefault(_kind(module), OrderedDict())
             if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
@@ -198,11 +207,10 @@ class FlopCounter:
             if n >= MAX_COUNTS_PER_STEP:
                 break
             module = self._table.row_module(layer)
-            if type(module).__name__ == "OptimizedModule":
-                module = module._orig_mod
             if module is None:  # the model is gone
                 continue
             try:
+                module = _unwrapped(module)
                 result = count(module, args, kwargs)
             except Exception as exc:
                 self._failed.update(i for i, c in enumerate(self._cache) if c is not None and c is self._cache[layer])

@@ -78,6 +78,7 @@ class NonfiniteChecks:
         params = table.params
         self.traced = TracedOutputCheck(params[0].device if params else torch.device("cpu"), say)
         self._compiled_forward: CapturedForward | None = None  # this step's, for `rerun`
+        self._rerun_done = False  # the re-run runs once per step
         self._replay_token = 0  # the publisher's publish_now token of the replay's packet
         self._thread: int | None = None  # the training thread (the last forward's)
         self._scaler_view: ScalerView | None = None  # a fused optimizer's GradScaler state
@@ -88,6 +89,7 @@ class NonfiniteChecks:
     def step_began(self) -> None:
         self.traced.step_began()
         self._compiled_forward = None
+        self._rerun_done = False
         self._scaler_view = None
         self._masked = None
         self.output.clear()
@@ -241,13 +243,18 @@ class NonfiniteChecks:
         goes on)."""
         captured, self._compiled_forward = self._compiled_forward, None
         model = self.replay.model
-        if captured is None or model is None or self._table.has_dtensor_params or _several_ranks():
+        if (captured is None or model is None or self._rerun_done or self._table.has_dtensor_params
+                or _several_ranks()):
             # a forward run on one rank alone would start collectives (FSDP2, tensor parallel,
             # an all-reduce in the model's code) that the other ranks never join
             return None
-        rec.rerun_from = len(rec.calls)
+        self._rerun_done = True  # (an LBFGS closure's later calls run on moved weights)
         with self._faults.contain("forward re-run", disable=False):
-            forward_again(model, self._hooks, rec, captured)
+            own = StepRecord(rec.ref)  # recorded apart, then joined: see StepRecord.absorb_rerun
+            try:
+                forward_again(model, self._hooks, own, captured)
+            finally:  # (what a failed re-run recorded goes back with the step's marks)
+                rec.absorb_rerun(own)
             return rec
         return None
 

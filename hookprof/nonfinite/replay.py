@@ -359,17 +359,25 @@ def forward_again(model: nn.Module, hooks: LayerHooks, rec: StepRecord, captured
                   watch: Any = None) -> tuple[Any, bool]:
     """Run `captured` once more, eagerly (a compiled model too), under no_grad, with the
     layer checks recording into `rec`, on the model's current weights, from the RNG state
-    of its start; the model's buffers and the RNG are as they were afterwards, whatever
-    happens. Returns (what `watch` yielded, whether the forward drew random numbers: asked
+    of its start; the model's buffers, its modules' plain tensor and number attributes and
+    the RNG are as they were afterwards, whatever happens. Returns (what `watch` yielded, whether the forward drew random numbers: asked
     of a compiled forward's only, whose RNG state hookprof took itself)."""
     target = captured.module if captured.module is not None else model
     outside = rng_state(cuda=captured.cuda_rng is not None)
     originals = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
                  if b is not None]
+    # state a module keeps outside its buffers (a tensor or a number set as a plain
+    # attribute: a counter, a cache) is put back too: the re-run of sampled steps runs the
+    # forward's Python again on every checked step of a compiled model
+    attributes = [(m, name, v) for m in model.modules() for name, v in vars(m).items()
+                  if not name.startswith("_") and isinstance(v, (torch.Tensor, int, float))]
     try:
         with torch.no_grad():
             for module, name, buffer in originals:
                 module._buffers[name] = buffer.clone()  # the replay writes here, if anywhere
+            for module, name, value in attributes:
+                if isinstance(value, torch.Tensor):
+                    module.__dict__[name] = value.clone()
         set_rng((captured.cpu_rng, captured.cuda_rng))
         with hooks.replaying_into(rec), torch.no_grad(), eager(), autocast_of(captured.modes), \
                 (watch if watch is not None else contextlib.nullcontext(None)) as kept:
@@ -379,4 +387,6 @@ def forward_again(model: nn.Module, hooks: LayerHooks, rec: StepRecord, captured
     finally:
         for module, name, buffer in originals:  # the very same tensors, untouched
             module._buffers[name] = buffer
+        for module, name, value in attributes:
+            module.__dict__[name] = value
         set_rng(outside)

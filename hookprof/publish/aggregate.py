@@ -189,11 +189,10 @@ class Aggregator:
         finally:
             timer.release(rec.tokens())
         n = len(self.names)
-        timed = rec.calls if rec.rerun_from is None else rec.calls[:rec.rerun_from]  # a re-run: no times
-        for call_id, call in enumerate(timed):
+        for call_id, call in enumerate(rec.calls):
             layer = call.layer
-            if layer >= rows or call_id in rec.compiling:
-                continue  # (not a row); a compiled region's call that compiled: not its time
+            if layer >= rows or call_id in rec.compiling or not rec.timed(call_id):
+                continue  # (not a row); a compiled region's call that compiled, or a re-run's
             if call_id in rec.recompute:  # reported apart, never as forward time
                 figures.recompute_calls[layer] += 1
                 figures.recompute[layer] += call_fwd[call_id]
@@ -409,30 +408,34 @@ class Aggregator:
         """The layers on the page: all of them within both budgets (max_layers layers,
         max_series series, counted as the exporter writes them: snapshot.layer_series);
         beyond, every layer that went non-finite first (in layer order: the earliest is the
-        producer), then the layers with the most forward+backward time, while they fit."""
+        producer), then the layers with the most forward+backward time, while they fit. The
+        rows of compiled regions (a few blocks, each standing for its layers) are not layers
+        for max_layers: they go on the page first, while the series fit."""
         names = self._call_names
-        rows = [i for i in range(len(names)) if i < len(self.names) or names[i] in self._layers]
+        n = len(self.names)
+        regions = [i for i in range(n, len(names)) if names[i] in self._layers]
         cost = self._series_per_layer()
         budget = self.max_series if self.max_series is not None else float("inf")
-        if len(rows) <= self.max_layers and sum(cost[i] for i in rows) <= budget:
-            return tuple(names[i] for i in rows)
-        bad = [i for i in rows if any(self._layer_nonfinite(i).values())]
+        keep = [i for i in regions if cost[i] <= budget]  # (each a summary pair or two)
+        used = sum(cost[i] for i in keep)
+        if n <= self.max_layers and used + sum(cost[:n]) <= budget:
+            return tuple(names[i] for i in range(n)) + tuple(names[i] for i in keep)
+        bad = [i for i in range(n) if any(self._layer_nonfinite(i).values())]
         bad_set = set(bad)
-        by_time = sorted((i for i in rows if i not in bad_set),
+        by_time = sorted((i for i in range(n) if i not in bad_set),
                          key=lambda i: self.fwd_total[i] + self.bwd_total[i], reverse=True)
-        keep: list[int] = []
-        used = 0
+        layers: list[int] = []
         for i in bad:  # a bad layer that does not fit leaves room for a later, smaller one
             if used + cost[i] <= budget:
-                keep.append(i)
+                layers.append(i)
                 used += cost[i]
-        room = max(self.max_layers - len(keep), 0)
+        room = max(self.max_layers - len(layers), 0)
         for i in by_time[:room]:  # the top layers by time, down to the first that does not fit
             if used + cost[i] > budget:
                 break
-            keep.append(i)
+            layers.append(i)
             used += cost[i]
-        return tuple(names[i] for i in sorted(keep))
+        return tuple(names[i] for i in sorted(layers + keep))
 
     def _series_per_layer(self) -> list[int]:
         """Series each row writes (0 for a container that is not a compiled region)."""

@@ -145,11 +145,12 @@ class History:
         # ranking 10,000 layers takes ~10 ms of the publisher thread: done every RERANK_POINTS
         # points, at a point's opening when more steps went non-finite, and at once the first time
         regions = self._timed_regions(aggregator)
-        if len(regions) != self._regions_seen:
+        new_regions = len(regions) != self._regions_seen
+        if new_regions:
             self._regions_seen = len(regions)
             self._add_region_slots(regions)
         if (opening and (self._opened % RERANK_POINTS == 1 or bad != self._ranked_bad)) or (
-                bad and not self._ranked_bad):
+                bad and not self._ranked_bad) or (new_regions and not self._fixed_slots):
             self._ranked_bad = bad
             self._assign_slots(aggregator)
         per_layer = {

@@ -123,7 +123,11 @@ class LayerHooks:
         # (module, attribute, wrapper, the instance attribute it replaced or _NO_ATTRIBUTE):
         # a layer's `forward`, or a compiled region's compiled call (see _install_regions)
         self._wrapped: list[tuple[torch.nn.Module, str, Any, Any]] = []
-        self._regions: frozenset[int] = frozenset()  # rows timed as compiled regions this step
+        # rows timed as compiled regions whose output is not checked (a region with children:
+        # see _install_regions), and the layers whose calls no hook sees this step (inside a
+        # region, not a region themselves): their statistics come from a re-run
+        self._regions: frozenset[int] = frozenset()
+        self._hidden: list[int] = []
         self._rec: StepRecord | None = None
         self._local = threading.local()  # each thread's stack of open forward calls
         # the three states below change only through the methods that say what happened:
@@ -147,8 +151,13 @@ class LayerHooks:
 
     @property
     def hides_compiled_layers(self) -> bool:
-        """Installed, with layers left out because they run inside compiled regions."""
-        return bool(self._skipped) and self.installed
+        """Installed, with layers no hook sees: inside a compiled region (a layer compiled on
+        its own, without children, is timed and checked as itself)."""
+        return bool(self._hidden) and self.installed
+
+    def activation_stats_off(self) -> None:
+        """This step's own calls take no activation statistics (a re-run takes them all)."""
+        self._activation_stats = False
 
     def listen(self, on_call: Any) -> None:
         """Have `on_call(layer, args, kwargs, nested)` told of each training layer call of a
@@ -248,6 +257,7 @@ class LayerHooks:
         skipped = set() if self._replaying else compiled_region_layers(self._table)
         self._install_layers([layer for layer in self._table.layers if layer.index not in skipped])
         self._skipped = sorted(skipped)
+        self._hidden = []
         if skipped:
             self._install_regions()
 
@@ -257,9 +267,12 @@ class LayerHooks:
         `_compiled_call_impl` after module.compile(), or the `forward` of the torch.compile
         wrapper put in its place), so no guard changes and nothing recompiles. Its row is
         the region's layer or container row; its backward is timed by the same node marks as
-        a layer's. Its output is not checked: a NaN inside it is found by the model-output
-        check and named, layer by layer, by the eager replay."""
-        rows = []
+        a layer's (and, when its inputs need no gradient, ends at its parameters' last
+        gradient). A region with children is not checked itself: its layers' statistics come
+        from the step's re-run (hides_compiled_layers), a NaN inside it is named layer by
+        layer by the eager replay."""
+        unchecked, checked = [], set()
+        n = len(self._table.layers)
         for region in compiled_regions(self._table):
             target, attribute = region.target, region.attribute
             prior = target.__dict__.get(attribute, _NO_ATTRIBUTE)
@@ -270,11 +283,16 @@ class LayerHooks:
             except Exception:  # left untimed rather than failing the step
                 continue
             self._wrapped.append((target, attribute, wrapper, prior))
-            rows.append(region.row)
-        # a container's call: its output unchecked (a NaN there would be blamed on the whole
-        # block, not the layer inside it that the replay names); a layer compiled on its own
-        # is checked as any layer (the output is its own)
-        self._regions = frozenset(r for r in rows if r >= len(self._table.layers))
+            module = self._table.row_module(region.row)
+            if region.row < n and module is not None and next(iter(module.children()), None) is None:
+                checked.add(region.row)  # a layer without children compiled on its own: itself
+            else:
+                # a region with children: its output unchecked (a NaN there would be blamed on
+                # the whole block, not on the layer inside it that the re-run or the replay
+                # names)
+                unchecked.append(region.row)
+        self._regions = frozenset(unchecked)
+        self._hidden = [i for i in self._skipped if i not in checked]
 
     def _enter_region(self, row: int, args: Any, kwargs: Any = None) -> bool:
         """A compiled region's call begins: recorded as a training call, never in a replay
@@ -419,7 +437,8 @@ class LayerHooks:
                         roles.append(role)
                 if stats and t.is_floating_point() and t.numel():
                     self._note_input(rec, t, call)
-            if not inputs_need_grad and layer_index not in rec.param_hooked and layer_index < len(self._table):
+            if not inputs_need_grad and layer_index not in rec.param_hooked and (
+                    layer_index < len(self._table) or layer_index in self._regions):
                 self._hook_params(rec, layer_index)
             if recompute or not self._in_training_forward:
                 self.mark_pending()
@@ -518,9 +537,15 @@ class LayerHooks:
         rec.act.append(Activation(-1, low, high, None, 0))
 
     def _hook_params(self, rec: StepRecord, layer_index: int) -> None:
+        """The call's backward ends at its parameters' last gradient: a layer's own, or for a
+        compiled region every parameter of the module (its inputs needed no gradient)."""
         rec.param_hooked.add(layer_index)
-        for i in self._table.layers[layer_index].param_indices:
-            p = self._table.params[i]
+        if layer_index < len(self._table) and layer_index not in self._regions:
+            params = [self._table.params[i] for i in self._table.layers[layer_index].param_indices]
+        else:
+            module = self._table.row_module(layer_index)
+            params = list(module.parameters()) if module is not None else []
+        for p in params:
             if p.requires_grad:
                 rec.param_handles.append(
                     p.register_post_accumulate_grad_hook(partial(self._param_done, rec, layer_index))

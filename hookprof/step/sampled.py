@@ -42,6 +42,10 @@ class SampledStep:
         self.record: StepRecord | None = None  # what a sampled step's hooks write
         self.last_sent = 0  # the number of the last sampled step sent to the publisher
         self._unfolded = False  # ... and the publisher has not been nudged to fold it yet
+        # this checked step's hooks cannot see the layers inside compiled regions: its
+        # statistics come from a re-run of its forward (nonfinite/checks.py `rerun`), all of
+        # them, so its own calls take none (the two would disagree in order, not in value)
+        self.rerun_wanted = False
 
     def new_record(self) -> StepRecord:
         """A record of its own (the forward replay's)."""
@@ -53,14 +57,21 @@ class SampledStep:
         (out under torch.compile, and while a fault in them backs off: `broken`, whose step
         is still sampled for its gradient norms). Returns the step's record (None: no hooks)."""
         self.plan = self._planner.plan(number, now_ns, incident=incident)
+        self.rerun_wanted = False
         if self.plan.sampled and not compiled and not broken:
             self.record = StepRecord(self._timer.start())
             # the first step's hooks go in at its first eager forward (install_late): a model
             # compiled after attach() must never see them, or Dynamo recompiles
             self._hooks.begin(self.record, install=number > 1, activation_stats=self.plan.checked)
+            self._decide_rerun()
         elif self._hooks.installed:
             self._hooks.remove()
         return self.record
+
+    def _decide_rerun(self) -> None:
+        if self.plan.checked and self._hooks.hides_compiled_layers:
+            self.rerun_wanted = True
+            self._hooks.activation_stats_off()
 
     def record_by(self, make: Callable[[StepRecord], StepRecord | None]) -> None:
         """A sampled step without hooks of its own (a compiled model) gets its record from
@@ -86,6 +97,7 @@ class SampledStep:
             # installed now would be missed, so step 1's layers go unrecorded)
             return
         self._hooks.install()
+        self._decide_rerun()
         if own_layer is not None:
             # this call's pre-hooks were fixed before ours ran: start the root's own timing by
             # hand (its post-hook is picked up after forward, as usual)

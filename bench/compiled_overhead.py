@@ -35,6 +35,7 @@ from torch import nn  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import hookprof  # noqa: E402
+from support.compiled import compiled_so_far  # noqa: E402
 
 
 class Block(nn.Module):
@@ -101,11 +102,6 @@ class Run:
     def close(self) -> None:
         if self.prof is not None:
             self.prof.detach()
-
-
-def compiled_so_far() -> int:
-    """Frames and graphs Dynamo compiled (its "frames" counter alone misses fullgraph=True)."""
-    return counters["frames"]["total"] + counters["stats"]["unique_graphs"]
 
 
 def measure(how: str, backend: str, device: str, rounds: int, steps: int) -> None:

@@ -35,10 +35,10 @@ import paths  # noqa: E402,F401  (first: the hookprof under test)
 
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
-from torch import nn  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
 
 import hookprof  # noqa: E402
+from support.compare import same_bits  # noqa: E402
+from support.compiled import OverflowNet, overflow_run  # noqa: E402
 
 BAD_STEP = 7
 STEPS = 12
@@ -55,89 +55,31 @@ def sync() -> None:
 EVERY = dict(sample_every=1, min_sample_interval_s=0.0, activation_interval_s=0.0)
 
 
-class Block(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
-
-    def forward(self, x):
-        return x + self.fc2(self.act(self.fc1(x)))
-
-
-class Net(nn.Module):
-    """`inp` overflows on the bad row (its weights scaled up), then repeated blocks."""
-
-    def __init__(self, width: int = WIDTH, depth: int = 4):
-        super().__init__()
-        self.inp = nn.Linear(64, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.out = nn.Linear(width, 1)
-        with torch.no_grad():
-            self.inp.weight.mul_(10)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
-
-
-def dynamo_counts() -> dict:
-    return {"graph_breaks": sum(counters["graph_break"].values()),
-            "frames": counters["frames"]["total"] + counters["stats"]["unique_graphs"],
-            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+NET = dict(inputs=64, width=WIDTH, depth=4)
 
 
 def nan_run(mode: str, attach: bool) -> dict:
     """STEPS steps, step BAD_STEP's batch with a row that overflows `inp`."""
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    model = Net().to(DEVICE)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    prof = hookprof.attach(model, **SETTINGS) if attach else None
-    call = torch.compile(model, mode=mode)
-    gen = torch.Generator(device=DEVICE).manual_seed(1)
-    out: dict = {}
-    try:
-        for step in range(1, STEPS + 1):
-            x = torch.randn(256, 64, device=DEVICE, generator=gen)
-            if step == BAD_STEP:
-                x[0] = 3e38
-            opt.zero_grad(set_to_none=True)
-            call(x).square().mean().backward()
-            opt.step()
-            if step == 2:
-                warm = dynamo_counts()
-        sync()
-        end = dynamo_counts()
-        out["dynamo"] = {**end, "frames_after_warmup": end["frames"] - warm["frames"]}
-        out["params"] = [p.detach().clone() for p in model.parameters()]
-        if prof is not None:
-            prof.flush()
-            snap = prof.snapshot()
-            ev = snap.first_nonfinite
-            out["event"] = None if ev is None else {
-                "layer": ev.layer, "phase": ev.phase, "step": ev.step,
-                "found_by": ev.found_by, "replay": ev.replay}
-            out["nonfinite_steps"] = dict(snap.nonfinite_steps)
-            out["internal_errors"] = snap.internal_errors
-            out["notices"] = list(snap.notices)
-    finally:
-        if prof is not None:
-            prof.detach()
+    params, snap, (breaks, compiled, skips) = overflow_run(
+        lambda model: torch.compile(model, mode=mode), attach=attach, device=DEVICE, net=NET, batch=256,
+        steps=STEPS, bad_step=BAD_STEP, settings=SETTINGS)
+    out: dict = {"params": params, "dynamo": {"graph_breaks": breaks, "frames_after_warmup": compiled,
+                                             "cudagraph_skips": skips}}
+    if snap is not None:
+        ev = snap.first_nonfinite
+        out["event"] = None if ev is None else {
+            "layer": ev.layer, "phase": ev.phase, "step": ev.step, "found_by": ev.found_by, "replay": ev.replay}
+        out["nonfinite_steps"] = dict(snap.nonfinite_steps)
+        out["internal_errors"] = snap.internal_errors
+        out["notices"] = list(snap.notices)
     return out
-
-
-def bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
 
 
 def every_step_statistics(mode: str) -> dict:
     """Every step sampled with activation checks: which layers got statistics and times."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Net().to(DEVICE)
+    model = OverflowNet(**NET).to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(256, 64, device=DEVICE)
     with hookprof.attach(model, **SETTINGS, **EVERY) as prof:
@@ -161,7 +103,7 @@ def timing(mode: str, rounds: int, steps: int) -> dict:
     torch._dynamo.reset()
     for name, overrides in (("none", None), ("hookprof", {}), ("every step", EVERY)):
         torch.manual_seed(0)
-        model = Net().to(DEVICE)
+        model = OverflowNet(**NET).to(DEVICE)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         prof = None if overrides is None else hookprof.attach(model, **SETTINGS, **overrides)
         runs[name] = (torch.compile(model, mode=mode), opt, prof)
@@ -216,7 +158,7 @@ def main() -> int:
         r = {"without": plain["dynamo"], "with": hooked["dynamo"],
              "event": hooked.get("event"), "nonfinite_steps": hooked.get("nonfinite_steps"),
              "internal_errors": hooked.get("internal_errors"),
-             "bit_identical": bits_equal(plain["params"], hooked["params"]),
+             "bit_identical": same_bits(plain["params"], hooked["params"]),
              "notices": hooked.get("notices")}
         print(f"{mode}: {json.dumps(r, default=str)}", flush=True)
         r["every_step"] = every_step_statistics(mode)

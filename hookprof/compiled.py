@@ -11,7 +11,8 @@ gradient norms and non-finite gradient checks (taken in the optimizer hooks, whi
 eagerly), the model-output check (traced into the graph: nonfinite/traced.py) and the eager
 replay that names a forward NaN's layer, the loss passed to `Profiler.step(loss)`, and
 system metrics. Under regional compilation (blocks compiled one by one) the layers inside
-the compiled blocks get no per-layer hooks (`compiled_region_layers`), the others do.
+the compiled blocks get no per-layer hooks; each block is timed as one call from outside its
+graph (`compiled_regions`).
 """
 
 from __future__ import annotations
@@ -62,85 +63,47 @@ def transformed() -> bool:
     return _is_tracing() or _functorch_active() or is_exporting()
 
 
-def is_compiled_region(module: nn.Module) -> bool:
-    """Is `module` compiled on its own (module.compile(), or torch.compile(module) put in its
-    parent's place), so that its calls run inside a graph?"""
-    return (getattr(module, "_compiled_call_impl", None) is not None
-            or type(module).__name__ == "OptimizedModule")
-
-
-def compiled_region_layers(table: Any) -> set[int]:
-    """Indices of the layers of `table` (layers.LayerTable) that run inside a compiled region:
-    a layer compiled itself, or below a module that is (a container, or a layer that has
-    children of its own), or below a torch.compile wrapper that took a module's place in its
-    parent. One pass over the modules' children and one over each layer's name prefixes (its
-    depth), on sampled steps only."""
-    regions: set[str] = set()
-    modules = [*table.containers, *((layer.name, layer.module) for layer in table.layers)]
-    for name, module in modules:
-        if module is None:
-            continue
-        if is_compiled_region(module):
-            regions.add(name)
-        for child_name, child in module._modules.items():
-            if child is not None and type(child).__name__ == "OptimizedModule":
-                regions.add(child_name if name == ROOT_NAME else f"{name}.{child_name}")
-    if ROOT_NAME in regions:  # the whole model is one region
-        return {layer.index for layer in table.layers}
-    inside = set()
-    if regions:
-        for layer in table.layers:
-            name = layer.name
-            while name:  # the layer's own name, then each enclosing module's
-                if name in regions:
-                    inside.add(layer.index)
-                    break
-                name = name.rpartition(".")[0]
-    return inside
-
-
 class Region(NamedTuple):
     """A module compiled on its own below the root (regional compilation): its calls run
     inside a graph, so its layers cannot be timed, but the call itself starts and ends
     outside it and is timed as one row."""
 
     row: int  # the layer table's layer index, or len(layers) + k for its k-th container
-    name: str
     target: nn.Module  # the object whose compiled call is wrapped
     attribute: str  # "_compiled_call_impl" (module.compile()) or "forward" (torch.compile's wrapper)
 
 
-def compiled_regions(table: Any) -> list[Region]:
-    """The outermost compiled regions of `table`'s model below its root: a module compiled
-    with module.compile() (its `_compiled_call_impl`), or one whose parent holds a
-    torch.compile wrapper in its place (the wrapper's `forward`). A region inside another
-    (its calls run inside the outer graph) and the root itself (the whole model compiled:
-    the step's time is its time) are left out. On sampled steps only."""
-    rows: dict[int, tuple[int, str]] = {}  # id(module) -> (row, name)
-    for layer in table.layers:
-        module = layer.module
-        if module is not None:
-            rows[id(module)] = (layer.index, layer.name)
-    first = len(table.layers)
-    containers = table.containers
-    for k, (name, module) in enumerate(containers):
-        if module is not None:
-            rows[id(module)] = (first + k, name)
+def compiled_regions(table: Any) -> tuple[list[Region], set[int]]:
+    """(the outermost compiled regions below the root, the layers that run inside any
+    region). A region: a module compiled with module.compile() (its `_compiled_call_impl`),
+    or one whose parent holds a torch.compile wrapper in its place (the wrapper's
+    `forward`). The root compiled: no region (the step's time is its time), every layer
+    inside. On sampled steps only: one pass over the modules' children, one over each
+    layer's name prefixes."""
+    rows = table.row_of  # id(module) -> (row, name)
     found: dict[str, Region] = {}
-    for name, module in [(c, m) for c, m in containers] + [(layer.name, layer.module) for layer in table.layers]:
+    for row, name, module in table.named_rows():
         if module is None:
             continue
         if getattr(module, "_compiled_call_impl", None) is not None:
-            row, _ = rows[id(module)]
-            found[name] = Region(row, name, module, "_compiled_call_impl")
+            found[name] = Region(row, module, "_compiled_call_impl")
         for child in module._modules.values():
             if child is not None and type(child).__name__ == "OptimizedModule":
                 # the wrapper's own row (compiled before attach), else its module's (after)
                 known = rows.get(id(child)) or rows.get(id(getattr(child, "_orig_mod", None)))
                 if known is not None:
-                    found[known[1]] = Region(known[0], known[1], child, "forward")
+                    found[known[1]] = Region(known[0], child, "forward")
     if ROOT_NAME in found:
-        return []
+        return [], {layer.index for layer in table.layers}
+    inside = set()
+    if found:
+        for layer in table.layers:
+            name = layer.name
+            while name:  # the layer's own name, then each enclosing module's
+                if name in found:
+                    inside.add(layer.index)
+                    break
+                name = name.rpartition(".")[0]
     outermost = []
     for name, region in found.items():
         outer = name.rpartition(".")[0]
@@ -148,7 +111,7 @@ def compiled_regions(table: Any) -> list[Region]:
             outer = outer.rpartition(".")[0]
         if not outer:
             outermost.append(region)
-    return sorted(outermost, key=lambda r: r.row)
+    return sorted(outermost, key=lambda r: r.row), inside
 
 
 class CompileProbe:

@@ -104,6 +104,19 @@ class LayerTable:
             return self.layers[row].module
         return self._containers[row - len(self.layers)][1]()
 
+    def named_rows(self):
+        """(row, name, module) of every row: the layers, then the containers."""
+        for layer in self.layers:
+            yield layer.index, layer.name, layer.module
+        first = len(self.layers)
+        for k, (name, ref) in enumerate(self._containers):
+            yield first + k, name, ref()
+
+    @property
+    def row_of(self) -> dict[int, tuple[int, str]]:
+        """id(module) -> (row, name), for the modules alive."""
+        return {id(m): (row, name) for row, name, m in self.named_rows() if m is not None}
+
     @property
     def has_dtensor_params(self) -> bool:
         """FSDP2 or tensor parallel: parameters (and so gradients) are DTensor shards."""

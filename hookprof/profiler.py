@@ -299,9 +299,8 @@ class Profiler:
                    own_layer: int | None, now: int, first_step: bool) -> None:
         """A training forward of the root (or an entry call) begins."""
         self._sampled.install_late(module, args, own_layer, entry)
-        # for a replay; and for this step's re-run when its compiled regions hide layers
         self._nan.capture(args, kwargs, module if entry else None, rerun=self._sampled.rerun_wanted)
-        if self._sampled.plan.checked and not self._sampled.rerun_wanted:
+        if self._sampled.plan.checked:
             self._hooks.note_root_inputs(args, kwargs)  # a NaN in the batch is the input's
         if first_step:
             self._phases.restart(now)
@@ -316,7 +315,7 @@ class Profiler:
 
     def _on_update_began(self, optimizer: torch.optim.Optimizer) -> None:
         self._nan.update_began(self._counters.steps + 1)
-        self._rerun_for_statistics()
+        self._sampled.record_by(self._nan.rerun)
         now = self._clock()
         self._phases.enter(OPTIMIZER, now)
         # the parameters before the update (a second optimizer of the step finds them taken)
@@ -337,13 +336,7 @@ class Profiler:
 
     def _on_back_in_optimizer(self) -> None:
         self._phases.enter(OPTIMIZER, self._clock())  # the closure returned
-        self._rerun_for_statistics()  # its forward ran in the closure, the update comes next
-
-    def _rerun_for_statistics(self) -> None:
-        """The statistics the graphs hide (a model compiled whole, or block by block), from
-        the step's forward run once more, eagerly, before the update: once per step."""
-        if self._sampled.plan.checked and (self._boundary.compiled or self._sampled.rerun_wanted):
-            self._sampled.record_by(self._nan.rerun)
+        self._sampled.record_by(self._nan.rerun)  # its forward ran in the closure, the update comes next
 
     def _on_closure_returned(self, optimizer: torch.optim.Optimizer, judged: bool) -> None:
         if not judged:

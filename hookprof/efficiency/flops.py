@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from hookprof.compiled import unwrap_compiled
 from hookprof.layers import LayerTable
 
 MAX_COUNTS_PER_STEP = 32  # new signatures counted at one step boundary; the rest on later sampled steps
@@ -79,11 +80,6 @@ def _kind(module: torch.nn.Module) -> Any:
     return (type(module), config, tensors)
 
 
-def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
-    """The module inside torch.compile's wrapper (an OptimizedModule), else the module."""
-    return module._orig_mod if type(module).__name__ == "OptimizedModule" else module
-
-
 def _meta_clone(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of `module` with meta parameters and buffers, no hooks and its class's own
     forward, sharing nothing mutable with the original. A DTensor parameter (FSDP2) gets
@@ -113,7 +109,7 @@ def _meta_clone(module: torch.nn.Module) -> torch.nn.Module:
     clone._buffers = {name: None if b is None else torch.empty(b.shape, dtype=b.dtype, device="meta")
                       for name, b in module._buffers.items()}
     # a child put in torch.compile's wrapper runs its module's code here, eagerly
-    clone._modules = {name: None if m is None else _meta_clone(_unwrapped(m)) for name, m in module._modules.items()}
+    clone._modules = {name: None if m is None else _meta_clone(unwrap_compiled(m)[0]) for name, m in module._modules.items()}
     for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                   "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
                   "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
@@ -131,17 +127,17 @@ def count(module: torch.nn.Module, args: Any, kwargs: Any) -> tuple[int, int]:
 
     clone = _meta_clone(module)
     clone.train(module.training)
-    with torch.enable_grad():
+    with torch.enable_grad():  # the meta inputs are built under it too: see _Meta.build
         margs, mkwargs = tree_map(lambda v: v.build() if isinstance(v, _Meta) else v, (args, kwargs),
                                   is_leaf=lambda v: isinstance(v, _Meta))
-    with torch.enable_grad(), FlopCounterMode(display=False) as counter:
-        out = clone(*margs, **mkwargs)
-        forward = counter.get_total_flops()
-        leaves = [t for t in tree_flatten(out)[0]
-                  if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
-        if leaves:
-            torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
-        backward = counter.get_total_flops() - forward
+        with FlopCounterMode(display=False) as counter:
+            out = clone(*margs, **mkwargs)
+            forward = counter.get_total_flops()
+            leaves = [t for t in tree_flatten(out)[0]
+                      if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+            if leaves:
+                torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+            backward = counter.get_total_flops() - forward
     return forward, backward if leaves else 0
 
 
@@ -156,6 +152,7 @@ class FlopCounter:
         # By row: the layers, then the containers, whose caches are made at their first call
         # (a container compiled on its own is called, and counted, as one unit; most
         # containers are never called through hookprof, and a kind reads every parameter)
+        self._layers = len(table.layers)
         self._shared: dict[Any, OrderedDict] = {}
         self._cache: list[OrderedDict | None] = [
             self._shared.setdefault(_kind(layer.module) if layer.module is not None else object(), OrderedDict())
@@ -171,10 +168,12 @@ class FlopCounter:
         try:
             if layer >= len(self._cache) or layer in self._failed:
                 return
-            module = self._table.row_module(layer)
+            if layer < self._layers:
+                module = self._table.layers[layer].module
+            else:  # a compiled region's row (torch.compile's wrapper when compiled before attach)
+                module = unwrap_compiled(self._table.row_module(layer))[0]
             if module is None:
                 return
-            module = _unwrapped(module)  # torch.compile's wrapper (a row when compiled before attach)
             if self._cache[layer] is None:  # a container's first call
                 self._cache[layer] = self._shared.setdefault(_kind(module), OrderedDict())
             if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
@@ -210,8 +209,7 @@ class FlopCounter:
             if module is None:  # the model is gone
                 continue
             try:
-                module = _unwrapped(module)
-                result = count(module, args, kwargs)
+                result = count(unwrap_compiled(module)[0], args, kwargs)
             except Exception as exc:
                 self._failed.update(i for i, c in enumerate(self._cache) if c is not None and c is self._cache[layer])
                 if self._notices is not None:

@@ -32,8 +32,7 @@ from hookprof.nonfinite.capsule import Capsules
 from hookprof.nonfinite.detector import Detector, loss_flag, nonfinite_flags
 from hookprof.nonfinite.guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
 from hookprof.nonfinite.output import OutputFlags
-from hookprof.nonfinite.replay import (CapturedForward, ForwardReplay, forward_again, forward_modes,
-                                       own_weights_nonfinite, rng_state)
+from hookprof.nonfinite.replay import CapturedForward, ForwardReplay, forward_again, own_weights_nonfinite
 from hookprof.nonfinite.traced import TracedOutputCheck
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import Packet, StepRecord, pack_step
@@ -77,7 +76,7 @@ class NonfiniteChecks:
         # the output check of a compiled model, traced into its graph (traced.py)
         params = table.params
         self.traced = TracedOutputCheck(params[0].device if params else torch.device("cpu"), say)
-        self._compiled_forward: CapturedForward | None = None  # this step's, for `rerun`
+        self._rerun_forward: CapturedForward | None = None  # this step's, for `rerun`
         self._rerun_done = False  # the re-run runs once per step
         self._replay_token = 0  # the publisher's publish_now token of the replay's packet
         self._thread: int | None = None  # the training thread (the last forward's)
@@ -88,7 +87,7 @@ class NonfiniteChecks:
 
     def step_began(self) -> None:
         self.traced.step_began()
-        self._compiled_forward = None
+        self._rerun_forward = None
         self._rerun_done = False
         self._scaler_view = None
         self._masked = None
@@ -98,10 +97,9 @@ class NonfiniteChecks:
         """A training forward begins: keep its inputs for a replay (the root is never held:
         the replay keeps the model weakly); with `rerun`, for this step's re-run too (a
         sampled step with checks whose compiled regions hide their layers: `rerun`)."""
-        self.replay.capture(args, kwargs, entry_module)
+        captured = self.replay.capture(args, kwargs, entry_module, also_when_done=rerun)
         if rerun:  # whatever the replay's state (it keeps nothing once its one replay ran)
-            self._compiled_forward = CapturedForward(entry_module, args, kwargs, *rng_state(),
-                                                     modes=forward_modes())
+            self._rerun_forward = captured
 
     def check_output(self, output: Any, *, step: int) -> None:
         """A training forward returned: one reduction of the model's output, every step,
@@ -228,7 +226,7 @@ class NonfiniteChecks:
         if inputs is not None:
             self.replay.capture(inputs[0], inputs[1], rng=self.traced.rng)
             # kept for this step's re-run (statistics of a sampled step), whatever the replay's state
-            self._compiled_forward = CapturedForward(None, inputs[0], inputs[1], *self.traced.rng)
+            self._rerun_forward = CapturedForward(None, inputs[0], inputs[1], *self.traced.rng)
         if self.replay.note_output(self.output.forward_flag, self.output.earlier_flag):
             self.replay_forward(step)
         return True
@@ -241,7 +239,7 @@ class NonfiniteChecks:
         layers around them). Before the update: the step's own weights. Returns the record,
         None when there is no forward of this step to re-run or it failed (counted; training
         goes on)."""
-        captured, self._compiled_forward = self._compiled_forward, None
+        captured, self._rerun_forward = self._rerun_forward, None
         model = self.replay.model
         if (captured is None or model is None or self._rerun_done or self._table.has_dtensor_params
                 or _several_ranks()):

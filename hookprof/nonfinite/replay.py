@@ -216,18 +216,23 @@ class ForwardReplay:
         self._updates += 1
 
     def capture(self, args: tuple, kwargs: dict, module: nn.Module | None = None,
-                rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None) -> None:
+                rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None, *,
+                also_when_done: bool = False) -> CapturedForward | None:
         """Keep a training forward's inputs: of the root, or of the entry call `module` (a
         child of the root, when the loop never calls the root itself); `rng`: the RNG state
-        at its start when that was earlier than now (a compiled forward, kept afterwards)."""
-        if self.done:
-            return
+        at its start when that was earlier than now (a compiled forward, kept afterwards).
+        Returns what it kept; once the run's replay is done, nothing, unless
+        `also_when_done` (a sampled step's re-run wants it: built, not kept)."""
+        if self.done and not also_when_done:
+            return None
         compiled = rng is not None  # a compiled forward's, taken at the step's start
         if rng is None:
             rng = rng_state()
-        self.captured = CapturedForward(module, args, kwargs, rng[0], rng[1], self._updates,
-                                        forward_modes())
-        self.captured.compiled = compiled
+        captured = CapturedForward(module, args, kwargs, rng[0], rng[1], self._updates, forward_modes())
+        captured.compiled = compiled
+        if not self.done:
+            self.captured = captured
+        return captured
 
     def clear(self) -> None:
         self.captured = None
@@ -364,13 +369,14 @@ def forward_again(model: nn.Module, hooks: LayerHooks, rec: StepRecord, captured
     of a compiled forward's only, whose RNG state hookprof took itself)."""
     target = captured.module if captured.module is not None else model
     outside = rng_state(cuda=captured.cuda_rng is not None)
-    originals = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()
-                 if b is not None]
-    # state a module keeps outside its buffers (a tensor or a number set as a plain
-    # attribute: a counter, a cache) is put back too: the re-run of sampled steps runs the
+    # the buffers, and state a module keeps outside them (a tensor or a number set as a plain
+    # attribute: a counter, a cache), are put back: the re-run of sampled steps runs the
     # forward's Python again on every checked step of a compiled model
-    attributes = [(m, name, v) for m in model.modules() for name, v in vars(m).items()
-                  if not name.startswith("_") and isinstance(v, (torch.Tensor, int, float))]
+    originals, attributes = [], []
+    for m in model.modules():
+        originals += [(m, name, b) for name, b in m._buffers.items() if b is not None]
+        attributes += [(m, name, v) for name, v in vars(m).items()
+                       if not name.startswith("_") and isinstance(v, (torch.Tensor, int, float))]
     try:
         with torch.no_grad():
             for module, name, buffer in originals:

@@ -39,8 +39,7 @@ class StepFigures:
     times by row: the layers, then the container modules, timed when a container is a
     compiled region)."""
 
-    def __init__(self, n: int, rows: int | None = None):
-        rows = n if rows is None else rows
+    def __init__(self, n: int, rows: int):
         self.calls = [0] * rows
         self.fwd = [0.0] * rows  # exclusive forward seconds
         self.bwd = [0.0] * rows  # exclusive backward seconds
@@ -94,9 +93,11 @@ class Aggregator:
         # names of recorded calls: layers, then container modules (hooked by the replay, and
         # timed on sampled steps when one is a compiled region: regional compilation)
         self._call_names = list(names) + list(container_names)
-        self._row_types = list(module_types) + list(container_types) + [""] * (
-            len(container_names) - len(container_types))
+        self._row_types = list(module_types) + list(container_types)
         rows = len(self._call_names)
+        # the rows past the layers that have been timed (the compiled regions), in the order
+        # they first were: the snapshot's, the page's and the history's one list of them
+        self.region_rows: list[int] = []
         self.grad_norm_bounds = grad_norm_bounds
         # sampled steps on which a layer's gradient norm was below / above the bounds
         self.flagged = {k: [0] * n for k in FLAG_KINDS}
@@ -191,7 +192,7 @@ class Aggregator:
         n = len(self.names)
         for call_id, call in enumerate(rec.calls):
             layer = call.layer
-            if layer >= rows or call_id in rec.compiling or not rec.timed(call_id):
+            if layer >= rows or call_id in rec.untimed:
                 continue  # (not a row); a compiled region's call that compiled, or a re-run's
             if call_id in rec.recompute:  # reported apart, never as forward time
                 figures.recompute_calls[layer] += 1
@@ -232,6 +233,8 @@ class Aggregator:
             for i, v in enumerate(packet.batch.get(("grad_sq", part))):
                 squares[i] += v
         for i in range(len(self._call_names)):
+            if i >= n and figures.calls[i] and not self.fwd_calls_total[i]:
+                self.region_rows.append(i)  # a compiled region's first timed call
             self.fwd_total[i] += figures.fwd[i]
             self.fwd_calls_total[i] += figures.calls[i]
             self.bwd_total[i] += figures.bwd[i]
@@ -373,11 +376,10 @@ class Aggregator:
     def _rebuild_layers(self) -> None:
         n = len(self.names)
         layers = {self.names[i]: self._row_stats(i) for i in range(n)}
-        for i in range(n, len(self._call_names)):
-            # a container timed is a compiled region (a block compiled on its own): one call,
-            # its own layers inside its graph untimed; no gradients or activations of its own
-            if self.fwd_calls_total[i] or self.bwd_calls_total[i]:
-                layers[self._call_names[i]] = self._row_stats(i)
+        for i in self.region_rows:
+            # a compiled region (a block compiled on its own): one call, its own layers inside
+            # its graph untimed; no gradients or activations of its own
+            layers[self._call_names[i]] = self._row_stats(i)
         self._layers = MappingProxyType(layers)
         self._exported = self._select_exported()
 
@@ -413,11 +415,14 @@ class Aggregator:
         for max_layers: they go on the page first, while the series fit."""
         names = self._call_names
         n = len(self.names)
-        regions = [i for i in range(n, len(names)) if names[i] in self._layers]
         cost = self._series_per_layer()
         budget = self.max_series if self.max_series is not None else float("inf")
-        keep = [i for i in regions if cost[i] <= budget]  # (each a summary pair or two)
-        used = sum(cost[i] for i in keep)
+        keep: list[int] = []
+        used = 0
+        for i in self.region_rows:  # (each a summary pair or two)
+            if used + cost[i] <= budget:
+                keep.append(i)
+                used += cost[i]
         if n <= self.max_layers and used + sum(cost[:n]) <= budget:
             return tuple(names[i] for i in range(n)) + tuple(names[i] for i in keep)
         bad = [i for i in range(n) if any(self._layer_nonfinite(i).values())]

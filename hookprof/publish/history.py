@@ -144,7 +144,7 @@ class History:
             self._opened += 1
         # ranking 10,000 layers takes ~10 ms of the publisher thread: done every RERANK_POINTS
         # points, at a point's opening when more steps went non-finite, and at once the first time
-        regions = self._timed_regions(aggregator)
+        regions = aggregator.region_rows
         new_regions = len(regions) != self._regions_seen
         if new_regions:
             self._regions_seen = len(regions)
@@ -207,11 +207,6 @@ class History:
             self._cols[name] = halved(self._cols[name], COLUMNS[name])
         self.stride *= 2
 
-    def _timed_regions(self, aggregator: "Aggregator") -> list[int]:
-        """Rows past the layers that have been timed: the model's compiled regions."""
-        totals = aggregator.fwd_calls_total
-        return [i for i in range(self._n_layers, len(self.names)) if totals[i]]
-
     def _add_region_slots(self, regions: list[int]) -> None:
         """Compiled regions timed for the first time: a slot each while fewer than the
         limit are in use (no values before now), else they compete for the slots by time."""
@@ -244,7 +239,7 @@ class History:
             wanted = bad[: self.layer_slots]
         else:  # (one set, not one per layer: this runs on the publisher thread, 10k layers)
             bad_set = set(bad)
-            candidates = [*range(n), *self._timed_regions(aggregator)]
+            candidates = [*range(n), *aggregator.region_rows]
             wanted = bad + heapq.nlargest(room, (i for i in candidates if i not in bad_set),
                                           key=time_of.__getitem__)
         held = set(self._slot_layer)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from hookprof.compiled import compiled_region_layers, compiled_regions, is_compiling, transformed
+from hookprof.compiled import compiled_regions, is_compiling, transformed
 from hookprof.faults import Faults
 from hookprof.layers import LayerTable
 from hookprof.step.record import ROOT_INPUT, Activation, Call, StepRecord
@@ -123,11 +123,11 @@ class LayerHooks:
         # (module, attribute, wrapper, the instance attribute it replaced or _NO_ATTRIBUTE):
         # a layer's `forward`, or a compiled region's compiled call (see _install_regions)
         self._wrapped: list[tuple[torch.nn.Module, str, Any, Any]] = []
-        # rows timed as compiled regions whose output is not checked (a region with children:
-        # see _install_regions), and the layers whose calls no hook sees this step (inside a
-        # region, not a region themselves): their statistics come from a re-run
-        self._regions: frozenset[int] = frozenset()
-        self._hidden: list[int] = []
+        # the compiled regions with children (see _install_regions): row -> every parameter
+        # of the module, where its backward ends when its inputs need no gradient; and
+        # whether some layer's calls are seen by no hook (their statistics: a re-run)
+        self._region_params: dict[int, list[torch.nn.Parameter]] = {}
+        self._hides = False
         self._rec: StepRecord | None = None
         self._local = threading.local()  # each thread's stack of open forward calls
         # the three states below change only through the methods that say what happened:
@@ -153,7 +153,7 @@ class LayerHooks:
     def hides_compiled_layers(self) -> bool:
         """Installed, with layers no hook sees: inside a compiled region (a layer compiled on
         its own, without children, is timed and checked as itself)."""
-        return bool(self._hidden) and self.installed
+        return self._hides and self.installed
 
     def activation_stats_off(self) -> None:
         """This step's own calls take no activation statistics (a re-run takes them all)."""
@@ -254,45 +254,37 @@ class LayerHooks:
         (eager, under set_stance("force_eager")) instruments them too."""
         if self.installed:
             return
-        skipped = set() if self._replaying else compiled_region_layers(self._table)
+        regions, skipped = ([], set()) if self._replaying else compiled_regions(self._table)
         self._install_layers([layer for layer in self._table.layers if layer.index not in skipped])
         self._skipped = sorted(skipped)
-        self._hidden = []
+        self._region_params, self._hides = {}, False
         if skipped:
-            self._install_regions()
+            self._install_regions(regions, skipped)
 
-    def _install_regions(self) -> None:
+    def _install_regions(self, regions: list[Any], inside: set[int]) -> None:
         """Time each compiled region (a block compiled on its own) as one call: its compiled
         call is wrapped from outside, where Dynamo does not look (the module's
         `_compiled_call_impl` after module.compile(), or the `forward` of the torch.compile
         wrapper put in its place), so no guard changes and nothing recompiles. Its row is
         the region's layer or container row; its backward is timed by the same node marks as
         a layer's (and, when its inputs need no gradient, ends at its parameters' last
-        gradient). A region with children is not checked itself: its layers' statistics come
-        from the step's re-run (hides_compiled_layers), a NaN inside it is named layer by
-        layer by the eager replay."""
-        unchecked, checked = [], set()
+        gradient). A layer without children compiled on its own is seen, and checked, as
+        itself; a region with children hides its layers, so a checked step takes their
+        statistics, all of them, from a re-run (SampledStep.rerun_wanted: the step's own calls
+        check nothing, or the block would be blamed for a NaN one of its layers made), and
+        the eager replay names such a NaN layer by layer."""
+        seen = set()
         n = len(self._table.layers)
-        for region in compiled_regions(self._table):
-            target, attribute = region.target, region.attribute
-            prior = target.__dict__.get(attribute, _NO_ATTRIBUTE)
-            wrapper = ForwardWrapper(self._enter_region, self._end_region, region.row, getattr(target, attribute),
-                                     None if prior is _NO_ATTRIBUTE else prior)
-            try:
-                setattr(target, attribute, wrapper)
-            except Exception:  # left untimed rather than failing the step
+        for region in regions:
+            # (a region a wrapper cannot go on is left untimed rather than failing the step)
+            if not self._wrap(region.target, region.attribute, region.row, self._enter_region, self._end_region):
                 continue
-            self._wrapped.append((target, attribute, wrapper, prior))
             module = self._table.row_module(region.row)
             if region.row < n and module is not None and next(iter(module.children()), None) is None:
-                checked.add(region.row)  # a layer without children compiled on its own: itself
-            else:
-                # a region with children: its output unchecked (a NaN there would be blamed on
-                # the whole block, not on the layer inside it that the re-run or the replay
-                # names)
-                unchecked.append(region.row)
-        self._regions = frozenset(unchecked)
-        self._hidden = [i for i in self._skipped if i not in checked]
+                seen.add(region.row)
+            elif module is not None:
+                self._region_params[region.row] = list(module.parameters())
+        self._hides = bool(inside - seen)
 
     def _enter_region(self, row: int, args: Any, kwargs: Any = None) -> bool:
         """A compiled region's call begins: recorded as a training call, never in a replay
@@ -305,12 +297,12 @@ class LayerHooks:
     def _end_region(self, row: int, output: Any) -> None:
         """A compiled region's call ended. When Dynamo compiled during it (the region's first
         call, a recompile for a new shape), its time is compilation: the call is kept (its
-        FLOPs count) and its times are not (StepRecord.compiling)."""
+        FLOPs count) and its times are not (StepRecord.untimed)."""
         compiled = _graphs_compiled() != getattr(self._local, "graphs", None)
         stack = getattr(self._local, "stack", None)
         rec = self._rec
         if compiled and stack and rec is not None:
-            rec.compiling.add(stack[-1])
+            rec.untimed.add(stack[-1])
         self._end(row, output)
 
     def _install_layers(self, layers: list[Any]) -> None:
@@ -333,14 +325,20 @@ class LayerHooks:
             # a forward hook may replace the output: hookprof must see what the rest of the
             # model sees, so hookprof's own hook goes after it
             return False
-        prior = module.__dict__.get("forward", _NO_ATTRIBUTE)
-        wrapper = ForwardWrapper(self._enter, self._end, layer_index, module.forward,
+        # (a module type that refuses the attribute gets a hook pair)
+        return self._wrap(module, "forward", layer_index, self._enter, self._end)
+
+    def _wrap(self, target: Any, attribute: str, row: int, enter: Any, end: Any) -> bool:
+        """Put a ForwardWrapper timing `row` in place of `target`'s `attribute` (a layer's
+        forward, a region's compiled call); False when the object refuses it."""
+        prior = target.__dict__.get(attribute, _NO_ATTRIBUTE)
+        wrapper = ForwardWrapper(enter, end, row, getattr(target, attribute),
                                  None if prior is _NO_ATTRIBUTE else prior)
         try:
-            module.forward = wrapper
-        except Exception:  # a module type that refuses the attribute gets a hook pair
+            setattr(target, attribute, wrapper)
+        except Exception:
             return False
-        self._wrapped.append((module, "forward", wrapper, prior))
+        self._wrapped.append((target, attribute, wrapper, prior))
         return True
 
     def end(self) -> None:
@@ -372,7 +370,7 @@ class LayerHooks:
                     setattr(module, attribute, prior)
         del self._wrapped[wrapped_from:]
         if not self._wrapped:
-            self._regions = frozenset()
+            self._region_params, self._hides = {}, False
 
     # --- hook bodies: never raise, never return anything, never read a device value ---
 
@@ -417,9 +415,7 @@ class LayerHooks:
                 self.on_call(layer_index, args, kwargs, bool(stack))
             inputs_need_grad = False
             pending = rec.pending_marks
-            # a compiled region's own input and output are not checked (see _install_regions)
-            stats = self._activation_stats and not recompute and (
-                self._replaying or layer_index not in self._regions)
+            stats = self._activation_stats and not recompute
             role = call << 1  # an input: the call's backward ends when its gradient is ready
             # forward(x), inline: a call of iter_tensors costs about as much as the loop
             tensors = args if type(args) is tuple and len(args) == 1 and isinstance(args[0], _Tensor) \
@@ -438,7 +434,7 @@ class LayerHooks:
                 if stats and t.is_floating_point() and t.numel():
                     self._note_input(rec, t, call)
             if not inputs_need_grad and layer_index not in rec.param_hooked and (
-                    layer_index < len(self._table) or layer_index in self._regions):
+                    layer_index < len(self._table) or layer_index in self._region_params):
                 self._hook_params(rec, layer_index)
             if recompute or not self._in_training_forward:
                 self.mark_pending()
@@ -474,8 +470,7 @@ class LayerHooks:
             entry = rec.calls[call]
             entry.end = end
             recompute = call in rec.recompute
-            stats = self._activation_stats and not recompute and (  # seen on the first pass
-                self._replaying or layer_index not in self._regions)  # (a region: not checked)
+            stats = self._activation_stats and not recompute  # seen on the first pass
             if stats:
                 rec.ended.append(call)
             pending = rec.pending_marks
@@ -540,11 +535,9 @@ class LayerHooks:
         """The call's backward ends at its parameters' last gradient: a layer's own, or for a
         compiled region every parameter of the module (its inputs needed no gradient)."""
         rec.param_hooked.add(layer_index)
-        if layer_index < len(self._table) and layer_index not in self._regions:
+        params = self._region_params.get(layer_index)
+        if params is None:
             params = [self._table.params[i] for i in self._table.layers[layer_index].param_indices]
-        else:
-            module = self._table.row_module(layer_index)
-            params = list(module.parameters()) if module is not None else []
         for p in params:
             if p.requires_grad:
                 rec.param_handles.append(

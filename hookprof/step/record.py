@@ -65,7 +65,7 @@ class StepRecord:
 
     __slots__ = ("ref", "calls", "grad_ready", "param_done", "act", "param_hooked",
                  "param_handles", "pending_marks", "out_stats", "inputs", "recompute", "ended", "phase_marks",
-                 "stats", "reruns", "compiling")
+                 "stats", "untimed")
 
     def __init__(self, ref: Any):
         self.ref = ref  # timer token taken when the step began
@@ -95,19 +95,16 @@ class StepRecord:
         self.phase_marks: list[tuple[int, Any]] = []
         # (statistic, call, 0-d value on the device): the user's per-layer statistics
         self.stats: list[tuple[int, int, torch.Tensor]] = []
-        # [start, end) of the calls of an eager no_grad re-run of the step's forward
-        # (nonfinite/checks.py: a compiled model's, or one whose compiled regions hide their
-        # layers). Its activations are the step's, its call times are not (eager, no gradients)
-        self.reruns: list[tuple[int, int]] = []
-        # compiled regions' calls during which Dynamo compiled (a first call, a recompile):
-        # their forward and backward times are compilation, not the region's, and not counted
-        self.compiling: set[int] = set()
+        # calls whose times are not the step's: an eager no_grad re-run's (nonfinite/checks.py),
+        # a compiled region's call during which Dynamo compiled (a first call, a recompile)
+        self.untimed: set[int] = set()
 
     def absorb_rerun(self, other: "StepRecord") -> None:
         """A re-run's own record joins this step's: its calls after this one's (numbered on,
         their activations, statistics and marks with them), recorded as a re-run. The re-run
         recorded apart, so this step's own parameter hooks and pending marks were never
-        touched by it (a later forward of the step still gets its own)."""
+        touched by it (a later forward of the step still gets its own). A re-run runs under
+        no_grad: it leaves no backward marks and recomputes nothing."""
         calls, acts = len(self.calls), len(self.act)
         for call in other.calls:
             if call.parent >= 0:
@@ -117,14 +114,7 @@ class StepRecord:
         self.inputs.extend((c + calls, i + acts) for c, i in other.inputs)
         self.ended.extend(c + calls for c in other.ended)
         self.stats.extend((k, c + calls, v) for k, c, v in other.stats)
-        self.grad_ready.extend(([(((r >> 1) + calls) << 1) | (r & 1) for r in roles], t)
-                               for roles, t in other.grad_ready)
-        self.recompute.update(c + calls for c in other.recompute)
-        self.reruns.append((calls, len(self.calls)))
-
-    def timed(self, call: int) -> bool:
-        """Is this call's time the step's (not a re-run's)?"""
-        return not any(start <= call < end for start, end in self.reruns)
+        self.untimed.update(range(calls, len(self.calls)))
 
     def tokens(self) -> Iterator[Any]:
         """Every timer token in the record, so the timer can take pooled events back."""

@@ -57,7 +57,7 @@ class SampledStep:
         (out under torch.compile, and while a fault in them backs off: `broken`, whose step
         is still sampled for its gradient norms). Returns the step's record (None: no hooks)."""
         self.plan = self._planner.plan(number, now_ns, incident=incident)
-        self.rerun_wanted = False
+        self.rerun_wanted = compiled and self.plan.checked  # a compiled model's statistics
         if self.plan.sampled and not compiled and not broken:
             self.record = StepRecord(self._timer.start())
             # the first step's hooks go in at its first eager forward (install_late): a model
@@ -78,7 +78,7 @@ class SampledStep:
         `make` (nonfinite/checks.py `rerun`: its forward once more, eagerly), packed with the
         step at its end; when `make` gives none, the record's timer events go back. A step
         with a record of its own (compiled regions) has `make` add to it."""
-        if not self.plan.sampled:
+        if not self.rerun_wanted:
             return
         if self.record is not None:
             make(self.record)

@@ -15,36 +15,11 @@ from torch._dynamo.utils import counters
 
 import hookprof
 from hookprof.serve.exporter import render
+from support.compiled import OverflowNet as Net
+from support.compiled import compiled_so_far
 
 BAD_STEP = 7
 STEPS = 10
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)
-
-    def forward(self, x):
-        return x + self.fc2(self.act(self.fc1(x)))
-
-
-class Net(nn.Module):
-    """`inp` overflows on the bad row (its weights are scaled up), then repeated blocks."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.out = nn.Linear(16, 1)
-        with torch.no_grad():
-            self.inp.weight.mul_(10)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
 
 
 def compile_model(model: nn.Module, how: str, backend: str, fullgraph: bool):
@@ -60,12 +35,6 @@ def compile_model(model: nn.Module, how: str, backend: str, fullgraph: bool):
     for block in model.blocks:
         block.compile(backend=backend, fullgraph=fullgraph)
     return model
-
-
-def compiled_so_far() -> int:
-    """What Dynamo has compiled: its "frames" counter misses fullgraph=True (that path
-    bypasses it), "unique_graphs" counts every graph either way."""
-    return counters["frames"]["total"] + counters["stats"]["unique_graphs"]
 
 
 def run(how: str, backend: str, fullgraph: bool, attach: bool, poison=None):
@@ -222,7 +191,7 @@ def test_regional_compilation_times_each_compiled_block_as_one_row(compile_block
                                                                    attach_first):
     """Blocks compiled one by one (module.compile(), or torch.compile(block) put in its
     place; before or after attach): each block's call is timed from outside its graph as one
-    row named as the block (module `Block`), forward and backward, on every sampled step but
+    row named as the block (module `ResidualBlock`), forward and backward, on every sampled step but
     the one that compiled it (its time is compilation); the layers between the blocks are
     timed as layers; the blocks' own layers are not (they run inside the graph). Nothing is
     compiled after the first step, no graph break, training bit-identical to the same run
@@ -243,7 +212,7 @@ def test_regional_compilation_times_each_compiled_block_as_one_row(compile_block
     timed = 0
     for k in range(2):
         row = layers[f"blocks.{k}"]
-        assert row.module == "Block" or (row.module == "OptimizedModule" and not attach_first)
+        assert row.module == "ResidualBlock" or (row.module == "OptimizedModule" and not attach_first)
         # step 1 was sampled: a block call inside which Dynamo compiled is not timed (its
         # time is compilation); the other block, served by the same graph, is
         assert sampled - 1 <= row.forward_calls_total == row.backward_calls_total <= sampled, row
@@ -253,7 +222,7 @@ def test_regional_compilation_times_each_compiled_block_as_one_row(compile_block
         for inner in ("fc1", "act", "fc2"):
             inside = [s for n, s in layers.items() if n in (f"blocks.{k}.{inner}", f"blocks.{k}._orig_mod.{inner}")]
             assert len(inside) == 1 and inside[0].forward_calls_total == 0, inside
-        assert (f'hookprof_layer_forward_seconds_count{{layer="blocks.{k}",model="Net",module="{row.module}",'
+        assert (f'hookprof_layer_forward_seconds_count{{layer="blocks.{k}",model="OverflowNet",module="{row.module}",'
                 f'rank="0"}} {float(row.forward_calls_total)}') in page["metrics"]
         # the report follows it like a layer: a series of forward times, one value per timed step
         (series,) = [s for s in page["report"]["history"]["layers"] if s["name"] == f"blocks.{k}"]

@@ -14,13 +14,10 @@ from torch._dynamo.utils import counters
 
 import hookprof
 import hookprof.nonfinite.checks as checks
+from support.compiled import compiled_so_far
 
 EVERY_STEP = dict(port=0, summary_at_exit=False, min_sample_interval_s=0.0, activation_interval_s=0.0,
                   sample_every=1)
-
-
-def compiled_so_far() -> int:
-    return counters["frames"]["total"] + counters["stats"]["unique_graphs"]
 
 
 class Overflow(nn.Module):

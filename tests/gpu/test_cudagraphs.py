@@ -9,62 +9,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch._dynamo
-from torch import nn
-from torch._dynamo.utils import counters
 
-import hookprof
+from support.compare import same_bits
+from support.compiled import overflow_run
 
 pytestmark = pytest.mark.cuda
 
 BAD_STEP = 7
-STEPS = 10
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp, self.act, self.out = nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 1)
-        with torch.no_grad():
-            self.inp.weight.mul_(10)  # the bad row overflows here
-
-    def forward(self, x):
-        return self.out(self.act(self.inp(x)))
+NET = dict(inputs=64, width=128, depth=2)
 
 
 def run(fullgraph: bool, attach: bool):
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    model = Net().cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    prof = hookprof.attach(model, port=0, summary_at_exit=False) if attach else None
-    call = torch.compile(model, mode="reduce-overhead", fullgraph=fullgraph)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    try:
-        for step in range(1, STEPS + 1):
-            x = torch.randn(128, 64, device="cuda", generator=gen)
-            if step == BAD_STEP:
-                x[0] = 3e38
-            opt.zero_grad(set_to_none=True)
-            call(x).square().mean().backward()
-            opt.step()
-            if step == 2:
-                warm = counters["frames"]["total"] + counters["stats"]["unique_graphs"]
-        torch.cuda.synchronize()
-        dynamo = (sum(counters["graph_break"].values()),
-                  counters["frames"]["total"] + counters["stats"]["unique_graphs"] - warm,
-                  counters["inductor"]["cudagraph_skips"])
-        event = None
-        if prof is not None:
-            prof.flush()
-            snap = prof.snapshot()
-            assert snap.internal_errors == 0
-            event = snap.first_nonfinite
-        return [p.detach().clone() for p in model.parameters()], event, dynamo
-    finally:
-        if prof is not None:
-            prof.detach()
+    """(parameters, the first NaN/Inf, Dynamo's counts after warm-up: graph breaks, frames
+    and graphs compiled, CUDA-graph skips)."""
+    params, snap, dynamo = overflow_run(
+        lambda model: torch.compile(model, mode="reduce-overhead", fullgraph=fullgraph), attach=attach,
+        device="cuda", net=NET, batch=128, steps=10, bad_step=BAD_STEP,
+        settings=dict(port=0, summary_at_exit=False))
+    if snap is not None:
+        assert snap.internal_errors == 0
+    return params, snap.first_nonfinite if snap is not None else None, dynamo
 
 
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["graph", "fullgraph"])
@@ -73,4 +37,4 @@ def test_reduce_overhead_names_the_forward_nan_and_keeps_every_cuda_graph(fullgr
     params, event, dynamo = run(fullgraph, attach=True)
     assert (event.layer, event.phase, event.step, event.replay) == ("inp", "forward", BAD_STEP, "reproducible")
     assert dynamo == plain_dynamo  # graph breaks, recompiles after warm-up, CUDA-graph skips
-    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(plain, params))
+    assert same_bits(plain, params)

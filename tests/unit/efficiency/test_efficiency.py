@@ -250,27 +250,28 @@ class ReadsAValue(nn.Module):
         return nn.functional.linear(x, self.weight) * scale
 
 
+def sum_steps(model: nn.Module, x: torch.Tensor, steps: int = 3) -> None:
+    """`steps` SGD steps on the sum of the model's output (a fresh optimizer)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def test_a_layer_that_cannot_run_on_meta_tensors_is_said_and_skipped(every_step):
     torch.manual_seed(0)
     model = nn.Sequential(ReadsAValue(), nn.Linear(32, 32))
     reference = copy.deepcopy(model)
     with hookprof.attach(model, **every_step) as prof:
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(3):
-            model(torch.ones(4, 32)).sum().backward()
-            opt.step()
-            opt.zero_grad()
+        sum_steps(model, torch.ones(4, 32))
         prof.flush()
         snap = prof.snapshot()
     assert snap.internal_errors == 0
     assert snap.efficiency.layers["0"].forward_flops is None
     assert snap.efficiency.layers["1"].forward_flops == 2 * 4 * 32 * 32
     assert any("FLOPs of layer 0 cannot be counted" in n for n in snap.notices), snap.notices
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for _ in range(3):
-        reference(torch.ones(4, 32)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    sum_steps(reference, torch.ones(4, 32))
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.equal(a, b)
 
@@ -282,11 +283,7 @@ def test_an_in_place_layer_is_counted_not_refused(every_step):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 4))
     with hookprof.attach(model, **every_step) as prof:
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(3):
-            model(torch.randn(5, 8)).sum().backward()
-            opt.step()
-            opt.zero_grad()
+        sum_steps(model, torch.randn(5, 8))
         prof.flush()
         snap = prof.snapshot()
     layers = snap.efficiency.layers

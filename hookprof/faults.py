@@ -77,7 +77,7 @@ class Faults:
             self._step = step
             if self.broken and self._layers.ready():
                 self.broken = False  # tried again
-            elif not self.broken and self._layers.failing:
+            elif not self.broken and self._layers.failures > 0:  # .failing, inline
                 self._layers.succeeded()
             return self.broken
 
@@ -153,18 +153,38 @@ class Backoff:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def guarded(part: str, *, disable: bool = True, default: Any = None) -> Callable[[F], F]:
+def guarded(part: str, *, disable: bool = True, default: Any = None,
+            locked: bool = False) -> Callable[[F], F]:
     """Fault containment for a method called from the training loop (a torch hook, a step
     boundary): an exception from hookprof's own code is reported to the object's `_faults` as
     a fault of `part` and the method returns `default`; training goes on. NonFiniteError (the
     `raise` policy speaking to the user) is the one exception let through. `disable=False`
     for parts whose failure must not switch the per-layer instrumentation off (for the rest
-    of the step: Faults.layers_off).
+    of the step: Faults.layers_off). `locked`: the body runs holding the object's `_lock`,
+    and not at all once its `detached` is set (the step boundary's hooks: a detach() on
+    another thread either waits for the body or has finished before it starts).
 
     One decorator instead of a `try/except` copied into every hook, so that what a fault
-    switches off is decided here, in one place."""
+    switches off is decided here, in one place; one Python frame per hook call, lock
+    included (these run at every boundary of every step: DESIGN.md invariant 11)."""
 
     def wrap(method: F) -> F:
+        if locked:  # the same containment with the lock inside it: one frame, not two nested
+            @functools.wraps(method)
+            def contained(self: Any, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    with self._lock:
+                        if self.detached:
+                            return default
+                        return method(self, *args, **kwargs)
+                except NonFiniteError:
+                    raise
+                except Exception as exc:
+                    self._faults.report(part, exc, disable=disable)
+                    return default
+
+            return contained  # type: ignore[return-value]
+
         @functools.wraps(method)
         def contained(self: Any, *args: Any, **kwargs: Any) -> Any:
             # a plain try (not Faults.contain): this runs in every hook, every step, and a
@@ -230,7 +250,9 @@ class ThreadSupervisor:
     """hookprof's own threads end only when detach() stops them: one that ended anyway (its
     loop catches every Exception, so something stronger killed it) is reported (log,
     hookprof_internal_errors_total) and started again, a few times at most. Checked by the
-    training thread at step boundaries: a dict walk, no waiting.
+    training thread at the end of sampled steps (every ~2 s with the defaults; not at every
+    step: an unsampled step's work stays constant and small, DESIGN.md invariant 11): a dict
+    walk, no waiting.
 
     `close()` (at detach, before the threads are stopped) ends it: a check running on the
     training thread while another thread detaches either finishes before the threads are

@@ -112,6 +112,9 @@ class Profiler:
         self._notices = Notices()
         self._counters = StepCounters(config.max_skipped_steps)
         self._grads = StepGradients(GradientNorms(self.table))
+        # per-layer gradient checks on every step, not only sampled ones (never off because
+        # of a fault elsewhere: DESIGN.md invariant 3)
+        self._every_step_gradients = config.nonfinite_check == "all"
         self._hooks = LayerHooks(self.table, self.timer, self._faults, config.activation_stats,
                                  root=model, statistics=layer_statistics)
         root_layer = next((layer.index for layer in self.table.layers if layer.module is model), None)
@@ -211,9 +214,11 @@ class Profiler:
         From the first call on, only these calls end steps (optimizer steps no longer do).
         Call it once per optimizer step, after the backward pass.
         """
-        if self.detached:
+        if self._boundary.detached:
             raise DetachedError("Profiler.step() called after detach(); attach the model again")
-        loss, what = real_loss(loss)
+        what = None  # (a one-element real tensor, the usual loss, needs no look through real_loss)
+        if loss is not None and (type(loss) is not torch.Tensor or loss.numel() != 1 or loss.is_complex()):
+            loss, what = real_loss(loss)
         if what is not None:  # a (loss, outputs) tuple and the like: said once, steps go on
             self._notices.say("loss type", loss_notice(what))
         self._boundary.step(loss)
@@ -298,7 +303,8 @@ class Profiler:
     def _on_forward(self, module: nn.Module, args: Any, kwargs: Any, *, entry: bool,
                    own_layer: int | None, now: int, first_step: bool) -> None:
         """A training forward of the root (or an entry call) begins."""
-        self._sampled.install_late(module, args, own_layer, entry)
+        if self._sampled.record is not None:  # a sampled step (step 1's hooks go in now)
+            self._sampled.install_late(module, args, own_layer, entry)
         self._nan.capture(args, kwargs, module if entry else None, rerun=self._sampled.rerun_wanted)
         if self._sampled.plan.checked:
             self._hooks.note_root_inputs(args, kwargs)  # a NaN in the batch is the input's
@@ -311,11 +317,13 @@ class Profiler:
         """The root's forward returned: check its output (every step)."""
         self._phases.enter(BACKWARD, self._clock())
         self._nan.check_output(output, step=self._counters.steps + 1)
-        self._sampled.nudge()
+        if self._sampled.unfolded:
+            self._sampled.nudge()
 
     def _on_update_began(self, optimizer: torch.optim.Optimizer) -> None:
         self._nan.update_began(self._counters.steps + 1)
-        self._sampled.record_by(self._nan.rerun)
+        if self._sampled.rerun_wanted:
+            self._sampled.record_by(self._nan.rerun)
         now = self._clock()
         self._phases.enter(OPTIMIZER, now)
         # the parameters before the update (a second optimizer of the step finds them taken)
@@ -324,8 +332,11 @@ class Profiler:
 
     def _on_before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """This step's gradients are final and its parameters not updated yet."""
-        self._grads.read_once(self._reads_gradients())
-        self._grads.unscale(self._nan.scaler_of(optimizer))
+        sampled = self._sampled.plan.sampled
+        self._grads.read_once(sampled or self._every_step_gradients, exact=sampled)
+        view = self._nan.scaler_of(optimizer)
+        if view is not None:
+            self._grads.unscale(view)
         self._nan.before_update(optimizer, self._grads.squares, self._counters.steps + 1)
 
     def _closure_judged(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -351,7 +362,7 @@ class Profiler:
         self._nan.update_done(owned)
 
     def _on_optimizer_returned(self) -> None:
-        if self._phases.where[1] == OPTIMIZER:
+        if self._phases.progress.where[1] == OPTIMIZER:
             self._phases.enter(OTHER, self._clock())
 
     def _on_loss(self, loss: Any) -> None:  # prof.step(loss), before the step ends
@@ -360,7 +371,7 @@ class Profiler:
     def _on_late_loss(self, loss: Any) -> None:
         """prof.step(loss) after the optimizer hook ended the step: this adds its loss."""
         number = self._counters.steps
-        self._nan.check_loss(loss, number)
+        self._nan.check_loss(loss, number, late=True)
         if loss is not None and self._sampled.last_sent == number:  # it was a sampled step
             # sent on its own (a copy of one value on an accelerator): this happens once,
             # when prof.step() takes over after optimizer steps ended them
@@ -371,14 +382,16 @@ class Profiler:
                     forward_seen: bool) -> tuple[int, int]:
         """The step boundary: count the step and pack a sampled one. Returns (number, now)."""
         nan, grads = self._nan, self._grads
-        if (nan.replay.waiting or nan.replay.late) and not skipped:
+        if (nan.replay.flag is not None or nan.replay.kept) and not skipped:
             nan.replay_forward(self._counters.steps + 1)  # no optimizer hook ran: still this step's
         now = self._clock()
         if started_ns is None:  # a first step without a forward: no phases to tell
             self._phases.restart(now)
         start = started_ns if started_ns is not None else now
         if not skipped:
-            grads.read_once(self._reads_gradients())  # no optimizer hook ran (prof.step() alone)
+            # no optimizer hook ran (prof.step() alone)
+            sampled = self._sampled.plan.sampled
+            grads.read_once(sampled or self._every_step_gradients, exact=sampled)
             if grads.squares is not None and not grads.squares[1] and forward_seen:
                 self._notices.say("no gradients", no_gradients_notice(self.model_type))
         nan.at_step_end(grads.squares if not skipped else None, self._counters.steps + 1)
@@ -387,10 +400,10 @@ class Profiler:
         # an update the guard held back on the host changed no weight: like a GradScaler
         # skip, no update norm (not 0) and no throughput (a fused kernel that skipped on the
         # device is unknown here: its update measures 0, docs/efficiency.md)
-        no_update = skipped or nan.holding
-        held_back = nan.end_update(number)
-        if held_back is not None:
-            self._counters.set_held_back(held_back)
+        guard = nan.guard
+        no_update = skipped or (guard is not None and guard.holding)  # nan.holding, inline
+        if guard is not None:
+            self._counters.set_held_back(nan.end_update(number))
         self._phases.end_step(number, now)
 
         def pack(record: StepRecord | None) -> Any:
@@ -400,12 +413,13 @@ class Profiler:
             packet.steps_at_end = self._counters.totals()
             return packet
 
-        if self._sampled.end(number, broken=self._faults.broken, pack=pack):
+        if self._sampled.plan.sampled and self._sampled.end(number, broken=self._faults.broken, pack=pack):
             self._efficiency.drop()  # what a skipped or unsent step noted and copied goes
         return number, now
 
     def _on_step_ended(self, number: int, now: int) -> None:
-        self._supervisor.check()
+        if self._sampled.plan.sampled:  # hookprof's threads, looked at every ~2 s by default:
+            self._supervisor.check()  # not at every step (DESIGN.md invariant 11)
         self._incidents.at_step_end(number)
         self._begin_step(number + 1, now)
 
@@ -417,12 +431,6 @@ class Profiler:
         self._notices.say("no steps", no_step_notice(self.model_type))
 
     # ---------------- what the step's events call on ----------------
-
-    def _reads_gradients(self) -> bool:
-        """Per-layer squared gradient norms on the device (checked at the step's end): on
-        every step with nonfinite_check="all", else on sampled steps. Never off because of a
-        fault elsewhere (DESIGN.md invariant 3)."""
-        return self._sampled.plan.sampled or self.config.nonfinite_check == "all"
 
     @guarded("efficiency figures", disable=False, default=(None, ()))
     def _efficiency_of(self, number: int, now_ns: int, duration_s: float,

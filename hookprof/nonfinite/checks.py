@@ -86,12 +86,13 @@ class NonfiniteChecks:
     # ---------------- within a step ----------------
 
     def step_began(self) -> None:
-        self.traced.step_began()
+        if self.traced.compiled:  # its RNG state, for a replay of a compiled forward
+            self.traced.step_began()
         self._rerun_forward = None
         self._rerun_done = False
         self._scaler_view = None
         self._masked = None
-        self.output.clear()
+        # (the output's flags were cleared at the last step's end: at_step_end)
 
     def capture(self, args: Any, kwargs: Any, entry_module: nn.Module | None, *, rerun: bool = False) -> None:
         """A training forward begins: keep its inputs for a replay (the root is never held:
@@ -106,25 +107,35 @@ class NonfiniteChecks:
         counted once at the step's end; a known-bad output is replayed at once (the
         parameters are still this step's)."""
         self.output.add(nonfinite_flags(output))
-        self.traced.eager_forward()
+        if self.traced.compiled:  # (an eager forward after compiled ones)
+            self.traced.eager_forward()
         self._thread = threading.get_ident()
         # also on a checked step: its record may see no producer (a NaN made by the root's
         # own code between layers), and the replay also says reproducible or transient
-        if self.replay.note_output(self.output.forward_flag, self.output.earlier_flag):
+        if self.replay.note_output(self.output.last, self.output.earlier):
             self.replay_forward(step)
 
-    def check_loss(self, loss: Any, step: int) -> None:
-        if loss is not None:
+    def check_loss(self, loss: Any, step: int, *, late: bool = False) -> None:
+        """The loss of step `step`, in the step (counted at its end), or `late`: after the
+        step ended (counted at once)."""
+        if loss is None:
+            return
+        if late:
             self.detector.add_flag("loss", loss_flag(loss), step)
+        else:
+            self.detector.note("loss", loss_flag(loss), step)
 
     def update_began(self, step: int) -> None:
-        self._take_compiled(step)  # first: the guard judges the update with it
+        if self.traced.called:  # compiled forwards ran: first, the guard judges the update with them
+            self._take_compiled(step)
         if self.guard is not None:
             self.guard.begin_update()
 
     def scaler_of(self, optimizer: torch.optim.Optimizer) -> ScalerView | None:
         """Inside GradScaler.step with a fused optimizer, its skip is on the device: counted
         here, and the view returned (the gradient norms are unscaled with it)."""
+        if not hasattr(optimizer, "grad_scale"):  # guard.by_scaler, inline: asked every step
+            return None
         view = ScalerView(optimizer)
         if not view.active:
             return None
@@ -142,7 +153,7 @@ class NonfiniteChecks:
             parts = squares[0] if squares is not None else []
             flags = self.output.step_flags() + host_flags_of_squares(self._checked_squares(parts))
             self.guard.before_update(optimizer, self._table.params, flags)
-        if self.replay.waiting or self.replay.late:
+        if self.replay.flag is not None or self.replay.kept:
             self.replay_forward(step)
 
     def judges_closure(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -164,7 +175,7 @@ class NonfiniteChecks:
         return self.guard is not None and self.guard.holding
 
     def replay_if_waiting(self, step: int) -> None:
-        if self.replay.waiting:
+        if self.replay.flag is not None:
             self.replay_forward(step)
 
     def update_done(self, owned: bool) -> None:
@@ -172,7 +183,8 @@ class NonfiniteChecks:
         updates this model and the guard did not hold it back, its update reached the weights
         (counted for the replay; a GradScaler skip inside a fused kernel counts too, which
         errs on the side of "not the same weights")."""
-        if owned and not self.holding:
+        guard = self.guard
+        if owned and (guard is None or not guard.holding):  # not self.holding (one call less)
             self.replay.updated()
         if self.guard is not None:
             self.guard.after_update()
@@ -182,13 +194,13 @@ class NonfiniteChecks:
         and its forward check: a step is non-finite in its forward once, however many
         forwards (siamese nets, a discriminator on real and fake, entry calls) and output
         tensors it had: one flag per device, one host bool."""
-        if self._take_compiled(step) and self.replay.waiting:  # no optimizer hook took it
+        if self.traced.called and self._take_compiled(step) and self.replay.flag is not None:
+            # no optimizer hook took the compiled forwards' check
             self.replay_forward(step)
-        if squares is not None:
-            self.detector.add_layer_squares(self._checked_squares(squares[0]), step)
-        for flag in self.output.step_flags():  # combined as they came (OutputFlags)
-            self.detector.add_flag("forward", flag, step)
-        self.output.clear()
+        layers = [] if squares is None else (
+            squares[0] if self._scaler_view is None else self._checked_squares(squares[0]))
+        # the output's flags combined as they came (OutputFlags)
+        self.detector.end_step(layers, self.output.take(), step)
 
     def end_update(self, number: int) -> int | None:
         """Step `number` is counted: an update held back is counted once per step, however
@@ -227,7 +239,7 @@ class NonfiniteChecks:
             self.replay.capture(inputs[0], inputs[1], rng=self.traced.rng)
             # kept for this step's re-run (statistics of a sampled step), whatever the replay's state
             self._rerun_forward = CapturedForward(None, inputs[0], inputs[1], *self.traced.rng)
-        if self.replay.note_output(self.output.forward_flag, self.output.earlier_flag):
+        if self.replay.note_output(self.output.last, self.output.earlier):
             self.replay_forward(step)
         return True
 
@@ -259,11 +271,13 @@ class NonfiniteChecks:
     def replay_forward(self, step: int) -> None:
         """If this step's output went non-finite on an unchecked step, replay its forward
         with the per-layer checks on, before the optimizer changes the parameters."""
+        replay = self.replay
         rec = None
         try:
-            rec = self.replay.run_if_bad(self._hooks, self._new_record, step, wait=self._wait)
-            if rec is None and self.replay.late:  # an earlier step's flag may have arrived
-                late = self.replay.run_late(self._hooks, self._new_record)
+            if replay.flag is not None:
+                rec = replay.run_if_bad(self._hooks, self._new_record, step, wait=self._wait)
+            if rec is None and replay.kept:  # an earlier step's flag may have arrived
+                late = replay.run_late(self._hooks, self._new_record)
                 if late is not None:
                     step, rec = late
         except Exception as exc:
@@ -271,7 +285,7 @@ class NonfiniteChecks:
             # hook or step boundary that called it goes on (a late replay runs at a step's
             # end: an exception out of here cost that step its count). Hooks stay on.
             self._faults.report("forward replay", exc, disable=False)
-        refused = self.replay.take_refused()
+        refused = replay.take_refused() if replay.refused else ()
         for bad_step, why in refused:  # the first NaN is then "not replayed", and why
             self._publisher.submit(self.pack(bad_step, None, sampled=False, not_replayed=why))
         if refused and self.replay.keep_late:  # skip/raise: the policy may be waiting for it

@@ -35,8 +35,10 @@ def nonfinite_mask(t: torch.Tensor) -> torch.Tensor:
 class DeviceCounters:
     """One device's counters. All updates are in-place device ops with Python-int operands:
     no host-to-device copy, no sync. They live in one flat tensor (the layout fold_counters
-    reads), so draining them is a single block, and the per-step update is few ops: eight
-    for the layers and the backward phase, four per other check, whatever the model's size."""
+    reads), so draining them is a single block. A step's findings are first noted in a
+    `pending` vector of the same layout (three ops for the layers and the backward phase,
+    one per other check) and folded into the counters once, at the step's end (`settle`:
+    five ops), whatever the model's size and however many checks the step made."""
 
     def __init__(self, n_layers: int, device: torch.device):
         n, p = n_layers, len(PHASE_INDEX)
@@ -47,17 +49,54 @@ class DeviceCounters:
         self.layer_bad, self.phase_bad = bad.split([n, p])
         self.layer_first, self.phase_first = first.split([n, p])
         # views made once: indexing per step would be one more op each time
-        self._with_backward = (bad[: n + 1], first[: n + 1])  # the layers + "backward"
         self._phase = {name: (bad[n + k], first[n + k]) for k, name in enumerate(_STORED_PHASES)}
+        self._bad, self._first = bad, first
+        # this step's findings, [layers | phases] as in `bad`, until `settle`
+        self.pending = torch.zeros(n + p, dtype=torch.bool, device=device)
+        self._pending_layers, self._pending_backward = self.pending[:n], self.pending[n : n + 1]
+        self._pending_phase = {name: self.pending[n + k : n + k + 1] for k, name in enumerate(_STORED_PHASES)}
+        self._noted = False  # anything pending (a host bool: an unchecked step costs no op)
 
-    def add_layer_squares(self, squares: torch.Tensor, step: int) -> None:
-        """`squares`: per-layer squared gradient norms; non-finite exactly when the layer's
-        gradients hold a NaN or Inf. The backward phase is bad when any layer is."""
-        bad = nonfinite_mask(squares)
-        bad = torch.cat((bad, bad.any(0, keepdim=True)))
-        counts, first = self._with_backward
-        counts.add_(bad)
-        first.masked_fill_(bad.logical_and_(first.lt(0)), step)
+    def note_layers(self, values: torch.Tensor) -> None:
+        """This step's per-layer values (squared norms, or gradient sums): non-finite
+        exactly when the layer's gradients hold a NaN or Inf. Once per step."""
+        torch.ne(values.sub(values), 0, out=self._pending_layers)  # x - x: nonfinite_mask
+        torch.any(self._pending_layers, 0, keepdim=True, out=self._pending_backward)
+        self._noted = True
+
+    def note(self, phase: str, bad: torch.Tensor) -> None:
+        """A 0-d bool of this step's `phase` check (the model's output, the loss)."""
+        self._pending_phase[phase].logical_or_(bad)
+        self._noted = True
+
+    def end_step(self, values: torch.Tensor | None, forward: torch.Tensor | None, step: int) -> None:
+        """Step `step` ends with its per-layer values and its output flag on this device
+        (either None): `note_layers`, `note("forward")` and `settle` in one call (the
+        usual step, one device: Detector.end_step)."""
+        if values is not None:
+            torch.ne(values.sub(values), 0, out=self._pending_layers)
+            torch.any(self._pending_layers, 0, keepdim=True, out=self._pending_backward)
+            self._noted = True
+        if forward is not None:
+            self._pending_phase["forward"].logical_or_(forward)
+            self._noted = True
+        if self._noted:  # settle(step), inline
+            pending = self.pending
+            self._bad.add_(pending)
+            self._first.masked_fill_(self._first.lt(0).logical_and_(pending), step)
+            pending.zero_()
+            self._noted = False
+
+    def settle(self, step: int) -> None:
+        """Step `step` ends: what it noted is counted, and the first step of each layer and
+        phase that went bad is set where it was not yet."""
+        if not self._noted:
+            return
+        pending = self.pending
+        self._bad.add_(pending)
+        self._first.masked_fill_(self._first.lt(0).logical_and_(pending), step)
+        pending.zero_()
+        self._noted = False
 
     def add_phase(self, phase: str, bad: torch.Tensor, step: int) -> None:
         count, first = self._phase[phase]
@@ -71,6 +110,13 @@ def nonfinite_flags(value: Any) -> list[bool | torch.Tensor]:
     CPU tensors (reading it waits for nothing), a 0-d bool that stays on each accelerator.
     One reduction per tensor: a sum is non-finite when any element is (it can also overflow,
     for outputs whose values add up past ~3e38, which is trouble of its own)."""
+    if type(value) is torch.Tensor:  # the usual output: one tensor (no walk, no stack)
+        if not value.is_floating_point() or not value.numel():
+            return []
+        total = value.detach().sum()
+        if transfer.on_host(total):
+            return [not math.isfinite(float(total))]
+        return [total.sub(total).ne(0)]  # nonfinite_mask, inline; a 0-d needs no any()
     host: bool | None = None
     on_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in iter_tensors(value):
@@ -93,7 +139,8 @@ def loss_flag(loss: Any) -> bool | torch.Tensor:
     loss = loss.detach()
     if transfer.on_host(loss) and loss.numel() == 1:
         return not math.isfinite(float(loss))  # a CPU value: no device to wait for
-    return nonfinite_mask(loss).any()
+    bad = loss.sub(loss).ne(0)  # nonfinite_mask, inline: once per step
+    return bad if bad.dim() == 0 else bad.any()
 
 
 class Detector:
@@ -112,9 +159,48 @@ class Detector:
             c = self.by_device[device] = DeviceCounters(self.n_layers, device)
         return c
 
-    def add_layer_squares(self, parts: list[torch.Tensor], step: int) -> None:
-        for squares in parts:
-            self.counters(squares.device).add_layer_squares(squares, step)
+    def note_layers(self, parts: list[torch.Tensor]) -> None:
+        """This step's per-layer values, one part per device (`DeviceCounters.note_layers`),
+        counted at `settle`."""
+        for values in parts:
+            counters = self.by_device.get(values.device) or self.counters(values.device)
+            counters.note_layers(values)
+
+    def note(self, phase: str, flag: bool | torch.Tensor, step: int) -> None:
+        """A check of this step (`step`): a device flag is counted at `settle`, a host bool
+        at once."""
+        if isinstance(flag, torch.Tensor):
+            counters = self.by_device.get(flag.device) or self.counters(flag.device)
+            counters.note(phase, flag)
+        elif flag:
+            self.add_flag(phase, flag, step)
+
+    def settle(self, step: int) -> None:
+        """Step `step` ends: every device's findings of it are counted."""
+        for counters in self.by_device.values():
+            counters.settle(step)
+
+    def end_step(self, layer_parts: list[torch.Tensor], forward_flags: list[bool | torch.Tensor],
+                 step: int) -> None:
+        """Step `step` ends: its per-layer values (one part per device), its output flags
+        (the step's, combined: OutputFlags.step_flags) and what it noted before (the loss)
+        are counted. The usual step (one device, one part, one flag there) is one call."""
+        if (len(self.by_device) == 1 and len(layer_parts) <= 1 and len(forward_flags) <= 1):
+            ((device, counters),) = self.by_device.items()
+            values = layer_parts[0] if layer_parts else None
+            forward = forward_flags[0] if forward_flags else None
+            if forward is not None and not isinstance(forward, torch.Tensor):  # a host bool
+                if forward:
+                    self.add_flag("forward", True, step)
+                forward = None
+            if ((values is None or values.device == device)
+                    and (forward is None or (isinstance(forward, torch.Tensor) and forward.device == device))):
+                counters.end_step(values, forward, step)
+                return
+        self.note_layers(layer_parts)
+        for flag in forward_flags:
+            self.note("forward", flag, step)
+        self.settle(step)
 
     def add_flag(self, phase: str, flag: bool | torch.Tensor, step: int) -> None:
         if isinstance(flag, torch.Tensor):

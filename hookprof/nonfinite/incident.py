@@ -106,7 +106,8 @@ class IncidentResponse:
                 # caught up with it (the publisher's Python work only, never a device wait)
                 self._publisher.settle()
         snap = self._publisher.latest
-        self._capsule_when_settled(snap)
+        if self._capsules is not None:
+            self._capsule_when_settled(snap)
         bad = sum(snap.nonfinite_steps.values())
         if bad <= self._known_bad:
             if self._act_by is not None:

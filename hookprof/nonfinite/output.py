@@ -32,27 +32,38 @@ class OutputFlags:
     last forward's (the replay's), `step_flags` the whole step's (the guard's, the
     detector's). `clear` at each step's beginning."""
 
-    __slots__ = ("_host", "_by_device", "_last", "_earlier")
+    __slots__ = ("_host", "_by_device", "last", "earlier")
 
     def __init__(self) -> None:
         self._host: bool | None = None  # None: no check on the host this step
         self._by_device: dict[torch.device, torch.Tensor] = {}
-        self._last: bool | torch.Tensor | None = None
-        self._earlier: bool | torch.Tensor | None = None  # the step's forwards before the last
+        # the last forward's output: True/False when known on the host, a 0-d device bool
+        # still to be read, None when it had nothing to check (the replay's)
+        self.last: bool | torch.Tensor | None = None
+        # the step's forwards before the last, combined (None: the last is the first): the
+        # replay covers the last forward, and must know when the NaN was in an earlier one
+        self.earlier: bool | torch.Tensor | None = None
 
     def clear(self) -> None:
         self._host = None
         self._by_device = {}
-        self._last = None
-        self._earlier = None
+        self.last = None
+        self.earlier = None
 
     def add(self, flags: list[bool | torch.Tensor]) -> None:
         """One forward's flags: at most one host bool and one flag per device."""
+        if self.last is None and len(flags) == 1 and not self._by_device and self._host is None:
+            flag = flags[0]  # the usual step: one forward, one device or the host (no lists, no op)
+            if isinstance(flag, torch.Tensor):
+                self._by_device[flag.device] = self.last = flag
+            else:
+                self._host = self.last = bool(flag)
+            return
         host = [f for f in flags if not isinstance(f, torch.Tensor)]
         on_device = [f for f in flags if isinstance(f, torch.Tensor)]
-        if self._last is not None:  # a second forward of the step: the step so far is earlier
+        if self.last is not None:  # a second forward of the step: the step so far is earlier
             devices = list(self._by_device.values())
-            self._earlier = (bool(self._host) if self._host or not devices
+            self.earlier = (bool(self._host) if self._host or not devices
                              else devices[0] if len(devices) == 1 else any_flag(devices))
         if host:
             self._host = bool(self._host) or any(host)
@@ -62,11 +73,11 @@ class OutputFlags:
             earlier = self._by_device.get(f.device)
             self._by_device[f.device] = f if earlier is None else earlier | f
         if any(host):
-            self._last = True  # known bad on the host: no device flag needs reading
+            self.last = True  # known bad on the host: no device flag needs reading
         elif on_device:
-            self._last = any_flag(on_device)
+            self.last = any_flag(on_device)
         else:
-            self._last = False if host else None
+            self.last = False if host else None
 
     def add_compiled(self, last: bool | torch.Tensor, any_forward: bool | torch.Tensor) -> None:
         """The compiled forwards' check (traced.py): whether the last forward's output was
@@ -76,20 +87,16 @@ class OutputFlags:
             self._by_device[any_forward.device] = any_forward
         else:
             self._host = any_forward
-        self._last = last
-        self._earlier = any_forward
+        self.last = last
+        self.earlier = any_forward
 
-    @property
-    def forward_flag(self) -> bool | torch.Tensor | None:
-        """The last forward's output: True/False when known on the host, a 0-d device bool
-        still to be read, None when it had nothing to check."""
-        return self._last
-
-    @property
-    def earlier_flag(self) -> bool | torch.Tensor | None:
-        """The step's forwards before the last, combined (None: the last is the first): the
-        replay covers the last forward, and must know when the NaN was in an earlier one."""
-        return self._earlier
+    def take(self) -> list[bool | torch.Tensor]:
+        """The step's flags (`step_flags`), and the check cleared for the next step: at the
+        step's end, where the detector counts them."""
+        out: list[bool | torch.Tensor] = [] if self._host is None else [self._host]
+        out.extend(self._by_device.values())
+        self._host, self._by_device, self.last, self.earlier = None, {}, None, None  # clear()
+        return out
 
     def step_flags(self) -> list[bool | torch.Tensor]:
         """The step's output so far: a host bool (if any check ran on the host), then one

@@ -111,7 +111,12 @@ def _drew_random_numbers(captured: CapturedForward) -> bool:
 
 
 def _ready(flag: tuple[Any, Any], earlier: tuple[Any, Any] | None) -> bool:
-    return transfer.is_ready(flag[1]) and (earlier is None or transfer.is_ready(earlier[1]))
+    """Have the copies of a forward's flag and of its earlier forwards' completed? Never
+    waits (transfer.is_ready, inline: this is asked at every step on a device)."""
+    ready = flag[1]
+    if ready is not None and not ready.query():
+        return False
+    return earlier is None or earlier[1] is None or earlier[1].query()
 
 
 def own_weights_nonfinite(layers: list[Any]) -> list[torch.Tensor]:
@@ -167,19 +172,22 @@ class ForwardReplay:
         self._witness = witness
         self.captured: CapturedForward | None = None  # this step's last training forward
         self.done = not enabled
-        self._flag: tuple[Any, Any] | None = None  # (host flag, ready event) of the output check
+        # (host flag, ready event) of this step's output check, not looked at yet
+        self.flag: tuple[Any, Any] | None = None
         # ... and of the step's earlier forwards (gradient accumulation, a model called twice)
         self._earlier: tuple[Any, Any] | None = None
-        self._updates = 0  # updates applied to the weights so far (`updated`)
+        self.updates = 0  # updates applied to the weights so far (`updated`)
         self.moved = 0  # updates applied between the last replayed forward and its replay
         self.keep_late = keep_late
         # (step, flag, its forward, the earlier forwards' flag) of steps whose flags are on
-        # their way (forward None: it cannot be replayed, see `unheld` and `run_if_bad`)
-        self._late: deque[tuple[int, tuple[Any, Any], CapturedForward | None, Any]] = deque(maxlen=MAX_LATE)
+        # their way (forward None: it cannot be replayed, see `unheld` and `run_if_bad`);
+        # `flag`, `kept` and `refused` are read by NonfiniteChecks at every step, as
+        # attributes (a property is one more Python call each time)
+        self.kept: deque[tuple[int, tuple[Any, Any], CapturedForward | None, Any]] = deque(maxlen=MAX_LATE)
         self._say = say
         # (step, why) of non-finite steps that could not be replayed, for the publisher
         # (the first NaN is then "not replayed", with the reason, never "not yet localised")
-        self._refused: list[tuple[int, str]] = []
+        self.refused: list[tuple[int, str]] = []
         # why the replay that ran cannot call a finite result transient (None: it can)
         self.caveat: str | None = None
 
@@ -188,32 +196,22 @@ class ForwardReplay:
         """The model (None once it is gone: it is held weakly)."""
         return self._model_ref()
 
-    @property
-    def waiting(self) -> bool:
-        """An output flag of this step has not been looked at yet."""
-        return self._flag is not None
-
-    @property
-    def late(self) -> bool:
-        """Steps whose output flag is still on its way are kept (keep_late)."""
-        return bool(self._late)
-
     def may_replay(self, step: int) -> bool:
         """Can a late replay still run for a step up to `step` (a kept step whose update was
         held back, its flag not looked at yet)?"""
-        return not self.done and any(s <= step and c is not None for s, _, c, _ in self._late)
+        return not self.done and any(s <= step and c is not None for s, _, c, _ in self.kept)
 
     def unheld(self, step: int) -> None:
         """`step`'s update was not held back (guard.UpdateGuard.unguarded): if its flag says
         non-finite, the weights have taken that update, so its forward is not replayed."""
-        if self._late and self._late[-1][0] == step:
-            step_, flag, _, earlier = self._late[-1]
-            self._late[-1] = (step_, flag, None, earlier)
+        if self.kept and self.kept[-1][0] == step:
+            step_, flag, _, earlier = self.kept[-1]
+            self.kept[-1] = (step_, flag, None, earlier)
 
     def updated(self) -> None:
         """An update reached the weights (not held back, not skipped): a forward captured
         before it replays on other weights from now on."""
-        self._updates += 1
+        self.updates += 1
 
     def capture(self, args: tuple, kwargs: dict, module: nn.Module | None = None,
                 rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None, *,
@@ -226,9 +224,10 @@ class ForwardReplay:
         if self.done and not also_when_done:
             return None
         compiled = rng is not None  # a compiled forward's, taken at the step's start
-        if rng is None:
-            rng = rng_state()
-        captured = CapturedForward(module, args, kwargs, rng[0], rng[1], self._updates, forward_modes())
+        if rng is None:  # rng_state(), inline: every training forward
+            rng = (torch.get_rng_state(),
+                   torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+        captured = CapturedForward(module, args, kwargs, rng[0], rng[1], self.updates, forward_modes())
         captured.compiled = compiled
         if not self.done:
             self.captured = captured
@@ -249,10 +248,10 @@ class ForwardReplay:
         self._earlier = None if earlier is None or earlier is False else \
             (True, None) if earlier is True else transfer.peek(earlier)
         if flag is True:
-            self._flag = (True, None)
+            self.flag = (True, None)
             return True
         if isinstance(flag, torch.Tensor):
-            self._flag = transfer.peek(flag)
+            self.flag = transfer.peek(flag)
         return False
 
     def run_if_bad(self, hooks: LayerHooks, new_record: Callable[[], StepRecord],
@@ -261,7 +260,7 @@ class ForwardReplay:
         return it; None when it did not, when its flag is not on the host yet (waited for
         only with `wait`, Config.nonfinite_sync; else kept for `run_late` under keep_late),
         or when there is nothing to replay."""
-        flag, self._flag = self._flag, None
+        flag, self.flag = self.flag, None
         earlier, self._earlier = self._earlier, None
         if flag is None:
             return None
@@ -273,7 +272,7 @@ class ForwardReplay:
             if not self.done:
                 # kept until the flags arrive: replayed then when its update is held back
                 # (keep_late), else only said to be beyond a replay if it turns out bad
-                self._late.append((step, flag, self.captured if self.keep_late else None, earlier))
+                self.kept.append((step, flag, self.captured if self.keep_late else None, earlier))
             return None
         if not bool(flag[0]):  # a host value (or a completed copy)
             if earlier is not None and bool(earlier[0]) and not self.done:
@@ -290,11 +289,11 @@ class ForwardReplay:
         """The first kept step whose flag has arrived and says non-finite: its forward is
         replayed (on the current weights, finite since its update was held back). Returns
         (its step, the record). Never waits: a flag still on its way stays queued."""
-        while self._late and not self.done:
-            step, flag, captured, earlier = self._late[0]
+        while self.kept and not self.done:
+            step, flag, captured, earlier = self.kept[0]
             if not _ready(flag, earlier):
                 return None
-            self._late.popleft()
+            self.kept.popleft()
             if bool(flag[0]) and captured is None:
                 self._refuse(step, UNHELD if self.keep_late else BEHIND)
             elif bool(flag[0]):
@@ -303,34 +302,34 @@ class ForwardReplay:
             elif earlier is not None and bool(earlier[0]):
                 self._refuse(step, EARLIER_FORWARD)
         if self.done:
-            self._late.clear()
+            self.kept.clear()
         return None
 
     def wait_for_flags(self) -> bool:
         """Wait for the copies of every flag still on its way (only `Profiler.flush` may);
         True when there is one to look at."""
-        pending = [f for _, flag, _, earlier in self._late for f in (flag, earlier) if f is not None]
-        pending += [f for f in (self._flag, self._earlier) if f is not None]
+        pending = [f for _, flag, _, earlier in self.kept for f in (flag, earlier) if f is not None]
+        pending += [f for f in (self.flag, self._earlier) if f is not None]
         for flag in pending:
             transfer.wait_ready(flag[1])  # note: a CPU-GPU sync point, inside flush() only
         return bool(pending)
 
     def take_refused(self) -> list[tuple[int, str]]:
         """(step, why) of the non-finite steps found beyond a replay since the last call."""
-        refused, self._refused = self._refused, []
+        refused, self.refused = self.refused, []
         return refused
 
     def failed(self, step: int, exc: BaseException) -> None:
         """The replay of `step` raised (it is over either way: see `_run`)."""
-        self._refused.append((step, f"the replay raised {type(exc).__name__}: {exc}"))
+        self.refused.append((step, f"the replay raised {type(exc).__name__}: {exc}"))
 
     def _refuse(self, step: int, why: str) -> None:
         """The first non-finite step found beyond a replay: none this run (every later one
         would run on weights that took its update), said once and sent to the publisher."""
         self.done = True
         self.clear()
-        self._late.clear()
-        self._refused.append((step, why))
+        self.kept.clear()
+        self.refused.append((step, why))
         if self._say is not None:
             self._say("not replayed", f"the NaN/Inf of step {step} is not localised to a layer, "
                                       f"and not replayed: {why}")
@@ -342,7 +341,7 @@ class ForwardReplay:
         if self.done or model is None:
             return False
         self.done = True
-        self.moved = self._updates - captured.updates  # 0: the very weights of that forward
+        self.moved = self.updates - captured.updates  # 0: the very weights of that forward
         watch = (self._witness.watch(model, captured, step) if self._witness is not None
                  else contextlib.nullcontext(None))
         try:
@@ -354,7 +353,7 @@ class ForwardReplay:
             raise
         finally:
             self.clear()  # done: no step's inputs are kept from here on
-            self._late.clear()
+            self.kept.clear()
         if keep is not None:  # the capsule's copy, with the model's own buffers back
             keep(self.moved)
         return True

@@ -22,14 +22,23 @@ from hookprof.phases.device import DevicePhaseTotals, PhaseMarks
 class PhaseClock:
     """Host phases every step; device marks on sampled steps with a device timer."""
 
-    __slots__ = ("progress", "_marks", "_writer")
+    __slots__ = ("progress", "_marks", "enter", "restart", "end_step")
 
     def __init__(self, now_ns: int, timer: Timer):
         self.progress = Progress(now_ns)
         # device time per phase needs a device timer: on the host clock it would repeat
         # hookprof_step_phase_seconds
         self._marks = PhaseMarks(self.progress, timer) if timer.kind == "cuda" else None
-        self._writer: Progress | PhaseMarks = self.progress
+        self._write_to(self.progress)
+
+    def _write_to(self, writer: Progress | PhaseMarks) -> None:
+        """The step's phase changes go straight to `writer`'s methods: `enter(phase, now_ns,
+        label=None)`, `restart(now_ns)`, `end_step(number, now_ns)`. Bound once per step,
+        not looked up through this object at each of the step's boundaries (one Python
+        call each instead of two: they run on every step, DESIGN.md invariant 11)."""
+        self.enter = writer.enter
+        self.restart = writer.restart
+        self.end_step = writer.end_step
 
     def device_totals(self) -> DevicePhaseTotals | None:
         """The publisher's sums of device phase seconds, when there are device marks."""
@@ -38,21 +47,13 @@ class PhaseClock:
     def bind(self, record: Any) -> None:
         """A step begins: a sampled step's `record` (None for an unsampled one) gets the
         device marks; others write the host's progress alone, at no extra cost."""
-        self._writer = self.progress if record is None or self._marks is None \
-            else self._marks.bind(record)
+        writer = self.progress if record is None or self._marks is None else self._marks.bind(record)
+        if self.enter.__self__ is not writer:  # (an unsampled step after another: unchanged)
+            self._write_to(writer)
 
     @property
     def where(self) -> Where:
         return self.progress.where
-
-    def enter(self, phase: int, now_ns: int, label: str | None = None) -> None:
-        self._writer.enter(phase, now_ns, label)
-
-    def restart(self, now_ns: int) -> None:
-        self._writer.restart(now_ns)
-
-    def end_step(self, number: int, now_ns: int) -> None:
-        self._writer.end_step(number, now_ns)
 
     def outside(self, what: str, now_ns: int) -> tuple[int, int, str | None]:
         """Enter a known long section (`expect_slow`); returns where to come back to."""

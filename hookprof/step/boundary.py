@@ -19,7 +19,7 @@ step is"). A model driven without calling its root falls back to "every update e
 
 from __future__ import annotations
 
-import functools
+import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -32,6 +32,8 @@ from hookprof.compiled import CompileProbe, is_compiling, is_exporting, transfor
 from hookprof.faults import Faults, guarded
 from hookprof.step import copies, dispatch, gradscaler
 from hookprof.step.hooks import LayerHooks
+
+_PARAMS = operator.itemgetter("params")
 
 # more training forwards than this between two step boundaries means there are none
 # (gradient accumulation over 1,000 micro-batches is far beyond what runs use)
@@ -65,21 +67,6 @@ def model_changed_notice(model_type: str, names: list[str]) -> str:
             "parameters have no gradient norms (the global norm leaves them out) and no "
             "per-layer figures; re-attach to cover them: prof.detach(); "
             "prof = hookprof.attach(model).")
-
-
-def _under_lock(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a hook's body holding the boundary's lock, and not at all once detached: a
-    detach() on another thread then either waits for it or has finished before it starts,
-    never runs beside it (a replay putting layer hooks in while detach takes them out)."""
-
-    @functools.wraps(method)
-    def locked(self: "StepBoundary", *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            if self._detached:
-                return None
-            return method(self, *args, **kwargs)
-
-    return locked
 
 
 class TracedForward(Protocol):
@@ -136,7 +123,7 @@ class StepBoundary:
         self._handles: list[Any] = []
         self._entry_handles: list[Any] = []  # on the root's children, until the root's own forward
         self._entry: nn.Module | None = None  # the entry call in progress
-        self._detached = False
+        self.detached = False  # detach() was called (written under the lock, read anywhere)
         # held while a step ends or a training forward begins, and by close(): once close()
         # returns, no step end or forward on another thread is half-way through putting the
         # layer hooks back in after detach took them out (re-entrant: a part may end a step
@@ -205,11 +192,7 @@ class StepBoundary:
         """Detached: every hook from now on does nothing (also a copy's, see _inert). Waits
         for a step end or forward in progress on another thread to finish first."""
         with self._lock:
-            self._detached = True
-
-    @property
-    def detached(self) -> bool:
-        return self._detached
+            self.detached = True
 
     def _remove(self) -> None:
         for handle in self._handles:
@@ -246,7 +229,7 @@ class StepBoundary:
 
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
         groups = optimizer.param_groups
-        key = sum(len(g["params"]) for g in groups)
+        key = sum(map(len, map(_PARAMS, groups)))  # C-level: no Python call per group
         cached = self._owned.get(optimizer)
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -280,20 +263,20 @@ class StepBoundary:
         gets: the step begins, its inputs are checked and kept for a replay, its output is
         checked (a NaN in them is the input's; one made by the root's own code between two
         entry calls is seen as a non-finite input of the second)."""
-        if (is_compiling() or self._detached or self._entry is not None or self._hooks.replaying
+        if (is_compiling() or self.detached or self._entry is not None or self._hooks.replaying
                 or transformed()):
             return  # (detached before the rest: a copy of the model holds an inert boundary)
         self._entry = module
         self._forward_began(module, args, kwargs, own_layer=None, entry=True)
 
     def _on_entry_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        if is_compiling() or self._detached or self._entry is not module or transformed():
+        if is_compiling() or self.detached or self._entry is not module or transformed():
             return
         self._entry = None
         self._on_root_output(module, args, output)
 
     def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self._detached:  # a copy of the model (see _inert)
+        if self.detached:  # a copy of the model (see _inert)
             return
         if not is_compiling() and transformed():
             return  # jit.trace, vmap, export: no training step, hookprof steps aside
@@ -332,8 +315,7 @@ class StepBoundary:
             return
         self._training_forward(module, args, kwargs, own_layer, entry)
 
-    @guarded("root forward pre-hook")
-    @_under_lock
+    @guarded("root forward pre-hook", locked=True)
     def _training_forward(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None,
                           entry: bool) -> None:
         now = self._clock()
@@ -355,19 +337,18 @@ class StepBoundary:
         """The root module's forward returned: its output is checked (every step), inside
         the graph when the model runs compiled."""
         if is_compiling():
-            if (not self._detached and self._traced is not None and torch.is_grad_enabled()
+            if (not self.detached and self._traced is not None and torch.is_grad_enabled()
                     and (module.training or self._trains_in_eval)):
                 self._traced.note_output(output)
             return
-        if self._detached or self._hooks.replaying or transformed():
+        if self.detached or self._hooks.replaying or transformed():
             return
         training = self._hooks.root_output_arrived()
         if not training or not torch.is_grad_enabled():
             return
         self._output(output)
 
-    @guarded("root forward hook")
-    @_under_lock
+    @guarded("root forward hook", locked=True)
     def _output(self, output: Any) -> None:
         self._events._on_output(output)
 
@@ -381,12 +362,11 @@ class StepBoundary:
         gradients are read after each call of it."""
         # detached: from another thread, or while this step was in progress (the dispatcher
         # may call a listener once more after it left)
-        if self._detached or is_compiling():  # compiled: nothing to do inside its graph
+        if self.detached or is_compiling():  # compiled: nothing to do inside its graph
             return None
         return self._update_begins(optimizer, args, kwargs)
 
-    @guarded("optimizer pre-hook")
-    @_under_lock
+    @guarded("optimizer pre-hook", locked=True)
     def _update_begins(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if not self.owns(optimizer):
             return None
@@ -398,8 +378,9 @@ class StepBoundary:
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
             return (args[0], wrapped, *args[2:]), kwargs
-        self._judge_eval_mode()
-        if self.in_step():
+        if self._train_mode_seen or self._eval_grad_seen:  # (else it has nothing to judge)
+            self._judge_eval_mode()
+        if self._forward_seen or not self._root_seen:  # in_step(), inline: every step
             self._stepped = True
             self._events._on_before_update(optimizer)
         return None
@@ -409,23 +390,21 @@ class StepBoundary:
         judged = self._events._closure_judged(optimizer)
 
         def closure_then_read() -> Any:
-            if self._detached:  # detached (from another thread) during this optimizer step
+            if self.detached:  # detached (from another thread) during this optimizer step
                 return closure()
             self._forwards = 0  # LBFGS calls it thousands of times in one step
             self._closure_called(judged)
             result = closure()  # the user's: what it raises is theirs
-            self._closure_returned(optimizer, judged)  # (nothing once detached: _under_lock)
+            self._closure_returned(optimizer, judged)  # (nothing once detached: guarded, locked)
             return result
 
         return closure_then_read
 
-    @guarded("optimizer closure")
-    @_under_lock
+    @guarded("optimizer closure", locked=True)
     def _closure_called(self, judged: bool) -> None:
         self._events._on_closure_call(judged)
 
-    @guarded("optimizer closure")
-    @_under_lock
+    @guarded("optimizer closure", locked=True)
     def _closure_returned(self, optimizer: torch.optim.Optimizer, judged: bool) -> None:
         # called once or several times (LBFGS); the parameters are still this step's
         self._events._on_back_in_optimizer()
@@ -452,12 +431,11 @@ class StepBoundary:
         self._train_mode_seen = self._eval_grad_seen = False
 
     def _on_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._detached or is_compiling():
+        if self.detached or is_compiling():
             return
         self._update_done(optimizer)
 
-    @guarded("optimizer hook")
-    @_under_lock
+    @guarded("optimizer hook", locked=True)
     def _update_done(self, optimizer: torch.optim.Optimizer) -> None:
         owned = self.owns(optimizer)
         self._events._on_any_update_done(owned)  # (the guard's, for any optimizer)
@@ -466,7 +444,7 @@ class StepBoundary:
         # only the post-hook of the step in progress: a subclass calling super().step()
         # runs the hooks twice when both classes were patched by torch, the outer one
         # after this hook ended the step
-        if not self.manual and self.in_step():
+        if not self.manual and (self._forward_seen or not self._root_seen):  # in_step(), inline
             self._end_step(None, by_optimizer=True)  # the optimizer phase ends with it
         else:
             self._events._on_optimizer_returned()
@@ -475,12 +453,11 @@ class StepBoundary:
         """A GradScaler decided an optimizer's step: a skip (its gradients overflowed) ends
         the step as a skipped one, as the optimizer's own step would have ended it. A step,
         not an incident, unless skips go on for more than max_skipped_steps in a row."""
-        if not skipped or self._detached:
+        if not skipped or self.detached:
             return
         self._scaler_skip(optimizer)
 
-    @guarded("GradScaler hook")
-    @_under_lock
+    @guarded("GradScaler hook", locked=True)
     def _scaler_skip(self, optimizer: torch.optim.Optimizer) -> None:
         if self.in_step() and self.owns(optimizer):
             if self.manual:
@@ -503,22 +480,20 @@ class StepBoundary:
         self._end_step(loss, by_optimizer=False, skipped=self._scaler_skipped and not self._stepped)
 
     def _end_step(self, loss: Any, *, by_optimizer: bool, skipped: bool = False) -> None:
-        if self._detached:  # detached (or a copy's inert boundary): nothing to end
+        if self.detached:  # detached (or a copy's inert boundary): nothing to end
             return
         with self._lock:
-            if not self._detached:  # detach() on another thread since the check above
-                self._end_under_lock(loss, by_optimizer, skipped)
-
-    def _end_under_lock(self, loss: Any, by_optimizer: bool, skipped: bool) -> None:
-        number, now = self._events._on_step_end(loss, skipped=skipped, started_ns=self._step_start_ns,
-                                               forward_seen=self._forward_seen)
-        self._stepped = self._scaler_skipped = False
-        self._step_start_ns = now
-        self._forward_seen = False
-        self._forwards = 0
-        self._closed_by_optimizer = by_optimizer
-        if not self._detached:  # (detached by this thread meanwhile: nothing to plan)
-            self._events._on_step_ended(number, now)
+            if self.detached:  # detach() on another thread since the check above
+                return
+            number, now = self._events._on_step_end(loss, skipped=skipped, started_ns=self._step_start_ns,
+                                                   forward_seen=self._forward_seen)
+            self._stepped = self._scaler_skipped = False
+            self._step_start_ns = now
+            self._forward_seen = False
+            self._forwards = 0
+            self._closed_by_optimizer = by_optimizer
+            if not self.detached:  # (detached by this thread meanwhile: nothing to plan)
+                self._events._on_step_ended(number, now)
 
 
 def _inert() -> StepBoundary:
@@ -526,5 +501,5 @@ def _inert() -> StepBoundary:
     whole-model checkpoints) holds in place of the boundary: the root hooks, copied with the
     model's hook dicts, find it detached and do nothing. Only the original is profiled."""
     inert = StepBoundary.__new__(StepBoundary)
-    inert._detached = True
+    inert.detached = True
     return inert

@@ -1,21 +1,34 @@
-"""Per-layer gradient norms, computed on the device at the step boundary.
+"""Per-layer gradients, read on the device at the step boundary: exact norms on sampled
+steps, a non-finite check on every other step.
 
 Gradients are read once they are final: at optimizer-step time (after DDP's all-reduce and
 after the last micro-batch of gradient accumulation), or at an explicit `Profiler.step()`.
-One fused `torch._foreach_norm` per device gives every parameter's L2 norm; an `index_add_`
-folds their squares into one slot per layer. Nothing is read back here: a norm is non-finite
-exactly when its gradient holds a NaN or Inf, so the host learns both from the same numbers.
+Nothing is read back here.
 
-This runs on every step (nonfinite_check="all"), so on an accelerator its host work must not
-grow with the model: a fixed number of ATen ops per step whatever the number of parameters
-(tests/unit/step/test_host_cost.py counts them), and the Python around them a list of `.grad`s plus
-a cached plan (which layer each gradient belongs to, the index tensor on the device) that is
-rebuilt only when the set of parameters holding a gradient changes.
+- **Sampled steps** (`GradientNorms.layer_squares`): one fused `torch._foreach_norm` per
+  device gives every parameter's L2 norm; an `index_add_` folds their squares into one slot
+  per layer. Its host cost grows with the number of gradients (one output tensor each: ~3 us
+  apiece on an H100), which is per-layer work, and per-layer work belongs to sampled steps.
+- **Every other step** (`GradientNorms.layer_checks`, nonfinite_check="all"): per layer, a
+  value that is non-finite exactly when the layer's gradients hold a NaN or Inf (their sum),
+  with a handful of ATen ops and output tensors whatever the number of gradients
+  (DESIGN.md invariant 11; tests/unit/step/test_host_cost.py counts ops, tensors and Python
+  calls): the gradients are copied into one flat buffer by one `torch._chunk_cat` (the op
+  FSDP2 packs its reduce-scatter with), cut into pieces of at most `_PIECE` elements (so a
+  GPU reduces them in balanced blocks, not one block per gradient), summed per piece by one
+  `segment_reduce`, and the pieces folded into layers by one `index_add_`. The copy is made
+  `_CHUNK_BYTES` at a time, so its memory is bounded whatever the model. Which gradient
+  goes where is a cached plan, rebuilt only when the set of gradients changes.
+
+On a CPU each op costs its compute, not a launch: there, one BLAS dot per gradient reads the
+gradients fastest, for sampled and other steps alike (`cpu_dot_per_tensor`).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
+from itertools import compress, count, repeat
 from typing import Any, NamedTuple
 
 import torch
@@ -44,6 +57,41 @@ class _Plan(NamedTuple):
 
 _MAX_PLANS = 8  # sets of present gradients remembered (freezing layers in turn makes a few)
 
+# the every-step check's copy of the gradients is made this many bytes at a time: its memory
+# is bounded (a 1.3B-parameter bf16 model makes 10 copies of 256 MiB, ~40 ops, on a step
+# of a second or more); a model below it makes one
+_CHUNK_BYTES = 256 << 20
+# elements per summed piece: a GPU's segmented reduction gives each segment one thread
+# block, so a 38M-element embedding gradient summed as one segment would keep one SM busy
+# for milliseconds; pieces of 64K elements spread over all of them
+_PIECE = 1 << 16
+_GRAD = operator.attrgetter("grad")
+_CAN_CHUNK_CAT = hasattr(torch, "_chunk_cat")  # torch >= 2.4; before, one reshape per gradient
+
+
+class _Chunk(NamedTuple):
+    """Gradients `start:stop` of a check plan's order, reduced together: all of one dtype."""
+
+    start: int
+    stop: int
+    numel: int  # elements of the gradients start:stop, the sum of `lengths`
+    lengths: torch.Tensor  # elements of each piece, in order (on the device)
+    index: torch.Tensor  # the layer of each piece (on the device)
+    scalar: bool  # 0-d gradients (which _chunk_cat refuses): stacked, one piece each
+    narrow_range: bool  # float16: a finite sum overflows at 65504, so x - x (0 or NaN) first
+
+
+class _CheckPlan(NamedTuple):
+    """How one set of present gradients is checked: their order (positions in the table's
+    parameters, grouped by dtype; empty gradients left out, they hold nothing non-finite),
+    the chunks of that order, and the layers that have a gradient."""
+
+    device: torch.device
+    dtype: torch.dtype  # of the first gradient in `order`: a cheap per-step validity check
+    order: tuple[int, ...]
+    chunks: tuple[_Chunk, ...]
+    seen: frozenset[int]
+
 
 class GradientNorms:
     # on the CPU a BLAS dot product per gradient reads ~3x faster than the norm kernels
@@ -61,6 +109,97 @@ class GradientNorms:
         # DTensor parameters (FSDP2, tensor parallel) have DTensor gradients: known at attach,
         # so plain models skip the per-gradient lookup (this loop runs every step)
         self._distributed = table.has_dtensor_params
+        self._check_plans: dict[tuple[int, ...], _CheckPlan | None] = {}  # None: no fused check
+        self._n = len(table)
+
+    def layer_checks(self) -> tuple[list[torch.Tensor], frozenset[int]]:
+        """Per device: per layer, a float32 value that is non-finite exactly when the layer's
+        gradients hold a NaN or Inf (the sum of its gradients; a finite sum past float32's
+        range, ~3e38, also reads as non-finite, as a norm past 1.8e19 does in
+        `layer_squares`); and the layers that had any gradient. Same shape as
+        `layer_squares`, fewer ops: see the module's docstring. Falls back to
+        `layer_squares` where the fused check does not apply (a CPU with
+        `cpu_dot_per_tensor`, gradients on several devices, sparse or DTensor ones)."""
+        if self._distributed:
+            return self._grouped()
+        grads = list(map(_GRAD, self._params))  # C-level: no Python call per gradient
+        missing: tuple[int, ...] = ()
+        if not all(map(operator.is_not, grads, repeat(None))):
+            missing = tuple(compress(count(), map(operator.is_, grads, repeat(None))))
+        plan = self._check_plans.get(missing, False)
+        if plan is False or (plan is not None and (grads[plan.order[0]].device != plan.device
+                                                   or grads[plan.order[0]].dtype != plan.dtype)):
+            plan = self._make_check_plan(grads, missing)  # new, or the model was moved or cast
+        if plan is None:
+            return self.layer_squares()
+        try:
+            return [self._checked(plan, grads)], plan.seen
+        except RuntimeError:  # a gradient changed shape or dtype alone: plan again, once
+            plan = self._make_check_plan(grads, missing)
+            if plan is None:
+                return self.layer_squares()
+            return [self._checked(plan, grads)], plan.seen
+
+    def _checked(self, plan: _CheckPlan, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        ordered = list(map(grads.__getitem__, plan.order))
+        out = torch.zeros(self._n, dtype=torch.float32, device=plan.device)
+        for chunk in plan.chunks:  # one chunk below _CHUNK_BYTES of one dtype: the usual case
+            part = ordered[chunk.start:chunk.stop]
+            if chunk.scalar:
+                sums = torch.stack(part)
+            else:
+                flat = torch._chunk_cat(part, 0, 1)[0] if _CAN_CHUNK_CAT else torch.cat(
+                    [g.reshape(-1) for g in part])
+                if flat.numel() != chunk.numel:  # a gradient changed shape: its pieces with it
+                    raise RuntimeError("the gradients' sizes changed since the plan")
+                if chunk.narrow_range:
+                    flat.sub_(flat)  # our own copy: 0 where finite, NaN where not
+                # unsafe: the lengths are ours and checked above; safe mode reads their sum
+                # and minimum back to the host, two waits for the device
+                sums = torch.segment_reduce(flat, "sum", lengths=chunk.lengths, unsafe=True)
+            out.index_add_(0, chunk.index, sums if sums.dtype == torch.float32 else sums.float())
+        return out
+
+    def _make_check_plan(self, grads: list[torch.Tensor | None],
+                         missing: tuple[int, ...]) -> _CheckPlan | None:
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if len(self._check_plans) >= _MAX_PLANS:
+            self._check_plans.clear()
+        self._check_plans[missing] = None
+        if not present:
+            return None
+        devices = {grads[i].device for i in present}
+        if len(devices) != 1 or any(grads[i].is_sparse for i in present):
+            return None
+        (device,) = devices
+        if device.type == "cpu" and self.cpu_dot_per_tensor:
+            return None
+        layer = self._table.param_layer
+        nonempty = [i for i in present if grads[i].numel()]
+        dtypes = list(dict.fromkeys(grads[i].dtype for i in nonempty))  # first seen, first
+        order: list[int] = []
+        chunks: list[_Chunk] = []
+        for dtype in dtypes:
+            for scalar in (False, True):
+                group = [i for i in nonempty if grads[i].dtype == dtype and (grads[i].dim() == 0) == scalar]
+                for run in _runs_within(group, grads, _CHUNK_BYTES):
+                    lengths: list[int] = []
+                    owners: list[int] = []
+                    for i in run:
+                        n = grads[i].numel()
+                        pieces = [_PIECE] * (n // _PIECE) + ([n % _PIECE] if n % _PIECE else [])
+                        lengths += pieces
+                        owners += [layer[i]] * len(pieces)
+                    start = len(order)
+                    order += run
+                    chunks.append(_Chunk(start, len(order), sum(lengths), index_to_device(lengths, device),
+                                         self._index(device, owners), scalar, dtype == torch.float16))
+        if not order:
+            return None
+        plan = _CheckPlan(device, grads[order[0]].dtype, tuple(order), tuple(chunks),
+                          frozenset(layer[i] for i in present))
+        self._check_plans[missing] = plan
+        return plan
 
     def layer_squares(self) -> tuple[list[torch.Tensor], frozenset[int]]:
         """Per device: (squared L2 norm of each layer's gradients over that device's
@@ -125,6 +264,21 @@ class GradientNorms:
         return layer_squares(groups, len(self._table), self._index, cpu_dot=self.cpu_dot_per_tensor)
 
 
+def _runs_within(positions: list[int], grads: list[Any], budget: int) -> list[list[int]]:
+    """`positions` cut into consecutive runs of at most `budget` bytes of gradient each (a
+    gradient larger than that is a run of its own)."""
+    runs: list[list[int]] = []
+    size = budget
+    for i in positions:
+        nbytes = grads[i].numel() * grads[i].element_size()
+        if size + nbytes > budget:
+            runs.append([])
+            size = 0
+        runs[-1].append(i)
+        size += nbytes
+    return runs
+
+
 _BLAS_DTYPES = (torch.float32, torch.float64)
 
 
@@ -184,18 +338,23 @@ class StepGradients:
     again after an optimizer closure ran another backward; unscaled once when a fused
     optimizer's GradScaler step is seen. Owned by the profiler; the training thread only."""
 
-    __slots__ = ("_norms", "squares")
+    __slots__ = ("_norms", "squares", "exact")
 
     def __init__(self, norms: GradientNorms):
         self._norms = norms
-        # (per-device squares, the layers that had a gradient), or None: not read this step
+        # (per-device squares, the layers that had a gradient), or None: not read this step;
+        # not `exact`: per-layer values to check for NaN/Inf only, not norms
         self.squares: tuple[list[torch.Tensor], frozenset[int]] | None = None
+        self.exact = True
 
-    def read_once(self, wanted: bool) -> None:
+    def read_once(self, wanted: bool, exact: bool = True) -> None:
         """Read them now if this step wants them (sampled, or nonfinite_check="all") and
-        they were not read yet."""
+        they were not read yet: with `exact`, per-layer squared norms (a sampled step's
+        figures); without, per-layer values that are only checked for NaN/Inf (every other
+        step: GradientNorms.layer_checks, a constant handful of ops)."""
         if self.squares is None and wanted:
-            self.squares = self._norms.layer_squares()
+            self.squares = self._norms.layer_squares() if exact else self._norms.layer_checks()
+            self.exact = exact
 
     def forget(self) -> None:
         """A new step, or a closure that ran another backward: read again when next needed."""
@@ -204,7 +363,7 @@ class StepGradients:
     def unscale(self, view: Any) -> None:
         """A fused optimizer's GradScaler step (guard.ScalerView): norms of the unscaled
         gradients, as the update sees them."""
-        if view is not None and self.squares is not None:
+        if view is not None and self.squares is not None and self.exact:
             self.squares = (view.unscale(self.squares[0]), self.squares[1])
 
 

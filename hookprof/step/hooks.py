@@ -132,7 +132,7 @@ class LayerHooks:
         self._local = threading.local()  # each thread's stack of open forward calls
         # the three states below change only through the methods that say what happened:
         # a forward replayed under no_grad to find a NaN's producer (replaying_into)
-        self._replaying = False
+        self.replaying = False
         self._paused = False  # inside an evaluation pass of the root module
         # inside the root module's training forward: a region run under no_grad there is a
         # reentrant activation checkpoint's first pass, part of the step
@@ -144,10 +144,6 @@ class LayerHooks:
     @property
     def installed(self) -> bool:
         return bool(self._handles or self._wrapped)
-
-    @property
-    def replaying(self) -> bool:
-        return self._replaying
 
     @property
     def hides_compiled_layers(self) -> bool:
@@ -180,7 +176,9 @@ class LayerHooks:
         an evaluation pass, which the layer hooks ignore until the next training forward."""
         # marks noted by a forward that raised (no root output hook ran) would keep that
         # forward's graph alive: an out-of-memory retry must find its memory free
-        self.drop_pending()
+        rec = self._rec  # (drop_pending, inline: this runs at every training forward)
+        if rec is not None and rec.pending_marks:
+            rec.pending_marks = {}
         self._paused = not training
         self._in_training_forward = training
 
@@ -189,7 +187,8 @@ class LayerHooks:
         backward marks its calls noted are registered now, in one loop."""
         if self._in_training_forward:
             self._in_training_forward = False
-            self.mark_pending()
+            if self._rec is not None:  # a sampled step's (mark_pending has nothing else to do)
+                self.mark_pending()
         return not self._paused
 
     @contextmanager
@@ -201,7 +200,7 @@ class LayerHooks:
         installed = self.installed
         stats_were_on = self._activation_stats
         step_rec, step_local = self._rec, self._local  # a sampled step's own, if one is open
-        self._replaying = True
+        self.replaying = True
         self._activation_stats = True
         containers: list[Any] = []
         handles_before, wrapped_before = len(self._handles), len(self._wrapped)
@@ -220,7 +219,7 @@ class LayerHooks:
         finally:
             for handle in containers:
                 handle.remove()
-            self._replaying = False
+            self.replaying = False
             self._activation_stats = stats_were_on
             if installed:
                 self._uninstall(handles_before, wrapped_before)  # what the replay added
@@ -254,7 +253,7 @@ class LayerHooks:
         (eager, under set_stance("force_eager")) instruments them too."""
         if self.installed:
             return
-        regions, skipped = ([], set()) if self._replaying else compiled_regions(self._table)
+        regions, skipped = ([], set()) if self.replaying else compiled_regions(self._table)
         self._install_layers([layer for layer in self._table.layers if layer.index not in skipped])
         self._skipped = sorted(skipped)
         self._region_params, self._hides = {}, False
@@ -289,7 +288,7 @@ class LayerHooks:
     def _enter_region(self, row: int, args: Any, kwargs: Any = None) -> bool:
         """A compiled region's call begins: recorded as a training call, never in a replay
         (the replay runs eagerly and sees the region's own layers)."""
-        if self._replaying:
+        if self.replaying:
             return False
         self._local.graphs = _graphs_compiled()
         return self._enter(row, args, kwargs)
@@ -393,7 +392,7 @@ class LayerHooks:
         rec = self._rec
         # the plain flag first: inside the training forward no C call is needed
         if rec is None or self._paused or self._faults.broken or not (
-                self._in_training_forward or torch.is_grad_enabled() or self._replaying) \
+                self._in_training_forward or torch.is_grad_enabled() or self.replaying) \
                 or transformed():  # jit.trace, vmap, export: their calls are no step's
             return False
         try:
@@ -408,10 +407,10 @@ class LayerHooks:
             calls = rec.calls
             call = len(calls)
             calls.append(entry)
-            recompute = not self._replaying and _graph_task_id() != -1
+            recompute = not self.replaying and _graph_task_id() != -1
             if recompute:
                 rec.recompute.add(call)
-            elif self.on_call is not None and not self._replaying:
+            elif self.on_call is not None and not self.replaying:
                 self.on_call(layer_index, args, kwargs, bool(stack))
             inputs_need_grad = False
             pending = rec.pending_marks
@@ -460,7 +459,7 @@ class LayerHooks:
             return
         rec = self._rec
         if rec is None or self._paused or self._faults.broken or not (
-                self._in_training_forward or torch.is_grad_enabled() or self._replaying):
+                self._in_training_forward or torch.is_grad_enabled() or self.replaying):
             return
         try:
             stack = getattr(self._local, "stack", None)

@@ -41,7 +41,9 @@ class SampledStep:
         self.plan: StepPlan = UNSAMPLED
         self.record: StepRecord | None = None  # what a sampled step's hooks write
         self.last_sent = 0  # the number of the last sampled step sent to the publisher
-        self._unfolded = False  # ... and the publisher has not been nudged to fold it yet
+        # ... and the publisher has not been nudged to fold it yet (read by the profiler at
+        # every forward's end, an attribute: nudge() only when there is one to fold)
+        self.unfolded = False
         # this checked step's hooks cannot see the layers inside compiled regions: its
         # statistics come from a re-run of its forward (nonfinite/checks.py `rerun`), all of
         # them, so its own calls take none (the two would disagree in order, not in value)
@@ -107,8 +109,8 @@ class SampledStep:
         """The publisher folds the last sampled step now: its Python work then overlaps the
         backward pass, which seldom needs the GIL, not the forward, which needs it at every
         module call."""
-        if self._unfolded:
-            self._unfolded = False
+        if self.unfolded:
+            self.unfolded = False
             self._publisher.nudge()
 
     def end(self, number: int, *, broken: bool, pack: Callable[[StepRecord | None], Packet]) -> bool:
@@ -123,7 +125,7 @@ class SampledStep:
             if broken:
                 self.release()
             self._publisher.submit(pack(self.record))
-            self.last_sent, self._unfolded = number, True
+            self.last_sent, self.unfolded = number, True
         self.record = None
         return sampled
 

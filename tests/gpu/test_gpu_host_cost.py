@@ -13,7 +13,7 @@ import torch
 import hookprof
 from hookprof.device.timing import CudaEventTimer
 from support.cuda import no_sync
-from support.op_counter import hookprof_ops_per_unsampled_step
+from support.op_counter import host_cost_of_unsampled_step
 from support.paths import BENCH
 
 sys.path.insert(0, BENCH)
@@ -58,11 +58,13 @@ def test_benchmark_loops_never_sync(name, config):
     assert snap.sampled_steps >= 1 and math.isfinite(snap.grad_norm)
 
 
-def test_ops_per_unsampled_step_on_cuda_do_not_grow_with_parameters():
-    small = hookprof_ops_per_unsampled_step(depth=0, device="cuda")
-    large = hookprof_ops_per_unsampled_step(depth=198, device="cuda")
-    assert small["aten._foreach_norm.Scalar"] == 1
-    assert large == small
+def test_an_unsampled_step_on_cuda_costs_the_same_whatever_the_model():
+    """tests/unit/step/test_host_cost.py on the real CUDA path: ops, output tensors and
+    Python calls of an unsampled step equal for 4 and 400 parameters."""
+    small = host_cost_of_unsampled_step(depth=0, device="cuda", lag=None)
+    large = host_cost_of_unsampled_step(depth=198, device="cuda", lag=None)
+    assert small.ops["aten._chunk_cat.default"] == 1
+    assert (large.ops, large.tensors, large.calls) == (small.ops, small.tensors, small.calls)
 
 
 def test_event_timer_resolves_a_step_with_real_events():

@@ -1,0 +1,156 @@
+"""The every-step gradient check (`GradientNorms.layer_checks`, the accelerator's path):
+per layer, non-finite exactly when that layer's gradients hold a NaN or Inf, whatever the
+gradients' dtypes, shapes and sizes, against a reference computed apart (`torch.isfinite`
+of each gradient), and a handful of ops whatever their number."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from hookprof.layers import LayerTable
+from hookprof.step import gradients
+from hookprof.step.gradients import GradientNorms
+from support.op_counter import OpCounter
+
+
+@pytest.fixture
+def accelerator_path(monkeypatch):
+    monkeypatch.setattr(GradientNorms, "cpu_dot_per_tensor", False)
+
+
+class Awkward(nn.Module):
+    """fp32, fp16 and bf16 layers, a 0-d parameter, an empty one, a gradient larger than
+    one summed piece, and a layer holding two parameters of different dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.fp16 = nn.Linear(4, 4).half()
+        self.brain = nn.Linear(4, 4).to(torch.bfloat16)
+        self.temperature = nn.Parameter(torch.tensor(1.0))  # the root's own, 0-d
+        self.big = nn.Embedding(3 * gradients._PIECE // 16 + 5, 16)  # 3+ pieces
+        self.empty = nn.Linear(0, 4)  # weight of 0 elements, bias of 4
+        self.mixed = nn.Linear(4, 4)
+        self.mixed.bias = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+
+
+def fill_gradients(model: nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def reference_bad_layers(table: LayerTable) -> set[str]:
+    bad = set()
+    for p, layer in zip(table.params, table.param_layer):
+        if p.grad is not None and not torch.isfinite(p.grad).all():
+            bad.add(table.layers[layer].name)
+    return bad
+
+
+def checked_bad_layers(norms: GradientNorms, table: LayerTable) -> set[str]:
+    (values,), seen = norms.layer_checks()
+    assert values.dtype == torch.float32 and values.shape == (len(table),)
+    return {table.layers[i].name for i, v in enumerate(values.tolist()) if not math.isfinite(v)}
+
+
+PLACES = [("a", "weight", (1, 2)), ("fp16", "weight", (0, 0)), ("brain", "bias", (3,)),
+          ("(root)", "temperature", ()), ("big", "weight", (-1, 15)), ("empty", "bias", (0,)),
+          ("mixed", "bias", (2,)), ("mixed", "weight", (0, 1))]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("layer, param, where", PLACES, ids=[f"{a}.{b}" for a, b, _ in PLACES])
+def test_a_non_finite_gradient_is_found_in_its_layer_only(accelerator_path, layer, param, where, value):
+    model = Awkward()
+    table = LayerTable(model)
+    norms = GradientNorms(table)
+    fill_gradients(model)
+    assert checked_bad_layers(norms, table) == set() == reference_bad_layers(table)
+    owner = model if layer == "(root)" else getattr(model, layer)
+    getattr(owner, param).grad[where] = value
+    assert checked_bad_layers(norms, table) == {layer} == reference_bad_layers(table)
+
+
+def test_large_finite_fp16_gradients_are_not_an_overflow(accelerator_path):
+    """An fp16 layer whose gradients add up far past 65504 is finite: its sum is never taken
+    in fp16 (x - x first); a bf16 one sums in its own range (float32's)."""
+    model = Awkward()
+    table = LayerTable(model)
+    norms = GradientNorms(table)
+    fill_gradients(model)
+    for p in (*model.fp16.parameters(), *model.brain.parameters()):
+        p.grad.fill_(60000.0)
+    assert checked_bad_layers(norms, table) == set()
+
+
+def test_the_plan_follows_frozen_layers_a_cast_and_a_move(accelerator_path):
+    """The cached plan is rebuilt when the set of gradients, a dtype or a shape changes."""
+    model = Awkward()
+    table = LayerTable(model)
+    norms = GradientNorms(table)
+    fill_gradients(model)
+    model.a.weight.grad = None  # a frozen weight
+    model.fp16.weight.grad[0, 0] = float("nan")
+    assert checked_bad_layers(norms, table) == {"fp16"} == reference_bad_layers(table)
+    _, seen = norms.layer_checks()
+    assert table.names.index("a") in seen  # its bias still has a gradient
+    model.a.bias.grad = None
+    _, seen = norms.layer_checks()
+    assert table.names.index("a") not in seen
+    model.float()  # every parameter cast after the plan was made
+    fill_gradients(model, seed=1)
+    model.mixed.weight.grad[1, 1] = float("inf")
+    assert checked_bad_layers(norms, table) == {"mixed"} == reference_bad_layers(table)
+
+
+def test_chunks_bound_the_copy_and_find_the_same_layers(accelerator_path, monkeypatch):
+    """With a copy budget smaller than one layer, each gradient is its own chunk: more ops,
+    the same answer."""
+    monkeypatch.setattr(gradients, "_CHUNK_BYTES", 64)
+    model = Awkward()
+    table = LayerTable(model)
+    norms = GradientNorms(table)
+    fill_gradients(model)
+    model.brain.weight.grad[2, 2] = float("nan")
+    model.big.weight.grad[7, 3] = float("inf")
+    assert checked_bad_layers(norms, table) == {"brain", "big"} == reference_bad_layers(table)
+
+
+def test_one_check_makes_a_handful_of_ops_and_no_hidden_read():
+    """Ops and output tensors of one check do not grow with the number of gradients; the
+    segmented reduction is told its lengths are valid (its safe mode reads their sum and
+    minimum back to the host: two waits for a GPU on every step)."""
+
+    def counted(n_layers: int) -> tuple[OpCounter, int]:
+        model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(n_layers)))
+        table = LayerTable(model)
+        norms = GradientNorms(table)
+        norms.cpu_dot_per_tensor = False
+        fill_gradients(model)
+        norms.layer_checks()  # the plan, made once
+        with OpCounter() as counter:
+            norms.layer_checks()
+        return counter, len(table.params)
+
+    small, n_small = counted(2)
+    large, n_large = counted(200)
+    assert (n_small, n_large) == (4, 400)
+    assert small.ops == large.ops and small.outputs == large.outputs
+    assert sum(small.ops.values()) <= 6 and small.outputs <= 6, small.ops
+    assert small.ops["aten._chunk_cat.default"] == 1
+    assert [kw.get("unsafe") for kw in small.kwargs_of["aten.segment_reduce.default"]] == [True]
+
+
+def test_the_cpu_path_and_distributed_gradients_fall_back_to_exact_squares():
+    model = nn.Linear(4, 4)
+    table = LayerTable(model)
+    norms = GradientNorms(table)
+    fill_gradients(model)
+    (checks,), _ = norms.layer_checks()  # a CPU: one BLAS dot per gradient, exact squares
+    expected = sum(float(p.grad.double().square().sum()) for p in model.parameters())
+    assert checks.dtype == torch.float64 and float(checks[0]) == pytest.approx(expected, rel=1e-6)

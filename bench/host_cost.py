@@ -3,6 +3,7 @@
     python bench/host_cost.py                  # CPU: narrow models (bench/shapes.py), ~2 min
     python bench/host_cost.py --against main   # the same, for main and this checkout side by side
     python bench/host_cost.py --full           # the issue's sizes (on a GPU)
+    python bench/host_cost.py --floor-only     # only the fused-check floor below (~1 min)
 
 Printed per workload:
 Times are host wall time on CUDA, and on a CPU the timed thread's CPU time with torch on one
@@ -10,7 +11,9 @@ thread (a shared machine's other processes do not count).
 
 - unsampled: host microseconds hookprof spends per unsampled step, timed around its own
   calls (root forward pre-hook and output hook, optimizer pre/post hooks, prof.step), and
-  the ATen ops it issues in them (each a kernel launch on a GPU). On CUDA nothing in there
+  the ATen ops it issues in them (each a kernel launch on a GPU), the tensors those ops
+  return (a foreach op with N outputs counts N) and the Python calls into hookprof's files
+  over the whole step (issue 37: none of the three may grow with the model). On CUDA nothing in there
   waits for the device, so the time is host time, the issue's target (<= 100 us on the
   ResNet-50 shape); on a CPU every op runs where it is issued, so the time includes reading
   every gradient: a trend, not the target.
@@ -18,6 +21,12 @@ thread (a shared machine's other processes do not count).
   step - host time of an unsampled one, medians, same profiler, alternating steps) / layers.
   On CUDA each step starts after a synchronize and is timed until the optimizer returns,
   without waiting for the device. Target on CUDA: <= 10 us.
+- floor: side by side in one run, on a model of 256 tiny gradients (128 x Linear(4, 4)), the
+  CPU time an unsampled step costs over a bare loop, for hookprof (the accelerator's gradient
+  path; its flags on the host, and on an emulated device 3 steps behind as a GPU's are) and
+  for the cheapest every-step check there is, a fused flag alone (one
+  `torch._amp_foreach_non_finite_check_and_unscale_` over the gradients plus the loss's
+  flag, which names no layer): the ratio of the two extras (issue 37's target: at most 3x).
 - publisher: resolving one sampled step's timings for a model of 500 layers: the longest
   stretch the publisher thread holds the GIL while resolving (it releases it every
   RESOLVE_CHUNK events), the whole resolution, and the whole fold of the step, all in the
@@ -48,7 +57,7 @@ from torch import nn
 import hookprof
 import shapes
 from hookprof._testing import step_boundary_methods, step_is_sampled, timing_resolution_method
-from support.op_counter import OpCounter
+from support.op_counter import CallCounter, OpCounter
 
 
 class BoundaryMeter:
@@ -119,7 +128,8 @@ def measure_workload(name: str, device: torch.device, full: bool, steps: int, ac
             gradients.GradientNorms, "cpu_dot_per_tensor")
         if forced:
             gradients.GradientNorms.cpu_dot_per_tensor = False
-        prof = hookprof.attach(shape.model, port=0, sample_every=2, min_sample_interval_s=0.0)
+        prof = hookprof.attach(shape.model, port=0, sample_every=2, min_sample_interval_s=0.0,
+                               summary_at_exit=False)
         try:
             for _ in range(4):  # warm-up: the first sampled step, cached plans, allocators
                 shape.step()
@@ -135,13 +145,21 @@ def measure_workload(name: str, device: torch.device, full: bool, steps: int, ac
                 if not sampled:
                     boundary.append(meter.ns)
                 sync(device)
-            while step_is_sampled(prof):  # count the ops of one unsampled step
+            layers = len(prof.table)
+        finally:
+            prof.detach()
+        # the counts of an unsampled step whose neighbours are unsampled too (with sampling
+        # every other step, its end would put the next sampled step's layer hooks in)
+        prof = hookprof.attach(shape.model, port=0, sample_every=1000, min_sample_interval_s=3600.0,
+                               summary_at_exit=False)
+        try:
+            for _ in range(3):  # step 1 is sampled; step 2 makes the cached plans
                 shape.step()
             meter.counter = OpCounter()
-            shape.step()
-            ops = meter.counter.ops
+            with CallCounter() as calls:
+                shape.step()
+            ops, tensors = meter.counter.ops, meter.counter.outputs
             meter.counter = None
-            layers = len(prof.table)
         finally:
             prof.detach()
             if forced:
@@ -156,11 +174,81 @@ def measure_workload(name: str, device: torch.device, full: bool, steps: int, ac
         "layers": layers,
         "unsampled_us": unsampled_us,
         "unsampled_ops": sum(ops.values()),
+        "unsampled_tensors": tensors,
+        "unsampled_python_calls": sum(calls.calls.values()),
         "foreach_norm_ops": ops.get("aten._foreach_norm.Scalar", 0),
         "sampled_per_leaf_us": per_leaf_us,
         "step_ms_unsampled": statistics.median(host[False]) / 1e6,
         "accelerator_path": forced,
     }
+
+
+def measure_floor(rounds: int = 7, steps: int = 40, layers: int = 128) -> dict:
+    """hookprof's unsampled step against the fused-check floor (see the module docstring):
+    three copies of one model of `layers` x Linear(4, 4) trained side by side, `rounds`
+    interleaved rounds of `steps` steps each; the thread's CPU time per step, medians."""
+    import copy as _copy
+    from contextlib import nullcontext
+
+    from support.lagging_device import lagging_device
+
+    gradients = sys.modules.get("hookprof.step.gradients")
+    torch.manual_seed(0)
+    base = nn.Sequential(*(nn.Linear(4, 4) for _ in range(layers)))
+    x = torch.randn(8, 4)
+    clock = time.thread_time_ns
+
+    def make():
+        model = _copy.deepcopy(base)
+        return model, torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every step the same
+
+    def step(model, opt, prof=None, fused=None):
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        if fused is not None:  # the floor: one fused flag over every gradient, and the loss's
+            found, inv = fused
+            grads = [p.grad for p in model.parameters()]
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+            found.logical_or_(loss.detach().isinf().logical_or_(loss.detach().isnan()))
+        opt.step()
+        if prof is not None:
+            prof.step(loss)
+
+    result = {"gradients": 2 * layers, "rounds": rounds, "steps": steps}
+    for label, device in (("host flags", nullcontext), ("device flags (emulated, lag 3)", lambda: lagging_device(3))):
+        saved = getattr(gradients.GradientNorms, "cpu_dot_per_tensor", None)
+        if saved is not None:
+            gradients.GradientNorms.cpu_dot_per_tensor = False  # the accelerator's reduction
+        times = {"bare": [], "fused": [], "hookprof": []}
+        try:
+            with device():
+                bare, fused, watched = make(), make(), make()
+                flags = (torch.zeros(1), torch.ones(1))
+                prof = hookprof.attach(watched[0], port=0, sample_every=1000, min_sample_interval_s=3600.0,
+                                        summary_at_exit=False)
+                try:
+                    for _ in range(5):  # warm-up: plans, allocators; step 1 is the sampled one
+                        step(*bare), step(*fused, fused=flags), step(*watched, prof=prof)
+                    for _ in range(rounds):
+                        for name, run in (("bare", lambda: step(*bare)),
+                                          ("fused", lambda: step(*fused, fused=flags)),
+                                          ("hookprof", lambda: step(*watched, prof=prof))):
+                            for _ in range(steps):
+                                t0 = clock()
+                                run()
+                                times[name].append(clock() - t0)
+                finally:
+                    prof.detach()
+        finally:
+            if saved is not None:
+                gradients.GradientNorms.cpu_dot_per_tensor = saved
+        med = {k: statistics.median(v) / 1e3 for k, v in times.items()}
+        extra_fused, extra_hookprof = med["fused"] - med["bare"], med["hookprof"] - med["bare"]
+        result[label] = {"bare_us": med["bare"], "fused_extra_us": extra_fused,
+                         "hookprof_extra_us": extra_hookprof,
+                         "ratio": extra_hookprof / extra_fused if extra_fused > 0 else float("nan")}
+    return result
 
 
 def measure_publisher(device: torch.device, layers: int = 500, steps: int = 8) -> dict:
@@ -293,7 +381,9 @@ def run_here(args) -> dict:
     result = {"hookprof": paths.hookprof_checkout(), "rev": rev,
               "torch": torch.__version__, "device": gpu or f"CPU ({os.cpu_count()} cores)",
               "full": args.full, "workloads": [], "publisher": None}
-    for name in args.workloads.split(","):
+    if args.floor_only:
+        args.workloads, args.skip_publisher = "", True
+    for name in filter(None, args.workloads.split(",")):
         if name == "hf-gpt2" and not shapes.hf_available():
             print(f"# {name}: transformers is not importable, skipped", flush=True)
             continue
@@ -302,6 +392,9 @@ def run_here(args) -> dict:
         print(f"# {name}: {json.dumps(r)}", flush=True)
     for name in (args.profile.split(",") if args.profile else ()):
         profile_workload(name, device, args.full, steps=10)
+    if device.type == "cpu" and not args.skip_floor:
+        result["floor"] = measure_floor()
+        print(f"# floor: {json.dumps(result['floor'])}", flush=True)
     if not args.skip_publisher:
         result["publisher"] = measure_publisher(device)
         print(f"# publisher: {json.dumps(result['publisher'])}", flush=True)
@@ -311,7 +404,8 @@ def run_here(args) -> dict:
 def table(results: list[tuple[str, dict]]) -> str:
     labels = [label for label, _ in results]
     head = "| workload (grads, layers) | " + " | ".join(
-        f"unsampled us/step ({lb}) | ATen ops/unsampled step ({lb}) | sampled us/leaf ({lb})" for lb in labels) + " |"
+        f"unsampled us/step ({lb}) | ATen ops / tensors / Python calls per unsampled step ({lb}) | "
+        f"sampled us/leaf ({lb})" for lb in labels) + " |"
     lines = [head, "|---|" + "---|---|---|" * len(labels)]
     first = results[0][1]["workloads"]
     for i, w in enumerate(first):
@@ -321,8 +415,18 @@ def table(results: list[tuple[str, dict]]) -> str:
             if x is None:
                 cells += ["-", "-", "-"]
                 continue
-            cells += [f"{x['unsampled_us']:.0f}", f"{x['unsampled_ops']}", f"{x['sampled_per_leaf_us']:.1f}"]
+            counts = " / ".join(str(x[k]) if k in x else "-"
+                                for k in ("unsampled_ops", "unsampled_tensors", "unsampled_python_calls"))
+            cells += [f"{x['unsampled_us']:.0f}", counts, f"{x['sampled_per_leaf_us']:.1f}"]
         lines.append(f"| {w['workload']} ({w['grads']}, {w['layers']}) | " + " | ".join(cells) + " |")
+    floors = [(lb, r["floor"]) for lb, r in results if r.get("floor")]
+    if floors:
+        lines += ["", f"| {floors[0][1]['gradients']} tiny gradients, CPU us per unsampled step | "
+                  + " | ".join(lb for lb, _ in floors) + " |", "|---|" + "---|" * len(floors)]
+        for flags in ("host flags", "device flags (emulated, lag 3)"):
+            lines.append(f"| {flags}: hookprof's extra / a fused flag's extra (ratio) | " + " | ".join(
+                f"{f[flags]['hookprof_extra_us']:.0f} / {f[flags]['fused_extra_us']:.0f} ({f[flags]['ratio']:.2f}x)"
+                for _, f in floors) + " |")
     pubs = [(lb, r["publisher"]) for lb, r in results if r.get("publisher")]
     if pubs:
         lines += ["", "| publisher, one sampled step of 500 layers | " + " | ".join(lb for lb, _ in pubs) + " |",
@@ -352,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accelerator-path", action="store_true",
                         help="on a CPU, reduce gradients as on a GPU (one fused pass), where the version can")
     parser.add_argument("--skip-publisher", action="store_true")
+    parser.add_argument("--skip-floor", action="store_true", help="leave out the fused-check floor (CPU only)")
+    parser.add_argument("--floor-only", action="store_true", help="only the fused-check floor")
     parser.add_argument("--profile", metavar="WORKLOADS", default="",
                         help="also profile hookprof's functions on these workloads (cProfile)")
     parser.add_argument("--against", metavar="REV", help="also run a git revision (in a temporary worktree)")

@@ -13,12 +13,22 @@ Nothing is read back here.
   value that is non-finite exactly when the layer's gradients hold a NaN or Inf (their sum),
   with a handful of ATen ops and output tensors whatever the number of gradients
   (DESIGN.md invariant 11; tests/unit/step/test_host_cost.py counts ops, tensors and Python
-  calls): the gradients are copied into one flat buffer by one `torch._chunk_cat` (the op
-  FSDP2 packs its reduce-scatter with), cut into pieces of at most `_PIECE` elements (so a
-  GPU reduces them in balanced blocks, not one block per gradient), summed per piece by one
-  `segment_reduce`, and the pieces folded into layers by one `index_add_`. The copy is made
-  `_CHUNK_BYTES` at a time, so its memory is bounded whatever the model. Which gradient
-  goes where is a cached plan, rebuilt only when the set of gradients changes.
+  calls): the gradients are copied into one flat bfloat16 buffer by one `torch._chunk_cat`
+  (the op FSDP2 packs its reduce-scatter with, casting as it copies), cut into pieces of at
+  most `_PIECE` elements (so a GPU reduces them in balanced blocks, not one block per
+  gradient), summed per piece by one `segment_reduce`, and the pieces folded into layers by
+  one `index_add_`. The copy is made `_CHUNK_BYTES` at a time, so its memory is bounded
+  whatever the model. Which gradient goes where is a cached plan, rebuilt only when the set
+  of gradients changes.
+
+  Why bfloat16: NaN and Inf survive the cast, and its range is float32's, so no float16
+  gradient's sum overflows (at 65504 it would) and only a finite value or piece sum beyond
+  ~3.39e38 reads as non-finite (a float32 norm past 1.8e19 always has); precision does not
+  matter for a check; and the device moves 2 bytes per element to the buffer and back, not
+  4. The price against one read of every gradient (the floor) is that copy: ~1 extra pass
+  over float32 gradients of device memory traffic, ~0.15 ms per step for GPT-124M on an
+  H100 (a kernel that reduces without the copy needs code of hookprof's own on the device:
+  issue 37).
 
 On a CPU each op costs its compute, not a launch: there, one BLAS dot per gradient reads the
 gradients fastest, for sampled and other steps alike (`cpu_dot_per_tensor`).
@@ -78,7 +88,6 @@ class _Chunk(NamedTuple):
     lengths: torch.Tensor  # elements of each piece, in order (on the device)
     index: torch.Tensor  # the layer of each piece (on the device)
     scalar: bool  # 0-d gradients (which _chunk_cat refuses): stacked, one piece each
-    narrow_range: bool  # float16: a finite sum overflows at 65504, so x - x (0 or NaN) first
 
 
 class _CheckPlan(NamedTuple):
@@ -113,10 +122,10 @@ class GradientNorms:
         self._n = len(table)
 
     def layer_checks(self) -> tuple[list[torch.Tensor], frozenset[int]]:
-        """Per device: per layer, a float32 value that is non-finite exactly when the layer's
-        gradients hold a NaN or Inf (the sum of its gradients; a finite sum past float32's
-        range, ~3e38, also reads as non-finite, as a norm past 1.8e19 does in
-        `layer_squares`); and the layers that had any gradient. Same shape as
+        """Per device: per layer, a bfloat16 value that is non-finite exactly when the layer's
+        gradients hold a NaN or Inf (the sum of its gradients; a finite value or sum past
+        ~3.39e38 also reads as non-finite, as a norm past 1.8e19 does in `layer_squares`);
+        and the layers that had any gradient. Same shape as
         `layer_squares`, fewer ops: see the module's docstring. Falls back to
         `layer_squares` where the fused check does not apply (a CPU with
         `cpu_dot_per_tensor`, gradients on several devices, sparse or DTensor ones)."""
@@ -142,22 +151,23 @@ class GradientNorms:
 
     def _checked(self, plan: _CheckPlan, grads: list[torch.Tensor | None]) -> torch.Tensor:
         ordered = list(map(grads.__getitem__, plan.order))
-        out = torch.zeros(self._n, dtype=torch.float32, device=plan.device)
+        out = torch.zeros(self._n, dtype=torch.bfloat16, device=plan.device)
         for chunk in plan.chunks:  # one chunk below _CHUNK_BYTES of one dtype: the usual case
             part = ordered[chunk.start:chunk.stop]
             if chunk.scalar:
-                sums = torch.stack(part)
+                out.index_add_(0, chunk.index, torch.stack(part).to(torch.bfloat16))
+                continue
+            if _CAN_CHUNK_CAT:
+                flat = torch.empty((1, chunk.numel), dtype=torch.bfloat16, device=plan.device)
+                torch._chunk_cat(part, 0, 1, out=flat)  # (resized, with a warning, when a size changed)
             else:
-                flat = torch._chunk_cat(part, 0, 1)[0] if _CAN_CHUNK_CAT else torch.cat(
-                    [g.reshape(-1) for g in part])
-                if flat.numel() != chunk.numel:  # a gradient changed shape: its pieces with it
-                    raise RuntimeError("the gradients' sizes changed since the plan")
-                if chunk.narrow_range:
-                    flat.sub_(flat)  # our own copy: 0 where finite, NaN where not
-                # unsafe: the lengths are ours and checked above; safe mode reads their sum
-                # and minimum back to the host, two waits for the device
-                sums = torch.segment_reduce(flat, "sum", lengths=chunk.lengths, unsafe=True)
-            out.index_add_(0, chunk.index, sums if sums.dtype == torch.float32 else sums.float())
+                flat = torch.cat([g.reshape(-1) for g in part]).to(torch.bfloat16)[None]
+            if flat.numel() != chunk.numel:  # a gradient changed shape: its pieces with it
+                raise RuntimeError("the gradients' sizes changed since the plan")
+            # unsafe: the lengths are ours, and their total is checked above; the safe mode
+            # reads their sum and minimum back to the host, two waits for the device
+            sums = torch.segment_reduce(flat[0], "sum", lengths=chunk.lengths, unsafe=True)
+            out.index_add_(0, chunk.index, sums)
         return out
 
     def _make_check_plan(self, grads: list[torch.Tensor | None],
@@ -193,7 +203,7 @@ class GradientNorms:
                     start = len(order)
                     order += run
                     chunks.append(_Chunk(start, len(order), sum(lengths), index_to_device(lengths, device),
-                                         self._index(device, owners), scalar, dtype == torch.float16))
+                                         self._index(device, owners), scalar))
         if not order:
             return None
         plan = _CheckPlan(device, grads[order[0]].dtype, tuple(order), tuple(chunks),

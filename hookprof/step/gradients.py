@@ -13,19 +13,21 @@ Nothing is read back here.
   value that is non-finite exactly when the layer's gradients hold a NaN or Inf (their sum),
   with a handful of ATen ops and output tensors whatever the number of gradients
   (DESIGN.md invariant 11; tests/unit/step/test_host_cost.py counts ops, tensors and Python
-  calls): the gradients are copied into one flat bfloat16 buffer by one `torch._chunk_cat`
-  (the op FSDP2 packs its reduce-scatter with, casting as it copies), cut into pieces of at
+  calls): the gradients are copied into one flat buffer by one `torch._chunk_cat` (the op
+  FSDP2 packs its reduce-scatter with, casting as it copies: to bfloat16 on a GPU, float32
+  elsewhere, `_CHECK_DTYPE`), cut into pieces of at
   most `_PIECE` elements (so a GPU reduces them in balanced blocks, not one block per
   gradient), summed per piece by one `segment_reduce`, and the pieces folded into layers by
   one `index_add_`. The copy is made `_CHUNK_BYTES` at a time, so its memory is bounded
   whatever the model. Which gradient goes where is a cached plan, rebuilt only when the set
   of gradients changes.
 
-  Why bfloat16: NaN and Inf survive the cast, and its range is float32's, so no float16
-  gradient's sum overflows (at 65504 it would) and only a finite value or piece sum beyond
-  ~3.39e38 reads as non-finite (a float32 norm past 1.8e19 always has); precision does not
-  matter for a check; and the device moves 2 bytes per element to the buffer and back, not
-  4. The price against one read of every gradient (the floor) is that copy: ~1 extra pass
+  Why bfloat16 on a GPU: NaN and Inf survive the cast, and its range is float32's, so no
+  float16 gradient's sum overflows (at 65504 it would) and only a finite value or piece sum
+  beyond ~3.39e38 reads as non-finite (a float32 norm past 1.8e19 always has); precision
+  does not matter for a check; and the device moves 2 bytes per element to the buffer and
+  back, not 4. A CPU converts and sums bfloat16 ~3x slower than float32 (measured with
+  bench/host_cost.py, 2026-11-27), so there the copy is float32, with the same range. The price against one read of every gradient (the floor) is that copy: ~1 extra pass
   over float32 gradients of device memory traffic, ~0.15 ms per step for GPT-124M on an
   H100 (a kernel that reduces without the copy needs code of hookprof's own on the device:
   issue 37).
@@ -76,6 +78,8 @@ _CHUNK_BYTES = 256 << 20
 # for milliseconds; pieces of 64K elements spread over all of them
 _PIECE = 1 << 16
 _GRAD = operator.attrgetter("grad")
+# the check's copy and sums, by device type (see the module's docstring); float32 elsewhere
+_CHECK_DTYPE = {"cuda": torch.bfloat16}
 _CAN_CHUNK_CAT = hasattr(torch, "_chunk_cat")  # torch >= 2.4; before, one reshape per gradient
 
 
@@ -97,6 +101,7 @@ class _CheckPlan(NamedTuple):
 
     device: torch.device
     dtype: torch.dtype  # of the first gradient in `order`: a cheap per-step validity check
+    check_dtype: torch.dtype  # of the copy, the sums and the per-layer values (_CHECK_DTYPE)
     order: tuple[int, ...]
     chunks: tuple[_Chunk, ...]
     seen: frozenset[int]
@@ -122,7 +127,8 @@ class GradientNorms:
         self._n = len(table)
 
     def layer_checks(self) -> tuple[list[torch.Tensor], frozenset[int]]:
-        """Per device: per layer, a bfloat16 value that is non-finite exactly when the layer's
+        """Per device: per layer, a value (bfloat16 on a GPU, float32 elsewhere) that is
+        non-finite exactly when the layer's
         gradients hold a NaN or Inf (the sum of its gradients; a finite value or sum past
         ~3.39e38 also reads as non-finite, as a norm past 1.8e19 does in `layer_squares`);
         and the layers that had any gradient. Same shape as
@@ -151,17 +157,18 @@ class GradientNorms:
 
     def _checked(self, plan: _CheckPlan, grads: list[torch.Tensor | None]) -> torch.Tensor:
         ordered = list(map(grads.__getitem__, plan.order))
-        out = torch.zeros(self._n, dtype=torch.bfloat16, device=plan.device)
+        dtype = plan.check_dtype
+        out = torch.zeros(self._n, dtype=dtype, device=plan.device)
         for chunk in plan.chunks:  # one chunk below _CHUNK_BYTES of one dtype: the usual case
             part = ordered[chunk.start:chunk.stop]
             if chunk.scalar:
-                out.index_add_(0, chunk.index, torch.stack(part).to(torch.bfloat16))
+                out.index_add_(0, chunk.index, torch.stack(part).to(dtype))
                 continue
             if _CAN_CHUNK_CAT:
-                flat = torch.empty((1, chunk.numel), dtype=torch.bfloat16, device=plan.device)
+                flat = torch.empty((1, chunk.numel), dtype=dtype, device=plan.device)
                 torch._chunk_cat(part, 0, 1, out=flat)  # (resized, with a warning, when a size changed)
             else:
-                flat = torch.cat([g.reshape(-1) for g in part]).to(torch.bfloat16)[None]
+                flat = torch.cat([g.reshape(-1) for g in part]).to(dtype)[None]
             if flat.numel() != chunk.numel:  # a gradient changed shape: its pieces with it
                 raise RuntimeError("the gradients' sizes changed since the plan")
             # unsafe: the lengths are ours, and their total is checked above; the safe mode
@@ -206,8 +213,8 @@ class GradientNorms:
                                          self._index(device, owners), scalar))
         if not order:
             return None
-        plan = _CheckPlan(device, grads[order[0]].dtype, tuple(order), tuple(chunks),
-                          frozenset(layer[i] for i in present))
+        plan = _CheckPlan(device, grads[order[0]].dtype, _CHECK_DTYPE.get(device.type, torch.float32),
+                          tuple(order), tuple(chunks), frozenset(layer[i] for i in present))
         self._check_plans[missing] = plan
         return plan
 

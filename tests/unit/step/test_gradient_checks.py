@@ -18,9 +18,13 @@ from hookprof.step.gradients import GradientNorms
 from support.op_counter import OpCounter
 
 
-@pytest.fixture
-def accelerator_path(monkeypatch):
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["copy float32", "copy bfloat16 (a GPU's)"])
+def accelerator_path(monkeypatch, request):
+    """The accelerator's reduction on the CPU, its copy in the dtype a CPU uses and in the
+    one a GPU does."""
     monkeypatch.setattr(GradientNorms, "cpu_dot_per_tensor", False)
+    monkeypatch.setitem(gradients._CHECK_DTYPE, "cpu", request.param)
+    return request.param
 
 
 class Awkward(nn.Module):
@@ -55,7 +59,8 @@ def reference_bad_layers(table: LayerTable) -> set[str]:
 
 def checked_bad_layers(norms: GradientNorms, table: LayerTable) -> set[str]:
     (values,), seen = norms.layer_checks()
-    assert values.dtype == torch.bfloat16 and values.shape == (len(table),)
+    assert values.dtype == gradients._CHECK_DTYPE.get("cpu", torch.float32)
+    assert values.shape == (len(table),)
     return {table.layers[i].name for i, v in enumerate(values.tolist()) if not math.isfinite(v)}
 
 
@@ -79,7 +84,7 @@ def test_a_non_finite_gradient_is_found_in_its_layer_only(accelerator_path, laye
 
 def test_large_finite_fp16_gradients_are_not_an_overflow(accelerator_path):
     """An fp16 layer whose gradients add up far past 65504 is finite: its sum is taken in
-    bfloat16, whose range is float32's (so is a bf16 layer's)."""
+    float32 or bfloat16, whose range is float32's (so is a bf16 layer's)."""
     model = Awkward()
     table = LayerTable(model)
     norms = GradientNorms(table)

@@ -50,7 +50,7 @@ case $stage in
                 --json "$json/cudagraphs.json" >"$OUT/cudagraphs.txt" 2>&1
             say "cudagraphs exit $?"
         fi
-        timeout 80 python bench/host_cost.py --full --steps 16 --profile resnet50,mlp \
+        timeout 100 python bench/host_cost.py --full --steps 16 --profile resnet50,mlp \
             --json "$json/host_cost.json" >"$OUT/host_cost.txt" 2>&1
         say "host_cost exit $?"
         timeout 100 python bench/nonfinite_latency.py --full --after 30 --rounds 6 \

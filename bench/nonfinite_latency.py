@@ -42,6 +42,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import paths  # first: the hookprof under test (HOOKPROF_ROOT's or this checkout's) and the tests' helpers
 
@@ -49,7 +50,7 @@ import torch
 
 import hookprof
 import shapes
-from hookprof._testing import step_is_sampled
+from hookprof._testing import replaying, step_is_sampled
 
 BAD_STEP = 23
 PRODUCER = "h.5.mlp.c_fc"
@@ -75,11 +76,14 @@ class Poison:
     """Forward hooks that turn the layer's output into NaN in every forward of one batch
     (a data-dependent overflow): the batch given to the step it is armed for, a copy of the
     shape's fixed one, so that hookprof's replay of that step, a few steps later on a device
-    behind the host, makes the NaN again, and no other step does."""
+    behind the host, makes the NaN again, and no other step does. The replay runs on its own
+    copy of the step's inputs, so it is told apart by `replaying` (set once attached), not by
+    the batch's identity; it replays only the bad step."""
 
     def __init__(self, model: torch.nn.Module, layer: torch.nn.Module):
         self.batch: torch.Tensor | None = None  # the root input that overflows
         self._input: torch.Tensor | None = None  # the root input of the forward running now
+        self.replaying: Callable[[], bool] = lambda: False  # a hookprof replay is running
         self.handles = [model.register_forward_pre_hook(self._note),
                         layer.register_forward_hook(self._hook)]
 
@@ -94,7 +98,8 @@ class Poison:
         self._input = args[0] if args else None
 
     def _hook(self, module, args, output):
-        return output * float("nan") if self._input is not None and self._input is self.batch else None
+        bad = self.batch is not None and (self._input is self.batch or self.replaying())
+        return output * float("nan") if bad else None
 
     def remove(self) -> None:
         for h in self.handles:
@@ -118,6 +123,7 @@ def one_policy(name: str, overrides: dict, device: torch.device, full: bool, aft
     synchronize(device)
     poison = Poison(shape.model, shape.model.get_submodule(PRODUCER))
     prof = hookprof.attach(shape.model, **settings, **overrides)
+    poison.replaying = lambda: replaying(prof)
     result: dict = {"policy": name, "detected": None, "named": None, "raised": None,
                     "raised_layer": None, "seconds_to_detected": None, "seconds_to_named": None}
     bad_issued = None

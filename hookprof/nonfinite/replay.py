@@ -35,6 +35,7 @@ from torch import nn
 from hookprof.device import transfer
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import StepRecord
+from hookprof.tensors import iter_tensors, map_tensors
 
 
 MAX_LATE = 8  # steps whose output flag may still be on its way (the device's lag), kept
@@ -54,6 +55,9 @@ LATER_WEIGHTS = ("its forward was replayed only after later updates had changed 
 COMPILED_RNG = ("the step's forward ran compiled and draws random numbers (dropout): the eager replay "
                 "draws other ones than a backend generating its own (inductor) did, so a finite replay "
                 "does not make it transient")
+INPUTS_CHANGED = ("its inputs were changed in place after its forward began (by the forward itself, as "
+                  "normalising code does with `x /= ...`, or by the loop since): a replay would run on other "
+                  "inputs than the step's, so its verdict would say nothing of the step")
 EARLIER_FORWARD = ("the NaN/Inf was in an earlier forward of the step (gradient accumulation, a model "
                    "called several times per step); the replay covers the step's last forward only")
 
@@ -142,22 +146,38 @@ def own_weights_nonfinite(layers: list[Any]) -> list[torch.Tensor]:
     return flags
 
 
+def input_versions(args: tuple, kwargs: dict | None) -> int | tuple[int, ...]:
+    """The version counters of a forward's input tensors: an in-place edit of one (`x /= 2`,
+    `x.relu_()`) bumps its counter. One int for the usual `forward(x)`."""
+    if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
+        return args[0]._version
+    return tuple(t._version for t in iter_tensors((args, kwargs)))
+
+
 class CapturedForward:
     """One training forward as the replay needs it: what was called (None: the model), with
     what, and the RNG state at its start. Handed to `_run` as a whole, so replaying a kept
     step never swaps the current step's capture out and back (an exception in between
     would leave the kept step's in its place)."""
 
-    __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng", "updates", "modes", "compiled")
+    __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng", "updates", "modes", "compiled",
+                 "versions")
 
     def __init__(self, module: nn.Module | None, args: tuple, kwargs: dict | None,
                  cpu_rng: torch.Tensor, cuda_rng: list[torch.Tensor] | None, updates: int = 0,
-                 modes: dict | None = None):
+                 modes: dict | None = None, versions: int | tuple[int, ...] | None = None):
         self.module, self.args, self.kwargs = module, args, kwargs
         self.cpu_rng, self.cuda_rng = cpu_rng, cuda_rng
         self.updates = updates  # updates applied to the weights before this forward
         self.modes = modes  # grad mode and autocast at its start (forward_modes)
         self.compiled = False  # it ran compiled (its RNG state was taken at the step's start)
+        # the inputs' version counters as the forward began (input_versions; None: unknown)
+        self.versions = versions
+
+    def changed_in_place(self) -> bool:
+        """Was an input tensor edited in place since the forward began (by the forward
+        itself, or by the loop since)? Then a replay would not run on the step's inputs."""
+        return self.versions is not None and input_versions(self.args, self.kwargs) != self.versions
 
 
 class ForwardReplay:
@@ -227,7 +247,10 @@ class ForwardReplay:
         if rng is None:  # rng_state(), inline: every training forward
             rng = (torch.get_rng_state(),
                    torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
-        captured = CapturedForward(module, args, kwargs, rng[0], rng[1], self.updates, forward_modes())
+        # the inputs' versions (input_versions, its usual case inline: every training forward)
+        versions = (args[0]._version if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor
+                    else input_versions(args, kwargs))
+        captured = CapturedForward(module, args, kwargs, rng[0], rng[1], self.updates, forward_modes(), versions)
         captured.compiled = compiled
         if not self.done:
             self.captured = captured
@@ -340,6 +363,9 @@ class ForwardReplay:
         model = self._model_ref()
         if self.done or model is None:
             return False
+        if captured.changed_in_place():  # (its verdict would be a guess: "transient" for a reproducible NaN)
+            self._refuse(step, INPUTS_CHANGED)
+            return False
         self.done = True
         self.moved = self.updates - captured.updates  # 0: the very weights of that forward
         watch = (self._witness.watch(model, captured, step) if self._witness is not None
@@ -383,11 +409,15 @@ def forward_again(model: nn.Module, hooks: LayerHooks, rec: StepRecord, captured
             for module, name, value in attributes:
                 if isinstance(value, torch.Tensor):
                     module.__dict__[name] = value.clone()
+            # the inputs too: a forward that edits its input in place (`x /= 2`) would edit the
+            # step's tensors again, and autograd, which saved them, would raise in the user's
+            # backward; the replay's edits go to its own copies
+            args, kwargs = map_tensors((captured.args, captured.kwargs or {}), torch.Tensor.clone)
         set_rng((captured.cpu_rng, captured.cuda_rng))
         with hooks.replaying_into(rec), torch.no_grad(), eager(), autocast_of(captured.modes), \
                 (watch if watch is not None else contextlib.nullcontext(None)) as kept:
-            hooks.note_root_inputs(captured.args, captured.kwargs)
-            target(*captured.args, **(captured.kwargs or {}))
+            hooks.note_root_inputs(args, kwargs)
+            target(*args, **kwargs)
         return kept, captured.compiled and _drew_random_numbers(captured)
     finally:
         for module, name, buffer in originals:  # the very same tensors, untouched

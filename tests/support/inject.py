@@ -5,7 +5,7 @@
   it, as it reproduces a NaN that comes from the data or the parameters.
 - BadBatch: a layer's output (or its gradient) goes NaN whenever one particular batch runs
   through the model (a data-dependent overflow), so it recurs when that batch's forward is
-  replayed later.
+  replayed later (the batch is recognised by its values: the replay runs on a copy).
 - NanAt: a layer of its own that makes its input NaN on given steps (`.step` set by the loop).
 """
 
@@ -40,13 +40,21 @@ class BadBatch:
     def _note(self, module, args):
         self.current = args[0]
 
+    def _is_poisoned(self) -> bool:
+        """The batch now running is the poisoned one: the same values (a replay runs its
+        forward on a copy of the step's inputs, as a real data-dependent NaN recurs)."""
+        current, poisoned = self.current, self.poisoned
+        if current is None or poisoned is None:
+            return False
+        return current is poisoned or (current.shape == poisoned.shape and torch.equal(current, poisoned))
+
     def _poison(self, module, args, output):
-        if self.current is not None and self.current is self.poisoned:
+        if self._is_poisoned():
             return output * float("nan")
         return None
 
     def _poison_grad(self, module, grad_output):
-        if self.current is not None and self.current is self.poisoned:
+        if self._is_poisoned():
             return tuple(g * float("nan") if g is not None else None for g in grad_output)
         return None
 

@@ -203,6 +203,7 @@ def guarded(part: str, *, disable: bool = True, default: Any = None,
 
 
 MAX_RESTARTS = 3  # per thread
+SUPERVISE_AT_LEAST_EVERY_NS = 5_000_000_000  # hookprof's threads looked at, between sampled steps
 
 
 class Restartable(Protocol):
@@ -250,9 +251,9 @@ class ThreadSupervisor:
     """hookprof's own threads end only when detach() stops them: one that ended anyway (its
     loop catches every Exception, so something stronger killed it) is reported (log,
     hookprof_internal_errors_total) and started again, a few times at most. Checked by the
-    training thread at the end of sampled steps (every ~2 s with the defaults; not at every
-    step: an unsampled step's work stays constant and small, DESIGN.md invariant 11): a dict
-    walk, no waiting.
+    training thread at the end of sampled steps (every ~2 s with the defaults), and at least
+    every 5 s whatever the sampling (`due_ns`); not at every step: an unsampled step's work
+    stays constant and small (DESIGN.md invariant 11). A dict walk, no waiting.
 
     `close()` (at detach, before the threads are stopped) ends it: a check running on the
     training thread while another thread detaches either finishes before the threads are
@@ -264,6 +265,9 @@ class ThreadSupervisor:
         self._given_up: set[str] = set()  # reported as not restarted again
         self._lock = threading.Lock()  # a check against close()
         self._closed = False
+        # the next check is due by this perf_counter_ns at the latest, sampled step or not
+        # (read by the training thread at each step's end: an attribute, no call)
+        self.due_ns = 0
 
     def watch(self, what: str, part: Restartable) -> None:
         self._watched[what] = part
@@ -273,7 +277,8 @@ class ThreadSupervisor:
         with self._lock:
             self._closed = True
 
-    def check(self) -> None:
+    def check(self, now_ns: int = 0) -> None:
+        self.due_ns = now_ns + SUPERVISE_AT_LEAST_EVERY_NS
         if self._closed:
             return
         with self._lock:

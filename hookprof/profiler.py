@@ -418,8 +418,10 @@ class Profiler:
         return number, now
 
     def _on_step_ended(self, number: int, now: int) -> None:
-        if self._sampled.plan.sampled:  # hookprof's threads, looked at every ~2 s by default:
-            self._supervisor.check()  # not at every step (DESIGN.md invariant 11)
+        # hookprof's threads, looked at on sampled steps and every 5 s at least: not at
+        # every step (DESIGN.md invariant 11)
+        if self._sampled.plan.sampled or now >= self._supervisor.due_ns:
+            self._supervisor.check(now)
         self._incidents.at_step_end(number)
         self._begin_step(number + 1, now)
 

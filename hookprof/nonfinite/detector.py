@@ -189,12 +189,13 @@ class Detector:
             ((device, counters),) = self.by_device.items()
             values = layer_parts[0] if layer_parts else None
             forward = forward_flags[0] if forward_flags else None
-            if forward is not None and not isinstance(forward, torch.Tensor):  # a host bool
-                if forward:
-                    self.add_flag("forward", True, step)
-                forward = None
+            host = forward is not None and not isinstance(forward, torch.Tensor)  # a host bool
             if ((values is None or values.device == device)
-                    and (forward is None or (isinstance(forward, torch.Tensor) and forward.device == device))):
+                    and (forward is None or host or forward.device == device)):
+                if host:  # (counted here, once: the general path below would count it again)
+                    if forward:
+                        self.add_flag("forward", True, step)
+                    forward = None
                 counters.end_step(values, forward, step)
                 return
         self.note_layers(layer_parts)

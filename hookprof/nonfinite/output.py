@@ -28,9 +28,9 @@ def any_flag(flags: list[torch.Tensor]) -> torch.Tensor:
 
 
 class OutputFlags:
-    """This step's output checks: `add` takes each forward's flags; `forward_flag` is the
-    last forward's (the replay's), `step_flags` the whole step's (the guard's, the
-    detector's). `clear` at each step's beginning."""
+    """This step's output checks: `add` takes each forward's flags; `last` is the last
+    forward's (the replay's), `step_flags` the whole step's so far (the guard's); `take`
+    hands the step's to the detector at its end and clears them for the next step."""
 
     __slots__ = ("_host", "_by_device", "last", "earlier")
 
@@ -43,12 +43,6 @@ class OutputFlags:
         # the step's forwards before the last, combined (None: the last is the first): the
         # replay covers the last forward, and must know when the NaN was in an earlier one
         self.earlier: bool | torch.Tensor | None = None
-
-    def clear(self) -> None:
-        self._host = None
-        self._by_device = {}
-        self.last = None
-        self.earlier = None
 
     def add(self, flags: list[bool | torch.Tensor]) -> None:
         """One forward's flags: at most one host bool and one flag per device."""
@@ -95,7 +89,7 @@ class OutputFlags:
         step's end, where the detector counts them."""
         out: list[bool | torch.Tensor] = [] if self._host is None else [self._host]
         out.extend(self._by_device.values())
-        self._host, self._by_device, self.last, self.earlier = None, {}, None, None  # clear()
+        self._host, self._by_device, self.last, self.earlier = None, {}, None, None
         return out
 
     def step_flags(self) -> list[bool | torch.Tensor]:

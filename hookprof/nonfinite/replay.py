@@ -24,6 +24,7 @@ localised, and `say` tells why, once.
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -146,12 +147,15 @@ def own_weights_nonfinite(layers: list[Any]) -> list[torch.Tensor]:
     return flags
 
 
+_VERSION = operator.attrgetter("_version")
+
+
 def input_versions(args: tuple, kwargs: dict | None) -> int | tuple[int, ...]:
     """The version counters of a forward's input tensors: an in-place edit of one (`x /= 2`,
     `x.relu_()`) bumps its counter. One int for the usual `forward(x)`."""
     if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
         return args[0]._version
-    return tuple(t._version for t in iter_tensors((args, kwargs)))
+    return tuple(map(_VERSION, iter_tensors((args, kwargs))))
 
 
 class CapturedForward:

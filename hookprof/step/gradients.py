@@ -14,26 +14,25 @@ Nothing is read back here.
   with a handful of ATen ops and output tensors whatever the number of gradients
   (DESIGN.md invariant 11; tests/unit/step/test_host_cost.py counts ops, tensors and Python
   calls): the gradients are copied into one flat buffer by one `torch._chunk_cat` (the op
-  FSDP2 packs its reduce-scatter with, casting as it copies: to bfloat16 on a GPU, float32
-  elsewhere, `_CHECK_DTYPE`), cut into pieces of at
+  FSDP2 packs its reduce-scatter with; on CUDA one kernel launch for contiguous gradients
+  copied in their own dtype, which is why the copy keeps their dtype), cut into pieces of at
   most `_PIECE` elements (so a GPU reduces them in balanced blocks, not one block per
   gradient), summed per piece by one `segment_reduce`, and the pieces folded into layers by
-  one `index_add_`. The copy is made `_CHUNK_BYTES` at a time, so its memory is bounded
-  whatever the model. Which gradient goes where is a cached plan, rebuilt only when the set
-  of gradients changes.
+  one `index_add_`. The copy is made `_CHUNK_BYTES` at a time, and a gradient that large is
+  summed where it lies, so the copy's memory is bounded whatever the model. Float16 copies
+  become `x - x` first (0 or NaN: their sum would overflow at 65504). Gradients that are not
+  contiguous (channels_last convolutions) would cost the copy one launch each: they get one
+  `torch._foreach_norm`, one output each. Which gradient goes where is a cached plan, rebuilt
+  only when the set of gradients, the device or the dtype changes (`_Chunk` has the kinds).
 
-  Why bfloat16 on a GPU: NaN and Inf survive the cast, and its range is float32's, so no
-  float16 gradient's sum overflows (at 65504 it would) and only a finite value or piece sum
-  beyond ~3.39e38 reads as non-finite (a float32 norm past 1.8e19 always has); precision
-  does not matter for a check; and the device moves 2 bytes per element to the buffer and
-  back, not 4. A CPU converts and sums bfloat16 ~3x slower than float32 (measured with
-  bench/host_cost.py, 2026-11-27), so there the copy is float32, with the same range. The price against one read of every gradient (the floor) is that copy: ~1 extra pass
-  over float32 gradients of device memory traffic, ~0.15 ms per step for GPT-124M on an
-  H100 (a kernel that reduces without the copy needs code of hookprof's own on the device:
-  issue 37).
+  The price against one read of every gradient (the floor) is the copy: ~two more passes
+  over the copied gradients' bytes of device memory traffic (~0.3 ms per step for GPT-124M's
+  500 MB of float32 gradients on an H100, against a 26 ms device step; unmeasured). A kernel
+  that reduces without the copy needs code of hookprof's own on the device (issue 37).
 
 On a CPU each op costs its compute, not a launch: there, one BLAS dot per gradient reads the
-gradients fastest, for sampled and other steps alike (`cpu_dot_per_tensor`).
+gradients fastest, for sampled and other steps alike (`cpu_dot_per_tensor`); tests switch it
+off to run the accelerator's path.
 """
 
 from __future__ import annotations
@@ -78,33 +77,52 @@ _CHUNK_BYTES = 256 << 20
 # for milliseconds; pieces of 64K elements spread over all of them
 _PIECE = 1 << 16
 _GRAD = operator.attrgetter("grad")
-# the check's copy and sums, by device type (see the module's docstring); float32 elsewhere
-_CHECK_DTYPE = {"cuda": torch.bfloat16}
+# where the fused check runs: segment_reduce has CPU and CUDA kernels only (not MPS, say)
+_FUSED_DEVICES = ("cuda", "cpu")
 _CAN_CHUNK_CAT = hasattr(torch, "_chunk_cat")  # torch >= 2.4; before, one reshape per gradient
 
 
 class _Chunk(NamedTuple):
-    """Gradients `start:stop` of a check plan's order, reduced together: all of one dtype."""
+    """Gradients `start:stop` of a check plan's order, reduced together, all of one dtype;
+    how depends on `kind`:
+
+    - "cat": contiguous gradients, copied into one flat buffer of their own dtype by one
+      `_chunk_cat` (its CUDA kernel is one launch only for contiguous inputs copied without a
+      cast), at most _CHUNK_BYTES of them;
+    - "view": one contiguous gradient of _CHUNK_BYTES or more, reduced where it lies (a
+      view, no copy: an embedding's gradient is not copied whole every step);
+    - "strided": gradients that are not contiguous (a channels_last convolution's), whose
+      copy would be one launch each: one `_foreach_norm` over them, one output each (the
+      one case where the host's work grows with the model: with those gradients only);
+    - "scalar": 0-d gradients (which _chunk_cat refuses): stacked, one piece each.
+    """
 
     start: int
     stop: int
+    kind: str
     numel: int  # elements of the gradients start:stop, the sum of `lengths`
-    lengths: torch.Tensor  # elements of each piece, in order (on the device)
+    lengths: torch.Tensor | None  # elements of each summed piece, in order (on the device)
     index: torch.Tensor  # the layer of each piece (on the device)
-    scalar: bool  # 0-d gradients (which _chunk_cat refuses): stacked, one piece each
+    narrow_range: bool  # float16: a finite sum overflows at 65504, so x - x (0 or NaN) first
 
 
 class _CheckPlan(NamedTuple):
     """How one set of present gradients is checked: their order (positions in the table's
-    parameters, grouped by dtype; empty gradients left out, they hold nothing non-finite),
-    the chunks of that order, and the layers that have a gradient."""
+    parameters, grouped by dtype and kind; empty gradients left out, they hold nothing
+    non-finite), the chunks of that order (None: no fused check here, `layer_squares`
+    instead), and the layers that have a gradient. The first gradient of `order` is looked
+    at every step (device and dtype): a model moved or cast gets a new plan."""
 
-    device: torch.device
-    dtype: torch.dtype  # of the first gradient in `order`: a cheap per-step validity check
-    check_dtype: torch.dtype  # of the copy, the sums and the per-layer values (_CHECK_DTYPE)
+    device: torch.device | None
+    dtype: torch.dtype | None
     order: tuple[int, ...]
-    chunks: tuple[_Chunk, ...]
+    chunks: tuple[_Chunk, ...] | None
     seen: frozenset[int]
+
+
+def _pieces(n: int) -> list[int]:
+    """`n` elements cut into pieces of at most _PIECE."""
+    return [_PIECE] * (n // _PIECE) + ([n % _PIECE] if n % _PIECE else [])
 
 
 class GradientNorms:
@@ -123,100 +141,123 @@ class GradientNorms:
         # DTensor parameters (FSDP2, tensor parallel) have DTensor gradients: known at attach,
         # so plain models skip the per-gradient lookup (this loop runs every step)
         self._distributed = table.has_dtensor_params
-        self._check_plans: dict[tuple[int, ...], _CheckPlan | None] = {}  # None: no fused check
+        self._check_plans: dict[tuple[int, ...], _CheckPlan] = {}
         self._n = len(table)
 
     def layer_checks(self) -> tuple[list[torch.Tensor], frozenset[int]]:
-        """Per device: per layer, a value (bfloat16 on a GPU, float32 elsewhere) that is
-        non-finite exactly when the layer's
-        gradients hold a NaN or Inf (the sum of its gradients; a finite value or sum past
-        ~3.39e38 also reads as non-finite, as a norm past 1.8e19 does in `layer_squares`);
-        and the layers that had any gradient. Same shape as
-        `layer_squares`, fewer ops: see the module's docstring. Falls back to
-        `layer_squares` where the fused check does not apply (a CPU with
-        `cpu_dot_per_tensor`, gradients on several devices, sparse or DTensor ones)."""
+        """Per device: per layer, a float32 value that is non-finite exactly when the layer's
+        gradients hold a NaN or Inf (the sum of its gradients, or its squared norm for
+        strided ones; a finite value or sum past float32's range, ~3.4e38, also reads as
+        non-finite, as a norm past 1.8e19 does in `layer_squares`); and the layers that had
+        any gradient. Same shape as `layer_squares`, fewer ops: see the module's docstring.
+        Falls back to `layer_squares` where the fused check does not apply (a CPU with
+        `cpu_dot_per_tensor`, a device other than CUDA, gradients on several devices,
+        sparse or DTensor ones)."""
         if self._distributed:
             return self._grouped()
         grads = list(map(_GRAD, self._params))  # C-level: no Python call per gradient
         missing: tuple[int, ...] = ()
         if not all(map(operator.is_not, grads, repeat(None))):
             missing = tuple(compress(count(), map(operator.is_, grads, repeat(None))))
-        plan = self._check_plans.get(missing, False)
-        if plan is False or (plan is not None and (grads[plan.order[0]].device != plan.device
-                                                   or grads[plan.order[0]].dtype != plan.dtype)):
+        plan = self._check_plans.get(missing)
+        if plan is None or (plan.order and (grads[plan.order[0]].device != plan.device
+                                            or grads[plan.order[0]].dtype != plan.dtype)):
             plan = self._make_check_plan(grads, missing)  # new, or the model was moved or cast
-        if plan is None:
+        if plan.chunks is None:
             return self.layer_squares()
         try:
             return [self._checked(plan, grads)], plan.seen
-        except RuntimeError:  # a gradient changed shape or dtype alone: plan again, once
+        except (RuntimeError, UserWarning):  # a gradient changed shape alone: plan again, once
             plan = self._make_check_plan(grads, missing)
-            if plan is None:
+            if plan.chunks is None:
                 return self.layer_squares()
-            return [self._checked(plan, grads)], plan.seen
+            try:
+                return [self._checked(plan, grads)], plan.seen
+            except (RuntimeError, UserWarning):
+                return self.layer_squares()  # (exact, and per gradient: never no check)
 
     def _checked(self, plan: _CheckPlan, grads: list[torch.Tensor | None]) -> torch.Tensor:
         ordered = list(map(grads.__getitem__, plan.order))
-        dtype = plan.check_dtype
-        out = torch.zeros(self._n, dtype=dtype, device=plan.device)
-        for chunk in plan.chunks:  # one chunk below _CHUNK_BYTES of one dtype: the usual case
+        out = torch.zeros(self._n, dtype=torch.float32, device=plan.device)
+        for chunk in plan.chunks or ():  # one "cat" chunk: the usual model
             part = ordered[chunk.start:chunk.stop]
-            if chunk.scalar:
-                out.index_add_(0, chunk.index, torch.stack(part).to(dtype))
-                continue
-            if _CAN_CHUNK_CAT:
-                flat = torch.empty((1, chunk.numel), dtype=dtype, device=plan.device)
-                torch._chunk_cat(part, 0, 1, out=flat)  # (resized, with a warning, when a size changed)
+            kind = chunk.kind
+            if kind == "scalar":
+                values = torch.stack(part)
+            elif kind == "strided":
+                values = torch.stack(torch._foreach_norm(part, 2, dtype=torch.float32))
             else:
-                flat = torch.cat([g.reshape(-1) for g in part]).to(dtype)[None]
-            if flat.numel() != chunk.numel:  # a gradient changed shape: its pieces with it
-                raise RuntimeError("the gradients' sizes changed since the plan")
-            # unsafe: the lengths are ours, and their total is checked above; the safe mode
-            # reads their sum and minimum back to the host, two waits for the device
-            sums = torch.segment_reduce(flat[0], "sum", lengths=chunk.lengths, unsafe=True)
-            out.index_add_(0, chunk.index, sums)
+                if kind == "view":
+                    flat = part[0].view(-1)  # the user's gradient: read, never written
+                    if chunk.narrow_range:
+                        flat = flat.sub(flat)
+                else:
+                    flat = (torch._chunk_cat(part, 0, 1)[0] if _CAN_CHUNK_CAT
+                            else torch.cat([g.reshape(-1) for g in part]))
+                    if chunk.narrow_range:
+                        flat.sub_(flat)  # our own copy: 0 where finite, NaN where not
+                if flat.numel() != chunk.numel:  # a gradient changed shape: its pieces with it
+                    raise RuntimeError("the gradients' sizes changed since the plan")
+                # unsafe: the lengths are ours, and their total is checked above; the safe
+                # mode reads their sum and minimum back to the host, two waits for the device
+                values = torch.segment_reduce(flat, "sum", lengths=chunk.lengths, unsafe=True)
+            out.index_add_(0, chunk.index, values if values.dtype == torch.float32 else values.float())
         return out
 
-    def _make_check_plan(self, grads: list[torch.Tensor | None],
-                         missing: tuple[int, ...]) -> _CheckPlan | None:
-        present = [i for i, g in enumerate(grads) if g is not None]
+    def _make_check_plan(self, grads: list[torch.Tensor | None], missing: tuple[int, ...]) -> _CheckPlan:
         if len(self._check_plans) >= _MAX_PLANS:
             self._check_plans.clear()
-        self._check_plans[missing] = None
-        if not present:
-            return None
-        devices = {grads[i].device for i in present}
-        if len(devices) != 1 or any(grads[i].is_sparse for i in present):
-            return None
-        (device,) = devices
-        if device.type == "cpu" and self.cpu_dot_per_tensor:
-            return None
         layer = self._table.param_layer
-        nonempty = [i for i in present if grads[i].numel()]
-        dtypes = list(dict.fromkeys(grads[i].dtype for i in nonempty))  # first seen, first
-        order: list[int] = []
-        chunks: list[_Chunk] = []
-        for dtype in dtypes:
-            for scalar in (False, True):
-                group = [i for i in nonempty if grads[i].dtype == dtype and (grads[i].dim() == 0) == scalar]
-                for run in _runs_within(group, grads, _CHUNK_BYTES):
-                    lengths: list[int] = []
-                    owners: list[int] = []
-                    for i in run:
-                        n = grads[i].numel()
-                        pieces = [_PIECE] * (n // _PIECE) + ([n % _PIECE] if n % _PIECE else [])
-                        lengths += pieces
-                        owners += [layer[i]] * len(pieces)
-                    start = len(order)
-                    order += run
-                    chunks.append(_Chunk(start, len(order), sum(lengths), index_to_device(lengths, device),
-                                         self._index(device, owners), scalar))
-        if not order:
-            return None
-        plan = _CheckPlan(device, grads[order[0]].dtype, _CHECK_DTYPE.get(device.type, torch.float32),
-                          tuple(order), tuple(chunks), frozenset(layer[i] for i in present))
+        present = [i for i, g in enumerate(grads) if g is not None]
+        seen = frozenset(layer[i] for i in present)
+        first = grads[present[0]] if present else None
+        # no fused check (chunks None), still looked at for a move or a cast (its first gradient)
+        plan = _CheckPlan(None if first is None else first.device, None if first is None else first.dtype,
+                          tuple(present[:1]), None, seen)
+        devices = {grads[i].device for i in present}
+        if (len(devices) == 1 and not any(grads[i].is_sparse for i in present)
+                and first.device.type in _FUSED_DEVICES
+                and not (first.device.type == "cpu" and self.cpu_dot_per_tensor)):
+            chunks, order = self._chunks(grads, [i for i in present if grads[i].numel()], first.device)
+            if order:
+                plan = _CheckPlan(first.device, grads[order[0]].dtype, tuple(order), tuple(chunks), seen)
         self._check_plans[missing] = plan
         return plan
+
+    def _chunks(self, grads: list[Any], nonempty: list[int],
+                device: torch.device) -> tuple[list[_Chunk], list[int]]:
+        layer = self._table.param_layer
+        order: list[int] = []
+        chunks: list[_Chunk] = []
+
+        def add(kind: str, run: list[int]) -> None:
+            sizes = [grads[i].numel() for i in run]
+            if kind in ("scalar", "strided"):  # one value per gradient
+                lengths, owners = None, [layer[i] for i in run]
+            else:
+                cut = [_pieces(n) for n in sizes]
+                lengths = index_to_device([p for c in cut for p in c], device)
+                owners = [layer[i] for i, c in zip(run, cut) for _ in c]
+            start = len(order)
+            order.extend(run)
+            chunks.append(_Chunk(start, len(order), kind, sum(sizes), lengths, self._index(device, owners),
+                                 grads[run[0]].dtype == torch.float16))
+
+        for dtype in dict.fromkeys(grads[i].dtype for i in nonempty):  # first seen, first
+            of_dtype = [i for i in nonempty if grads[i].dtype == dtype]
+            scalar = [i for i in of_dtype if grads[i].dim() == 0]
+            strided = [i for i in of_dtype if grads[i].dim() and not grads[i].is_contiguous()]
+            dense = [i for i in of_dtype if grads[i].dim() and grads[i].is_contiguous()]
+            large = [i for i in dense if grads[i].numel() * grads[i].element_size() >= _CHUNK_BYTES]
+            for run in _runs_within([i for i in dense if i not in large], grads, _CHUNK_BYTES):
+                add("cat", run)
+            for i in large:
+                add("view", [i])
+            if strided:
+                add("strided", strided)
+            if scalar:
+                add("scalar", scalar)
+        return chunks, order
 
     def layer_squares(self) -> tuple[list[torch.Tensor], frozenset[int]]:
         """Per device: (squared L2 norm of each layer's gradients over that device's

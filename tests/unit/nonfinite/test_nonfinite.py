@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import hookprof
 from hookprof.demo import InjectNonFinite
@@ -81,3 +82,16 @@ def test_activation_statistics_match_the_outputs(every_step):
     sample = out.flatten()[::stride]
     assert stats.activation_zero_ratio == pytest.approx((sample == 0).float().mean().item())
     assert 0 < stats.activation_zero_ratio < 1  # a ReLU on random data kills some units
+
+
+def test_a_host_flag_is_counted_once_when_the_layers_are_on_another_device():
+    """Detector.end_step's one-device path takes a host bool for the output only when it
+    takes the step whole: a step whose gradients are elsewhere (a model moved mid-run) went
+    down both paths, and its forward NaN was counted twice (review of issue 37's change)."""
+    from hookprof.nonfinite.detector import PHASE_INDEX, Detector
+
+    detector = Detector(3)
+    detector.counters(torch.device("cpu"))
+    detector.end_step([torch.zeros(3, device="meta")], [True], 5)
+    forward = PHASE_INDEX["forward"]
+    assert (detector.host_phase_bad[forward], detector.host_phase_first[forward]) == (1, 5)

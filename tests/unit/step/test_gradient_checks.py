@@ -18,18 +18,15 @@ from hookprof.step.gradients import GradientNorms
 from support.op_counter import OpCounter
 
 
-@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["copy float32", "copy bfloat16 (a GPU's)"])
-def accelerator_path(monkeypatch, request):
-    """The accelerator's reduction on the CPU, its copy in the dtype a CPU uses and in the
-    one a GPU does."""
+@pytest.fixture
+def accelerator_path(monkeypatch):
     monkeypatch.setattr(GradientNorms, "cpu_dot_per_tensor", False)
-    monkeypatch.setitem(gradients._CHECK_DTYPE, "cpu", request.param)
-    return request.param
 
 
 class Awkward(nn.Module):
     """fp32, fp16 and bf16 layers, a 0-d parameter, an empty one, a gradient larger than
-    one summed piece, and a layer holding two parameters of different dtypes."""
+    one summed piece, a layer holding two parameters of different dtypes, and a
+    channels_last convolution (its gradient is not contiguous)."""
 
     def __init__(self):
         super().__init__()
@@ -41,12 +38,17 @@ class Awkward(nn.Module):
         self.empty = nn.Linear(0, 4)  # weight of 0 elements, bias of 4
         self.mixed = nn.Linear(4, 4)
         self.mixed.bias = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+        self.conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
 
 
 def fill_gradients(model: nn.Module, seed: int = 0) -> None:
+    """Random gradients laid out as autograd lays them: like their parameter (a
+    channels_last weight gets a channels_last gradient)."""
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        grad = torch.empty_like(p)
+        grad.copy_(torch.randn(p.shape, generator=g))
+        p.grad = grad
 
 
 def reference_bad_layers(table: LayerTable) -> set[str]:
@@ -59,14 +61,13 @@ def reference_bad_layers(table: LayerTable) -> set[str]:
 
 def checked_bad_layers(norms: GradientNorms, table: LayerTable) -> set[str]:
     (values,), seen = norms.layer_checks()
-    assert values.dtype == gradients._CHECK_DTYPE.get("cpu", torch.float32)
-    assert values.shape == (len(table),)
+    assert values.dtype == torch.float32 and values.shape == (len(table),)
     return {table.layers[i].name for i, v in enumerate(values.tolist()) if not math.isfinite(v)}
 
 
 PLACES = [("a", "weight", (1, 2)), ("fp16", "weight", (0, 0)), ("brain", "bias", (3,)),
           ("(root)", "temperature", ()), ("big", "weight", (-1, 15)), ("empty", "bias", (0,)),
-          ("mixed", "bias", (2,)), ("mixed", "weight", (0, 1))]
+          ("mixed", "bias", (2,)), ("mixed", "weight", (0, 1)), ("conv", "weight", (3, 2, 1, 0))]
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
@@ -83,8 +84,8 @@ def test_a_non_finite_gradient_is_found_in_its_layer_only(accelerator_path, laye
 
 
 def test_large_finite_fp16_gradients_are_not_an_overflow(accelerator_path):
-    """An fp16 layer whose gradients add up far past 65504 is finite: its sum is taken in
-    float32 or bfloat16, whose range is float32's (so is a bf16 layer's)."""
+    """An fp16 layer whose gradients add up far past 65504 is finite (x - x is summed, not
+    x); a bf16 one sums in its own range, float32's."""
     model = Awkward()
     table = LayerTable(model)
     norms = GradientNorms(table)
@@ -121,17 +122,57 @@ def test_the_plan_follows_frozen_layers_a_cast_and_a_move(accelerator_path):
     assert checked_bad_layers(norms, table) == {"a"}
 
 
-def test_chunks_bound_the_copy_and_find_the_same_layers(accelerator_path, monkeypatch):
-    """With a copy budget smaller than one layer, each gradient is its own chunk: more ops,
-    the same answer."""
-    monkeypatch.setattr(gradients, "_CHUNK_BYTES", 64)
+@pytest.mark.parametrize("budget", [64, 4096], ids=["every gradient summed where it lies", "small copies"])
+def test_chunks_bound_the_copy_and_find_the_same_layers(accelerator_path, monkeypatch, budget):
+    """With a copy budget smaller than the gradients, a gradient that large is summed where it
+    lies (a view: no copy, never written) and the rest are copied a budget at a time: more
+    ops, the same answer."""
+    monkeypatch.setattr(gradients, "_CHUNK_BYTES", budget)
     model = Awkward()
     table = LayerTable(model)
     norms = GradientNorms(table)
     fill_gradients(model)
     model.brain.weight.grad[2, 2] = float("nan")
     model.big.weight.grad[7, 3] = float("inf")
-    assert checked_bad_layers(norms, table) == {"brain", "big"} == reference_bad_layers(table)
+    model.fp16.bias.grad[1] = float("nan")
+    before = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert checked_bad_layers(norms, table) == {"brain", "big", "fp16"} == reference_bad_layers(table)
+    for name, p in model.named_parameters():  # the check reads the gradients, never writes them
+        assert torch.equal(p.grad.nan_to_num(), before[name].nan_to_num()), name
+
+
+def test_a_plan_without_the_fused_check_is_made_again_on_a_move_or_a_cast(accelerator_path, monkeypatch):
+    """A model stepped where the fused check does not run, then moved or cast to where it
+    does, gets it from then on: the plan without it also looks at the first gradient's
+    device and dtype every step. (A move to CUDA is emulated by a cast: this machine has one
+    device; a device without the check by leaving the CPU out of _FUSED_DEVICES.)"""
+    monkeypatch.setattr(gradients, "_FUSED_DEVICES", ("cuda",))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    table = LayerTable(model)
+    norms = GradientNorms(table)
+    fill_gradients(model)
+    (values,), _ = norms.layer_checks()
+    assert values.dtype == torch.float64  # exact squares: no fused check here
+    monkeypatch.setattr(gradients, "_FUSED_DEVICES", ("cuda", "cpu"))
+    model.double()  # the same parameters, cast
+    fill_gradients(model)
+    model[1].bias.grad[0] = float("inf")
+    (values,), _ = norms.layer_checks()
+    assert values.dtype == torch.float32  # the fused check's
+    assert [math.isfinite(v) for v in values.tolist()] == [True, False]
+
+
+def test_a_device_without_a_segmented_sum_gets_the_exact_squares(accelerator_path, monkeypatch):
+    """segment_reduce has CPU and CUDA kernels only: elsewhere (MPS) the check falls back to
+    the sampled steps' reduction instead of failing at every step."""
+    monkeypatch.setattr(gradients, "_FUSED_DEVICES", ("cuda",))
+    model = nn.Linear(4, 4)
+    table = LayerTable(model)
+    norms = GradientNorms(table)
+    fill_gradients(model)
+    model.weight.grad[0, 0] = float("nan")
+    (values,), _ = norms.layer_checks()
+    assert values.dtype == torch.float64 and not math.isfinite(float(values[0]))
 
 
 def test_one_check_makes_a_handful_of_ops_and_no_hidden_read():
@@ -155,7 +196,7 @@ def test_one_check_makes_a_handful_of_ops_and_no_hidden_read():
     assert (n_small, n_large) == (4, 400)
     assert small.ops == large.ops and small.outputs == large.outputs
     assert sum(small.ops.values()) <= 6 and small.outputs <= 6, small.ops
-    assert small.ops["aten._chunk_cat.out"] == 1
+    assert small.ops["aten._chunk_cat.default"] == 1
     assert [kw.get("unsafe") for kw in small.kwargs_of["aten.segment_reduce.default"]] == [True]
 
 

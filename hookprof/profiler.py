@@ -111,10 +111,7 @@ class Profiler:
         self._faults = Faults()
         self._notices = Notices()
         self._counters = StepCounters(config.max_skipped_steps)
-        self._grads = StepGradients(GradientNorms(self.table))
-        # per-layer gradient checks on every step, not only sampled ones (never off because
-        # of a fault elsewhere: DESIGN.md invariant 3)
-        self._every_step_gradients = config.nonfinite_check == "all"
+        self._grads = StepGradients(GradientNorms(self.table), every_step=config.nonfinite_check == "all")
         self._hooks = LayerHooks(self.table, self.timer, self._faults, config.activation_stats,
                                  root=model, statistics=layer_statistics)
         root_layer = next((layer.index for layer in self.table.layers if layer.module is model), None)
@@ -216,7 +213,7 @@ class Profiler:
         """
         if self._boundary.detached:
             raise DetachedError("Profiler.step() called after detach(); attach the model again")
-        what = None  # (a one-element real tensor, the usual loss, needs no look through real_loss)
+        what = None  # (the usual loss, a one-element real tensor, needs no real_loss)
         if loss is not None and (type(loss) is not torch.Tensor or loss.numel() != 1 or loss.is_complex()):
             loss, what = real_loss(loss)
         if what is not None:  # a (loss, outputs) tuple and the like: said once, steps go on
@@ -317,7 +314,7 @@ class Profiler:
         """The root's forward returned: check its output (every step)."""
         self._phases.enter(BACKWARD, self._clock())
         self._nan.check_output(output, step=self._counters.steps + 1)
-        if self._sampled.unfolded:
+        if self._sampled.unfolded:  # (a sampled step's, to fold)
             self._sampled.nudge()
 
     def _on_update_began(self, optimizer: torch.optim.Optimizer) -> None:
@@ -332,12 +329,15 @@ class Profiler:
 
     def _on_before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """This step's gradients are final and its parameters not updated yet."""
-        sampled = self._sampled.plan.sampled
-        self._grads.read_once(sampled or self._every_step_gradients, exact=sampled)
+        self._grads.read_once(self._sampled.plan.sampled)
         view = self._nan.scaler_of(optimizer)
         if view is not None:
             self._grads.unscale(view)
         self._nan.before_update(optimizer, self._grads.squares, self._counters.steps + 1)
+
+    def _on_later_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer of the step an earlier optimizer ended (two optimizers, no prof.step())."""
+        self._nan.later_update(optimizer)
 
     def _closure_judged(self, optimizer: torch.optim.Optimizer) -> bool:
         return self._nan.judges_closure(optimizer)
@@ -389,19 +389,16 @@ class Profiler:
             self._phases.restart(now)
         start = started_ns if started_ns is not None else now
         if not skipped:
-            # no optimizer hook ran (prof.step() alone)
-            sampled = self._sampled.plan.sampled
-            grads.read_once(sampled or self._every_step_gradients, exact=sampled)
+            grads.read_once(self._sampled.plan.sampled)  # no optimizer hook ran (prof.step() alone)
             if grads.squares is not None and not grads.squares[1] and forward_seen:
                 self._notices.say("no gradients", no_gradients_notice(self.model_type))
         nan.at_step_end(grads.squares if not skipped else None, self._counters.steps + 1)
         duration_s = (now - start) * 1e-9
         number = self._counters.observe(duration_s, self._wall_clock(), skipped)
-        # an update the guard held back on the host changed no weight: like a GradScaler
-        # skip, no update norm (not 0) and no throughput (a fused kernel that skipped on the
-        # device is unknown here: its update measures 0, docs/efficiency.md)
-        guard = nan.guard
-        no_update = skipped or (guard is not None and guard.holding)  # nan.holding, inline
+        # an update held back on the host changed no weight: like a GradScaler skip, no update
+        # norm and no throughput (a fused kernel's skip on the device measures 0: efficiency.md)
+        guard = nan.guard  # (nan.holding, inline)
+        no_update = skipped or (guard is not None and guard.holding)
         if guard is not None:
             self._counters.set_held_back(nan.end_update(number))
         self._phases.end_step(number, now)
@@ -418,9 +415,7 @@ class Profiler:
         return number, now
 
     def _on_step_ended(self, number: int, now: int) -> None:
-        # hookprof's threads, looked at on sampled steps and every 5 s at least: not at
-        # every step (DESIGN.md invariant 11)
-        if self._sampled.plan.sampled or now >= self._supervisor.due_ns:
+        if self._sampled.plan.sampled or now >= self._supervisor.due_ns:  # not every step
             self._supervisor.check(now)
         self._incidents.at_step_end(number)
         self._begin_step(number + 1, now)

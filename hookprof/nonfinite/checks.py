@@ -156,6 +156,12 @@ class NonfiniteChecks:
         if self.replay.flag is not None or self.replay.kept:
             self.replay_forward(step)
 
+    def later_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """A later optimizer of the step that just ended (its first optimizer's post-hook
+        ended it: two optimizers, no prof.step()): held back as that step's update was."""
+        if self.guard is not None:
+            self.guard.hold_again(optimizer, self._table.params)
+
     def judges_closure(self, optimizer: torch.optim.Optimizer) -> bool:
         """skip/raise: a closure step is judged as each call of the closure returns (the
         optimizer's update reads its gradients next), unless an inner optimizer makes the

@@ -210,6 +210,11 @@ class UpdateGuard:
         self._set_found: tuple[torch.optim.Optimizer, torch.Tensor, torch.Tensor | None] | None = None
         self._step_held = False  # this step's update is held back on the host's word
         self._step_bad: torch.Tensor | None = None  # device flag over this step's checks
+        # the step that ended last: held on the host's word, its device flag (for a later
+        # optimizer of that step, `hold_again`), and whether such an update is held now
+        self._ended_held = False
+        self._ended_bad: torch.Tensor | None = None
+        self._later_held = False
         self.held_back = 0  # steps held back on the host's word (device ones: a SkipCounters)
         # this step had an update that could not be held back (a non-fused optimizer on a
         # device, no nonfinite_sync): if the step was non-finite, the weights took it
@@ -220,7 +225,8 @@ class UpdateGuard:
 
     @property
     def holding(self) -> bool:
-        return self._step_held
+        """An update of this step (or a later optimizer's of the step that ended) is held back."""
+        return self._step_held or self._later_held
 
     def begin_update(self) -> None:
         """An optimizer step begins: an update that raised never reached after_update (its
@@ -229,6 +235,7 @@ class UpdateGuard:
         found_inf kept."""
         self._hidden.clear()
         self._take_back_found_inf()
+        self._later_held = False
 
     def before_update(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
                       flags: list[bool | torch.Tensor]) -> None:
@@ -243,15 +250,7 @@ class UpdateGuard:
         if self._step_bad is not None:  # an earlier evaluation or optimizer of this step
             bad = bad | self._step_bad.to(bad.device)
         if is_fused(optimizer):
-            found = bad.to(torch.float32)
-            earlier = getattr(optimizer, "found_inf", None)
-            if earlier is not None:  # GradScaler's, or another profiler's guard: skip on either
-                found = torch.maximum(earlier.to(found.device).reshape(found.shape), found)
-            optimizer.found_inf = found  # read by the fused kernel; removed after the step
-            # GradScaler.step deletes its own found_inf after the step: it gets it back. Another
-            # guard's is not handed back (it would outlive its step): that guard finds ours
-            # in its place and leaves it, and ours is removed
-            self._set_found = (optimizer, found, earlier if by_scaler(optimizer) else None)
+            self._give_found_inf(optimizer, bad)
             self._step_bad = bad
             return
         if self._wait:
@@ -259,6 +258,41 @@ class UpdateGuard:
                 self._hide(params)
             return
         self.unguarded = True
+        self._say_unfused(optimizer)
+
+    def hold_again(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+        """A later optimizer of the step that has just ended: a model trained by two
+        optimizers without prof.step(), whose first one's post-hook ended the step (no
+        forward since). Its update is held back as the step's was, so that no part of a bad
+        step's update lands; it is no new step, and is not counted again."""
+        if self._ended_held:
+            self._hide_grads(params)
+            self._later_held = bool(self._hidden)
+            return
+        bad = self._ended_bad  # a device flag: the step's fused update was judged on the device
+        if bad is None:
+            return
+        if is_fused(optimizer):
+            self._give_found_inf(optimizer, bad)
+        elif self._wait:
+            if bool(transfer.read_now(bad)):  # the opt-in wait (Config.nonfinite_sync)
+                self._hide_grads(params)
+                self._later_held = bool(self._hidden)
+        else:
+            self._say_unfused(optimizer)
+
+    def _give_found_inf(self, optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
+        found = bad.to(torch.float32)
+        earlier = getattr(optimizer, "found_inf", None)
+        if earlier is not None:  # GradScaler's, or another profiler's guard: skip on either
+            found = torch.maximum(earlier.to(found.device).reshape(found.shape), found)
+        optimizer.found_inf = found  # read by the fused kernel; removed after the step
+        # GradScaler.step deletes its own found_inf after the step: it gets it back. Another
+        # guard's is not handed back (it would outlive its step): that guard finds ours
+        # in its place and leaves it, and ours is removed
+        self._set_found = (optimizer, found, earlier if by_scaler(optimizer) else None)
+
+    def _say_unfused(self, optimizer: torch.optim.Optimizer) -> None:
         self._say("non-fused update", (
             f"on_nonfinite holds back a non-finite update on the device only for fused "
             f"optimizers (fused=True Adam, AdamW, SGD, Adagrad); {type(optimizer).__name__} "
@@ -266,11 +300,14 @@ class UpdateGuard:
             "nonfinite_sync=True (waits for one value per step)"))
 
     def _hide(self, params: list[torch.Tensor]) -> None:
+        self._hide_grads(params)
+        self._step_held = True
+
+    def _hide_grads(self, params: list[torch.Tensor]) -> None:
         for p in params:
             if p.grad is not None:
                 self._hidden.append((p, p.grad))
                 p.grad = None
-        self._step_held = True
         if self._hidden and not self._unwind.watch():
             self._say("held step raises", (
                 "another profile function is set (sys.setprofile: cProfile, a Python-stack "
@@ -283,6 +320,7 @@ class UpdateGuard:
         closure runs again, so that the closure finds the gradients it left."""
         self._put_back_grads()
         self._take_back_found_inf()
+        self._later_held = False
 
     def _put_back_grads(self) -> None:
         for p, grad in self._hidden:
@@ -295,6 +333,7 @@ class UpdateGuard:
         handed to fused kernels during it (for counting), else None."""
         if self._step_held:
             self.held_back += 1
+        self._ended_held, self._ended_bad = self._step_held, self._step_bad
         bad, self._step_bad, self._step_held = self._step_bad, None, False
         self.unguarded = False
         return bad

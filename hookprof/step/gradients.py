@@ -396,23 +396,26 @@ class StepGradients:
     again after an optimizer closure ran another backward; unscaled once when a fused
     optimizer's GradScaler step is seen. Owned by the profiler; the training thread only."""
 
-    __slots__ = ("_norms", "squares", "exact")
+    __slots__ = ("_norms", "_every_step", "squares", "exact")
 
-    def __init__(self, norms: GradientNorms):
+    def __init__(self, norms: GradientNorms, *, every_step: bool = True):
         self._norms = norms
+        # checked on every step (nonfinite_check="all"), not only on sampled ones; never off
+        # because of a fault elsewhere (DESIGN.md invariant 3)
+        self._every_step = every_step
         # (per-device squares, the layers that had a gradient), or None: not read this step;
         # not `exact`: per-layer values to check for NaN/Inf only, not norms
         self.squares: tuple[list[torch.Tensor], frozenset[int]] | None = None
         self.exact = True
 
-    def read_once(self, wanted: bool, exact: bool = True) -> None:
-        """Read them now if this step wants them (sampled, or nonfinite_check="all") and
-        they were not read yet: with `exact`, per-layer squared norms (a sampled step's
-        figures); without, per-layer values that are only checked for NaN/Inf (every other
-        step: GradientNorms.layer_checks, a constant handful of ops)."""
-        if self.squares is None and wanted:
-            self.squares = self._norms.layer_squares() if exact else self._norms.layer_checks()
-            self.exact = exact
+    def read_once(self, sampled: bool) -> None:
+        """Read them now if this step wants them (sampled, or every step with
+        nonfinite_check="all") and they were not read yet: on a sampled step per-layer
+        squared norms (its figures, `exact`); on another, per-layer values that are only
+        checked for NaN/Inf (GradientNorms.layer_checks, a constant handful of ops)."""
+        if self.squares is None and (sampled or self._every_step):
+            self.squares = self._norms.layer_squares() if sampled else self._norms.layer_checks()
+            self.exact = sampled
 
     def forget(self) -> None:
         """A new step, or a closure that ran another backward: read again when next needed."""

@@ -213,11 +213,10 @@ class Profiler:
         """
         if self._boundary.detached:
             raise DetachedError("Profiler.step() called after detach(); attach the model again")
-        what = None  # (the usual loss, a one-element real tensor, needs no real_loss)
         if loss is not None and (type(loss) is not torch.Tensor or loss.numel() != 1 or loss.is_complex()):
-            loss, what = real_loss(loss)
-        if what is not None:  # a (loss, outputs) tuple and the like: said once, steps go on
-            self._notices.say("loss type", loss_notice(what))
+            loss, what = real_loss(loss)  # (the usual loss, a one-element real tensor, skips this)
+            if what is not None:  # a (loss, outputs) tuple and the like: said once, steps go on
+                self._notices.say("loss type", loss_notice(what))
         self._boundary.step(loss)
 
     @contextlib.contextmanager
@@ -330,8 +329,7 @@ class Profiler:
     def _on_before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """This step's gradients are final and its parameters not updated yet."""
         self._grads.read_once(self._sampled.plan.sampled)
-        view = self._nan.scaler_of(optimizer)
-        if view is not None:
+        if (view := self._nan.scaler_of(optimizer)) is not None:
             self._grads.unscale(view)
         self._nan.before_update(optimizer, self._grads.squares, self._counters.steps + 1)
 

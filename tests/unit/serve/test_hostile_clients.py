@@ -166,6 +166,21 @@ def sockets():
             s.close()
 
 
+def answers_now(opened: list[socket.socket], answered: dict) -> dict[socket.socket, bytes]:
+    """The first bytes of the answers already there, of the sockets not answered yet (a short
+    read each: a TLS socket can be readable with no answer in it, a session ticket)."""
+    out = {}
+    for s in opened:
+        if s in answered:
+            continue
+        s.settimeout(0.02)
+        try:
+            out[s] = s.recv(100)
+        except (TimeoutError, ssl.SSLWantReadError):
+            continue
+    return out
+
+
 def closed_by_server(sock: socket.socket, timeout: float) -> bool:
     """True when the server closes the connection within `timeout` (anything it sends
     first is read and dropped)."""
@@ -347,18 +362,27 @@ def test_more_concurrent_requests_than_the_bound_are_answered_503_at_once(endpoi
                 s = endpoint.connect_tls() if endpoint.tls else endpoint.connect()
                 s.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 opened.append(s)
-            answers = []
-            for s in opened[LIMITS["http_max_requests"]:]:
-                start = time.monotonic()
-                answers.append(s.recv(100))
-                assert time.monotonic() - start < 1.0
+            # which requests are turned away is the server's choice: the order its loop
+            # reads them in, not the order they were sent (the test assumed the last three,
+            # and failed now and then); exactly three are answered within a second, 503
+            answered: dict[socket.socket, bytes] = {}
+            timeouts = {id(s): s.gettimeout() for s in opened}
+            deadline = time.monotonic() + 1.0
+            while len(answered) < 3 and time.monotonic() < deadline:
+                answered.update(answers_now(opened, answered))
+            answered.update(answers_now(opened, answered))  # nothing more: the rest are held
+            for s in opened:
+                s.settimeout(timeouts[id(s)])
+            assert len(answered) == 3
+            answers = list(answered.values())
             assert all(a.startswith(b"HTTP/1.1 503 ") for a in answers), answers
             endpoint.check_threads()
         finally:
             release.set()
             page.get = original
-        for s in opened[:LIMITS["http_max_requests"]]:
-            assert s.recv(100).startswith(b"HTTP/1.1 200 ")
+        for s in opened:
+            if s not in answered:
+                assert s.recv(100).startswith(b"HTTP/1.1 200 ")
         counts = endpoint.wait_rejected("too_many_requests", 3)
     assert counts["too_many_requests"] == 3
     endpoint.finish()

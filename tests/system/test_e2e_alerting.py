@@ -66,6 +66,11 @@ def test_nan_alert_names_rank_layer_and_phase_then_exporter_down(tmp_path, serve
         assert labels["layer"] == "mlp.0"
         assert labels["step"] == step
         assert "First offending layer: mlp.0 at step " + step in alert["annotations"]["description"]
+        # one page per incident: the forward NaN made the backward and the loss non-finite
+        # too, and the rule fired once per phase before, each page naming mlp.0
+        paged = [a["labels"] for _, a in webhook.alerts("firing")
+                 if a["labels"]["alertname"] == "HookprofNonFiniteTraining" and a["labels"].get("layer")]
+        assert {tuple(sorted(p.items())) for p in paged} == {tuple(sorted(labels.items()))}, paged
         print(f"\nfirst scrape {first_scrape_s:.1f}s after Prometheus started; "
               f"NaN alert at the webhook {latency:.1f}s after the NaN was injected")
 

@@ -181,6 +181,11 @@ def _target(capsule: dict[str, Any]) -> tuple[nn.Module, Any, Any, torch.Tensor 
     forward = capsule["forward"]
     if "model" not in capsule:
         sizes = capsule["view"].get("sizes", {})
+        if "hashes" not in capsule:  # not left out for its size: say what the capsule says (issue 38)
+            raise CannotLoad("the capsule holds no weights, and not for their size: its replay named a "
+                             "producer other than the layer of the incident it was written for, so it kept "
+                             "neither that producer nor the model (left out: "
+                             + "; ".join(capsule["view"].get("left_out", [])) + ")")
         raise CannotLoad(f"the capsule holds no weights: the model's state_dict ({sizes.get('state_dict_bytes')} "
                          f"bytes) was above capsule_max_bytes ({sizes.get('max_bytes')}); it holds the step's "
                          "inputs and a sha256 of each parameter (load them with torch.load, weights from your "

@@ -240,3 +240,21 @@ def test_the_size_cap_and_the_dtypes_count_every_tensor_of_a_model():
     assert len(state) == 20
     assert capsule.tensor_bytes(state) == sum(t.numel() * t.element_size() for t in state.values())
     assert capsule.dtypes_of(state) == [str(t.dtype).removeprefix("torch.") for t in state.values()]
+
+
+def test_a_capsule_without_weights_says_why_truly():
+    """A capsule of an incident whose replay named another layer's producer holds neither
+    that producer nor the model: `hookprof replay` blamed capsule_max_bytes for it (a 474 KB
+    model against a 256 MiB cap, issue 38); it now says what the capsule says."""
+    from hookprof.nonfinite.reproduce import CannotLoad, _target
+
+    view = {"sizes": {"state_dict_bytes": 474112, "input_bytes": 4100, "max_bytes": 268435456},
+            "left_out": ["the model (the replay found a producer other than the one named)"]}
+    capsule = {"view": view, "forward": {"inputs": None, "entry": None}}
+    with pytest.raises(CannotLoad) as raised:
+        _target(capsule)
+    assert "capsule_max_bytes" not in str(raised.value)
+    assert "the replay found a producer other than the one named" in str(raised.value)
+    capsule["hashes"] = {}  # left out for its size: that is said
+    with pytest.raises(CannotLoad, match="capsule_max_bytes"):
+        _target(capsule)

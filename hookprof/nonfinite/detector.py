@@ -37,7 +37,7 @@ class DeviceCounters:
     no host-to-device copy, no sync. They live in one flat tensor (the layout fold_counters
     reads), so draining them is a single block. A step's findings are first noted in a
     `pending` vector of the same layout (three ops for the layers and the backward phase,
-    one per other check) and folded into the counters once, at the step's end (`settle`:
+    one per other check) and folded into the counters once, at the step's end (`end_step`:
     five ops), whatever the model's size and however many checks the step made."""
 
     def __init__(self, n_layers: int, device: torch.device):
@@ -51,18 +51,11 @@ class DeviceCounters:
         # views made once: indexing per step would be one more op each time
         self._phase = {name: (bad[n + k], first[n + k]) for k, name in enumerate(_STORED_PHASES)}
         self._bad, self._first = bad, first
-        # this step's findings, [layers | phases] as in `bad`, until `settle`
+        # this step's findings, [layers | phases] as in `bad`, until `end_step`
         self.pending = torch.zeros(n + p, dtype=torch.bool, device=device)
         self._pending_layers, self._pending_backward = self.pending[:n], self.pending[n : n + 1]
         self._pending_phase = {name: self.pending[n + k : n + k + 1] for k, name in enumerate(_STORED_PHASES)}
         self._noted = False  # anything pending (a host bool: an unchecked step costs no op)
-
-    def note_layers(self, values: torch.Tensor) -> None:
-        """This step's per-layer values (squared norms, or gradient sums): non-finite
-        exactly when the layer's gradients hold a NaN or Inf. Once per step."""
-        torch.ne(values.sub(values), 0, out=self._pending_layers)  # x - x: nonfinite_mask
-        torch.any(self._pending_layers, 0, keepdim=True, out=self._pending_backward)
-        self._noted = True
 
     def note(self, phase: str, bad: torch.Tensor) -> None:
         """A 0-d bool of this step's `phase` check (the model's output, the loss)."""
@@ -70,33 +63,23 @@ class DeviceCounters:
         self._noted = True
 
     def end_step(self, values: torch.Tensor | None, forward: torch.Tensor | None, step: int) -> None:
-        """Step `step` ends with its per-layer values and its output flag on this device
-        (either None): `note_layers`, `note("forward")` and `settle` in one call (the
-        usual step, one device: Detector.end_step)."""
+        """Step `step` ends with its per-layer values (squared norms, or gradient sums:
+        non-finite exactly when the layer's gradients hold a NaN or Inf) and its output flag
+        on this device (either None): with what it noted before (the loss), counted, and
+        the first step of each layer and phase that went bad set where it was not yet."""
         if values is not None:
-            torch.ne(values.sub(values), 0, out=self._pending_layers)
+            torch.ne(values.sub(values), 0, out=self._pending_layers)  # x - x: nonfinite_mask
             torch.any(self._pending_layers, 0, keepdim=True, out=self._pending_backward)
             self._noted = True
         if forward is not None:
             self._pending_phase["forward"].logical_or_(forward)
             self._noted = True
-        if self._noted:  # settle(step), inline
+        if self._noted:
             pending = self.pending
             self._bad.add_(pending)
             self._first.masked_fill_(self._first.lt(0).logical_and_(pending), step)
             pending.zero_()
             self._noted = False
-
-    def settle(self, step: int) -> None:
-        """Step `step` ends: what it noted is counted, and the first step of each layer and
-        phase that went bad is set where it was not yet."""
-        if not self._noted:
-            return
-        pending = self.pending
-        self._bad.add_(pending)
-        self._first.masked_fill_(self._first.lt(0).logical_and_(pending), step)
-        pending.zero_()
-        self._noted = False
 
     def add_phase(self, phase: str, bad: torch.Tensor, step: int) -> None:
         count, first = self._phase[phase]
@@ -159,49 +142,34 @@ class Detector:
             c = self.by_device[device] = DeviceCounters(self.n_layers, device)
         return c
 
-    def note_layers(self, parts: list[torch.Tensor]) -> None:
-        """This step's per-layer values, one part per device (`DeviceCounters.note_layers`),
-        counted at `settle`."""
-        for values in parts:
-            counters = self.by_device.get(values.device) or self.counters(values.device)
-            counters.note_layers(values)
-
     def note(self, phase: str, flag: bool | torch.Tensor, step: int) -> None:
-        """A check of this step (`step`): a device flag is counted at `settle`, a host bool
-        at once."""
+        """A check of this step (`step`): a device flag is counted at the step's end
+        (`end_step`), a host bool at once."""
         if isinstance(flag, torch.Tensor):
             counters = self.by_device.get(flag.device) or self.counters(flag.device)
             counters.note(phase, flag)
         elif flag:
             self.add_flag(phase, flag, step)
 
-    def settle(self, step: int) -> None:
-        """Step `step` ends: every device's findings of it are counted."""
-        for counters in self.by_device.values():
-            counters.settle(step)
-
     def end_step(self, layer_parts: list[torch.Tensor], forward_flags: list[bool | torch.Tensor],
                  step: int) -> None:
         """Step `step` ends: its per-layer values (one part per device), its output flags
-        (the step's, combined: OutputFlags.step_flags) and what it noted before (the loss)
-        are counted. The usual step (one device, one part, one flag there) is one call."""
-        if (len(self.by_device) == 1 and len(layer_parts) <= 1 and len(forward_flags) <= 1):
-            ((device, counters),) = self.by_device.items()
-            values = layer_parts[0] if layer_parts else None
-            forward = forward_flags[0] if forward_flags else None
-            host = forward is not None and not isinstance(forward, torch.Tensor)  # a host bool
-            if ((values is None or values.device == device)
-                    and (forward is None or host or forward.device == device)):
-                if host:  # (counted here, once: the general path below would count it again)
-                    if forward:
-                        self.add_flag("forward", True, step)
-                    forward = None
-                counters.end_step(values, forward, step)
-                return
-        self.note_layers(layer_parts)
+        (the step's, combined: OutputFlags.step_flags, at most one per device and one host
+        bool) and what it noted before (the loss) are counted, one call per device."""
+        values: dict[torch.device, torch.Tensor] = {}
+        forward: dict[torch.device, torch.Tensor] = {}
+        for part in layer_parts:  # (loops, not comprehensions: no Python call each step)
+            values[part.device] = part
         for flag in forward_flags:
-            self.note("forward", flag, step)
-        self.settle(step)
+            if isinstance(flag, torch.Tensor):
+                forward[flag.device] = flag
+            elif flag:
+                self.add_flag("forward", True, step)
+        for device in (*values, *forward):
+            if device not in self.by_device:
+                self.counters(device)
+        for device, counters in self.by_device.items():
+            counters.end_step(values.get(device), forward.get(device), step)
 
     def add_flag(self, phase: str, flag: bool | torch.Tensor, step: int) -> None:
         if isinstance(flag, torch.Tensor):

@@ -32,6 +32,7 @@ _PART_OF_WHERE = (
     ("optimizer", "step boundary"),
     ("GradScaler", "step boundary"),
     ("forward replay", "nonfinite"), ("nonfinite", "nonfinite"), ("incident", "nonfinite"),
+    ("backward end", "nonfinite"),  # the every-step gradient check (step/backward_end.py)
     ("efficiency", "efficiency"),
     ("stall watch", "stall watch"),
     ("publisher", "publisher"), ("snapshot", "publisher"),

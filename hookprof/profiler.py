@@ -39,6 +39,7 @@ from hookprof.publish.publisher import Publisher, for_model as publisher_for_mod
 from hookprof.serve.attachment import Serving
 from hookprof.snapshot import Snapshot
 from hookprof.step.boundary import StepBoundary, no_step_notice
+from hookprof.step.backward_end import BackwardEnd
 from hookprof.step.gradients import GradientNorms, StepGradients, no_gradients_notice
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import StepCounters, StepRecord, loss_notice, pack_step, real_loss
@@ -112,6 +113,8 @@ class Profiler:
         self._notices = Notices()
         self._counters = StepCounters(config.max_skipped_steps)
         self._grads = StepGradients(GradientNorms(self.table), every_step=config.nonfinite_check == "all")
+        # the gradients as each backward left them (before a clip or a user's guard rewrites them)
+        self._backward_end = BackwardEnd(self._grads.backward_ended, self._faults)
         self._hooks = LayerHooks(self.table, self.timer, self._faults, config.activation_stats,
                                  root=model, statistics=layer_statistics)
         root_layer = next((layer.index for layer in self.table.layers if layer.module is model), None)
@@ -240,6 +243,7 @@ class Profiler:
         if self.detached:
             return
         self._boundary.close()
+        self._backward_end.closed = True  # a graph built before detach() calls nothing
         with self._faults.contain("detach", disable=False):
             self._drain_counters()  # counters of the steps since the last sample
             self._incidents.at_detach()  # a capsule still waiting for its incident: written now
@@ -286,10 +290,10 @@ class Profiler:
         if self._boundary.latch_compiled():  # Dynamo traced the root: hooks stay out
             explain_compiled_forward(self._notices)
         incident = self._incidents.open(number)  # an open incident samples every step
-        self._grads.forget()
         self._nan.step_began()
         record = self._sampled.begin(number, now_ns, incident=incident, compiled=self._boundary.compiled,
                                      broken=self._faults.layers_off(number))
+        self._grads.new_step(self._sampled.plan.sampled)
         self._phases.bind(record)  # a sampled step's phases are marked on the device too
 
     def _on_eval_forward(self) -> None:
@@ -313,6 +317,7 @@ class Profiler:
         """The root's forward returned: check its output (every step)."""
         self._phases.enter(BACKWARD, self._clock())
         self._nan.check_output(output, step=self._counters.steps + 1)
+        self._backward_end.watch(output)
         if self._sampled.unfolded:  # (a sampled step's, to fold)
             self._sampled.nudge()
 
@@ -328,7 +333,7 @@ class Profiler:
 
     def _on_before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """This step's gradients are final and its parameters not updated yet."""
-        self._grads.read_once(self._sampled.plan.sampled)
+        self._grads.read_once(self._sampled.plan.sampled, for_update=self._nan.guard is not None)
         if (view := self._nan.scaler_of(optimizer)) is not None:
             self._grads.unscale(view)
         self._nan.before_update(optimizer, self._grads.squares, self._counters.steps + 1)
@@ -386,11 +391,13 @@ class Profiler:
         if started_ns is None:  # a first step without a forward: no phases to tell
             self._phases.restart(now)
         start = started_ns if started_ns is not None else now
+        checked = None
         if not skipped:
             grads.read_once(self._sampled.plan.sampled)  # no optimizer hook ran (prof.step() alone)
-            if grads.squares is not None and not grads.squares[1] and forward_seen:
-                self._notices.say("no gradients", no_gradients_notice(self.model_type))
-        nan.at_step_end(grads.squares if not skipped else None, self._counters.steps + 1)
+            checked = grads.checked
+            if grads.squares is not None and not grads.squares[1] and forward_seen:  # read: none
+                self._notices.say("no gradients", no_gradients_notice(self.model_type, grads.backward))
+        nan.at_step_end(checked, self._counters.steps + 1)
         duration_s = (now - start) * 1e-9
         number = self._counters.observe(duration_s, self._wall_clock(), skipped)
         # an update held back on the host changed no weight: like a GradScaler skip, no update

@@ -25,6 +25,10 @@ PHASE_INDEX = {"forward": 0, "backward": 1, "loss": 2}
 _STORED_PHASES = ("backward", "forward", "loss")
 
 
+# the dtype a check's sum is taken in, where the tensor's own would overflow before the values do
+_SUM_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
 def nonfinite_mask(t: torch.Tensor) -> torch.Tensor:
     """True where `t` (floating) holds a NaN or Inf: x - x is exactly 0 for every finite x and
     NaN for NaN and +-Inf. Two ops where `~torch.isfinite(t)` is five (isfinite is abs, ne,
@@ -91,12 +95,14 @@ def nonfinite_flags(value: Any) -> list[bool | torch.Tensor]:
     """Does any floating tensor in `value` (any output structure) hold a NaN or Inf? One flag
     per device, so a step counts once however many tensors it returns: a Python bool for the
     CPU tensors (reading it waits for nothing), a 0-d bool that stays on each accelerator.
-    One reduction per tensor: a sum is non-finite when any element is (it can also overflow,
-    for outputs whose values add up past ~3e38, which is trouble of its own)."""
+    One reduction per tensor: a sum is non-finite when any element is. It is taken in float32
+    at least: a float16 sum past 65504 is an overflow of the check, not of the output (a
+    finite fp16 output read as non-finite, issue 38); a float32 output can read as
+    non-finite only when its values add up past ~3.4e38, values about to overflow."""
     if type(value) is torch.Tensor:  # the usual output: one tensor (no walk, no stack)
         if not value.is_floating_point() or not value.numel():
             return []
-        total = value.detach().sum()
+        total = value.detach().sum(dtype=_SUM_DTYPE.get(value.dtype))
         if transfer.on_host(total):
             return [not math.isfinite(float(total))]
         return [total.sub(total).ne(0)]  # nonfinite_mask, inline; a 0-d needs no any()
@@ -105,7 +111,7 @@ def nonfinite_flags(value: Any) -> list[bool | torch.Tensor]:
     for t in iter_tensors(value):
         if not t.is_floating_point() or not t.numel():
             continue
-        total = t.detach().sum()
+        total = t.detach().sum(dtype=_SUM_DTYPE.get(t.dtype))
         if transfer.on_host(total):
             host = bool(host) or not math.isfinite(float(total))
         else:

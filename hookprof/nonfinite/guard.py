@@ -354,6 +354,6 @@ def host_flags_of_squares(parts: list[torch.Tensor]) -> list[bool | torch.Tensor
     waits for nothing, else a device 0-d bool."""
     out: list[bool | torch.Tensor] = []
     for p in parts:
-        bad = nonfinite_mask(p.sum())
+        bad = nonfinite_mask(p.sum(dtype=torch.float64))  # float32 layer values: no overflow of the sum
         out.append(bool(bad) if transfer.on_host(bad) else bad)
     return out

@@ -1,9 +1,10 @@
 """Per-layer gradients, read on the device at the step boundary: exact norms on sampled
 steps, a non-finite check on every other step.
 
-Gradients are read once they are final: at optimizer-step time (after DDP's all-reduce and
-after the last micro-batch of gradient accumulation), or at an explicit `Profiler.step()`.
-Nothing is read back here.
+Gradients are checked for NaN/Inf at the end of each backward (backward_end.py: before a
+clip or a user's guard rewrites them), and read for their norms where the update reads them:
+at optimizer-step time (after DDP's all-reduce and after the last micro-batch of gradient
+accumulation), or at an explicit `Profiler.step()` (StepGradients). Nothing is read back here.
 
 - **Sampled steps** (`GradientNorms.layer_squares`): one fused `torch._foreach_norm` per
   device gives every parameter's L2 norm; an `index_add_` folds their squares into one slot
@@ -45,6 +46,7 @@ from typing import Any, NamedTuple
 import torch
 
 from hookprof.layers import LayerTable
+from hookprof.device import transfer
 from hookprof.device.transfer import index_to_device
 
 
@@ -143,6 +145,13 @@ class GradientNorms:
         self._distributed = table.has_dtensor_params
         self._check_plans: dict[tuple[int, ...], _CheckPlan] = {}
         self._n = len(table)
+
+    def state(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Which gradient tensors the parameters hold and their version counters (every
+        in-place change bumps one): equal states, no gradient changed in between. Ids, not
+        the tensors: holding them would keep freed gradients alive. C-level loops only."""
+        grads = list(map(_GRAD, self._params))
+        return tuple(map(id, grads)), tuple(map(getattr, grads, repeat("_version"), repeat(-1)))
 
     def layer_checks(self) -> tuple[list[torch.Tensor], frozenset[int]]:
         """Per device: per layer, a float32 value that is non-finite exactly when the layer's
@@ -352,7 +361,11 @@ def fused_layer_squares(grads: list[torch.Tensor], index: torch.Tensor, n: int) 
 
 
 def _cpu_squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Squared L2 norm of each CPU gradient, float64: one BLAS dot each."""
+    """Squared L2 norm of each CPU gradient, float64: one BLAS dot each. A float32 dot
+    accumulates and returns float32, so a finite gradient whose norm passes ~1.8e19 (an
+    exploding LSTM's, issue 38) would square to inf and read as non-finite: those few are
+    taken again in float64 (a CPU tensor is read without waiting for anything; where tests
+    emulate a device on the CPU, transfer.on_host says no and nothing is read)."""
     squares = []
     for g in grads:
         if g.dtype in _BLAS_DTYPES:
@@ -360,7 +373,12 @@ def _cpu_squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
             squares.append(torch.dot(flat, flat))
         else:
             squares.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
-    return torch.stack(squares).to(torch.float64)
+    out = torch.stack(squares).to(torch.float64)
+    if transfer.on_host(out) and not bool(torch.isfinite(out).all()):
+        for k in torch.nonzero(torch.isinf(out)).flatten().tolist():
+            if bool(torch.isfinite(grads[k]).all()):
+                out[k] = torch.linalg.vector_norm(grads[k], dtype=torch.float64).square()
+    return out
 
 
 def layer_squares(groups: dict[torch.device, tuple[list[torch.Tensor], list[int]]], n: int,
@@ -390,13 +408,28 @@ def layer_squares(groups: dict[torch.device, tuple[list[torch.Tensor], list[int]
     return out, frozenset(seen)
 
 
-class StepGradients:
-    """This step's per-layer gradient squares: read at most once per step, where the update
-    reads the gradients (the optimizer's pre-hook, or the step's end when none ran); read
-    again after an optimizer closure ran another backward; unscaled once when a fused
-    optimizer's GradScaler step is seen. Owned by the profiler; the training thread only."""
+_UNCHANGED = object()  # StepGradients._left once found unchanged at the update
 
-    __slots__ = ("_norms", "_every_step", "squares", "exact")
+
+class StepGradients:
+    """This step's per-layer gradient values, two readings of them:
+
+    - `backward`: checked at the end of each backward through the model's output
+      (backward_end.py), as backward left them: what the non-finite check counts. Code
+      between backward() and the optimizer may rewrite gradients (a clip by a NaN norm
+      makes every one NaN; a user's guard zeroes them), so the first bad layer is told from
+      this reading. Several backwards in one step (accumulation, a closure, a dropped bad
+      micro-batch) add up: a NaN or Inf in any of them stays non-finite in the sum.
+    - `squares`: read at most once per step where the update reads the gradients (the
+      optimizer's pre-hook, or the step's end when none ran): exact norms on sampled steps
+      (the figures, as the update sees them: unscaled, clipped), the non-finite check where
+      no backward end was seen (a compiled model, `torch.autograd.grad`), and what
+      skip/raise judge the update by.
+
+    Owned by the profiler; the training thread, or autograd's thread while the training
+    thread waits in backward()."""
+
+    __slots__ = ("_norms", "_every_step", "_wanted", "_left", "squares", "exact", "backward")
 
     def __init__(self, norms: GradientNorms, *, every_step: bool = True):
         self._norms = norms
@@ -407,19 +440,77 @@ class StepGradients:
         # not `exact`: per-layer values to check for NaN/Inf only, not norms
         self.squares: tuple[list[torch.Tensor], frozenset[int]] | None = None
         self.exact = True
+        # (per-device check values, layers seen) at the end of this step's backwards, or None
+        self.backward: tuple[list[torch.Tensor], frozenset[int]] | None = None
+        self._wanted = every_step  # this step checks its gradients (new_step)
+        self._left: Any = None  # GradientNorms.state() as the last backward left the gradients
 
-    def read_once(self, sampled: bool) -> None:
-        """Read them now if this step wants them (sampled, or every step with
-        nonfinite_check="all") and they were not read yet: on a sampled step per-layer
-        squared norms (its figures, `exact`); on another, per-layer values that are only
-        checked for NaN/Inf (GradientNorms.layer_checks, a constant handful of ops)."""
-        if self.squares is None and (sampled or self._every_step):
-            self.squares = self._norms.layer_squares() if sampled else self._norms.layer_checks()
-            self.exact = sampled
+    def backward_ended(self) -> None:
+        """A backward through the model finished: check its gradients now (a constant handful
+        of ops: GradientNorms.layer_checks), added to this step's earlier backwards' values."""
+        if not self._wanted:
+            return
+        parts, seen = self._norms.layer_checks()
+        self._left = self._norms.state()
+        if self.backward is None:
+            self.backward = (parts, seen)
+            return
+        earlier = {p.device: p for p in self.backward[0]}
+        for part in parts:  # (one device: one add)
+            before = earlier.get(part.device)
+            earlier[part.device] = part if before is None else before + part
+        self.backward = (list(earlier.values()), self.backward[1] | seen)
+
+    def read_once(self, sampled: bool, *, for_update: bool = False) -> None:
+        """Read them now if this step wants them and they were not read yet: on a sampled
+        step per-layer squared norms (its figures, `exact`); on another, per-layer values
+        that are only checked for NaN/Inf (GradientNorms.layer_checks), unless a backward's
+        end already checked them, no guard judges the update (`for_update`) and no gradient
+        changed since (a clip, GradScaler's unscale_, DDP's all-reduce, a hand-made edit:
+        their version counters say so, GradientNorms.state)."""
+        if self.squares is not None:
+            return
+        if not sampled:
+            if not self._every_step:
+                return
+            if self.backward is not None and not for_update:
+                left = self._left
+                if left is _UNCHANGED:  # compared already (the update's pre-hook, then the step's end)
+                    return
+                if self._norms.state() == left:
+                    self._left = _UNCHANGED
+                    return
+        self.squares = self._norms.layer_squares() if sampled else self._norms.layer_checks()
+        self.exact = sampled
+
+    @property
+    def checked(self) -> tuple[list[torch.Tensor], frozenset[int]] | None:
+        """What the step's non-finite check counts: the backwards' values, or the update's
+        where no backward end was seen; with both (a sampled step, skip/raise), the update's
+        on a device where the backwards' were all finite: a NaN made after backward() (an
+        fp16 all-reduce that overflows, a hand-written normalisation of a zero gradient) is
+        counted too, and one that backward made keeps the layers backward gave it. A few
+        ops on the device; nothing read back."""
+        backward, update = self.backward, self.squares
+        if backward is None or update is None:
+            return update if backward is None else backward
+        by_device = {p.device: p for p in update[0]}
+        parts = []
+        for b in backward[0]:
+            u = by_device.pop(b.device, None)
+            parts.append(b if u is None else torch.where(b.sub(b).ne(0).any(), b, u))
+        parts.extend(by_device.values())
+        return parts, backward[1] | update[1]
 
     def forget(self) -> None:
-        """A new step, or a closure that ran another backward: read again when next needed."""
+        """A closure ran another backward: read again at the update when next needed."""
         self.squares = None
+
+    def new_step(self, sampled: bool) -> None:
+        self.squares = None
+        self.backward = None
+        self._left = None
+        self._wanted = sampled or self._every_step
 
     def unscale(self, view: Any) -> None:
         """A fused optimizer's GradScaler step (guard.ScalerView): norms of the unscaled
@@ -428,9 +519,13 @@ class StepGradients:
             self.squares = (view.unscale(self.squares[0]), self.squares[1])
 
 
-def no_gradients_notice(model_type: str) -> str:
-    """Said once when a step that ran its forward ends with no gradient to read."""
+def no_gradients_notice(model_type: str, backward: Any = None) -> str:
+    """Said once when a step that ran its forward ends with no gradient to read (`backward`:
+    what its backwards' ends checked, when they were seen)."""
+    checks = ("gradient norms have nothing to read (the NaN/Inf check read them as the "
+              "backward ended)" if backward is not None and backward[1] else
+              "gradient norms and the per-layer backward check have nothing to read")
     return (f"no parameter of {model_type} had a gradient at the end of a step that ran its "
-            "forward, so gradient norms and the per-layer backward check have nothing to read: "
+            f"forward, so {checks}: "
             "end steps after the backward and before zero_grad() (prof.step() there, or a "
             "torch.optim step); gradients computed functionally (torch.func) are not in .grad")

@@ -1,0 +1,89 @@
+"""The end of a backward pass through the model: the moment its gradients are as backward
+left them, before anything between `backward()` and the optimizer changes them.
+
+Why not at the optimizer: code in between rewrites gradients. transformers' Trainer calls
+`clip_grad_norm_(params, max_norm)` every step (with `max_norm=inf` only to log the norm);
+once one gradient is NaN the total norm is NaN and the clip multiplies *every* gradient by
+NaN, so at the optimizer all layers look bad at once and the first of them in backward
+order is not the one that went wrong (issue 38). A user's NaN guard that zeroes the
+gradients and skips the update hides the step altogether. At the backward's end neither
+has happened yet.
+
+How: when the model's training forward returns, a pre-hook goes on the autograd node of
+each of its output tensors (one or two per step; the nodes die with the graph, so nothing
+is left to remove). The first of them to run in a backward, early in it, queues one
+callback with autograd's engine (`queue_callback`, the mechanism DDP's reducer finalises
+with); the engine runs it once that backward's graph is done, before `backward()` returns,
+with the caller's streams current. On an accelerator it may run on autograd's device
+thread while the training thread waits in `backward()`.
+
+A backward that never reaches the model's output (`torch.autograd.grad` of an input, a
+compiled model whose root hooks are out) queues nothing: the gradients are then read at
+the optimizer, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hookprof.tensors import iter_tensors
+
+_MAX_NODES = 8  # output tensors watched per forward: one reaching the backward is enough
+
+
+_ENGINE = torch.autograd.Variable._execution_engine
+
+
+class BackwardEnd:
+    """Calls `on_end()` once at the end of each backward pass that reaches a watched output,
+    never once `closed` is set (detach). What it raises is a fault of "backward end" in
+    `faults` (training goes on; the step's gradients are then read at the optimizer)."""
+
+    __slots__ = ("_on_end", "_faults", "_queued", "closed")
+
+    def __init__(self, on_end: Callable[[], None], faults: Any):
+        self._on_end = on_end
+        self._faults = faults
+        self._queued = False  # a callback is queued for the backward in progress
+        self.closed = False
+
+    def watch(self, output: Any) -> None:
+        """The model's training forward returned `output`: hook the nodes that make it."""
+        # a backward that raised never ran its callback: whatever ran before this forward is over
+        self._queued = False
+        if type(output) is torch.Tensor:  # the usual output: no walk
+            node = output.grad_fn
+            if node is not None:
+                node.register_prehook(self._began)
+            return
+        seen: set[int] = set()
+        for t in iter_tensors(output):
+            node = t.grad_fn
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            node.register_prehook(self._began)
+            if len(seen) == _MAX_NODES:
+                break
+
+    def _began(self, grad_outputs: Any) -> None:
+        """A backward reached the model's output (its gradient is ready): queue the end once."""
+        if not self._queued and not self.closed:
+            self._queued = True
+            try:
+                _ENGINE.queue_callback(self._ended)
+            except Exception as exc:  # (outside an engine's graph task: not from a node hook)
+                self._queued = False
+                self._faults.report("backward end", exc, disable=False)
+        return None
+
+    def _ended(self) -> None:
+        self._queued = False
+        if not self.closed:
+            try:
+                self._on_end()
+            except Exception as exc:  # never into the user's backward()
+                self._faults.report("backward end", exc, disable=False)

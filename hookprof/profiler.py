@@ -393,8 +393,7 @@ class Profiler:
         start = started_ns if started_ns is not None else now
         checked = None
         if not skipped:
-            grads.read_once(self._sampled.plan.sampled)  # no optimizer hook ran (prof.step() alone)
-            checked = grads.checked
+            checked = grads.at_step_end(self._sampled.plan.sampled)  # (read, if no optimizer hook did)
             if grads.squares is not None and not grads.squares[1] and forward_seen:  # read: none
                 self._notices.say("no gradients", no_gradients_notice(self.model_type, grads.backward))
         nan.at_step_end(checked, self._counters.steps + 1)

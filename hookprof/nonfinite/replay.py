@@ -254,7 +254,12 @@ class ForwardReplay:
         # the inputs' versions (input_versions, its usual case inline: every training forward)
         versions = (args[0]._version if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor
                     else input_versions(args, kwargs))
-        captured = CapturedForward(module, args, kwargs, rng[0], rng[1], self.updates, forward_modes(), versions)
+        # forward_modes(), inline (every training forward): grad mode and autocast
+        modes: dict[str, Any] = {"grad_enabled": torch.is_grad_enabled(), "autocast": {}}
+        for device_type in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device_type):
+                modes["autocast"][device_type] = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+        captured = CapturedForward(module, args, kwargs, rng[0], rng[1], self.updates, modes, versions)
         captured.compiled = compiled
         if not self.done:
             self.captured = captured

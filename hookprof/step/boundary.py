@@ -121,6 +121,7 @@ class StepBoundary:
         self._probe = CompileProbe()
         self._traced: TracedForward | None = None  # the output check compiled into the graph
         self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (key, owns)
+        self._last_owned: tuple[Any, bool] = (None, False)  # (optimizer, owns) of the update in progress
         self._handles: list[Any] = []
         self._entry_handles: list[Any] = []  # on the root's children, until the root's own forward
         self._entry: nn.Module | None = None  # the entry call in progress
@@ -194,6 +195,7 @@ class StepBoundary:
         for a step end or forward in progress on another thread to finish first."""
         with self._lock:
             self.detached = True
+            self._last_owned = (None, False)
 
     def _remove(self) -> None:
         for handle in self._handles:
@@ -369,7 +371,9 @@ class StepBoundary:
 
     @guarded("optimizer pre-hook", locked=True)
     def _update_begins(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
-        if not self.owns(optimizer):
+        owned = self.owns(optimizer)
+        self._last_owned = (optimizer, owned)  # the post-hook's answer too (no second lookup)
+        if not owned:
             return None
         self._events._on_update_began(optimizer)
         # args are those of the unbound step: (optimizer, closure?, ...)
@@ -379,7 +383,9 @@ class StepBoundary:
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
             return (args[0], wrapped, *args[2:]), kwargs
-        if self._train_mode_seen or self._eval_grad_seen:  # (else it has nothing to judge)
+        if self._train_mode_seen and not self._trains_in_eval:  # _judge_eval_mode's usual case, inline
+            self._train_mode_seen = self._eval_grad_seen = False
+        elif self._train_mode_seen or self._eval_grad_seen:  # (else it has nothing to judge)
             self._judge_eval_mode()
         if self._forward_seen or not self._root_seen:  # in_step(), inline: every step
             self._stepped = True
@@ -440,7 +446,9 @@ class StepBoundary:
 
     @guarded("optimizer hook", locked=True)
     def _update_done(self, optimizer: torch.optim.Optimizer) -> None:
-        owned = self.owns(optimizer)
+        last = self._last_owned
+        owned = last[1] if last[0] is optimizer else self.owns(optimizer)
+        self._last_owned = (None, False)  # (never holds an optimizer past its step)
         self._events._on_any_update_done(owned)  # (the guard's, for any optimizer)
         if not owned:
             return

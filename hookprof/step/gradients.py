@@ -145,6 +145,7 @@ class GradientNorms:
         self._distributed = table.has_dtensor_params
         self._check_plans: dict[tuple[int, ...], _CheckPlan] = {}
         self._n = len(table)
+        self.seen_state: Any = None  # state() of the gradients layer_checks last read
 
     def state(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Which gradient tensors the parameters hold and their version counters (every
@@ -163,8 +164,11 @@ class GradientNorms:
         `cpu_dot_per_tensor`, a device other than CUDA, gradients on several devices,
         sparse or DTensor ones)."""
         if self._distributed:
+            self.seen_state = self.state()
             return self._grouped()
         grads = list(map(_GRAD, self._params))  # C-level: no Python call per gradient
+        # state(), inline: what these gradients were (StepGradients compares it at the update)
+        self.seen_state = (tuple(map(id, grads)), tuple(map(getattr, grads, repeat("_version"), repeat(-1))))
         missing: tuple[int, ...] = ()
         if not all(map(operator.is_not, grads, repeat(None))):
             missing = tuple(compress(count(), map(operator.is_, grads, repeat(None))))
@@ -451,7 +455,7 @@ class StepGradients:
         if not self._wanted:
             return
         parts, seen = self._norms.layer_checks()
-        self._left = self._norms.state()
+        self._left = self._norms.seen_state
         if self.backward is None:
             self.backward = (parts, seen)
             return
@@ -482,6 +486,16 @@ class StepGradients:
                     return
         self.squares = self._norms.layer_squares() if sampled else self._norms.layer_checks()
         self.exact = sampled
+
+    def at_step_end(self, sampled: bool) -> tuple[list[torch.Tensor], frozenset[int]] | None:
+        """The step ends (no optimizer hook may have read them: prof.step() alone): read
+        once if still wanted, then what the step's check counts (`checked`)."""
+        if self.squares is None and (sampled or self._left is not _UNCHANGED):  # (else: nothing to read)
+            self.read_once(sampled)
+        backward, update = self.backward, self.squares
+        if backward is None or update is None:  # the usual step: one of them (checked, inline)
+            return update if backward is None else backward
+        return self.checked
 
     @property
     def checked(self) -> tuple[list[torch.Tensor], frozenset[int]] | None:

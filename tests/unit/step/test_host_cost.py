@@ -63,7 +63,11 @@ def test_the_count_sees_an_op_with_one_output_per_gradient(monkeypatch):
     """The test above would fail on per-gradient work: with the sampled steps' exact norms
     (`torch._foreach_norm`, one output per gradient) put back on every step, the op count
     stays the same while the tensors grow by one per gradient."""
-    monkeypatch.setattr(GradientNorms, "layer_checks", GradientNorms.layer_squares)
+    def exact_norms_every_step(self):
+        self.seen_state = self.state()  # as layer_checks records what it read
+        return self.layer_squares()
+
+    monkeypatch.setattr(GradientNorms, "layer_checks", exact_norms_every_step)
     small = host_cost_of_unsampled_step(depth=0)
     large = host_cost_of_unsampled_step(depth=10)
     assert small.ops["aten._foreach_norm.Scalar"] == 1

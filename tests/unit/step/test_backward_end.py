@@ -1,0 +1,232 @@
+"""The every-step gradient check at the backward's end (step/backward_end.py, issue 38): what
+the loop does between backward() and the update cannot move the first bad layer; a NaN the
+loop's own guard drops is still counted; one made after the backward is counted too;
+accumulation; a backward that raised; detach; a fault in the check itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hookprof
+from hookprof.step.backward_end import BackwardEnd
+from support.first_nan import behind_by
+from support.models import DeepNet, seeded
+from support.settings import RARELY
+
+
+class NanGradient(torch.autograd.Function):
+    """Identity forward; in backward, the gradient made NaN at `step` (blocks.3's output
+    gradient: blocks.3.fc's own gradients are the first that backward computes non-finite)."""
+
+    @staticmethod
+    def forward(ctx, x, bad):
+        ctx.bad = bad
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad * float("nan") if ctx.bad else grad), None
+
+
+class Poisoned(DeepNet):
+    def __init__(self):
+        super().__init__()
+        self.bad_at: int | None = None
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        x = self.stem(x)
+        for k, block in enumerate(self.blocks):
+            x = block(x)
+            if k == 3:
+                x = NanGradient.apply(x, self.calls == self.bad_at)
+        return self.head(x)
+
+
+def model_and_data(bad_at):
+    torch.manual_seed(0)
+    model = Poisoned()
+    model.bad_at = bad_at
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(8)]
+    return model, batches
+
+
+def first(prof):
+    prof.flush()
+    e = prof.snapshot().first_nonfinite
+    return None if e is None else (e.layer, e.phase, e.step)
+
+
+@pytest.mark.parametrize("lag", [0, 3])
+@pytest.mark.parametrize("policy", ["record", "skip"])
+def test_a_clip_by_a_nan_norm_does_not_move_the_first_layer(lag, policy):
+    """clip_grad_norm_ of a NaN total multiplies every gradient by NaN before the update:
+    every layer reads non-finite there, the head last in backward's order... first named
+    before the fix. Named blocks.3.fc, whose gradient backward made NaN first."""
+    model, batches = model_and_data(bad_at=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=bool(lag))
+    with behind_by(lag):
+        prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, on_nonfinite=policy, **RARELY))
+        try:
+            for x, y in batches[:5]:
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+                if model.calls == 3:
+                    assert not torch.isfinite(norm) and not torch.isfinite(model.head.weight.grad).all()
+                opt.step()
+            assert first(prof) == ("blocks.3.fc", "backward", 3)
+        finally:
+            prof.detach()
+
+
+def test_a_step_the_loop_drops_itself_is_still_counted():
+    """The loop's own guard: a non-finite norm, zero_grad(), no update. The gradients were
+    non-finite as backward left them: counted (with the next step that ends), named."""
+    model, batches = model_and_data(bad_at=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, **RARELY))
+    try:
+        dropped = 0
+        for x, y in batches[:5]:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            if not torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)):
+                opt.zero_grad()
+                dropped += 1
+                continue
+            opt.step()
+        assert dropped == 1
+        layer, phase, step = first(prof)
+        assert (layer, phase) == ("blocks.3.fc", "backward")
+        assert step == 3  # the third update: the dropped call's NaN counts with it
+        assert prof.snapshot().nonfinite_steps["backward"] == 1
+    finally:
+        prof.detach()
+
+
+def test_a_nan_made_after_the_backward_is_counted_where_the_update_reads_it():
+    """Gradients finite as backward left them, made NaN by the loop (a normalisation of a
+    zero gradient, an all-reduce that overflows): the update's read sees it (their version
+    counters changed), and names the layer it is in."""
+    model, batches = model_and_data(bad_at=None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, **RARELY))
+    try:
+        for k, (x, y) in enumerate(batches[:5], start=1):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            if k == 4:
+                g = model.blocks[1].fc.bias.grad
+                g.div_(g.sub(g).norm())  # x / 0: NaN where x is 0, Inf elsewhere
+            opt.step()
+        assert first(prof) == ("blocks.1.fc", "backward", 4)
+    finally:
+        prof.detach()
+
+
+def test_accumulation_counts_a_nan_of_any_micro_batch():
+    """Four micro-batches per update, the second's backward NaN: counted at that update (the
+    NaN update then makes the next one's non-finite too: record lets it through)."""
+    model, batches = model_and_data(bad_at=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, **RARELY))
+    try:
+        for x, y in batches[:8]:
+            nn.functional.mse_loss(model(x), y).backward()
+            if model.calls % 4 == 0:
+                opt.step()
+                opt.zero_grad()
+        assert first(prof) == ("blocks.3.fc", "backward", 1)
+    finally:
+        prof.detach()
+
+
+def test_a_backward_that_raised_leaves_the_next_ones_checked():
+    """A backward that raises never runs its queued callback: the next forward starts
+    afresh, and a later NaN is still found at the backward's end (not only at the update,
+    which the clip here would make every layer's)."""
+    model, batches = model_and_data(bad_at=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    boom = {"on": True}
+
+    def raise_once(grad):
+        if boom.pop("on", False):
+            raise RuntimeError("a user's hook fails")
+        return grad
+
+    handle = model.head.weight.register_hook(raise_once)
+    prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, **RARELY))
+    try:
+        for x, y in batches[:6]:
+            opt.zero_grad()
+            try:
+                nn.functional.mse_loss(model(x), y).backward()
+            except RuntimeError:
+                continue  # the loop goes on, as a notebook does
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            opt.step()
+        layer, phase, _ = first(prof)
+        assert (layer, phase) == ("blocks.3.fc", "backward")
+        assert prof.snapshot().internal_errors == 0
+    finally:
+        handle.remove()
+        prof.detach()
+
+
+def test_after_detach_a_graph_built_before_calls_nothing():
+    model, batches = model_and_data(bad_at=None)
+    prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, **RARELY))
+    x, y = batches[0]
+    loss = nn.functional.mse_loss(model(x), y)
+    prof.detach()
+    calls = []
+    end = prof._backward_end
+    end._on_end = lambda: calls.append(1)  # what would run at the backward's end
+    loss.backward()
+    assert calls == [] and prof.snapshot().internal_errors == 0
+
+
+def test_a_fault_in_the_check_is_counted_and_the_update_reads_them_instead(monkeypatch):
+    """The check at the backward's end fails (a fault injected into hookprof's own part):
+    backward() returns normally, the fault is counted under "nonfinite", and the
+    gradients are checked where the update reads them."""
+    model, batches = model_and_data(bad_at=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, **RARELY))
+
+    def broken():
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(prof._backward_end, "_on_end", broken)
+    try:
+        for x, y in batches[:5]:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        assert first(prof) == ("blocks.3.fc", "backward", 3)
+        snap = prof.snapshot()
+        assert snap.internal_errors == 5 and prof._faults.by_part["nonfinite"] == 5
+    finally:
+        prof.detach()
+
+
+def test_backward_end_runs_once_per_backward_through_several_outputs():
+    """An output of several tensors (a dict) whose nodes all run in one backward: one call."""
+    ends = []
+    end = BackwardEnd(lambda: ends.append(1), faults=None)
+    a = nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    out = {"y": a(x), "z": a(x) * 2, "w": a(x).sum()}
+    end.watch(out)
+    (out["y"].sum() + out["z"].sum() + out["w"]).backward()
+    assert ends == [1]
+    out = {"y": a(x), "z": a(x) * 2}
+    end.watch(out)
+    out["y"].sum().backward(retain_graph=True)  # two backwards: two ends
+    out["z"].sum().backward()
+    assert ends == [1, 1, 1]

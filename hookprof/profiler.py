@@ -114,7 +114,9 @@ class Profiler:
         self._counters = StepCounters(config.max_skipped_steps)
         self._grads = StepGradients(GradientNorms(self.table), every_step=config.nonfinite_check == "all")
         # the gradients as each backward left them (before a clip or a user's guard rewrites them)
-        self._backward_end = BackwardEnd(self._grads.backward_ended, self._faults)
+        self._backward_end = BackwardEnd(self._grads.backward_ended if config.capsule_dir is None
+                                         else self._backward_ended, self._faults,
+                                         keep_output_grads=config.capsule_dir is not None)
         self._hooks = LayerHooks(self.table, self.timer, self._faults, config.activation_stats,
                                  root=model, statistics=layer_statistics)
         root_layer = next((layer.index for layer in self.table.layers if layer.module is model), None)
@@ -320,6 +322,11 @@ class Profiler:
         self._backward_end.watch(output)
         if self._sampled.unfolded:  # (a sampled step's, to fold)
             self._sampled.nudge()
+
+    def _backward_ended(self) -> None:
+        """capsule_dir set: the gradients checked, then a backward NaN's capsule drafted."""
+        self._grads.backward_ended()
+        self._nan.backward_ended(self._grads.backward, self._backward_end.output_grads, self._counters.steps + 1)
 
     def _on_update_began(self, optimizer: torch.optim.Optimizer) -> None:
         self._nan.update_began(self._counters.steps + 1)

@@ -47,6 +47,9 @@ FORMAT = 1  # the capsule's layout (reproduce.py refuses a newer one by name)
 FORM_PRODUCER = "producer"  # the named producer module, its inputs and output
 FORM_MODEL = "model"  # no layer named: the step's forward inputs and the whole model
 FORM_HASHES = "inputs and hashes"  # ... the model above capsule_max_bytes: a hash per parameter
+# a backward NaN: the step's forward inputs, the model before the update, and the gradient
+# each output tensor received (the backward is re-run from them: no loss function needed)
+FORM_BACKWARD = "backward"
 
 _count_lock = threading.Lock()
 _written = 0  # capsules written (or being written) by this process
@@ -209,6 +212,8 @@ class CapsuleDraft:
     device: str
     parameter_dtypes: dict[str, str]
     sizes: dict[str, int]
+    kind: str = "forward"  # "backward": drafted at the backward's end (Capsules.backward)
+    output_grads: bytes | None = None  # kind "backward": torch.save of the outputs' gradients
 
 
 class ReplayWatch:
@@ -344,6 +349,57 @@ class Capsules:
             parameter_dtypes={k: str(v.dtype).removeprefix("torch.") for k, v in state.items()},
             sizes=sizes)
 
+    def backward(self, model: nn.Module, captured: Any, output_grads: list[torch.Tensor | None],
+                 step: int) -> None:
+        """A backward of step `step` left a non-finite gradient, seen at its end, before the
+        update: draft its capsule now (the forward's inputs and RNG, the model as that
+        forward ran it, the gradients its outputs received), unless one is drafted or
+        written already. A fault costs the capsule only."""
+        if self.draft is not None or self.path is not None:
+            return
+        with self._faults.contain("incident capsule", disable=False):
+            inputs = (to_cpu(captured.args), to_cpu(captured.kwargs or {}))
+            state = model.state_dict()
+            state_bytes, input_bytes = tensor_bytes(state), tensor_bytes(inputs)
+            grads = _saved(to_cpu(output_grads))
+            sizes = {"state_dict_bytes": state_bytes, "input_bytes": input_bytes,
+                     "output_grad_bytes": len(grads), "max_bytes": self._max_bytes}
+            left_out: list[str] = []
+            model_entry, hashes = None, None
+            if state_bytes + input_bytes <= self._max_bytes:
+                model_entry = module_entry(module_on_cpu(model))
+            else:
+                hashes = {name: parameter_hash(t) for name, t in state.items()}
+                left_out.append(f"the model's state_dict ({state_bytes} bytes, with {input_bytes} bytes of "
+                                f"inputs above capsule_max_bytes={self._max_bytes}): a sha256 of each tensor instead")
+            if captured.changed_in_place():
+                left_out.append("the step's inputs as the forward began: they were changed in place "
+                                "since (the capsule holds them as they are now)")
+            devices = {t.device for t in state.values()}
+            self.draft = CapsuleDraft(
+                step=step, moved=0, modes=captured.modes,
+                entry=next((n for n, m in model.named_modules() if m is captured.module), None)
+                if captured.module is not None else None,
+                inputs=_saved(inputs), input_dtypes=dtypes_of(inputs), cpu_rng=captured.cpu_rng,
+                cuda_rng=captured.cuda_rng, producers={}, model=model_entry, hashes=hashes,
+                left_out=left_out, model_class=class_name(type(model)), device=device_name(devices),
+                parameter_dtypes={k: str(v.dtype).removeprefix("torch.") for k, v in state.items()},
+                sizes=sizes, kind="backward", output_grads=grads)
+
+    def missing(self, event: NonFiniteEvent) -> None:
+        """The first NaN/Inf is settled and nothing was drafted for it: said once, why."""
+        if self.draft is not None or self.path is not None or self._say is None:
+            return
+        if event.phase == "backward":
+            why = _WHY_NO_BACKWARD_CAPSULE
+        elif event.phase == "loss":
+            why = "a NaN/Inf of the loss alone gets none (the loss is computed outside the model)"
+        elif event.replay == "not replayed":
+            why = f"its step was not replayed ({event.replay_note or 'no reason given'})"
+        else:
+            return  # (a draft that failed is counted as a fault; the capsule limit said so)
+        self._say("no capsule", f"no capsule written for the NaN/Inf of step {event.step} ({event.phase}): {why}")
+
     def write(self, event: NonFiniteEvent, *, model: str, rank: int, summary: str = "") -> str | None:
         """Write the draft for `event` (the first NaN/Inf, settled or about to be acted on);
         returns the capsule's path, None when there is none to write or it failed (counted
@@ -351,6 +407,15 @@ class Capsules:
         with self._taking:  # flush() on another thread and a step end: one writes it
             draft, self.draft = self.draft, None
         if draft is None:
+            return None
+        if draft.step != event.step:
+            # a capsule holds the incident's own step or nothing: a later step's forward (the
+            # NaN weights a backward NaN's update left) would replay the consequence
+            if self._say is not None:
+                self._say("capsule of another step", (
+                    f"no capsule written for the NaN/Inf of step {event.step} ({event.phase}): the step "
+                    f"kept was {draft.step}, not the incident's"
+                    + (f". {_WHY_NO_BACKWARD_CAPSULE}" if event.phase == "backward" else "")))
             return None
         if not _take_slot(self._max_count):
             if self._say is not None:
@@ -374,7 +439,9 @@ class Capsules:
                   rank: int, summary: str) -> dict[str, Any]:
         named = event.layer if event.layer in draft.producers else None
         left_out = list(draft.left_out)
-        if named is not None:
+        if draft.kind == "backward":
+            form = FORM_BACKWARD if draft.model is not None else FORM_HASHES
+        elif named is not None:
             form = FORM_PRODUCER
             left_out.append("the model's other modules and the step's forward inputs (the producer was named)")
         else:
@@ -412,6 +479,8 @@ class Capsules:
             return contents
         contents["forward"] = {"inputs": draft.inputs, "entry": draft.entry, "cpu_rng": draft.cpu_rng,
                                "cuda_rng": draft.cuda_rng}
+        if draft.output_grads is not None:
+            contents["backward"] = {"output_grads": draft.output_grads}
         if draft.model is not None:
             contents["model"] = draft.model
         elif draft.hashes is not None:
@@ -419,6 +488,13 @@ class Capsules:
         else:  # the replay found producers, and the event names none of them (rare)
             left_out.append("the model (the replay found a producer other than the one named)")
         return contents
+
+
+# why a backward NaN may have no capsule of its own step (said with the note above)
+_WHY_NO_BACKWARD_CAPSULE = (
+    "A backward NaN's capsule is drafted at that backward's end, before the update, which "
+    "needs its gradient check on the host there: on a CPU always, on a GPU with "
+    "nonfinite_sync=True (one more wait per step)")
 
 
 def _saved(value: Any) -> bytes:

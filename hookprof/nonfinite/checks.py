@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from hookprof.config import Config
+from hookprof.device import transfer
 from hookprof.faults import Faults
 from hookprof.layers import LayerTable
 from hookprof.nonfinite.capsule import Capsules
@@ -142,6 +143,25 @@ class NonfiniteChecks:
         self._scaler_view = view
         self._scaler_skips.add(view.found_inf)
         return view
+
+    def backward_ended(self, checked: tuple[list[torch.Tensor], frozenset[int]] | None,
+                       output_grads: list[torch.Tensor | None], step: int) -> None:
+        """Config.capsule_dir: a backward of step `step` ended, its gradients checked
+        (`checked`, StepGradients.backward). When that check can be read without waiting
+        (CPU tensors; on a device, only under nonfinite_sync) and says non-finite, the
+        capsule is drafted now, before the update changes the weights (Capsules.backward)."""
+        capsules = self.capsules
+        if checked is None or capsules is None or capsules.draft is not None or capsules.path is not None:
+            return
+        parts = checked[0]
+        if not all(transfer.on_host(p) for p in parts) and not self._wait:
+            return  # (a wait per step on a device: only where asked for)
+        if all(bool(torch.isfinite(p).all()) for p in parts):
+            return
+        captured, model = self.replay.captured, self.replay.model
+        if captured is None or model is None or captured.updates != self.replay.updates:
+            return  # (the replay's one run is over, or its forward is not this step's)
+        capsules.backward(model, captured, output_grads, step)
 
     def before_update(self, optimizer: torch.optim.Optimizer,
                       squares: tuple[list[torch.Tensor], frozenset[int]] | None, step: int) -> None:

@@ -184,9 +184,13 @@ class IncidentResponse:
         acts (`_with_capsule`), so that its log line or exception gives the path; under
         "record", or after the policy acted, its own log line does."""
         capsules, event = self._capsules, snap.first_nonfinite
-        if capsules is None or capsules.draft is None or event is None or self._act_by is not None:
+        if capsules is None or event is None or self._act_by is not None:
             return False
-        if event.step == capsules.draft.step and event.replay is None:
+        if capsules.draft is None:
+            if event.replay is not None or event.phase != "forward":  # settled, and nothing kept
+                capsules.missing(event)
+            return False
+        if event.step == capsules.draft.step and event.replay is None and capsules.draft.kind == "forward":
             return False  # the replay's packet is not folded yet
         if self._config.on_nonfinite != "record" and not self._acted:
             return False  # the policy writes it as it acts

@@ -196,12 +196,85 @@ def _target(capsule: dict[str, Any]) -> tuple[nn.Module, Any, Any, torch.Tensor 
     return target, args, kwargs, forward.get("cpu_rng"), forward.get("cuda_rng"), None
 
 
+class FirstBadGradient:
+    """A hook on every parameter of a model: the first whose gradient, as backward computes
+    it (before it is accumulated), holds a NaN or Inf; its layer is the module holding it."""
+
+    def __init__(self, model: nn.Module):
+        self.found: str | None = None
+        self._handles = [p.register_hook(self._hook(name)) for name, p in model.named_parameters()
+                         if p.requires_grad]
+
+    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if self.found is None and _bad(grad):
+                self.found = name
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _replay_backward(capsule: dict[str, Any], device: str, runs: int,
+                     say: Callable[[str], None]) -> int:
+    """A backward NaN's capsule: the forward again, then the backward from the gradients the
+    outputs received in training, up to `runs` times; the first non-finite gradient named."""
+    try:
+        module, args, kwargs, cpu_rng, cuda_rng, _ = _target(capsule)
+        grads = _loaded(capsule["backward"]["output_grads"])
+    except CannotLoad as exc:
+        say(f"could not load: {exc}")
+        return NOT_LOADED
+    view = capsule["view"]
+    module = module.to(device)
+    args, kwargs = _to(args, device), _to(kwargs or {}, device)
+    grads = [None if g is None else g.to(device) for g in grads]
+    modes = view.get("modes") or {}
+    found, output = None, None
+    for _ in range(runs):
+        _set_rng(cpu_rng, cuda_rng, device)
+        module.zero_grad(set_to_none=True)
+        finder = FirstBadGradient(module)
+        try:
+            with torch.enable_grad(), _autocast(modes, device):
+                output = module(*args, **kwargs)
+            pairs = [(t, g) for t, g in zip(iter_tensors(output), grads)
+                     if g is not None and t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        finally:
+            finder.remove()
+        if finder.found is not None:
+            found = finder.found
+            break
+    if found is not None:
+        layer = found.rpartition(".")[0] or ROOT_NAME
+        say(f"reproduced: NaN/Inf in the backward, first in the gradient of {found} (layer {layer})")
+        status = REPRODUCED
+    else:
+        say(f"not reproduced in {runs} runs on {device}: the backward's gradients were finite "
+            "(transient: suspect nondeterminism or hardware)")
+        status = NOT_REPRODUCED
+    say(f"capsule of step {view['step']} on rank {view['rank']} ({view['host']}, {view['device']}); "
+        f"hookprof said: backward, layer {view['event'].get('layer')}")
+    say("inputs:")
+    for line in describe_range("args", args) + describe_range("kwargs", kwargs):
+        say(line)
+    say("output:")
+    for line in describe_range("output", output):
+        say(line)
+    return status
+
+
 def replay(path: str, device: str = "cpu", runs: int = 3, say: Callable[[str], None] = print) -> int:
     """Run the capsule at `path`; say the verdict and the ranges; return the exit status."""
     try:
         capsule = load(path)
         if device == "cuda" and not torch.cuda.is_available():
             raise CannotLoad("--device cuda: CUDA is not available here")
+        if "backward" in capsule and "model" in capsule:
+            return _replay_backward(capsule, device, runs, say)
         module, args, kwargs, cpu_rng, cuda_rng, producer = _target(capsule)
     except CannotLoad as exc:
         say(f"could not load: {exc}")

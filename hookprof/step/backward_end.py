@@ -24,6 +24,7 @@ the optimizer, as before.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -42,18 +43,26 @@ class BackwardEnd:
     never once `closed` is set (detach). What it raises is a fault of "backward end" in
     `faults` (training goes on; the step's gradients are then read at the optimizer)."""
 
-    __slots__ = ("_on_end", "_faults", "_queued", "closed")
+    __slots__ = ("_on_end", "_faults", "_queued", "closed", "keep_output_grads", "output_grads")
 
-    def __init__(self, on_end: Callable[[], None], faults: Any):
+    def __init__(self, on_end: Callable[[], None], faults: Any, *, keep_output_grads: bool = False):
         self._on_end = on_end
         self._faults = faults
         self._queued = False  # a callback is queued for the backward in progress
         self.closed = False
+        # the gradient each output tensor of the last forward received (the incident capsule
+        # of a backward NaN re-runs the backward from them: no loss function needed), in
+        # iter_tensors order, None where none came; references, until the next forward
+        self.keep_output_grads = keep_output_grads
+        self.output_grads: list[torch.Tensor | None] = []
 
     def watch(self, output: Any) -> None:
         """The model's training forward returned `output`: hook the nodes that make it."""
         # a backward that raised never ran its callback: whatever ran before this forward is over
         self._queued = False
+        if self.keep_output_grads:
+            self._watch_keeping(output)
+            return
         if type(output) is torch.Tensor:  # the usual output: no walk
             node = output.grad_fn
             if node is not None:
@@ -68,6 +77,23 @@ class BackwardEnd:
             node.register_prehook(self._began)
             if len(seen) == _MAX_NODES:
                 break
+
+    def _watch_keeping(self, output: Any) -> None:
+        """watch(), keeping each output tensor's gradient as its node receives it."""
+        tensors = list(iter_tensors(output))
+        self.output_grads = [None] * len(tensors)
+        by_node: dict[Any, list[tuple[int, int]]] = {}
+        for k, t in enumerate(tensors):
+            if t.grad_fn is not None:
+                by_node.setdefault(t.grad_fn, []).append((k, t.output_nr))
+        for node, places in list(by_node.items())[:_MAX_NODES]:
+            node.register_prehook(functools.partial(self._began_keeping, places))
+
+    def _began_keeping(self, places: list[tuple[int, int]], grad_outputs: Any) -> None:
+        for k, nr in places:
+            g = grad_outputs[nr] if nr < len(grad_outputs) else None
+            self.output_grads[k] = None if g is None else g.detach()
+        return self._began(grad_outputs)
 
     def _began(self, grad_outputs: Any) -> None:
         """A backward reached the model's output (its gradient is ready): queue the end once."""

@@ -17,6 +17,7 @@ from torch import nn
 
 import hookprof
 from hookprof import _testing
+from hookprof.nonfinite import reproduce
 from support.first_nan import UNSAMPLED, behind_by
 from support.own_hooks import OwnHooks
 
@@ -185,7 +186,8 @@ def test_gpt2_under_the_trainer_names_the_first_gradient_backward_computed(lag, 
     diverging in its backward at step 9, first in block 0's MLP, while ln_f's gradient is
     still finite (it goes non-finite at step 10, after the clip's NaN reached the weights).
     hookprof used to name ln_f: the Trainer's clip_grad_norm_(inf) multiplied every
-    gradient by the NaN norm before the optimizer's pre-hook read them."""
+    gradient by the NaN norm before the optimizer's pre-hook read them. Its capsule was
+    named step 10 and could not be replayed; it now holds step 9 and replays to the layer."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from transformers import TrainerCallback
@@ -203,7 +205,8 @@ def test_gpt2_under_the_trainer_names_the_first_gradient_backward_computed(lag, 
         def on_step_end(self, args, state, control, **kwargs):
             own.stepped()
 
-    callback = HookprofTrainerCallback(**UNSAMPLED, summary_at_exit=False)
+    _testing.forget_capsules_written()
+    callback = HookprofTrainerCallback(**UNSAMPLED, summary_at_exit=False, capsule_dir=str(tmp_path / "capsules"))
     own.replaying = lambda: callback.profiler is not None and _testing.replaying(callback.profiler)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=12, learning_rate=10,
@@ -218,3 +221,13 @@ def test_gpt2_under_the_trainer_names_the_first_gradient_backward_computed(lag, 
     assert expected[1].startswith("transformer.h.0."), expected  # not ln_f
     assert "transformer.ln_f" not in own.grads[expected[2]]  # still finite that step
     assert first_event(callback.profiler) == expected
+    # its capsule (issue 38, item 2): of step 9 itself, replayed to the same first layer;
+    # behind the host (no nonfinite_sync) none, and the log said why (test_backward_capsule.py)
+    capsule = callback.profiler.snapshot().first_nonfinite.capsule
+    if lag:
+        assert capsule is None
+        return
+    assert f"-step{expected[2]}-" in capsule
+    lines = []
+    assert reproduce.replay(capsule, say=lines.append) == reproduce.REPRODUCED
+    assert lines[0].endswith(f"(layer {expected[1]})"), lines[0]

@@ -150,6 +150,15 @@ def describe_range(label: str, value: Any) -> list[str]:
     return lines
 
 
+def _say_ranges(say: Callable[[str], None], args: Any, kwargs: Any, output: Any) -> None:
+    say("inputs:")
+    for line in describe_range("args", args) + describe_range("kwargs", kwargs):
+        say(line)
+    say("output:")
+    for line in describe_range("output", output):
+        say(line)
+
+
 def load(path: str) -> dict[str, Any]:
     try:
         capsule = torch.load(path, map_location="cpu", weights_only=True)
@@ -258,12 +267,7 @@ def _replay_backward(capsule: dict[str, Any], device: str, runs: int,
         status = NOT_REPRODUCED
     say(f"capsule of step {view['step']} on rank {view['rank']} ({view['host']}, {view['device']}); "
         f"hookprof said: backward, layer {view['event'].get('layer')}")
-    say("inputs:")
-    for line in describe_range("args", args) + describe_range("kwargs", kwargs):
-        say(line)
-    say("output:")
-    for line in describe_range("output", output):
-        say(line)
+    _say_ranges(say, args, kwargs, output)
     return status
 
 
@@ -313,10 +317,5 @@ def replay(path: str, device: str = "cpu", runs: int = 3, say: Callable[[str], N
         say("note: the producer's inputs were changed in place after its call (the capsule holds "
             "them as they were when the replay ended): a verdict of (input) or transient may come "
             "from that")
-    say("inputs:")
-    for line in describe_range("args", args) + describe_range("kwargs", kwargs):
-        say(line)
-    say("output:")
-    for line in describe_range("output", output):
-        say(line)
+    _say_ranges(say, args, kwargs, output)
     return status

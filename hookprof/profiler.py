@@ -161,6 +161,7 @@ class Profiler:
             undo.callback(self._serving.start())
             if compiled:  # a hook added now would force a recompile, and do nothing in the graph
                 explain_attached_after_compile(self._notices)
+                self._backward_end.watch_params(self.table.params)
             undo.callback(self._boundary.install(model, self._nan.traced)), undo.callback(self._release_step)
             self._begin_step(1, clock())
             live.add(self, self._boundary.module_ids, summary_at_exit=config.summary_at_exit)
@@ -245,7 +246,7 @@ class Profiler:
         if self.detached:
             return
         self._boundary.close()
-        self._backward_end.closed = True  # a graph built before detach() calls nothing
+        self._backward_end.remove()  # (a graph built before detach() calls nothing)
         with self._faults.contain("detach", disable=False):
             self._drain_counters()  # counters of the steps since the last sample
             self._incidents.at_detach()  # a capsule still waiting for its incident: written now
@@ -291,6 +292,7 @@ class Profiler:
         """Plan step `number`: sampled or not, with output checks or not; hooks in or out."""
         if self._boundary.latch_compiled():  # Dynamo traced the root: hooks stay out
             explain_compiled_forward(self._notices)
+            self._backward_end.watch_params(self.table.params)  # (its output's node is in the graph)
         incident = self._incidents.open(number)  # an open incident samples every step
         self._nan.step_began()
         record = self._sampled.begin(number, now_ns, incident=incident, compiled=self._boundary.compiled,

@@ -17,9 +17,14 @@ with); the engine runs it once that backward's graph is done, before `backward()
 with the caller's streams current. On an accelerator it may run on autograd's device
 thread while the training thread waits in `backward()`.
 
-A backward that never reaches the model's output (`torch.autograd.grad` of an input, a
-compiled model whose root hooks are out) queues nothing: the gradients are then read at
-the optimizer, as before.
+A model that runs compiled has its root hooks traced into the graph, where no node hook
+can be registered: there the callback is queued from a post-accumulate-grad hook on two of
+its parameters (`watch_params`: the first and the last that train; AccumulateGrad runs
+outside the compiled graph), one Python call each per backward, on compiled models only.
+
+A backward that reaches neither (`torch.autograd.grad` of an input; a compiled model whose
+two watched parameters are frozen) queues nothing: the gradients are then read at the
+optimizer, as before.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ class BackwardEnd:
     never once `closed` is set (detach). What it raises is a fault of "backward end" in
     `faults` (training goes on; the step's gradients are then read at the optimizer)."""
 
-    __slots__ = ("_on_end", "_faults", "_queued", "closed", "keep_output_grads", "output_grads")
+    __slots__ = ("_on_end", "_faults", "_queued", "closed", "keep_output_grads", "output_grads",
+                 "_param_handles")
 
     def __init__(self, on_end: Callable[[], None], faults: Any, *, keep_output_grads: bool = False):
         self._on_end = on_end
@@ -55,6 +61,26 @@ class BackwardEnd:
         # iter_tensors order, None where none came; references, until the next forward
         self.keep_output_grads = keep_output_grads
         self.output_grads: list[torch.Tensor | None] = []
+        self._param_handles: list[Any] = []  # watch_params' hooks (removed by `remove`)
+
+    def watch_params(self, params: list[torch.Tensor]) -> None:
+        """The model runs compiled: queue the end from the first and the last trainable
+        parameter's accumulation (once; `remove` takes them out)."""
+        if self._param_handles:
+            return
+        trained = [p for p in params if p.requires_grad]
+        for p in dict.fromkeys(id(p) for p in trained[:1] + trained[-1:]):
+            param = next(q for q in trained if id(q) == p)
+            self._param_handles.append(param.register_post_accumulate_grad_hook(self._accumulated))
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        self._began(None)
+
+    def remove(self) -> None:
+        self.closed = True
+        for handle in self._param_handles:
+            handle.remove()
+        self._param_handles.clear()
 
     def watch(self, output: Any) -> None:
         """The model's training forward returned `output`: hook the nodes that make it."""

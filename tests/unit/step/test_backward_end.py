@@ -230,3 +230,30 @@ def test_backward_end_runs_once_per_backward_through_several_outputs():
     out["y"].sum().backward(retain_graph=True)  # two backwards: two ends
     out["z"].sum().backward()
     assert ends == [1, 1, 1]
+
+
+@pytest.mark.parametrize("attach_first", [False, True], ids=["compiled, then attached", "attached, then compiled"])
+def test_a_compiled_model_is_checked_at_its_backwards_end_too(attach_first):
+    """Compiled, the root's hooks are traced into the graph (no node to hook): the end is
+    queued from two parameters' accumulation instead. Without that the clip's NaN names the
+    head (checked with those hooks taken out); and detach() takes them out."""
+    model, batches = model_and_data(bad_at=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    settings = hookprof.Config(summary_at_exit=False, **RARELY)
+    if attach_first:
+        prof = hookprof.attach(model, config=settings)
+        call = torch.compile(model, backend="aot_eager")
+    else:
+        call = torch.compile(model, backend="aot_eager")
+        prof = hookprof.attach(call, config=settings)
+    try:
+        for x, y in batches[:5]:
+            opt.zero_grad()
+            nn.functional.mse_loss(call(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            opt.step()
+        assert first(prof) == ("blocks.3.fc", "backward", 3)
+    finally:
+        prof.detach()
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters()
+               if getattr(p, "_post_accumulate_grad_hooks", None) is not None)

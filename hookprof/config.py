@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import math
 import os
 import re
 import typing
@@ -269,12 +270,13 @@ class Config:
         _check_range("max_layer_series", self.max_layer_series, self.max_layer_series >= 1, ">= 1")
         _check_range("activation_interval_s", self.activation_interval_s,
                      self.activation_interval_s >= 0, ">= 0")
-        _check_range(
-            "publish_interval_s", self.publish_interval_s, self.publish_interval_s > 0, "> 0"
-        )
-        _check_range(
-            "system_interval_s", self.system_interval_s, self.system_interval_s > 0, "> 0"
-        )
+        # the two threads that wake on a clock: below 0.05 s they take a share of a core of
+        # their own while training idles (1e-9 took 0.4-0.9 of a core and made steps 2-7x
+        # slower, issue 39); at 0.05 s each stays under ~1% (docs/configuration.md)
+        for name in ("publish_interval_s", "system_interval_s"):
+            _check_range(name, getattr(self, name), getattr(self, name) >= MIN_THREAD_INTERVAL_S,
+                         f">= {MIN_THREAD_INTERVAL_S:g} (seconds: a thread waking more often takes a "
+                         "share of a core of its own)")
         _check_range("nonfinite_check", self.nonfinite_check,
                      self.nonfinite_check in NONFINITE_CHECKS, f"one of {NONFINITE_CHECKS}")
         _check_range("port_conflict", self.port_conflict,
@@ -287,6 +289,8 @@ class Config:
         _check_range("capsule_max_count", self.capsule_max_count, self.capsule_max_count >= 1, ">= 1")
         _check_range("capsule_max_bytes", self.capsule_max_bytes, self.capsule_max_bytes >= 0, ">= 0")
         _check_range("max_skipped_steps", self.max_skipped_steps, self.max_skipped_steps >= 0, ">= 0")
+        _check_range("exploding_grad_norm", self.exploding_grad_norm,
+                     0 < self.exploding_grad_norm < math.inf, "a finite number > 0")  # nan too
         _check_range("vanishing_grad_norm", self.vanishing_grad_norm,
                      0 <= self.vanishing_grad_norm < self.exploding_grad_norm,
                      ">= 0 and below exploding_grad_norm")
@@ -332,6 +336,9 @@ _DAY = 86400.0
 # the highest value of every interval and threshold in seconds, and of the other floats
 # that nothing else bounds (each field's own rule says its lowest). docs/configuration.md
 # lists them.
+# the shortest interval of a thread that wakes on a clock (the publisher, the system sampler)
+MIN_THREAD_INTERVAL_S = 0.05
+
 _BOUNDS: dict[str, float] = {
     "publish_interval_s": 3600.0,
     "system_interval_s": 3600.0,

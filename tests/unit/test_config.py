@@ -31,7 +31,9 @@ def test_defaults_are_documented_values():
         ("port", "9000", "port must be of type int, got '9000'"),
         ("min_sample_interval_s", -1.0, "min_sample_interval_s must be >= 0, got -1.0"),
         ("max_layers", 0, "max_layers must be >= 1, got 0"),
-        ("publish_interval_s", 0, "publish_interval_s must be > 0, got 0"),
+        ("publish_interval_s", 0, "publish_interval_s must be >= 0.05 (seconds: a thread waking more often "
+                                  "takes a share of a core of its own), got 0"),
+        ("exploding_grad_norm", -1.0, "exploding_grad_norm must be a finite number > 0, got -1.0"),
         ("rank", -1, "rank must be >= 0 or None, got -1"),
         ("addr", " ", "addr must be a non-empty host address, got ' '"),
         ("on_nonfinite", "explode", "on_nonfinite must be one of ('record', 'warn', 'raise', 'dump', 'skip'), got 'explode'"),

@@ -91,3 +91,23 @@ def test_local_rank_from_torchrun_beyond_the_port_range_is_a_config_error_at_att
     monkeypatch.delenv("LOCAL_RANK")
     with hookprof.Profiler(model, Config(port=0)) as prof:
         assert prof.url is not None
+
+
+@pytest.mark.parametrize("field", ["publish_interval_s", "system_interval_s"])
+@pytest.mark.parametrize("value", [1e-9, 0.0, 0.049])
+def test_a_thread_interval_below_its_lower_bound_is_a_config_error(field, value):
+    """Issue 39: 1e-9 was accepted and hookprof's threads took 0.4-0.9 of a core."""
+    with pytest.raises(ConfigError) as info:
+        Config(**{field: value})
+    assert info.value.field == field and info.value.value == value
+    assert ">= 0.05" in str(info.value)
+    assert getattr(Config(**{field: 0.05}), field) == 0.05
+
+
+@pytest.mark.parametrize("value", [math.nan, -1.0, 0.0, math.inf])
+def test_a_bad_exploding_grad_norm_names_itself_not_vanishing_grad_norm(value):
+    """Issue 39: exploding_grad_norm=nan raised about vanishing_grad_norm."""
+    with pytest.raises(ConfigError) as info:
+        Config(exploding_grad_norm=value)
+    assert info.value.field == "exploding_grad_norm"
+    assert str(info.value).startswith("exploding_grad_norm must be")

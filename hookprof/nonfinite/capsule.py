@@ -431,6 +431,16 @@ class Capsules:
             _give_back_slot()
             self._faults.report(f"incident capsule ({path})", exc, disable=False)
             return None
+        except BaseException as exc:  # Ctrl-C (a notebook loop that goes on): tried again
+            _give_back_slot()
+            with self._taking:
+                if self.draft is None:
+                    self.draft = draft  # the next step end (or flush, detach) writes it
+            if self._say is not None:
+                self._say("capsule interrupted", f"the capsule of the NaN/Inf of step {draft.step} was "
+                                                 f"interrupted ({type(exc).__name__}) before it was written: "
+                                                 "it is written at the next step end, flush() or detach()")
+            raise
         self.path = path
         self._send(draft.step, path)
         return path

@@ -79,7 +79,7 @@ class IncidentResponse:
         self._publisher = publisher
         self._drain_counters = drain_counters
         self._known_bad = 0  # non-finite steps already reacted to
-        self._open_until = 0  # sample every step up to this step number
+        self.open_until = 0  # sample every step up to this step number (read at every step's start)
         self._acted = False  # the policy acts once per run: the first incident matters
         self._flags: list[tuple[torch.device, tuple[Any, Any]]] = []  # device flags in flight
         self._device_bad: dict[torch.device, int] = {}  # last flag read back per device
@@ -91,7 +91,7 @@ class IncidentResponse:
 
     def open(self, step: int) -> bool:
         """Is an incident open at `step`: recent, and its layer not known yet?"""
-        if step > self._open_until:
+        if step > self.open_until:
             return False
         event = self._publisher.latest.first_nonfinite
         return event is None or event.layer is None
@@ -114,7 +114,7 @@ class IncidentResponse:
                 self._act_when_named(step, snap)
             return
         self._known_bad = bad
-        self._open_until = step + self._config.incident_steps
+        self.open_until = step + self._config.incident_steps
         if (policy != "record" and snap.first_nonfinite is not None and not self._acted
                 and self._act_by is None):
             self._act_by = step + HOLD_STEPS
@@ -182,7 +182,9 @@ class IncidentResponse:
         """Write the capsule once the first NaN/Inf is settled: its replay's verdict known
         (or it is another step's). A policy still holding for the replay writes it when it
         acts (`_with_capsule`), so that its log line or exception gives the path; under
-        "record", or after the policy acted, its own log line does."""
+        "record", or after the policy acted, its own log line does. True when a write was
+        tried: the snapshot is to be brought up to it (its path, or the failure counted in
+        hookprof_internal_errors_total: issue 39, a failure used to wait for the next flush)."""
         capsules, event = self._capsules, snap.first_nonfinite
         if capsules is None or event is None or self._act_by is not None:
             return False
@@ -197,7 +199,7 @@ class IncidentResponse:
         path = capsules.write(event, model=self._model, rank=self._rank, summary=describe(event, self._rank))
         if path is not None:
             log.warning("hookprof: %s", describe(dataclasses.replace(event, capsule=path), self._rank))
-        return path is not None
+        return True
 
     def _with_capsule(self, event: NonFiniteEvent) -> NonFiniteEvent:
         """`event` with its capsule's path, the capsule written now if it waits."""
@@ -217,6 +219,13 @@ class IncidentResponse:
         self._dump_tries += 1
         try:
             apply("dump", event, snap, self._config, self._rank, model=self._model)
+        except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C in a notebook loop that goes on
+            self._acted, self._act_by = False, 0  # written again at the next step end, or detach()
+            self._dump_tries -= 1  # (no failure of the disk: not one of MAX_DUMP_TRIES)
+            log.warning("hookprof: the report of the NaN/Inf of step %s was interrupted (%s) before it "
+                        "was written: it is written at the next step end, or at detach()",
+                        event.step, type(exc).__name__)
+            raise
         except Exception as exc:  # OSError mostly; whatever it is, it costs only the report
             path = dump_path(self._config.dump_dir, self._model, self._rank, event.step)
             again = self._dump_tries < MAX_DUMP_TRIES

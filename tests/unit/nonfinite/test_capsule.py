@@ -157,6 +157,20 @@ def test_capsule_dir_not_writable_is_counted_said_once_and_training_goes_on(tmp_
     assert not list(tmp_path.glob("**/*.pt")) and not list(tmp_path.glob("**/.*.tmp"))
 
 
+def test_a_capsule_write_that_fails_inside_flush_is_in_that_flushs_snapshot(tmp_path):
+    """Issue 39, item 6: the write made by flush() (record: the run ends at the bad step)
+    failed, and the snapshot that flush() returned did not count it yet (a second flush did)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    r = run(Overflow(at=5), lag=0, policy="record", steps=5, capsule_dir=str(blocker / "capsules"),
+            keep_attached=True)  # r.snapshot: after run()'s one flush(), before any detach
+    try:
+        assert r.snapshot.first_nonfinite is not None and r.snapshot.first_nonfinite.capsule is None
+        assert r.snapshot.internal_errors == 1 and r.snapshot.capsules_written == 0
+    finally:
+        r.prof.detach()
+
+
 def test_at_most_capsule_max_count_per_process(tmp_path):
     paths = [run(Overflow(at=5), lag=0, policy="record", steps=8, capsule_dir=str(tmp_path),
                  capsule_max_count=2).snapshot.first_nonfinite.capsule for _ in range(3)]

@@ -11,6 +11,7 @@ from hookprof.errors import (
     ConfigError,
     DetachedError,
     HookprofError,
+    MetaDeviceError,
     NonFiniteError,
     PortInUseError,
 )
@@ -32,5 +33,6 @@ __all__ = [
     "AlreadyAttachedError",
     "PortInUseError",
     "DetachedError",
+    "MetaDeviceError",
     "NonFiniteError",
 ]

@@ -37,6 +37,21 @@ class AlreadyAttachedError(HookprofError, RuntimeError):
         )
 
 
+class MetaDeviceError(HookprofError, ValueError):
+    """attach() on a model whose parameters are on the meta device (deferred initialisation):
+    they hold no data, and the tensors `to_empty()` makes later are new objects that the
+    hooks attached now would never see. `names` are those parameters."""
+
+    def __init__(self, model_type: str, names: list[str]):
+        self.model_type = model_type
+        self.names = names
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        super().__init__(
+            f"{model_type} has parameters on the meta device ({shown}): they hold no data yet. "
+            "Attach after materialising the model: model.to_empty(device=...), initialise its "
+            "weights, then hookprof.attach(model)")
+
+
 class PortInUseError(HookprofError, OSError):
     """The metrics port could not be bound."""
 

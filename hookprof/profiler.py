@@ -25,7 +25,7 @@ from hookprof.config import Config, env_disabled
 from hookprof.disabled import DisabledProfiler, InertProfiler
 from hookprof.distributed import detect_local_rank, detect_rank
 from hookprof.efficiency.figures import EfficiencyTotals, StepEfficiency
-from hookprof.errors import DetachedError
+from hookprof.errors import DetachedError, MetaDeviceError
 from hookprof.faults import Faults, ThreadSupervisor, guarded
 from hookprof.layers import LayerTable
 from hookprof.nonfinite.checks import NonfiniteChecks
@@ -105,6 +105,8 @@ class Profiler:
         if not self.table.params:
             raise ValueError(f"{type(model).__qualname__} has no parameters: there is nothing to "
                              "train, so nothing for hookprof to profile")
+        if any(p.is_meta for p in self.table.params):  # deferred init: to_empty() makes new tensors
+            raise MetaDeviceError(type(model).__qualname__, [n for n, p in model.named_parameters() if p.is_meta])
         self.rank = config.rank if config.rank is not None else detect_rank()
         local_rank = config.local_rank if config.local_rank is not None else detect_local_rank()
         config.check_local_rank(local_rank, "LOCAL_RANK" if config.local_rank is None else None)
@@ -293,12 +295,14 @@ class Profiler:
         if self._boundary.latch_compiled():  # Dynamo traced the root: hooks stay out
             explain_compiled_forward(self._notices)
             self._backward_end.watch_params(self.table.params)  # (its output's node is in the graph)
-        incident = self._incidents.open(number)  # an open incident samples every step
+        # an open incident samples every step (its window's end read first: one call less)
+        incident = number <= self._incidents.open_until and self._incidents.open(number)
         self._nan.step_began()
         record = self._sampled.begin(number, now_ns, incident=incident, compiled=self._boundary.compiled,
                                      broken=self._faults.layers_off(number))
         self._grads.new_step(self._sampled.plan.sampled)
-        self._phases.bind(record)  # a sampled step's phases are marked on the device too
+        if record is not None or self._phases.bound:  # a sampled step's phases are marked on the device too
+            self._phases.bind(record)
 
     def _on_eval_forward(self) -> None:
         if self._phases.where[1] in (DATA, OTHER):  # an evaluation between steps
@@ -342,7 +346,7 @@ class Profiler:
 
     def _on_before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """This step's gradients are final and its parameters not updated yet."""
-        self._grads.read_once(self._sampled.plan.sampled, for_update=self._nan.guard is not None)
+        self._grads.read_once(self._sampled.plan.sampled, at_update=True, guarded=self._nan.guard is not None)
         if (view := self._nan.scaler_of(optimizer)) is not None:
             self._grads.unscale(view)
         self._nan.before_update(optimizer, self._grads.squares, self._counters.steps + 1)
@@ -394,7 +398,8 @@ class Profiler:
                     forward_seen: bool) -> tuple[int, int]:
         """The step boundary: count the step and pack a sampled one. Returns (number, now)."""
         nan, grads = self._nan, self._grads
-        if (nan.replay.flag is not None or nan.replay.kept) and not skipped:
+        replay = nan.replay
+        if (replay.flag is not None or (replay.kept and not self._grads.read_at_update)) and not skipped:
             nan.replay_forward(self._counters.steps + 1)  # no optimizer hook ran: still this step's
         now = self._clock()
         if started_ns is None:  # a first step without a forward: no phases to tell

@@ -100,6 +100,8 @@ def nonfinite_flags(value: Any) -> list[bool | torch.Tensor]:
     finite fp16 output read as non-finite, issue 38); a float32 output can read as
     non-finite only when its values add up past ~3.4e38, values about to overflow."""
     if type(value) is torch.Tensor:  # the usual output: one tensor (no walk, no stack)
+        if value.is_complex():  # its real view: the same NaN/Inf (issue 39)
+            value = torch.view_as_real(value)
         if not value.is_floating_point() or not value.numel():
             return []
         total = value.detach().sum(dtype=_SUM_DTYPE.get(value.dtype))
@@ -109,6 +111,8 @@ def nonfinite_flags(value: Any) -> list[bool | torch.Tensor]:
     host: bool | None = None
     on_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in iter_tensors(value):
+        if t.is_complex():
+            t = torch.view_as_real(t)
         if not t.is_floating_point() or not t.numel():
             continue
         total = t.detach().sum(dtype=_SUM_DTYPE.get(t.dtype))

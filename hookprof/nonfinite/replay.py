@@ -135,7 +135,8 @@ def own_weights_nonfinite(layers: list[Any]) -> list[torch.Tensor]:
     for layer in layers:
         module = layer.module
         own = [] if module is None else [
-            t for t in module.parameters(recurse=False) if t.is_floating_point() and t.numel()]
+            t if not t.is_complex() else torch.view_as_real(t)
+            for t in module.parameters(recurse=False) if (t.is_floating_point() or t.is_complex()) and t.numel()]
         if not own:
             flags.append(torch.zeros((), dtype=torch.int64))
             continue

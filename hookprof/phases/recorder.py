@@ -22,7 +22,7 @@ from hookprof.phases.device import DevicePhaseTotals, PhaseMarks
 class PhaseClock:
     """Host phases every step; device marks on sampled steps with a device timer."""
 
-    __slots__ = ("progress", "_marks", "enter", "restart", "end_step")
+    __slots__ = ("progress", "_marks", "enter", "restart", "end_step", "bound")
 
     def __init__(self, now_ns: int, timer: Timer):
         self.progress = Progress(now_ns)
@@ -39,6 +39,9 @@ class PhaseClock:
         self.enter = writer.enter
         self.restart = writer.restart
         self.end_step = writer.end_step
+        # writing to device marks: a step without a record must bind (back to the host's
+        # progress); while False an unsampled step needs no bind() call at all
+        self.bound = writer is not self.progress
 
     def device_totals(self) -> DevicePhaseTotals | None:
         """The publisher's sums of device phase seconds, when there are device marks."""

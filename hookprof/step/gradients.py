@@ -52,9 +52,13 @@ from hookprof.device.transfer import index_to_device
 
 def local_tensor(grad: torch.Tensor) -> torch.Tensor:
     """The part of a gradient this rank holds: a DTensor's local shard, a sparse gradient's
-    values. Norms of these are partial; combining them across ranks is left to PromQL."""
+    values; a complex gradient as its real view (same norm, same finiteness: the norm
+    kernels refuse a float dtype for complex input). Norms of shards are partial; combining
+    them across ranks is left to PromQL."""
     if grad.is_sparse:
         return grad.coalesce().values()
+    if grad.is_complex():
+        return torch.view_as_real(grad)
     to_local = getattr(grad, "to_local", None)  # DTensor, without importing torch.distributed
     return to_local() if to_local is not None else grad
 
@@ -140,9 +144,10 @@ class GradientNorms:
         # keyed by the positions of the parameters without a gradient (usually ()): the one
         # thing that changes the plan from step to step
         self._plans: dict[tuple[int, ...], _Plan] = {}
-        # DTensor parameters (FSDP2, tensor parallel) have DTensor gradients: known at attach,
-        # so plain models skip the per-gradient lookup (this loop runs every step)
-        self._distributed = table.has_dtensor_params
+        # DTensor parameters (FSDP2, tensor parallel) have DTensor gradients, complex ones
+        # complex gradients (read as real views, issue 39): known at attach, so plain models
+        # skip the per-gradient lookup of the general path (this loop runs every step)
+        self._distributed = table.has_dtensor_params or any(p.is_complex() for p in self._params)
         self._check_plans: dict[tuple[int, ...], _CheckPlan] = {}
         self._n = len(table)
         self.seen_state: Any = None  # state() of the gradients layer_checks last read
@@ -433,7 +438,7 @@ class StepGradients:
     Owned by the profiler; the training thread, or autograd's thread while the training
     thread waits in backward()."""
 
-    __slots__ = ("_norms", "_every_step", "_wanted", "_left", "squares", "exact", "backward")
+    __slots__ = ("_norms", "_every_step", "_wanted", "_left", "squares", "exact", "backward", "read_at_update")
 
     def __init__(self, norms: GradientNorms, *, every_step: bool = True):
         self._norms = norms
@@ -448,6 +453,7 @@ class StepGradients:
         self.backward: tuple[list[torch.Tensor], frozenset[int]] | None = None
         self._wanted = every_step  # this step checks its gradients (new_step)
         self._left: Any = None  # GradientNorms.state() as the last backward left the gradients
+        self.read_at_update = False  # an optimizer's pre-hook asked this step (read_once)
 
     def backward_ended(self) -> None:
         """A backward through the model finished: check its gradients now (a constant handful
@@ -465,19 +471,21 @@ class StepGradients:
             earlier[part.device] = part if before is None else before + part
         self.backward = (list(earlier.values()), self.backward[1] | seen)
 
-    def read_once(self, sampled: bool, *, for_update: bool = False) -> None:
+    def read_once(self, sampled: bool, *, at_update: bool = False, guarded: bool = False) -> None:
         """Read them now if this step wants them and they were not read yet: on a sampled
         step per-layer squared norms (its figures, `exact`); on another, per-layer values
         that are only checked for NaN/Inf (GradientNorms.layer_checks), unless a backward's
-        end already checked them, no guard judges the update (`for_update`) and no gradient
+        end already checked them, no guard judges the update (`guarded`) and no gradient
         changed since (a clip, GradScaler's unscale_, DDP's all-reduce, a hand-made edit:
         their version counters say so, GradientNorms.state)."""
+        if at_update:  # (an optimizer's pre-hook: the step's end need not look at late replays again)
+            self.read_at_update = True
         if self.squares is not None:
             return
         if not sampled:
             if not self._every_step:
                 return
-            if self.backward is not None and not for_update:
+            if self.backward is not None and not guarded:
                 left = self._left
                 if left is _UNCHANGED:  # compared already (the update's pre-hook, then the step's end)
                     return
@@ -524,6 +532,7 @@ class StepGradients:
         self.squares = None
         self.backward = None
         self._left = None
+        self.read_at_update = False
         self._wanted = sampled or self._every_step
 
     def unscale(self, view: Any) -> None:

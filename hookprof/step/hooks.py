@@ -65,6 +65,12 @@ def _graphs_compiled() -> int:
     return utils.counters["stats"]["unique_graphs"] if utils is not None else 0
 
 
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor's real view (its NaN/Inf and the size of its parts; aminmax refuses
+    complex input, issue 39); any other tensor itself."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
 class ForwardWrapper:
     """A layer's `forward` while it is instrumented: times the call around the module's own
     forward. Copies of the module (deepcopy, pickle: EMA models, checkpoints of the whole
@@ -237,8 +243,8 @@ class LayerHooks:
             return
         try:
             for t in iter_tensors((args, kwargs)):
-                if t.is_floating_point() and t.numel():
-                    low, high = torch.aminmax(t.detach())
+                if (t.is_floating_point() or t.is_complex()) and t.numel():
+                    low, high = torch.aminmax(_real(t.detach()))
                     # known like a layer's output: a layer taking it reuses this reduction
                     rec.out_stats[id(t)] = (weakref.ref(t), t._version, len(rec.act))
                     rec.act.append(Activation(ROOT_INPUT, low, high, None, 0))
@@ -430,7 +436,7 @@ class LayerHooks:
                         pending[node] = [role]
                     else:
                         roles.append(role)
-                if stats and t.is_floating_point() and t.numel():
+                if stats and (t.is_floating_point() or t.is_complex()) and t.numel():
                     self._note_input(rec, t, call)
             if not inputs_need_grad and layer_index not in rec.param_hooked and (
                     layer_index < len(self._table) or layer_index in self._region_params):
@@ -476,8 +482,8 @@ class LayerHooks:
             role = call << 1 | 1  # an output: the call's backward starts when its gradient is ready
             for t in (output,) if isinstance(output, _Tensor) else iter_tensors(output):
                 node = t.grad_fn
-                if stats and t.is_floating_point() and t.numel():
-                    d = t.detach()
+                if stats and (t.is_floating_point() or t.is_complex()) and t.numel():
+                    d = _real(t.detach())
                     # device-side reductions, kept on the device. aminmax gives max |x| over
                     # the whole output in one pass, and NaN/Inf propagate, so it doubles as
                     # the exact non-finite detector. Zeros are counted on an evenly strided
@@ -526,7 +532,7 @@ class LayerHooks:
         if known is not None and known[0]() is t and known[1] == t._version:
             rec.inputs.append((call, known[2]))
             return
-        low, high = torch.aminmax(t.detach())
+        low, high = torch.aminmax(_real(t.detach()))
         rec.inputs.append((call, len(rec.act)))
         rec.act.append(Activation(-1, low, high, None, 0))
 

@@ -68,3 +68,33 @@ def test_a_checkpoint_saved_while_attached_by_an_earlier_hookprof_loads_and_trai
     out.pow(2).mean().backward()
     opt.step()
     assert out.shape == (3, 2) and _testing.live_profilers() == []
+
+
+def test_a_meta_device_model_is_refused_at_attach_with_the_fix():
+    """Issue 39, item 4: attached on the meta device, then to_empty() and trained: an
+    internal error, the backward count stuck at 0 while gradients were NaN, device='meta'
+    in the event. Refused now, naming the parameters and the fix; nothing left behind; and
+    attached after to_empty(), a NaN is named as usual."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with pytest.raises(hookprof.MetaDeviceError) as info:
+        hookprof.attach(model, port=0)
+    assert info.value.names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert "to_empty" in str(info.value) and "0.weight" in str(info.value)
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hookprof.attach(model, port=0, summary_at_exit=False) as prof:
+        for step in range(1, 5):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            if step == 3:
+                model[2].weight.grad[0, 0] = float("nan")
+            opt.step()
+        prof.flush()
+        snap = prof.snapshot()
+    assert snap.internal_errors == 0 and snap.nonfinite_steps["backward"] >= 1
+    assert (snap.first_nonfinite.layer, snap.first_nonfinite.step, snap.first_nonfinite.device) == ("2", 3, "cpu")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -260,8 +261,12 @@ class ThreadSupervisor:
     training thread while another thread detaches either finishes before the threads are
     stopped or sees closed, so nothing stopped by detach is started again."""
 
-    def __init__(self, faults: Faults):
+    def __init__(self, faults: Faults, say: Callable[[str, str], None] | None = None):
         self._faults = faults
+        self._say = say
+        # the process the threads were started in: a forked child has none of them (fork
+        # copies the calling thread only), which is no fault of theirs (issue 39)
+        self._pid = os.getpid()
         self._watched: dict[str, Restartable] = {}
         self._given_up: set[str] = set()  # reported as not restarted again
         self._lock = threading.Lock()  # a check against close()
@@ -285,9 +290,33 @@ class ThreadSupervisor:
         with self._lock:
             if self._closed:
                 return
+            if os.getpid() != self._pid:
+                self._started_in_fork()
+                return
             for what, part in self._watched.items():
                 if not part.alive:
                     self._revive(what, part)
+
+    def _started_in_fork(self) -> None:
+        """This process is a fork of the one that attached, and trains: the threads are
+        started here, not counted as deaths, and said once."""
+        parent, self._pid = self._pid, os.getpid()
+        started = []
+        for what, part in self._watched.items():
+            if not part.alive:
+                try:
+                    part.restart()
+                    part.restarts -= 1  # (not a death: no restart of the budget spent)
+                    started.append(what)
+                except Exception as exc:
+                    self._faults.report(f"{what} thread restart", exc, disable=False)
+        if self._say is not None:
+            self._say("forked", (
+                f"this process ({self._pid}) is a fork of {parent}, where hookprof was attached, "
+                f"and trains: threads do not survive a fork, so hookprof started its "
+                f"{' and '.join(started) or 'threads'} again here; its metrics endpoint stays the "
+                "parent's (this process does not serve it): attach in this process, after "
+                "prof.detach(), to serve its own"))
 
     def _revive(self, what: str, part: Restartable) -> None:
         err = RuntimeError(f"hookprof {what} thread died")

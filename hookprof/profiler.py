@@ -118,7 +118,8 @@ class Profiler:
         # the gradients as each backward left them (before a clip or a user's guard rewrites them)
         self._backward_end = BackwardEnd(self._grads.backward_ended if config.capsule_dir is None
                                          else self._backward_ended, self._faults,
-                                         keep_output_grads=config.capsule_dir is not None)
+                                         keep_output_grads=config.capsule_dir is not None,
+                                         params=self.table.params)
         self._hooks = LayerHooks(self.table, self.timer, self._faults, config.activation_stats,
                                  root=model, statistics=layer_statistics)
         root_layer = next((layer.index for layer in self.table.layers if layer.module is model), None)
@@ -147,7 +148,7 @@ class Profiler:
             self._incidents = IncidentResponse(config, self.rank, self._nan.detector, self._publisher,
                                                self._drain_counters, self._nan.replay_pending,
                                                model=self.name, faults=self._faults, capsules=self._nan.capsules)
-            self._supervisor = ThreadSupervisor(self._faults)
+            self._supervisor = ThreadSupervisor(self._faults, say=self._notices.say)
             self._supervisor.watch("publisher", self._publisher)
             if config.stall_detection:
                 self._supervisor.watch("stall watch", self._watch)

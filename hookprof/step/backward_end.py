@@ -22,8 +22,9 @@ can be registered: there the callback is queued from a post-accumulate-grad hook
 its parameters (`watch_params`: the first and the last that train; AccumulateGrad runs
 outside the compiled graph), one Python call each per backward, on compiled models only.
 
-A backward that reaches neither (`torch.autograd.grad` of an input; a compiled model whose
-two watched parameters are frozen) queues nothing: the gradients are then read at the
+A backward that reaches neither (a compiled model whose two watched parameters are frozen),
+or runs under `torch.autograd.grad` (which writes no .grad: training that puts its
+gradients into .grad by hand), queues nothing: the gradients are then read at the
 optimizer, as before.
 """
 
@@ -41,6 +42,17 @@ _MAX_NODES = 8  # output tensors watched per forward: one reaching the backward 
 
 
 _ENGINE = torch.autograd.Variable._execution_engine
+# asked of a parameter's AccumulateGrad node inside a graph task, this raises under
+# torch.autograd.grad (which writes no .grad: a check of .grad at its end would read the
+# last step's gradients) and answers under backward(); the same query torch's own
+# register_multi_grad_hook makes
+_WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)
+
+
+def accumulator_of(param: torch.Tensor) -> Any:
+    """The AccumulateGrad node of a parameter (the node autograd writes its .grad with)."""
+    with torch.enable_grad():
+        return param.view_as(param).grad_fn.next_functions[0][0]
 
 
 class BackwardEnd:
@@ -49,11 +61,15 @@ class BackwardEnd:
     `faults` (training goes on; the step's gradients are then read at the optimizer)."""
 
     __slots__ = ("_on_end", "_faults", "_queued", "closed", "keep_output_grads", "output_grads",
-                 "_param_handles")
+                 "_param_handles", "_accumulator")
 
-    def __init__(self, on_end: Callable[[], None], faults: Any, *, keep_output_grads: bool = False):
+    def __init__(self, on_end: Callable[[], None], faults: Any, *, keep_output_grads: bool = False,
+                 params: list[torch.Tensor] = ()):
         self._on_end = on_end
         self._faults = faults
+        # one trainable parameter's AccumulateGrad node: tells backward() from autograd.grad
+        trained = [p for p in params if p.requires_grad and p.is_leaf]
+        self._accumulator = accumulator_of(trained[0]) if trained and _WILL_EXECUTE is not None else None
         self._queued = False  # a callback is queued for the backward in progress
         self.closed = False
         # the gradient each output tensor of the last forward received (the incident capsule
@@ -124,6 +140,11 @@ class BackwardEnd:
     def _began(self, grad_outputs: Any) -> None:
         """A backward reached the model's output (its gradient is ready): queue the end once."""
         if not self._queued and not self.closed:
+            if self._accumulator is not None:
+                try:
+                    _WILL_EXECUTE(self._accumulator)
+                except RuntimeError:  # torch.autograd.grad: no .grad written, read at the update
+                    return None
             self._queued = True
             try:
                 _ENGINE.queue_callback(self._ended)

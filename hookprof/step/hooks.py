@@ -538,16 +538,18 @@ class LayerHooks:
 
     def _hook_params(self, rec: StepRecord, layer_index: int) -> None:
         """The call's backward ends at its parameters' last gradient: a layer's own, or for a
-        compiled region every parameter of the module (its inputs needed no gradient)."""
+        compiled region every parameter of the module (its inputs needed no gradient). A
+        hook on the parameter's gradient as it is computed, not on its accumulation into
+        .grad: training through torch.autograd.grad (meta-learning, gradient penalties,
+        gradients put into .grad by hand) accumulates nothing, and such a layer had 0
+        backward calls (issue 39)."""
         rec.param_hooked.add(layer_index)
         params = self._region_params.get(layer_index)
         if params is None:
             params = [self._table.params[i] for i in self._table.layers[layer_index].param_indices]
         for p in params:
             if p.requires_grad:
-                rec.param_handles.append(
-                    p.register_post_accumulate_grad_hook(partial(self._param_done, rec, layer_index))
-                )
+                rec.param_handles.append(p.register_hook(partial(self._param_done, rec, layer_index)))
 
     def mark_pending(self) -> None:
         """Register the noted backward marks, one node pre-hook per autograd node: at the end
@@ -581,7 +583,7 @@ class LayerHooks:
         except Exception as exc:
             self._faults.report("backward hook", exc)
 
-    def _param_done(self, rec: StepRecord, layer_index: int, param: torch.Tensor) -> None:
+    def _param_done(self, rec: StepRecord, layer_index: int, grad: torch.Tensor) -> None:
         try:
             rec.param_done.append((layer_index, self._timer.mark()))
         except Exception as exc:

@@ -383,7 +383,7 @@ def test_a_replay_on_a_sampled_step_without_checks_leaves_nothing_after_detach()
         loop(model, 3, prof, nan_input_at={2})
         prof.flush()
         assert prof.snapshot().first_nonfinite.layer == "(input)"
-    assert all(not post_accumulate_grad_hooks(p) for p in model.parameters())
+    assert all(not post_accumulate_grad_hooks(p) and not p._backward_hooks for p in model.parameters())
 
 
 class Masked(nn.Module):

@@ -257,3 +257,30 @@ def test_a_compiled_model_is_checked_at_its_backwards_end_too(attach_first):
         prof.detach()
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters()
                if getattr(p, "_post_accumulate_grad_hooks", None) is not None)
+
+
+def test_training_through_autograd_grad_is_checked_where_the_update_reads_and_timed():
+    """Issue 39, item 5: gradients from torch.autograd.grad, put into .grad by hand (meta-
+    learning, gradient penalties). autograd.grad writes no .grad, so the backward's end
+    must not read .grad (it would hold the last step's: a NaN counted twice, or a stale
+    step's layer): the update reads them. And every layer is timed in backward (the first
+    layer had 0 backward calls: its end was taken from .grad's accumulation)."""
+    model, batches = model_and_data(bad_at=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=True)  # skip holds step 3's update back
+    prof = hookprof.attach(model, config=hookprof.Config(
+        summary_at_exit=False, port=0, sample_every=1, min_sample_interval_s=0.0, on_nonfinite="skip"))
+    try:
+        for x, y in batches[:6]:
+            loss = nn.functional.mse_loss(model(x), y)
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g  # the last step's .grad replaced, never zeroed: stale until now
+            opt.step()
+        prof.flush()
+        snap = prof.snapshot()
+        assert first(prof) == ("blocks.3.fc", "backward", 3)
+        assert snap.nonfinite_steps["backward"] == 1  # not step 4 again, from step 3's stale .grad
+        assert snap.layers["stem"].backward_calls_total == 6 and snap.layers["stem"].backward_seconds_total > 0
+        assert all(s.backward_calls_total == 6 for s in snap.layers.values())
+    finally:
+        prof.detach()

@@ -118,7 +118,8 @@ class Profiler:
         # the gradients as each backward left them (before a clip or a user's guard rewrites them)
         self._backward_end = BackwardEnd(self._grads.backward_ended if config.capsule_dir is None
                                          else self._backward_ended, self._faults,
-                                         keep_output_grads=config.capsule_dir is not None,
+                                         keep_output_grads=config.capsule_dir is not None and (
+                                             config.nonfinite_sync or all(d.type == "cpu" for d in self.table.param_devices())),
                                          params=self.table.params)
         self._hooks = LayerHooks(self.table, self.timer, self._faults, config.activation_stats,
                                  root=model, statistics=layer_statistics)
@@ -333,7 +334,9 @@ class Profiler:
     def _backward_ended(self) -> None:
         """capsule_dir set: the gradients checked, then a backward NaN's capsule drafted."""
         self._grads.backward_ended()
-        self._nan.backward_ended(self._grads.backward, self._backward_end.output_grads, self._counters.steps + 1)
+        end = self._backward_end
+        grads, end.output_grads = end.output_grads, []  # (drafted on the CPU, or not needed)
+        self._nan.backward_ended(self._grads.backward, grads, self._counters.steps + 1)
 
     def _on_update_began(self, optimizer: torch.optim.Optimizer) -> None:
         self._nan.update_began(self._counters.steps + 1)
@@ -347,7 +350,7 @@ class Profiler:
 
     def _on_before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """This step's gradients are final and its parameters not updated yet."""
-        self._grads.read_once(self._sampled.plan.sampled, at_update=True, guarded=self._nan.guard is not None)
+        self._grads.read_once(self._sampled.plan.sampled, at_update=True)
         if (view := self._nan.scaler_of(optimizer)) is not None:
             self._grads.unscale(view)
         self._nan.before_update(optimizer, self._grads.squares, self._counters.steps + 1)

@@ -286,6 +286,7 @@ class Capsules:
         self._send = send  # (step, path) to the publisher: the event and the counter carry it
         self._say = say
         self.draft: CapsuleDraft | None = None
+        self._draft_failed = False  # a backward draft was tried and failed (`missing`)
         self._taking = threading.Lock()
         self.path: str | None = None  # the capsule written, once it is
 
@@ -357,6 +358,7 @@ class Capsules:
         written already. A fault costs the capsule only."""
         if self.draft is not None or self.path is not None:
             return
+        self._draft_failed = True  # (until the draft below is made: `missing` says why)
         with self._faults.contain("incident capsule", disable=False):
             inputs = (to_cpu(captured.args), to_cpu(captured.kwargs or {}))
             state = model.state_dict()
@@ -385,12 +387,16 @@ class Capsules:
                 left_out=left_out, model_class=class_name(type(model)), device=device_name(devices),
                 parameter_dtypes={k: str(v.dtype).removeprefix("torch.") for k, v in state.items()},
                 sizes=sizes, kind="backward", output_grads=grads)
+            self._draft_failed = False
 
     def missing(self, event: NonFiniteEvent) -> None:
         """The first NaN/Inf is settled and nothing was drafted for it: said once, why."""
         if self.draft is not None or self.path is not None or self._say is None:
             return
-        if event.phase == "backward":
+        if event.phase == "backward" and self._draft_failed:
+            why = ("drafting it failed (counted in hookprof_internal_errors_total, part nonfinite; "
+                   "the log line before says what)")
+        elif event.phase == "backward":
             why = _WHY_NO_BACKWARD_CAPSULE
         elif event.phase == "loss":
             why = "a NaN/Inf of the loss alone gets none (the loss is computed outside the model)"

@@ -225,6 +225,13 @@ class NonfiniteChecks:
             self.replay_forward(step)
         layers = [] if squares is None else (
             squares[0] if self._scaler_view is None else self._checked_squares(squares[0]))
+        capsules = self.capsules
+        if capsules is not None and capsules.draft is not None and capsules.draft.kind == "backward" \
+                and capsules.draft.step == step and all(bool(torch.isfinite(p).all()) for p in layers):
+            # its gradients were dropped before any update (a GradScaler's skip, a loop's own
+            # loss scaler): no incident, and the capsule's place is kept for one (a backward
+            # draft exists only where these values are read without waiting)
+            capsules.draft = None
         # the output's flags combined as they came (OutputFlags)
         self.detector.end_step(layers, self.output.take(), step)
 

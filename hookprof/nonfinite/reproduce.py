@@ -250,8 +250,11 @@ def _replay_backward(capsule: dict[str, Any], device: str, runs: int,
                 output = module(*args, **kwargs)
             pairs = [(t, g) for t, g in zip(iter_tensors(output), grads)
                      if g is not None and t.requires_grad]
-            if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            if not pairs:  # nothing to run the backward from: no verdict, rather than "transient"
+                say("could not load: the capsule holds no gradient of the model's outputs that "
+                    "matches this forward's outputs, so its backward cannot be run again")
+                return NOT_LOADED
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         finally:
             finder.remove()
         if finder.found is not None:

@@ -94,6 +94,7 @@ class BackwardEnd:
 
     def remove(self) -> None:
         self.closed = True
+        self.output_grads = []  # (references to the last backward's output gradients)
         for handle in self._param_handles:
             handle.remove()
         self._param_handles.clear()
@@ -121,20 +122,27 @@ class BackwardEnd:
                 break
 
     def _watch_keeping(self, output: Any) -> None:
-        """watch(), keeping each output tensor's gradient as its node receives it."""
+        """watch(), keeping each output tensor's gradient as its node receives it, into a
+        list of this forward's own (a graph of an earlier forward, still alive, writes into
+        its own list, never into this one's)."""
         tensors = list(iter_tensors(output))
-        self.output_grads = [None] * len(tensors)
+        kept: list[torch.Tensor | None] = [None] * len(tensors)
+        self.output_grads = kept
         by_node: dict[Any, list[tuple[int, int]]] = {}
         for k, t in enumerate(tensors):
             if t.grad_fn is not None:
                 by_node.setdefault(t.grad_fn, []).append((k, t.output_nr))
         for node, places in list(by_node.items())[:_MAX_NODES]:
-            node.register_prehook(functools.partial(self._began_keeping, places))
+            node.register_prehook(functools.partial(self._began_keeping, kept, places))
 
-    def _began_keeping(self, places: list[tuple[int, int]], grad_outputs: Any) -> None:
-        for k, nr in places:
-            g = grad_outputs[nr] if nr < len(grad_outputs) else None
-            self.output_grads[k] = None if g is None else g.detach()
+    def _began_keeping(self, kept: list[torch.Tensor | None], places: list[tuple[int, int]],
+                       grad_outputs: Any) -> None:
+        try:
+            for k, nr in places:
+                g = grad_outputs[nr] if nr < len(grad_outputs) else None
+                kept[k] = None if g is None else g.detach()
+        except Exception as exc:  # never into the user's backward()
+            self._faults.report("backward end", exc, disable=False)
         return self._began(grad_outputs)
 
     def _began(self, grad_outputs: Any) -> None:

@@ -1,10 +1,11 @@
 """Per-layer gradients, read on the device at the step boundary: exact norms on sampled
 steps, a non-finite check on every other step.
 
-Gradients are checked for NaN/Inf at the end of each backward (backward_end.py: before a
-clip or a user's guard rewrites them), and read for their norms where the update reads them:
-at optimizer-step time (after DDP's all-reduce and after the last micro-batch of gradient
-accumulation), or at an explicit `Profiler.step()` (StepGradients). Nothing is read back here.
+Gradients are read where the update reads them: at optimizer-step time (after DDP's
+all-reduce and after the last micro-batch of gradient accumulation), or at an explicit
+`Profiler.step()`; and checked for NaN/Inf once more at the end of each backward
+(backward_end.py), before a clip can rewrite them, for which layer went first
+(StepGradients). Nothing is read back here.
 
 - **Sampled steps** (`GradientNorms.layer_squares`): one fused `torch._foreach_norm` per
   device gives every parameter's L2 norm; an `index_add_` folds their squares into one slot
@@ -150,14 +151,6 @@ class GradientNorms:
         self._distributed = table.has_dtensor_params or any(p.is_complex() for p in self._params)
         self._check_plans: dict[tuple[int, ...], _CheckPlan] = {}
         self._n = len(table)
-        self.seen_state: Any = None  # state() of the gradients layer_checks last read
-
-    def state(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Which gradient tensors the parameters hold and their version counters (every
-        in-place change bumps one): equal states, no gradient changed in between. Ids, not
-        the tensors: holding them would keep freed gradients alive. C-level loops only."""
-        grads = list(map(_GRAD, self._params))
-        return tuple(map(id, grads)), tuple(map(getattr, grads, repeat("_version"), repeat(-1)))
 
     def layer_checks(self) -> tuple[list[torch.Tensor], frozenset[int]]:
         """Per device: per layer, a float32 value that is non-finite exactly when the layer's
@@ -169,11 +162,8 @@ class GradientNorms:
         `cpu_dot_per_tensor`, a device other than CUDA, gradients on several devices,
         sparse or DTensor ones)."""
         if self._distributed:
-            self.seen_state = self.state()
             return self._grouped()
         grads = list(map(_GRAD, self._params))  # C-level: no Python call per gradient
-        # state(), inline: what these gradients were (StepGradients compares it at the update)
-        self.seen_state = (tuple(map(id, grads)), tuple(map(getattr, grads, repeat("_version"), repeat(-1))))
         missing: tuple[int, ...] = ()
         if not all(map(operator.is_not, grads, repeat(None))):
             missing = tuple(compress(count(), map(operator.is_, grads, repeat(None))))
@@ -417,28 +407,26 @@ def layer_squares(groups: dict[torch.device, tuple[list[torch.Tensor], list[int]
     return out, frozenset(seen)
 
 
-_UNCHANGED = object()  # StepGradients._left once found unchanged at the update
-
-
 class StepGradients:
     """This step's per-layer gradient values, two readings of them:
 
-    - `backward`: checked at the end of each backward through the model's output
-      (backward_end.py), as backward left them: what the non-finite check counts. Code
-      between backward() and the optimizer may rewrite gradients (a clip by a NaN norm
-      makes every one NaN; a user's guard zeroes them), so the first bad layer is told from
-      this reading. Several backwards in one step (accumulation, a closure, a dropped bad
-      micro-batch) add up: a NaN or Inf in any of them stays non-finite in the sum.
-    - `squares`: read at most once per step where the update reads the gradients (the
-      optimizer's pre-hook, or the step's end when none ran): exact norms on sampled steps
-      (the figures, as the update sees them: unscaled, clipped), the non-finite check where
-      no backward end was seen (a compiled model, `torch.autograd.grad`), and what
-      skip/raise judge the update by.
+    - `squares`, where the update reads the gradients (the optimizer's pre-hook, or the
+      step's end when none ran), read once per step: exact norms on sampled steps (the
+      figures, as the update sees them: unscaled, clipped), per-layer check values on the
+      others. It says *whether* the step's update got non-finite gradients: what the
+      detector counts and the policies act on. Gradients the loop drops before any update
+      (a loss scaler's overflow that is not torch's GradScaler, a GAN's generator pass
+      through the discriminator, a guard that zeroes them) are not an incident.
+    - `backward`, at the end of each backward through the model's output (backward_end.py),
+      as backward left them: says *which* layer went first. Code between backward() and
+      the optimizer may rewrite gradients (a clip by a NaN total norm makes every one NaN),
+      so when both readings are non-finite the layers come from this one (`checked`).
+      Several backwards in one step add up: a NaN in any of them stays in the sum.
 
     Owned by the profiler; the training thread, or autograd's thread while the training
     thread waits in backward()."""
 
-    __slots__ = ("_norms", "_every_step", "_wanted", "_left", "squares", "exact", "backward", "read_at_update")
+    __slots__ = ("_norms", "_every_step", "_wanted", "squares", "exact", "backward", "read_at_update")
 
     def __init__(self, norms: GradientNorms, *, every_step: bool = True):
         self._norms = norms
@@ -452,7 +440,6 @@ class StepGradients:
         # (per-device check values, layers seen) at the end of this step's backwards, or None
         self.backward: tuple[list[torch.Tensor], frozenset[int]] | None = None
         self._wanted = every_step  # this step checks its gradients (new_step)
-        self._left: Any = None  # GradientNorms.state() as the last backward left the gradients
         self.read_at_update = False  # an optimizer's pre-hook asked this step (read_once)
 
     def backward_ended(self) -> None:
@@ -461,7 +448,6 @@ class StepGradients:
         if not self._wanted:
             return
         parts, seen = self._norms.layer_checks()
-        self._left = self._norms.seen_state
         if self.backward is None:
             self.backward = (parts, seen)
             return
@@ -471,58 +457,46 @@ class StepGradients:
             earlier[part.device] = part if before is None else before + part
         self.backward = (list(earlier.values()), self.backward[1] | seen)
 
-    def read_once(self, sampled: bool, *, at_update: bool = False, guarded: bool = False) -> None:
+    def read_once(self, sampled: bool, *, at_update: bool = False) -> None:
         """Read them now if this step wants them and they were not read yet: on a sampled
         step per-layer squared norms (its figures, `exact`); on another, per-layer values
-        that are only checked for NaN/Inf (GradientNorms.layer_checks), unless a backward's
-        end already checked them, no guard judges the update (`guarded`) and no gradient
-        changed since (a clip, GradScaler's unscale_, DDP's all-reduce, a hand-made edit:
-        their version counters say so, GradientNorms.state)."""
+        that are only checked for NaN/Inf (GradientNorms.layer_checks)."""
         if at_update:  # (an optimizer's pre-hook: the step's end need not look at late replays again)
             self.read_at_update = True
-        if self.squares is not None:
-            return
-        if not sampled:
-            if not self._every_step:
-                return
-            if self.backward is not None and not guarded:
-                left = self._left
-                if left is _UNCHANGED:  # compared already (the update's pre-hook, then the step's end)
-                    return
-                if self._norms.state() == left:
-                    self._left = _UNCHANGED
-                    return
-        self.squares = self._norms.layer_squares() if sampled else self._norms.layer_checks()
-        self.exact = sampled
+        if self.squares is None and (sampled or self._every_step):
+            self.squares = self._norms.layer_squares() if sampled else self._norms.layer_checks()
+            self.exact = sampled
 
     def at_step_end(self, sampled: bool) -> tuple[list[torch.Tensor], frozenset[int]] | None:
         """The step ends (no optimizer hook may have read them: prof.step() alone): read
         once if still wanted, then what the step's check counts (`checked`)."""
-        if self.squares is None and (sampled or self._left is not _UNCHANGED):  # (else: nothing to read)
+        if self.squares is None:
             self.read_once(sampled)
-        backward, update = self.backward, self.squares
-        if backward is None or update is None:  # the usual step: one of them (checked, inline)
-            return update if backward is None else backward
         return self.checked
 
     @property
     def checked(self) -> tuple[list[torch.Tensor], frozenset[int]] | None:
-        """What the step's non-finite check counts: the backwards' values, or the update's
-        where no backward end was seen; with both (a sampled step, skip/raise), the update's
-        on a device where the backwards' were all finite: a NaN made after backward() (an
-        fp16 all-reduce that overflows, a hand-written normalisation of a zero gradient) is
-        counted too, and one that backward made keeps the layers backward gave it. A few
-        ops on the device; nothing read back."""
+        """What the step's non-finite check counts: the update's reading, with its layers
+        taken from the backwards' reading on a device where both are non-finite (a NaN
+        backward made, then spread to every layer by a clip). A NaN made after backward() (an
+        edit through .data, an all-reduce that overflows) keeps the update's layers; one the
+        loop dropped before the update is not counted. A few ops on the device; nothing
+        read back."""
         backward, update = self.backward, self.squares
         if backward is None or update is None:
-            return update if backward is None else backward
-        by_device = {p.device: p for p in update[0]}
+            return update
+        by_device = {p.device: p for p in backward[0]}
         parts = []
-        for b in backward[0]:
-            u = by_device.pop(b.device, None)
-            parts.append(b if u is None else torch.where(b.sub(b).ne(0).any(), b, u))
-        parts.extend(by_device.values())
-        return parts, backward[1] | update[1]
+        for u in update[0]:
+            b = by_device.get(u.device)
+            if b is None:
+                parts.append(u)
+            else:  # where(both non-finite, b, u); a float64 sum of float32 values cannot
+                # overflow, so it is non-finite exactly when one of them is (x - x: 0 or NaN)
+                b_bad, u_bad = b.sum(dtype=torch.float64), u.sum(dtype=torch.float64)
+                both = b_bad.sub(b_bad).ne(0).logical_and_(u_bad.sub(u_bad).ne(0))
+                parts.append(torch.where(both, b, u))
+        return parts, update[1]
 
     def forget(self) -> None:
         """A closure ran another backward: read again at the update when next needed."""
@@ -531,7 +505,6 @@ class StepGradients:
     def new_step(self, sampled: bool) -> None:
         self.squares = None
         self.backward = None
-        self._left = None
         self.read_at_update = False
         self._wanted = sampled or self._every_step
 

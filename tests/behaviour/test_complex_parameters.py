@@ -60,3 +60,23 @@ def test_a_nan_in_a_complex_model_is_found_and_named():
         assert prof.snapshot().internal_errors == 0
     finally:
         prof.detach()
+
+
+def test_a_nan_in_a_complex_gradient_is_counted_in_its_layer():
+    model = complex_model()
+    prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, **RARELY))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    try:
+        for step in range(1, 5):
+            opt.zero_grad()
+            model(torch.randn(3, 4, generator=g, dtype=torch.cfloat)).abs().sum().backward()
+            if step == 2:
+                model[0].bias.grad[1] = complex(0.0, float("inf"))
+            opt.step()
+        prof.flush()
+        event = prof.snapshot().first_nonfinite
+        assert (event.layer, event.phase, event.step) == ("0", "backward", 2)
+        assert prof.snapshot().internal_errors == 0
+    finally:
+        prof.detach()

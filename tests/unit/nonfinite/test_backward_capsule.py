@@ -114,3 +114,56 @@ def test_a_loss_nan_says_why_it_has_no_capsule(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "no capsule written" in r.getMessage()]
     assert len(said) == 1 and "step 2 (loss)" in said[0] and "loss alone" in said[0]
     assert os.listdir(tmp_path) == []
+
+
+def test_two_forwards_of_different_shapes_in_one_step_never_raise_into_backward(tmp_path):
+    """Review H2: the model called twice per step, three output tensors then one, both in
+    the loss: the first forward's node hooks wrote into the second's list, an IndexError
+    inside the user's backward()."""
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x, many: bool):
+            return (self.a(x), self.b(x), self.a(x) * 2) if many else self.b(x)
+
+    model = TwoHeads()
+    _testing.forget_capsules_written()
+    with hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, capsule_dir=str(tmp_path),
+                                                       **UNSAMPLED)) as prof:
+        for _ in range(3):
+            model.zero_grad()
+            first = model(torch.randn(2, 4), True)
+            second = model(torch.randn(2, 4), False)
+            (sum(t.sum() for t in first) + second.sum()).backward()
+        prof.flush()
+        assert prof.snapshot().internal_errors == 0
+        assert prof._backward_end.output_grads == []  # released once the step's check read them
+
+
+def test_a_gradscaler_overflow_leaves_the_capsule_for_the_real_incident(tmp_path):
+    """Review H3: GradScaler's normal overflow at step 1 (its step skipped) drafted a
+    backward capsule that stayed, and the real NaN of step 6 got none."""
+    _testing.forget_capsules_written()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)  # overflows at once, then backs off
+    g = torch.Generator().manual_seed(1)
+    with hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, capsule_dir=str(tmp_path),
+                                                       **UNSAMPLED)) as prof:
+        for step in range(1, 9):
+            x = torch.randn(4, 8, generator=g)
+            if step == 6:  # a row that overflows the first layer's first unit: the real incident
+                x[0] = 3e38 * torch.sign(model[0].weight[0].detach())
+            opt.zero_grad()
+            scaler.scale(model(x).pow(2).sum() * 10.0).backward()  # x 2**127: inf at step 1
+            scaler.step(opt)
+            scaler.update()
+        prof.flush()
+        event = prof.snapshot().first_nonfinite
+    assert scaler.get_scale() < 2.0 ** 127  # it did overflow and skip
+    assert (event.phase, event.step, event.layer) == ("forward", 6, "0")
+    assert event.capsule is not None and "-step6-" in event.capsule

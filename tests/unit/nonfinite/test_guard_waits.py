@@ -143,15 +143,16 @@ def test_the_output_check_is_combined_once_per_step(policy, make_opt):
     """The model output's flag has one owner (output_check.OutputFlags): the replay peeks
     it, the guard and the detector read it, none of them stacks it again. On a step with
     one forward: one reduction of the output (its sum), no stack of flags, and the
-    gradients' fused check at the backward's end (and, under skip, once more where the update
-    reads them: the guard judges what the update gets); the count does not grow with the model."""
+    gradients' fused check twice: at the backward's end (which layer) and where the update
+    reads them (whether the update got a NaN: StepGradients), joined by one `where`; the
+    count does not grow with the model."""
     ops = ops_per_unsampled_step_on_a_device(policy, make_opt)
     skip = policy == "skip"
-    # the output check's one reduction is a sum; its flag, 0-d, needs no `any` (nor the
-    # loss's); under skip one `any` tells whether the backward's end saw a NaN (StepGradients.checked)
-    assert ops["aten.any.default"] == (1 if skip else 0), ops
+    # the output check's one reduction is a sum; its flag, 0-d, needs no `any` (nor the loss's)
+    assert ops["aten.any.default"] == 0, ops
     assert ops["aten.stack.default"] == 0, ops
-    assert ops["aten._chunk_cat.default"] == (2 if skip else 1), ops  # GradientNorms.layer_checks
+    assert ops["aten._chunk_cat.default"] == 2, ops  # GradientNorms.layer_checks, twice
+    assert ops["aten.where.self"] == 1, ops  # StepGradients.checked
     # the guard folds the output's flag and the gradients' with one op
     assert ops["aten.bitwise_or.Tensor"] == (1 if skip else 0), ops
     assert ops["aten.clone.default"] == (2 if policy == "skip" else 1), ops  # peeks (emulated copies)

@@ -84,27 +84,56 @@ def test_a_clip_by_a_nan_norm_does_not_move_the_first_layer(lag, policy):
             prof.detach()
 
 
-def test_a_step_the_loop_drops_itself_is_still_counted():
-    """The loop's own guard: a non-finite norm, zero_grad(), no update. The gradients were
-    non-finite as backward left them: counted (with the next step that ends), named."""
+@pytest.mark.parametrize("policy", ["record", "raise"])
+def test_gradients_the_loop_drops_before_any_update_are_no_incident(policy):
+    """A loss scaler of the loop's own (not torch's GradScaler: DeepSpeed's, Megatron's, a
+    hand-written one) overflows at step 3, zeroes the gradients and skips the update, as
+    it is meant to: no incident, no NonFiniteError into a healthy run (review H1). The
+    check at the backward's end says which layer; whether the step's update got non-finite
+    gradients is the update's reading."""
     model, batches = model_and_data(bad_at=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, on_nonfinite=policy, **RARELY))
+    try:
+        skipped = 0
+        for x, y in batches[:6]:
+            opt.zero_grad()
+            (nn.functional.mse_loss(model(x), y) * 1024.0).backward()
+            if any(not torch.isfinite(p.grad).all() for p in model.parameters()):
+                opt.zero_grad()  # the scaler's skip: no update with these gradients
+                skipped += 1
+                continue
+            for p in model.parameters():
+                p.grad.div_(1024.0)
+            opt.step()
+        assert skipped == 1
+        assert first(prof) is None and prof.snapshot().nonfinite_steps["backward"] == 0
+    finally:
+        prof.detach()
+
+
+@pytest.mark.parametrize("how", ["through .data", "a new tensor in a freed one's place"])
+def test_a_nan_made_after_the_backward_without_a_version_bump_is_counted(how):
+    """Edits the version counters do not show (review M2): through `.data` (apex- and
+    Megatron-era clipping and all-reduce code), and a gradient replaced after the old one
+    was freed (its id may be reused). The update's reading sees them, at their step."""
+    model, batches = model_and_data(bad_at=None)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, **RARELY))
     try:
-        dropped = 0
-        for x, y in batches[:5]:
+        for k, (x, y) in enumerate(batches[:5], start=1):
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
-            if not torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)):
-                opt.zero_grad()
-                dropped += 1
-                continue
+            if k == 3:
+                p = model.blocks[1].fc.weight
+                if how == "through .data":
+                    p.grad.data.mul_(float("inf"))
+                else:
+                    g = p.grad.clone()
+                    p.grad = None
+                    p.grad = g / 0.0
             opt.step()
-        assert dropped == 1
-        layer, phase, step = first(prof)
-        assert (layer, phase) == ("blocks.3.fc", "backward")
-        assert step == 3  # the third update: the dropped call's NaN counts with it
-        assert prof.snapshot().nonfinite_steps["backward"] == 1
+        assert first(prof) == ("blocks.1.fc", "backward", 3)
     finally:
         prof.detach()
 

@@ -231,3 +231,23 @@ def test_gpt2_under_the_trainer_names_the_first_gradient_backward_computed(lag, 
     lines = []
     assert reproduce.replay(capsule, say=lines.append) == reproduce.REPRODUCED
     assert lines[0].endswith(f"(layer {expected[1]})"), lines[0]
+
+
+def test_a_finite_fp16_output_whose_sum_passes_65504_is_no_nan():
+    """The output check used to sum a float16 output in float16: 256 finite values of ~300
+    add up past 65504, and a healthy fp16 model read as a forward NaN at every step."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 256).half()
+    with torch.no_grad():
+        model.weight.fill_(75.0)
+        model.bias.zero_()
+    x = torch.ones(1, 4, dtype=torch.float16)
+    assert torch.isfinite(model(x)).all() and not torch.isfinite(model(x).sum())  # fp16's own sum overflows
+    with hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, **UNSAMPLED)) as prof:
+        for _ in range(3):
+            model.zero_grad()
+            model(x).float().mean().backward()
+            prof.step()
+        prof.flush()
+        assert prof.snapshot().first_nonfinite is None
+        assert prof.snapshot().nonfinite_steps == {"forward": 0, "backward": 0, "loss": 0}

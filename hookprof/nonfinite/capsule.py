@@ -313,7 +313,6 @@ class Capsules:
 
     def _draft(self, model: nn.Module, watch: ReplayWatch, captured: Any, step: int,
                moved: int) -> CapsuleDraft:
-        left_out: list[str] = []
         producers = {}
         for call in watch.producers():
             now = [t._version for t in iter_tensors((call.args, call.kwargs))]
@@ -325,6 +324,14 @@ class Capsules:
                          output_dtypes=dtypes_of(call.output),
                          inputs_changed_in_place=now != call.versions)
             producers[call.name] = entry
+        return self._step_draft(model, captured, step, moved, producers)
+
+    def _step_draft(self, model: nn.Module, captured: Any, step: int, moved: int,
+                    producers: dict[str, dict[str, Any]]) -> CapsuleDraft:
+        """The step's forward inputs and RNG (replay.CapturedForward), copied to the CPU, and
+        the whole model (under capsule_max_bytes; above it a hash of each parameter) when no
+        producer is kept."""
+        left_out: list[str] = []
         inputs = (to_cpu(captured.args), to_cpu(captured.kwargs or {}))
         state = model.state_dict()
         state_bytes = tensor_bytes(state)
@@ -360,33 +367,13 @@ class Capsules:
             return
         self._draft_failed = True  # (until the draft below is made: `missing` says why)
         with self._faults.contain("incident capsule", disable=False):
-            inputs = (to_cpu(captured.args), to_cpu(captured.kwargs or {}))
-            state = model.state_dict()
-            state_bytes, input_bytes = tensor_bytes(state), tensor_bytes(inputs)
+            draft = self._step_draft(model, captured, step, 0, producers={})
             grads = _saved(to_cpu(output_grads))
-            sizes = {"state_dict_bytes": state_bytes, "input_bytes": input_bytes,
-                     "output_grad_bytes": len(grads), "max_bytes": self._max_bytes}
-            left_out: list[str] = []
-            model_entry, hashes = None, None
-            if state_bytes + input_bytes <= self._max_bytes:
-                model_entry = module_entry(module_on_cpu(model))
-            else:
-                hashes = {name: parameter_hash(t) for name, t in state.items()}
-                left_out.append(f"the model's state_dict ({state_bytes} bytes, with {input_bytes} bytes of "
-                                f"inputs above capsule_max_bytes={self._max_bytes}): a sha256 of each tensor instead")
             if captured.changed_in_place():
-                left_out.append("the step's inputs as the forward began: they were changed in place "
-                                "since (the capsule holds them as they are now)")
-            devices = {t.device for t in state.values()}
-            self.draft = CapsuleDraft(
-                step=step, moved=0, modes=captured.modes,
-                entry=next((n for n, m in model.named_modules() if m is captured.module), None)
-                if captured.module is not None else None,
-                inputs=_saved(inputs), input_dtypes=dtypes_of(inputs), cpu_rng=captured.cpu_rng,
-                cuda_rng=captured.cuda_rng, producers={}, model=model_entry, hashes=hashes,
-                left_out=left_out, model_class=class_name(type(model)), device=device_name(devices),
-                parameter_dtypes={k: str(v.dtype).removeprefix("torch.") for k, v in state.items()},
-                sizes=sizes, kind="backward", output_grads=grads)
+                draft.left_out.append("the step's inputs as the forward began: they were changed in place "
+                                      "since (the capsule holds them as they are now)")
+            self.draft = dataclasses.replace(draft, kind="backward", output_grads=grads,
+                                             sizes={**draft.sizes, "output_grad_bytes": len(grads)})
             self._draft_failed = False
 
     def missing(self, event: NonFiniteEvent) -> None:

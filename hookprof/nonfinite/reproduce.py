@@ -225,20 +225,13 @@ class FirstBadGradient:
             h.remove()
 
 
-def _replay_backward(capsule: dict[str, Any], device: str, runs: int,
-                     say: Callable[[str], None]) -> int:
+def _replay_backward(capsule: dict[str, Any], target: tuple, grads: list[torch.Tensor | None],
+                     device: str, runs: int, say: Callable[[str], None]) -> int:
     """A backward NaN's capsule: the forward again, then the backward from the gradients the
-    outputs received in training, up to `runs` times; the first non-finite gradient named."""
-    try:
-        module, args, kwargs, cpu_rng, cuda_rng, _ = _target(capsule)
-        grads = _loaded(capsule["backward"]["output_grads"])
-    except CannotLoad as exc:
-        say(f"could not load: {exc}")
-        return NOT_LOADED
+    outputs received in training (`grads`), up to `runs` times; the first non-finite
+    gradient named. `target`: _target's, on `device`."""
+    module, args, kwargs, cpu_rng, cuda_rng, _ = target
     view = capsule["view"]
-    module = module.to(device)
-    args, kwargs = _to(args, device), _to(kwargs or {}, device)
-    grads = [None if g is None else g.to(device) for g in grads]
     modes = view.get("modes") or {}
     found, output = None, None
     for _ in range(runs):
@@ -280,15 +273,17 @@ def replay(path: str, device: str = "cpu", runs: int = 3, say: Callable[[str], N
         capsule = load(path)
         if device == "cuda" and not torch.cuda.is_available():
             raise CannotLoad("--device cuda: CUDA is not available here")
-        if "backward" in capsule and "model" in capsule:
-            return _replay_backward(capsule, device, runs, say)
         module, args, kwargs, cpu_rng, cuda_rng, producer = _target(capsule)
+        module, args, kwargs = module.to(device), _to(args, device), _to(kwargs or {}, device)
+        grads = (_to(_loaded(capsule["backward"]["output_grads"]), device)
+                 if "backward" in capsule and "model" in capsule else None)
     except CannotLoad as exc:
         say(f"could not load: {exc}")
         return NOT_LOADED
+    if grads is not None:
+        return _replay_backward(capsule, (module, args, kwargs, cpu_rng, cuda_rng, producer), grads,
+                                device, runs, say)
     view = capsule["view"]
-    module = module.to(device)
-    args, kwargs = _to(args, device), _to(kwargs or {}, device)
     modes = view.get("modes") or {}
     output, found, op = None, None, None
     for _ in range(runs):

@@ -45,7 +45,7 @@ _ENGINE = torch.autograd.Variable._execution_engine
 # asked of a parameter's AccumulateGrad node inside a graph task, this raises under
 # torch.autograd.grad (which writes no .grad: a check of .grad at its end would read the
 # last step's gradients) and answers under backward(); the same query torch's own
-# register_multi_grad_hook makes
+# multi-gradient hooks make
 _WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)
 
 

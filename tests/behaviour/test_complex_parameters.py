@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -41,7 +42,22 @@ def test_complex_parameters_are_measured_and_every_step_counted():
         prof.detach()
 
 
-def test_a_nan_in_a_complex_model_is_found_and_named():
+def nan_weight(model, step):
+    if step == 3:
+        with torch.no_grad():
+            model[1].weight[0, 0] = complex(float("nan"), 0.0)
+
+
+def inf_gradient(model, step):
+    if step == 2:
+        model[0].bias.grad[1] = complex(0.0, float("inf"))
+
+
+@pytest.mark.parametrize("before_backward, after_backward, expected", [
+    (nan_weight, None, ("1", "forward", 3)),
+    (None, inf_gradient, ("0", "backward", 2)),
+], ids=["a NaN weight", "an Inf in a gradient"])
+def test_a_nan_in_a_complex_model_is_found_and_named(before_backward, after_backward, expected):
     model = complex_model()
     prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, **RARELY))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -49,34 +65,15 @@ def test_a_nan_in_a_complex_model_is_found_and_named():
     try:
         for step in range(1, 6):
             opt.zero_grad()
-            if step == 3:
-                with torch.no_grad():
-                    model[1].weight[0, 0] = complex(float("nan"), 0.0)
+            if before_backward is not None:
+                before_backward(model, step)
             model(torch.randn(3, 4, generator=g, dtype=torch.cfloat)).abs().sum().backward()
+            if after_backward is not None:
+                after_backward(model, step)
             opt.step()
         prof.flush()
         event = prof.snapshot().first_nonfinite
-        assert (event.layer, event.phase, event.step) == ("1", "forward", 3)
-        assert prof.snapshot().internal_errors == 0
-    finally:
-        prof.detach()
-
-
-def test_a_nan_in_a_complex_gradient_is_counted_in_its_layer():
-    model = complex_model()
-    prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, **RARELY))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1)
-    try:
-        for step in range(1, 5):
-            opt.zero_grad()
-            model(torch.randn(3, 4, generator=g, dtype=torch.cfloat)).abs().sum().backward()
-            if step == 2:
-                model[0].bias.grad[1] = complex(0.0, float("inf"))
-            opt.step()
-        prof.flush()
-        event = prof.snapshot().first_nonfinite
-        assert (event.layer, event.phase, event.step) == ("0", "backward", 2)
+        assert (event.layer, event.phase, event.step) == expected
         assert prof.snapshot().internal_errors == 0
     finally:
         prof.detach()

@@ -112,36 +112,30 @@ def test_gradients_the_loop_drops_before_any_update_are_no_incident(policy):
         prof.detach()
 
 
-@pytest.mark.parametrize("how", ["through .data", "a new tensor in a freed one's place"])
-def test_a_nan_made_after_the_backward_without_a_version_bump_is_counted(how):
-    """Edits the version counters do not show (review M2): through `.data` (apex- and
-    Megatron-era clipping and all-reduce code), and a gradient replaced after the old one
-    was freed (its id may be reused). The update's reading sees them, at their step."""
-    model, batches = model_and_data(bad_at=None)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, **RARELY))
-    try:
-        for k, (x, y) in enumerate(batches[:5], start=1):
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            if k == 3:
-                p = model.blocks[1].fc.weight
-                if how == "through .data":
-                    p.grad.data.mul_(float("inf"))
-                else:
-                    g = p.grad.clone()
-                    p.grad = None
-                    p.grad = g / 0.0
-            opt.step()
-        assert first(prof) == ("blocks.1.fc", "backward", 3)
-    finally:
-        prof.detach()
+def edit_through_data(model):
+    model.blocks[1].fc.weight.grad.data.mul_(float("inf"))  # .data: its own version counter
 
 
-def test_a_nan_made_after_the_backward_is_counted_where_the_update_reads_it():
+def edit_in_a_freed_place(model):
+    p = model.blocks[1].fc.weight
+    g = p.grad.clone()
+    p.grad = None
+    p.grad = g / 0.0  # a new tensor where a freed one was (its id may be reused)
+
+
+def edit_in_place(model):
+    g = model.blocks[1].fc.bias.grad
+    g.div_(g.sub(g).norm())  # x / 0: NaN where x is 0, Inf elsewhere
+
+
+@pytest.mark.parametrize("edit, step", [(edit_through_data, 3), (edit_in_a_freed_place, 3), (edit_in_place, 4)],
+                         ids=["through .data", "a new tensor in a freed one's place", "in place"])
+def test_a_nan_made_after_the_backward_is_counted_where_the_update_reads_it(edit, step):
     """Gradients finite as backward left them, made NaN by the loop (a normalisation of a
-    zero gradient, an all-reduce that overflows): the update's read sees it (their version
-    counters changed), and names the layer it is in."""
+    zero gradient, an all-reduce that overflows), also by edits the version counters do not
+    show (review M2: through `.data`, as apex- and Megatron-era clipping and all-reduce code
+    does; a gradient replaced after the old one was freed): the update's reading sees them,
+    at their step, and names the layer they are in."""
     model, batches = model_and_data(bad_at=None)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, **RARELY))
@@ -149,11 +143,10 @@ def test_a_nan_made_after_the_backward_is_counted_where_the_update_reads_it():
         for k, (x, y) in enumerate(batches[:5], start=1):
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
-            if k == 4:
-                g = model.blocks[1].fc.bias.grad
-                g.div_(g.sub(g).norm())  # x / 0: NaN where x is 0, Inf elsewhere
+            if k == step:
+                edit(model)
             opt.step()
-        assert first(prof) == ("blocks.1.fc", "backward", 4)
+        assert first(prof) == ("blocks.1.fc", "backward", step)
     finally:
         prof.detach()
 

@@ -80,8 +80,10 @@ class DeviceCounters:
             self._noted = True
         if self._noted:
             pending = self.pending
+            # first = step where pending and no earlier bad step: -1 + (step + 1); two ops
+            # (pending > bad: pending and bad == 0), where lt/and/masked_fill were three
+            self._first.add_(torch.gt(pending, self._bad), alpha=step + 1)
             self._bad.add_(pending)
-            self._first.masked_fill_(self._first.lt(0).logical_and_(pending), step)
             pending.zero_()
             self._noted = False
 

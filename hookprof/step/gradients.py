@@ -492,10 +492,10 @@ class StepGradients:
             if b is None:
                 parts.append(u)
             else:  # where(both non-finite, b, u); a float64 sum of float32 values cannot
-                # overflow, so it is non-finite exactly when one of them is (x - x: 0 or NaN)
-                b_bad, u_bad = b.sum(dtype=torch.float64), u.sum(dtype=torch.float64)
-                both = b_bad.sub(b_bad).ne(0).logical_and_(u_bad.sub(u_bad).ne(0))
-                parts.append(torch.where(both, b, u))
+                # overflow, so it is non-finite exactly when one of them is (x - x: 0 or
+                # NaN); the two summed as one [2, n] block: 6 ops, not 8 (issue 37)
+                sums = torch.stack((b, u)).sum(1, dtype=torch.float64)
+                parts.append(torch.where(sums.sub(sums).ne(0).all(), b, u))
         return parts, update[1]
 
     def forget(self) -> None:

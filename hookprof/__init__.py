@@ -16,7 +16,7 @@ from hookprof.errors import (
     PortInUseError,
 )
 from hookprof.profiler import DisabledProfiler, Profiler, attach, detach_all
-from hookprof.snapshot import LayerStats, NonFiniteEvent, Snapshot
+from hookprof.snapshot import DroppedNonFinite, LayerStats, NonFiniteEvent, Snapshot
 
 __all__ = [
     "__version__",
@@ -27,6 +27,7 @@ __all__ = [
     "DisabledProfiler",
     "Snapshot",
     "LayerStats",
+    "DroppedNonFinite",
     "NonFiniteEvent",
     "HookprofError",
     "ConfigError",

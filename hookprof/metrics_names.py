@@ -95,6 +95,13 @@ GRADIENT_NORM = Metric("hookprof_gradient_norm", "gauge", _RANK,
 NONFINITE_STEPS_TOTAL = Metric(
     "hookprof_nonfinite_steps_total", "counter", ("rank", "phase"),
     "Steps on which a NaN or Inf was seen, by phase (forward outputs, gradients, loss)")
+DROPPED_NONFINITE_STEPS_TOTAL = Metric(
+    "hookprof_dropped_nonfinite_steps_total", "counter", _RANK,
+    "Steps whose backward made a NaN or Inf that the loop dropped before any optimizer update "
+    "(a loss scaler's overflow, a guard that zeroes the gradients): no incident, no alert")
+FIRST_DROPPED_NONFINITE_INFO = Metric(
+    "hookprof_first_dropped_nonfinite_info", "gauge", ("rank", "layer", "step"),
+    "The first step whose non-finite gradients the loop dropped, and its first non-finite layer")
 SKIPPED_STEPS_TOTAL = Metric("hookprof_skipped_steps_total", "counter", _RANK,
                              "Steps whose optimizer update the GradScaler skipped")
 HELD_BACK_UPDATES_TOTAL = Metric(

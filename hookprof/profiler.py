@@ -409,12 +409,12 @@ class Profiler:
         if started_ns is None:  # a first step without a forward: no phases to tell
             self._phases.restart(now)
         start = started_ns if started_ns is not None else now
-        checked = None
+        checked = dropped = None
         if not skipped:
-            checked = grads.at_step_end(self._sampled.plan.sampled)  # (read, if no optimizer hook did)
+            checked, dropped = grads.at_step_end(self._sampled.plan.sampled)  # (read, if no optimizer hook did)
             if grads.squares is not None and not grads.squares[1] and forward_seen:  # read: none
                 self._notices.say("no gradients", no_gradients_notice(self.model_type, grads.backward))
-        nan.at_step_end(checked, self._counters.steps + 1)
+        nan.at_step_end(checked, self._counters.steps + 1, dropped)
         duration_s = (now - start) * 1e-9
         number = self._counters.observe(duration_s, self._wall_clock(), skipped)
         # an update held back on the host changed no weight: like a GradScaler skip, no update

@@ -111,6 +111,25 @@ class NonFiniteEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class DroppedNonFinite:
+    """Steps whose backward made non-finite gradients that the loop dropped before any
+    optimizer update: a loss scaler's overflow (DeepSpeed's, Megatron's, one's own; torch's
+    GradScaler skips are `Snapshot.skipped_steps`), a guard that zeroes them. No incident
+    (nothing non-finite reached the weights), but counted, and the first one's layers named
+    (issue 38)."""
+
+    steps: int
+    """How many steps."""
+    first_step: int
+    """The first of them."""
+    layer: str | None
+    """The first layer whose gradient was non-finite at `first_step` (in backward's
+    order: the last in module order); None when its values had not arrived."""
+    others: tuple[str, ...] = ()
+    """The other layers non-finite at `first_step`."""
+
+
+@dataclass(frozen=True, slots=True)
 class LayerEfficiency:
     """One layer's FLOPs and norms at the last sampled step that measured them (None: not
     measured, e.g. a layer without parameters has no weight norm)."""
@@ -172,6 +191,8 @@ class Snapshot:
     """The layers the exporter shows (all of them up to Config.max_layers)."""
     first_nonfinite: NonFiniteEvent | None = None
     """The first non-finite value seen: layer, phase and step."""
+    dropped_nonfinite: DroppedNonFinite | None = None
+    """Non-finite gradients the loop dropped before any update (no incident); None: none."""
     gradient_flagged_steps: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     notices: tuple[str, ...] = ()
     """What hookprof could not see in this set-up (each also logged once): a figure it

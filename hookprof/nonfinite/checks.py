@@ -35,6 +35,7 @@ from hookprof.nonfinite.guard import ScalerView, SkipCounters, UpdateGuard, host
 from hookprof.nonfinite.output import OutputFlags
 from hookprof.nonfinite.replay import CapturedForward, ForwardReplay, forward_again, own_weights_nonfinite
 from hookprof.nonfinite.traced import TracedOutputCheck
+from hookprof.step.gradients import DroppedCheck
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import Packet, StepRecord, pack_step
 
@@ -215,7 +216,8 @@ class NonfiniteChecks:
         if self.guard is not None:
             self.guard.after_update()
 
-    def at_step_end(self, squares: tuple[list[torch.Tensor], frozenset[int]] | None, step: int) -> None:
+    def at_step_end(self, squares: tuple[list[torch.Tensor], frozenset[int]] | None, step: int,
+                    dropped: dict[torch.device, DroppedCheck] | None = None) -> None:
         """The step's backward check (once per step, however often the gradients were read)
         and its forward check: a step is non-finite in its forward once, however many
         forwards (siamese nets, a discriminator on real and fake, entry calls) and output
@@ -233,7 +235,7 @@ class NonfiniteChecks:
             # draft exists only where these values are read without waiting)
             capsules.draft = None
         # the output's flags combined as they came (OutputFlags)
-        self.detector.end_step(layers, self.output.take(), step)
+        self.detector.end_step(layers, self.output.take(), step, dropped)
 
     def end_update(self, number: int) -> int | None:
         """Step `number` is counted: an update held back is counted once per step, however
@@ -253,7 +255,8 @@ class NonfiniteChecks:
     def pack(self, step: int, record: StepRecord | None, **kwargs: Any) -> Packet:
         """A packet of step `step` carrying the device counters (and whatever `kwargs` add:
         a sampled step's record, gradients, loss, efficiency figures)."""
-        return pack_step(step, record, self.detector.blocks(), counts=self._device_counts(), **kwargs)
+        return pack_step(step, record, self.detector.blocks(), counts=self._device_counts(),
+                         dropped_values=self.detector.dropped_blocks(), **kwargs)
 
     def drain(self, steps: int) -> None:
         """Send the non-finite counters alone (no sampled step to carry them)."""

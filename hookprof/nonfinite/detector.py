@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from hookprof.device import transfer
+from hookprof.step.gradients import DroppedCheck
 from hookprof.tensors import iter_tensors
 
 PHASE_INDEX = {"forward": 0, "backward": 1, "loss": 2}
@@ -42,23 +43,35 @@ class DeviceCounters:
     reads), so draining them is a single block. A step's findings are first noted in a
     `pending` vector of the same layout (three ops for the layers and the backward phase,
     one per other check) and folded into the counters once, at the step's end (`end_step`:
-    five ops), whatever the model's size and however many checks the step made."""
+    four ops), whatever the model's size and however many checks the step made.
+
+    Beside the phases, one slot counts the steps whose backward made non-finite gradients
+    that the loop dropped before any update (a loss scaler's overflow, a guard: no incident,
+    issue 38), and `dropped_values` keeps the backward's per-layer values of the first such
+    step, which name its layers (two ops on a step whose gradients were read twice)."""
 
     def __init__(self, n_layers: int, device: torch.device):
         n, p = n_layers, len(PHASE_INDEX)
-        self.flat = torch.zeros(2 * (n + p), dtype=torch.int64, device=device)
-        # [layer_bad | phase_bad | layer_first | phase_first], phases in _STORED_PHASES order
-        bad, first = self.flat.split([n + p, n + p])
+        m = n + p + 1  # layers | phases | dropped
+        self.flat = torch.zeros(2 * m, dtype=torch.int64, device=device)
+        # [layer_bad | phase_bad | dropped_bad | layer_first | phase_first | dropped_first],
+        # phases in _STORED_PHASES order
+        bad, first = self.flat.split([m, m])
         first.fill_(-1)
-        self.layer_bad, self.phase_bad = bad.split([n, p])
-        self.layer_first, self.phase_first = first.split([n, p])
+        self.layer_bad, self.phase_bad, self.dropped_bad = bad.split([n, p, 1])
+        self.layer_first, self.phase_first, self.dropped_first = first.split([n, p, 1])
         # views made once: indexing per step would be one more op each time
         self._phase = {name: (bad[n + k], first[n + k]) for k, name in enumerate(_STORED_PHASES)}
         self._bad, self._first = bad, first
-        # this step's findings, [layers | phases] as in `bad`, until `end_step`
-        self.pending = torch.zeros(n + p, dtype=torch.bool, device=device)
+        # this step's findings, [layers | phases | dropped] as in `bad`, until `end_step`
+        self.pending = torch.zeros(m, dtype=torch.bool, device=device)
         self._pending_layers, self._pending_backward = self.pending[:n], self.pending[n : n + 1]
         self._pending_phase = {name: self.pending[n + k : n + k + 1] for k, name in enumerate(_STORED_PHASES)}
+        self._pending_dropped = self.pending[n + p :]
+        # where a slot goes bad for the first time this step (written in place each step)
+        self._fresh = torch.zeros(m, dtype=torch.bool, device=device)
+        self._fresh_dropped = self._fresh[n + p]
+        self.dropped_values = torch.zeros(n, dtype=torch.float32, device=device)
         self._noted = False  # anything pending (a host bool: an unchecked step costs no op)
 
     def note(self, phase: str, bad: torch.Tensor) -> None:
@@ -66,11 +79,14 @@ class DeviceCounters:
         self._pending_phase[phase].logical_or_(bad)
         self._noted = True
 
-    def end_step(self, values: torch.Tensor | None, forward: torch.Tensor | None, step: int) -> None:
+    def end_step(self, values: torch.Tensor | None, forward: torch.Tensor | None, step: int,
+                 dropped: DroppedCheck | None = None) -> None:
         """Step `step` ends with its per-layer values (squared norms, or gradient sums:
-        non-finite exactly when the layer's gradients hold a NaN or Inf) and its output flag
-        on this device (either None): with what it noted before (the loss), counted, and
-        the first step of each layer and phase that went bad set where it was not yet."""
+        non-finite exactly when the layer's gradients hold a NaN or Inf), its output flag
+        on this device and, where the gradients were read twice, whether the backward's
+        were non-finite where the update's were not (`dropped`; any may be None): with what
+        it noted before (the loss), counted, and the first step of each layer and phase
+        that went bad set where it was not yet."""
         if values is not None:
             torch.ne(values.sub(values), 0, out=self._pending_layers)  # x - x: nonfinite_mask
             torch.any(self._pending_layers, 0, keepdim=True, out=self._pending_backward)
@@ -78,12 +94,21 @@ class DeviceCounters:
         if forward is not None:
             self._pending_phase["forward"].logical_or_(forward)
             self._noted = True
+        if dropped is not None:  # the backward's bad and the update's finite: pending > update
+            torch.gt(dropped.backward_bad, dropped.update_bad, out=self._pending_dropped)
+            self._noted = True
         if self._noted:
             pending = self.pending
             # first = step where pending and no earlier bad step: -1 + (step + 1); two ops
             # (pending > bad: pending and bad == 0), where lt/and/masked_fill were three
-            self._first.add_(torch.gt(pending, self._bad), alpha=step + 1)
+            fresh = torch.gt(pending, self._bad, out=self._fresh)
+            self._first.add_(fresh, alpha=step + 1)
             self._bad.add_(pending)
+            if dropped is not None:  # the first dropped step's layers, kept to be named
+                if dropped.backward.dtype != self.dropped_values.dtype:  # (float64 on a CPU's exact path)
+                    self.dropped_values = self.dropped_values.to(dropped.backward.dtype)
+                torch.where(self._fresh_dropped, dropped.backward, self.dropped_values,
+                            out=self.dropped_values)
             pending.zero_()
             self._noted = False
 
@@ -164,10 +189,11 @@ class Detector:
             self.add_flag(phase, flag, step)
 
     def end_step(self, layer_parts: list[torch.Tensor], forward_flags: list[bool | torch.Tensor],
-                 step: int) -> None:
+                 step: int, dropped: dict[torch.device, DroppedCheck] | None = None) -> None:
         """Step `step` ends: its per-layer values (one part per device), its output flags
         (the step's, combined: OutputFlags.step_flags, at most one per device and one host
-        bool) and what it noted before (the loss) are counted, one call per device."""
+        bool), its two readings of the gradients where there were two (`dropped`) and what
+        it noted before (the loss) are counted, one call per device."""
         values: dict[torch.device, torch.Tensor] = {}
         forward: dict[torch.device, torch.Tensor] = {}
         for part in layer_parts:  # (loops, not comprehensions: no Python call each step)
@@ -181,7 +207,8 @@ class Detector:
             if device not in self.by_device:
                 self.counters(device)
         for device, counters in self.by_device.items():
-            counters.end_step(values.get(device), forward.get(device), step)
+            counters.end_step(values.get(device), forward.get(device), step,
+                              None if dropped is None else dropped.get(device))
 
     def add_flag(self, phase: str, flag: bool | torch.Tensor, step: int) -> None:
         if isinstance(flag, torch.Tensor):
@@ -199,34 +226,45 @@ class Detector:
         if self.host_total():  # nothing to say while no host-side check has found anything
             n = self.n_layers
             stored = [PHASE_INDEX[p] for p in _STORED_PHASES]
-            host = ([0] * n + [self.host_phase_bad[i] for i in stored]
-                    + [-1] * n + [self.host_phase_first[i] for i in stored])
+            host = ([0] * n + [self.host_phase_bad[i] for i in stored] + [0]
+                    + [-1] * n + [self.host_phase_first[i] for i in stored] + [-1])
             out.append(torch.tensor(host, dtype=torch.int64))
         return out
+
+    def dropped_blocks(self) -> list[torch.Tensor]:
+        """Per device, the backward's per-layer values of the first step whose non-finite
+        gradients the loop dropped (zeros until there is one), in `blocks`' device order."""
+        return [c.dropped_values for c in self.by_device.values()]
 
     def host_total(self) -> int:
         return sum(self.host_phase_bad)
 
 
-def fold_counters(parts: list[list[float]], n_layers: int) -> dict[str, list[int]]:
+def fold_counters(parts: list[list[float]], n_layers: int,
+                  dropped_values: list[list[float]] = ()) -> dict[str, list[int]]:
     """Host side: combine the drained counters of all devices. Each part is the flat
-    [layer_bad, phase_bad, layer_first, phase_first] of one device (phases stored in
-    _STORED_PHASES order; returned in PHASE_INDEX order)."""
+    [layer_bad, phase_bad, dropped_bad, layer_first, phase_first, dropped_first] of one
+    device (phases stored in _STORED_PHASES order; returned in PHASE_INDEX order);
+    `dropped_values`, the devices' kept backward values of their first dropped step, in
+    the same device order (the host's block, last, has none), give "dropped_layers": 1 for
+    each layer non-finite at the first dropped step of all devices."""
     n_phases = len(PHASE_INDEX)
     layer_bad = [0] * n_layers
     layer_first = [-1] * n_layers
     phase_bad = [0] * n_phases
     phase_first = [-1] * n_phases
+    dropped_bad, dropped_first = 0, -1
+    dropped_layers = [0] * n_layers
 
-    for flat in parts:
+    half = n_layers + n_phases + 1
+    for k, flat in enumerate(parts):
         values = [int(v) for v in flat]
-        half = n_layers + n_phases
         lb, lf = values[:n_layers], values[half : half + n_layers]
         pb = [0] * n_phases
         pf = [0] * n_phases
-        for k, name in enumerate(_STORED_PHASES):
-            pb[PHASE_INDEX[name]] = values[n_layers + k]
-            pf[PHASE_INDEX[name]] = values[half + n_layers + k]
+        for j, name in enumerate(_STORED_PHASES):
+            pb[PHASE_INDEX[name]] = values[n_layers + j]
+            pf[PHASE_INDEX[name]] = values[half + n_layers + j]
         for i in range(n_layers):
             layer_bad[i] += lb[i]
             layer_first[i] = first_step(layer_first[i], lf[i])
@@ -234,11 +272,22 @@ def fold_counters(parts: list[list[float]], n_layers: int) -> dict[str, list[int
             # a step bad on two devices is one bad step: the larger count is the better bound
             phase_bad[i] = max(phase_bad[i], pb[i])
             phase_first[i] = first_step(phase_first[i], pf[i])
+        dropped_bad = max(dropped_bad, values[half - 1])
+        device_first = values[2 * half - 1]
+        if device_first >= 0 and k < len(dropped_values) and first_step(dropped_first, device_first) == device_first:
+            layers = [int(not math.isfinite(v)) for v in dropped_values[k]]
+            # the earlier device's layers; a step dropped on two devices, both's
+            dropped_layers = ([a | b for a, b in zip(dropped_layers, layers)] if device_first == dropped_first
+                              else layers)
+        dropped_first = first_step(dropped_first, device_first)
     return {
         "layer_bad": layer_bad,
         "layer_first": layer_first,
         "phase_bad": phase_bad,
         "phase_first": phase_first,
+        "dropped_bad": [dropped_bad],
+        "dropped_first": [dropped_first],
+        "dropped_layers": dropped_layers,
     }
 
 

@@ -21,6 +21,7 @@ from hookprof.step.record import Packet, StepCounters, StepRecord
 from hookprof.device.timing import Timer
 from hookprof.snapshot import (
     PHASES,
+    DroppedNonFinite,
     LayerStatisticValues,
     LayerStats,
     NonFiniteEvent,
@@ -142,7 +143,8 @@ class Aggregator:
         # the counters are cumulative: a drain folded after a newer one takes nothing back
         if packet.counter_parts:
             parts = [packet.batch.get(("counters", k)) for k in range(packet.counter_parts)]
-            self.counters = merge_counters(self.counters, fold_counters(parts, len(self.names)))
+            dropped = [packet.batch.get(("dropped", k)) for k in range(packet.dropped_parts)]
+            self.counters = merge_counters(self.counters, fold_counters(parts, len(self.names), dropped))
             self._attribution.counters(self.counters)
         for name, n_parts in packet.count_parts.items():
             new = fold_skips([packet.batch.get((name, k)) for k in range(n_parts)])
@@ -460,6 +462,16 @@ class Aggregator:
             return {"forward": 0, "backward": 0}
         return {"forward": self.fwd_nonfinite[i], "backward": self.counters["layer_bad"][i]}
 
+    def _dropped(self) -> DroppedNonFinite | None:
+        """The dropped non-finite steps the counters hold (fold_counters), their first one's
+        layers named: the first in backward's order is the last in module order."""
+        c = self.counters
+        steps, first = c["dropped_bad"][0], c["dropped_first"][0]
+        if not steps or first < 0:
+            return None
+        bad = [self.names[i] for i, flag in enumerate(c["dropped_layers"]) if flag]
+        return DroppedNonFinite(steps, first, bad[-1] if bad else None, tuple(reversed(bad[:-1])))
+
     def snapshot(self, counters: StepCounters, internal_errors: int,
                  notices: tuple[str, ...] = ()) -> Snapshot:
         if self._dirty:
@@ -495,6 +507,7 @@ class Aggregator:
             layers=self._layers,
             exported_layers=self._exported,
             first_nonfinite=first,
+            dropped_nonfinite=self._dropped(),
             gradient_flagged_steps=MappingProxyType(dict(self.flagged_steps)),
             notices=notices,
             efficiency=self.efficiency.stats() if self.efficiency is not None else None,

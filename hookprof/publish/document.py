@@ -48,6 +48,8 @@ def document(name: str, snapshot: Snapshot, history: History) -> dict[str, Any]:
         "step_seconds_sum": snapshot.step_duration_sum, "held_back_updates": snapshot.held_back_updates,
         "loss": stored(snapshot.loss), "grad_norm": stored(snapshot.grad_norm),
         "nonfinite_steps": dict(snapshot.nonfinite_steps), "skipped_steps": snapshot.skipped_steps,
+        "dropped_nonfinite": None if snapshot.dropped_nonfinite is None
+        else dataclasses.asdict(snapshot.dropped_nonfinite),
         "first_nonfinite": None if first is None else {
             **dataclasses.asdict(first), "summary": describe(first, snapshot.rank)},
         "layers_total": len(snapshot.layers), "layer_totals": layers,

@@ -135,6 +135,12 @@ class SnapshotCollector(Collector):
         yield nonfinite
 
         yield _one(names.SKIPPED_STEPS_TOTAL, rank, snap.skipped_steps)
+        dropped = snap.dropped_nonfinite
+        yield _one(names.DROPPED_NONFINITE_STEPS_TOTAL, rank, 0 if dropped is None else dropped.steps)
+        if dropped is not None and dropped.layer is not None:
+            first_dropped = family(names.FIRST_DROPPED_NONFINITE_INFO)
+            first_dropped.add_metric([rank, dropped.layer, str(dropped.first_step)], 1)
+            yield first_dropped
         yield _one(names.HELD_BACK_UPDATES_TOTAL, rank, snap.held_back_updates)
         yield _one(names.CAPSULES_WRITTEN_TOTAL, rank, snap.capsules_written)
 

@@ -64,6 +64,15 @@ def local_tensor(grad: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else grad
 
 
+class DroppedCheck(NamedTuple):
+    """One device's two readings of a step's gradients (StepGradients.joined):
+    `backward_bad` and `update_bad`, 1-element bools (views of one buffer, so comparing
+    them is one op); `backward`, the backward's per-layer values."""
+
+    backward_bad: torch.Tensor
+    update_bad: torch.Tensor
+    backward: torch.Tensor
+
 class _Plan(NamedTuple):
     """How to reduce one set of present gradients: all on `device`, dense, so one fused
     pass serves (None: the general path, grouping by device per step)."""
@@ -426,7 +435,8 @@ class StepGradients:
     Owned by the profiler; the training thread, or autograd's thread while the training
     thread waits in backward()."""
 
-    __slots__ = ("_norms", "_every_step", "_wanted", "squares", "exact", "backward", "read_at_update")
+    __slots__ = ("_norms", "_every_step", "_wanted", "squares", "exact", "backward", "read_at_update",
+                 "_join_flags")
 
     def __init__(self, norms: GradientNorms, *, every_step: bool = True):
         self._norms = norms
@@ -439,6 +449,8 @@ class StepGradients:
         self.exact = True
         # (per-device check values, layers seen) at the end of this step's backwards, or None
         self.backward: tuple[list[torch.Tensor], frozenset[int]] | None = None
+        # per device: a 2-bool buffer of the two readings' flags, and its halves (joined)
+        self._join_flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._wanted = every_step  # this step checks its gradients (new_step)
         self.read_at_update = False  # an optimizer's pre-hook asked this step (read_once)
 
@@ -467,36 +479,47 @@ class StepGradients:
             self.squares = self._norms.layer_squares() if sampled else self._norms.layer_checks()
             self.exact = sampled
 
-    def at_step_end(self, sampled: bool) -> tuple[list[torch.Tensor], frozenset[int]] | None:
+    def at_step_end(self, sampled: bool) -> tuple[tuple[list[torch.Tensor], frozenset[int]] | None,
+                                                  dict[torch.device, DroppedCheck] | None]:
         """The step ends (no optimizer hook may have read them: prof.step() alone): read
-        once if still wanted, then what the step's check counts (`checked`)."""
+        once if still wanted, then what the step's check counts (`joined`)."""
         if self.squares is None:
             self.read_once(sampled)
-        return self.checked
+        return self.joined()
 
-    @property
-    def checked(self) -> tuple[list[torch.Tensor], frozenset[int]] | None:
+    def joined(self) -> tuple[tuple[list[torch.Tensor], frozenset[int]] | None,
+                              dict[torch.device, DroppedCheck] | None]:
         """What the step's non-finite check counts: the update's reading, with its layers
         taken from the backwards' reading on a device where both are non-finite (a NaN
         backward made, then spread to every layer by a clip). A NaN made after backward() (an
         edit through .data, an all-reduce that overflows) keeps the update's layers; one the
-        loop dropped before the update is not counted. A few ops on the device; nothing
-        read back."""
+        loop dropped before the update is no incident, and is said per device (the second
+        value: the two readings' flags, for Detector's count of dropped steps). A few ops on
+        the device; nothing read back."""
         backward, update = self.backward, self.squares
         if backward is None or update is None:
-            return update
+            return update, None
         by_device = {p.device: p for p in backward[0]}
         parts = []
+        dropped: dict[torch.device, DroppedCheck] = {}
         for u in update[0]:
             b = by_device.get(u.device)
             if b is None:
                 parts.append(u)
-            else:  # where(both non-finite, b, u); a float64 sum of float32 values cannot
-                # overflow, so it is non-finite exactly when one of them is (x - x: 0 or
-                # NaN); the two summed as one [2, n] block: 6 ops, not 8 (issue 37)
-                sums = torch.stack((b, u)).sum(1, dtype=torch.float64)
-                parts.append(torch.where(sums.sub(sums).ne(0).all(), b, u))
-        return parts, update[1]
+                continue
+            # where(both non-finite, b, u); a float64 sum of float32 values cannot overflow,
+            # so it is non-finite exactly when one of them is (x - x: 0 or NaN); the two
+            # summed as one [2, n] block, their flags written into a buffer whose halves are
+            # views made once: 6 ops, not 8 (issue 37)
+            flags = self._join_flags.get(u.device)
+            if flags is None:
+                buffer = torch.zeros(2, dtype=torch.bool, device=u.device)
+                flags = self._join_flags[u.device] = (buffer, buffer[:1], buffer[1:])
+            sums = torch.stack((b, u)).sum(1, dtype=torch.float64)
+            torch.ne(sums.sub(sums), 0, out=flags[0])
+            parts.append(torch.where(flags[0].all(), b, u))
+            dropped[u.device] = DroppedCheck(flags[1], flags[2], b)
+        return (parts, update[1]), dropped
 
     def forget(self) -> None:
         """A closure ran another backward: read again at the update when next needed."""

@@ -195,6 +195,7 @@ class Packet:
     has_grad: frozenset[int] = frozenset()  # layers that had a gradient
     act_order: list[int] = field(default_factory=list)  # record.act index of each value
     counter_parts: int = 0  # how many non-finite counter blocks the batch holds
+    dropped_parts: int = 0  # the devices' kept values of the first dropped step (Detector.dropped_blocks)
     count_parts: dict[str, int] = field(default_factory=dict)  # other counters: name -> blocks
     loss: float | None = None  # the loss when it was given as a Python number
     loss_in_batch: bool = False
@@ -248,7 +249,8 @@ def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.T
               loss: Any = None, sampled: bool = True,
               counts: dict[str, list[torch.Tensor]] | None = None, efficiency: Any = None,
               extra: list[tuple[Any, torch.Tensor]] = (), not_replayed: str | None = None,
-              replay_moved: int = 0, capsule: str | None = None) -> Packet:
+              replay_moved: int = 0, capsule: str | None = None,
+              dropped_values: list[torch.Tensor] = ()) -> Packet:
     """Gather one step's device scalars (per-device gradient squares, the record's activation
     reductions, the non-finite counter blocks, the loss) and start their one device-to-host
     copy; the returned packet is the publisher's. Also for a replayed forward (`sampled=False`
@@ -261,6 +263,8 @@ def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.T
     stat_order, stat_parts = _add_statistics(batch, record) if record is not None else ([], 0)
     for k, block in enumerate(counter_blocks):
         batch.add(("counters", k), block)
+    for k, block in enumerate(dropped_values):
+        batch.add(("dropped", k), block)
     count_parts = {}
     for name, blocks in (counts or {}).items():  # other device counters (guard.SkipCounters)
         for k, block in enumerate(blocks):
@@ -270,6 +274,7 @@ def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.T
         batch.add(key, values)
     packet = Packet(step=step, record=record, sampled=sampled, grad_parts=len(parts),
                     has_grad=has_grad, act_order=act_order, counter_parts=len(counter_blocks),
+                    dropped_parts=len(dropped_values),
                     count_parts=count_parts, efficiency=efficiency, stat_order=stat_order,
                     stat_parts=stat_parts, not_replayed=not_replayed, replay_moved=replay_moved,
                     capsule=capsule)

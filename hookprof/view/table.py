@@ -73,6 +73,9 @@ class RunHeader:
     nonfinite_steps: Mapping[str, int] = field(default_factory=dict)
     skipped_steps: int = 0
     first_nonfinite: FirstNonFinite | None = None
+    dropped: tuple[int, int | None, str | None] | None = None
+    """Steps whose non-finite gradients the loop dropped before any update (no incident):
+    (how many, the first's step, its first layer), the last two None while unknown."""
     steps_per_s: float | None = None
     """Only from two observations (hookprof top); None from a single one."""
     window_buckets: tuple[tuple[float, float], ...] | None = None
@@ -158,6 +161,8 @@ def from_snapshot(snap: Snapshot, model: str = "") -> RunTable:
         step_buckets=tuple((float(b), float(c)) for b, c in snap.step_duration_buckets),
         step_seconds_sum=snap.step_duration_sum, loss=snap.loss, grad_norm=snap.grad_norm,
         nonfinite_steps=dict(snap.nonfinite_steps), skipped_steps=snap.skipped_steps,
+        dropped=None if snap.dropped_nonfinite is None else (
+            snap.dropped_nonfinite.steps, snap.dropped_nonfinite.first_step, snap.dropped_nonfinite.layer),
         first_nonfinite=FirstNonFinite(first.layer, first.phase, first.step, first.found_by, first.replay,
                                        first.capsule) if first else None,
         position=_position(snap.progress.step, snap.progress.phase, snap.progress.phase_seconds)
@@ -206,6 +211,7 @@ _RUN_SAMPLES = {
     names.LOSS.name: "loss",
     names.GRADIENT_NORM.name: "grad_norm",
     names.SKIPPED_STEPS_TOTAL.name: "skipped_steps",
+    names.DROPPED_NONFINITE_STEPS_TOTAL.name: "dropped_steps",
 }
 _LAYER_SAMPLES = {
     names.LAYER_FORWARD_SECONDS.sample("sum"): "fwd_sum",
@@ -217,7 +223,7 @@ _LAYER_SAMPLES = {
     names.LAYER_ACTIVATION_ZERO_RATIO.name: "dead_ratio",
 }
 _STEP_BUCKET = names.STEP_DURATION_SECONDS.sample("bucket")
-_RUN_COUNTS = ("steps", "sampled_steps", "skipped_steps")  # read as ints: int() of NaN raised
+_RUN_COUNTS = ("steps", "sampled_steps", "skipped_steps", "dropped_steps")  # read as ints: int() of NaN raised
 
 
 # the families a process's endpoint serves once (found on the first GPU run: the CUDA
@@ -277,6 +283,8 @@ def _read_sample(run: _Run, name: str, labels: Mapping[str, str], value: float) 
     elif name == names.FIRST_NONFINITE_ORIGIN_INFO.name:
         run.values["first_origin"] = (labels["found_by"] or None, labels["replay"] or None)
         run.values["first_at"] = (labels["phase"], _whole(labels["step"], "the step label"))
+    elif name == names.FIRST_DROPPED_NONFINITE_INFO.name:
+        run.values["dropped_first"] = (_whole(labels["step"], "the step label"), labels["layer"])
     elif name == names.FIRST_NONFINITE_CAPSULE_INFO.name:
         run.values["first_capsule"] = labels["path"]
     elif name in _LAYER_SAMPLES:
@@ -306,6 +314,7 @@ def _table(model: str, rank: int, run: _Run) -> RunTable:
         grad_norm=v.get("grad_norm"),
         nonfinite_steps={p: v["nonfinite_steps"].get(p, 0) for p in PHASES},
         skipped_steps=int(v.get("skipped_steps", 0)), first_nonfinite=_first(v),
+        dropped=(int(v["dropped_steps"]), *v.get("dropped_first", (None, None))) if v.get("dropped_steps") else None,
         position=_position(int(v["progress_step"]), v.get("progress_phase", "?"), v.get("progress_seconds", 0.0))
         if "progress_step" in v else None,
         stall=v.get("stall"),
@@ -345,6 +354,7 @@ def from_document(doc: Mapping[str, Any]) -> RunTable:
         step_seconds_sum=doc.get("step_seconds_sum", (mean or 0.0) * steps),
         loss=doc.get("loss"), grad_norm=doc.get("grad_norm"),
         nonfinite_steps=dict(doc["nonfinite_steps"]), skipped_steps=int(doc.get("skipped_steps", 0)),
+        dropped=_dropped_of(doc.get("dropped_nonfinite")),
         first_nonfinite=FirstNonFinite(first["layer"], first["phase"], int(first["step"]), first.get("found_by"),
                                        first.get("replay")) if first else None,
     )
@@ -518,6 +528,10 @@ def first_words(f: FirstNonFinite) -> str:
     return f"{where} ({f.phase}) at step {f.step}" + (f" [{how}]" if how else "")
 
 
+def _dropped_of(doc: Mapping[str, Any] | None) -> tuple[int, int | None, str | None] | None:
+    return None if not doc else (int(doc["steps"]), int(doc["first_step"]), doc.get("layer"))
+
+
 def nonfinite_line(h: RunHeader) -> str:
     counts = {p: h.nonfinite_steps.get(p, 0) for p in PHASES}
     if not any(counts.values()):
@@ -529,6 +543,10 @@ def nonfinite_line(h: RunHeader) -> str:
         text += f"; first: {first_words(f)}"
     if h.skipped_steps:
         text += f"; GradScaler skipped {h.skipped_steps} steps"
+    if h.dropped is not None:
+        count, step, layer = h.dropped
+        text += f"; the loop dropped the non-finite gradients of {count} step{'s' if count != 1 else ''} (no incident"
+        text += f"; first: {layer or 'a layer not yet named'} at step {step})" if step is not None else ")"
     if h.first_nonfinite is not None and h.first_nonfinite.capsule:
         text += f"; capsule: {h.first_nonfinite.capsule} (hookprof replay it)"
     return text

@@ -31,6 +31,9 @@ DOCS = ROOT / "docs" / "metrics.md"
 HEADER = ("metric", "type", "labels", "present", "meaning")
 GPU_ONLY = "**GPU only**"  # how a row's "present" cell says it cannot appear without a GPU
 PORT_CONFLICT_ONLY = "**port conflict only**"  # ... that it needs a taken metrics port (the demo picks a free one)
+# ... that it needs a loop that drops non-finite gradients (the demo's NaN reaches its update);
+# scraped and checked in tests/unit/step/test_backward_end.py
+DROPPED_ONLY = "**a dropped step only**"
 EXPOSITION_LABELS = {"le", "quantile"}
 
 # the demo with every family on: sampled every step, activation statistics and update norms on
@@ -57,7 +60,7 @@ class Row:
     name: str
     kind: str
     labels: frozenset[str] | None  # None: not known (a family without samples)
-    gpu_only: bool = False  # (or port conflict only: either way never on the demo's page here)
+    gpu_only: bool = False  # (or port conflict only, or a dropped step only: never on the demo's page here)
 
 
 def documented(text: str) -> dict[str, Row]:
@@ -76,7 +79,7 @@ def documented(text: str) -> dict[str, Row]:
             assert name, f"a metric cell that is not one `name`: {line}"
             assert name[1] not in rows, f"{name[1]} documented twice"
             rows[name[1]] = Row(name[1], cells[1], frozenset(re.findall(r"`([^`]+)`", cells[2])),
-                                GPU_ONLY in cells[3] or PORT_CONFLICT_ONLY in cells[3])
+                                GPU_ONLY in cells[3] or PORT_CONFLICT_ONLY in cells[3] or DROPPED_ONLY in cells[3])
     return rows
 
 

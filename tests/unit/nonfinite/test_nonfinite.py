@@ -95,3 +95,34 @@ def test_a_host_flag_is_counted_once_when_the_layers_are_on_another_device():
     detector.end_step([torch.zeros(3, device="meta")], [True], 5)
     forward = PHASE_INDEX["forward"]
     assert (detector.host_phase_bad[forward], detector.host_phase_first[forward]) == (1, 5)
+
+
+def test_dropped_steps_fold_across_devices_to_the_earliest_ones_layers():
+    """Two devices' counters (DeviceCounters, driven as the step's end drives them): the
+    dropped count is a step count (the larger, as for phases), the first dropped step the
+    earlier device's, and its layers that device's kept backward values, not the later
+    one's; a step dropped on both devices names both's layers."""
+    from hookprof.nonfinite.detector import DeviceCounters, fold_counters
+    from hookprof.step.gradients import DroppedCheck
+
+    nan = float("nan")
+
+    def drive(counters, backward, step, dropped):
+        flags = torch.tensor([dropped, False])
+        counters.end_step(torch.zeros(3), None, step,
+                          DroppedCheck(flags[:1], flags[1:], torch.tensor(backward)))
+
+    a, b = DeviceCounters(3, torch.device("cpu")), DeviceCounters(3, torch.device("cpu"))
+    for step in range(1, 8):  # a drops steps 5 and 6, b step 3 only
+        drive(a, [nan, nan, 1.0] if step == 5 else [1.0, nan, 1.0], step, step in (5, 6))
+        drive(b, [1.0, 1.0, nan] if step == 3 else [nan, 1.0, 1.0], step, step == 3)
+    folded = fold_counters([a.flat.tolist(), b.flat.tolist()], 3,
+                           [a.dropped_values.tolist(), b.dropped_values.tolist()])
+    assert (folded["dropped_bad"], folded["dropped_first"], folded["dropped_layers"]) == ([2], [3], [0, 0, 1])
+    assert sum(folded["layer_bad"]) == 0 and folded["phase_bad"] == [0, 0, 0]  # no incident
+    alone = fold_counters([a.flat.tolist()], 3, [a.dropped_values.tolist()])
+    assert (alone["dropped_first"], alone["dropped_layers"]) == ([5], [1, 1, 0])
+    c = DeviceCounters(3, torch.device("cpu"))
+    drive(c, [1.0, nan, 1.0], 3, True)
+    both = fold_counters([b.flat.tolist(), c.flat.tolist()], 3, [b.dropped_values.tolist(), c.dropped_values.tolist()])
+    assert (both["dropped_first"], both["dropped_layers"]) == ([3], [0, 1, 1])

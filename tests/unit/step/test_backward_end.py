@@ -11,7 +11,9 @@ from torch import nn
 
 import hookprof
 from hookprof.step.backward_end import BackwardEnd
+from hookprof.view.table import from_metrics, from_snapshot, nonfinite_line
 from support.first_nan import behind_by
+from support.metrics import parse, samples, scrape
 from support.models import DeepNet, seeded
 from support.settings import RARELY
 
@@ -84,32 +86,79 @@ def test_a_clip_by_a_nan_norm_does_not_move_the_first_layer(lag, policy):
             prof.detach()
 
 
-@pytest.mark.parametrize("policy", ["record", "raise"])
-def test_gradients_the_loop_drops_before_any_update_are_no_incident(policy):
+def own_scaler_drops(model, opt, x, y) -> bool:
     """A loss scaler of the loop's own (not torch's GradScaler: DeepSpeed's, Megatron's, a
-    hand-written one) overflows at step 3, zeroes the gradients and skips the update, as
-    it is meant to: no incident, no NonFiniteError into a healthy run (review H1). The
-    check at the backward's end says which layer; whether the step's update got non-finite
-    gradients is the update's reading."""
+    hand-written one): on overflow it zeroes the gradients and skips the update."""
+    (nn.functional.mse_loss(model(x), y) * 1024.0).backward()
+    if any(not torch.isfinite(p.grad).all() for p in model.parameters()):
+        opt.zero_grad()
+        return True
+    for p in model.parameters():
+        p.grad.div_(1024.0)
+    opt.step()
+    return False
+
+
+def guard_drops(model, opt, x, y) -> bool:
+    """Issue 38's guard: `if not isfinite(clip_grad_norm_(...)): zero_grad(); continue`
+    (the clip has already multiplied every gradient by the NaN norm)."""
+    nn.functional.mse_loss(model(x), y).backward()
+    if not torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)):
+        opt.zero_grad()
+        return True
+    opt.step()
+    return False
+
+
+@pytest.mark.parametrize("lag", [0, 3])
+@pytest.mark.parametrize("drop", [own_scaler_drops, guard_drops], ids=["own loss scaler", "guard"])
+@pytest.mark.parametrize("policy", ["record", "raise"])
+def test_gradients_the_loop_drops_are_counted_and_named_and_no_incident(policy, drop, lag):
+    """The loop drops step 3's non-finite gradients before any update, as it is meant to:
+    no incident, no NonFiniteError into a healthy run (review H1), and still counted and
+    named (issue 38, item 4): one dropped step, its first layer the one whose gradient the
+    test's own hooks see go non-finite first (blocks.3.fc: backward computes it before the
+    layers below)."""
     model, batches = model_and_data(bad_at=3)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, on_nonfinite=policy, **RARELY))
-    try:
-        skipped = 0
-        for x, y in batches[:6]:
-            opt.zero_grad()
-            (nn.functional.mse_loss(model(x), y) * 1024.0).backward()
-            if any(not torch.isfinite(p.grad).all() for p in model.parameters()):
-                opt.zero_grad()  # the scaler's skip: no update with these gradients
-                skipped += 1
-                continue
-            for p in model.parameters():
-                p.grad.div_(1024.0)
-            opt.step()
-        assert skipped == 1
-        assert first(prof) is None and prof.snapshot().nonfinite_steps["backward"] == 0
-    finally:
-        prof.detach()
+    seen: list[str] = []  # the test's own hooks: parameters whose gradient came non-finite, in order
+    handles = [p.register_hook(lambda g, name=name: seen.append(name) if not torch.isfinite(g).all() else None)
+               for name, p in model.named_parameters()]
+    with behind_by(lag):
+        prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, on_nonfinite=policy,
+                                                             **RARELY))
+        try:
+            dropped = 0
+            for x, y in batches[:6]:
+                opt.zero_grad()
+                dropped += drop(model, opt, x, y)
+            prof.flush()
+            snap = prof.snapshot()
+            assert dropped == 1 and seen and seen[0].startswith("blocks.3.fc.")
+            assert first(prof) is None and sum(snap.nonfinite_steps.values()) == 0
+            got = snap.dropped_nonfinite
+            assert got is not None and (got.steps, got.layer) == (1, "blocks.3.fc")
+            # the guard's `continue` and the next micro-batch are one step (that update's)
+            assert got.first_step == 3
+            # every layer at or below the NaN went non-finite; none above it
+            below = {n.rsplit(".", 1)[0] for n in seen}
+            assert set(got.others) | {got.layer} == below
+            text = scrape(prof.url)
+            page = parse(text)  # the same, as Prometheus reads it
+            assert list(samples(page, "hookprof_dropped_nonfinite_steps", "hookprof_dropped_nonfinite_steps_total")
+                        .values()) == [1.0]
+            info = samples(page, "hookprof_first_dropped_nonfinite_info")
+            assert [dict(k) for k in info] == [{"rank": "0", "layer": "blocks.3.fc", "step": "3"}]
+            assert not samples(page, "hookprof_first_nonfinite_info")
+            # what a person reads: the summary's line, and `hookprof top`'s from the page
+            line = nonfinite_line(from_snapshot(snap).header)
+            assert line.startswith("non-finite steps: none;") and (
+                "dropped the non-finite gradients of 1 step (no incident; first: blocks.3.fc at step 3)" in line)
+            assert nonfinite_line(from_metrics(text)[0].header) == line
+        finally:
+            prof.detach()
+            for h in handles:
+                h.remove()
 
 
 def edit_through_data(model):

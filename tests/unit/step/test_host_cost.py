@@ -33,8 +33,8 @@ from support.settings import RARELY
 # backward and counted NaNs the loop dropped), joined by a `where`. The bounds hold today's
 # figures so that they cannot grow unnoticed; over issue 37's (not met): docs/performance.md,
 # "Host cost per unsampled step"
-MAX_OPS = 36
-MAX_TENSORS = 34
+MAX_OPS = 38
+MAX_TENSORS = 36
 MAX_CALLS = 88
 
 

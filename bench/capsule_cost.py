@@ -47,8 +47,14 @@ def one_run(make, width: int, capsule: str | None, max_bytes: int) -> tuple[floa
     torch.manual_seed(0)
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    settings = dict(summary_at_exit=False, port=0, on_nonfinite="warn", sample_every=1000,
-                    min_sample_interval_s=3600.0, capsule_max_bytes=max_bytes)
+    settings = dict(
+        summary_at_exit=False,
+        port=0,
+        on_nonfinite="warn",
+        sample_every=1000,
+        min_sample_interval_s=3600.0,
+        capsule_max_bytes=max_bytes,
+    )
     if capsule is not None:
         settings["capsule_dir"] = capsule
     g = torch.Generator().manual_seed(1)
@@ -68,7 +74,7 @@ def one_run(make, width: int, capsule: str | None, max_bytes: int) -> tuple[floa
     size = os.path.getsize(path) if path else 0
     if path:
         os.unlink(path)
-    return times[BAD_STEP - 1], statistics.median(times[1:BAD_STEP - 1]), size
+    return times[BAD_STEP - 1], statistics.median(times[1 : BAD_STEP - 1]), size
 
 
 def main() -> None:
@@ -76,24 +82,38 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     logging.getLogger("hookprof").setLevel(logging.ERROR)  # the incident's own log lines
-    models = {"small MLP (8 wide, 2 layers, 1 KB)": (lambda: mlp(8, 2), 8),
-              "MLP 2048 wide, 6 layers (~100 MB)": (lambda: mlp(2048, 6), 2048)}
+    models = {
+        "small MLP (8 wide, 2 layers, 1 KB)": (lambda: mlp(8, 2), 8),
+        "MLP 2048 wide, 6 layers (~100 MB)": (lambda: mlp(2048, 6), 2048),
+    }
     directory = tempfile.mkdtemp(prefix="hookprof-capsule-bench-")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.repeats} runs")
-    print(f"{'model':<36} {'bad step, no capsule':>21} {'with capsule':>14} {'ratio':>6} "
-          f"{'above cap (hashes)':>19} {'ratio':>6} {'capsule':>10} {'steps before (with/without)':>28}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.repeats} runs"
+    )
+    print(
+        f"{'model':<36} {'bad step, no capsule':>21} {'with capsule':>14} {'ratio':>6} "
+        f"{'above cap (hashes)':>19} {'ratio':>6} {'capsule':>10} {'steps before (with/without)':>28}"
+    )
     for name, (make, width) in models.items():
         params = sum(p.numel() * p.element_size() for p in make().parameters())
         rows = {}
-        for label, capsule, cap in (("off", None, 256 * 2**20), ("on", directory, 256 * 2**20),
-                                    ("hashes", directory, 1)):
+        for label, capsule, cap in (
+            ("off", None, 256 * 2**20),
+            ("on", directory, 256 * 2**20),
+            ("hashes", directory, 1),
+        ):
             runs = [one_run(make, width, capsule, cap) for _ in range(args.repeats)]
-            rows[label] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs),
-                           runs[0][2])
+            rows[label] = (
+                statistics.median(r[0] for r in runs),
+                statistics.median(r[1] for r in runs),
+                runs[0][2],
+            )
         off, on, hashes = rows["off"], rows["on"], rows["hashes"]
-        print(f"{name + f' [{params / 2**20:.1f} MiB]':<36} {off[0] * 1e3:>18.1f} ms {on[0] * 1e3:>11.1f} ms "
-              f"{on[0] / off[0]:>6.2f} {hashes[0] * 1e3:>16.1f} ms {hashes[0] / off[0]:>6.2f} "
-              f"{on[2] / 2**20:>7.2f} MiB {on[1] * 1e3:>12.2f} / {off[1] * 1e3:.2f} ms")
+        print(
+            f"{name + f' [{params / 2**20:.1f} MiB]':<36} {off[0] * 1e3:>18.1f} ms {on[0] * 1e3:>11.1f} ms "
+            f"{on[0] / off[0]:>6.2f} {hashes[0] * 1e3:>16.1f} ms {hashes[0] / off[0]:>6.2f} "
+            f"{on[2] / 2**20:>7.2f} MiB {on[1] * 1e3:>12.2f} / {off[1] * 1e3:.2f} ms"
+        )
     os.rmdir(directory)
 
 

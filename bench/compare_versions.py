@@ -65,7 +65,9 @@ sys.exit(code)
 
 
 def git(*args: str, cwd: str = ROOT) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", *args], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def add_worktree(rev: str, into: str) -> str:
@@ -107,7 +109,11 @@ def alternate(script: str, rev: str, rounds: int, args: list[str] = ()) -> dict[
             for label, root in versions if r % 2 == 0 else versions[::-1]:
                 out = os.path.join(tmp, "out.json")
                 env = dict(os.environ, HOOKPROF_ROOT=root, PYTHONPATH=root)
-                subprocess.run([sys.executable, os.path.abspath(script), *args, "--json", out], env=env, check=True)
+                subprocess.run(
+                    [sys.executable, os.path.abspath(script), *args, "--json", out],
+                    env=env,
+                    check=True,
+                )
                 with open(out) as f:
                     runs[label].append(json.load(f))
         return runs
@@ -129,25 +135,49 @@ def describe(path: str) -> str:
 def run_overhead(label: str, checkout: str, script: str, args, out: str, scratch: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = checkout + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-c", CHILD, checkout, script,
-           "--rounds", str(args.child_rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--workloads", args.workloads, "--skip-many-layers", "--out", out]
+    cmd = [
+        sys.executable,
+        "-c",
+        CHILD,
+        checkout,
+        script,
+        "--rounds",
+        str(args.child_rounds),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--workloads",
+        args.workloads,
+        "--skip-many-layers",
+        "--out",
+        out,
+    ]
     # cwd is the scratch directory: with -c, sys.path[0] is the cwd, and a checkout there would
     # import hookprof without PYTHONPATH's help and hide a PYTHONPATH that does not win
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
-    found = [line.split(" ", 1)[1] for line in p.stdout.splitlines() if line.startswith("HOOKPROF_FILE ")]
+    found = [
+        line.split(" ", 1)[1] for line in p.stdout.splitlines() if line.startswith("HOOKPROF_FILE ")
+    ]
     if p.returncode != 0 or not found:
-        raise RuntimeError(f"{label}: overhead.py failed (exit {p.returncode}) in {checkout}\n"
-                           f"--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{label}: overhead.py failed (exit {p.returncode}) in {checkout}\n"
+            f"--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}"
+        )
     with open(out) as f:
         data = json.load(f)
     keys = args.workloads.split(",")
     if len(data.get("workloads", [])) != len(keys):
-        raise RuntimeError(f"{label}: {out} has {len(data.get('workloads', []))} workloads, expected {keys}")
-    return {"hookprof_file": found[0], "seconds": seconds,
-            "workloads": {k: w for k, w in zip(keys, data["workloads"])}}
+        raise RuntimeError(
+            f"{label}: {out} has {len(data.get('workloads', []))} workloads, expected {keys}"
+        )
+    return {
+        "hookprof_file": found[0],
+        "seconds": seconds,
+        "workloads": {k: w for k, w in zip(keys, data["workloads"])},
+    }
 
 
 def summarise(runs: dict[str, list[dict]], workload: str) -> dict:
@@ -163,11 +193,14 @@ def summarise(runs: dict[str, list[dict]], workload: str) -> dict:
         ox = [r["step_ms"][c] / r["step_ms"]["none"] for r in old]
         nx = [r["step_ms"][c] / r["step_ms"]["none"] for r in new]
         out[c] = {
-            "old_ms": statistics.median(o), "new_ms": statistics.median(n),
+            "old_ms": statistics.median(o),
+            "new_ms": statistics.median(n),
             "ratio": statistics.median(n) / statistics.median(o),
             "paired_ratio": statistics.median(per_round),
-            "round_ratio_min": min(per_round), "round_ratio_max": max(per_round),
-            "old_x_none": statistics.median(ox), "new_x_none": statistics.median(nx),
+            "round_ratio_min": min(per_round),
+            "round_ratio_max": max(per_round),
+            "old_x_none": statistics.median(ox),
+            "new_x_none": statistics.median(nx),
             "x_none_paired_ratio": statistics.median(b / a for a, b in zip(ox, nx)),
         }
     return out
@@ -175,27 +208,46 @@ def summarise(runs: dict[str, list[dict]], workload: str) -> dict:
 
 def print_table(key: str, name: str, s: dict, rounds: int) -> None:
     print(f"\n{key}: {name}; step time, median over {rounds} rounds")
-    head = (f"{'configuration':<20} {'old ms':>8} {'new ms':>8} {'new/old':>8} {'paired':>7} "
-            f"{'round range':>12} {'old xnone':>9} {'new xnone':>9} {'xnone new/old':>13}")
+    head = (
+        f"{'configuration':<20} {'old ms':>8} {'new ms':>8} {'new/old':>8} {'paired':>7} "
+        f"{'round range':>12} {'old xnone':>9} {'new xnone':>9} {'xnone new/old':>13}"
+    )
     print(head)
     print("-" * len(head))
     for c, v in s.items():
-        print(f"{c:<20} {v['old_ms']:8.2f} {v['new_ms']:8.2f} {v['ratio']:8.3f} {v['paired_ratio']:7.3f} "
-              f"{v['round_ratio_min']:5.3f}-{v['round_ratio_max']:5.3f} {v['old_x_none']:9.3f} "
-              f"{v['new_x_none']:9.3f} {v['x_none_paired_ratio']:13.3f}")
+        print(
+            f"{c:<20} {v['old_ms']:8.2f} {v['new_ms']:8.2f} {v['ratio']:8.3f} {v['paired_ratio']:7.3f} "
+            f"{v['round_ratio_min']:5.3f}-{v['round_ratio_max']:5.3f} {v['old_x_none']:9.3f} "
+            f"{v['new_x_none']:9.3f} {v['x_none_paired_ratio']:13.3f}"
+        )
     none = s["none"]
-    print(f"noise: 'none' runs no hookprof code, yet new/old = {none['paired_ratio']:.3f} paired "
-          f"(rounds {none['round_ratio_min']:.3f}-{none['round_ratio_max']:.3f}); read differences "
-          f"smaller than that spread as noise")
+    print(
+        f"noise: 'none' runs no hookprof code, yet new/old = {none['paired_ratio']:.3f} paired "
+        f"(rounds {none['round_ratio_min']:.3f}-{none['round_ratio_max']:.3f}); read differences "
+        f"smaller than that spread as noise"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base", required=True, help="old version: a git revision")
-    parser.add_argument("--head", default=ROOT, help="new version: a directory or a git revision (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=4, help="overhead.py runs per version (default 4, keep it even)")
+    parser.add_argument(
+        "--head",
+        default=ROOT,
+        help="new version: a directory or a git revision (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="overhead.py runs per version (default 4, keep it even)",
+    )
     parser.add_argument("--workloads", default="mlp", help="passed to overhead.py (default mlp)")
-    parser.add_argument("--child-rounds", type=int, default=5, help="overhead.py --rounds (default 5)")
+    parser.add_argument(
+        "--child-rounds", type=int, default=5, help="overhead.py --rounds (default 5)"
+    )
     parser.add_argument("--steps", type=int, default=5, help="overhead.py --steps (default 5)")
     parser.add_argument("--warmup", type=int, default=5, help="overhead.py --warmup (default 5)")
     parser.add_argument("--out", help="write the numbers as JSON here")
@@ -209,20 +261,30 @@ def main(argv: list[str] | None = None) -> int:
         versions = {}
         path = os.path.join(scratch, "old")
         worktrees.append(path)
-        versions["old"] = {"spec": args.base, "checkout": path, "commit": add_worktree(args.base, path)}
+        versions["old"] = {
+            "spec": args.base,
+            "checkout": path,
+            "commit": add_worktree(args.base, path),
+        }
         if os.path.isdir(args.head):
             path = os.path.abspath(args.head)
             versions["new"] = {"spec": args.head, "checkout": path, "commit": describe(path)}
         else:
             path = os.path.join(scratch, "new")
             worktrees.append(path)
-            versions["new"] = {"spec": args.head, "checkout": path, "commit": add_worktree(args.head, path)}
+            versions["new"] = {
+                "spec": args.head,
+                "checkout": path,
+                "commit": add_worktree(args.head, path),
+            }
         for v in versions.values():
             if not os.path.isfile(os.path.join(v["checkout"], "hookprof", "__init__.py")):
                 raise SystemExit(f"no hookprof package in {v['checkout']}")
 
         # each version's own overhead.py if both have one, else the one that exists for both
-        scripts = {k: os.path.join(v["checkout"], "bench", "overhead.py") for k, v in versions.items()}
+        scripts = {
+            k: os.path.join(v["checkout"], "bench", "overhead.py") for k, v in versions.items()
+        }
         have = [s for s in scripts.values() if os.path.isfile(s)]
         if not have:
             raise SystemExit("neither version has bench/overhead.py")
@@ -233,13 +295,17 @@ def main(argv: list[str] | None = None) -> int:
         with open(scripts["old"], "rb") as a, open(scripts["new"], "rb") as b:
             same_script = a.read() == b.read()
 
-        print(f"# {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}, "
-              f"torch {importlib.metadata.version('torch')}, Python {platform.python_version()}, "
-              f"{os.cpu_count()} CPUs")
+        print(
+            f"# {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}, "
+            f"torch {importlib.metadata.version('torch')}, Python {platform.python_version()}, "
+            f"{os.cpu_count()} CPUs"
+        )
         for k, v in versions.items():
             print(f"# {k}: {v['spec']} = {v['commit']} ({v['checkout']})")
-        print(f"# {args.rounds} rounds; each runs bench/overhead.py --rounds {args.child_rounds} "
-              f"--steps {args.steps} --warmup {args.warmup} --workloads {args.workloads} once per version")
+        print(
+            f"# {args.rounds} rounds; each runs bench/overhead.py --rounds {args.child_rounds} "
+            f"--steps {args.steps} --warmup {args.warmup} --workloads {args.workloads} once per version"
+        )
         if not same_script:
             print("# note: bench/overhead.py differs between the versions; each runs its own")
 
@@ -247,40 +313,72 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.rounds):
             for k in ("old", "new") if i % 2 == 0 else ("new", "old"):
                 v = versions[k]
-                r = run_overhead(k, v["checkout"], v["overhead_py"], args, os.path.join(scratch, f"{k}-{i}.json"), scratch)
+                r = run_overhead(
+                    k,
+                    v["checkout"],
+                    v["overhead_py"],
+                    args,
+                    os.path.join(scratch, f"{k}-{i}.json"),
+                    scratch,
+                )
                 if not r["hookprof_file"].startswith(os.path.realpath(v["checkout"]) + os.sep):
-                    raise RuntimeError(f"{k}: imported {r['hookprof_file']}, not the one in {v['checkout']}")
+                    raise RuntimeError(
+                        f"{k}: imported {r['hookprof_file']}, not the one in {v['checkout']}"
+                    )
                 runs[k].append(r)
-                print(f"round {i + 1}/{args.rounds} {k}: {r['seconds']:.0f} s, hookprof from {r['hookprof_file']}",
-                      flush=True)
+                print(
+                    f"round {i + 1}/{args.rounds} {k}: {r['seconds']:.0f} s, "
+                    f"hookprof from {r['hookprof_file']}",
+                    flush=True,
+                )
 
         summary = {}
         for key in args.workloads.split(","):
             summary[key] = summarise(runs, key)
-            print_table(key, runs["old"][0]["workloads"][key]["workload"], summary[key], args.rounds)
+            print_table(
+                key, runs["old"][0]["workloads"][key]["workload"], summary[key], args.rounds
+            )
             # sampled steps cost more than others, so a version that samples more is slower for
             # that reason alone; sampling also follows the (per-configuration) clock, so counts
             # can differ by a step or so between any two runs
             sampled = {k: {} for k in runs}
             for k in runs:
                 for r in runs[k]:
-                    for c, (n, total) in (r["workloads"][key].get("sampled_of_steps") or {}).items():
+                    for c, (n, total) in (
+                        r["workloads"][key].get("sampled_of_steps") or {}
+                    ).items():
                         a, b = sampled[k].get(c, (0, 0))
                         sampled[k][c] = (a + n, b + total)
-            print("sampled steps, all rounds: " + ", ".join(
-                f"{c} old {n}/{t} new {sampled['new'].get(c, (0, 0))[0]}/{sampled['new'].get(c, (0, 0))[1]}"
-                for c, (n, t) in sampled["old"].items()))
+            print(
+                "sampled steps, all rounds: "
+                + ", ".join(
+                    f"{c} old {n}/{t} new {'/'.join(map(str, sampled['new'].get(c, (0, 0))))}"
+                    for c, (n, t) in sampled["old"].items()
+                )
+            )
 
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                           "torch": importlib.metadata.version("torch"), "cpus": os.cpu_count(),
-                           "python": platform.python_version(), "args": vars(args),
-                           "versions": versions, "summary": summary, "runs": runs}, f, indent=2)
+                json.dump(
+                    {
+                        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                        "torch": importlib.metadata.version("torch"),
+                        "cpus": os.cpu_count(),
+                        "python": platform.python_version(),
+                        "args": vars(args),
+                        "versions": versions,
+                        "summary": summary,
+                        "runs": runs,
+                    },
+                    f,
+                    indent=2,
+                )
         return 0
     finally:
         for path in worktrees:
-            subprocess.run(["git", "worktree", "remove", "--force", path], cwd=ROOT, capture_output=True)
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", path], cwd=ROOT, capture_output=True
+            )
         subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -10,7 +10,8 @@ Under torch.compile hookprof's model-output check is traced into the graph (one
 an eager model. This script trains the same MLP (8 x Linear(512), GELU, batch 256) compiled
 whole and block by block (regional compilation), without hookprof, attached with the
 defaults, and attached sampling every step with activation checks (each sampled step's
-forward re-run eagerly for the per-layer statistics), each with its own copy of the model, in interleaved rounds (rotating order) so
+forward re-run eagerly for the per-layer statistics), each with its own copy of the model, in
+interleaved rounds (rotating order) so
 that machine noise hits both alike. It prints the median step time per configuration and
 two ratios to "none": of the medians, and the median of each round's ratio to the "none"
 round beside it. Dynamo's graph breaks and frames and graphs compiled while warming up are printed for each,
@@ -28,7 +29,6 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import paths  # noqa: E402,F401  (first: the hookprof under test)
-
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 from torch import nn  # noqa: E402
@@ -72,9 +72,17 @@ class Run:
         self.model = Mlp().to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         every = dict(sample_every=1, min_sample_interval_s=0.0, activation_interval_s=0.0)
-        self.prof = None if config == "none" else hookprof.attach(
-            self.model, port=0, summary_at_exit=False, system_metrics=False,
-            **(every if config == "every step" else {}))
+        self.prof = (
+            None
+            if config == "none"
+            else hookprof.attach(
+                self.model,
+                port=0,
+                summary_at_exit=False,
+                system_metrics=False,
+                **(every if config == "every step" else {}),
+            )
+        )
         if how == "whole":
             self.call = torch.compile(self.model, backend=backend)
         else:
@@ -118,21 +126,27 @@ def measure(how: str, backend: str, device: str, rounds: int, steps: int) -> Non
     times: dict[str, list[float]] = {name: [] for name in runs}
     order = list(runs)
     for r in range(rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:
+        for name in order[r % len(order) :] + order[: r % len(order)]:
             times[name].append(runs[name].steps(steps))
     recompiled = compiled_so_far()  # during the measured rounds: 0 expected
     for run in runs.values():
         run.close()
     base = statistics.median(times["none"])
-    print(f"| {how} | {backend} | none | {base * 1e3:.2f} | 1.000 | 1.000 | "
-          f"{dynamo['none'][0]} / {dynamo['none'][1]} |")
+    print(
+        f"| {how} | {backend} | none | {base * 1e3:.2f} | 1.000 | 1.000 | "
+        f"{dynamo['none'][0]} / {dynamo['none'][1]} |"
+    )
     for name in CONFIGS[1:]:
         t = times[name]
         paired = statistics.median(a / b for a, b in zip(t, times["none"]))
-        print(f"| {how} | {backend} | {name} | {statistics.median(t) * 1e3:.2f} | "
-              f"{statistics.median(t) / base:.3f} | {paired:.3f} | "
-              f"{dynamo[name][0]} / {dynamo[name][1]} |")
-    print(f"|  |  | frames and graphs compiled during the measured rounds: {recompiled} |  |  |  |  |")
+        print(
+            f"| {how} | {backend} | {name} | {statistics.median(t) * 1e3:.2f} | "
+            f"{statistics.median(t) / base:.3f} | {paired:.3f} | "
+            f"{dynamo[name][0]} / {dynamo[name][1]} |"
+        )
+    print(
+        f"|  |  | frames and graphs compiled during the measured rounds: {recompiled} |  |  |  |  |"
+    )
 
 
 def main() -> None:
@@ -144,10 +158,14 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     rounds, steps = (2, 3) if args.quick else (12, 20)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    print(f"torch {torch.__version__}, {args.device}, {rounds} rounds x {steps} steps, "
-          f"hookprof {hookprof.__version__}")
-    print("\n| compiled | backend | config | median step ms | ratio of medians | paired ratio | "
-          "graph breaks / frames and graphs compiled |\n|---|---|---|---|---|---|---|")
+    print(
+        f"torch {torch.__version__}, {args.device}, {rounds} rounds x {steps} steps, "
+        f"hookprof {hookprof.__version__}"
+    )
+    print(
+        "\n| compiled | backend | config | median step ms | ratio of medians | paired ratio | "
+        "graph breaks / frames and graphs compiled |\n|---|---|---|---|---|---|---|"
+    )
     for backend in args.backends.split(","):
         for how in ("whole", "regional"):
             measure(how, backend, args.device, rounds, steps)

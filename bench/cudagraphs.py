@@ -32,7 +32,6 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import paths  # noqa: E402,F401  (first: the hookprof under test)
-
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 
@@ -61,14 +60,36 @@ NET = dict(inputs=64, width=WIDTH, depth=4)
 def nan_run(mode: str, attach: bool) -> dict:
     """STEPS steps, step BAD_STEP's batch with a row that overflows `inp`."""
     params, snap, (breaks, compiled, skips) = overflow_run(
-        lambda model: torch.compile(model, mode=mode), attach=attach, device=DEVICE, net=NET, batch=256,
-        steps=STEPS, bad_step=BAD_STEP, settings=SETTINGS)
-    out: dict = {"params": params, "dynamo": {"graph_breaks": breaks, "frames_after_warmup": compiled,
-                                             "cudagraph_skips": skips}}
+        lambda model: torch.compile(model, mode=mode),
+        attach=attach,
+        device=DEVICE,
+        net=NET,
+        batch=256,
+        steps=STEPS,
+        bad_step=BAD_STEP,
+        settings=SETTINGS,
+    )
+    out: dict = {
+        "params": params,
+        "dynamo": {
+            "graph_breaks": breaks,
+            "frames_after_warmup": compiled,
+            "cudagraph_skips": skips,
+        },
+    }
     if snap is not None:
         ev = snap.first_nonfinite
-        out["event"] = None if ev is None else {
-            "layer": ev.layer, "phase": ev.phase, "step": ev.step, "found_by": ev.found_by, "replay": ev.replay}
+        out["event"] = (
+            None
+            if ev is None
+            else {
+                "layer": ev.layer,
+                "phase": ev.phase,
+                "step": ev.step,
+                "found_by": ev.found_by,
+                "replay": ev.replay,
+            }
+        )
         out["nonfinite_steps"] = dict(snap.nonfinite_steps)
         out["internal_errors"] = snap.internal_errors
         out["notices"] = list(snap.notices)
@@ -91,11 +112,13 @@ def every_step_statistics(mode: str) -> dict:
         prof.flush()
         snap = prof.snapshot()
     layers = snap.layers
-    return {"layers": len(layers),
-            "with_abs_max": sum(s.activation_abs_max is not None for s in layers.values()),
-            "with_forward_time": sum(s.forward_calls_total > 0 for s in layers.values()),
-            "with_grad_norm": sum(s.grad_norm is not None for s in layers.values()),
-            "internal_errors": snap.internal_errors}
+    return {
+        "layers": len(layers),
+        "with_abs_max": sum(s.activation_abs_max is not None for s in layers.values()),
+        "with_forward_time": sum(s.forward_calls_total > 0 for s in layers.values()),
+        "with_grad_norm": sum(s.grad_norm is not None for s in layers.values()),
+        "internal_errors": snap.internal_errors,
+    }
 
 
 def timing(mode: str, rounds: int, steps: int) -> dict:
@@ -125,23 +148,31 @@ def timing(mode: str, rounds: int, steps: int) -> dict:
     times: dict[str, list[float]] = {name: [] for name in runs}
     order = list(runs)
     for r in range(rounds):
-        for name in order[r % 3:] + order[:r % 3]:
+        for name in order[r % 3 :] + order[: r % 3]:
             times[name].append(go(name, steps))
     for _, _, prof in runs.values():
         if prof is not None:
             prof.detach()
     base = times["none"]
-    return {name: {"step_ms": statistics.median(t) * 1e3,
-                   "paired_ratio": statistics.median(a / b for a, b in zip(t, base))}
-            for name, t in times.items()}
+    return {
+        name: {
+            "step_ms": statistics.median(t) * 1e3,
+            "paired_ratio": statistics.median(a / b for a, b in zip(t, base)),
+        }
+        for name, t in times.items()
+    }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--modes", default="default,reduce-overhead")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no CUDA graphs)")
+    parser.add_argument(
+        "--device", default="cuda", help="cpu: a smoke run of the script (no CUDA graphs)"
+    )
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -149,17 +180,24 @@ def main() -> int:
         raise SystemExit("needs CUDA (torch.cuda.is_available() is False)")
     warnings.filterwarnings("ignore")
     rounds, steps = (4, 10) if args.quick else (12, 20)
-    print(f"# hookprof under torch.compile with CUDA graphs: torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'}, {time.strftime('%Y-%m-%d')}", flush=True)
+    print(
+        f"# hookprof under torch.compile with CUDA graphs: torch {torch.__version__}, "
+        f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'}, {time.strftime('%Y-%m-%d')}",
+        flush=True,
+    )
     results = {}
     for mode in args.modes.split(","):
         plain = nan_run(mode, attach=False)
         hooked = nan_run(mode, attach=True)
-        r = {"without": plain["dynamo"], "with": hooked["dynamo"],
-             "event": hooked.get("event"), "nonfinite_steps": hooked.get("nonfinite_steps"),
-             "internal_errors": hooked.get("internal_errors"),
-             "bit_identical": same_bits(plain["params"], hooked["params"]),
-             "notices": hooked.get("notices")}
+        r = {
+            "without": plain["dynamo"],
+            "with": hooked["dynamo"],
+            "event": hooked.get("event"),
+            "nonfinite_steps": hooked.get("nonfinite_steps"),
+            "internal_errors": hooked.get("internal_errors"),
+            "bit_identical": same_bits(plain["params"], hooked["params"]),
+            "notices": hooked.get("notices"),
+        }
         print(f"{mode}: {json.dumps(r, default=str)}", flush=True)
         r["every_step"] = every_step_statistics(mode)
         print(f"{mode} every step: {r['every_step']}", flush=True)

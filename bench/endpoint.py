@@ -49,8 +49,22 @@ def serve_copy(page: bytes, directory: str) -> tuple[subprocess.Popen, str]:
     with open(os.path.join(directory, "metrics"), "wb") as f:
         f.write(page)
     # port 0: the server picks a free one and says which on its first line
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1",
-                             "--directory", directory], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-u",
+            "-m",
+            "http.server",
+            "0",
+            "--bind",
+            "127.0.0.1",
+            "--directory",
+            directory,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     port = proc.stdout.readline().split(" port ")[1].split()[0]
     return proc, f"http://127.0.0.1:{port}/metrics"
 
@@ -58,8 +72,9 @@ def serve_copy(page: bytes, directory: str) -> tuple[subprocess.Popen, str]:
 def scrape_load(args: argparse.Namespace) -> int:
     """Step time with no scrapers, with scrapers on a separate server, with scrapers on
     hookprof's own /metrics: rounds interleaved in rotating order."""
-    from hookprof._testing import metrics_page
     from overhead import WORKLOADS, Runner, workload_data
+
+    from hookprof._testing import metrics_page
 
     if args.workload not in WORKLOADS:
         raise SystemExit(f"--workload must be one of {sorted(WORKLOADS)}, got {args.workload!r}")
@@ -76,15 +91,26 @@ def scrape_load(args: argparse.Namespace) -> int:
         procs.append(control)
         loads = {}
         for name, url in (("control", control_url), ("hookprof", runner.prof.url)):
-            loads[name] = subprocess.Popen([sys.executable, SCRAPERS, url, "--scrapers", str(args.scrapers),
-                                            "--seconds", "3600", "--interval", str(args.interval)],
-                                           stdout=subprocess.DEVNULL)
+            loads[name] = subprocess.Popen(
+                [
+                    sys.executable,
+                    SCRAPERS,
+                    url,
+                    "--scrapers",
+                    str(args.scrapers),
+                    "--seconds",
+                    "3600",
+                    "--interval",
+                    str(args.interval),
+                ],
+                stdout=subprocess.DEVNULL,
+            )
             procs.append(loads[name])
             os.kill(loads[name].pid, signal.SIGSTOP)
         try:
             names = list(means)
             for i in range(args.rounds):
-                for name in names[i % 3:] + names[: i % 3]:
+                for name in names[i % 3 :] + names[: i % 3]:
                     for other, proc in loads.items():
                         os.kill(proc.pid, signal.SIGCONT if other == name else signal.SIGSTOP)
                     time.sleep(0.3)  # let the scrapers stop, or get going
@@ -100,10 +126,15 @@ def scrape_load(args: argparse.Namespace) -> int:
             runner.prof.detach()
     pace = f"every {args.interval:g} s each" if args.interval else "back to back"
     q = statistics.median(means["quiet"])
-    print(f"# {w.name}, hookprof default: {args.rounds} rounds x {args.steps} steps, "
-          f"{args.scrapers} concurrent scrapers ({pace}); the page was rendered {renders} times")
-    for name, label in (("quiet", "no scrapes"), ("control", "scrapers on a separate server"),
-                        ("hookprof", "scrapers on hookprof's /metrics")):
+    print(
+        f"# {w.name}, hookprof default: {args.rounds} rounds x {args.steps} steps, "
+        f"{args.scrapers} concurrent scrapers ({pace}); the page was rendered {renders} times"
+    )
+    for name, label in (
+        ("quiet", "no scrapes"),
+        ("control", "scrapers on a separate server"),
+        ("hookprof", "scrapers on hookprof's /metrics"),
+    ):
         m = statistics.median(means[name])
         print(f"{label:34s} {m * 1e3:7.2f} ms/step  {m / q:.3f}x")
     return 0
@@ -197,8 +228,16 @@ def attack(args: argparse.Namespace) -> int:
     trainer.start()
     time.sleep(3)  # the first optimizer step imports for a while
     before = {"threads": os_threads(), "rss_mib": round(rss_mib(), 1)}
-    cmd = [sys.executable, __file__, "attack", args.attack, "--connections", str(args.connections),
-           "--url", prof.url] + (["--cafile", cafile] if cafile else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "attack",
+        args.attack,
+        "--connections",
+        str(args.connections),
+        "--url",
+        prof.url,
+    ] + (["--cafile", cafile] if cafile else [])
     child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         opened = json.loads(child.stdout.readline())
@@ -219,25 +258,48 @@ def attack(args: argparse.Namespace) -> int:
         stop.set()
         trainer.join(timeout=10)
         prof.detach()
-    print(json.dumps({"attack": args.attack, "tls": args.tls, "connections": args.connections,
-                      **opened, "before": before, "during": during,
-                      "scrape_latencies_s": latencies, "training_steps_during_scrapes": steps_during}))
+    print(
+        json.dumps(
+            {
+                "attack": args.attack,
+                "tls": args.tls,
+                "connections": args.connections,
+                **opened,
+                "before": before,
+                "during": during,
+                "scrape_latencies_s": latencies,
+                "training_steps_during_scrapes": steps_during,
+            }
+        )
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     subparsers = parser.add_subparsers(dest="measure", required=True)
-    load = subparsers.add_parser("scrape-load", help="training slowdown under concurrent scrapers (was scrape_load.py)")
-    load.add_argument("--workload", default="mlp", help="one of bench/overhead.py's WORKLOADS (default mlp)")
+    load = subparsers.add_parser(
+        "scrape-load", help="training slowdown under concurrent scrapers (was scrape_load.py)"
+    )
+    load.add_argument(
+        "--workload", default="mlp", help="one of bench/overhead.py's WORKLOADS (default mlp)"
+    )
     load.add_argument("--rounds", type=int, default=20)
     load.add_argument("--steps", type=int, default=5)
     load.add_argument("--scrapers", type=int, default=20)
-    load.add_argument("--interval", type=float, default=0.0,
-                      help="pause between one scraper's scrapes (0: back to back, a stress test)")
+    load.add_argument(
+        "--interval",
+        type=float,
+        default=0.0,
+        help="pause between one scraper's scrapes (0: back to back, a stress test)",
+    )
     load.set_defaults(run=scrape_load)
-    hostile = subparsers.add_parser("attack", help="threads, memory and scrape latency under held connections "
-                                                   "(was endpoint_attack.py)")
+    hostile = subparsers.add_parser(
+        "attack",
+        help="threads, memory and scrape latency under held connections (was endpoint_attack.py)",
+    )
     hostile.add_argument("attack", choices=("idle", "slowloris"))
     hostile.add_argument("--connections", type=int, default=500)
     hostile.add_argument("--tls", action="store_true")

@@ -50,12 +50,11 @@ import threading
 import time
 
 import paths  # first: the hookprof under test (HOOKPROF_ROOT, set by --against) or this checkout's
-
+import shapes
 import torch
 from torch import nn
 
 import hookprof
-import shapes
 from hookprof._testing import step_boundary_methods, step_is_sampled, timing_resolution_method
 from support.op_counter import CallCounter, OpCounter
 
@@ -117,19 +116,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()  # note: outside the timed part, so each step starts idle
 
 
-def measure_workload(name: str, device: torch.device, full: bool, steps: int, accelerator_path: bool) -> dict:
+def measure_workload(
+    name: str, device: torch.device, full: bool, steps: int, accelerator_path: bool
+) -> dict:
     shape = shapes.build(name, device, full=full)
     clock = host_clock(device)
     meter = BoundaryMeter(clock)
     meter.install()
     try:
         gradients = sys.modules.get("hookprof.step.gradients")
-        forced = accelerator_path and hasattr(gradients, "GradientNorms") and hasattr(
-            gradients.GradientNorms, "cpu_dot_per_tensor")
+        forced = (
+            accelerator_path
+            and hasattr(gradients, "GradientNorms")
+            and hasattr(gradients.GradientNorms, "cpu_dot_per_tensor")
+        )
         if forced:
             gradients.GradientNorms.cpu_dot_per_tensor = False
-        prof = hookprof.attach(shape.model, port=0, sample_every=2, min_sample_interval_s=0.0,
-                               summary_at_exit=False)
+        prof = hookprof.attach(
+            shape.model, port=0, sample_every=2, min_sample_interval_s=0.0, summary_at_exit=False
+        )
         try:
             for _ in range(4):  # warm-up: the first sampled step, cached plans, allocators
                 shape.step()
@@ -150,8 +155,13 @@ def measure_workload(name: str, device: torch.device, full: bool, steps: int, ac
             prof.detach()
         # the counts of an unsampled step whose neighbours are unsampled too (with sampling
         # every other step, its end would put the next sampled step's layer hooks in)
-        prof = hookprof.attach(shape.model, port=0, sample_every=1000, min_sample_interval_s=3600.0,
-                               summary_at_exit=False)
+        prof = hookprof.attach(
+            shape.model,
+            port=0,
+            sample_every=1000,
+            min_sample_interval_s=3600.0,
+            summary_at_exit=False,
+        )
         try:
             for _ in range(3):  # step 1 is sampled; step 2 makes the cached plans
                 shape.step()
@@ -216,7 +226,10 @@ def measure_floor(rounds: int = 7, steps: int = 40, layers: int = 128) -> dict:
             prof.step(loss)
 
     result = {"gradients": 2 * layers, "rounds": rounds, "steps": steps}
-    for label, device in (("host flags", nullcontext), ("device flags (emulated, lag 3)", lambda: lagging_device(3))):
+    for label, device in (
+        ("host flags", nullcontext),
+        ("device flags (emulated, lag 3)", lambda: lagging_device(3)),
+    ):
         saved = getattr(gradients.GradientNorms, "cpu_dot_per_tensor", None)
         if saved is not None:
             gradients.GradientNorms.cpu_dot_per_tensor = False  # the accelerator's reduction
@@ -225,15 +238,22 @@ def measure_floor(rounds: int = 7, steps: int = 40, layers: int = 128) -> dict:
             with device():
                 bare, fused, watched = make(), make(), make()
                 flags = (torch.zeros(1), torch.ones(1))
-                prof = hookprof.attach(watched[0], port=0, sample_every=1000, min_sample_interval_s=3600.0,
-                                        summary_at_exit=False)
+                prof = hookprof.attach(
+                    watched[0],
+                    port=0,
+                    sample_every=1000,
+                    min_sample_interval_s=3600.0,
+                    summary_at_exit=False,
+                )
                 try:
                     for _ in range(5):  # warm-up: plans, allocators; step 1 is the sampled one
                         step(*bare), step(*fused, fused=flags), step(*watched, prof=prof)
                     for _ in range(rounds):
-                        for name, run in (("bare", lambda: step(*bare)),
-                                          ("fused", lambda: step(*fused, fused=flags)),
-                                          ("hookprof", lambda: step(*watched, prof=prof))):
+                        for name, run in (
+                            ("bare", lambda: step(*bare)),
+                            ("fused", lambda: step(*fused, fused=flags)),
+                            ("hookprof", lambda: step(*watched, prof=prof)),
+                        ):
                             for _ in range(steps):
                                 t0 = clock()
                                 run()
@@ -245,9 +265,12 @@ def measure_floor(rounds: int = 7, steps: int = 40, layers: int = 128) -> dict:
                 gradients.GradientNorms.cpu_dot_per_tensor = saved
         med = {k: statistics.median(v) / 1e3 for k, v in times.items()}
         extra_fused, extra_hookprof = med["fused"] - med["bare"], med["hookprof"] - med["bare"]
-        result[label] = {"bare_us": med["bare"], "fused_extra_us": extra_fused,
-                         "hookprof_extra_us": extra_hookprof,
-                         "ratio": extra_hookprof / extra_fused if extra_fused > 0 else float("nan")}
+        result[label] = {
+            "bare_us": med["bare"],
+            "fused_extra_us": extra_fused,
+            "hookprof_extra_us": extra_hookprof,
+            "ratio": extra_hookprof / extra_fused if extra_fused > 0 else float("nan"),
+        }
     return result
 
 
@@ -280,8 +303,9 @@ def measure_publisher(device: torch.device, layers: int = 500, steps: int = 8) -
 
         stream = fake_gpu.FakeStream()
         try:
-            timer = timing.CudaEventTimer(event_factory=fake_gpu.FakeEvent, current_stream=lambda: stream,
-                                          yield_gil=yield_gil)
+            timer = timing.CudaEventTimer(
+                event_factory=fake_gpu.FakeEvent, current_stream=lambda: stream, yield_gil=yield_gil
+            )
         except TypeError:
             timer = timing.CudaEventTimer(event_factory=fake_gpu.FakeEvent)
         kind = "stand-in CUDA events (tests/support/fake_gpu.py)"
@@ -337,7 +361,9 @@ def measure_publisher(device: torch.device, layers: int = 500, steps: int = 8) -
     }
 
 
-def profile_workload(name: str, device: torch.device, full: bool, steps: int, top: int = 18) -> None:
+def profile_workload(
+    name: str, device: torch.device, full: bool, steps: int, top: int = 18
+) -> None:
     """Where hookprof's host time goes: cProfile over `steps` unsampled steps, then `steps`
     sampled ones, of one workload; prints hookprof's functions by their own time per step
     (cProfile slows every Python call alike, so read the shares, not the microseconds)."""
@@ -363,24 +389,45 @@ def profile_workload(name: str, device: torch.device, full: bool, steps: int, to
         rows = []
         for (path, line, func), (_, calls, own, cumulative, _) in stats.stats.items():
             if f"{os.sep}hookprof{os.sep}" in path and f"{os.sep}bench{os.sep}" not in path:
-                rows.append((own, cumulative, calls, f"{os.path.relpath(path, os.path.dirname(paths.UNDER_TEST))}:{line} {func}"))
+                rows.append(
+                    (
+                        own,
+                        cumulative,
+                        calls,
+                        f"{os.path.relpath(path, os.path.dirname(paths.UNDER_TEST))}:{line} {func}",
+                    )
+                )
         total = sum(r[0] for r in rows)
-        print(f"# profile, {shape.name}, {label} steps: hookprof's own time {total / steps * 1e6:.0f} us/step "
-              f"under cProfile; top {top} by own time (us/step own, us/step cumulative, calls/step)")
+        print(
+            f"# profile, {shape.name}, {label} steps: hookprof's own time {total / steps * 1e6:.0f} us/step "
+            f"under cProfile; top {top} by own time (us/step own, us/step cumulative, calls/step)"
+        )
         for own, cumulative, calls, where in sorted(rows, reverse=True)[:top]:
-            print(f"#   {own / steps * 1e6:8.1f} {cumulative / steps * 1e6:9.1f} {calls / steps:7.1f}  {where}")
+            print(
+                f"#   {own / steps * 1e6:8.1f} {cumulative / steps * 1e6:9.1f} {calls / steps:7.1f}  {where}"
+            )
 
 
 def run_here(args) -> dict:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # every op on the timed thread (see host_clock)
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(hookprof.__file__),
-                         capture_output=True, text=True).stdout.strip()
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=os.path.dirname(hookprof.__file__),
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else None
-    result = {"hookprof": paths.hookprof_checkout(), "rev": rev,
-              "torch": torch.__version__, "device": gpu or f"CPU ({os.cpu_count()} cores)",
-              "full": args.full, "workloads": [], "publisher": None}
+    result = {
+        "hookprof": paths.hookprof_checkout(),
+        "rev": rev,
+        "torch": torch.__version__,
+        "device": gpu or f"CPU ({os.cpu_count()} cores)",
+        "full": args.full,
+        "workloads": [],
+        "publisher": None,
+    }
     if args.floor_only:
         args.workloads, args.skip_publisher = "", True
     for name in filter(None, args.workloads.split(",")):
@@ -390,7 +437,7 @@ def run_here(args) -> dict:
         r = measure_workload(name, device, args.full, args.steps, args.accelerator_path)
         result["workloads"].append(r)
         print(f"# {name}: {json.dumps(r)}", flush=True)
-    for name in (args.profile.split(",") if args.profile else ()):
+    for name in args.profile.split(",") if args.profile else ():
         profile_workload(name, device, args.full, steps=10)
     if device.type == "cpu" and not args.skip_floor:
         result["floor"] = measure_floor()
@@ -403,36 +450,65 @@ def run_here(args) -> dict:
 
 def table(results: list[tuple[str, dict]]) -> str:
     labels = [label for label, _ in results]
-    head = "| workload (grads, layers) | " + " | ".join(
-        f"unsampled us/step ({lb}) | ATen ops / tensors / Python calls per unsampled step ({lb}) | "
-        f"sampled us/leaf ({lb})" for lb in labels) + " |"
+    head = (
+        "| workload (grads, layers) | "
+        + " | ".join(
+            f"unsampled us/step ({lb}) | ATen ops / tensors / Python calls per unsampled step ({lb}) | "
+            f"sampled us/leaf ({lb})"
+            for lb in labels
+        )
+        + " |"
+    )
     lines = [head, "|---|" + "---|---|---|" * len(labels)]
     first = results[0][1]["workloads"]
-    for i, w in enumerate(first):
+    for w in first:
         cells = []
         for _, r in results:
             x = next((v for v in r["workloads"] if v["workload"] == w["workload"]), None)
             if x is None:
                 cells += ["-", "-", "-"]
                 continue
-            counts = " / ".join(str(x[k]) if k in x else "-"
-                                for k in ("unsampled_ops", "unsampled_tensors", "unsampled_python_calls"))
+            counts = " / ".join(
+                str(x[k]) if k in x else "-"
+                for k in ("unsampled_ops", "unsampled_tensors", "unsampled_python_calls")
+            )
             cells += [f"{x['unsampled_us']:.0f}", counts, f"{x['sampled_per_leaf_us']:.1f}"]
-        lines.append(f"| {w['workload']} ({w['grads']}, {w['layers']}) | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {w['workload']} ({w['grads']}, {w['layers']}) | " + " | ".join(cells) + " |"
+        )
     floors = [(lb, r["floor"]) for lb, r in results if r.get("floor")]
     if floors:
-        lines += ["", f"| {floors[0][1]['gradients']} tiny gradients, CPU us per unsampled step | "
-                  + " | ".join(lb for lb, _ in floors) + " |", "|---|" + "---|" * len(floors)]
+        lines += [
+            "",
+            f"| {floors[0][1]['gradients']} tiny gradients, CPU us per unsampled step | "
+            + " | ".join(lb for lb, _ in floors)
+            + " |",
+            "|---|" + "---|" * len(floors),
+        ]
         for flags in ("host flags", "device flags (emulated, lag 3)"):
-            lines.append(f"| {flags}: hookprof's extra / a fused flag's extra (ratio) | " + " | ".join(
-                f"{f[flags]['hookprof_extra_us']:.0f} / {f[flags]['fused_extra_us']:.0f} ({f[flags]['ratio']:.2f}x)"
-                for _, f in floors) + " |")
+            lines.append(
+                f"| {flags}: hookprof's extra / a fused flag's extra (ratio) | "
+                + " | ".join(
+                    f"{f[flags]['hookprof_extra_us']:.0f} / {f[flags]['fused_extra_us']:.0f} "
+                    f"({f[flags]['ratio']:.2f}x)"
+                    for _, f in floors
+                )
+                + " |"
+            )
     pubs = [(lb, r["publisher"]) for lb, r in results if r.get("publisher")]
     if pubs:
-        lines += ["", "| publisher, one sampled step of 500 layers | " + " | ".join(lb for lb, _ in pubs) + " |",
-                  "|---|" + "---|" * len(pubs)]
-        for key, what in (("longest_gil_hold_ms", "longest GIL hold while resolving (ms)"),
-                          ("resolve_ms", "whole resolution (ms)"), ("fold_ms", "whole fold (ms)")):
+        lines += [
+            "",
+            "| publisher, one sampled step of 500 layers | "
+            + " | ".join(lb for lb, _ in pubs)
+            + " |",
+            "|---|" + "---|" * len(pubs),
+        ]
+        for key, what in (
+            ("longest_gil_hold_ms", "longest GIL hold while resolving (ms)"),
+            ("resolve_ms", "whole resolution (ms)"),
+            ("fold_ms", "whole fold (ms)"),
+        ):
             lines.append(f"| {what} | " + " | ".join(f"{p[key]:.2f}" for _, p in pubs) + " |")
     return "\n".join(lines)
 
@@ -448,24 +524,42 @@ def against(rev: str, argv: list[str]) -> list[tuple[str, dict]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--full", action="store_true", help="the issue's sizes (for a GPU)")
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per workload (half sampled)")
+    parser.add_argument(
+        "--steps", type=int, default=20, help="measured steps per workload (half sampled)"
+    )
     parser.add_argument("--workloads", default=",".join(shapes.NAMES))
-    parser.add_argument("--accelerator-path", action="store_true",
-                        help="on a CPU, reduce gradients as on a GPU (one fused pass), where the version can")
+    parser.add_argument(
+        "--accelerator-path",
+        action="store_true",
+        help="on a CPU, reduce gradients as on a GPU (one fused pass), where the version can",
+    )
     parser.add_argument("--skip-publisher", action="store_true")
-    parser.add_argument("--skip-floor", action="store_true", help="leave out the fused-check floor (CPU only)")
+    parser.add_argument(
+        "--skip-floor", action="store_true", help="leave out the fused-check floor (CPU only)"
+    )
     parser.add_argument("--floor-only", action="store_true", help="only the fused-check floor")
-    parser.add_argument("--profile", metavar="WORKLOADS", default="",
-                        help="also profile hookprof's functions on these workloads (cProfile)")
-    parser.add_argument("--against", metavar="REV", help="also run a git revision (in a temporary worktree)")
+    parser.add_argument(
+        "--profile",
+        metavar="WORKLOADS",
+        default="",
+        help="also profile hookprof's functions on these workloads (cProfile)",
+    )
+    parser.add_argument(
+        "--against", metavar="REV", help="also run a git revision (in a temporary worktree)"
+    )
     parser.add_argument("--json", help="write the numbers here")
     args = parser.parse_args(argv)
-    print(f"# hookprof host cost: torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"device {args.device}{' (' + torch.cuda.get_device_name() + ')' if args.device == 'cuda' else ''}, "
-          f"{'full' if args.full else 'narrow'} sizes", flush=True)
+    print(
+        f"# hookprof host cost: torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"device {args.device}{' (' + torch.cuda.get_device_name() + ')' if args.device == 'cuda' else ''}, "
+        f"{'full' if args.full else 'narrow'} sizes",
+        flush=True,
+    )
     if args.against:
         results = against(args.against, argv)
     else:

@@ -15,15 +15,20 @@ import sys
 import warnings
 
 import paths  # noqa: F401  (first: the hookprof under test, HOOKPROF_ROOT's or this checkout's)
-
 import psutil
 import torch
 from torch import nn
 
 import hookprof
 
-MOST_ACTIVE = dict(port=0, sample_every=1, min_sample_interval_s=0.0, activation_interval_s=0.0,
-                   publish_interval_s=0.1, system_interval_s=0.5)
+MOST_ACTIVE = dict(
+    port=0,
+    sample_every=1,
+    min_sample_interval_s=0.0,
+    activation_interval_s=0.0,
+    publish_interval_s=0.1,
+    system_interval_s=0.5,
+)
 
 
 def live_tensors() -> int:
@@ -34,8 +39,15 @@ def live_tensors() -> int:
 
 def soak(steps: int, every: int, warmup: int) -> list[dict]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.LayerNorm(128), nn.Linear(128, 128), nn.GELU(),
-                          nn.Dropout(0.1), nn.Linear(128, 10))
+    model = nn.Sequential(
+        nn.Linear(64, 128),
+        nn.ReLU(),
+        nn.LayerNorm(128),
+        nn.Linear(128, 128),
+        nn.GELU(),
+        nn.Dropout(0.1),
+        nn.Linear(128, 10),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     me = psutil.Process()
@@ -52,8 +64,15 @@ def soak(steps: int, every: int, warmup: int) -> list[dict]:
             if step == warmup or (step > warmup and step % every == 0):
                 prof.flush()
                 gc.collect()
-                rows.append({"step": step, "rss_bytes": me.memory_info().rss, "tensors": live_tensors(),
-                             "objects": len(gc.get_objects()), "sampled": prof.snapshot().sampled_steps})
+                rows.append(
+                    {
+                        "step": step,
+                        "rss_bytes": me.memory_info().rss,
+                        "tensors": live_tensors(),
+                        "objects": len(gc.get_objects()),
+                        "sampled": prof.snapshot().sampled_steps,
+                    }
+                )
     return rows
 
 
@@ -68,14 +87,21 @@ def main() -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"# {args.steps} steps, hookprof sampling every step with activation statistics on every step")
+    print(
+        f"# {args.steps} steps, hookprof sampling every step with activation statistics on every step"
+    )
     print("| step | RSS (MiB) | live tensors | live Python objects | sampled steps |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['step']} | {r['rss_bytes'] / 2**20:.1f} | {r['tensors']} | {r['objects']} | {r['sampled']} |")
+        print(
+            f"| {r['step']} | {r['rss_bytes'] / 2**20:.1f} | {r['tensors']} | {r['objects']} "
+            f"| {r['sampled']} |"
+        )
     first, last = rows[0], rows[-1]
-    print(f"\nafter warm-up: RSS {(last['rss_bytes'] - first['rss_bytes']) / 2**20:+.1f} MiB, "
-          f"tensors {last['tensors'] - first['tensors']:+d}, objects {last['objects'] - first['objects']:+d}")
+    print(
+        f"\nafter warm-up: RSS {(last['rss_bytes'] - first['rss_bytes']) / 2**20:+.1f} MiB, "
+        f"tensors {last['tensors'] - first['tensors']:+d}, objects {last['objects'] - first['objects']:+d}"
+    )
     return 0
 
 

@@ -28,16 +28,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import paths  # noqa: E402,F401  (first: the hookprof under test)
-
+import shapes  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import hookprof  # noqa: E402
-import shapes  # noqa: E402
 from hookprof.efficiency import peaks  # noqa: E402
 
-SETTINGS = dict(port=0, summary_at_exit=False, stall_detection=False,
-                sample_every=4, min_sample_interval_s=0.0)
+SETTINGS = dict(
+    port=0, summary_at_exit=False, stall_detection=False, sample_every=4, min_sample_interval_s=0.0
+)
 
 
 def leaf_linear_flops(shape: shapes.Shape) -> float:
@@ -51,16 +51,21 @@ def leaf_linear_flops(shape: shapes.Shape) -> float:
         x = args[0]
         seen[m] = (x.numel() // x.shape[-1], x.requires_grad)
 
-    handles = [m.register_forward_hook(note) for m in shape.model.modules() if isinstance(m, nn.Linear)]
+    handles = [
+        m.register_forward_hook(note) for m in shape.model.modules() if isinstance(m, nn.Linear)
+    ]
     try:
-        with torch.autocast(shape.batch[0].device.type, dtype=shape.autocast,
-                            enabled=shape.autocast is not None):
+        with torch.autocast(
+            shape.batch[0].device.type, dtype=shape.autocast, enabled=shape.autocast is not None
+        ):
             shape.loss(shape.model, shape.batch)  # the graph is dropped unused
     finally:
         for h in handles:
             h.remove()
-    return sum((3 if grad_in else 2) * 2 * rows * m.in_features * m.out_features
-               for m, (rows, grad_in) in seen.items())
+    return sum(
+        (3 if grad_in else 2) * 2 * rows * m.in_features * m.out_features
+        for m, (rows, grad_in) in seen.items()
+    )
 
 
 def attention_flops(shape: shapes.Shape) -> float:
@@ -111,13 +116,19 @@ def one(name: str, device: torch.device, full: bool, rounds: int, steps: int) ->
     finally:
         prof.detach()
     eff = snap.efficiency
-    precision = "bf16" if shape.autocast is not None else (
-        "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32")
+    precision = (
+        "bf16"
+        if shape.autocast is not None
+        else ("tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32")
+    )
     name_of_device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peaks.lookup(name_of_device, precision) if device.type == "cuda" else None
     device_phases = dict(snap.device_phase_seconds or {})
     return {
-        "workload": shape.name, "device": name_of_device, "precision": precision, "peak_flops": peak,
+        "workload": shape.name,
+        "device": name_of_device,
+        "precision": precision,
+        "peak_flops": peak,
         "flops_per_step_hookprof": eff.flops_per_step if eff else None,
         "flops_per_step_analytic_leaf_linears": analytic,
         "attention_flops_outside_leaves": attention,
@@ -126,15 +137,20 @@ def one(name: str, device: torch.device, full: bool, rounds: int, steps: int) ->
         "hookprof_mfu": eff.flops_utilization if eff else None,
         "analytic_mfu_leaf_linears": analytic / bare_s / peak if peak else None,
         "analytic_mfu_with_attention": (analytic + attention) / bare_s / peak if peak else None,
-        "sampled_steps": snap.sampled_steps, "steps": snap.step,
-        "host_phase_seconds": dict(snap.phase_seconds), "host_phase_steps": snap.phase_steps,
-        "device_phase_seconds": device_phases, "device_phase_steps": snap.device_phase_steps,
+        "sampled_steps": snap.sampled_steps,
+        "steps": snap.step,
+        "host_phase_seconds": dict(snap.phase_seconds),
+        "host_phase_steps": snap.phase_steps,
+        "device_phase_seconds": device_phases,
+        "device_phase_steps": snap.device_phase_steps,
         "internal_errors": snap.internal_errors,
     }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workloads", default="gpt,mlp")
     parser.add_argument("--rounds", type=int, default=5)
@@ -143,29 +159,40 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device(args.device)
     full = device.type == "cuda"
-    print(f"# hookprof FLOPs, MFU and device phases: torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name(device) if full else 'cpu'}, {time.strftime('%Y-%m-%d')}", flush=True)
+    print(
+        f"# hookprof FLOPs, MFU and device phases: torch {torch.__version__}, "
+        f"{torch.cuda.get_device_name(device) if full else 'cpu'}, {time.strftime('%Y-%m-%d')}",
+        flush=True,
+    )
     results = []
     for name in args.workloads.split(","):
         r = one(name, device, full, args.rounds, args.steps)
         results.append(r)
         mine, theirs = r["flops_per_step_hookprof"], r["flops_per_step_analytic_leaf_linears"]
-        print(f"{r['workload']}: FLOPs/step hookprof {mine:.4g} analytic {theirs:.4g} "
-              f"(ratio {mine / theirs if mine and theirs else float('nan'):.4f}); attention outside "
-              f"leaves {r['attention_flops_outside_leaves']:.4g}; bare step {r['bare_step_ms']:.2f} ms; "
-              f"MFU hookprof {r['hookprof_mfu']} analytic {r['analytic_mfu_leaf_linears']} "
-              f"(with attention {r['analytic_mfu_with_attention']}), peak {r['peak_flops']} ({r['precision']})",
-              flush=True)
+        print(
+            f"{r['workload']}: FLOPs/step hookprof {mine:.4g} analytic {theirs:.4g} "
+            f"(ratio {mine / theirs if mine and theirs else float('nan'):.4f}); attention outside "
+            f"leaves {r['attention_flops_outside_leaves']:.4g}; bare step {r['bare_step_ms']:.2f} ms; "
+            f"MFU hookprof {r['hookprof_mfu']} analytic {r['analytic_mfu_leaf_linears']} "
+            f"(with attention {r['analytic_mfu_with_attention']}), peak {r['peak_flops']} ({r['precision']})",
+            flush=True,
+        )
         dev = r["device_phase_seconds"]
         if dev and r["device_phase_steps"]:
             per_step = {k: v / r["device_phase_steps"] * 1e3 for k, v in dev.items()}
-            print(f"  device phases per sampled step (ms): "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in per_step.items())
-                  + f"; sum {sum(per_step.values()):.2f} vs bare step {r['bare_step_ms']:.2f}", flush=True)
+            print(
+                "  device phases per sampled step (ms): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in per_step.items())
+                + f"; sum {sum(per_step.values()):.2f} vs bare step {r['bare_step_ms']:.2f}",
+                flush=True,
+            )
         host = r["host_phase_seconds"]
         if host and r["host_phase_steps"]:
-            print("  host phases per step (ms): "
-                  + ", ".join(f"{k} {v / r['host_phase_steps'] * 1e3:.2f}" for k, v in host.items()), flush=True)
+            print(
+                "  host phases per step (ms): "
+                + ", ".join(f"{k} {v / r['host_phase_steps'] * 1e3:.2f}" for k, v in host.items()),
+                flush=True,
+            )
         torch.cuda.empty_cache() if full else None
     if args.json:
         with open(args.json, "w") as f:

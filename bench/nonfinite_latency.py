@@ -45,11 +45,10 @@ import time
 from collections.abc import Callable
 
 import paths  # first: the hookprof under test (HOOKPROF_ROOT's or this checkout's) and the tests' helpers
-
+import shapes
 import torch
 
 import hookprof
-import shapes
 from hookprof._testing import replaying, step_is_sampled
 
 BAD_STEP = 23
@@ -84,8 +83,10 @@ class Poison:
         self.batch: torch.Tensor | None = None  # the root input that overflows
         self._input: torch.Tensor | None = None  # the root input of the forward running now
         self.replaying: Callable[[], bool] = lambda: False  # a hookprof replay is running
-        self.handles = [model.register_forward_pre_hook(self._note),
-                        layer.register_forward_hook(self._hook)]
+        self.handles = [
+            model.register_forward_pre_hook(self._note),
+            layer.register_forward_hook(self._hook),
+        ]
 
     def arm(self, shape: shapes.Shape) -> tuple[torch.Tensor, torch.Tensor]:
         """Give the next step an equal copy of the batch, poisoned; returns the batch to put back."""
@@ -113,8 +114,16 @@ def all_finite(shape: shapes.Shape) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-def one_policy(name: str, overrides: dict, device: torch.device, full: bool, after: int,
-               deadline_s: float, settings: dict = SETTINGS, fused: bool | None = None) -> dict:
+def one_policy(
+    name: str,
+    overrides: dict,
+    device: torch.device,
+    full: bool,
+    after: int,
+    deadline_s: float,
+    settings: dict = SETTINGS,
+    fused: bool | None = None,
+) -> dict:
     shape = shapes.build("gpt", device, full=full)
     if fused is not None:  # the shape's AdamW is fused where the device has it: else this
         shape.optimizer = torch.optim.AdamW(shape.model.parameters(), lr=6e-4, fused=fused)
@@ -124,19 +133,29 @@ def one_policy(name: str, overrides: dict, device: torch.device, full: bool, aft
     poison = Poison(shape.model, shape.model.get_submodule(PRODUCER))
     prof = hookprof.attach(shape.model, **settings, **overrides)
     poison.replaying = lambda: replaying(prof)
-    result: dict = {"policy": name, "detected": None, "named": None, "raised": None,
-                    "raised_layer": None, "seconds_to_detected": None, "seconds_to_named": None}
+    result: dict = {
+        "policy": name,
+        "detected": None,
+        "named": None,
+        "raised": None,
+        "raised_layer": None,
+        "seconds_to_detected": None,
+        "seconds_to_named": None,
+    }
     bad_issued = None
     step = 0
     try:
         # at least `after` steps past the bad one; on, while the snapshot (published every
         # publish_interval_s) has not named the producer, for up to `deadline_s`
         while step < BAD_STEP + after or (
-                result["named"] is None and time.perf_counter() - bad_issued < deadline_s):
+            result["named"] is None and time.perf_counter() - bad_issued < deadline_s
+        ):
             step += 1
             if step == BAD_STEP and step_is_sampled(prof):  # planned at step 22's end
-                raise SystemExit(f"step {BAD_STEP} is sampled (steps take > ~90 ms here): the "
-                                 "bench measures an unsampled one; use a narrower shape")
+                raise SystemExit(
+                    f"step {BAD_STEP} is sampled (steps take > ~90 ms here): the "
+                    "bench measures an unsampled one; use a narrower shape"
+                )
             fixed_batch = poison.arm(shape) if step == BAD_STEP else None
             try:
                 shape.step()
@@ -161,7 +180,9 @@ def one_policy(name: str, overrides: dict, device: torch.device, full: bool, aft
         synchronize(device)
         prof.flush()
         event = prof.snapshot().first_nonfinite
-        result["after_flush"] = None if event is None else f"{event.layer}, {event.phase}, step {event.step}"
+        result["after_flush"] = (
+            None if event is None else f"{event.layer}, {event.phase}, step {event.step}"
+        )
         result["held_back"] = prof.snapshot().held_back_updates
         result["weights_finite"] = all_finite(shape)
     finally:
@@ -195,9 +216,13 @@ def sync_cost(device: torch.device, full: bool, rounds: int, steps: int) -> dict
         for _, prof in runs.values():
             prof.detach()
     ratios = [on / off for on, off in zip(per_round["on"], per_round["off"])]
-    return {"step_ms_off": statistics.median(per_round["off"]) * 1e3,
-            "step_ms_on": statistics.median(per_round["on"]) * 1e3,
-            "paired_ratio": statistics.median(ratios), "rounds": rounds, "steps": steps}
+    return {
+        "step_ms_off": statistics.median(per_round["off"]) * 1e3,
+        "step_ms_on": statistics.median(per_round["on"]) * 1e3,
+        "paired_ratio": statistics.median(ratios),
+        "rounds": rounds,
+        "steps": steps,
+    }
 
 
 def fmt(steps: int | None) -> str:
@@ -205,16 +230,32 @@ def fmt(steps: int | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--full", action="store_true", help="the issue's sizes (a GPU)")
-    parser.add_argument("--after", type=int, default=60, help="steps run after the bad one, at least")
-    parser.add_argument("--deadline", type=float, default=5.0,
-                        help="seconds after the bad step to go on until the producer is named")
+    parser.add_argument(
+        "--after", type=int, default=60, help="steps run after the bad one, at least"
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=5.0,
+        help="seconds after the bad step to go on until the producer is named",
+    )
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    parser.add_argument("--lag", type=int, default=0,
-                        help="on the CPU: emulate a device this many optimizer steps behind the host")
-    parser.add_argument("--out", default=None, help="JSON results (default bench/results/nonfinite_latency[_lagK].json)")
+    parser.add_argument(
+        "--lag",
+        type=int,
+        default=0,
+        help="on the CPU: emulate a device this many optimizer steps behind the host",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="JSON results (default bench/results/nonfinite_latency[_lagK].json)",
+    )
     args = parser.parse_args(argv)
     if args.out is None:
         suffix = f"_lag{args.lag}" if args.lag else ""
@@ -225,24 +266,38 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)
     where = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"hookprof nonfinite latency: torch {torch.__version__}, {where}, "
-          f"{time.strftime('%Y-%m-%d')}, GPT shape {'full' if args.full else 'narrow'}; "
-          f"NaN in {PRODUCER}'s forward at unsampled step {BAD_STEP}")
+    print(
+        f"hookprof nonfinite latency: torch {torch.__version__}, {where}, "
+        f"{time.strftime('%Y-%m-%d')}, GPT shape {'full' if args.full else 'narrow'}; "
+        f"NaN in {PRODUCER}'s forward at unsampled step {BAD_STEP}"
+    )
     out = {}
     # fused AdamW holds a bad update back on the device (found_inf); the for-loop one cannot
     # without nonfinite_sync: both, as docs/nonfinite.md's table has a column for each
-    for fused in ((True, False) if device.type == "cuda" else (None,)):
+    for fused in (True, False) if device.type == "cuda" else (None,):
         if fused is not None:
             print(f"AdamW fused={fused}", flush=True)
-        results = [one_policy(name, overrides, device, args.full, args.after, args.deadline, fused=fused)
-                   for name, overrides in POLICIES]
+        results = [
+            one_policy(name, overrides, device, args.full, args.after, args.deadline, fused=fused)
+            for name, overrides in POLICIES
+        ]
         print_rows(results)
         out[f"fused={fused}" if fused is not None else "shape's optimizer"] = results
     cost = sync_cost(device, args.full, args.rounds, args.steps)
-    print(f"nonfinite_sync=True: step {cost['step_ms_on']:.2f} ms vs {cost['step_ms_off']:.2f} ms, "
-          f"paired ratio {cost['paired_ratio']:.3f} ({cost['rounds']} rounds x {cost['steps']} steps)")
-    write(args.out, {"device": where, "torch": torch.__version__, "full": args.full,
-                     "policies": out, "nonfinite_sync_cost": cost})
+    print(
+        f"nonfinite_sync=True: step {cost['step_ms_on']:.2f} ms vs {cost['step_ms_off']:.2f} ms, "
+        f"paired ratio {cost['paired_ratio']:.3f} ({cost['rounds']} rounds x {cost['steps']} steps)"
+    )
+    write(
+        args.out,
+        {
+            "device": where,
+            "torch": torch.__version__,
+            "full": args.full,
+            "policies": out,
+            "nonfinite_sync_cost": cost,
+        },
+    )
     return 0
 
 
@@ -251,21 +306,39 @@ def main_emulated(args: argparse.Namespace) -> int:
     from support.lagging_device import lagging_device  # a test helper, only here
 
     torch.set_num_threads(1)
-    print(f"hookprof nonfinite latency: torch {torch.__version__}, CPU with a device emulated "
-          f"{args.lag} steps behind the host (tests/support/lagging_device.py), {time.strftime('%Y-%m-%d')}, "
-          f"GPT shape narrow; NaN in {PRODUCER}'s forward at unsampled step {BAD_STEP}")
+    print(
+        f"hookprof nonfinite latency: torch {torch.__version__}, CPU with a device emulated "
+        f"{args.lag} steps behind the host (tests/support/lagging_device.py), {time.strftime('%Y-%m-%d')}, "
+        f"GPT shape narrow; NaN in {PRODUCER}'s forward at unsampled step {BAD_STEP}"
+    )
     out = {}
     for fused in (True, False):
         print(f"AdamW fused={fused}")
         results = []
         for name, overrides in POLICIES:
             with lagging_device(args.lag):
-                results.append(one_policy(name, overrides, torch.device("cpu"), False, args.after,
-                                          args.deadline, fused=fused))
+                results.append(
+                    one_policy(
+                        name,
+                        overrides,
+                        torch.device("cpu"),
+                        False,
+                        args.after,
+                        args.deadline,
+                        fused=fused,
+                    )
+                )
         print_rows(results)
         out[f"fused={fused}"] = results
-    write(args.out, {"device": "cpu, emulated lag", "lag": args.lag, "torch": torch.__version__,
-                     "policies": out})
+    write(
+        args.out,
+        {
+            "device": "cpu, emulated lag",
+            "lag": args.lag,
+            "torch": torch.__version__,
+            "policies": out,
+        },
+    )
     return 0
 
 
@@ -277,17 +350,23 @@ def write(path: str, document: dict) -> None:
 
 
 def print_rows(results: list[dict]) -> None:
-    print(f"{'policy':26} {'detected':>9} {'named':>6} {'seconds':>15} {'raised':>7} "
-          f"{'raised layer':>14} {'held back':>9} {'weights':>8}")
+    print(
+        f"{'policy':26} {'detected':>9} {'named':>6} {'seconds':>15} {'raised':>7} "
+        f"{'raised layer':>14} {'held back':>9} {'weights':>8}"
+    )
     for r in results:
-        to_named = "/".join("-" if r[k] is None else f"{r[k]:.2f}"
-                            for k in ("seconds_to_detected", "seconds_to_named"))
+        to_named = "/".join(
+            "-" if r[k] is None else f"{r[k]:.2f}"
+            for k in ("seconds_to_detected", "seconds_to_named")
+        )
         raised = "-" if r["raised"] is None and "raise" not in r["policy"] else fmt(r["raised"])
         stopped = r["raised"] is not None  # the loop ended at the raise: nothing to look at after
         detected, named = ("-", "-") if stopped else (fmt(r["detected"]), fmt(r["named"]))
-        print(f"{r['policy']:26} {detected:>9} {named:>6} {to_named:>15} {raised:>7} "
-              f"{str(r['raised_layer'] or '-'):>14} {r.get('held_back', 0):>9} "
-              f"{'finite' if r.get('weights_finite') else 'NaN':>8}")
+        print(
+            f"{r['policy']:26} {detected:>9} {named:>6} {to_named:>15} {raised:>7} "
+            f"{str(r['raised_layer'] or '-'):>14} {r.get('held_back', 0):>9} "
+            f"{'finite' if r.get('weights_finite') else 'NaN':>8}"
+        )
         print(f"{'':26} after flush(): {r.get('after_flush')}")
 
 

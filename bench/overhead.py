@@ -39,12 +39,11 @@ from dataclasses import dataclass, field
 # this folder, for compare_versions, which runs this file with runpy (no script folder on sys.path)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import paths  # noqa: E402,F401  (first: the hookprof under test, HOOKPROF_ROOT's or this checkout's)
-
+import shapes  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import hookprof  # noqa: E402
-import shapes  # noqa: E402
 from hookprof.serve.exporter import render  # noqa: E402
 
 # ---------------------------------------------------------------- workloads
@@ -232,10 +231,22 @@ CONFIGS = {
     "hookprof every step": {"sample_every": 1, "min_sample_interval_s": 0.0},
     # the cost of each efficiency feature (issue 15), on by default: off one at a time
     "default, no FLOPs/updates": {"flop_counting": False, "update_norms": False},
-    "every step, no FLOPs": {"sample_every": 1, "min_sample_interval_s": 0.0, "flop_counting": False},
-    "every step, no updates": {"sample_every": 1, "min_sample_interval_s": 0.0, "update_norms": False},
-    "every step, neither": {"sample_every": 1, "min_sample_interval_s": 0.0, "flop_counting": False,
-                            "update_norms": False},
+    "every step, no FLOPs": {
+        "sample_every": 1,
+        "min_sample_interval_s": 0.0,
+        "flop_counting": False,
+    },
+    "every step, no updates": {
+        "sample_every": 1,
+        "min_sample_interval_s": 0.0,
+        "update_norms": False,
+    },
+    "every step, neither": {
+        "sample_every": 1,
+        "min_sample_interval_s": 0.0,
+        "flop_counting": False,
+        "update_norms": False,
+    },
     "torch.profiler": None,
     "detect_anomaly": None,
 }
@@ -304,13 +315,13 @@ def run_rounds(name: str, runners: list[Runner], rounds: int, steps: int, warmup
         # "none" round next to it in time), median over rounds: drifts in the machine's
         # speed that outlast a round cancel out
         "paired_ratio": {
-            r.config: statistics.median(a / b for a, b in zip(r.round_means, runners[0].round_means))
+            r.config: statistics.median(
+                a / b for a, b in zip(r.round_means, runners[0].round_means)
+            )
             for r in runners
         },
         "sampled_of_steps": sampled,
-        "spread": {
-            r.config: (min(r.round_means) * 1e3, max(r.round_means) * 1e3) for r in runners
-        },
+        "spread": {r.config: (min(r.round_means) * 1e3, max(r.round_means) * 1e3) for r in runners},
     }
 
 
@@ -335,8 +346,9 @@ def bench_many_layers(n: int = 10_000) -> dict:
     out = {"leaf_modules": n}
     for max_layers in (500, n):
         t0 = time.perf_counter()
-        prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
-                               max_layers=max_layers)
+        prof = hookprof.attach(
+            model, port=0, sample_every=1, min_sample_interval_s=0.0, max_layers=max_layers
+        )
         attach_s = time.perf_counter() - t0
         try:
             t0 = time.perf_counter()
@@ -389,20 +401,30 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--quick", action="store_true", help="3 rounds of 5 steps")
     parser.add_argument("--skip-many-layers", action="store_true")
-    parser.add_argument("--configs", default=None,
-                        help="a comma-separated subset of the configurations (default: all); "
-                             "'none' is always measured")
-    parser.add_argument("--gpu", action="store_true",
-                        help="issue 13's workloads on CUDA (default 16 rounds; --workloads from "
-                             f"{','.join(shapes.NAMES)})")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "overhead.json"))
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help="a comma-separated subset of the configurations (default: all); "
+        "'none' is always measured",
+    )
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="issue 13's workloads on CUDA (default 16 rounds; --workloads from "
+        f"{','.join(shapes.NAMES)})",
+    )
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "overhead.json")
+    )
     args = parser.parse_args(argv)
     if args.configs:
         keep = ["none"] + [c.strip() for c in args.configs.split(",") if c.strip() != "none"]
@@ -418,28 +440,41 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.steps, args.warmup = 3, 5, 2
     warnings.filterwarnings("ignore")  # detect_anomaly warns on every step
 
-    print(f"# hookprof {hookprof.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads; "
-          f"{args.rounds} rounds x {args.steps} steps", flush=True)
+    print(
+        f"# hookprof {hookprof.__version__}, torch {torch.__version__}, "
+        f"{platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads; "
+        f"{args.rounds} rounds x {args.steps} steps",
+        flush=True,
+    )
     results = []
     for key in args.workloads.split(","):
         r = bench_workload(key, args.rounds, args.steps, args.warmup)
         results.append(r)
         print(f"{key}: " + ", ".join(f"{c} {v:.3f}x" for c, v in r["ratio"].items()), flush=True)
-        print(f"{key} (paired by round): "
-              + ", ".join(f"{c} {v:.3f}x" for c, v in r["paired_ratio"].items()), flush=True)
+        print(
+            f"{key} (paired by round): "
+            + ", ".join(f"{c} {v:.3f}x" for c, v in r["paired_ratio"].items()),
+            flush=True,
+        )
     print()
     print(table(results))
     many = None
     if not args.skip_many_layers:
         many = bench_many_layers()
         print()
-        print("| 10,000 leaf modules | attach | detach | plain step | sampled step | render /metrics | exposition |")
+        print(
+            "| 10,000 leaf modules | attach | detach | plain step | sampled step "
+            "| render /metrics | exposition |"
+        )
         print("|---|---|---|---|---|---|---|")
         for key in ("max_layers=500", "max_layers=10000"):
             m = many[key]
-            print(f"| {key} | {m['attach_ms']:.0f} ms | {m['detach_ms']:.0f} ms | {m['plain_step_ms']:.0f} ms | "
-                  f"{m['sampled_step_ms']:.0f} ms | {m['render_ms']:.1f} ms | {m['exposition_kb']:.0f} KiB, {m['samples']} samples |")
+            print(
+                f"| {key} | {m['attach_ms']:.0f} ms | {m['detach_ms']:.0f} ms "
+                f"| {m['plain_step_ms']:.0f} ms | {m['sampled_step_ms']:.0f} ms "
+                f"| {m['render_ms']:.1f} ms | {m['exposition_kb']:.0f} KiB, {m['samples']} samples |"
+            )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"workloads": results, "many_layers": many, "args": vars(args)}, f, indent=2)
@@ -454,30 +489,49 @@ def main_gpu(args: argparse.Namespace, argv: list[str] | None) -> int:
     if "--rounds" not in given:
         args.rounds = 16
     if "--workloads" not in given:
-        args.workloads = ",".join(n for n in shapes.NAMES if n != "hf-gpt2" or shapes.hf_available())
+        args.workloads = ",".join(
+            n for n in shapes.NAMES if n != "hf-gpt2" or shapes.hf_available()
+        )
     if args.quick:
         args.rounds, args.steps, args.warmup = 3, 3, 2
     warnings.filterwarnings("ignore")
     device = torch.device("cuda")
-    print(f"# hookprof {hookprof.__version__}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-          f"{torch.cuda.get_device_name(device)}; {args.rounds} rounds x {args.steps} steps; "
-          f"{time.strftime('%Y-%m-%d')}", flush=True)
+    print(
+        f"# hookprof {hookprof.__version__}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"{torch.cuda.get_device_name(device)}; {args.rounds} rounds x {args.steps} steps; "
+        f"{time.strftime('%Y-%m-%d')}",
+        flush=True,
+    )
     results = []
     for key in args.workloads.split(","):
         r = bench_shape(key, args.rounds, args.steps, args.warmup, device)
         results.append(r)
         print(f"{key}: " + ", ".join(f"{c} {v:.3f}x" for c, v in r["ratio"].items()), flush=True)
-        print(f"{key} (paired by round): "
-              + ", ".join(f"{c} {v:.3f}x" for c, v in r["paired_ratio"].items()), flush=True)
-        print(f"{key} (ms): " + ", ".join(f"{c} {v:.2f}" for c, v in r["step_ms"].items()), flush=True)
+        print(
+            f"{key} (paired by round): "
+            + ", ".join(f"{c} {v:.3f}x" for c, v in r["paired_ratio"].items()),
+            flush=True,
+        )
+        print(
+            f"{key} (ms): " + ", ".join(f"{c} {v:.2f}" for c, v in r["step_ms"].items()), flush=True
+        )
         torch.cuda.empty_cache()
     print()
     print(table(results))
     out = args.out.replace("overhead.json", "overhead-gpu.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"workloads": results, "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
-                   "cuda": torch.version.cuda, "args": vars(args)}, f, indent=2)
+        json.dump(
+            {
+                "workloads": results,
+                "gpu": torch.cuda.get_device_name(device),
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "args": vars(args),
+            },
+            f,
+            indent=2,
+        )
     return 0
 
 

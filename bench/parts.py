@@ -41,7 +41,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import paths  # first: the hookprof under test (HOOKPROF_ROOT, set by --against) or this checkout's
-
 import torch
 from torch import nn
 
@@ -79,10 +78,16 @@ LEAF_DEPTH = 60  # blocks per model
 
 def leaf_models() -> dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]]:
     def mlp():
-        return nn.Sequential(*[m for _ in range(LEAF_DEPTH) for m in (nn.Linear(8, 8), nn.ReLU())]), torch.randn(2, 8)
+        return nn.Sequential(
+            *[m for _ in range(LEAF_DEPTH) for m in (nn.Linear(8, 8), nn.ReLU())]
+        ), torch.randn(2, 8)
 
     def convnet():
-        blocks = [m for _ in range(LEAF_DEPTH) for m in (nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())]
+        blocks = [
+            m
+            for _ in range(LEAF_DEPTH)
+            for m in (nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        ]
         return nn.Sequential(*blocks), torch.randn(1, 4, 4, 4)
 
     return {"mlp": mlp, "convnet": convnet}
@@ -100,9 +105,17 @@ def leaf_per_model(name: str, steps: int, flop_counting: bool) -> tuple[int, flo
     hooked, _ = build()
     # sampled every step; the periodic extras (activation statistics, update norms) off, so
     # that every step is the same and the figure is the hooks'
-    prof = hookprof.attach(hooked, port=0, sample_every=1, min_sample_interval_s=0.0, activation_interval_s=1e9,
-                           update_norms=False, system_metrics=False, summary_at_exit=False,
-                           flop_counting=flop_counting)
+    prof = hookprof.attach(
+        hooked,
+        port=0,
+        sample_every=1,
+        min_sample_interval_s=0.0,
+        activation_interval_s=1e9,
+        update_norms=False,
+        system_metrics=False,
+        summary_at_exit=False,
+        flop_counting=flop_counting,
+    )
     clock = time.thread_time_ns
     opts = {m: torch.optim.SGD(m.parameters(), lr=0.0) for m in (bare, hooked)}
     times: dict[nn.Module, tuple[list[int], list[int]]] = {bare: ([], []), hooked: ([], [])}
@@ -126,8 +139,11 @@ def leaf_per_model(name: str, steps: int, flop_counting: bool) -> tuple[int, flo
     def p20(values: list[int]) -> float:
         return sorted(values)[len(values) // 5] / 1e3
 
-    return (leaves, (p20(times[hooked][0]) - p20(times[bare][0])) / leaves,
-            (p20(times[hooked][1]) - p20(times[bare][1])) / leaves)
+    return (
+        leaves,
+        (p20(times[hooked][0]) - p20(times[bare][0])) / leaves,
+        (p20(times[hooked][1]) - p20(times[bare][1])) / leaves,
+    )
 
 
 def leaf_calls(calls: int = 400, reps: int = 30) -> tuple[float, float, float]:
@@ -189,21 +205,32 @@ def leaf(args: argparse.Namespace) -> list[Table]:
     backward marks) and backward (the node pre-hooks) apart. On a CPU the timer is the host
     clock (~0.06 us a mark); on CUDA each mark is an event record (~3 us on an H100, not
     counted here: the leaf-marks part counts them)."""
-    per_leaf = Table("per instrumented leaf of a sampled step, host CPU time (us)",
-                     [("forward us/leaf", ".2f"), ("backward us/leaf", ".2f"), ("total", ".2f")])
+    per_leaf = Table(
+        "per instrumented leaf of a sampled step, host CPU time (us)",
+        [("forward us/leaf", ".2f"), ("backward us/leaf", ".2f"), ("total", ".2f")],
+    )
     for name in leaf_models():
         for flops in (False, True):
             leaves, fwd, bwd = leaf_per_model(name, args.steps, flops)
-            per_leaf.add(f"{name} ({leaves} leaves), FLOP counting {'on' if flops else 'off'}", fwd, bwd, fwd + bwd)
+            per_leaf.add(
+                f"{name} ({leaves} leaves), FLOP counting {'on' if flops else 'off'}",
+                fwd,
+                bwd,
+                fwd + bwd,
+            )
     per_call = Table("per layer call, no model around it (best of 30)", [("us", ".2f")])
-    for what, us in zip(("start + end of a call", "registering its backward mark", "FlopCounter.note, forward(x)"),
-                        leaf_calls()):
+    for what, us in zip(
+        ("start + end of a call", "registering its backward mark", "FlopCounter.note, forward(x)"),
+        leaf_calls(),
+    ):
         per_call.add(what, us)
     return [per_leaf, per_call]
 
 
 def leaf_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=150, help="measured steps per model and variant")
+    parser.add_argument(
+        "--steps", type=int, default=150, help="measured steps per model and variant"
+    )
 
 
 # ---------------------------------------------------------------- leaf-marks
@@ -216,12 +243,15 @@ def leaf_marks_python_calls(name: str) -> tuple[float, float]:
     import io
     import pstats
 
-    import hookprof
     import shapes
+
+    import hookprof
     from hookprof._testing import step_is_sampled
 
     shape = shapes.build(name, torch.device("cpu"), full=False)
-    prof = hookprof.attach(shape.model, port=0, sample_every=2, min_sample_interval_s=0.0, summary_at_exit=False)
+    prof = hookprof.attach(
+        shape.model, port=0, sample_every=2, min_sample_interval_s=0.0, summary_at_exit=False
+    )
     counts: dict[bool, tuple[int, int]] = {}
     try:
         for _ in range(6):  # warm-up: hooks installed, FLOPs of each signature counted
@@ -238,7 +268,10 @@ def leaf_marks_python_calls(name: str) -> tuple[float, float]:
         leaves = len(prof.table)
     finally:
         prof.detach()
-    return ((counts[True][0] - counts[False][0]) / leaves, (counts[True][1] - counts[False][1]) / leaves)
+    return (
+        (counts[True][0] - counts[False][0]) / leaves,
+        (counts[True][1] - counts[False][1]) / leaves,
+    )
 
 
 def leaf_marks(args: argparse.Namespace) -> list[Table]:
@@ -249,27 +282,56 @@ def leaf_marks(args: argparse.Namespace) -> list[Table]:
     (one sampled step - one unsampled step, the same profiler), so it runs on a CPU, needs no
     repetition and is not moved by a loaded machine."""
     import shapes
+
     from support.mark_counter import count_sampled_step
 
-    table = Table("one sampled step, counted", [
-        ("leaves", "d"), ("forward calls", "d"), ("layer marks", "d"), ("marks/leaf", ".2f"), ("forward", "d"),
-        ("outer", "d"), ("node pre-hooks", "d"), ("param hooks", "d"), ("step phase marks", "d"),
-        ("hook calls/leaf", ".2f"), ("Python calls/leaf", ".1f"), ("hookprof's Python calls/leaf", ".1f")])
+    table = Table(
+        "one sampled step, counted",
+        [
+            ("leaves", "d"),
+            ("forward calls", "d"),
+            ("layer marks", "d"),
+            ("marks/leaf", ".2f"),
+            ("forward", "d"),
+            ("outer", "d"),
+            ("node pre-hooks", "d"),
+            ("param hooks", "d"),
+            ("step phase marks", "d"),
+            ("hook calls/leaf", ".2f"),
+            ("Python calls/leaf", ".1f"),
+            ("hookprof's Python calls/leaf", ".1f"),
+        ],
+    )
     for name in args.workloads.split(","):
         if name == "hf-gpt2" and not shapes.hf_available():
             continue
         shape = shapes.build(name, torch.device("cpu"), full=False)
         c = count_sampled_step(shape.model, shape.step)
         py_all, py_own = leaf_marks_python_calls(name)
-        table.add(shape.name, c.layers, c.forward_calls, c.layer_marks, c.marks_per_leaf, c.forward_marks,
-                  c.outer_marks, c.node_marks, c.param_marks, c.step_marks, c.hook_calls / c.layers, py_all, py_own)
+        table.add(
+            shape.name,
+            c.layers,
+            c.forward_calls,
+            c.layer_marks,
+            c.marks_per_leaf,
+            c.forward_marks,
+            c.outer_marks,
+            c.node_marks,
+            c.param_marks,
+            c.step_marks,
+            c.hook_calls / c.layers,
+            py_all,
+            py_own,
+        )
     return [table]
 
 
 def leaf_marks_options(parser: argparse.ArgumentParser) -> None:
     import shapes
 
-    parser.add_argument("--workloads", default=",".join(shapes.NAMES), help="of bench/shapes.py (default: all)")
+    parser.add_argument(
+        "--workloads", default=",".join(shapes.NAMES), help="of bench/shapes.py (default: all)"
+    )
 
 
 # ---------------------------------------------------------------- sampled-work
@@ -280,8 +342,14 @@ def sampled_work_efficiency(peak_flops: float | None):
     from hookprof.layers import LayerTable
     from hookprof.notices import Notices
 
-    return StepEfficiency(LayerTable(nn.Sequential(nn.Linear(4, 4), nn.ReLU())), flops=True,
-                          update_norms=False, update_max_bytes=0, peak_flops=peak_flops, notices=Notices())
+    return StepEfficiency(
+        LayerTable(nn.Sequential(nn.Linear(4, 4), nn.ReLU())),
+        flops=True,
+        update_norms=False,
+        update_max_bytes=0,
+        peak_flops=peak_flops,
+        notices=Notices(),
+    )
 
 
 def layer_call_us() -> float:
@@ -379,11 +447,11 @@ def progress(args: argparse.Namespace) -> list[Table]:
     stream passed, DESIGN.md), including handing the 5 events back to the timer's pool,
     which the publisher thread does in real use. The full picture (a real model, with and
     without hookprof) is bench/compare_versions.py."""
-    from support.fake_gpu import FakeEvent, FakeStream
     from hookprof.device.timing import CudaEventTimer
     from hookprof.phases.clock import BACKWARD, FORWARD, OPTIMIZER, OTHER, Progress
     from hookprof.phases.device import PhaseMarks
     from hookprof.step.record import StepRecord
+    from support.fake_gpu import FakeEvent, FakeStream
 
     def empty(steps: int) -> None:
         for _ in range(steps):
@@ -435,8 +503,12 @@ def progress(args: argparse.Namespace) -> list[Table]:
 
 
 def progress_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=200_000,
-                        help="loop iterations per run (a quarter of them with device marks)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=200_000,
+        help="loop iterations per run (a quarter of them with device marks)",
+    )
 
 
 # ---------------------------------------------------------------- efficiency
@@ -462,13 +534,14 @@ def efficiency(args: argparse.Namespace) -> list[Table]:
     once per kind and input signature, then cached). Off the sampled steps these features do
     nothing. Device-side work is synchronous on the CPU, so these are whole costs here; on a
     GPU the norms' kernels run asynchronously."""
+    from overhead import WORKLOADS
+
     from hookprof._testing import flop_arguments
     from hookprof.efficiency.figures import StepEfficiency
     from hookprof.efficiency.flops import count
     from hookprof.efficiency.updates import UpdateNorms
     from hookprof.layers import LayerTable
     from hookprof.notices import Notices
-    from overhead import WORKLOADS
 
     w = WORKLOADS[args.workload]
     torch.manual_seed(0)
@@ -486,8 +559,10 @@ def efficiency(args: argparse.Namespace) -> list[Table]:
     step()
     rows = {"training step (no hookprof)": median_ms(step, args.repeat)}
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    for label, cap in (("update norms, all layers", 256 * 2**20),
-                       ("update norms, cap = model/4", model_bytes // 4)):
+    for label, cap in (
+        ("update norms, all layers", 256 * 2**20),
+        ("update norms, cap = model/4", model_bytes // 4),
+    ):
         norms = UpdateNorms(table, cap)
 
         def measure():
@@ -498,13 +573,23 @@ def efficiency(args: argparse.Namespace) -> list[Table]:
 
     # a step's layer calls, as LayerHooks reports them: (layer, args, kwargs, nested)
     calls = []
-    handles = [layer.module.register_forward_pre_hook(
-        lambda m, a, i=layer.index: calls.append((i, a, {}, False))) for layer in table.layers]
+    handles = [
+        layer.module.register_forward_pre_hook(
+            lambda m, a, i=layer.index: calls.append((i, a, {}, False))
+        )
+        for layer in table.layers
+    ]
     model(x)
     for h in handles:
         h.remove()
-    eff = StepEfficiency(table, flops=True, update_norms=False, update_max_bytes=0, peak_flops=1e12,
-                         notices=Notices())
+    eff = StepEfficiency(
+        table,
+        flops=True,
+        update_norms=False,
+        update_max_bytes=0,
+        peak_flops=1e12,
+        notices=Notices(),
+    )
     hooks = types.SimpleNamespace(on_call=None)  # LayerHooks' attribute, called per layer call
     eff.listen(hooks)
     for call in calls:  # first sight: counted once
@@ -519,10 +604,14 @@ def efficiency(args: argparse.Namespace) -> list[Table]:
     rows[f"FLOPs, steady ({len(calls)} calls noted)"] = median_ms(steady, args.repeat)
     first = table.layers[0].module
     meta = flop_arguments(x)
-    rows[f"FLOPs, first sight of one {type(first).__name__} shape"] = median_ms(lambda: count(first, meta, {}), 10)
+    rows[f"FLOPs, first sight of one {type(first).__name__} shape"] = median_ms(
+        lambda: count(first, meta, {}), 10
+    )
 
-    out = Table(f"{w.name}; {torch.get_num_threads()} torch threads; median of {args.repeat}; per sampled step",
-                [("ms", ".3f"), ("x step", ".3f")])
+    out = Table(
+        f"{w.name}; {torch.get_num_threads()} torch threads; median of {args.repeat}; per sampled step",
+        [("ms", ".3f"), ("x step", ".3f")],
+    )
     base = rows["training step (no hookprof)"]
     for label, ms in rows.items():
         out.add(label, ms, ms / base)
@@ -548,8 +637,12 @@ def closure_model(width: int = 256, depth: int = 8) -> nn.Module:
 
 
 CLOSURE_OPTIMIZERS = {
-    "SGD + closure (1 evaluation)": lambda m: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),
-    "LBFGS max_iter=4 (4 evaluations)": lambda m: torch.optim.LBFGS(m.parameters(), lr=0.1, max_iter=4),
+    "SGD + closure (1 evaluation)": lambda m: torch.optim.SGD(
+        m.parameters(), lr=1e-3, momentum=0.9
+    ),
+    "LBFGS max_iter=4 (4 evaluations)": lambda m: torch.optim.LBFGS(
+        m.parameters(), lr=0.1, max_iter=4
+    ),
 }
 
 CLOSURE_SETTINGS = {"none": None, "record": {}, "skip": {"on_nonfinite": "skip"}}
@@ -590,8 +683,11 @@ def closure_guard(args: argparse.Namespace) -> list[Table]:
     rounds interleaved so that drifts in machine load hit all alike: the median step time per
     configuration and its ratio to no hookprof."""
     torch.set_num_threads(1)
-    table = Table(f"9-layer MLP, width 256, batch 64; median of {args.rounds} interleaved rounds "
-                  f"of {args.steps} steps", [("ms/step", ".3f"), ("vs none", ".3f")])
+    table = Table(
+        f"9-layer MLP, width 256, batch 64; median of {args.rounds} interleaved rounds "
+        f"of {args.steps} steps",
+        [("ms/step", ".3f"), ("vs none", ".3f")],
+    )
     for name, make_opt in CLOSURE_OPTIMIZERS.items():
         times: dict[str, list[float]] = {key: [] for key in CLOSURE_SETTINGS}
         for _ in range(args.rounds):
@@ -601,13 +697,21 @@ def closure_guard(args: argparse.Namespace) -> list[Table]:
         for key in CLOSURE_SETTINGS:
             t = statistics.median(times[key])
             table.add(f"{name}, {key}", t * 1e3, t / base)
-        table.add(f"{name}, skip/record", None, statistics.median(times["skip"]) / statistics.median(times["record"]))
+        table.add(
+            f"{name}, skip/record",
+            None,
+            statistics.median(times["skip"]) / statistics.median(times["record"]),
+        )
     return [table]
 
 
 def closure_guard_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every configuration")
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per configuration and round")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds of every configuration"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=50, help="timed steps per configuration and round"
+    )
 
 
 # ---------------------------------------------------------------- guard-device
@@ -628,8 +732,9 @@ def guard_measure(label: str, depth: int, steps: int, lag: int) -> tuple[int, fl
     """(ATen ops, waits, host us) hookprof adds to one unsampled step under one configuration."""
     import copy
 
-    import hookprof
     from host_cost import BoundaryMeter
+
+    import hookprof
     from support.lagging_device import lagging_device
     from support.models import DeepNet, loss_of, seeded
     from support.op_counter import OpCounter
@@ -654,7 +759,9 @@ def guard_measure(label: str, depth: int, steps: int, lag: int) -> tuple[int, fl
     meter.install()
     try:
         with lagging_device(lag) as device:
-            prof = hookprof.attach(watched, **GUARD_RARELY, on_nonfinite=policy, nonfinite_sync=sync)
+            prof = hookprof.attach(
+                watched, **GUARD_RARELY, on_nonfinite=policy, nonfinite_sync=sync
+            )
             try:
                 for _ in range(3):  # step 1 is sampled; step 2 builds the cached plans
                     one_step(bare, bare_opt, batch)
@@ -694,8 +801,10 @@ def guard_device(args: argparse.Namespace) -> list[Table]:
 
     torch.set_num_threads(1)  # every op on the timed thread
     gradients.GradientNorms.cpu_dot_per_tensor = False  # the accelerator's reduction, as on a GPU
-    table = Table(f"an emulated device {args.lag} steps behind, DeepNet depth {args.depth}, {args.steps} steps",
-                  [("ops", "d"), ("waits/step", ".2f"), ("us", ".0f")])
+    table = Table(
+        f"an emulated device {args.lag} steps behind, DeepNet depth {args.depth}, {args.steps} steps",
+        [("ops", "d"), ("waits/step", ".2f"), ("us", ".0f")],
+    )
     for label in GUARD_CONFIGS:
         table.add(label, *guard_measure(label, args.depth, args.steps, args.lag))
     return [table]
@@ -703,7 +812,9 @@ def guard_device(args: argparse.Namespace) -> list[Table]:
 
 def guard_device_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=int, default=8, help="DeepNet blocks")
-    parser.add_argument("--steps", type=int, default=200, help="timed unsampled steps per configuration")
+    parser.add_argument(
+        "--steps", type=int, default=200, help="timed unsampled steps per configuration"
+    )
     parser.add_argument("--lag", type=int, default=3, help="optimizer steps the device runs behind")
 
 
@@ -725,26 +836,54 @@ def no_options(parser: argparse.ArgumentParser) -> None:
 
 PARTS = {
     "leaf": Part(
-        "host time per instrumented leaf of a sampled step's hooks", leaf, leaf_options,
-        "python bench/leaf_cost.py [--steps N] [--against REV --rounds N]", 4),
+        "host time per instrumented leaf of a sampled step's hooks",
+        leaf,
+        leaf_options,
+        "python bench/leaf_cost.py [--steps N] [--against REV --rounds N]",
+        4,
+    ),
     "leaf-marks": Part(
-        "timer marks, hook calls and Python calls per leaf, counted", leaf_marks, leaf_marks_options,
-        "python bench/leaf_marks.py (another version: HOOKPROF_ROOT=DIR python bench/leaf_marks.py)", 1),
+        "timer marks, hook calls and Python calls per leaf, counted",
+        leaf_marks,
+        leaf_marks_options,
+        "python bench/leaf_marks.py (another version: HOOKPROF_ROOT=DIR python bench/leaf_marks.py)",
+        1,
+    ),
     "sampled-work": Part(
-        "a sampled step's once-per-step work, each piece alone", sampled_work, no_options,
-        "python bench/sampled_work.py [--against REV --rounds N]", 3),
+        "a sampled step's once-per-step work, each piece alone",
+        sampled_work,
+        no_options,
+        "python bench/sampled_work.py [--against REV --rounds N]",
+        3,
+    ),
     "progress": Part(
-        "the step phases' stores and device marks per step", progress, progress_options,
-        "python bench/progress_cost.py", 2),
+        "the step phases' stores and device marks per step",
+        progress,
+        progress_options,
+        "python bench/progress_cost.py",
+        2,
+    ),
     "efficiency": Part(
-        "update norms and FLOP counting per sampled step", efficiency, efficiency_options,
-        "python bench/efficiency_cost.py [--workload W] [--repeat N]", 2),
+        "update norms and FLOP counting per sampled step",
+        efficiency,
+        efficiency_options,
+        "python bench/efficiency_cost.py [--workload W] [--repeat N]",
+        2,
+    ),
     "closure-guard": Part(
-        'on_nonfinite="skip" on closure steps (SGD, LBFGS)', closure_guard, closure_guard_options,
-        "python bench/closure_guard_cost.py [--rounds N] [--steps N]", 2),
+        'on_nonfinite="skip" on closure steps (SGD, LBFGS)',
+        closure_guard,
+        closure_guard_options,
+        "python bench/closure_guard_cost.py [--rounds N] [--steps N]",
+        2,
+    ),
     "guard-device": Part(
-        "NaN/Inf policies per unsampled step, device emulated behind the host", guard_device, guard_device_options,
-        "python bench/guard_device_cost.py [--depth N] [--steps N] [--lag N] [--against REV]", 1),
+        "NaN/Inf policies per unsampled step, device emulated behind the host",
+        guard_device,
+        guard_device_options,
+        "python bench/guard_device_cost.py [--depth N] [--steps N] [--lag N] [--against REV]",
+        1,
+    ),
 }
 
 
@@ -769,17 +908,27 @@ def print_tables(runs: dict[str, list[dict]]) -> None:
             rows += [r for r in results[0]["tables"][t]["rows"] if r not in rows]
 
         def median(label: str, row: str, c: int) -> float | None:
-            values = [r["tables"][t]["rows"].get(row, [None] * len(columns))[c] for r in runs[label]]
+            values = [
+                r["tables"][t]["rows"].get(row, [None] * len(columns))[c] for r in runs[label]
+            ]
             values = [v for v in values if v is not None]
             return statistics.median(values) if values else None
 
-        print(f"\n## {first['title']}" + (f" (medians over {processes} processes)" if processes > 1 else ""))
+        print(
+            f"\n## {first['title']}"
+            + (f" (medians over {processes} processes)" if processes > 1 else "")
+        )
         if len(labels) == 1:
             print("| | " + " | ".join(name for name, _ in columns) + " |")
             print("|---|" + "---|" * len(columns))
             for row in rows:
-                print(f"| {row} | " + " | ".join(cell(median(labels[0], row, c), spec)
-                                                 for c, (_, spec) in enumerate(columns)) + " |")
+                print(
+                    f"| {row} | "
+                    + " | ".join(
+                        cell(median(labels[0], row, c), spec) for c, (_, spec) in enumerate(columns)
+                    )
+                    + " |"
+                )
             continue
         print("| | | " + " | ".join(labels) + " | ratio |")
         print("|---|---|" + "---|" * (len(labels) + 1))
@@ -790,27 +939,45 @@ def print_tables(runs: dict[str, list[dict]]) -> None:
                     continue
                 old, new = values[0], values[-1]
                 ratio = f"{new / old:.3f}" if old and new is not None else "-"
-                print(f"| {row} | {name} | " + " | ".join(cell(v, spec) for v in values) + f" | {ratio} |")
+                print(
+                    f"| {row} | {name} | "
+                    + " | ".join(cell(v, spec) for v in values)
+                    + f" | {ratio} |"
+                )
 
 
 def run_part(part: Part, args: argparse.Namespace) -> dict:
     checkout = paths.hookprof_checkout()
     tables = part.run(args)
-    return {"hookprof": checkout, "tables": [{"title": t.title, "columns": t.columns, "rows": t.rows} for t in tables]}
+    return {
+        "hookprof": checkout,
+        "tables": [{"title": t.title, "columns": t.columns, "rows": t.rows} for t in tables],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     subparsers = parser.add_subparsers(dest="part", required=True, metavar="PART")
     for name, part in PARTS.items():
-        sub = subparsers.add_parser(name, help=part.what,
-                                    description=f"{inspect.cleandoc(part.run.__doc__)}\n\nReplaces: {part.was}",
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub = subparsers.add_parser(
+            name,
+            help=part.what,
+            description=f"{inspect.cleandoc(part.run.__doc__)}\n\nReplaces: {part.was}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         part.options(sub)
-        sub.add_argument("--against", metavar="REV", help="also run a git revision (in a temporary worktree)")
-        sub.add_argument("--processes", type=int, default=part.processes,
-                         help="with --against: processes per version, alternating (default %(default)s)")
+        sub.add_argument(
+            "--against", metavar="REV", help="also run a git revision (in a temporary worktree)"
+        )
+        sub.add_argument(
+            "--processes",
+            type=int,
+            default=part.processes,
+            help="with --against: processes per version, alternating (default %(default)s)",
+        )
         sub.add_argument("--json", help="write this process's figures here, print nothing")
     args = parser.parse_args(argv)
     part = PARTS[args.part]
@@ -818,13 +985,20 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(run_part(part, args), f)
         return 0
-    print(f"# bench/parts.py {args.part}: torch {torch.__version__}, {os.cpu_count()} CPUs, "
-          f"{datetime.date.today().isoformat()}", flush=True)
+    print(
+        f"# bench/parts.py {args.part}: torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"{datetime.date.today().isoformat()}",
+        flush=True,
+    )
     if args.against:
         from compare_versions import alternate, without
 
-        runs = alternate(__file__, args.against, args.processes,
-                         without(argv, "--against", "--processes", "--json"))
+        runs = alternate(
+            __file__,
+            args.against,
+            args.processes,
+            without(argv, "--against", "--processes", "--json"),
+        )
     else:
         runs = {"this checkout": [run_part(part, args)]}
     print_tables(runs)

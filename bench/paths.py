@@ -32,5 +32,7 @@ def hookprof_checkout() -> str:
 
     found = os.path.dirname(os.path.dirname(os.path.realpath(hookprof.__file__)))
     if found != UNDER_TEST:
-        raise SystemExit(f"hookprof imported from {found}, not from the checkout under test {UNDER_TEST}")
+        raise SystemExit(
+            f"hookprof imported from {found}, not from the checkout under test {UNDER_TEST}"
+        )
     return found

@@ -31,24 +31,52 @@ def at_the_limits(doc: dict, points: int = 512, layers: int = 64, table: int = 5
     rng = random.Random(0)
     steps = [float(128 * (k + 1)) for k in range(points)]
     walk = lambda: [math.exp(rng.gauss(0, 1)) for _ in steps]  # noqa: E731
-    hist = dict(doc["history"], stride=128, points={
-        "step": steps, "wall_time": steps, "step_seconds": [0.1 + rng.random() / 10 for _ in steps],
-        "loss": walk(), "grad_norm": walk(), "nonfinite_steps": [0.0] * points,
-        "samples": [128.0] * points, "steps": [128.0] * points})
-    hist["layers"] = [{"name": f"blocks.{k}.mlp.c_proj", "forward_seconds": walk(), "backward_seconds": walk(),
-                       "grad_norm": walk()} for k in range(layers)]
+    hist = dict(
+        doc["history"],
+        stride=128,
+        points={
+            "step": steps,
+            "wall_time": steps,
+            "step_seconds": [0.1 + rng.random() / 10 for _ in steps],
+            "loss": walk(),
+            "grad_norm": walk(),
+            "nonfinite_steps": [0.0] * points,
+            "samples": [128.0] * points,
+            "steps": [128.0] * points,
+        },
+    )
+    hist["layers"] = [
+        {
+            "name": f"blocks.{k}.mlp.c_proj",
+            "forward_seconds": walk(),
+            "backward_seconds": walk(),
+            "grad_norm": walk(),
+        }
+        for k in range(layers)
+    ]
     base = doc["layer_totals"][0]
-    totals = [dict(base, name=f"blocks.{k // 4}.layer{k % 4}", forward_calls=points, backward_calls=points)
-              for k in range(table)]
+    totals = [
+        dict(
+            base, name=f"blocks.{k // 4}.layer{k % 4}", forward_calls=points, backward_calls=points
+        )
+        for k in range(table)
+    ]
     return dict(doc, steps=points * 128, history=hist, layer_totals=totals, layers_total=table)
 
 
 def main() -> None:
     rows = []
-    for title, doc in [("DemoNet, 60 steps, every step sampled, NaN at 40", demo_document(60, 40, 1)),
-                       ("DemoNet, 80 steps, every 5th sampled, NaN at 50", demo_document(80, 50, 5))]:
+    for title, doc in [
+        ("DemoNet, 60 steps, every step sampled, NaN at 40", demo_document(60, 40, 1)),
+        ("DemoNet, 80 steps, every 5th sampled, NaN at 50", demo_document(80, 50, 5)),
+    ]:
         rows.append((title, render([doc]).encode()))
-    rows.append(("at the limits: 512 points, 64 layers' series, 500 table rows", render([at_the_limits(doc)]).encode()))
+    rows.append(
+        (
+            "at the limits: 512 points, 64 layers' series, 500 table rows",
+            render([at_the_limits(doc)]).encode(),
+        )
+    )
     rows.append(("the page's script and style alone", (CSS + SCRIPT).encode()))
     width = max(len(t) for t, _ in rows)
     print(f"{'page':<{width}}  {'bytes':>9}  {'gzip':>8}")

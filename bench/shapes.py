@@ -36,8 +36,9 @@ class Bottleneck(nn.Module):
         self.relu = nn.ReLU(inplace=True)  # one module called three times, as in torchvision
         self.downsample = None
         if stride != 1 or inplanes != out:
-            self.downsample = nn.Sequential(nn.Conv2d(inplanes, out, 1, stride=stride, bias=False),
-                                            nn.BatchNorm2d(out))
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inplanes, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out)
+            )
 
     def forward(self, x):
         identity = x if self.downsample is None else self.downsample(x)
@@ -119,8 +120,14 @@ class GPTBlock(nn.Module):
 class GPTShape(nn.Module):
     """nanoGPT's GPT-2 124M: 12 blocks, tied embedding and head, 148 parameter tensors."""
 
-    def __init__(self, dim: int = 768, heads: int = 12, layers: int = 12, vocab: int = 50304,
-                 block: int = 1024):
+    def __init__(
+        self,
+        dim: int = 768,
+        heads: int = 12,
+        layers: int = 12,
+        vocab: int = 50304,
+        block: int = 1024,
+    ):
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
         self.wpe = nn.Embedding(block, dim)
@@ -206,7 +213,10 @@ def build(name: str, device: torch.device, *, full: bool, seed: int = 0) -> Shap
         model = ResNet50Shape(width).to(device)
         x = torch.randn(batch, 3, size, size, generator=g).to(device)
         if cuda:
-            model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+            model, x = (
+                model.to(memory_format=torch.channels_last),
+                x.to(memory_format=torch.channels_last),
+            )
         y = torch.randint(0, 1000, (batch,), generator=g).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         label = f"ResNet-50 shape, width {width}, batch {batch}, {size}x{size}"
@@ -219,9 +229,19 @@ def build(name: str, device: torch.device, *, full: bool, seed: int = 0) -> Shap
         else:
             from transformers import GPT2Config, GPT2LMHeadModel
 
-            cfg = GPT2Config(n_embd=dim, n_head=heads, n_layer=12, vocab_size=vocab, n_positions=seq,
-                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                             bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM")
+            cfg = GPT2Config(
+                n_embd=dim,
+                n_head=heads,
+                n_layer=12,
+                vocab_size=vocab,
+                n_positions=seq,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=0,
+                eos_token_id=0,
+                loss_type="ForCausalLM",
+            )
             model = GPT2LMHeadModel(cfg).to(device)
             loss = _hf_loss
         idx = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
@@ -229,7 +249,9 @@ def build(name: str, device: torch.device, *, full: bool, seed: int = 0) -> Shap
         # fused AdamW where the device has it (the issue's GPT runs used it)
         opt = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=cuda or None)
         kind = "GPT 124M shape (nanoGPT)" if name == "gpt" else "transformers GPT-2 124M shape"
-        return Shape(f"{kind}, dim {dim}, batch {batch}x{seq}", model, opt, (idx, targets), loss, bf16)
+        return Shape(
+            f"{kind}, dim {dim}, batch {batch}x{seq}", model, opt, (idx, targets), loss, bf16
+        )
     if name == "mlp":
         width, batch = (1024, 256) if full else (128, 32)
         layers: list[nn.Module] = []
@@ -239,5 +261,12 @@ def build(name: str, device: torch.device, *, full: bool, seed: int = 0) -> Shap
         x = torch.randn(batch, width, generator=g).to(device)
         y = torch.randint(0, width, (batch,), generator=g).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-        return Shape(f"MLP 24 x Linear({width}) + ReLU, fp32, batch {batch}", model, opt, (x, y), _classify, None)
+        return Shape(
+            f"MLP 24 x Linear({width}) + ReLU, fp32, batch {batch}",
+            model,
+            opt,
+            (x, y),
+            _classify,
+            None,
+        )
     raise ValueError(f"unknown workload {name!r}; one of {NAMES}")

@@ -20,7 +20,6 @@ import time
 import urllib.request
 
 import paths  # noqa: F401  (first: the hookprof under test, HOOKPROF_ROOT's or this checkout's, and the tests' helpers)
-
 import torch.multiprocessing as mp
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -55,8 +54,13 @@ def measure(setup: str, slow: str, delay: float, seconds: float) -> dict[int, di
     out, go_home, stop_at = ctx.Queue(), ctx.Event(), ctx.Value("i", 0)
     master = free_port()
     base = free_port_range(2, avoid=(master,))
-    workers = [ctx.Process(target=run_rank, args=(r, 2, master, base, (0.0, delay), slow, out, go_home,
-                                                  stop_at, setup)) for r in range(2)]
+    workers = [
+        ctx.Process(
+            target=run_rank,
+            args=(r, 2, master, base, (0.0, delay), slow, out, go_home, stop_at, setup),
+        )
+        for r in range(2)
+    ]
     for w in workers:
         w.start()
     try:
@@ -68,19 +72,32 @@ def measure(setup: str, slow: str, delay: float, seconds: float) -> dict[int, di
     finally:
         go_home.set()
         join_or_kill(workers)
-    return {r: {k: 1000 * (after[r][k][0] - before[r][k][0]) / max(1.0, after[r][k][1] - before[r][k][1])
-                for k in after[r]} for r in urls}
+    return {
+        r: {
+            k: 1000
+            * (after[r][k][0] - before[r][k][0])
+            / max(1.0, after[r][k][1] - before[r][k][1])
+            for k in after[r]
+        }
+        for r in urls
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setups", nargs="*", default=list(SETUPS), choices=list(SETUPS))
-    parser.add_argument("--slow", nargs="*", default=["data", "forward"], choices=["data", "forward", "other"])
-    parser.add_argument("--delay", type=float, default=0.05, help="rank 1's sleep per step, seconds")
+    parser.add_argument(
+        "--slow", nargs="*", default=["data", "forward"], choices=["data", "forward", "other"]
+    )
+    parser.add_argument(
+        "--delay", type=float, default=0.05, help="rank 1's sleep per step, seconds"
+    )
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"rank 1 sleeps {args.delay * 1000:.0f} ms per step in the slowed phase; mean ms per step")
+    print(
+        f"rank 1 sleeps {args.delay * 1000:.0f} ms per step in the slowed phase; mean ms per step"
+    )
     print(f"| set-up | slowed | rank | step | {' | '.join(PHASES)} | rank 0 waits in |")
     print("|---|---|---|---|" + "---|" * len(PHASES) + "---|")
     for setup in args.setups:
@@ -93,8 +110,11 @@ def main() -> int:
                 waits = f"{slow} too (alike)"
             for rank in (0, 1):
                 row = " | ".join(f"{ms[rank].get(p, 0):.1f}" for p in PHASES)
-                print(f"| {setup} | {slow} | {rank} | {ms[rank]['step']:.1f} | {row} | "
-                      f"{waits if rank == 0 else ''} |", flush=True)
+                print(
+                    f"| {setup} | {slow} | {rank} | {ms[rank]['step']:.1f} | {row} | "
+                    f"{waits if rank == 0 else ''} |",
+                    flush=True,
+                )
     return 0
 
 

@@ -1,7 +1,11 @@
 """hookprof: a training-time profiler and debugger for PyTorch.
 
+One line, then train as usual:
+
     import hookprof
-    prof = hookprof.attach(model)   # then train as usual; metrics at prof.url
+    prof = hookprof.attach(model)   # metrics at prof.url
+
+docs/ holds the rest (README.md first).
 """
 
 from hookprof._version import __version__

@@ -104,8 +104,13 @@ def unfinished_copies(publisher: Any) -> int:
     which a test may replace): what a flush on the training thread would wait for."""
     with publisher._in_flight_lock:
         batches = list(publisher._in_flight)
-    return sum(1 for batch in batches if batch is not None
-               for _, ready in batch._sent.values() if ready is not None and not ready.query())
+    return sum(
+        1
+        for batch in batches
+        if batch is not None
+        for _, ready in batch._sent.values()
+        if ready is not None and not ready.query()
+    )
 
 
 # -- device timing -------------------------------------------------------------------------------
@@ -211,8 +216,13 @@ def step_boundary_methods() -> tuple[type, tuple[str, ...]]:
     hooks, to time and count an unsampled step's host work."""
     from hookprof.step.boundary import StepBoundary
 
-    return StepBoundary, ("_on_root_forward", "_on_root_output", "_on_optimizer_pre",
-                          "_on_optimizer_post", "step")
+    return StepBoundary, (
+        "_on_root_forward",
+        "_on_root_output",
+        "_on_optimizer_pre",
+        "_on_optimizer_post",
+        "step",
+    )
 
 
 def timing_resolution_method() -> tuple[type, str]:

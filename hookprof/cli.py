@@ -19,22 +19,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"hookprof {__version__}")
     sub = parser.add_subparsers(dest="command")
     demo = sub.add_parser("demo", help="train a small model on CPU and serve its metrics")
-    demo.add_argument("--steps", type=int, default=0, help="stop after N steps (0: run until stopped)")
-    demo.add_argument("--port", type=int, default=None, help="metrics port (default: Config.port / HOOKPROF_PORT; 0 picks a free one)")
+    demo.add_argument(
+        "--steps", type=int, default=0, help="stop after N steps (0: run until stopped)"
+    )
+    demo.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="metrics port (default: Config.port / HOOKPROF_PORT; 0 picks a free one)",
+    )
     demo.add_argument("--addr", default=None, help="bind address (default 127.0.0.1)")
-    demo.add_argument("--sample-every", type=int, default=None, help="sample every Nth step (default: Config.sample_every)")
+    demo.add_argument(
+        "--sample-every",
+        type=int,
+        default=None,
+        help="sample every Nth step (default: Config.sample_every)",
+    )
     demo.add_argument("--min-sample-interval", type=float, default=None, help="seconds")
-    demo.add_argument("--nan-at-step", type=int, default=0, help="make --nan-layer output NaN at this step (1-based)")
-    demo.add_argument("--nan-layer", default="mlp.0", help="qualified module name for --nan-at-step and SIGUSR1")
-    demo.add_argument("--step-delay", type=float, default=0.0, help="sleep this long per step (seconds)")
+    demo.add_argument(
+        "--nan-at-step",
+        type=int,
+        default=0,
+        help="make --nan-layer output NaN at this step (1-based)",
+    )
+    demo.add_argument(
+        "--nan-layer", default="mlp.0", help="qualified module name for --nan-at-step and SIGUSR1"
+    )
+    demo.add_argument(
+        "--step-delay", type=float, default=0.0, help="sleep this long per step (seconds)"
+    )
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--exit", action="store_true",
-                      help="exit after the last step (default: keep serving until Ctrl-C)")
+    demo.add_argument(
+        "--exit",
+        action="store_true",
+        help="exit after the last step (default: keep serving until Ctrl-C)",
+    )
     add_top_parser(sub)
     add_report_parser(sub)
     add_replay_parser(sub)
     args = parser.parse_args(argv)
-    run = {"demo": run_demo, "top": run_top, "report": run_report, "replay": run_replay}.get(args.command)
+    run = {"demo": run_demo, "top": run_top, "report": run_report, "replay": run_replay}.get(
+        args.command
+    )
     if run is None:
         parser.print_help()
         return 0
@@ -51,34 +77,70 @@ def add_connection_args(parser: argparse.ArgumentParser, timeout: float) -> None
     """The options of every command that reads endpoints (top, report), in one wording:
     TLS as the endpoint serves it, and how long to wait (hookprof/scrape.py applies them)."""
     tls = parser.add_argument_group(
-        "TLS", "as the endpoint serves it (Config.tls_certfile; tls_client_cafile for mutual TLS). "
-               "With --cacert or --cert a host:port means https; an http:// URL with them is refused.")
-    tls.add_argument("--cacert", metavar="PEM",
-                     help="CA certificate(s) that signed the endpoint's TLS certificate (default: the system's CAs)")
-    tls.add_argument("--cert", metavar="PEM",
-                     help="client certificate, for endpoints that ask for one (mutual TLS)")
-    tls.add_argument("--key", metavar="PEM", help="private key of --cert (when not in the same file)")
-    parser.add_argument("--timeout", type=float, default=timeout, metavar="SECONDS",
-                        help="seconds to wait for each endpoint (default %(default)g)")
+        "TLS",
+        "as the endpoint serves it (Config.tls_certfile; tls_client_cafile for mutual TLS). "
+        "With --cacert or --cert a host:port means https; an http:// URL with them is refused.",
+    )
+    tls.add_argument(
+        "--cacert",
+        metavar="PEM",
+        help="CA certificate(s) that signed the endpoint's TLS certificate (default: the system's CAs)",
+    )
+    tls.add_argument(
+        "--cert",
+        metavar="PEM",
+        help="client certificate, for endpoints that ask for one (mutual TLS)",
+    )
+    tls.add_argument(
+        "--key", metavar="PEM", help="private key of --cert (when not in the same file)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=timeout,
+        metavar="SECONDS",
+        help="seconds to wait for each endpoint (default %(default)g)",
+    )
 
 
 def add_top_parser(sub: Any) -> None:
     from hookprof.view.scrape import DEFAULT_TARGET
     from hookprof.view.table import COLUMNS
 
-    top = sub.add_parser("top", help="live per-layer view of hookprof endpoints (one per rank)",
-                         description="Live per-layer table of one or more hookprof endpoints. "
-                                     "The live view needs rich: pip install 'hookprof[top]'.")
-    top.add_argument("urls", nargs="*", metavar="URL",
-                     help=f"endpoints to read, one per rank (default {DEFAULT_TARGET}); host:port is enough")
-    top.add_argument("--once", action="store_true",
-                     help="print one plain table and exit (no terminal needed; exit status 1 if an endpoint cannot be read)")
-    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
-    top.add_argument("--sort", choices=sorted(COLUMNS), default="share", help="column to sort by (default share)")
+    top = sub.add_parser(
+        "top",
+        help="live per-layer view of hookprof endpoints (one per rank)",
+        description="Live per-layer table of one or more hookprof endpoints. "
+        "The live view needs rich: pip install 'hookprof[top]'.",
+    )
+    top.add_argument(
+        "urls",
+        nargs="*",
+        metavar="URL",
+        help=f"endpoints to read, one per rank (default {DEFAULT_TARGET}); host:port is enough",
+    )
+    top.add_argument(
+        "--once",
+        action="store_true",
+        help="print one plain table and exit "
+        "(no terminal needed; exit status 1 if an endpoint cannot be read)",
+    )
+    top.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between refreshes (default 1)"
+    )
+    top.add_argument(
+        "--sort", choices=sorted(COLUMNS), default="share", help="column to sort by (default share)"
+    )
     top.add_argument("--reverse", action="store_true", help="reverse the sort order")
-    top.add_argument("--filter", default="", help="show layers whose name or module type contains this")
-    top.add_argument("--limit", type=int, default=25,
-                     help="--once: most layers printed, plus any that went NaN/Inf (0: all)")
+    top.add_argument(
+        "--filter", default="", help="show layers whose name or module type contains this"
+    )
+    top.add_argument(
+        "--limit",
+        type=int,
+        default=25,
+        help="--once: most layers printed, plus any that went NaN/Inf (0: all)",
+    )
     add_connection_args(top, timeout=5.0)
 
 
@@ -98,10 +160,17 @@ def run_top(args: argparse.Namespace) -> int:
         return 2
     scraper = Scraper(urls, context, args.timeout)
     if args.once:
-        return run_once(scraper, interval=args.interval, by=args.sort, reverse=args.reverse,
-                        name_filter=args.filter, limit=args.limit or None)
-    return run_live(scraper, interval=args.interval, by=args.sort, reverse=args.reverse,
-                    name_filter=args.filter)
+        return run_once(
+            scraper,
+            interval=args.interval,
+            by=args.sort,
+            reverse=args.reverse,
+            name_filter=args.filter,
+            limit=args.limit or None,
+        )
+    return run_live(
+        scraper, interval=args.interval, by=args.sort, reverse=args.reverse, name_filter=args.filter
+    )
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -109,14 +178,18 @@ def run_demo(args: argparse.Namespace) -> int:
 
     import hookprof
     from hookprof.config import env_name
-    from hookprof.errors import ConfigError
     from hookprof.demo import DemoNet, InjectNonFinite
+    from hookprof.errors import ConfigError
 
     torch.manual_seed(args.seed)
     model = DemoNet()
     modules = dict(model.named_modules())
     if args.nan_layer not in modules:
-        print(f"hookprof demo: no module named {args.nan_layer!r}; choose one of {sorted(n for n in modules if n)}", file=sys.stderr)
+        print(
+            f"hookprof demo: no module named {args.nan_layer!r}; "
+            f"choose one of {sorted(n for n in modules if n)}",
+            file=sys.stderr,
+        )
         return 2
     overrides = {
         k: v
@@ -130,8 +203,11 @@ def run_demo(args: argparse.Namespace) -> int:
     }
     # before attach: forward hooks run in registration order, and the fault is meant to
     # look like part of the layer's own computation
-    injector = InjectNonFinite(modules[args.nan_layer], {args.nan_at_step} if args.nan_at_step else set(),
-                               count_calls=False)
+    injector = InjectNonFinite(
+        modules[args.nan_layer],
+        {args.nan_at_step} if args.nan_at_step else set(),
+        count_calls=False,
+    )
     if env_name("on_nonfinite") not in os.environ:
         overrides["on_nonfinite"] = "warn"  # the demo shows hookprof's one-line diagnosis
     if args.port and env_name("port_conflict") not in os.environ:
@@ -145,8 +221,14 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     print(f"hookprof demo: serving metrics at {prof.url}", flush=True)
     if args.nan_at_step:
-        print(f"hookprof demo: {args.nan_layer} will output NaN at step {args.nan_at_step}", flush=True)
-    print(f"hookprof demo: kill -USR1 {os.getpid()} makes {args.nan_layer} output NaN at the next step", flush=True)
+        print(
+            f"hookprof demo: {args.nan_layer} will output NaN at step {args.nan_at_step}",
+            flush=True,
+        )
+    print(
+        f"hookprof demo: kill -USR1 {os.getpid()} makes {args.nan_layer} output NaN at the next step",
+        flush=True,
+    )
 
     stop = []
     nan_requested = []
@@ -162,7 +244,10 @@ def run_demo(args: argparse.Namespace) -> int:
                 if nan_requested:
                     nan_requested.clear()
                     injector.at.add(step + 1)
-                    print(f"hookprof demo: {args.nan_layer} outputs NaN at step {step + 1}", flush=True)
+                    print(
+                        f"hookprof demo: {args.nan_layer} outputs NaN at step {step + 1}",
+                        flush=True,
+                    )
                 tokens, labels = model.batch(generator)
                 loss = torch.nn.functional.cross_entropy(model(tokens), labels)
                 optimizer.zero_grad(set_to_none=True)
@@ -179,8 +264,11 @@ def run_demo(args: argparse.Namespace) -> int:
             stop.append(True)
         print(prof.report(), flush=True)
         if not stop and not args.exit:
-            print(f"hookprof demo: finished {step} steps; still serving metrics at {prof.url} "
-                  f"(look: hookprof top {prof.url}); Ctrl-C to stop", flush=True)
+            print(
+                f"hookprof demo: finished {step} steps; still serving metrics at {prof.url} "
+                f"(look: hookprof top {prof.url}); Ctrl-C to stop",
+                flush=True,
+            )
             while not stop:
                 time.sleep(0.2)
     except KeyboardInterrupt:
@@ -194,18 +282,26 @@ def run_demo(args: argparse.Namespace) -> int:
 def add_report_parser(sub: argparse._SubParsersAction) -> None:
     from hookprof.view.scrape import DEFAULT_TARGET
 
-    report = sub.add_parser("report", help="write the run report (one HTML file) of a running hookprof endpoint")
-    report.add_argument("url", nargs="?", default=DEFAULT_TARGET,
-                        help="the endpoint: host:port, its base URL or its /metrics URL (default %(default)s)")
-    report.add_argument("-o", "--output", default="run.html", help="the HTML file to write (default %(default)s)")
+    report = sub.add_parser(
+        "report", help="write the run report (one HTML file) of a running hookprof endpoint"
+    )
+    report.add_argument(
+        "url",
+        nargs="?",
+        default=DEFAULT_TARGET,
+        help="the endpoint: host:port, its base URL or its /metrics URL (default %(default)s)",
+    )
+    report.add_argument(
+        "-o", "--output", default="run.html", help="the HTML file to write (default %(default)s)"
+    )
     add_connection_args(report, timeout=10.0)
 
 
 def run_report(args: argparse.Namespace) -> int:
     from hookprof.files import write_atomic
+    from hookprof.serve.server import HISTORY_PATH
     from hookprof.view.report import read_history, render_history
     from hookprof.view.scrape import ScrapeError, check_timeout, endpoints
-    from hookprof.serve.server import HISTORY_PATH
 
     try:
         check_timeout(args.timeout)
@@ -222,7 +318,9 @@ def run_report(args: argparse.Namespace) -> int:
     try:  # whole or not at all: a failed write leaves the previous report as it was
         write_atomic(args.output, page)
     except OSError as exc:
-        print(f"hookprof report: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        print(
+            f"hookprof report: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr
+        )
         return 1
     names = ", ".join(d["model"] for d in documents) or "no model"
     print(f"hookprof report: wrote {args.output} ({names})")
@@ -231,13 +329,19 @@ def run_report(args: argparse.Namespace) -> int:
 
 def add_replay_parser(sub: argparse._SubParsersAction) -> None:
     replay = sub.add_parser(
-        "replay", help="re-run an incident capsule (Config.capsule_dir) and say whether its NaN/Inf comes back",
+        "replay",
+        help="re-run an incident capsule (Config.capsule_dir) and say whether its NaN/Inf comes back",
         description="Re-run the NaN/Inf of an incident capsule: exit status 0 reproduced, 1 not reproduced, "
-                    "2 could not load. The capsule is unpickled: the model's code must be importable, and "
-                    "only load a capsule you trust.")
+        "2 could not load. The capsule is unpickled: the model's code must be importable, and "
+        "only load a capsule you trust.",
+    )
     replay.add_argument("capsule", help="the capsule file (hookprof-capsule-*.pt)")
-    replay.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run it (default cpu)")
-    replay.add_argument("--runs", type=int, default=3, help="runs before saying not reproduced (default 3)")
+    replay.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where to run it (default cpu)"
+    )
+    replay.add_argument(
+        "--runs", type=int, default=3, help="runs before saying not reproduced (default 3)"
+    )
 
 
 def run_replay(args: argparse.Namespace) -> int:

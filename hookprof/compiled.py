@@ -37,6 +37,7 @@ if is_compiling is None:  # torch < 2.3
 _compiler = getattr(torch, "compiler", None)
 _HAS_EXPORT_FLAG = hasattr(_compiler, "_is_exporting_flag")
 if _HAS_EXPORT_FLAG:
+
     def is_exporting() -> bool:
         """torch.export is tracing the model. Not torch.compiler.is_exporting(): up to torch
         2.12 Dynamo folds that call to the constant True inside every trace, torch.compile's
@@ -61,8 +62,11 @@ def transformed() -> bool:
     device reductions, a host read of a flag) would be traced into the graph, fails on
     BatchedTensors, and the call is no training step. ~0.1 us, in the root's hooks."""
     # the export flag read here, not through is_exporting(): one Python call less per hook
-    return _is_tracing() or _functorch_active() or (
-        _compiler._is_exporting_flag if _HAS_EXPORT_FLAG else is_exporting())
+    return (
+        _is_tracing()
+        or _functorch_active()
+        or (_compiler._is_exporting_flag if _HAS_EXPORT_FLAG else is_exporting())
+    )
 
 
 class Region(NamedTuple):
@@ -72,7 +76,9 @@ class Region(NamedTuple):
 
     row: int  # the layer table's layer index, or len(layers) + k for its k-th container
     target: nn.Module  # the object whose compiled call is wrapped
-    attribute: str  # "_compiled_call_impl" (module.compile()) or "forward" (torch.compile's wrapper)
+    attribute: (
+        str  # "_compiled_call_impl" (module.compile()) or "forward" (torch.compile's wrapper)
+    )
 
 
 def compiled_regions(table: Any) -> tuple[list[Region], set[int]]:
@@ -151,5 +157,6 @@ def explain_attached_after_compile(notices: Any) -> None:
 
 
 def explain_compiled_forward(notices: Any) -> None:
-    notices.say("compiled", f"the model's forward runs under torch.compile: {COMPILED_NOTE}",
-                logging.INFO)
+    notices.say(
+        "compiled", f"the model's forward runs under torch.compile: {COMPILED_NOTE}", logging.INFO
+    )

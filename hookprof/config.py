@@ -250,13 +250,24 @@ class Config:
         # on it (OverflowError) or stopped it for good. Each field's own rule follows.
         for name, high in _BOUNDS.items():
             value = getattr(self, name)
-            _check_range(name, value, value is None or value <= high, f"a finite number <= {high:g}")  # nan too
+            _check_range(
+                name, value, value is None or value <= high, f"a finite number <= {high:g}"
+            )  # nan too
         _check_range("port", self.port, 0 <= self.port <= 65535, "an integer in [0, 65535]")
         _check_range("addr", self.addr, bool(self.addr.strip()), "a non-empty host address")
-        _check_range("addr", self.addr, _is_address(self.addr),
-                     "an IPv4 or IPv6 address or a host name (e.g. 127.0.0.1, ::1, 0.0.0.0, localhost)")
+        _check_range(
+            "addr",
+            self.addr,
+            _is_address(self.addr),
+            "an IPv4 or IPv6 address or a host name (e.g. 127.0.0.1, ::1, 0.0.0.0, localhost)",
+        )
         if self.name is not None:
-            _check_range("name", self.name, bool(self.name.strip()), "a non-empty name, or None for the class name")
+            _check_range(
+                "name",
+                self.name,
+                bool(self.name.strip()),
+                "a non-empty name, or None for the class name",
+            )
         _check_tls(self)
         _check_http(self)
         _check_range("sample_every", self.sample_every, self.sample_every >= 1, ">= 1")
@@ -268,40 +279,98 @@ class Config:
         )
         _check_range("max_layers", self.max_layers, self.max_layers >= 1, ">= 1")
         _check_range("max_layer_series", self.max_layer_series, self.max_layer_series >= 1, ">= 1")
-        _check_range("activation_interval_s", self.activation_interval_s,
-                     self.activation_interval_s >= 0, ">= 0")
+        _check_range(
+            "activation_interval_s",
+            self.activation_interval_s,
+            self.activation_interval_s >= 0,
+            ">= 0",
+        )
         # the two threads that wake on a clock: below 0.05 s they take a share of a core of
         # their own while training idles (1e-9 took 0.4-0.9 of a core and made steps 2-7x
         # slower, issue 39); at 0.05 s each stays under ~1% (docs/configuration.md)
         for name in ("publish_interval_s", "system_interval_s"):
-            _check_range(name, getattr(self, name), getattr(self, name) >= MIN_THREAD_INTERVAL_S,
-                         f">= {MIN_THREAD_INTERVAL_S:g} (seconds: a thread waking more often takes a "
-                         "share of a core of its own)")
-        _check_range("nonfinite_check", self.nonfinite_check,
-                     self.nonfinite_check in NONFINITE_CHECKS, f"one of {NONFINITE_CHECKS}")
-        _check_range("port_conflict", self.port_conflict,
-                     self.port_conflict in PORT_CONFLICTS, f"one of {PORT_CONFLICTS}")
-        _check_range("on_nonfinite", self.on_nonfinite,
-                     self.on_nonfinite in NONFINITE_POLICIES, f"one of {NONFINITE_POLICIES}")
+            _check_range(
+                name,
+                getattr(self, name),
+                getattr(self, name) >= MIN_THREAD_INTERVAL_S,
+                f">= {MIN_THREAD_INTERVAL_S:g} (seconds: a thread waking more often takes a "
+                "share of a core of its own)",
+            )
+        _check_range(
+            "nonfinite_check",
+            self.nonfinite_check,
+            self.nonfinite_check in NONFINITE_CHECKS,
+            f"one of {NONFINITE_CHECKS}",
+        )
+        _check_range(
+            "port_conflict",
+            self.port_conflict,
+            self.port_conflict in PORT_CONFLICTS,
+            f"one of {PORT_CONFLICTS}",
+        )
+        _check_range(
+            "on_nonfinite",
+            self.on_nonfinite,
+            self.on_nonfinite in NONFINITE_POLICIES,
+            f"one of {NONFINITE_POLICIES}",
+        )
         _check_range("incident_steps", self.incident_steps, self.incident_steps >= 0, ">= 0")
-        _check_range("capsule_dir", self.capsule_dir,
-                     self.capsule_dir is None or bool(self.capsule_dir.strip()), "a directory path, or None for no capsule")
-        _check_range("capsule_max_count", self.capsule_max_count, self.capsule_max_count >= 1, ">= 1")
-        _check_range("capsule_max_bytes", self.capsule_max_bytes, self.capsule_max_bytes >= 0, ">= 0")
-        _check_range("max_skipped_steps", self.max_skipped_steps, self.max_skipped_steps >= 0, ">= 0")
-        _check_range("exploding_grad_norm", self.exploding_grad_norm,
-                     0 < self.exploding_grad_norm < math.inf, "a finite number > 0")  # nan too
-        _check_range("vanishing_grad_norm", self.vanishing_grad_norm,
-                     0 <= self.vanishing_grad_norm < self.exploding_grad_norm,
-                     ">= 0 and below exploding_grad_norm")
+        _check_range(
+            "capsule_dir",
+            self.capsule_dir,
+            self.capsule_dir is None or bool(self.capsule_dir.strip()),
+            "a directory path, or None for no capsule",
+        )
+        _check_range(
+            "capsule_max_count", self.capsule_max_count, self.capsule_max_count >= 1, ">= 1"
+        )
+        _check_range(
+            "capsule_max_bytes", self.capsule_max_bytes, self.capsule_max_bytes >= 0, ">= 0"
+        )
+        _check_range(
+            "max_skipped_steps", self.max_skipped_steps, self.max_skipped_steps >= 0, ">= 0"
+        )
+        _check_range(
+            "exploding_grad_norm",
+            self.exploding_grad_norm,
+            0 < self.exploding_grad_norm < math.inf,
+            "a finite number > 0",
+        )  # nan too
+        _check_range(
+            "vanishing_grad_norm",
+            self.vanishing_grad_norm,
+            0 <= self.vanishing_grad_norm < self.exploding_grad_norm,
+            ">= 0 and below exploding_grad_norm",
+        )
         _check_range("stall_factor", self.stall_factor, self.stall_factor >= 1, ">= 1")
         _check_range("stall_min_s", self.stall_min_s, self.stall_min_s > 0, "> 0")
-        _check_range("stall_max_s", self.stall_max_s, self.stall_max_s >= self.stall_min_s,
-                     f">= stall_min_s ({self.stall_min_s})")
-        _check_range("stall_warmup_steps", self.stall_warmup_steps, self.stall_warmup_steps >= 0, ">= 0")
-        _check_range("peak_flops", self.peak_flops, self.peak_flops is None or self.peak_flops > 0, "> 0 or None")
-        _check_range("update_norm_interval_s", self.update_norm_interval_s, self.update_norm_interval_s >= 0, ">= 0")
-        _check_range("update_norm_max_bytes", self.update_norm_max_bytes, self.update_norm_max_bytes >= 0, ">= 0")
+        _check_range(
+            "stall_max_s",
+            self.stall_max_s,
+            self.stall_max_s >= self.stall_min_s,
+            f">= stall_min_s ({self.stall_min_s})",
+        )
+        _check_range(
+            "stall_warmup_steps", self.stall_warmup_steps, self.stall_warmup_steps >= 0, ">= 0"
+        )
+        _check_range(
+            "peak_flops",
+            self.peak_flops,
+            self.peak_flops is None or self.peak_flops > 0,
+            "> 0 or None",
+        )
+        _check_range(
+            "update_norm_interval_s",
+            self.update_norm_interval_s,
+            self.update_norm_interval_s >= 0,
+            ">= 0",
+        )
+        _check_range(
+            "update_norm_max_bytes",
+            self.update_norm_max_bytes,
+            self.update_norm_max_bytes >= 0,
+            ">= 0",
+        )
         for name in ("rank", "local_rank"):
             value = getattr(self, name)
             _check_range(name, value, value is None or value >= 0, ">= 0 or None")
@@ -312,19 +381,23 @@ class Config:
         """The served port, `port + local_rank`, must be a TCP port (`source`: where
         local_rank came from, e.g. $LOCAL_RANK; None: the config field)."""
         if self.serve and self.port and self.port + local_rank > 65535:
-            raise ConfigError("local_rank", local_rank,
-                              f"at most {65535 - self.port}: port {self.port} + local_rank is the served "
-                              "port, which must be <= 65535", source)
+            raise ConfigError(
+                "local_rank",
+                local_rank,
+                f"at most {65535 - self.port}: port {self.port} + local_rank is the served "
+                "port, which must be <= 65535",
+                source,
+            )
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **fields: Any) -> "Config":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **fields: Any) -> Config:
         """Defaults, overridden by `HOOKPROF_<FIELD>` variables, overridden by `fields`."""
         values = read_env(os.environ if environ is None else environ)
         check_fields(fields)
         values.update(fields)
         return cls(**values)
 
-    def replace(self, **fields: Any) -> "Config":
+    def replace(self, **fields: Any) -> Config:
         check_fields(fields)
         return dataclasses.replace(self, **fields)
 
@@ -387,8 +460,10 @@ def check_fields(fields: Mapping[str, Any]) -> None:
     unknown = sorted(set(fields) - set(_FIELD_TYPES))
     if unknown:
         hints = ", ".join(repr(name) + did_you_mean(name) for name in unknown)
-        raise TypeError(f"unknown hookprof config field(s): {hints}; every field is listed in "
-                        "docs/configuration.md and help(hookprof.Config)")
+        raise TypeError(
+            f"unknown hookprof config field(s): {hints}; every field is listed in "
+            "docs/configuration.md and help(hookprof.Config)"
+        )
 
 
 def env_name(field: str) -> str:
@@ -400,12 +475,17 @@ def misspelt_env(environ: Mapping[str, str]) -> list[str]:
     far from every setting may be someone else's, e.g. a script's HOOKPROF_ROOT)."""
     lines = []
     for name in sorted(environ):
-        if name.startswith(ENV_PREFIX) and name.removeprefix(ENV_PREFIX).lower() not in _FIELD_TYPES:
+        if (
+            name.startswith(ENV_PREFIX)
+            and name.removeprefix(ENV_PREFIX).lower() not in _FIELD_TYPES
+        ):
             # closer than for a keyword argument: HOOKPROF_ROOT is no misspelt HOOKPROF_PORT
             field = closest_field(name.removeprefix(ENV_PREFIX), cutoff=0.75)
             if field is not None:
-                lines.append(f"{name} is not a hookprof setting and is ignored "
-                             f"(did you mean {env_name(field)}?)")
+                lines.append(
+                    f"{name} is not a hookprof setting and is ignored "
+                    f"(did you mean {env_name(field)}?)"
+                )
     return lines
 
 
@@ -483,18 +563,26 @@ def _check_tls(config: Config) -> None:
         present = "tls_certfile" if missing == "tls_keyfile" else "tls_keyfile"
         raise ConfigError(missing, None, f"a PEM file path (set together with {present})")
     if config.tls_client_cafile is not None and config.tls_certfile is None:
-        raise ConfigError("tls_certfile", None,
-                          "a PEM file path: tls_client_cafile needs TLS (tls_certfile, tls_keyfile)")
+        raise ConfigError(
+            "tls_certfile",
+            None,
+            "a PEM file path: tls_client_cafile needs TLS (tls_certfile, tls_keyfile)",
+        )
     for name in ("tls_certfile", "tls_keyfile", "tls_client_cafile"):
         path = getattr(config, name)
         _check_range(name, path, path is None or os.path.isfile(path), "a path to an existing file")
 
 
 def _check_http(config: Config) -> None:
-    _check_range("http_max_requests", config.http_max_requests, config.http_max_requests >= 1, ">= 1")
-    _check_range("http_max_connections", config.http_max_connections,
-                 config.http_max_connections > config.http_max_requests,
-                 f"above http_max_requests ({config.http_max_requests})")
+    _check_range(
+        "http_max_requests", config.http_max_requests, config.http_max_requests >= 1, ">= 1"
+    )
+    _check_range(
+        "http_max_connections",
+        config.http_max_connections,
+        config.http_max_connections > config.http_max_requests,
+        f"above http_max_requests ({config.http_max_requests})",
+    )
     for name in ("http_header_timeout_s", "http_idle_timeout_s", "http_write_timeout_s"):
         value = getattr(config, name)
         _check_range(name, value, value > 0, "> 0")

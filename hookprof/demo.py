@@ -40,8 +40,9 @@ class InjectNonFinite:
     `count_calls=False` the caller sets `.step` each training step and it fires while `.step`
     is in `at`, so a replay of that step (hookprof's localisation) reproduces it."""
 
-    def __init__(self, module: nn.Module, at: set[int], value: float = float("nan"),
-                 count_calls: bool = True):
+    def __init__(
+        self, module: nn.Module, at: set[int], value: float = float("nan"), count_calls: bool = True
+    ):
         self.step = 0
         self.at = set(at)
         self.value = value

@@ -66,7 +66,7 @@ class DisabledProfiler:
 
         return write(path, [], source=said)
 
-    def __enter__(self) -> "DisabledProfiler":
+    def __enter__(self) -> DisabledProfiler:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-
 from typing import Any
 
 
@@ -49,20 +48,25 @@ class MetaDeviceError(HookprofError, ValueError):
         super().__init__(
             f"{model_type} has parameters on the meta device ({shown}): they hold no data yet. "
             "Attach after materialising the model: model.to_empty(device=...), initialise its "
-            "weights, then hookprof.attach(model)")
+            "weights, then hookprof.attach(model)"
+        )
 
 
 class PortInUseError(HookprofError, OSError):
     """The metrics port could not be bound."""
 
-    def __init__(self, addr: str, port: int, cause: OSError | None = None, *, holder: str | None = None):
+    def __init__(
+        self, addr: str, port: int, cause: OSError | None = None, *, holder: str | None = None
+    ):
         self.addr = addr
         self.port = port
         self.holder = holder  # the model class of the hookprof profiler that serves it, if one does
         if holder is not None:
-            why = (f"an earlier hookprof profiler in this process serves it, attached to {holder}; "
-                   "release it with that profiler's detach() or hookprof.detach_all() (for a "
-                   "notebook cell run again), or choose another")
+            why = (
+                f"an earlier hookprof profiler in this process serves it, attached to {holder}; "
+                "release it with that profiler's detach() or hookprof.detach_all() (for a "
+                "notebook cell run again), or choose another"
+            )
         else:
             why = f"{cause.strerror or cause if cause is not None else 'in use'}. Choose another"
         super().__init__(
@@ -83,8 +87,17 @@ class NonFiniteError(HookprofError, FloatingPointError):
     "not replayed"); `phase` is "forward", "backward" or "loss"; `found_by` says how the layer
     was found; the message is the log line's (nonfinite/incident.py, describe)."""
 
-    def __init__(self, layer: str | None, phase: str, step: int, rank: int, *,
-                 found_by: str | None = None, replay: str | None = None, message: str | None = None):
+    def __init__(
+        self,
+        layer: str | None,
+        phase: str,
+        step: int,
+        rank: int,
+        *,
+        found_by: str | None = None,
+        replay: str | None = None,
+        message: str | None = None,
+    ):
         self.layer = layer
         self.phase = phase
         self.step = step
@@ -92,4 +105,7 @@ class NonFiniteError(HookprofError, FloatingPointError):
         self.found_by = found_by  # how the layer was found (NonFiniteEvent.found_by)
         self.replay = replay  # "reproducible", "transient", "not replayed" or None
         where = f"layer {layer}" if layer else "an unlocalised layer"
-        super().__init__(message or f"NaN/Inf in the {phase} phase at step {step} on rank {rank}, first in {where}")
+        super().__init__(
+            message
+            or f"NaN/Inf in the {phase} phase at step {step} on rank {rank}, first in {where}"
+        )

@@ -23,20 +23,38 @@ log = logging.getLogger("hookprof")
 # place a fault is reported from, said in the log) belong to each, by prefix. A `where` no
 # prefix claims is counted under "other"; tests/unit/test_fault_parts.py finds every `where`
 # in the package and checks that each has its part.
-PARTS = ("layer hooks", "layer statistics", "step boundary", "nonfinite", "efficiency",
-         "stall watch", "publisher", "metrics server", "summary", "detach", "other")
+PARTS = (
+    "layer hooks",
+    "layer statistics",
+    "step boundary",
+    "nonfinite",
+    "efficiency",
+    "stall watch",
+    "publisher",
+    "metrics server",
+    "summary",
+    "detach",
+    "other",
+)
 _PART_OF_WHERE = (
-    ("forward pre-hook", "layer hooks"), ("forward hook", "layer hooks"),
-    ("backward hook", "layer hooks"), ("gradient hook", "layer hooks"),
-    ("layer statistic", "layer statistics"), ("forward re-run", "layer hooks"),
-    ("step boundary", "step boundary"), ("root forward", "step boundary"),
+    ("forward pre-hook", "layer hooks"),
+    ("forward hook", "layer hooks"),
+    ("backward hook", "layer hooks"),
+    ("gradient hook", "layer hooks"),
+    ("layer statistic", "layer statistics"),
+    ("forward re-run", "layer hooks"),
+    ("step boundary", "step boundary"),
+    ("root forward", "step boundary"),
     ("optimizer", "step boundary"),
     ("GradScaler", "step boundary"),
-    ("forward replay", "nonfinite"), ("nonfinite", "nonfinite"), ("incident", "nonfinite"),
+    ("forward replay", "nonfinite"),
+    ("nonfinite", "nonfinite"),
+    ("incident", "nonfinite"),
     ("backward end", "nonfinite"),  # the every-step gradient check (step/backward_end.py)
     ("efficiency", "efficiency"),
     ("stall watch", "stall watch"),
-    ("publisher", "publisher"), ("snapshot", "publisher"),
+    ("publisher", "publisher"),
+    ("snapshot", "publisher"),
     ("metrics server", "metrics server"),
     ("summary", "summary"),
     ("detach", "detach"),
@@ -109,7 +127,8 @@ class Faults:
                 "hookprof: internal error in %s%s; training continues unaffected",
                 where,
                 "; per-layer instrumentation is off for this step and tried again later"
-                if disable else "",
+                if disable
+                else "",
                 exc_info=exc,
             )
 
@@ -123,8 +142,9 @@ class Backoff:
     Why: a loop that retries a failing step at once (its deadline already passed) spins a
     core, and on a 2-core machine that core is training's (571 -> 232 steps/s, measured)."""
 
-    def __init__(self, first_s: float = 0.05, cap_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, first_s: float = 0.05, cap_s: float = 5.0, clock: Callable[[], float] = time.monotonic
+    ):
         self._first_s = first_s
         self._cap_s = cap_s
         self._clock = clock
@@ -155,8 +175,9 @@ class Backoff:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def guarded(part: str, *, disable: bool = True, default: Any = None,
-            locked: bool = False) -> Callable[[F], F]:
+def guarded(
+    part: str, *, disable: bool = True, default: Any = None, locked: bool = False
+) -> Callable[[F], F]:
     """Fault containment for a method called from the training loop (a torch hook, a step
     boundary): an exception from hookprof's own code is reported to the object's `_faults` as
     a fault of `part` and the method returns `default`; training goes on. NonFiniteError (the
@@ -172,6 +193,7 @@ def guarded(part: str, *, disable: bool = True, default: Any = None,
 
     def wrap(method: F) -> F:
         if locked:  # the same containment with the lock inside it: one frame, not two nested
+
             @functools.wraps(method)
             def contained(self: Any, *args: Any, **kwargs: Any) -> Any:
                 try:
@@ -311,12 +333,16 @@ class ThreadSupervisor:
                 except Exception as exc:
                     self._faults.report(f"{what} thread restart", exc, disable=False)
         if self._say is not None:
-            self._say("forked", (
-                f"this process ({self._pid}) is a fork of {parent}, where hookprof was attached, "
-                f"and trains: threads do not survive a fork, so hookprof started its "
-                f"{' and '.join(started) or 'threads'} again here; its metrics endpoint stays the "
-                "parent's (this process does not serve it): attach in this process, after "
-                "prof.detach(), to serve its own"))
+            self._say(
+                "forked",
+                (
+                    f"this process ({self._pid}) is a fork of {parent}, where hookprof was attached, "
+                    f"and trains: threads do not survive a fork, so hookprof started its "
+                    f"{' and '.join(started) or 'threads'} again here; its metrics endpoint stays the "
+                    "parent's (this process does not serve it): attach in this process, after "
+                    "prof.detach(), to serve its own"
+                ),
+            )
 
     def _revive(self, what: str, part: Restartable) -> None:
         err = RuntimeError(f"hookprof {what} thread died")

@@ -19,12 +19,20 @@ import os
 import re
 import secrets
 
-_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-          | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+_FLAGS = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | os.O_EXCL
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
 _TRIES = 8  # names taken (64 random bits: only by an attacker who reads our memory)
 
 
-def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, make_dirs: bool = False) -> str:
+def write_atomic(
+    path: str | os.PathLike[str], data: str | bytes, *, make_dirs: bool = False
+) -> str:
     """Write `data` (str as UTF-8) to `path` atomically; returns the path as a str.
 
     `make_dirs`: create the missing directories above `path` first (mode 0o777 less umask).
@@ -39,7 +47,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, make_dirs: 
         try:
             view = memoryview(payload)
             while view:  # os.write may write less than asked (a signal, a pipe-like target)
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)  # the bytes on the disk before the name points at them
         finally:
             os.close(fd)

@@ -42,18 +42,19 @@ class Profiler(Protocol):
 
     def snapshot(self) -> Snapshot: ...
 
+
 AT_EXIT_FLUSH_S = 2.0  # at exit, how long to wait for the last steps to be folded in
 
 _lock = threading.Lock()
-_live: dict["Profiler", frozenset[int]] = {}  # attached, not yet detached -> its modules' ids
+_live: dict[Profiler, frozenset[int]] = {}  # attached, not yet detached -> its modules' ids
 _names: set[str] = set()  # the `model` labels taken, from reserve_name to remove
 # the live profilers whose summary is said at exit (Config.summary_at_exit): the atexit hook
 # is registered only while there is one
-_summarised: set["Profiler"] = set()
+_summarised: set[Profiler] = set()
 _at_exit_registered = False
 
 
-def profilers() -> list["Profiler"]:
+def profilers() -> list[Profiler]:
     """The live profilers, a copy (safe to iterate while others attach or detach)."""
     with _lock:
         return list(_live)
@@ -92,12 +93,14 @@ def earlier_notice(model_type: str, name: str) -> str | None:
     earlier = [other for other in same_kind(model_type) if other != name]
     if not earlier:
         return None
-    return (f"another {model_type} is attached in this process (served as model={earlier[0]!r}); "
-            f"this one is served as model={name!r}. If a notebook cell ran again, "
-            "hookprof.detach_all() releases the earlier one")
+    return (
+        f"another {model_type} is attached in this process (served as model={earlier[0]!r}); "
+        f"this one is served as model={name!r}. If a notebook cell ran again, "
+        "hookprof.detach_all() releases the earlier one"
+    )
 
 
-def add(prof: "Profiler", module_ids: frozenset[int], *, summary_at_exit: bool) -> None:
+def add(prof: Profiler, module_ids: frozenset[int], *, summary_at_exit: bool) -> None:
     """`prof` is attached to the modules `module_ids`: it is live, and (if asked) says its
     summary at exit."""
     global _at_exit_registered
@@ -110,7 +113,7 @@ def add(prof: "Profiler", module_ids: frozenset[int], *, summary_at_exit: bool) 
                 _at_exit_registered = True
 
 
-def remove(prof: "Profiler", name: str | None) -> None:
+def remove(prof: Profiler, name: str | None) -> None:
     """`prof` is detached (or its attach failed): forget it and free its name."""
     global _at_exit_registered
     with _lock:
@@ -122,7 +125,7 @@ def remove(prof: "Profiler", name: str | None) -> None:
             _at_exit_registered = False
 
 
-def at_exit_watched() -> tuple[bool, list["Profiler"]]:
+def at_exit_watched() -> tuple[bool, list[Profiler]]:
     """Is the exit hook registered, and for which profilers (tests look at this)."""
     with _lock:
         return _at_exit_registered, list(_summarised)
@@ -152,9 +155,12 @@ def release_orphans() -> None:
         gc.collect()
     for prof in live:
         if prof.model is None and not prof.detached:
-            log.info("hookprof: released the profiler of %s (model=%r): its model is gone (a "
-                     "notebook cell run again, or a model dropped without detach())",
-                     prof.model_type, prof.name)
+            log.info(
+                "hookprof: released the profiler of %s (model=%r): its model is gone (a "
+                "notebook cell run again, or a model dropped without detach())",
+                prof.model_type,
+                prof.name,
+            )
             prof.detach()
 
 

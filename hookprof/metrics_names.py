@@ -22,8 +22,10 @@ from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
-    Metric as Family,
     SummaryMetricFamily,
+)
+from prometheus_client.core import (
+    Metric as Family,
 )
 
 Kind = Literal["counter", "gauge", "summary", "histogram"]
@@ -63,8 +65,12 @@ class Metric:
         return f"{self.name}_{part}"
 
 
-_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
-             "summary": SummaryMetricFamily, "histogram": HistogramMetricFamily}
+_FAMILIES = {
+    "counter": CounterMetricFamily,
+    "gauge": GaugeMetricFamily,
+    "summary": SummaryMetricFamily,
+    "histogram": HistogramMetricFamily,
+}
 
 
 def family(metric: Metric, value: float | None = None) -> Family:
@@ -82,93 +88,174 @@ _LAYER = ("rank", "layer")
 # ---- steps (serve/exporter.py) ----
 
 STEPS_TOTAL = Metric("hookprof_steps_total", "counter", _RANK, "Training steps completed")
-SAMPLED_STEPS_TOTAL = Metric("hookprof_sampled_steps_total", "counter", _RANK,
-                             "Steps with per-layer hooks installed")
+SAMPLED_STEPS_TOTAL = Metric(
+    "hookprof_sampled_steps_total", "counter", _RANK, "Steps with per-layer hooks installed"
+)
 STEP_DURATION_SECONDS = Metric(
-    "hookprof_step_duration_seconds", "histogram", _RANK,
-    "Wall time between step boundaries (optimizer steps or Profiler.step calls)")
-LAST_STEP_TIMESTAMP_SECONDS = Metric("hookprof_last_step_timestamp_seconds", "gauge", _RANK,
-                                     "Unix time at which the last step ended")
+    "hookprof_step_duration_seconds",
+    "histogram",
+    _RANK,
+    "Wall time between step boundaries (optimizer steps or Profiler.step calls)",
+)
+LAST_STEP_TIMESTAMP_SECONDS = Metric(
+    "hookprof_last_step_timestamp_seconds", "gauge", _RANK, "Unix time at which the last step ended"
+)
 LOSS = Metric("hookprof_loss", "gauge", _RANK, "Loss at the last sampled step")
-GRADIENT_NORM = Metric("hookprof_gradient_norm", "gauge", _RANK,
-                       "Global L2 norm of all gradients at the last sampled step")
+GRADIENT_NORM = Metric(
+    "hookprof_gradient_norm",
+    "gauge",
+    _RANK,
+    "Global L2 norm of all gradients at the last sampled step",
+)
 NONFINITE_STEPS_TOTAL = Metric(
-    "hookprof_nonfinite_steps_total", "counter", ("rank", "phase"),
-    "Steps on which a NaN or Inf was seen, by phase (forward outputs, gradients, loss)")
+    "hookprof_nonfinite_steps_total",
+    "counter",
+    ("rank", "phase"),
+    "Steps on which a NaN or Inf was seen, by phase (forward outputs, gradients, loss)",
+)
 DROPPED_NONFINITE_STEPS_TOTAL = Metric(
-    "hookprof_dropped_nonfinite_steps_total", "counter", _RANK,
+    "hookprof_dropped_nonfinite_steps_total",
+    "counter",
+    _RANK,
     "Steps whose backward made a NaN or Inf that the loop dropped before any optimizer update "
-    "(a loss scaler's overflow, a guard that zeroes the gradients): no incident, no alert")
+    "(a loss scaler's overflow, a guard that zeroes the gradients): no incident, no alert",
+)
 FIRST_DROPPED_NONFINITE_INFO = Metric(
-    "hookprof_first_dropped_nonfinite_info", "gauge", ("rank", "layer", "step"),
-    "The first step whose non-finite gradients the loop dropped, and its first non-finite layer")
-SKIPPED_STEPS_TOTAL = Metric("hookprof_skipped_steps_total", "counter", _RANK,
-                             "Steps whose optimizer update the GradScaler skipped")
+    "hookprof_first_dropped_nonfinite_info",
+    "gauge",
+    ("rank", "layer", "step"),
+    "The first step whose non-finite gradients the loop dropped, and its first non-finite layer",
+)
+SKIPPED_STEPS_TOTAL = Metric(
+    "hookprof_skipped_steps_total",
+    "counter",
+    _RANK,
+    "Steps whose optimizer update the GradScaler skipped",
+)
 HELD_BACK_UPDATES_TOTAL = Metric(
-    "hookprof_held_back_updates_total", "counter", _RANK,
-    'Optimizer updates of non-finite steps that hookprof held back (on_nonfinite="skip" or "raise")')
+    "hookprof_held_back_updates_total",
+    "counter",
+    _RANK,
+    'Optimizer updates of non-finite steps that hookprof held back (on_nonfinite="skip" or "raise")',
+)
 GRADIENT_FLAGGED_STEPS_TOTAL = Metric(
-    "hookprof_gradient_flagged_steps_total", "counter", ("rank", "kind"),
+    "hookprof_gradient_flagged_steps_total",
+    "counter",
+    ("rank", "kind"),
     "Sampled steps on which some layer's gradient norm was vanishing (below "
-    "Config.vanishing_grad_norm) or exploding (above Config.exploding_grad_norm)")
+    "Config.vanishing_grad_norm) or exploding (above Config.exploding_grad_norm)",
+)
 INTERNAL_ERRORS_TOTAL = Metric(
-    "hookprof_internal_errors_total", "counter", ("rank", "part"),
+    "hookprof_internal_errors_total",
+    "counter",
+    ("rank", "part"),
     "Internal hookprof errors, by the part that failed (a fault disables only that part, for "
-    "that call or step, and it is tried again)")
-LAYERS = Metric("hookprof_layers", "gauge", _RANK,
-                "Instrumented layers, and compiled regions (blocks compiled on their own) once timed")
-LAYERS_EXPORTED = Metric("hookprof_layers_exported", "gauge", _RANK,
-                         "Layers with per-layer series in this exposition (Config.max_layers)")
+    "that call or step, and it is tried again)",
+)
+LAYERS = Metric(
+    "hookprof_layers",
+    "gauge",
+    _RANK,
+    "Instrumented layers, and compiled regions (blocks compiled on their own) once timed",
+)
+LAYERS_EXPORTED = Metric(
+    "hookprof_layers_exported",
+    "gauge",
+    _RANK,
+    "Layers with per-layer series in this exposition (Config.max_layers)",
+)
 FIRST_NONFINITE_INFO = Metric(
-    "hookprof_first_nonfinite_info", "gauge", ("rank", "layer", "phase", "step"),
-    "The first NaN or Inf seen in this run: layer, phase and step")
+    "hookprof_first_nonfinite_info",
+    "gauge",
+    ("rank", "layer", "phase", "step"),
+    "The first NaN or Inf seen in this run: layer, phase and step",
+)
 FIRST_NONFINITE_ORIGIN_INFO = Metric(
-    "hookprof_first_nonfinite_origin_info", "gauge",
+    "hookprof_first_nonfinite_origin_info",
+    "gauge",
     ("rank", "phase", "step", "found_by", "replay", "host", "device"),
     "How the first NaN or Inf was settled: how its layer was found (found_by) and what a replay "
-    "of its step said (replay: reproducible, transient, not replayed); host and device where it ran")
+    "of its step said (replay: reproducible, transient, not replayed); host and device where it ran",
+)
 CAPSULES_WRITTEN_TOTAL = Metric(
-    "hookprof_capsules_written_total", "counter", _RANK,
-    "Incident capsules written for the first NaN or Inf (Config.capsule_dir; hookprof replay re-runs one)")
+    "hookprof_capsules_written_total",
+    "counter",
+    _RANK,
+    "Incident capsules written for the first NaN or Inf (Config.capsule_dir; hookprof replay re-runs one)",
+)
 FIRST_NONFINITE_CAPSULE_INFO = Metric(
-    "hookprof_first_nonfinite_capsule_info", "gauge", ("rank", "step", "path"),
-    "The incident capsule of the first NaN or Inf: where it was written (path, on the training host)")
+    "hookprof_first_nonfinite_capsule_info",
+    "gauge",
+    ("rank", "step", "path"),
+    "The incident capsule of the first NaN or Inf: where it was written (path, on the training host)",
+)
 PUBLISHER_THREAD_UP = Metric(
-    "hookprof_publisher_thread_up", "gauge", _RANK,
-    "1 while the background thread that folds sampled steps into snapshots is alive and publishing")
-BUILD_INFO = Metric("hookprof_build_info", "gauge", ("version", "torch_version"),
-                    "hookprof and torch versions", per_model=False)
+    "hookprof_publisher_thread_up",
+    "gauge",
+    _RANK,
+    "1 while the background thread that folds sampled steps into snapshots is alive and publishing",
+)
+BUILD_INFO = Metric(
+    "hookprof_build_info",
+    "gauge",
+    ("version", "torch_version"),
+    "hookprof and torch versions",
+    per_model=False,
+)
 
 # ---- per layer (serve/exporter.py) ----
 
 LAYER_FORWARD_SECONDS = Metric(
-    "hookprof_layer_forward_seconds", "summary", ("rank", "layer", "module"),
-    "Forward time per call on sampled steps, excluding instrumented submodules")
+    "hookprof_layer_forward_seconds",
+    "summary",
+    ("rank", "layer", "module"),
+    "Forward time per call on sampled steps, excluding instrumented submodules",
+)
 LAYER_BACKWARD_SECONDS = Metric(
-    "hookprof_layer_backward_seconds", "summary", ("rank", "layer", "module"),
-    "Backward time per call on sampled steps, excluding instrumented submodules")
+    "hookprof_layer_backward_seconds",
+    "summary",
+    ("rank", "layer", "module"),
+    "Backward time per call on sampled steps, excluding instrumented submodules",
+)
 LAYER_RECOMPUTE_SECONDS = Metric(
-    "hookprof_layer_recompute_seconds", "summary", ("rank", "layer", "module"),
+    "hookprof_layer_recompute_seconds",
+    "summary",
+    ("rank", "layer", "module"),
     "Forward recomputation during backward (activation checkpointing) per call on "
-    "sampled steps; only layers that were recomputed. Not part of forward seconds")
+    "sampled steps; only layers that were recomputed. Not part of forward seconds",
+)
 LAYER_GRADIENT_NORM = Metric(
-    "hookprof_layer_gradient_norm", "gauge", _LAYER,
-    "L2 norm of the layer's own parameters' gradients at the last sampled step")
+    "hookprof_layer_gradient_norm",
+    "gauge",
+    _LAYER,
+    "L2 norm of the layer's own parameters' gradients at the last sampled step",
+)
 LAYER_NONFINITE_TOTAL = Metric(
-    "hookprof_layer_nonfinite_total", "counter", ("rank", "layer", "phase"),
+    "hookprof_layer_nonfinite_total",
+    "counter",
+    ("rank", "layer", "phase"),
     "Sampled steps on which the layer's outputs (forward) or gradients (backward) "
-    "held a NaN or Inf; only layers that ever did")
+    "held a NaN or Inf; only layers that ever did",
+)
 LAYER_GRADIENT_FLAGGED_STEPS_TOTAL = Metric(
-    "hookprof_layer_gradient_flagged_steps_total", "counter", ("rank", "layer", "kind"),
+    "hookprof_layer_gradient_flagged_steps_total",
+    "counter",
+    ("rank", "layer", "kind"),
     "Sampled steps on which the layer's gradient norm was vanishing or exploding; "
-    "only layers that ever were")
+    "only layers that ever were",
+)
 LAYER_ACTIVATION_ZERO_RATIO = Metric(
-    "hookprof_layer_activation_zero_ratio", "gauge", _LAYER,
-    "Fraction of exact zeros in the layer's outputs at the last sampled step")
+    "hookprof_layer_activation_zero_ratio",
+    "gauge",
+    _LAYER,
+    "Fraction of exact zeros in the layer's outputs at the last sampled step",
+)
 LAYER_ACTIVATION_ABS_MAX = Metric(
-    "hookprof_layer_activation_abs_max", "gauge", _LAYER,
-    "Largest absolute value in the layer's outputs at the last sampled step")
-
+    "hookprof_layer_activation_abs_max",
+    "gauge",
+    _LAYER,
+    "Largest absolute value in the layer's outputs at the last sampled step",
+)
 
 
 def layer_statistic(name: str, help: str) -> Metric:
@@ -182,136 +269,252 @@ LAYER_STATISTIC_PREFIX = "hookprof_layer_"
 # ---- efficiency (efficiency/families.py; docs/efficiency.md) ----
 
 LAYER_FORWARD_FLOPS = Metric(
-    "hookprof_layer_forward_flops", "gauge", _LAYER,
-    "FLOPs per forward call of the layer (torch.utils.flop_counter, counted once per input shape)")
-LAYER_BACKWARD_FLOPS = Metric("hookprof_layer_backward_flops", "gauge", _LAYER,
-                              "FLOPs of the backward of one call of the layer")
+    "hookprof_layer_forward_flops",
+    "gauge",
+    _LAYER,
+    "FLOPs per forward call of the layer (torch.utils.flop_counter, counted once per input shape)",
+)
+LAYER_BACKWARD_FLOPS = Metric(
+    "hookprof_layer_backward_flops",
+    "gauge",
+    _LAYER,
+    "FLOPs of the backward of one call of the layer",
+)
 LAYER_FLOPS_PER_SECOND = Metric(
-    "hookprof_layer_flops_per_second", "gauge", _LAYER,
+    "hookprof_layer_flops_per_second",
+    "gauge",
+    _LAYER,
     "Achieved FLOP/s of the layer at the last sampled step: its FLOPs over its measured "
-    "forward and backward time")
+    "forward and backward time",
+)
 LAYER_WEIGHT_NORM = Metric(
-    "hookprof_layer_weight_norm", "gauge", _LAYER,
-    "L2 norm of the layer's own parameters after the last sampled step's update")
+    "hookprof_layer_weight_norm",
+    "gauge",
+    _LAYER,
+    "L2 norm of the layer's own parameters after the last sampled step's update",
+)
 LAYER_UPDATE_NORM = Metric(
-    "hookprof_layer_update_norm", "gauge", _LAYER,
+    "hookprof_layer_update_norm",
+    "gauge",
+    _LAYER,
     "L2 norm of the change the optimizer made to the layer's parameters, at the last "
-    "sampled step that measured it")
+    "sampled step that measured it",
+)
 LAYER_UPDATE_RATIO = Metric(
-    "hookprof_layer_update_ratio", "gauge", _LAYER,
-    "Update norm over weight norm of the layer, at the last sampled step that measured it")
+    "hookprof_layer_update_ratio",
+    "gauge",
+    _LAYER,
+    "Update norm over weight norm of the layer, at the last sampled step that measured it",
+)
 MODEL_FLOPS_PER_SECOND = Metric(
-    "hookprof_model_flops_per_second", "gauge", _RANK,
+    "hookprof_model_flops_per_second",
+    "gauge",
+    _RANK,
     "Achieved FLOP/s of the model: FLOPs of a training step over the mean wall time of the "
-    "steps since the sampled step before")
+    "steps since the sampled step before",
+)
 MODEL_FLOPS_UTILIZATION_RATIO = Metric(
-    "hookprof_model_flops_utilization_ratio", "gauge", _RANK,
+    "hookprof_model_flops_utilization_ratio",
+    "gauge",
+    _RANK,
     "Model FLOPs utilisation: achieved FLOP/s over the device's peak (Config.peak_flops, or "
-    "the known GPU's); absent when the peak is unknown")
+    "the known GPU's); absent when the peak is unknown",
+)
 UPDATE_RATIO = Metric(
-    "hookprof_update_ratio", "gauge", _RANK,
+    "hookprof_update_ratio",
+    "gauge",
+    _RANK,
     "Global update-to-weight ratio: sqrt of summed squared update norms over summed squared "
-    "weight norms, over every layer's latest measurement")
+    "weight norms, over every layer's latest measurement",
+)
 
 # ---- phases, progress and stalls (phases/families.py; docs/stalls.md) ----
 
 STEP_PHASE_SECONDS = Metric(
-    "hookprof_step_phase_seconds", "summary", ("rank", "phase"),
+    "hookprof_step_phase_seconds",
+    "summary",
+    ("rank", "phase"),
     "Host seconds of each step spent per phase: data (previous step's end to the first "
-    "root forward), forward, backward, optimizer, other; every step (docs/stalls.md)")
+    "root forward), forward, backward, optimizer, other; every step (docs/stalls.md)",
+)
 STEP_PHASE_DEVICE_SECONDS = Metric(
-    "hookprof_step_phase_device_seconds", "summary", ("rank", "phase"),
+    "hookprof_step_phase_device_seconds",
+    "summary",
+    ("rank", "phase"),
     "Device seconds of sampled steps per phase: the CUDA stream's progress between the "
     "host's phase boundaries (work enqueued in a phase, or the device idling for the "
     "host); only with CUDA events, absent on the CPU where it would equal "
-    "hookprof_step_phase_seconds (docs/stalls.md)")
+    "hookprof_step_phase_seconds (docs/stalls.md)",
+)
 STALLED = Metric(
-    "hookprof_stalled", "gauge", _RANK,
+    "hookprof_stalled",
+    "gauge",
+    _RANK,
     "1 while the training thread's current phase has lasted longer than the stall "
-    "threshold learned for it (hookprof_stall_info says where)")
+    "threshold learned for it (hookprof_stall_info says where)",
+)
 STALLS_TOTAL = Metric("hookprof_stalls_total", "counter", _RANK, "Stalls seen since attach")
-PROGRESS_STEP = Metric("hookprof_progress_step", "gauge", _RANK,
-                       "The step in progress (steps completed + 1)")
+PROGRESS_STEP = Metric(
+    "hookprof_progress_step", "gauge", _RANK, "The step in progress (steps completed + 1)"
+)
 PROGRESS_PHASE = Metric(
-    "hookprof_progress_phase", "gauge", ("rank", "phase"),
+    "hookprof_progress_phase",
+    "gauge",
+    ("rank", "phase"),
     "The training thread's current phase (label); the value is its order in a step "
-    "(data 0, forward 1, backward 2, optimizer 3, other 4, outside a step -1)")
-PROGRESS_PHASE_SECONDS = Metric("hookprof_progress_phase_seconds", "gauge", _RANK,
-                                "Seconds the training thread has been in its current phase")
+    "(data 0, forward 1, backward 2, optimizer 3, other 4, outside a step -1)",
+)
+PROGRESS_PHASE_SECONDS = Metric(
+    "hookprof_progress_phase_seconds",
+    "gauge",
+    _RANK,
+    "Seconds the training thread has been in its current phase",
+)
 STALL_INFO = Metric(
-    "hookprof_stall_info", "gauge", ("rank", "step", "phase", "layer", "waiting_on"),
+    "hookprof_stall_info",
+    "gauge",
+    ("rank", "step", "phase", "layer", "waiting_on"),
     "The stall going on now: step, phase, innermost layer on the training thread's "
-    "stack, and what it waits on (collective, data, device, code)")
+    "stack, and what it waits on (collective, data, device, code)",
+)
 
 # ---- the endpoint's own (serve/server.py) ----
 
 HTTP_CONNECTIONS_REJECTED_TOTAL = Metric(
-    "hookprof_http_connections_rejected_total", "counter", ("reason",),
+    "hookprof_http_connections_rejected_total",
+    "counter",
+    ("reason",),
     "Connections to the metrics endpoint refused or closed before a response, by reason "
-    "(limits and timeouts: Config.http_*)", per_model=False)
+    "(limits and timeouts: Config.http_*)",
+    per_model=False,
+)
 METRICS_PORT_CONFLICT_INFO = Metric(
-    "hookprof_metrics_port_conflict_info", "gauge", ("wanted_port", "holder"),
+    "hookprof_metrics_port_conflict_info",
+    "gauge",
+    ("wanted_port", "holder"),
     "Present when the configured metrics port was taken and this endpoint serves on a free port "
-    "instead (Config.port_conflict): the port wanted and the process that held it", per_model=False)
+    "instead (Config.port_conflict): the port wanted and the process that held it",
+    per_model=False,
+)
 
 # ---- host, GPUs and CUDA memory (serve/system.py), once per endpoint ----
 
 HOST_CPU_UTILIZATION_RATIO = Metric(
-    "hookprof_host_cpu_utilization_ratio", "gauge", (),
-    "Host CPU utilisation over the last interval, 0-1 (psutil)", per_model=False)
-HOST_MEMORY_TOTAL_BYTES = Metric("hookprof_host_memory_total_bytes", "gauge", (),
-                                 "Host physical memory (psutil)", per_model=False)
-HOST_MEMORY_AVAILABLE_BYTES = Metric("hookprof_host_memory_available_bytes", "gauge", (),
-                                     "Host memory available without swapping (psutil)",
-                                     per_model=False)
+    "hookprof_host_cpu_utilization_ratio",
+    "gauge",
+    (),
+    "Host CPU utilisation over the last interval, 0-1 (psutil)",
+    per_model=False,
+)
+HOST_MEMORY_TOTAL_BYTES = Metric(
+    "hookprof_host_memory_total_bytes",
+    "gauge",
+    (),
+    "Host physical memory (psutil)",
+    per_model=False,
+)
+HOST_MEMORY_AVAILABLE_BYTES = Metric(
+    "hookprof_host_memory_available_bytes",
+    "gauge",
+    (),
+    "Host memory available without swapping (psutil)",
+    per_model=False,
+)
 
 # dcgm-exporter's label spellings, so `* on(gpu, UUID)` joins; not its camelCase modelName,
 # which promtool's lint rejects (the UUID identifies the device anyway)
 _GPU = ("gpu", "UUID")
-GPU_UTILIZATION_RATIO = Metric("hookprof_gpu_utilization_ratio", "gauge", _GPU,
-                               "GPU utilisation (NVML), 0-1", per_model=False)
-GPU_MEMORY_USED_BYTES = Metric("hookprof_gpu_memory_used_bytes", "gauge", _GPU,
-                               "GPU memory in use on the device, all processes (NVML)",
-                               per_model=False)
-GPU_MEMORY_TOTAL_BYTES = Metric("hookprof_gpu_memory_total_bytes", "gauge", _GPU,
-                                "GPU memory on the device (NVML)", per_model=False)
-GPU_POWER_WATTS = Metric("hookprof_gpu_power_watts", "gauge", _GPU, "GPU power draw (NVML)",
-                         per_model=False)
-GPU_TEMPERATURE_CELSIUS = Metric("hookprof_gpu_temperature_celsius", "gauge", _GPU,
-                                 "GPU core temperature (NVML)", per_model=False)
-GPU_ENERGY_JOULES_TOTAL = Metric("hookprof_gpu_energy_joules_total", "counter", _GPU,
-                                 "GPU energy since the driver was loaded (NVML)", per_model=False)
+GPU_UTILIZATION_RATIO = Metric(
+    "hookprof_gpu_utilization_ratio", "gauge", _GPU, "GPU utilisation (NVML), 0-1", per_model=False
+)
+GPU_MEMORY_USED_BYTES = Metric(
+    "hookprof_gpu_memory_used_bytes",
+    "gauge",
+    _GPU,
+    "GPU memory in use on the device, all processes (NVML)",
+    per_model=False,
+)
+GPU_MEMORY_TOTAL_BYTES = Metric(
+    "hookprof_gpu_memory_total_bytes",
+    "gauge",
+    _GPU,
+    "GPU memory on the device (NVML)",
+    per_model=False,
+)
+GPU_POWER_WATTS = Metric(
+    "hookprof_gpu_power_watts", "gauge", _GPU, "GPU power draw (NVML)", per_model=False
+)
+GPU_TEMPERATURE_CELSIUS = Metric(
+    "hookprof_gpu_temperature_celsius",
+    "gauge",
+    _GPU,
+    "GPU core temperature (NVML)",
+    per_model=False,
+)
+GPU_ENERGY_JOULES_TOTAL = Metric(
+    "hookprof_gpu_energy_joules_total",
+    "counter",
+    _GPU,
+    "GPU energy since the driver was loaded (NVML)",
+    per_model=False,
+)
 
 _DEVICE = ("rank", "device")
 CUDA_MEMORY_ALLOCATED_BYTES = Metric(
-    "hookprof_cuda_memory_allocated_bytes", "gauge", _DEVICE,
-    "Memory held by this process's tensors (torch.cuda.memory_allocated)", per_model=False)
+    "hookprof_cuda_memory_allocated_bytes",
+    "gauge",
+    _DEVICE,
+    "Memory held by this process's tensors (torch.cuda.memory_allocated)",
+    per_model=False,
+)
 CUDA_MEMORY_RESERVED_BYTES = Metric(
-    "hookprof_cuda_memory_reserved_bytes", "gauge", _DEVICE,
+    "hookprof_cuda_memory_reserved_bytes",
+    "gauge",
+    _DEVICE,
     "Memory held by this process's caching allocator (torch.cuda.memory_reserved)",
-    per_model=False)
+    per_model=False,
+)
 CUDA_MEMORY_PEAK_ALLOCATED_BYTES = Metric(
-    "hookprof_cuda_memory_peak_allocated_bytes", "gauge", _DEVICE,
+    "hookprof_cuda_memory_peak_allocated_bytes",
+    "gauge",
+    _DEVICE,
     "Peak of allocated bytes since start or reset (torch.cuda.max_memory_allocated)",
-    per_model=False)
+    per_model=False,
+)
 
 # ---- the process: prometheus_client's ProcessCollector where there is /proc, else
 # serve/system.py's PsutilProcessCollector under the same names and help ----
 
-PROCESS_CPU_SECONDS_TOTAL = Metric("process_cpu_seconds_total", "counter", (),
-                                   "Total user and system CPU time spent in seconds.",
-                                   per_model=False)
-PROCESS_RESIDENT_MEMORY_BYTES = Metric("process_resident_memory_bytes", "gauge", (),
-                                       "Resident memory size in bytes.", per_model=False)
-PROCESS_VIRTUAL_MEMORY_BYTES = Metric("process_virtual_memory_bytes", "gauge", (),
-                                      "Virtual memory size in bytes.", per_model=False)
-PROCESS_OPEN_FDS = Metric("process_open_fds", "gauge", (), "Number of open file descriptors.",
-                          per_model=False)
-PROCESS_MAX_FDS = Metric("process_max_fds", "gauge", (),  # ProcessCollector's only
-                         "Maximum number of open file descriptors.", per_model=False)
-PROCESS_START_TIME_SECONDS = Metric("process_start_time_seconds", "gauge", (),
-                                    "Start time of the process since unix epoch in seconds.",
-                                    per_model=False)
+PROCESS_CPU_SECONDS_TOTAL = Metric(
+    "process_cpu_seconds_total",
+    "counter",
+    (),
+    "Total user and system CPU time spent in seconds.",
+    per_model=False,
+)
+PROCESS_RESIDENT_MEMORY_BYTES = Metric(
+    "process_resident_memory_bytes", "gauge", (), "Resident memory size in bytes.", per_model=False
+)
+PROCESS_VIRTUAL_MEMORY_BYTES = Metric(
+    "process_virtual_memory_bytes", "gauge", (), "Virtual memory size in bytes.", per_model=False
+)
+PROCESS_OPEN_FDS = Metric(
+    "process_open_fds", "gauge", (), "Number of open file descriptors.", per_model=False
+)
+PROCESS_MAX_FDS = Metric(
+    "process_max_fds",
+    "gauge",
+    (),  # ProcessCollector's only
+    "Maximum number of open file descriptors.",
+    per_model=False,
+)
+PROCESS_START_TIME_SECONDS = Metric(
+    "process_start_time_seconds",
+    "gauge",
+    (),
+    "Start time of the process since unix epoch in seconds.",
+    per_model=False,
+)
 
 ALL: tuple[Metric, ...] = tuple(v for v in list(globals().values()) if isinstance(v, Metric))
 BY_NAME: dict[str, Metric] = {m.name: m for m in ALL}

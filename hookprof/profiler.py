@@ -20,8 +20,13 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 from hookprof import live
-from hookprof.compiled import explain_attached_after_compile, explain_compiled_forward, unwrap_compiled
+from hookprof.compiled import (
+    explain_attached_after_compile,
+    explain_compiled_forward,
+    unwrap_compiled,
+)
 from hookprof.config import Config, env_disabled
+from hookprof.device.timing import Timer, timer_for
 from hookprof.disabled import DisabledProfiler, InertProfiler
 from hookprof.distributed import detect_local_rank, detect_rank
 from hookprof.efficiency.figures import EfficiencyTotals, StepEfficiency
@@ -35,24 +40,25 @@ from hookprof.phases.clock import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, OUT
 from hookprof.phases.recorder import PhaseClock
 from hookprof.phases.stall import StallWatch, cuda_busy
 from hookprof.publish.document import document
-from hookprof.publish.publisher import Publisher, for_model as publisher_for_model
+from hookprof.publish.publisher import Publisher
+from hookprof.publish.publisher import for_model as publisher_for_model
 from hookprof.serve.attachment import Serving
 from hookprof.snapshot import Snapshot
-from hookprof.step.boundary import StepBoundary, no_step_notice
+from hookprof.step import statistics
 from hookprof.step.backward_end import BackwardEnd
+from hookprof.step.boundary import StepBoundary, no_step_notice
 from hookprof.step.gradients import GradientNorms, StepGradients, no_gradients_notice
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import StepCounters, StepRecord, loss_notice, pack_step, real_loss
-from hookprof.step import statistics
 from hookprof.step.sampled import SampledStep
-from hookprof.device.timing import Timer, timer_for
 from hookprof.view import summary
 
 detach_all = live.detach_all
 
 
-def attach(model: nn.Module, *, config: Config | None = None, layer_statistics: Any = (),
-           **overrides: Any) -> "Profiler":
+def attach(
+    model: nn.Module, *, config: Config | None = None, layer_statistics: Any = (), **overrides: Any
+) -> Profiler:
     """Instrument `model` and start serving its metrics. Returns the Profiler.
 
     `config` defaults to `Config.from_env()` (defaults, then HOOKPROF_* variables);
@@ -62,8 +68,10 @@ def attach(model: nn.Module, *, config: Config | None = None, layer_statistics: 
     own per-layer statistics of sampled steps, exported as hookprof_layer_<name>
     (hookprof/step/statistics.py)."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"hookprof.attach expects a torch.nn.Module, got "
-                        f"{type(model).__module__}.{type(model).__qualname__}")
+        raise TypeError(
+            f"hookprof.attach expects a torch.nn.Module, got "
+            f"{type(model).__module__}.{type(model).__qualname__}"
+        )
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"config must be a hookprof.Config, got {type(config).__qualname__}")
     cfg = config if config is not None else Config.from_env()
@@ -87,10 +95,18 @@ class Profiler:
 
     enabled = True
 
-    def __init__(self, model: nn.Module, config: Config, *, clock: Callable[[], int] = time.perf_counter_ns,
-                 wall_clock: Callable[[], float] = time.time, timer: Timer | None = None,
-                 registry: CollectorRegistry | None = None,
-                 publisher: Callable[..., Publisher] = Publisher, layer_statistics: Any = ()):
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Config,
+        *,
+        clock: Callable[[], int] = time.perf_counter_ns,
+        wall_clock: Callable[[], float] = time.time,
+        timer: Timer | None = None,
+        registry: CollectorRegistry | None = None,
+        publisher: Callable[..., Publisher] = Publisher,
+        layer_statistics: Any = (),
+    ):
         model, compiled = unwrap_compiled(model)
         # the model is held weakly (as in the layer table, the replay and the hooks): when
         # its owner drops it (a notebook cell run again), the next attach() finds it gone and
@@ -103,10 +119,14 @@ class Profiler:
         live.refuse_overlap(frozenset(id(m) for m in model.modules()))
         self.table = LayerTable(model)
         if not self.table.params:
-            raise ValueError(f"{type(model).__qualname__} has no parameters: there is nothing to "
-                             "train, so nothing for hookprof to profile")
+            raise ValueError(
+                f"{type(model).__qualname__} has no parameters: there is nothing to "
+                "train, so nothing for hookprof to profile"
+            )
         if any(p.is_meta for p in self.table.params):  # deferred init: to_empty() makes new tensors
-            raise MetaDeviceError(type(model).__qualname__, [n for n, p in model.named_parameters() if p.is_meta])
+            raise MetaDeviceError(
+                type(model).__qualname__, [n for n, p in model.named_parameters() if p.is_meta]
+            )
         self.rank = config.rank if config.rank is not None else detect_rank()
         local_rank = config.local_rank if config.local_rank is not None else detect_local_rank()
         config.check_local_rank(local_rank, "LOCAL_RANK" if config.local_rank is None else None)
@@ -114,47 +134,109 @@ class Profiler:
         self._faults = Faults()
         self._notices = Notices()
         self._counters = StepCounters(config.max_skipped_steps)
-        self._grads = StepGradients(GradientNorms(self.table), every_step=config.nonfinite_check == "all")
+        self._grads = StepGradients(
+            GradientNorms(self.table), every_step=config.nonfinite_check == "all"
+        )
         # the gradients as each backward left them (before a clip or a user's guard rewrites them)
-        self._backward_end = BackwardEnd(self._grads.backward_ended if config.capsule_dir is None
-                                         else self._backward_ended, self._faults,
-                                         keep_output_grads=config.capsule_dir is not None and (
-                                             config.nonfinite_sync or all(d.type == "cpu" for d in self.table.param_devices())),
-                                         params=self.table.params)
-        self._hooks = LayerHooks(self.table, self.timer, self._faults, config.activation_stats,
-                                 root=model, statistics=layer_statistics)
-        root_layer = next((layer.index for layer in self.table.layers if layer.module is model), None)
-        self._boundary = StepBoundary(model, self.table.params, root_layer, self, self._hooks,
-                                      self._faults, clock, compiled, say=self._notices.say)
+        self._backward_end = BackwardEnd(
+            self._grads.backward_ended if config.capsule_dir is None else self._backward_ended,
+            self._faults,
+            keep_output_grads=config.capsule_dir is not None
+            and (config.nonfinite_sync or all(d.type == "cpu" for d in self.table.param_devices())),
+            params=self.table.params,
+        )
+        self._hooks = LayerHooks(
+            self.table,
+            self.timer,
+            self._faults,
+            config.activation_stats,
+            root=model,
+            statistics=layer_statistics,
+        )
+        root_layer = next(
+            (layer.index for layer in self.table.layers if layer.module is model), None
+        )
+        self._boundary = StepBoundary(
+            model,
+            self.table.params,
+            root_layer,
+            self,
+            self._hooks,
+            self._faults,
+            clock,
+            compiled,
+            say=self._notices.say,
+        )
         with contextlib.ExitStack() as undo:
             self.name = live.reserve_name(config.name or self.model_type)  # the `model` label
             undo.callback(live.remove, self, self.name)
             self._phases = PhaseClock(clock(), self.timer)  # host phases; device ones with CUDA
             self._watch = StallWatch.from_config(
-                self._phases.progress, model, config, faults=self._faults, rank=self.rank,
-                model_name=self.name, clock=clock, wall_clock=wall_clock,
-                device_busy=cuda_busy(self.table.param_devices()))
-            self._efficiency = StepEfficiency.from_config(self.table, config, self._notices, self.model_type)
+                self._phases.progress,
+                model,
+                config,
+                faults=self._faults,
+                rank=self.rank,
+                model_name=self.name,
+                clock=clock,
+                wall_clock=wall_clock,
+                device_busy=cuda_busy(self.table.param_devices()),
+            )
+            self._efficiency = StepEfficiency.from_config(
+                self.table, config, self._notices, self.model_type
+            )
             if self._efficiency.flops is not None:
                 self._efficiency.listen(self._hooks)
             self._publisher = publisher_for_model(
-                publisher, self.table, self.rank, config, self._counters, self._faults, self.timer,
-                self._notices, decorate=self._watch.decorate, device_phases=self._phases.device_totals(),
+                publisher,
+                self.table,
+                self.rank,
+                config,
+                self._counters,
+                self._faults,
+                self.timer,
+                self._notices,
+                decorate=self._watch.decorate,
+                device_phases=self._phases.device_totals(),
                 statistics=layer_statistics,
-                efficiency=EfficiencyTotals(self.table.names) if self._efficiency.enabled else None)
+                efficiency=EfficiencyTotals(self.table.names) if self._efficiency.enabled else None,
+            )
             self._sampled = SampledStep(config, self._hooks, self.timer, self._publisher)
-            self._nan = NonfiniteChecks(model, self.table, config, hooks=self._hooks,
-                                        publisher=self._publisher, new_record=self._sampled.new_record,
-                                        faults=self._faults, say=self._notices.say)
-            self._incidents = IncidentResponse(config, self.rank, self._nan.detector, self._publisher,
-                                               self._drain_counters, self._nan.replay_pending,
-                                               model=self.name, faults=self._faults, capsules=self._nan.capsules)
+            self._nan = NonfiniteChecks(
+                model,
+                self.table,
+                config,
+                hooks=self._hooks,
+                publisher=self._publisher,
+                new_record=self._sampled.new_record,
+                faults=self._faults,
+                say=self._notices.say,
+            )
+            self._incidents = IncidentResponse(
+                config,
+                self.rank,
+                self._nan.detector,
+                self._publisher,
+                self._drain_counters,
+                self._nan.replay_pending,
+                model=self.name,
+                faults=self._faults,
+                capsules=self._nan.capsules,
+            )
             self._supervisor = ThreadSupervisor(self._faults, say=self._notices.say)
             self._supervisor.watch("publisher", self._publisher)
             if config.stall_detection:
                 self._supervisor.watch("stall watch", self._watch)
-            self._serving = Serving(config, self.name, self.rank, local_rank, self._publisher, registry,
-                                    faults=self._faults, counters=self._counters)
+            self._serving = Serving(
+                config,
+                self.name,
+                self.rank,
+                local_rank,
+                self._publisher,
+                registry,
+                faults=self._faults,
+                counters=self._counters,
+            )
             earlier = live.earlier_notice(self.model_type, self.name) if config.serve else None
             if earlier:
                 self._notices.say("earlier profiler", earlier)
@@ -166,7 +248,10 @@ class Profiler:
             if compiled:  # a hook added now would force a recompile, and do nothing in the graph
                 explain_attached_after_compile(self._notices)
                 self._backward_end.watch_params(self.table.params)
-            undo.callback(self._boundary.install(model, self._nan.traced)), undo.callback(self._release_step)
+            (
+                undo.callback(self._boundary.install(model, self._nan.traced)),
+                undo.callback(self._release_step),
+            )
             self._begin_step(1, clock())
             live.add(self, self._boundary.module_ids, summary_at_exit=config.summary_at_exit)
             self._undo = undo.pop_all()
@@ -197,7 +282,9 @@ class Profiler:
 
     detached = property(lambda self: self._boundary.detached, doc="detach() was called.")
 
-    steps = property(lambda self: self._counters.steps, doc="Steps counted so far (a host counter: never waits).")
+    steps = property(
+        lambda self: self._counters.steps, doc="Steps counted so far (a host counter: never waits)."
+    )
 
     def snapshot(self) -> Snapshot:
         """The latest published statistics (hookprof.Snapshot); `flush()` first for up to now."""
@@ -223,7 +310,9 @@ class Profiler:
         """
         if self._boundary.detached:
             raise DetachedError("Profiler.step() called after detach(); attach the model again")
-        if loss is not None and (type(loss) is not torch.Tensor or loss.numel() != 1 or loss.is_complex()):
+        if loss is not None and (
+            type(loss) is not torch.Tensor or loss.numel() != 1 or loss.is_complex()
+        ):
             loss, what = real_loss(loss)  # (the usual loss, a one-element real tensor, skips this)
             if what is not None:  # a (loss, outputs) tuple and the like: said once, steps go on
                 self._notices.say("loss type", loss_notice(what))
@@ -273,7 +362,7 @@ class Profiler:
 
         return report_text(self.snapshot(), self.name)
 
-    def __enter__(self) -> "Profiler":  # with hookprof.attach(model) as prof: ...
+    def __enter__(self) -> Profiler:  # with hookprof.attach(model) as prof: ...
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -296,22 +385,40 @@ class Profiler:
         """Plan step `number`: sampled or not, with output checks or not; hooks in or out."""
         if self._boundary.latch_compiled():  # Dynamo traced the root: hooks stay out
             explain_compiled_forward(self._notices)
-            self._backward_end.watch_params(self.table.params)  # (its output's node is in the graph)
+            self._backward_end.watch_params(
+                self.table.params
+            )  # (its output's node is in the graph)
         # an open incident samples every step (its window's end read first: one call less)
         incident = number <= self._incidents.open_until and self._incidents.open(number)
         self._nan.step_began()
-        record = self._sampled.begin(number, now_ns, incident=incident, compiled=self._boundary.compiled,
-                                     broken=self._faults.layers_off(number))
+        record = self._sampled.begin(
+            number,
+            now_ns,
+            incident=incident,
+            compiled=self._boundary.compiled,
+            broken=self._faults.layers_off(number),
+        )
         self._grads.new_step(self._sampled.plan.sampled)
-        if record is not None or self._phases.bound:  # a sampled step's phases are marked on the device too
+        if (
+            record is not None or self._phases.bound
+        ):  # a sampled step's phases are marked on the device too
             self._phases.bind(record)
 
     def _on_eval_forward(self) -> None:
         if self._phases.where[1] in (DATA, OTHER):  # an evaluation between steps
             self._phases.enter(OUTSIDE, self._clock(), "eval")
 
-    def _on_forward(self, module: nn.Module, args: Any, kwargs: Any, *, entry: bool,
-                   own_layer: int | None, now: int, first_step: bool) -> None:
+    def _on_forward(
+        self,
+        module: nn.Module,
+        args: Any,
+        kwargs: Any,
+        *,
+        entry: bool,
+        own_layer: int | None,
+        now: int,
+        first_step: bool,
+    ) -> None:
         """A training forward of the root (or an entry call) begins."""
         if self._sampled.record is not None:  # a sampled step (step 1's hooks go in now)
             self._sampled.install_late(module, args, own_layer, entry)
@@ -367,7 +474,9 @@ class Profiler:
 
     def _on_back_in_optimizer(self) -> None:
         self._phases.enter(OPTIMIZER, self._clock())  # the closure returned
-        self._sampled.record_by(self._nan.rerun)  # its forward ran in the closure, the update comes next
+        self._sampled.record_by(
+            self._nan.rerun
+        )  # its forward ran in the closure, the update comes next
 
     def _on_closure_returned(self, optimizer: torch.optim.Optimizer, judged: bool) -> None:
         if not judged:
@@ -398,12 +507,15 @@ class Profiler:
             self._publisher.submit(pack_step(number, None, [], loss=loss, sampled=False))
         self._incidents.at_step_end(number)
 
-    def _on_step_end(self, loss: Any, *, skipped: bool, started_ns: int | None,
-                    forward_seen: bool) -> tuple[int, int]:
+    def _on_step_end(
+        self, loss: Any, *, skipped: bool, started_ns: int | None, forward_seen: bool
+    ) -> tuple[int, int]:
         """The step boundary: count the step and pack a sampled one. Returns (number, now)."""
         nan, grads = self._nan, self._grads
         replay = nan.replay
-        if (replay.flag is not None or (replay.kept and not self._grads.read_at_update)) and not skipped:
+        if (
+            replay.flag is not None or (replay.kept and not self._grads.read_at_update)
+        ) and not skipped:
             nan.replay_forward(self._counters.steps + 1)  # no optimizer hook ran: still this step's
         now = self._clock()
         if started_ns is None:  # a first step without a forward: no phases to tell
@@ -411,9 +523,13 @@ class Profiler:
         start = started_ns if started_ns is not None else now
         checked = dropped = None
         if not skipped:
-            checked, dropped = grads.at_step_end(self._sampled.plan.sampled)  # (read, if no optimizer hook did)
+            checked, dropped = grads.at_step_end(
+                self._sampled.plan.sampled
+            )  # (read, if no optimizer hook did)
             if grads.squares is not None and not grads.squares[1] and forward_seen:  # read: none
-                self._notices.say("no gradients", no_gradients_notice(self.model_type, grads.backward))
+                self._notices.say(
+                    "no gradients", no_gradients_notice(self.model_type, grads.backward)
+                )
         nan.at_step_end(checked, self._counters.steps + 1, dropped)
         duration_s = (now - start) * 1e-9
         number = self._counters.observe(duration_s, self._wall_clock(), skipped)
@@ -427,12 +543,20 @@ class Profiler:
 
         def pack(record: StepRecord | None) -> Any:
             efficiency, extra = self._efficiency_of(number, now, duration_s, no_update)
-            packet = nan.pack(number, record, grad_squares=grads.squares, loss=loss,
-                              efficiency=efficiency, extra=extra)
+            packet = nan.pack(
+                number,
+                record,
+                grad_squares=grads.squares,
+                loss=loss,
+                efficiency=efficiency,
+                extra=extra,
+            )
             packet.steps_at_end = self._counters.totals()
             return packet
 
-        if self._sampled.plan.sampled and self._sampled.end(number, broken=self._faults.broken, pack=pack):
+        if self._sampled.plan.sampled and self._sampled.end(
+            number, broken=self._faults.broken, pack=pack
+        ):
             self._efficiency.drop()  # what a skipped or unsent step noted and copied goes
         return number, now
 
@@ -452,8 +576,9 @@ class Profiler:
     # ---------------- what the step's events call on ----------------
 
     @guarded("efficiency figures", disable=False, default=(None, ()))
-    def _efficiency_of(self, number: int, now_ns: int, duration_s: float,
-                       skipped: bool) -> tuple[Any, list[tuple[Any, torch.Tensor]]]:
+    def _efficiency_of(
+        self, number: int, now_ns: int, duration_s: float, skipped: bool
+    ) -> tuple[Any, list[tuple[Any, torch.Tensor]]]:
         """A sampled step's FLOPs and norms (none when off, or skipped: no update, no
         throughput). A fault here costs only these figures: the step's others still go out."""
         if not self._efficiency.enabled or skipped:

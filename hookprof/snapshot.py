@@ -65,8 +65,14 @@ FOUND_BY_WEIGHTS = "non-finite weights"
 FOUND_BY_INPUT = "input"
 FOUND_BY_BACKWARD = "backward check"
 FOUND_BY_LOSS = "loss check"
-FOUND_BY = (FOUND_BY_SAMPLED, FOUND_BY_REPLAY, FOUND_BY_WEIGHTS, FOUND_BY_INPUT,
-            FOUND_BY_BACKWARD, FOUND_BY_LOSS)
+FOUND_BY = (
+    FOUND_BY_SAMPLED,
+    FOUND_BY_REPLAY,
+    FOUND_BY_WEIGHTS,
+    FOUND_BY_INPUT,
+    FOUND_BY_BACKWARD,
+    FOUND_BY_LOSS,
+)
 REPRODUCIBLE, TRANSIENT, NOT_REPLAYED = "reproducible", "transient", "not replayed"
 REPLAY_OUTCOMES = (REPRODUCIBLE, TRANSIENT, NOT_REPLAYED)
 
@@ -206,22 +212,27 @@ class Snapshot:
         (`prof.flush()` first, or `prof.report()`, for up to now)."""
         from hookprof.view.table import from_snapshot, render
 
-        as_of = (f"hookprof snapshot of {self.model or 'a model'}, rank {self.rank}, as of step {self.step} "
-                 "(published in the background: prof.flush() first, or prof.report(), for up to now)")
+        as_of = (
+            f"hookprof snapshot of {self.model or 'a model'}, rank {self.rank}, as of step {self.step} "
+            "(published in the background: prof.flush() first, or prof.report(), for up to now)"
+        )
         return as_of + "\n" + render([from_snapshot(self, self.model)])
 
     def __repr__(self) -> str:
         bad = sum(self.nonfinite_steps.values())
-        return (f"<hookprof.Snapshot rank={self.rank} step={self.step} sampled={self.sampled_steps} "
-                f"layers={len(self.layers)} loss={self.loss!r} grad_norm={self.grad_norm!r} "
-                f"nonfinite_steps={bad}>")
+        return (
+            f"<hookprof.Snapshot rank={self.rank} step={self.step} sampled={self.sampled_steps} "
+            f"layers={len(self.layers)} loss={self.loss!r} grad_norm={self.grad_norm!r} "
+            f"nonfinite_steps={bad}>"
+        )
+
     phase_seconds: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
     """Step phase ("data", "forward", "backward", "optimizer", "other") -> host seconds
     summed over `phase_steps` steps (docs/stalls.md); they add up to step_duration_sum."""
     phase_steps: int = 0
-    progress: "StepProgress | None" = None
+    progress: StepProgress | None = None
     """Where the training thread is now (as of this snapshot)."""
-    stall: "StallReport | None" = None
+    stall: StallReport | None = None
     """The stall going on now, if any (docs/stalls.md)."""
     stalls: int = 0
     """Stalls seen since attach."""
@@ -232,7 +243,7 @@ class Snapshot:
     stream's progress between the phase's boundaries (docs/stalls.md). None unless the timer
     is a device timer (on the host clock it would repeat `phase_seconds`)."""
     device_phase_steps: int = 0
-    layer_statistics: Mapping[str, "LayerStatisticValues"] = field(default_factory=lambda: _EMPTY)
+    layer_statistics: Mapping[str, LayerStatisticValues] = field(default_factory=lambda: _EMPTY)
     """The per-layer statistics given to attach(layer_statistics=...): name -> its help and
     each exported layer's value at the last sampled step with activation statistics."""
     model: str = ""
@@ -286,20 +297,39 @@ class StallReport:
     """The rank's last collectives from torch's flight recorder, when it is on."""
 
 
-def layer_series(layer: "LayerStats", efficiency: "LayerEfficiency | None", statistics: int = 0) -> int:
+def layer_series(layer: LayerStats, efficiency: LayerEfficiency | None, statistics: int = 0) -> int:
     """The series one exported layer puts on a /metrics page, by the exporter's own rules
     (serve/exporter.py: a timing summary's _sum and _count where it was called, a gauge where
     its value is known, a counter where it is not 0; efficiency/families.py: one per known
     figure), plus `statistics` of the user's per-layer statistics with a value for it. What
     the series budget (Config.max_layer_series) counts; docs/metrics.md has the totals."""
-    n = 2 * sum(1 for calls in (layer.forward_calls_total, layer.backward_calls_total,
-                                 layer.recompute_calls_total) if calls)
-    n += sum(1 for v in (layer.grad_norm, layer.activation_zero_ratio, layer.activation_abs_max)
-             if v is not None)
+    n = 2 * sum(
+        1
+        for calls in (
+            layer.forward_calls_total,
+            layer.backward_calls_total,
+            layer.recompute_calls_total,
+        )
+        if calls
+    )
+    n += sum(
+        1
+        for v in (layer.grad_norm, layer.activation_zero_ratio, layer.activation_abs_max)
+        if v is not None
+    )
     n += sum(1 for count in layer.nonfinite.values() if count)
     n += sum(1 for count in layer.gradient_flags.values() if count)
     if efficiency is not None:
-        n += sum(1 for v in (efficiency.forward_flops, efficiency.backward_flops,
-                             efficiency.flops_per_second, efficiency.weight_norm,
-                             efficiency.update_norm, efficiency.update_ratio) if v is not None)
+        n += sum(
+            1
+            for v in (
+                efficiency.forward_flops,
+                efficiency.backward_flops,
+                efficiency.flops_per_second,
+                efficiency.weight_norm,
+                efficiency.update_norm,
+                efficiency.update_ratio,
+            )
+            if v is not None
+        )
     return n + statistics

@@ -63,7 +63,9 @@ def rule_groups() -> list[dict]:
         if not isinstance(doc, dict) or set(doc) != {"groups"}:
             raise NotARuleFile(
                 f"{os.path.relpath(path, ROOT)} is in the rules' glob (deploy/prometheus/*.yml) but is "
-                "not a rule file (a top-level `groups:` only); promtool unit tests go in deploy/prometheus/tests/")
+                "not a rule file (a top-level `groups:` only); "
+                "promtool unit tests go in deploy/prometheus/tests/"
+            )
         groups.extend(doc["groups"])
     return groups
 
@@ -73,7 +75,10 @@ def prometheus_rule() -> str:
     doc = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": {"name": "hookprof", "labels": {"release": RELEASE, "app.kubernetes.io/part-of": "hookprof"}},
+        "metadata": {
+            "name": "hookprof",
+            "labels": {"release": RELEASE, "app.kubernetes.io/part-of": "hookprof"},
+        },
         "spec": {"groups": groups},
     }
     return HEADER.format(source="deploy/prometheus/*.yml") + dump(doc)
@@ -104,7 +109,10 @@ def train_script_configmap() -> str:
     doc = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": "hookprof-train-script", "labels": {"app.kubernetes.io/part-of": "hookprof"}},
+        "metadata": {
+            "name": "hookprof-train-script",
+            "labels": {"app.kubernetes.io/part-of": "hookprof"},
+        },
         "data": {"train.py": script},
     }
     return HEADER.format(source="deploy/kubernetes/train.py") + dump(doc)
@@ -139,7 +147,9 @@ def main() -> int:
                 f.write(text)
             print(f"wrote deploy/kubernetes/{name}")
     if stale:
-        print(f"stale: {stale}; run python deploy/kubernetes/generate.py and commit", file=sys.stderr)
+        print(
+            f"stale: {stale}; run python deploy/kubernetes/generate.py and commit", file=sys.stderr
+        )
         return 1
     return 0
 

@@ -31,8 +31,10 @@ def main() -> None:
     # every rank of a node decides alike: NCCL needs a GPU of its own per rank
     cuda = gpus >= local_world
     if 0 < gpus < local_world and local_rank == 0:
-        print(f"train.py: {gpus} GPU(s) for {local_world} local ranks: training on the CPU with gloo",
-              flush=True)
+        print(
+            f"train.py: {gpus} GPU(s) for {local_world} local ranks: training on the CPU with gloo",
+            flush=True,
+        )
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
@@ -40,8 +42,10 @@ def main() -> None:
     torch.manual_seed(0)
 
     model = nn.Sequential(
-        nn.Linear(args.width, args.width), nn.GELU(),
-        nn.Linear(args.width, args.width), nn.GELU(),
+        nn.Linear(args.width, args.width),
+        nn.GELU(),
+        nn.Linear(args.width, args.width),
+        nn.GELU(),
         nn.Linear(args.width, 10),
     ).to(device)
     prof = hookprof.attach(model)  # before DDP wraps it: hooks belong on the real layers

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 
-def device_name(devices: "set[torch.device] | list[torch.device]") -> str:
+def device_name(devices: set[torch.device] | list[torch.device]) -> str:
     """The identity of the first accelerator among `devices`, else "cpu"."""
     for device in sorted(devices, key=str):
         if device.type == "cuda":

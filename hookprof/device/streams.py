@@ -23,9 +23,12 @@ class StreamLookup:
     caching can be tested without a GPU; by default they are bound at the first lookup (a
     CPU-only torch has none of them)."""
 
-    def __init__(self, query: Callable[[int], tuple] | None = None,
-                 build: Callable[[tuple], Any] | None = None,
-                 current_device: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        query: Callable[[int], tuple] | None = None,
+        build: Callable[[tuple], Any] | None = None,
+        current_device: Callable[[], int] | None = None,
+    ):
         self._query = query
         self._build = build
         self._current_device = current_device
@@ -35,10 +38,13 @@ class StreamLookup:
         import torch
 
         if self._query is None:
-            self._query = torch._C._cuda_getCurrentStream  # -> (stream id, device index, device type)
+            self._query = (
+                torch._C._cuda_getCurrentStream
+            )  # -> (stream id, device index, device type)
         if self._build is None:
-            self._build = lambda data: torch.cuda.Stream(stream_id=data[0], device_index=data[1],
-                                                         device_type=data[2])
+            self._build = lambda data: torch.cuda.Stream(
+                stream_id=data[0], device_index=data[1], device_type=data[2]
+            )
         if self._current_device is None:
             self._current_device = torch._C._cuda_getDevice
 

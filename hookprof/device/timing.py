@@ -82,7 +82,8 @@ class CudaEventTimer:
     stream cost 9.8 us, most of it `torch.cuda.current_stream()` (7.5 us), and 2.9 us with
     a stream passed (2026-11-22). So the stream is looked up once per sampled step, in
     start(), and every mark records on it through the C method (one Python frame less than
-    `Event.record(stream)`; not yet measured on a GPU). A loop that switches streams inside a step (`with torch.cuda.stream(s)`
+    `Event.record(stream)`; not yet measured on a GPU). A loop that switches streams inside a step
+    (`with torch.cuda.stream(s)`
     around part of the forward) gets that part timed on the step's first stream: the times
     are then those of the first stream's progress, never an error or a wait.
 
@@ -91,9 +92,12 @@ class CudaEventTimer:
 
     kind = "cuda"
 
-    def __init__(self, event_factory: Callable[[], Any] | None = None,
-                 current_stream: Callable[[], Any] | None = None,
-                 yield_gil: Callable[[], None] = _yield_gil):
+    def __init__(
+        self,
+        event_factory: Callable[[], Any] | None = None,
+        current_stream: Callable[[], Any] | None = None,
+        yield_gil: Callable[[], None] = _yield_gil,
+    ):
         if event_factory is None:
             self._new_event: Callable[[], Any] = lambda: torch.cuda.Event(enable_timing=True)
             # the C method itself: torch.cuda.Event.record(stream) is a Python frame around it

@@ -118,7 +118,7 @@ class ScalarBatch:
         self._sizes[device] = offset + flat.numel()
         self._where.setdefault(key, []).append((device, offset, flat.numel()))
 
-    def send(self) -> "HostBatch":
+    def send(self) -> HostBatch:
         sent = {}
         for device, parts in self._parts.items():
             # cat promotes int64 counts and low-precision floats; float64 holds both exactly

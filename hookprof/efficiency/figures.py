@@ -21,10 +21,9 @@ import torch
 
 from hookprof.efficiency import peaks
 from hookprof.efficiency.flops import FlopCounter
+from hookprof.efficiency.updates import UpdateNorms
 from hookprof.layers import LayerTable
 from hookprof.snapshot import EfficiencyStats, LayerEfficiency
-from hookprof.efficiency.updates import UpdateNorms
-
 
 _UNREAD = object()
 
@@ -47,17 +46,34 @@ class StepEfficiency:
     """The training-thread half. Every method is cheap on unsampled steps (not called)."""
 
     @classmethod
-    def from_config(cls, table: LayerTable, config: Any, notices: Any, model_name: str) -> "StepEfficiency":
+    def from_config(
+        cls, table: LayerTable, config: Any, notices: Any, model_name: str
+    ) -> StepEfficiency:
         """The figures with their slice of the config (flop_counting, update_norms,
         update_norm_max_bytes, peak_flops, update_norm_interval_s)."""
-        return cls(table, flops=config.flop_counting, update_norms=config.update_norms,
-                   update_max_bytes=config.update_norm_max_bytes, peak_flops=config.peak_flops,
-                   notices=notices, model_name=model_name,
-                   update_interval_s=config.update_norm_interval_s)
+        return cls(
+            table,
+            flops=config.flop_counting,
+            update_norms=config.update_norms,
+            update_max_bytes=config.update_norm_max_bytes,
+            peak_flops=config.peak_flops,
+            notices=notices,
+            model_name=model_name,
+            update_interval_s=config.update_norm_interval_s,
+        )
 
-    def __init__(self, table: LayerTable, *, flops: bool, update_norms: bool, update_max_bytes: int,
-                 peak_flops: float | None, notices: Any, model_name: str = "the model",
-                 update_interval_s: float = 0.0):
+    def __init__(
+        self,
+        table: LayerTable,
+        *,
+        flops: bool,
+        update_norms: bool,
+        update_max_bytes: int,
+        peak_flops: float | None,
+        notices: Any,
+        model_name: str = "the model",
+        update_interval_s: float = 0.0,
+    ):
         self._table = table
         self._notices = notices
         self.flops = FlopCounter(table, notices) if flops else None
@@ -92,8 +108,11 @@ class StepEfficiency:
         try:
             self._precision = peaks.precision_of(self._dtype, self._device.type)
         except Exception as exc:  # never into the training loop, nor switching the hooks off
-            self._notices.say("flops precision", f"the precision of {self._model_name} cannot be "
-                              f"read ({exc!r}): model FLOPs utilisation may be missing")
+            self._notices.say(
+                "flops precision",
+                f"the precision of {self._model_name} cannot be "
+                f"read ({exc!r}): model FLOPs utilisation may be missing",
+            )
         self._hooks.listen(self.flops.note)
         self.flops.note(layer, args, kwargs, nested)
 
@@ -107,14 +126,19 @@ class StepEfficiency:
         needs, at most once per update_interval_s."""
         if self.updates is None or self.updates.taken:
             return
-        if self._last_update_ns is not None and now_ns - self._last_update_ns < self._update_interval_ns:
+        if (
+            self._last_update_ns is not None
+            and now_ns - self._last_update_ns < self._update_interval_ns
+        ):
             return
         self._last_update_ns = now_ns
         if optimizer is not None:
             self.updates.follow(optimizer)
         self.updates.before_update()
 
-    def end_step(self, step: int, now_ns: int, duration_s: float) -> tuple[EfficiencyPart, list[tuple[Any, torch.Tensor]]]:
+    def end_step(
+        self, step: int, now_ns: int, duration_s: float
+    ) -> tuple[EfficiencyPart, list[tuple[Any, torch.Tensor]]]:
         """A sampled step ended (its update done): its host figures and the device values to
         add to its batch."""
         part = EfficiencyPart()
@@ -158,13 +182,20 @@ class StepEfficiency:
         name = self._device_name
         peak = peaks.lookup(name, precision) if name and precision else None
         if peak is None:
-            where = (f"{name} in {precision or self._dtype}" if name
-                     else f"{self._device.type} (no default peak off CUDA)")
-            self._notices.say("peak flops", (
-                f"the peak FLOP/s of {where} is unknown, so model FLOPs utilisation "
-                f"(hookprof_model_flops_utilization_ratio) is not exported for {self._model_name}; "
-                "set Config.peak_flops (HOOKPROF_PEAK_FLOPS) to the device's peak for the "
-                "precision the model computes in"))
+            where = (
+                f"{name} in {precision or self._dtype}"
+                if name
+                else f"{self._device.type} (no default peak off CUDA)"
+            )
+            self._notices.say(
+                "peak flops",
+                (
+                    f"the peak FLOP/s of {where} is unknown, so model FLOPs utilisation "
+                    f"(hookprof_model_flops_utilization_ratio) is not exported for {self._model_name}; "
+                    "set Config.peak_flops (HOOKPROF_PEAK_FLOPS) to the device's peak for the "
+                    "precision the model computes in"
+                ),
+            )
         self._peaks[precision] = peak
         return peak
 
@@ -176,9 +207,13 @@ class EfficiencyTotals:
     def __init__(self, names: list[str]):
         self._names = names
         n = len(names)
-        self._layer_flops: list[tuple[float | None, float | None, float | None]] = [(None, None, None)] * n
+        self._layer_flops: list[tuple[float | None, float | None, float | None]] = [
+            (None, None, None)
+        ] * n
         self._weight_sq: list[float | None] = [None] * n
-        self._update: list[tuple[float, float] | None] = [None] * n  # (update², weight²) when measured
+        self._update: list[tuple[float, float] | None] = [
+            None
+        ] * n  # (update², weight²) when measured
         self._model: tuple[float | None, float | None, float | None] = (None, None, None)
         self._stats: EfficiencyStats | None = None
 
@@ -195,8 +230,11 @@ class EfficiencyTotals:
                 with_bwd = bwd_seconds[i] > 0
                 timed = fwd_seconds[i] + (bwd_seconds[i] if with_bwd else 0.0)
                 done = fwd[i] + (bwd[i] if with_bwd else 0)
-                self._layer_flops[i] = (fwd[i] / calls[i], bwd[i] / calls[i],
-                                        done / timed if timed > 0 and done else None)
+                self._layer_flops[i] = (
+                    fwd[i] / calls[i],
+                    bwd[i] / calls[i],
+                    done / timed if timed > 0 and done else None,
+                )
             per_second = model / part.seconds_per_step if model and part.seconds_per_step else None
             utilization = per_second / part.peak_flops if per_second and part.peak_flops else None
             self._model = (float(model) if model else None, per_second, utilization)
@@ -216,19 +254,27 @@ class EfficiencyTotals:
             per_call_fwd, per_call_bwd, per_second = self._layer_flops[i]
             w2, upd = self._weight_sq[i], self._update[i]
             layers[name] = LayerEfficiency(
-                forward_flops=per_call_fwd, backward_flops=per_call_bwd, flops_per_second=per_second,
+                forward_flops=per_call_fwd,
+                backward_flops=per_call_bwd,
+                flops_per_second=per_second,
                 weight_norm=math.sqrt(w2) if w2 is not None else None,
                 update_norm=math.sqrt(upd[0]) if upd is not None else None,
                 # NaN weights (a NaN update was applied) give a NaN ratio: exported as such
-                update_ratio=math.sqrt(upd[0] / upd[1]) if upd is not None and upd[1] != 0 else None,
+                update_ratio=math.sqrt(upd[0] / upd[1])
+                if upd is not None and upd[1] != 0
+                else None,
             )
         measured = [u for u in self._update if u is not None]
         total_w = sum(w for _, w in measured)
         flops_per_step, per_second, utilization = self._model
         self._stats = EfficiencyStats(
             layers=MappingProxyType(layers),
-            flops_per_step=flops_per_step, flops_per_second=per_second, flops_utilization=utilization,
-            update_ratio=math.sqrt(sum(u for u, _ in measured) / total_w) if measured and total_w != 0 else None,
+            flops_per_step=flops_per_step,
+            flops_per_second=per_second,
+            flops_utilization=utilization,
+            update_ratio=math.sqrt(sum(u for u, _ in measured) / total_w)
+            if measured and total_w != 0
+            else None,
         )
         return self._stats
 

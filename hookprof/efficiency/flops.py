@@ -9,7 +9,8 @@ Meta tensors have shapes and no data, so this never touches the device, never sy
 never consumes the random generator and cannot change the real layer (its copy has its own
 parameter, buffer and module dicts and none of the hooks). The result is cached by (layer,
 signature) and shared by layers of one kind (same class, configuration and parameter
-shapes: the 24 blocks of a transformer are counted once); a layer whose forward cannot run on meta tensors (it reads a value, builds a
+shapes: the 24 blocks of a transformer are counted once); a layer whose forward cannot run on meta
+tensors (it reads a value, builds a
 tensor on a fixed device) has no FLOPs, said once in the notices.
 
 Counting runs on the training thread at the step boundary because FlopCounterMode's module
@@ -33,7 +34,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from hookprof.compiled import unwrap_compiled
 from hookprof.layers import LayerTable
 
-MAX_COUNTS_PER_STEP = 32  # new signatures counted at one step boundary; the rest on later sampled steps
+MAX_COUNTS_PER_STEP = (
+    32  # new signatures counted at one step boundary; the rest on later sampled steps
+)
 MAX_SIGNATURES_PER_LAYER = 8  # kept per layer (variable sequence lengths): oldest dropped first
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
@@ -64,8 +67,13 @@ def _key(value: Any) -> Any:
     if isinstance(value, _SCALARS):
         return value
     if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_key(v) if isinstance(v, torch.Tensor) or isinstance(v, _SCALARS)
-                                   else type(v) for v in value))
+        return (
+            type(value),
+            tuple(
+                _key(v) if isinstance(v, torch.Tensor) or isinstance(v, _SCALARS) else type(v)
+                for v in value
+            ),
+        )
     return type(value)
 
 
@@ -75,8 +83,10 @@ def _kind(module: torch.nn.Module) -> Any:
         config = module.extra_repr()
     except Exception:
         return id(module)  # a layer of its own kind
-    tensors = tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
-                    for name, t in (*module.named_parameters(), *module.named_buffers()))
+    tensors = tuple(
+        (name, tuple(t.shape), t.dtype, t.requires_grad)
+        for name, t in (*module.named_parameters(), *module.named_buffers())
+    )
     return (type(module), config, tensors)
 
 
@@ -102,18 +112,35 @@ def _meta_clone(module: torch.nn.Module) -> torch.nn.Module:
         if getattr(target, "__func__", None) is not type(module).forward:
             clone.forward = target.__func__.__get__(clone)
     clone._parameters = {
-        name: None if p is None else torch.nn.Parameter(
-            torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+        name: None
+        if p is None
+        else torch.nn.Parameter(
+            torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+        )
         for name, p in module._parameters.items()
     }
-    clone._buffers = {name: None if b is None else torch.empty(b.shape, dtype=b.dtype, device="meta")
-                      for name, b in module._buffers.items()}
+    clone._buffers = {
+        name: None if b is None else torch.empty(b.shape, dtype=b.dtype, device="meta")
+        for name, b in module._buffers.items()
+    }
     # a child put in torch.compile's wrapper runs its module's code here, eagerly
-    clone._modules = {name: None if m is None else _meta_clone(unwrap_compiled(m)[0]) for name, m in module._modules.items()}
-    for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                  "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
-                  "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
-                  "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"):
+    clone._modules = {
+        name: None if m is None else _meta_clone(unwrap_compiled(m)[0])
+        for name, m in module._modules.items()
+    }
+    for hooks in (
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+    ):
         if hooks in clone.__dict__:
             clone.__dict__[hooks] = OrderedDict()
     return clone
@@ -128,13 +155,19 @@ def count(module: torch.nn.Module, args: Any, kwargs: Any) -> tuple[int, int]:
     clone = _meta_clone(module)
     clone.train(module.training)
     with torch.enable_grad():  # the meta inputs are built under it too: see _Meta.build
-        margs, mkwargs = tree_map(lambda v: v.build() if isinstance(v, _Meta) else v, (args, kwargs),
-                                  is_leaf=lambda v: isinstance(v, _Meta))
+        margs, mkwargs = tree_map(
+            lambda v: v.build() if isinstance(v, _Meta) else v,
+            (args, kwargs),
+            is_leaf=lambda v: isinstance(v, _Meta),
+        )
         with FlopCounterMode(display=False) as counter:
             out = clone(*margs, **mkwargs)
             forward = counter.get_total_flops()
-            leaves = [t for t in tree_flatten(out)[0]
-                      if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+            leaves = [
+                t
+                for t in tree_flatten(out)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None
+            ]
             if leaves:
                 torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
             backward = counter.get_total_flops() - forward
@@ -155,8 +188,11 @@ class FlopCounter:
         self._layers = len(table.layers)
         self._shared: dict[Any, OrderedDict] = {}
         self._cache: list[OrderedDict | None] = [
-            self._shared.setdefault(_kind(layer.module) if layer.module is not None else object(), OrderedDict())
-            for layer in table.layers] + [None] * (table.rows - len(table.layers))
+            self._shared.setdefault(
+                _kind(layer.module) if layer.module is not None else object(), OrderedDict()
+            )
+            for layer in table.layers
+        ] + [None] * (table.rows - len(table.layers))
         self._calls: list[tuple[int, Any, bool]] = []  # (layer, key, nested) of this step
         # (id of a kind's cache, signature) -> (layer, args, kwargs) to count at the step's end
         self._pending: dict[tuple[int, Any], tuple[int, Any, Any]] = {}
@@ -187,11 +223,16 @@ class FlopCounter:
             cache = self._cache[layer]
             if key not in cache and (id(cache), key) not in self._pending:
                 describe = lambda v: _Meta(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
-                self._pending[(id(cache), key)] = (layer, *tree_map(describe, (tuple(args), dict(kwargs or {}))))
+                self._pending[(id(cache), key)] = (
+                    layer,
+                    *tree_map(describe, (tuple(args), dict(kwargs or {}))),
+                )
         except Exception as exc:  # never into the training loop, nor switching the hooks off
             if self._notices is not None:
-                self._notices.say("flops note", f"FLOPs of layer calls cannot be noted ({exc!r}): "
-                                  "FLOP figures may be missing")
+                self._notices.say(
+                    "flops note",
+                    f"FLOPs of layer calls cannot be noted ({exc!r}): FLOP figures may be missing",
+                )
 
     def drop(self) -> None:
         """The step is not reported (its hooks failed, or it was skipped)."""
@@ -211,12 +252,20 @@ class FlopCounter:
             try:
                 result = count(unwrap_compiled(module)[0], args, kwargs)
             except Exception as exc:
-                self._failed.update(i for i, c in enumerate(self._cache) if c is not None and c is self._cache[layer])
+                self._failed.update(
+                    i
+                    for i, c in enumerate(self._cache)
+                    if c is not None and c is self._cache[layer]
+                )
                 if self._notices is not None:
                     name = self._table.row_name(layer)
-                    self._notices.say(f"flops {name}", (
-                        f"FLOPs of layer {name} cannot be counted on meta tensors "
-                        f"({type(exc).__name__}: {str(exc)[:160]}): it has no FLOP figures"))
+                    self._notices.say(
+                        f"flops {name}",
+                        (
+                            f"FLOPs of layer {name} cannot be counted on meta tensors "
+                            f"({type(exc).__name__}: {str(exc)[:160]}): it has no FLOP figures"
+                        ),
+                    )
                 continue
             cache = self._cache[layer]
             cache[key] = result

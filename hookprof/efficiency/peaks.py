@@ -93,7 +93,10 @@ def precision_of(dtype: torch.dtype, device_type: str) -> str | None:
     if dtype == torch.float16:
         return "fp16"
     if dtype == torch.float32:
-        tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+        tf32 = (
+            torch.backends.cuda.matmul.allow_tf32
+            or torch.get_float32_matmul_precision() != "highest"
+        )
         return "tf32" if tf32 and device_type == "cuda" else "fp32"
     return None
 

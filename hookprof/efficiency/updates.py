@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from hookprof.step.gradients import layer_squares, local_tensor
-from hookprof.layers import LayerTable
 from hookprof.device.transfer import index_to_device
+from hookprof.layers import LayerTable
+from hookprof.step.gradients import layer_squares, local_tensor
 
 _UNGROUPED = object()  # no optimizer followed yet
 
@@ -55,16 +55,23 @@ class UpdateNorms:
         layers with trainable parameters and the bytes of this rank's part of them, and the
         parameters by device with their layers' indices (what layer_squares reduces)."""
         table = self._table
-        trainable = [layer.index for layer in table.layers
-                     if any(table.params[i].requires_grad for i in layer.param_indices)]
+        trainable = [
+            layer.index
+            for layer in table.layers
+            if any(table.params[i].requires_grad for i in layer.param_indices)
+        ]
         # the rotation goes on from the layer whose turn it was
         was = self._trainable[self._next] if self._trainable else 0
         self._next = bisect.bisect_left(trainable, was) % len(trainable) if trainable else 0
         self._trainable = trainable
-        self._bytes = {i: sum(local_tensor(p.detach()).numel() * p.element_size()
-                              for p in (table.params[j] for j in table.layers[i].param_indices)
-                              if p.requires_grad)
-                       for i in trainable}
+        self._bytes = {
+            i: sum(
+                local_tensor(p.detach()).numel() * p.element_size()
+                for p in (table.params[j] for j in table.layers[i].param_indices)
+                if p.requires_grad
+            )
+            for i in trainable
+        }
         by_device: dict[torch.device, tuple[list[int], list[int]]] = {}
         for i, (p, layer) in enumerate(zip(table.params, table.param_layer)):
             params, layers = by_device.setdefault(local_tensor(p.detach()).device, ([], []))
@@ -72,7 +79,8 @@ class UpdateNorms:
             layers.append(layer)
         # (device, parameter indices, their layers, those layers on the device once used)
         self._weights: list[tuple[torch.device, list[int], list[int], list[torch.Tensor]]] = [
-            (device, params, layers, []) for device, (params, layers) in by_device.items()]
+            (device, params, layers, []) for device, (params, layers) in by_device.items()
+        ]
 
     def follow(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer` is about to update: regroup if its parameter groups changed since
@@ -115,7 +123,9 @@ class UpdateNorms:
             self._next = (self._next + 1) % n
         return chosen
 
-    def after_update(self) -> tuple[list[torch.Tensor], list[torch.Tensor], frozenset[int], frozenset[int]]:
+    def after_update(
+        self,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], frozenset[int], frozenset[int]]:
         """At the step's end: per device, squared weight norms per layer (every layer) and
         squared update norms per layer (the layers copied); which layers were copied, and
         which have parameters. The copies are freed."""

@@ -91,7 +91,9 @@ class HookprofTrainerMixin:
     HookprofTrainerCallback among the trainer's callbacks."""
 
     def _hookprof_callbacks(self) -> list[HookprofTrainerCallback]:
-        return [c for c in self.callback_handler.callbacks if isinstance(c, HookprofTrainerCallback)]
+        return [
+            c for c in self.callback_handler.callbacks if isinstance(c, HookprofTrainerCallback)
+        ]
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         loss = super().training_step(*args, **kwargs)

@@ -15,7 +15,9 @@ from typing import Any
 try:
     import lightning.pytorch as pl
 except ImportError:
-    raise ImportError("hookprof.integrations.lightning needs Lightning: pip install lightning") from None
+    raise ImportError(
+        "hookprof.integrations.lightning needs Lightning: pip install lightning"
+    ) from None
 
 from hookprof.integrations.scalars import ProfiledTraining
 
@@ -52,8 +54,14 @@ class HookprofCallback(ProfiledTraining, pl.Callback):
         self._attach(pl_module)
         self._global_step = trainer.global_step  # (resumed from a checkpoint: not 0)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         self.loss.add(outputs.get("loss") if isinstance(outputs, Mapping) else outputs)
         if trainer.global_step != self._global_step:  # an optimizer step ended with this batch
             self._global_step = trainer.global_step
@@ -67,8 +75,9 @@ class HookprofCallback(ProfiledTraining, pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._detach()
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                     exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         # the loggers are still open (Lightning finalizes them after this hook): they get the
         # last sample, often what explains the failure
         try:

@@ -32,14 +32,17 @@ def step_count(snap: Snapshot) -> int:
 
 def counters(snap: Snapshot) -> dict[str, float]:
     """The non-finite steps per phase and the skipped steps so far."""
-    scalars = {f"{PREFIX}nonfinite_steps/{phase}": float(snap.nonfinite_steps[phase]) for phase in PHASES}
+    scalars = {
+        f"{PREFIX}nonfinite_steps/{phase}": float(snap.nonfinite_steps[phase]) for phase in PHASES
+    }
     scalars[PREFIX + "skipped_steps"] = float(snap.skipped_steps)
     return scalars
 
 
 def new_sample(snap: Snapshot, previous: Snapshot | None) -> bool:
     return snap.last_sampled_step is not None and (
-        previous is None or snap.last_sampled_step != previous.last_sampled_step)
+        previous is None or snap.last_sampled_step != previous.last_sampled_step
+    )
 
 
 def headline(snap: Snapshot, previous: Snapshot | None = None) -> dict[str, float]:
@@ -52,7 +55,9 @@ def headline(snap: Snapshot, previous: Snapshot | None = None) -> dict[str, floa
     if new_sample(snap, previous) and snap.grad_norm is not None:
         scalars[GRAD_NORM] = snap.grad_norm
         scalars[SAMPLED_STEP] = float(snap.last_sampled_step)
-    before_sum, before_count = (previous.step_duration_sum, step_count(previous)) if previous else (0.0, 0)
+    before_sum, before_count = (
+        (previous.step_duration_sum, step_count(previous)) if previous else (0.0, 0)
+    )
     timed = step_count(snap) - before_count
     if timed > 0:
         scalars[PREFIX + "step_time_s"] = (snap.step_duration_sum - before_sum) / timed
@@ -126,7 +131,11 @@ class ProfiledTraining:
         previous = self.last_logged
         if snap.step == 0:
             return None
-        if previous is not None and not new_sample(snap, previous) and counters(snap) == counters(previous):
+        if (
+            previous is not None
+            and not new_sample(snap, previous)
+            and counters(snap) == counters(previous)
+        ):
             if not (flush or always) or snap.step == previous.step:
                 return None
         self.last_logged = snap

@@ -53,9 +53,11 @@ LOSS_LAYER = "(loss)"  # layer label of an incident seen in the loss alone
 # sampled steps whose forward (or backward) saw a NaN/Inf, kept until the counters say which
 # step was first; past this many the latest go first: the first bad step is the earliest
 KEPT_FINDINGS = 64
-WEIGHTS_UNPROVEN = ("the replay made it again in a layer whose weights were already non-finite; with "
-                    "nonfinite_check='loss' the gradients of unsampled steps are not checked, so whether "
-                    "an earlier update made those weights so is unknown and no layer is named")
+WEIGHTS_UNPROVEN = (
+    "the replay made it again in a layer whose weights were already non-finite; with "
+    "nonfinite_check='loss' the gradients of unsampled steps are not checked, so whether "
+    "an earlier update made those weights so is unknown and no layer is named"
+)
 
 
 @dataclass(slots=True)
@@ -72,7 +74,6 @@ class ForwardFinding:
     saw_nonfinite: bool = False  # an output of a call of the forward was non-finite
 
 
-
 def _with_ancestors(rec: StepRecord, calls: list[int]) -> set[int]:
     """`calls` and every call enclosing one of them (Call.parent, -1 at the top)."""
     out: set[int] = set()
@@ -83,9 +84,14 @@ def _with_ancestors(rec: StepRecord, calls: list[int]) -> set[int]:
     return out
 
 
-
-def forward_roles(rec: StepRecord, names: list[str], n_layers: int, act_max: dict[int, float],
-                  bwd_start: dict[int, float], weights_bad: set[int] = frozenset()) -> ForwardFinding:
+def forward_roles(
+    rec: StepRecord,
+    names: list[str],
+    n_layers: int,
+    act_max: dict[int, float],
+    bwd_start: dict[int, float],
+    weights_bad: set[int] = frozenset(),
+) -> ForwardFinding:
     """Who made a NaN/Inf on a checked or replayed step: the root's inputs ("(input)"),
     else the innermost call with finite inputs and a non-finite output (the first to end:
     a layer, or a container module whose own code made it); the layers it then flowed
@@ -105,15 +111,18 @@ def forward_roles(rec: StepRecord, names: list[str], n_layers: int, act_max: dic
     # attention mask) while a layer is what went wrong
     made = [c for c in rec.ended if c in out_bad and c not in in_bad]
     weight_made = [m for m in made if rec.calls[m].layer in weights_bad]
-    if weight_made:  # a layer whose own weights made it is no proven origin, nor its enclosing calls
+    if (
+        weight_made
+    ):  # a layer whose own weights made it is no proven origin, nor its enclosing calls
         made = [c for c in made if c not in _with_ancestors(rec, weight_made)]
     producers: dict[str, None] = dict.fromkeys(names[rec.calls[c].layer] for c in made)
     if root_input_bad and not producers and out_bad:
         # (a root input may hold -inf on purpose, an additive attention mask: it is the
         # input's only when something the model made went non-finite)
         producers[INPUT_NAME] = None
-    propagators = dict.fromkeys(names[rec.calls[c].layer] for c in sorted(out_bad)
-                                if c in in_bad and rec.calls[c].layer < n)
+    propagators = dict.fromkeys(
+        names[rec.calls[c].layer] for c in sorted(out_bad) if c in in_bad and rec.calls[c].layer < n
+    )
     last_finite_child = None
     if made and rec.calls[made[0]].layer >= n:
         children = [c for c in rec.ended if rec.calls[c].parent == made[0] and c not in out_bad]
@@ -122,17 +131,27 @@ def forward_roles(rec: StepRecord, names: list[str], n_layers: int, act_max: dic
     for call, t in bwd_start.items():
         layer = rec.calls[call].layer
         start_of_layer[layer] = min(start_of_layer.get(layer, math.inf), t)
-    return ForwardFinding(list(producers), [p for p in propagators if p not in producers],
-                          start_of_layer, last_finite_child,
-                          list(dict.fromkeys(names[rec.calls[c].layer] for c in weight_made)),
-                          bool(out_bad))
+    return ForwardFinding(
+        list(producers),
+        [p for p in propagators if p not in producers],
+        start_of_layer,
+        last_finite_child,
+        list(dict.fromkeys(names[rec.calls[c].layer] for c in weight_made)),
+        bool(out_bad),
+    )
 
 
 class Attribution:
     """The first NaN/Inf of one model's run (publisher thread only)."""
 
-    def __init__(self, names: list[str], *, device: str = "cpu", replay_unavailable: str | None = None,
-                 gradients_every_step: bool = True):
+    def __init__(
+        self,
+        names: list[str],
+        *,
+        device: str = "cpu",
+        replay_unavailable: str | None = None,
+        gradients_every_step: bool = True,
+    ):
         self._names = names
         # every step's gradients checked (nonfinite_check="all"): only then do the counters
         # tell whether a non-finite update was applied before a step (the weights' evidence)
@@ -141,10 +160,16 @@ class Attribution:
         self._unavailable = replay_unavailable  # why no step can be replayed in this run
         self._counters: dict[str, list[int]] | None = None
         self._sampled: dict[int, ForwardFinding] = {}  # steps whose forward saw a NaN/Inf
-        self._backward: dict[int, dict[int, float]] = {}  # step with a non-finite gradient -> backward starts
-        self._replayed: dict[int, tuple[ForwardFinding, int]] = {}  # step -> (finding, updates since)
+        self._backward: dict[
+            int, dict[int, float]
+        ] = {}  # step with a non-finite gradient -> backward starts
+        self._replayed: dict[
+            int, tuple[ForwardFinding, int]
+        ] = {}  # step -> (finding, updates since)
         self._not_replayed: dict[int, str] = {}
-        self._capsules: list[str] = []  # incident capsules written (capsule.py): the first is the event's
+        self._capsules: list[
+            str
+        ] = []  # incident capsules written (capsule.py): the first is the event's
         self.event: NonFiniteEvent | None = None
 
     # ---------------- what was observed ----------------
@@ -169,7 +194,7 @@ class Attribution:
         for kept in (self._sampled, self._backward):
             for step in [s for s in kept if first is not None and s < first]:
                 del kept[step]
-            for step in sorted(kept, reverse=True)[:max(0, len(kept) - KEPT_FINDINGS)]:
+            for step in sorted(kept, reverse=True)[: max(0, len(kept) - KEPT_FINDINGS)]:
                 del kept[step]
 
     def _first(self) -> int | None:
@@ -203,9 +228,11 @@ class Attribution:
         c = self._counters
         if c is None:
             return self.event
-        firsts = [(c["phase_first"][PHASE_INDEX[p]], order, p)
-                  for order, p in enumerate(("forward", "loss", "backward"))
-                  if c["phase_first"][PHASE_INDEX[p]] >= 0]
+        firsts = [
+            (c["phase_first"][PHASE_INDEX[p]], order, p)
+            for order, p in enumerate(("forward", "loss", "backward"))
+            if c["phase_first"][PHASE_INDEX[p]] >= 0
+        ]
         if not firsts:
             return self.event
         first, _, phase = min(firsts)
@@ -213,10 +240,14 @@ class Attribution:
         if phase == "forward":
             event = self._forward(first, c["phase_first"][PHASE_INDEX["backward"]])
         elif phase == "loss":
-            event = NonFiniteEvent(LOSS_LAYER, phase, first, found_by=FOUND_BY_LOSS, device=self._device)
+            event = NonFiniteEvent(
+                LOSS_LAYER, phase, first, found_by=FOUND_BY_LOSS, device=self._device
+            )
         else:
             event = self._backward_first(first, c["layer_first"])
-        self.event = dataclasses.replace(event, capsule=self._capsules[0]) if self._capsules else event
+        self.event = (
+            dataclasses.replace(event, capsule=self._capsules[0]) if self._capsules else event
+        )
         return self.event
 
     def _forward(self, first: int, backward_first: int) -> NonFiniteEvent:
@@ -227,7 +258,8 @@ class Attribution:
 
         # the forward of `first` itself, then later ones while nothing had poisoned them
         seen: list[tuple[int, int, ForwardFinding]] = [
-            (step, 0, f) for step, f in self._sampled.items() if step >= first]
+            (step, 0, f) for step, f in self._sampled.items() if step >= first
+        ]
         seen += [(step, 1, f) for step, (f, _) in self._replayed.items() if step >= first]
         layer, found_by, propagators, last_child, unproven = None, None, (), None, None
         for step, replay, finding in sorted(seen, key=lambda s: (s[0] != first, s[0], s[1])):
@@ -236,8 +268,13 @@ class Attribution:
             if finding.producers:
                 layer, propagators = finding.producers[0], tuple(finding.propagators)
                 last_child = finding.last_finite_child
-                found_by = (FOUND_BY_INPUT if layer == INPUT_NAME
-                            else FOUND_BY_REPLAY if replay else FOUND_BY_SAMPLED)
+                found_by = (
+                    FOUND_BY_INPUT
+                    if layer == INPUT_NAME
+                    else FOUND_BY_REPLAY
+                    if replay
+                    else FOUND_BY_SAMPLED
+                )
                 break
             if finding.weight_producers and clean_before(step):
                 if not self._every_step:  # nothing says no update made those weights so
@@ -249,8 +286,9 @@ class Attribution:
         outcome, note = self._replay_of(first)
         if layer is None and outcome == REPRODUCIBLE and unproven:
             note = unproven
-        return NonFiniteEvent(layer, "forward", first, propagators, last_child, found_by, outcome,
-                              note, self._device)
+        return NonFiniteEvent(
+            layer, "forward", first, propagators, last_child, found_by, outcome, note, self._device
+        )
 
     def _replay_of(self, first: int) -> tuple[str | None, str | None]:
         """What replaying `first` said: reproducible, transient, not replayed (and why), or
@@ -279,6 +317,11 @@ class Attribution:
         # step, else the last layer in module order (backward runs roughly in reverse)
         starts = self._backward.get(first, {})
         chosen = min(bad, key=lambda i: (starts.get(i, math.inf), -i))
-        return NonFiniteEvent(self._names[chosen], "backward", first,
-                              tuple(self._names[i] for i in bad if i != chosen),
-                              found_by=FOUND_BY_BACKWARD, device=self._device)
+        return NonFiniteEvent(
+            self._names[chosen],
+            "backward",
+            first,
+            tuple(self._names[i] for i in bad if i != chosen),
+            found_by=FOUND_BY_BACKWARD,
+            device=self._device,
+        )

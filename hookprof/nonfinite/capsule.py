@@ -80,7 +80,9 @@ def _give_back_slot() -> None:
 def capsule_path(directory: str, model: str, rank: int, step: int) -> str:
     """The capsule's file; a second one of this process for the same model, rank and step (a
     model attached again under the same name) is told apart by a count: never overwritten."""
-    stem = os.path.join(directory, f"hookprof-capsule-{safe_label(model)}-rank{rank}-step{step}-{os.getpid()}")
+    stem = os.path.join(
+        directory, f"hookprof-capsule-{safe_label(model)}-rank{rank}-step{step}-{os.getpid()}"
+    )
     path, n = stem + ".pt", 1
     while os.path.lexists(path):
         n += 1
@@ -103,12 +105,16 @@ def module_on_cpu(module: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {}
     for m in module.modules():
         for key, value in vars(m).items():
-            if key.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called")) and isinstance(value, dict):
+            if key.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called")) and isinstance(
+                value, dict
+            ):
                 memo[id(value)] = type(value)()
-        for name, p in m._parameters.items():
+        for p in m._parameters.values():
             if p is not None and id(p) not in memo:
-                memo[id(p)] = nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
-        for name, b in m._buffers.items():
+                memo[id(p)] = nn.Parameter(
+                    p.detach().to("cpu", copy=True), requires_grad=p.requires_grad
+                )
+        for b in m._buffers.values():
             if b is not None and id(b) not in memo:
                 memo[id(b)] = b.detach().to("cpu", copy=True)
     return copy.deepcopy(module, memo)
@@ -185,8 +191,11 @@ class CallSeen:
 
 def _all_finite(value: Any) -> Any:
     """One 0-d bool on the device (no wait): is every floating tensor in `value` finite?"""
-    flags = [torch.isfinite(t.detach()).all() for t in iter_tensors(value)
-             if (t.is_floating_point() or t.is_complex()) and t.numel()]
+    flags = [
+        torch.isfinite(t.detach()).all()
+        for t in iter_tensors(value)
+        if (t.is_floating_point() or t.is_complex()) and t.numel()
+    ]
     if not flags:
         return True
     return torch.stack([f.to(flags[0].device) for f in flags]).all()
@@ -239,8 +248,15 @@ class ReplayWatch:
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         tensors = list(iter_tensors((args, kwargs)))
-        call = CallSeen(self._names.get(id(module), type(module).__name__), module, args, kwargs,
-                        [t._version for t in tensors], _all_finite((args, kwargs)), *rng_state(self._cuda))
+        call = CallSeen(
+            self._names.get(id(module), type(module).__name__),
+            module,
+            args,
+            kwargs,
+            [t._version for t in tensors],
+            _all_finite((args, kwargs)),
+            *rng_state(self._cuda),
+        )
         self._open.append(call)
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -260,7 +276,11 @@ class ReplayWatch:
         tensors = [f for f in flags if isinstance(f, torch.Tensor)]
         # note: a CPU-GPU sync point, at the incident step only (after its replay): one
         # stack on the flags' device, then one copy to the host (not one per flag)
-        values = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist()) if tensors else iter(())
+        values = (
+            iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist())
+            if tensors
+            else iter(())
+        )
         read = [bool(next(values)) if isinstance(f, torch.Tensor) else bool(f) for f in flags]
         out: dict[str, CallSeen] = {}
         for k, c in enumerate(self.calls):
@@ -276,8 +296,14 @@ class Capsules:
     """The capsule of one profiler: watches its replay (at most one per run), keeps the
     draft, writes it when asked (`write`). Faults here cost the capsule only."""
 
-    def __init__(self, config: Config, *, faults: Faults, send: Callable[[int, str], None],
-                 say: Callable[[str, str], None] | None = None):
+    def __init__(
+        self,
+        config: Config,
+        *,
+        faults: Faults,
+        send: Callable[[int, str], None],
+        say: Callable[[str, str], None] | None = None,
+    ):
         self._dir = config.capsule_dir
         self._max_count = config.capsule_max_count
         self._max_bytes = config.capsule_max_bytes
@@ -311,23 +337,35 @@ class Capsules:
         with watch.watching(model):
             yield done
 
-    def _draft(self, model: nn.Module, watch: ReplayWatch, captured: Any, step: int,
-               moved: int) -> CapsuleDraft:
+    def _draft(
+        self, model: nn.Module, watch: ReplayWatch, captured: Any, step: int, moved: int
+    ) -> CapsuleDraft:
         producers = {}
         for call in watch.producers():
             now = [t._version for t in iter_tensors((call.args, call.kwargs))]
             entry = module_entry(module_on_cpu(call.module))
-            entry.update(name=call.name, module_type=type(call.module).__name__,
-                         inputs=_saved((to_cpu(call.args), to_cpu(call.kwargs))),
-                         output=_saved(to_cpu(call.output)), cpu_rng=call.cpu_rng,
-                         cuda_rng=call.cuda_rng, input_dtypes=dtypes_of((call.args, call.kwargs)),
-                         output_dtypes=dtypes_of(call.output),
-                         inputs_changed_in_place=now != call.versions)
+            entry.update(
+                name=call.name,
+                module_type=type(call.module).__name__,
+                inputs=_saved((to_cpu(call.args), to_cpu(call.kwargs))),
+                output=_saved(to_cpu(call.output)),
+                cpu_rng=call.cpu_rng,
+                cuda_rng=call.cuda_rng,
+                input_dtypes=dtypes_of((call.args, call.kwargs)),
+                output_dtypes=dtypes_of(call.output),
+                inputs_changed_in_place=now != call.versions,
+            )
             producers[call.name] = entry
         return self._step_draft(model, captured, step, moved, producers)
 
-    def _step_draft(self, model: nn.Module, captured: Any, step: int, moved: int,
-                    producers: dict[str, dict[str, Any]]) -> CapsuleDraft:
+    def _step_draft(
+        self,
+        model: nn.Module,
+        captured: Any,
+        step: int,
+        moved: int,
+        producers: dict[str, dict[str, Any]],
+    ) -> CapsuleDraft:
         """The step's forward inputs and RNG (replay.CapturedForward), copied to the CPU, and
         the whole model (under capsule_max_bytes; above it a hash of each parameter) when no
         producer is kept."""
@@ -336,7 +374,11 @@ class Capsules:
         state = model.state_dict()
         state_bytes = tensor_bytes(state)
         input_bytes = tensor_bytes(inputs)
-        sizes = {"state_dict_bytes": state_bytes, "input_bytes": input_bytes, "max_bytes": self._max_bytes}
+        sizes = {
+            "state_dict_bytes": state_bytes,
+            "input_bytes": input_bytes,
+            "max_bytes": self._max_bytes,
+        }
         model_entry, hashes = None, None
         # a capsule of a named producer holds the producer (FORM_PRODUCER): the whole model
         # is copied or hashed only when there is none (it cost 1.7 s of a 96 MiB model's 2.8 s)
@@ -344,21 +386,35 @@ class Capsules:
             model_entry = module_entry(module_on_cpu(model))
         elif not producers:
             hashes = {name: parameter_hash(t) for name, t in state.items()}
-            left_out.append(f"the model's state_dict ({state_bytes} bytes, with {input_bytes} bytes of inputs "
-                            f"above capsule_max_bytes={self._max_bytes}): a sha256 of each tensor instead")
+            left_out.append(
+                f"the model's state_dict ({state_bytes} bytes, with {input_bytes} bytes of inputs "
+                f"above capsule_max_bytes={self._max_bytes}): a sha256 of each tensor instead"
+            )
         devices = {t.device for t in state.values()}
         return CapsuleDraft(
-            step=step, moved=moved, modes=getattr(captured, "modes", None),
+            step=step,
+            moved=moved,
+            modes=getattr(captured, "modes", None),
             entry=next((n for n, m in model.named_modules() if m is captured.module), None)
-            if captured.module is not None else None,
-            inputs=_saved(inputs), input_dtypes=dtypes_of(inputs), cpu_rng=captured.cpu_rng,
-            cuda_rng=captured.cuda_rng, producers=producers, model=model_entry, hashes=hashes,
-            left_out=left_out, model_class=class_name(type(model)), device=device_name(devices),
+            if captured.module is not None
+            else None,
+            inputs=_saved(inputs),
+            input_dtypes=dtypes_of(inputs),
+            cpu_rng=captured.cpu_rng,
+            cuda_rng=captured.cuda_rng,
+            producers=producers,
+            model=model_entry,
+            hashes=hashes,
+            left_out=left_out,
+            model_class=class_name(type(model)),
+            device=device_name(devices),
             parameter_dtypes={k: str(v.dtype).removeprefix("torch.") for k, v in state.items()},
-            sizes=sizes)
+            sizes=sizes,
+        )
 
-    def backward(self, model: nn.Module, captured: Any, output_grads: list[torch.Tensor | None],
-                 step: int) -> None:
+    def backward(
+        self, model: nn.Module, captured: Any, output_grads: list[torch.Tensor | None], step: int
+    ) -> None:
         """A backward of step `step` left a non-finite gradient, seen at its end, before the
         update: draft its capsule now (the forward's inputs and RNG, the model as that
         forward ran it, the gradients its outputs received), unless one is drafted or
@@ -370,10 +426,16 @@ class Capsules:
             draft = self._step_draft(model, captured, step, 0, producers={})
             grads = _saved(to_cpu(output_grads))
             if captured.changed_in_place():
-                draft.left_out.append("the step's inputs as the forward began: they were changed in place "
-                                      "since (the capsule holds them as they are now)")
-            self.draft = dataclasses.replace(draft, kind="backward", output_grads=grads,
-                                             sizes={**draft.sizes, "output_grad_bytes": len(grads)})
+                draft.left_out.append(
+                    "the step's inputs as the forward began: they were changed in place "
+                    "since (the capsule holds them as they are now)"
+                )
+            self.draft = dataclasses.replace(
+                draft,
+                kind="backward",
+                output_grads=grads,
+                sizes={**draft.sizes, "output_grad_bytes": len(grads)},
+            )
             self._draft_failed = False
 
     def missing(self, event: NonFiniteEvent) -> None:
@@ -381,8 +443,10 @@ class Capsules:
         if self.draft is not None or self.path is not None or self._say is None:
             return
         if event.phase == "backward" and self._draft_failed:
-            why = ("drafting it failed (counted in hookprof_internal_errors_total, part nonfinite; "
-                   "the log line before says what)")
+            why = (
+                "drafting it failed (counted in hookprof_internal_errors_total, part nonfinite; "
+                "the log line before says what)"
+            )
         elif event.phase == "backward":
             why = _WHY_NO_BACKWARD_CAPSULE
         elif event.phase == "loss":
@@ -391,9 +455,14 @@ class Capsules:
             why = f"its step was not replayed ({event.replay_note or 'no reason given'})"
         else:
             return  # (a draft that failed is counted as a fault; the capsule limit said so)
-        self._say("no capsule", f"no capsule written for the NaN/Inf of step {event.step} ({event.phase}): {why}")
+        self._say(
+            "no capsule",
+            f"no capsule written for the NaN/Inf of step {event.step} ({event.phase}): {why}",
+        )
 
-    def write(self, event: NonFiniteEvent, *, model: str, rank: int, summary: str = "") -> str | None:
+    def write(
+        self, event: NonFiniteEvent, *, model: str, rank: int, summary: str = ""
+    ) -> str | None:
         """Write the draft for `event` (the first NaN/Inf, settled or about to be acted on);
         returns the capsule's path, None when there is none to write or it failed (counted
         in hookprof_internal_errors_total, said once: training goes on)."""
@@ -405,15 +474,22 @@ class Capsules:
             # a capsule holds the incident's own step or nothing: a later step's forward (the
             # NaN weights a backward NaN's update left) would replay the consequence
             if self._say is not None:
-                self._say("capsule of another step", (
-                    f"no capsule written for the NaN/Inf of step {event.step} ({event.phase}): the step "
-                    f"kept was {draft.step}, not the incident's"
-                    + (f". {_WHY_NO_BACKWARD_CAPSULE}" if event.phase == "backward" else "")))
+                self._say(
+                    "capsule of another step",
+                    (
+                        f"no capsule written for the NaN/Inf of step {event.step} ({event.phase}): the step "
+                        f"kept was {draft.step}, not the incident's"
+                        + (f". {_WHY_NO_BACKWARD_CAPSULE}" if event.phase == "backward" else "")
+                    ),
+                )
             return None
         if not _take_slot(self._max_count):
             if self._say is not None:
-                self._say("capsule limit", f"no capsule written for the NaN/Inf of step {draft.step}: this "
-                                           f"process has written capsule_max_count={self._max_count} already")
+                self._say(
+                    "capsule limit",
+                    f"no capsule written for the NaN/Inf of step {draft.step}: this "
+                    f"process has written capsule_max_count={self._max_count} already",
+                )
             return None
         path = capsule_path(self._dir, model, rank, draft.step)
         try:
@@ -430,23 +506,35 @@ class Capsules:
                 if self.draft is None:
                     self.draft = draft  # the next step end (or flush, detach) writes it
             if self._say is not None:
-                self._say("capsule interrupted", f"the capsule of the NaN/Inf of step {draft.step} was "
-                                                 f"interrupted ({type(exc).__name__}) before it was written: "
-                                                 "it is written at the next step end, flush() or detach()")
+                self._say(
+                    "capsule interrupted",
+                    f"the capsule of the NaN/Inf of step {draft.step} was "
+                    f"interrupted ({type(exc).__name__}) before it was written: "
+                    "it is written at the next step end, flush() or detach()",
+                )
             raise
         self.path = path
         self._send(draft.step, path)
         return path
 
-    def _contents(self, draft: CapsuleDraft, event: NonFiniteEvent, path: str, model: str,
-                  rank: int, summary: str) -> dict[str, Any]:
+    def _contents(
+        self,
+        draft: CapsuleDraft,
+        event: NonFiniteEvent,
+        path: str,
+        model: str,
+        rank: int,
+        summary: str,
+    ) -> dict[str, Any]:
         named = event.layer if event.layer in draft.producers else None
         left_out = list(draft.left_out)
         if draft.kind == "backward":
             form = FORM_BACKWARD if draft.model is not None else FORM_HASHES
         elif named is not None:
             form = FORM_PRODUCER
-            left_out.append("the model's other modules and the step's forward inputs (the producer was named)")
+            left_out.append(
+                "the model's other modules and the step's forward inputs (the producer was named)"
+            )
         else:
             form = FORM_MODEL if draft.model is not None else FORM_HASHES
             if event.layer == INPUT_NAME:
@@ -480,8 +568,12 @@ class Capsules:
         if named is not None:
             contents["producer"] = draft.producers[named]
             return contents
-        contents["forward"] = {"inputs": draft.inputs, "entry": draft.entry, "cpu_rng": draft.cpu_rng,
-                               "cuda_rng": draft.cuda_rng}
+        contents["forward"] = {
+            "inputs": draft.inputs,
+            "entry": draft.entry,
+            "cpu_rng": draft.cpu_rng,
+            "cuda_rng": draft.cuda_rng,
+        }
         if draft.output_grads is not None:
             contents["backward"] = {"output_grads": draft.output_grads}
         if draft.model is not None:
@@ -497,7 +589,8 @@ class Capsules:
 _WHY_NO_BACKWARD_CAPSULE = (
     "A backward NaN's capsule is drafted at that backward's end, before the update, which "
     "needs its gradient check on the host there: on a CPU always, on a GPU with "
-    "nonfinite_sync=True (one more wait per step)")
+    "nonfinite_sync=True (one more wait per step)"
+)
 
 
 def _saved(value: Any) -> bytes:
@@ -510,5 +603,3 @@ def _saved(value: Any) -> bytes:
 
 def describe_capsule(path: str | None) -> str:
     return f"; capsule written to {path} (hookprof replay {path})" if path else ""
-
-

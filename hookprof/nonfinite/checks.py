@@ -33,7 +33,12 @@ from hookprof.nonfinite.capsule import Capsules
 from hookprof.nonfinite.detector import Detector, loss_flag, nonfinite_flags
 from hookprof.nonfinite.guard import ScalerView, SkipCounters, UpdateGuard, host_flags_of_squares
 from hookprof.nonfinite.output import OutputFlags
-from hookprof.nonfinite.replay import CapturedForward, ForwardReplay, forward_again, own_weights_nonfinite
+from hookprof.nonfinite.replay import (
+    CapturedForward,
+    ForwardReplay,
+    forward_again,
+    own_weights_nonfinite,
+)
 from hookprof.nonfinite.traced import TracedOutputCheck
 from hookprof.step.gradients import DroppedCheck
 from hookprof.step.hooks import LayerHooks
@@ -49,9 +54,18 @@ def _several_ranks() -> bool:
 class NonfiniteChecks:
     """The training thread's side of NaN/Inf handling for one profiler."""
 
-    def __init__(self, model: nn.Module, table: LayerTable, config: Config, *, hooks: LayerHooks,
-                 publisher: Any, new_record: Callable[[], StepRecord], faults: Faults,
-                 say: Callable[[str, str], None]):
+    def __init__(
+        self,
+        model: nn.Module,
+        table: LayerTable,
+        config: Config,
+        *,
+        hooks: LayerHooks,
+        publisher: Any,
+        new_record: Callable[[], StepRecord],
+        faults: Faults,
+        say: Callable[[str, str], None],
+    ):
         self._table = table
         self._hooks = hooks
         self._publisher = publisher
@@ -64,17 +78,34 @@ class NonfiniteChecks:
         # device (on_nonfinite "skip"/"raise"), are counted on the device
         self._scaler_skips = SkipCounters(config.max_skipped_steps)
         self._held_back = SkipCounters(config.max_skipped_steps)
-        self.guard = (UpdateGuard(config.nonfinite_sync, say)
-                      if config.on_nonfinite in ("skip", "raise") else None)
+        self.guard = (
+            UpdateGuard(config.nonfinite_sync, say)
+            if config.on_nonfinite in ("skip", "raise")
+            else None
+        )
         # FSDP2 / tensor parallel: re-running the forward on one rank would start all-gathers
         # the other ranks never join, so a forward NaN is localised on the following
         # (sampled) steps instead
         # the incident capsule (Config.capsule_dir): rides the replay, sent with the counters
-        self.capsules = None if config.capsule_dir is None else Capsules(
-            config, faults=faults, say=say,
-            send=lambda step, path: publisher.submit(self.pack(step, None, sampled=False, capsule=path)))
-        self.replay = ForwardReplay(model, enabled=not table.has_dtensor_params,
-                                    keep_late=self.guard is not None, say=say, witness=self.capsules)
+        self.capsules = (
+            None
+            if config.capsule_dir is None
+            else Capsules(
+                config,
+                faults=faults,
+                say=say,
+                send=lambda step, path: publisher.submit(
+                    self.pack(step, None, sampled=False, capsule=path)
+                ),
+            )
+        )
+        self.replay = ForwardReplay(
+            model,
+            enabled=not table.has_dtensor_params,
+            keep_late=self.guard is not None,
+            say=say,
+            witness=self.capsules,
+        )
         # the output check of a compiled model, traced into its graph (traced.py)
         params = table.params
         self.traced = TracedOutputCheck(params[0].device if params else torch.device("cpu"), say)
@@ -83,7 +114,9 @@ class NonfiniteChecks:
         self._replay_token = 0  # the publisher's publish_now token of the replay's packet
         self._thread: int | None = None  # the training thread (the last forward's)
         self._scaler_view: ScalerView | None = None  # a fused optimizer's GradScaler state
-        self._masked: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (squares, checked)
+        self._masked: tuple[list[torch.Tensor], list[torch.Tensor]] | None = (
+            None  # (squares, checked)
+        )
 
     # ---------------- within a step ----------------
 
@@ -96,7 +129,9 @@ class NonfiniteChecks:
         self._masked = None
         # (the output's flags were cleared at the last step's end: at_step_end)
 
-    def capture(self, args: Any, kwargs: Any, entry_module: nn.Module | None, *, rerun: bool = False) -> None:
+    def capture(
+        self, args: Any, kwargs: Any, entry_module: nn.Module | None, *, rerun: bool = False
+    ) -> None:
         """A training forward begins: keep its inputs for a replay (the root is never held:
         the replay keeps the model weakly); with `rerun`, for this step's re-run too (a
         sampled step with checks whose compiled regions hide their layers: `rerun`)."""
@@ -128,7 +163,9 @@ class NonfiniteChecks:
             self.detector.note("loss", loss_flag(loss), step)
 
     def update_began(self, step: int) -> None:
-        if self.traced.called:  # compiled forwards ran: first, the guard judges the update with them
+        if (
+            self.traced.called
+        ):  # compiled forwards ran: first, the guard judges the update with them
             self._take_compiled(step)
         if self.guard is not None:
             self.guard.begin_update()
@@ -145,14 +182,23 @@ class NonfiniteChecks:
         self._scaler_skips.add(view.found_inf)
         return view
 
-    def backward_ended(self, checked: tuple[list[torch.Tensor], frozenset[int]] | None,
-                       output_grads: list[torch.Tensor | None], step: int) -> None:
+    def backward_ended(
+        self,
+        checked: tuple[list[torch.Tensor], frozenset[int]] | None,
+        output_grads: list[torch.Tensor | None],
+        step: int,
+    ) -> None:
         """Config.capsule_dir: a backward of step `step` ended, its gradients checked
         (`checked`, StepGradients.backward). When that check can be read without waiting
         (CPU tensors; on a device, only under nonfinite_sync) and says non-finite, the
         capsule is drafted now, before the update changes the weights (Capsules.backward)."""
         capsules = self.capsules
-        if checked is None or capsules is None or capsules.draft is not None or capsules.path is not None:
+        if (
+            checked is None
+            or capsules is None
+            or capsules.draft is not None
+            or capsules.path is not None
+        ):
             return
         parts = checked[0]
         if not all(transfer.on_host(p) for p in parts) and not self._wait:
@@ -164,8 +210,12 @@ class NonfiniteChecks:
             return  # (the replay's one run is over, or its forward is not this step's)
         capsules.backward(model, captured, output_grads, step)
 
-    def before_update(self, optimizer: torch.optim.Optimizer,
-                      squares: tuple[list[torch.Tensor], frozenset[int]] | None, step: int) -> None:
+    def before_update(
+        self,
+        optimizer: torch.optim.Optimizer,
+        squares: tuple[list[torch.Tensor], frozenset[int]] | None,
+        step: int,
+    ) -> None:
         """This step's gradients are final and its parameters not updated yet: the guard
         judges the update, then a waiting replay runs (neither changes a weight: under
         nonfinite_sync the guard's wait, for a flag copied after the output's, leaves that
@@ -216,8 +266,12 @@ class NonfiniteChecks:
         if self.guard is not None:
             self.guard.after_update()
 
-    def at_step_end(self, squares: tuple[list[torch.Tensor], frozenset[int]] | None, step: int,
-                    dropped: dict[torch.device, DroppedCheck] | None = None) -> None:
+    def at_step_end(
+        self,
+        squares: tuple[list[torch.Tensor], frozenset[int]] | None,
+        step: int,
+        dropped: dict[torch.device, DroppedCheck] | None = None,
+    ) -> None:
         """The step's backward check (once per step, however often the gradients were read)
         and its forward check: a step is non-finite in its forward once, however many
         forwards (siamese nets, a discriminator on real and fake, entry calls) and output
@@ -225,11 +279,19 @@ class NonfiniteChecks:
         if self.traced.called and self._take_compiled(step) and self.replay.flag is not None:
             # no optimizer hook took the compiled forwards' check
             self.replay_forward(step)
-        layers = [] if squares is None else (
-            squares[0] if self._scaler_view is None else self._checked_squares(squares[0]))
+        layers = (
+            []
+            if squares is None
+            else (squares[0] if self._scaler_view is None else self._checked_squares(squares[0]))
+        )
         capsules = self.capsules
-        if capsules is not None and capsules.draft is not None and capsules.draft.kind == "backward" \
-                and capsules.draft.step == step and all(bool(torch.isfinite(p).all()) for p in layers):
+        if (
+            capsules is not None
+            and capsules.draft is not None
+            and capsules.draft.kind == "backward"
+            and capsules.draft.step == step
+            and all(bool(torch.isfinite(p).all()) for p in layers)
+        ):
             # its gradients were dropped before any update (a GradScaler's skip, a loop's own
             # loss scaler): no incident, and the capsule's place is kept for one (a backward
             # draft exists only where these values are read without waiting)
@@ -255,8 +317,14 @@ class NonfiniteChecks:
     def pack(self, step: int, record: StepRecord | None, **kwargs: Any) -> Packet:
         """A packet of step `step` carrying the device counters (and whatever `kwargs` add:
         a sampled step's record, gradients, loss, efficiency figures)."""
-        return pack_step(step, record, self.detector.blocks(), counts=self._device_counts(),
-                         dropped_values=self.detector.dropped_blocks(), **kwargs)
+        return pack_step(
+            step,
+            record,
+            self.detector.blocks(),
+            counts=self._device_counts(),
+            dropped_values=self.detector.dropped_blocks(),
+            **kwargs,
+        )
 
     def drain(self, steps: int) -> None:
         """Send the non-finite counters alone (no sampled step to carry them)."""
@@ -289,8 +357,13 @@ class NonfiniteChecks:
         goes on)."""
         captured, self._rerun_forward = self._rerun_forward, None
         model = self.replay.model
-        if (captured is None or model is None or self._rerun_done or self._table.has_dtensor_params
-                or _several_ranks()):
+        if (
+            captured is None
+            or model is None
+            or self._rerun_done
+            or self._table.has_dtensor_params
+            or _several_ranks()
+        ):
             # a forward run on one rank alone would start collectives (FSDP2, tensor parallel,
             # an all-reduce in the model's code) that the other ranks never join
             return None
@@ -328,9 +401,16 @@ class NonfiniteChecks:
             self._replay_token = self._publisher.publish_now()
         if rec is not None:
             weights = [("weights_bad", f) for f in own_weights_nonfinite(self._table.layers)]
-            self._publisher.submit(self.pack(step, rec, sampled=False, extra=weights,
-                                             replay_moved=self.replay.moved,
-                                             not_replayed=self.replay.caveat))
+            self._publisher.submit(
+                self.pack(
+                    step,
+                    rec,
+                    sampled=False,
+                    extra=weights,
+                    replay_moved=self.replay.moved,
+                    not_replayed=self.replay.caveat,
+                )
+            )
             if self.replay.keep_late:  # skip/raise: the policy may be waiting for its layer
                 self._replay_token = self._publisher.publish_now()
 
@@ -346,8 +426,9 @@ class NonfiniteChecks:
     def replay_pending(self, bad_step: int) -> bool:
         """Can the forward replay still name the producer of `bad_step`'s NaN: a kept step
         up to it not looked at yet, or the replay's packet not published yet?"""
-        return (self.replay.may_replay(bad_step)
-                or self._publisher.published_token < self._replay_token)
+        return (
+            self.replay.may_replay(bad_step) or self._publisher.published_token < self._replay_token
+        )
 
     def _checked_squares(self, squares: list[torch.Tensor]) -> list[torch.Tensor]:
         """The squares the backward check counts: none on a step a fused optimizer's

@@ -66,7 +66,9 @@ class DeviceCounters:
         # this step's findings, [layers | phases | dropped] as in `bad`, until `end_step`
         self.pending = torch.zeros(m, dtype=torch.bool, device=device)
         self._pending_layers, self._pending_backward = self.pending[:n], self.pending[n : n + 1]
-        self._pending_phase = {name: self.pending[n + k : n + k + 1] for k, name in enumerate(_STORED_PHASES)}
+        self._pending_phase = {
+            name: self.pending[n + k : n + k + 1] for k, name in enumerate(_STORED_PHASES)
+        }
         self._pending_dropped = self.pending[n + p :]
         # where a slot goes bad for the first time this step (written in place each step)
         self._fresh = torch.zeros(m, dtype=torch.bool, device=device)
@@ -79,8 +81,13 @@ class DeviceCounters:
         self._pending_phase[phase].logical_or_(bad)
         self._noted = True
 
-    def end_step(self, values: torch.Tensor | None, forward: torch.Tensor | None, step: int,
-                 dropped: DroppedCheck | None = None) -> None:
+    def end_step(
+        self,
+        values: torch.Tensor | None,
+        forward: torch.Tensor | None,
+        step: int,
+        dropped: DroppedCheck | None = None,
+    ) -> None:
         """Step `step` ends with its per-layer values (squared norms, or gradient sums:
         non-finite exactly when the layer's gradients hold a NaN or Inf), its output flag
         on this device and, where the gradients were read twice, whether the backward's
@@ -105,10 +112,16 @@ class DeviceCounters:
             self._first.add_(fresh, alpha=step + 1)
             self._bad.add_(pending)
             if dropped is not None:  # the first dropped step's layers, kept to be named
-                if dropped.backward.dtype != self.dropped_values.dtype:  # (float64 on a CPU's exact path)
+                if (
+                    dropped.backward.dtype != self.dropped_values.dtype
+                ):  # (float64 on a CPU's exact path)
                     self.dropped_values = self.dropped_values.to(dropped.backward.dtype)
-                torch.where(self._fresh_dropped, dropped.backward, self.dropped_values,
-                            out=self.dropped_values)
+                torch.where(
+                    self._fresh_dropped,
+                    dropped.backward,
+                    self.dropped_values,
+                    out=self.dropped_values,
+                )
             pending.zero_()
             self._noted = False
 
@@ -188,8 +201,13 @@ class Detector:
         elif flag:
             self.add_flag(phase, flag, step)
 
-    def end_step(self, layer_parts: list[torch.Tensor], forward_flags: list[bool | torch.Tensor],
-                 step: int, dropped: dict[torch.device, DroppedCheck] | None = None) -> None:
+    def end_step(
+        self,
+        layer_parts: list[torch.Tensor],
+        forward_flags: list[bool | torch.Tensor],
+        step: int,
+        dropped: dict[torch.device, DroppedCheck] | None = None,
+    ) -> None:
         """Step `step` ends: its per-layer values (one part per device), its output flags
         (the step's, combined: OutputFlags.step_flags, at most one per device and one host
         bool), its two readings of the gradients where there were two (`dropped`) and what
@@ -207,8 +225,12 @@ class Detector:
             if device not in self.by_device:
                 self.counters(device)
         for device, counters in self.by_device.items():
-            counters.end_step(values.get(device), forward.get(device), step,
-                              None if dropped is None else dropped.get(device))
+            counters.end_step(
+                values.get(device),
+                forward.get(device),
+                step,
+                None if dropped is None else dropped.get(device),
+            )
 
     def add_flag(self, phase: str, flag: bool | torch.Tensor, step: int) -> None:
         if isinstance(flag, torch.Tensor):
@@ -226,8 +248,14 @@ class Detector:
         if self.host_total():  # nothing to say while no host-side check has found anything
             n = self.n_layers
             stored = [PHASE_INDEX[p] for p in _STORED_PHASES]
-            host = ([0] * n + [self.host_phase_bad[i] for i in stored] + [0]
-                    + [-1] * n + [self.host_phase_first[i] for i in stored] + [-1])
+            host = (
+                [0] * n
+                + [self.host_phase_bad[i] for i in stored]
+                + [0]
+                + [-1] * n
+                + [self.host_phase_first[i] for i in stored]
+                + [-1]
+            )
             out.append(torch.tensor(host, dtype=torch.int64))
         return out
 
@@ -240,8 +268,9 @@ class Detector:
         return sum(self.host_phase_bad)
 
 
-def fold_counters(parts: list[list[float]], n_layers: int,
-                  dropped_values: list[list[float]] = ()) -> dict[str, list[int]]:
+def fold_counters(
+    parts: list[list[float]], n_layers: int, dropped_values: list[list[float]] = ()
+) -> dict[str, list[int]]:
     """Host side: combine the drained counters of all devices. Each part is the flat
     [layer_bad, phase_bad, dropped_bad, layer_first, phase_first, dropped_first] of one
     device (phases stored in _STORED_PHASES order; returned in PHASE_INDEX order);
@@ -274,11 +303,18 @@ def fold_counters(parts: list[list[float]], n_layers: int,
             phase_first[i] = first_step(phase_first[i], pf[i])
         dropped_bad = max(dropped_bad, values[half - 1])
         device_first = values[2 * half - 1]
-        if device_first >= 0 and k < len(dropped_values) and first_step(dropped_first, device_first) == device_first:
+        if (
+            device_first >= 0
+            and k < len(dropped_values)
+            and first_step(dropped_first, device_first) == device_first
+        ):
             layers = [int(not math.isfinite(v)) for v in dropped_values[k]]
             # the earlier device's layers; a step dropped on two devices, both's
-            dropped_layers = ([a | b for a, b in zip(dropped_layers, layers)] if device_first == dropped_first
-                              else layers)
+            dropped_layers = (
+                [a | b for a, b in zip(dropped_layers, layers)]
+                if device_first == dropped_first
+                else layers
+            )
         dropped_first = first_step(dropped_first, device_first)
     return {
         "layer_bad": layer_bad,
@@ -296,10 +332,17 @@ def first_step(a: int, b: int) -> int:
     return b if a < 0 else a if b < 0 else min(a, b)
 
 
-def merge_counters(old: dict[str, list[int]] | None, new: dict[str, list[int]]) -> dict[str, list[int]]:
+def merge_counters(
+    old: dict[str, list[int]] | None, new: dict[str, list[int]]
+) -> dict[str, list[int]]:
     """Two drains of the same cumulative counters (fold_counters), folded in either order: the
     larger counts and the earlier first steps, so a drain folded late takes nothing back."""
     if old is None:
         return new
-    return {key: [first_step(a, b) if key.endswith("_first") else max(a, b) for a, b in zip(old[key], new[key])]
-            for key in new}
+    return {
+        key: [
+            first_step(a, b) if key.endswith("_first") else max(a, b)
+            for a, b in zip(old[key], new[key])
+        ]
+        for key in new
+    }

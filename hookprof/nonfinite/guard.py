@@ -35,10 +35,12 @@ from hookprof.device import transfer
 from hookprof.nonfinite.detector import nonfinite_mask
 from hookprof.nonfinite.output import any_flag
 
+
 # found_inf is read by these optimizers' fused kernels (torch.optim, torch >= 2.4)
 def is_fused(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and any(
-        g.get("fused") for g in optimizer.param_groups)
+        g.get("fused") for g in optimizer.param_groups
+    )
 
 
 def by_scaler(optimizer: torch.optim.Optimizer) -> bool:
@@ -207,7 +209,9 @@ class UpdateGuard:
         self._say = say_once
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its grad)
         # (optimizer, our found_inf, the one it replaced: GradScaler's, or None)
-        self._set_found: tuple[torch.optim.Optimizer, torch.Tensor, torch.Tensor | None] | None = None
+        self._set_found: tuple[torch.optim.Optimizer, torch.Tensor, torch.Tensor | None] | None = (
+            None
+        )
         self._step_held = False  # this step's update is held back on the host's word
         self._step_bad: torch.Tensor | None = None  # device flag over this step's checks
         # the step that ended last: held on the host's word, its device flag (for a later
@@ -237,8 +241,12 @@ class UpdateGuard:
         self._take_back_found_inf()
         self._later_held = False
 
-    def before_update(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
-                      flags: list[bool | torch.Tensor]) -> None:
+    def before_update(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        flags: list[bool | torch.Tensor],
+    ) -> None:
         """`flags`: this step's checks so far (host bools, device 0-d bools)."""
         if self._step_held or any(f is True for f in flags):
             self._hide(params)
@@ -293,11 +301,15 @@ class UpdateGuard:
         self._set_found = (optimizer, found, earlier if by_scaler(optimizer) else None)
 
     def _say_unfused(self, optimizer: torch.optim.Optimizer) -> None:
-        self._say("non-fused update", (
-            f"on_nonfinite holds back a non-finite update on the device only for fused "
-            f"optimizers (fused=True Adam, AdamW, SGD, Adagrad); {type(optimizer).__name__} "
-            "is not fused, so a NaN/Inf step's update reaches the weights unless "
-            "nonfinite_sync=True (waits for one value per step)"))
+        self._say(
+            "non-fused update",
+            (
+                f"on_nonfinite holds back a non-finite update on the device only for fused "
+                f"optimizers (fused=True Adam, AdamW, SGD, Adagrad); {type(optimizer).__name__} "
+                "is not fused, so a NaN/Inf step's update reaches the weights unless "
+                "nonfinite_sync=True (waits for one value per step)"
+            ),
+        )
 
     def _hide(self, params: list[torch.Tensor]) -> None:
         self._hide_grads(params)
@@ -309,10 +321,14 @@ class UpdateGuard:
                 self._hidden.append((p, p.grad))
                 p.grad = None
         if self._hidden and not self._unwind.watch():
-            self._say("held step raises", (
-                "another profile function is set (sys.setprofile: cProfile, a Python-stack "
-                "profiler): if an optimizer step held back by on_nonfinite raises, the "
-                "gradients hookprof hid from it are not put back"))
+            self._say(
+                "held step raises",
+                (
+                    "another profile function is set (sys.setprofile: cProfile, a Python-stack "
+                    "profiler): if an optimizer step held back by on_nonfinite raises, the "
+                    "gradients hookprof hid from it are not put back"
+                ),
+            )
 
     def after_update(self) -> None:
         """Put back the gradients (the loop may read them after the step) and take our
@@ -354,6 +370,8 @@ def host_flags_of_squares(parts: list[torch.Tensor]) -> list[bool | torch.Tensor
     waits for nothing, else a device 0-d bool."""
     out: list[bool | torch.Tensor] = []
     for p in parts:
-        bad = nonfinite_mask(p.sum(dtype=torch.float64))  # float32 layer values: no overflow of the sum
+        bad = nonfinite_mask(
+            p.sum(dtype=torch.float64)
+        )  # float32 layer values: no overflow of the sum
         out.append(bool(bad) if transfer.on_host(bad) else bad)
     return out

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
-from hookprof.device import transfer
 from hookprof.config import Config
+from hookprof.device import transfer
 from hookprof.errors import NonFiniteError
 from hookprof.faults import Faults, log
 from hookprof.files import safe_label, write_atomic
@@ -63,10 +63,19 @@ class IncidentResponse:
     the other policies read one flag per step back from the device, without waiting for it,
     and bring the counters over as soon as it shows something new."""
 
-    def __init__(self, config: Config, rank: int, detector: Detector, publisher: PublisherLike,
-                 drain_counters: Callable[[], None],
-                 replay_pending: Callable[[int], bool] = lambda step: False, *,
-                 model: str = "model", faults: Faults | None = None, capsules: Capsules | None = None):
+    def __init__(
+        self,
+        config: Config,
+        rank: int,
+        detector: Detector,
+        publisher: PublisherLike,
+        drain_counters: Callable[[], None],
+        replay_pending: Callable[[int], bool] = lambda step: False,
+        *,
+        model: str = "model",
+        faults: Faults | None = None,
+        capsules: Capsules | None = None,
+    ):
         self._config = config
         self._capsules = capsules  # the incident capsule (Config.capsule_dir), written from here
         self._rank = rank
@@ -115,8 +124,12 @@ class IncidentResponse:
             return
         self._known_bad = bad
         self.open_until = step + self._config.incident_steps
-        if (policy != "record" and snap.first_nonfinite is not None and not self._acted
-                and self._act_by is None):
+        if (
+            policy != "record"
+            and snap.first_nonfinite is not None
+            and not self._acted
+            and self._act_by is None
+        ):
             self._act_by = step + HOLD_STEPS
         if self._act_by is not None:
             self._act_when_named(step, snap)
@@ -149,14 +162,18 @@ class IncidentResponse:
     def at_detach(self) -> None:
         """The run ends, and no later step end will come: a first incident the policy has not
         acted on (held for the replay to name the layer, or not seen by a step end yet) is
-        acted on now, with what is known, and a capsule still waiting is written. Under "raise" nothing is raised out
+        acted on now, with what is known, and a capsule still waiting is written. Under "raise"
+        nothing is raised out
         of detach(): the incident is said as under "warn"."""
         capsules = self._capsules
         waiting = capsules is not None and capsules.draft is not None
         # only an incident already known on the host: detach never waits on the device to
         # find one (a flag still on its way stays there)
-        policy_open = self._config.on_nonfinite != "record" and not self._acted and (
-            self._act_by is not None or self._publisher.latest.first_nonfinite is not None)
+        policy_open = (
+            self._config.on_nonfinite != "record"
+            and not self._acted
+            and (self._act_by is not None or self._publisher.latest.first_nonfinite is not None)
+        )
         if not (policy_open or waiting):
             return
         if waiting:  # the capsule needs its incident's replay folded (an opt-in wait)
@@ -192,13 +209,21 @@ class IncidentResponse:
             if event.replay is not None or event.phase != "forward":  # settled, and nothing kept
                 capsules.missing(event)
             return False
-        if event.step == capsules.draft.step and event.replay is None and capsules.draft.kind == "forward":
+        if (
+            event.step == capsules.draft.step
+            and event.replay is None
+            and capsules.draft.kind == "forward"
+        ):
             return False  # the replay's packet is not folded yet
         if self._config.on_nonfinite != "record" and not self._acted:
             return False  # the policy writes it as it acts
-        path = capsules.write(event, model=self._model, rank=self._rank, summary=describe(event, self._rank))
+        path = capsules.write(
+            event, model=self._model, rank=self._rank, summary=describe(event, self._rank)
+        )
         if path is not None:
-            log.warning("hookprof: %s", describe(dataclasses.replace(event, capsule=path), self._rank))
+            log.warning(
+                "hookprof: %s", describe(dataclasses.replace(event, capsule=path), self._rank)
+            )
         return True
 
     def _with_capsule(self, event: NonFiniteEvent) -> NonFiniteEvent:
@@ -208,7 +233,9 @@ class IncidentResponse:
             return event
         path = capsules.path
         if capsules.draft is not None:
-            path = capsules.write(event, model=self._model, rank=self._rank, summary=describe(event, self._rank))
+            path = capsules.write(
+                event, model=self._model, rank=self._rank, summary=describe(event, self._rank)
+            )
         return dataclasses.replace(event, capsule=path) if path is not None else event
 
     def _dump(self, event: NonFiniteEvent, snap: Snapshot) -> None:
@@ -222,18 +249,25 @@ class IncidentResponse:
         except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C in a notebook loop that goes on
             self._acted, self._act_by = False, 0  # written again at the next step end, or detach()
             self._dump_tries -= 1  # (no failure of the disk: not one of MAX_DUMP_TRIES)
-            log.warning("hookprof: the report of the NaN/Inf of step %s was interrupted (%s) before it "
-                        "was written: it is written at the next step end, or at detach()",
-                        event.step, type(exc).__name__)
+            log.warning(
+                "hookprof: the report of the NaN/Inf of step %s was interrupted (%s) before it "
+                "was written: it is written at the next step end, or at detach()",
+                event.step,
+                type(exc).__name__,
+            )
             raise
         except Exception as exc:  # OSError mostly; whatever it is, it costs only the report
             path = dump_path(self._config.dump_dir, self._model, self._rank, event.step)
             again = self._dump_tries < MAX_DUMP_TRIES
             self._acted = not again  # not acted yet: a later incident writes its report
             if self._dump_tries == 1:  # the incident and the failure, said once
-                log.warning("hookprof: %s; the report could not be written to %s: %s%s",
-                            describe(event, self._rank), path, getattr(exc, "strerror", None) or exc,
-                            "; tried again at the next new non-finite step" if again else "")
+                log.warning(
+                    "hookprof: %s; the report could not be written to %s: %s%s",
+                    describe(event, self._rank),
+                    path,
+                    getattr(exc, "strerror", None) or exc,
+                    "; tried again at the next new non-finite step" if again else "",
+                )
             self._faults.report(f"nonfinite dump ({path})", exc, disable=False)
 
     def _poll_flag(self) -> None:
@@ -287,38 +321,63 @@ def origin(event: NonFiniteEvent) -> str:
         return f"{event.layer}: its weights are non-finite (before any non-finite update)"
     if event.found_by == FOUND_BY_INPUT:
         return f"{event.layer}: the batch already held it"
-    how = {FOUND_BY_SAMPLED: "seen on that sampled step", FOUND_BY_REPLAY: "seen when the step was replayed",
-           FOUND_BY_BACKWARD: "its gradient went non-finite first", FOUND_BY_LOSS: "the loss alone"}
+    how = {
+        FOUND_BY_SAMPLED: "seen on that sampled step",
+        FOUND_BY_REPLAY: "seen when the step was replayed",
+        FOUND_BY_BACKWARD: "its gradient went non-finite first",
+        FOUND_BY_LOSS: "the loss alone",
+    }
     return f"layer {event.layer}" + (f" ({how[event.found_by]})" if event.found_by in how else "")
 
 
 def replay_words(event: NonFiniteEvent, rank: int) -> str:
     """What the replay of the step said, when it said something."""
     if event.replay == REPRODUCIBLE:
-        cause = {FOUND_BY_WEIGHTS: "its weights", FOUND_BY_INPUT: "the data"}.get(event.found_by, "the data or the model")
+        cause = {FOUND_BY_WEIGHTS: "its weights", FOUND_BY_INPUT: "the data"}.get(
+            event.found_by, "the data or the model"
+        )
         return f"; reproducible: a replay with the same inputs, weights and RNG made it again ({cause})"
     if event.replay == TRANSIENT:
         where = f"rank {rank} on {socket.gethostname()}, device {event.device}"
         named = " the sampled step's checks saw it, but" if event.layer is not None else ""
-        return (f";{named} transient: a replay with the same inputs, weights and RNG was finite "
-                f"(a non-deterministic kernel, a race, or the hardware: suspect {where})")
+        return (
+            f";{named} transient: a replay with the same inputs, weights and RNG was finite "
+            f"(a non-deterministic kernel, a race, or the hardware: suspect {where})"
+        )
     if event.replay == NOT_REPLAYED:
         return f"; not replayed: {event.replay_note}"
     return ""
 
 
-def apply(policy: str, event: NonFiniteEvent, snap: Snapshot, config: Config, rank: int,
-          *, model: str = "model") -> str | None:
+def apply(
+    policy: str,
+    event: NonFiniteEvent,
+    snap: Snapshot,
+    config: Config,
+    rank: int,
+    *,
+    model: str = "model",
+) -> str | None:
     """Act on the first incident of a run. Returns the report's path under "dump" (raises
     OSError when it cannot be written: IncidentResponse contains that)."""
     if policy == "warn":
         log.warning("hookprof: %s", describe(event, rank))
     elif policy == "skip":
-        log.warning("hookprof: %s; the update of every non-finite step is held back "
-                    "(hookprof_held_back_updates_total counts them)", describe(event, rank))
+        log.warning(
+            "hookprof: %s; the update of every non-finite step is held back "
+            "(hookprof_held_back_updates_total counts them)",
+            describe(event, rank),
+        )
     elif policy == "raise":
-        raise NonFiniteError(event.layer, event.phase, event.step, rank, found_by=event.found_by,
-                             replay=event.replay, message=describe(event, rank))
+        raise NonFiniteError(
+            event.layer,
+            event.phase,
+            event.step,
+            rank,
+            found_by=event.found_by,
+            replay=event.replay,
+            message=describe(event, rank),
+        )
     elif policy == "dump":
         path = write_report(event, snap, config.dump_dir, rank, model=model)
         log.warning("hookprof: %s; report written to %s", describe(event, rank), path)
@@ -342,11 +401,15 @@ def dump_path(directory: str, model: str, rank: int, step: int) -> str:
     processes of one rank (several jobs, a restarted job) sharing dump_dir, never write one
     file. A model name that is not a plain file name is made one (with a short hash of the
     real name, so that two names never become one)."""
-    return os.path.join(directory, f"hookprof-nonfinite-{safe_label(model)}-rank{rank}-pid{os.getpid()}-step{step}.json")
+    return os.path.join(
+        directory,
+        f"hookprof-nonfinite-{safe_label(model)}-rank{rank}-pid{os.getpid()}-step{step}.json",
+    )
 
 
-def write_report(event: NonFiniteEvent, snap: Snapshot, directory: str, rank: int,
-                 *, model: str = "model") -> str:
+def write_report(
+    event: NonFiniteEvent, snap: Snapshot, directory: str, rank: int, *, model: str = "model"
+) -> str:
     """The incident's JSON report in `directory` (made if missing), written whole or not at
     all (files.write_atomic); returns its path. Raises OSError when it cannot be written."""
     path = dump_path(directory, model, rank, event.step)
@@ -361,7 +424,9 @@ def write_report(event: NonFiniteEvent, snap: Snapshot, directory: str, rank: in
         "nonfinite_steps": dict(snap.nonfinite_steps),
         "loss": snap.loss,
         "grad_norm": snap.grad_norm,
-        "layers": {name: {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
-                   for name, stats in snap.layers.items()},
+        "layers": {
+            name: {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+            for name, stats in snap.layers.items()
+        },
     }
     return write_atomic(path, json.dumps(_plain(report), indent=2), make_dirs=True)

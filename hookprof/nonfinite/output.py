@@ -57,8 +57,13 @@ class OutputFlags:
         on_device = [f for f in flags if isinstance(f, torch.Tensor)]
         if self.last is not None:  # a second forward of the step: the step so far is earlier
             devices = list(self._by_device.values())
-            self.earlier = (bool(self._host) if self._host or not devices
-                             else devices[0] if len(devices) == 1 else any_flag(devices))
+            self.earlier = (
+                bool(self._host)
+                if self._host or not devices
+                else devices[0]
+                if len(devices) == 1
+                else any_flag(devices)
+            )
         if host:
             self._host = bool(self._host) or any(host)
         for f in on_device:
@@ -98,4 +103,3 @@ class OutputFlags:
         out: list[bool | torch.Tensor] = [] if self._host is None else [self._host]
         out.extend(self._by_device.values())
         return out
-

@@ -38,29 +38,40 @@ from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import StepRecord
 from hookprof.tensors import iter_tensors, map_tensors
 
-
 MAX_LATE = 8  # steps whose output flag may still be on its way (the device's lag), kept
 
 # why a non-finite step was not replayed (NonFiniteEvent.replay_note)
-UNHELD = ("its update reached the weights before the device said the step was bad (the device "
-          "runs behind the host), so a replay would run on non-finite weights; nonfinite_sync=True, "
-          "or a fused optimizer (fused=True) under on_nonfinite='skip' or 'raise', holds such an "
-          "update back and replays the step")
-BEHIND = ("its output's flag was still on the device when the optimizer applied the step's update "
-          "(the device runs behind the host); nonfinite_sync=True waits for the flag and replays the "
-          "step in time")
+UNHELD = (
+    "its update reached the weights before the device said the step was bad (the device "
+    "runs behind the host), so a replay would run on non-finite weights; nonfinite_sync=True, "
+    "or a fused optimizer (fused=True) under on_nonfinite='skip' or 'raise', holds such an "
+    "update back and replays the step"
+)
+BEHIND = (
+    "its output's flag was still on the device when the optimizer applied the step's update "
+    "(the device runs behind the host); nonfinite_sync=True waits for the flag and replays the "
+    "step in time"
+)
 NO_CAPTURE = "no training forward of the model was seen on that step to replay"
-LATER_WEIGHTS = ("its forward was replayed only after later updates had changed the weights (the device "
-                 "runs behind the host), and was finite there: not the same weights, so neither "
-                 "reproducible nor transient; nonfinite_sync=True replays the step on its own weights")
-COMPILED_RNG = ("the step's forward ran compiled and draws random numbers (dropout): the eager replay "
-                "draws other ones than a backend generating its own (inductor) did, so a finite replay "
-                "does not make it transient")
-INPUTS_CHANGED = ("its inputs were changed in place after its forward began (by the forward itself, as "
-                  "normalising code does with `x /= ...`, or by the loop since): a replay would run on other "
-                  "inputs than the step's, so its verdict would say nothing of the step")
-EARLIER_FORWARD = ("the NaN/Inf was in an earlier forward of the step (gradient accumulation, a model "
-                   "called several times per step); the replay covers the step's last forward only")
+LATER_WEIGHTS = (
+    "its forward was replayed only after later updates had changed the weights (the device "
+    "runs behind the host), and was finite there: not the same weights, so neither "
+    "reproducible nor transient; nonfinite_sync=True replays the step on its own weights"
+)
+COMPILED_RNG = (
+    "the step's forward ran compiled and draws random numbers (dropout): the eager replay "
+    "draws other ones than a backend generating its own (inductor) did, so a finite replay "
+    "does not make it transient"
+)
+INPUTS_CHANGED = (
+    "its inputs were changed in place after its forward began (by the forward itself, as "
+    "normalising code does with `x /= ...`, or by the loop since): a replay would run on other "
+    "inputs than the step's, so its verdict would say nothing of the step"
+)
+EARLIER_FORWARD = (
+    "the NaN/Inf was in an earlier forward of the step (gradient accumulation, a model "
+    "called several times per step); the replay covers the step's last forward only"
+)
 
 
 RngState = tuple[torch.Tensor, "list[torch.Tensor] | None"]
@@ -87,7 +98,9 @@ def forward_modes() -> dict[str, Any]:
     modes: dict[str, Any] = {"grad_enabled": torch.is_grad_enabled(), "autocast": {}}
     for device_type in ("cpu", "cuda"):
         if torch.is_autocast_enabled(device_type):
-            modes["autocast"][device_type] = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+            modes["autocast"][device_type] = str(
+                torch.get_autocast_dtype(device_type)
+            ).removeprefix("torch.")
     return modes
 
 
@@ -110,8 +123,10 @@ def _drew_random_numbers(captured: CapturedForward) -> bool:
     if not torch.equal(torch.get_rng_state(), captured.cpu_rng):
         return True
     if captured.cuda_rng is not None:
-        return any(not torch.equal(now, then)
-                   for now, then in zip(torch.cuda.get_rng_state_all(), captured.cuda_rng))
+        return any(
+            not torch.equal(now, then)
+            for now, then in zip(torch.cuda.get_rng_state_all(), captured.cuda_rng)
+        )
     return False
 
 
@@ -134,16 +149,23 @@ def own_weights_nonfinite(layers: list[Any]) -> list[torch.Tensor]:
     flags = []
     for layer in layers:
         module = layer.module
-        own = [] if module is None else [
-            t if not t.is_complex() else torch.view_as_real(t)
-            for t in module.parameters(recurse=False) if (t.is_floating_point() or t.is_complex()) and t.numel()]
+        own = (
+            []
+            if module is None
+            else [
+                t if not t.is_complex() else torch.view_as_real(t)
+                for t in module.parameters(recurse=False)
+                if (t.is_floating_point() or t.is_complex()) and t.numel()
+            ]
+        )
         if not own:
             flags.append(torch.zeros((), dtype=torch.int64))
             continue
         device = own[0].device
         # isfinite, not a sum: a sum of large finite weights can overflow
-        finite = torch.stack([torch.isfinite(t.detach()).all().to(device, non_blocking=True)
-                              for t in own])
+        finite = torch.stack(
+            [torch.isfinite(t.detach()).all().to(device, non_blocking=True) for t in own]
+        )
         flags.append(finite.logical_not().any().to(torch.int64))
     return flags
 
@@ -165,12 +187,29 @@ class CapturedForward:
     step never swaps the current step's capture out and back (an exception in between
     would leave the kept step's in its place)."""
 
-    __slots__ = ("module", "args", "kwargs", "cpu_rng", "cuda_rng", "updates", "modes", "compiled",
-                 "versions")
+    __slots__ = (
+        "module",
+        "args",
+        "kwargs",
+        "cpu_rng",
+        "cuda_rng",
+        "updates",
+        "modes",
+        "compiled",
+        "versions",
+    )
 
-    def __init__(self, module: nn.Module | None, args: tuple, kwargs: dict | None,
-                 cpu_rng: torch.Tensor, cuda_rng: list[torch.Tensor] | None, updates: int = 0,
-                 modes: dict | None = None, versions: int | tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        module: nn.Module | None,
+        args: tuple,
+        kwargs: dict | None,
+        cpu_rng: torch.Tensor,
+        cuda_rng: list[torch.Tensor] | None,
+        updates: int = 0,
+        modes: dict | None = None,
+        versions: int | tuple[int, ...] | None = None,
+    ):
         self.module, self.args, self.kwargs = module, args, kwargs
         self.cpu_rng, self.cuda_rng = cpu_rng, cuda_rng
         self.updates = updates  # updates applied to the weights before this forward
@@ -189,8 +228,14 @@ class ForwardReplay:
     """The replay's state: the captured forward, this step's output flag, and whether the
     one replay of the run has happened (`enabled=False`: never, e.g. under DTensor)."""
 
-    def __init__(self, model: nn.Module, enabled: bool = True, keep_late: bool = False,
-                 say: Callable[[str, str], None] | None = None, witness: Any = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        enabled: bool = True,
+        keep_late: bool = False,
+        say: Callable[[str, str], None] | None = None,
+        witness: Any = None,
+    ):
         self._model_ref = weakref.ref(model)  # weakly: see layers.Layer.module_ref
         # capsule.Capsules when Config.capsule_dir is set: it watches the one replay and
         # keeps what it used (`watch`), and the forward's modes are kept for it (`modes`)
@@ -208,7 +253,9 @@ class ForwardReplay:
         # their way (forward None: it cannot be replayed, see `unheld` and `run_if_bad`);
         # `flag`, `kept` and `refused` are read by NonfiniteChecks at every step, as
         # attributes (a property is one more Python call each time)
-        self.kept: deque[tuple[int, tuple[Any, Any], CapturedForward | None, Any]] = deque(maxlen=MAX_LATE)
+        self.kept: deque[tuple[int, tuple[Any, Any], CapturedForward | None, Any]] = deque(
+            maxlen=MAX_LATE
+        )
         self._say = say
         # (step, why) of non-finite steps that could not be replayed, for the publisher
         # (the first NaN is then "not replayed", with the reason, never "not yet localised")
@@ -238,9 +285,15 @@ class ForwardReplay:
         before it replays on other weights from now on."""
         self.updates += 1
 
-    def capture(self, args: tuple, kwargs: dict, module: nn.Module | None = None,
-                rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None, *,
-                also_when_done: bool = False) -> CapturedForward | None:
+    def capture(
+        self,
+        args: tuple,
+        kwargs: dict,
+        module: nn.Module | None = None,
+        rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None,
+        *,
+        also_when_done: bool = False,
+    ) -> CapturedForward | None:
         """Keep a training forward's inputs: of the root, or of the entry call `module` (a
         child of the root, when the loop never calls the root itself); `rng`: the RNG state
         at its start when that was earlier than now (a compiled forward, kept afterwards).
@@ -250,17 +303,26 @@ class ForwardReplay:
             return None
         compiled = rng is not None  # a compiled forward's, taken at the step's start
         if rng is None:  # rng_state(), inline: every training forward
-            rng = (torch.get_rng_state(),
-                   torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+            rng = (
+                torch.get_rng_state(),
+                torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+            )
         # the inputs' versions (input_versions, its usual case inline: every training forward)
-        versions = (args[0]._version if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor
-                    else input_versions(args, kwargs))
+        versions = (
+            args[0]._version
+            if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor
+            else input_versions(args, kwargs)
+        )
         # forward_modes(), inline (every training forward): grad mode and autocast
         modes: dict[str, Any] = {"grad_enabled": torch.is_grad_enabled(), "autocast": {}}
         for device_type in ("cpu", "cuda"):
             if torch.is_autocast_enabled(device_type):
-                modes["autocast"][device_type] = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
-        captured = CapturedForward(module, args, kwargs, rng[0], rng[1], self.updates, modes, versions)
+                modes["autocast"][device_type] = str(
+                    torch.get_autocast_dtype(device_type)
+                ).removeprefix("torch.")
+        captured = CapturedForward(
+            module, args, kwargs, rng[0], rng[1], self.updates, modes, versions
+        )
         captured.compiled = compiled
         if not self.done:
             self.captured = captured
@@ -269,8 +331,9 @@ class ForwardReplay:
     def clear(self) -> None:
         self.captured = None
 
-    def note_output(self, flag: bool | torch.Tensor | None,
-                    earlier: bool | torch.Tensor | None = None) -> bool:
+    def note_output(
+        self, flag: bool | torch.Tensor | None, earlier: bool | torch.Tensor | None = None
+    ) -> bool:
         """This forward's output check, and the step's earlier forwards' (None: this is the
         step's first), as their owner combined them (output.OutputFlags: the replay reads
         them, never stacks them again). True when this one is already known bad on the host:
@@ -278,8 +341,13 @@ class ForwardReplay:
         have completed (`run_if_bad`)."""
         if self.done:
             return False
-        self._earlier = None if earlier is None or earlier is False else \
-            (True, None) if earlier is True else transfer.peek(earlier)
+        self._earlier = (
+            None
+            if earlier is None or earlier is False
+            else (True, None)
+            if earlier is True
+            else transfer.peek(earlier)
+        )
         if flag is True:
             self.flag = (True, None)
             return True
@@ -287,8 +355,13 @@ class ForwardReplay:
             self.flag = transfer.peek(flag)
         return False
 
-    def run_if_bad(self, hooks: LayerHooks, new_record: Callable[[], StepRecord],
-                   step: int = 0, wait: bool = False) -> StepRecord | None:
+    def run_if_bad(
+        self,
+        hooks: LayerHooks,
+        new_record: Callable[[], StepRecord],
+        step: int = 0,
+        wait: bool = False,
+    ) -> StepRecord | None:
         """If this step's output went non-finite, replay its forward into a new record and
         return it; None when it did not, when its flag is not on the host yet (waited for
         only with `wait`, Config.nonfinite_sync; else kept for `run_late` under keep_late),
@@ -317,8 +390,9 @@ class ForwardReplay:
         rec = new_record()
         return rec if self._run(hooks, rec, self.captured, step) else None
 
-    def run_late(self, hooks: LayerHooks,
-                 new_record: Callable[[], StepRecord]) -> tuple[int, StepRecord] | None:
+    def run_late(
+        self, hooks: LayerHooks, new_record: Callable[[], StepRecord]
+    ) -> tuple[int, StepRecord] | None:
         """The first kept step whose flag has arrived and says non-finite: its forward is
         replayed (on the current weights, finite since its update was held back). Returns
         (its step, the record). Never waits: a flag still on its way stays queued."""
@@ -364,22 +438,31 @@ class ForwardReplay:
         self.kept.clear()
         self.refused.append((step, why))
         if self._say is not None:
-            self._say("not replayed", f"the NaN/Inf of step {step} is not localised to a layer, "
-                                      f"and not replayed: {why}")
+            self._say(
+                "not replayed",
+                f"the NaN/Inf of step {step} is not localised to a layer, and not replayed: {why}",
+            )
 
-    def _run(self, hooks: LayerHooks, rec: StepRecord, captured: CapturedForward, step: int) -> bool:
+    def _run(
+        self, hooks: LayerHooks, rec: StepRecord, captured: CapturedForward, step: int
+    ) -> bool:
         """Replay `captured` into `rec`: the one replay of the run, whether it finishes or
         raises; either way the model's buffers and the RNG are put back and nothing kept."""
         model = self._model_ref()
         if self.done or model is None:
             return False
-        if captured.changed_in_place():  # (its verdict would be a guess: "transient" for a reproducible NaN)
+        if (
+            captured.changed_in_place()
+        ):  # (its verdict would be a guess: "transient" for a reproducible NaN)
             self._refuse(step, INPUTS_CHANGED)
             return False
         self.done = True
         self.moved = self.updates - captured.updates  # 0: the very weights of that forward
-        watch = (self._witness.watch(model, captured, step) if self._witness is not None
-                 else contextlib.nullcontext(None))
+        watch = (
+            self._witness.watch(model, captured, step)
+            if self._witness is not None
+            else contextlib.nullcontext(None)
+        )
         try:
             keep, drew = forward_again(model, hooks, rec, captured, watch)
             if drew:
@@ -395,12 +478,18 @@ class ForwardReplay:
         return True
 
 
-def forward_again(model: nn.Module, hooks: LayerHooks, rec: StepRecord, captured: CapturedForward,
-                  watch: Any = None) -> tuple[Any, bool]:
+def forward_again(
+    model: nn.Module,
+    hooks: LayerHooks,
+    rec: StepRecord,
+    captured: CapturedForward,
+    watch: Any = None,
+) -> tuple[Any, bool]:
     """Run `captured` once more, eagerly (a compiled model too), under no_grad, with the
     layer checks recording into `rec`, on the model's current weights, from the RNG state
     of its start; the model's buffers, its modules' plain tensor and number attributes and
-    the RNG are as they were afterwards, whatever happens. Returns (what `watch` yielded, whether the forward drew random numbers: asked
+    the RNG are as they were afterwards, whatever happens. Returns (what `watch` yielded, whether
+    the forward drew random numbers: asked
     of a compiled forward's only, whose RNG state hookprof took itself)."""
     target = captured.module if captured.module is not None else model
     outside = rng_state(cuda=captured.cuda_rng is not None)
@@ -410,8 +499,11 @@ def forward_again(model: nn.Module, hooks: LayerHooks, rec: StepRecord, captured
     originals, attributes = [], []
     for m in model.modules():
         originals += [(m, name, b) for name, b in m._buffers.items() if b is not None]
-        attributes += [(m, name, v) for name, v in vars(m).items()
-                       if not name.startswith("_") and isinstance(v, (torch.Tensor, int, float))]
+        attributes += [
+            (m, name, v)
+            for name, v in vars(m).items()
+            if not name.startswith("_") and isinstance(v, (torch.Tensor, int, float))
+        ]
     try:
         with torch.no_grad():
             for module, name, buffer in originals:
@@ -424,8 +516,13 @@ def forward_again(model: nn.Module, hooks: LayerHooks, rec: StepRecord, captured
             # backward; the replay's edits go to its own copies
             args, kwargs = map_tensors((captured.args, captured.kwargs or {}), torch.Tensor.clone)
         set_rng((captured.cpu_rng, captured.cuda_rng))
-        with hooks.replaying_into(rec), torch.no_grad(), eager(), autocast_of(captured.modes), \
-                (watch if watch is not None else contextlib.nullcontext(None)) as kept:
+        with (
+            hooks.replaying_into(rec),
+            torch.no_grad(),
+            eager(),
+            autocast_of(captured.modes),
+            watch if watch is not None else contextlib.nullcontext(None) as kept,
+        ):
             hooks.note_root_inputs(args, kwargs)
             target(*args, **kwargs)
         return kept, captured.compiled and _drew_random_numbers(captured)

@@ -35,8 +35,11 @@ class CannotLoad(Exception):
 
 
 def _bad(value: Any) -> bool:
-    return any(not bool(torch.isfinite(t.detach()).all()) for t in iter_tensors(value)
-               if (t.is_floating_point() or t.is_complex()) and t.numel())
+    return any(
+        not bool(torch.isfinite(t.detach()).all())
+        for t in iter_tensors(value)
+        if (t.is_floating_point() or t.is_complex()) and t.numel()
+    )
 
 
 def _to(value: Any, device: str) -> Any:
@@ -50,7 +53,9 @@ class FirstNonFiniteOp(TorchDispatchMode):
         super().__init__()
         self.op: str | None = None
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         if self.op is None and _bad(out) and not _bad((args, kwargs)):
             self.op = str(func.overloadpacket)
@@ -90,8 +95,9 @@ def load_module(entry: dict[str, Any]) -> nn.Module:
         try:
             return torch.load(io.BytesIO(entry["pickle"]), map_location="cpu", weights_only=False)
         except (ImportError, AttributeError) as exc:
-            raise CannotLoad(f"the module class {entry['class']} cannot be imported here ({exc}); "
-                             f"{_WHERE_CODE}") from None
+            raise CannotLoad(
+                f"the module class {entry['class']} cannot be imported here ({exc}); {_WHERE_CODE}"
+            ) from None
     why = entry.get("not_pickled", "")
     module_name, _, qualname = entry["class"].rpartition(".")
     try:
@@ -103,15 +109,19 @@ def load_module(entry: dict[str, Any]) -> nn.Module:
         module = cls()
         module.load_state_dict(entry["state_dict"])
     except Exception as exc:
-        raise CannotLoad(f"the capsule holds only the state_dict of {entry['class']} ({why}), and that "
-                         f"class cannot be built here ({type(exc).__name__}: {exc}); {_WHERE_CODE}") from None
+        raise CannotLoad(
+            f"the capsule holds only the state_dict of {entry['class']} ({why}), and that "
+            f"class cannot be built here ({type(exc).__name__}: {exc}); {_WHERE_CODE}"
+        ) from None
     return module
 
 
 # what a "cannot be imported" message says to do
-_WHERE_CODE = ("run `hookprof replay` where the model's code can be imported (its folder is on the path "
-               "when you run from it, or set PYTHONPATH), with the class defined in a module, not in the "
-               "training script run as __main__")
+_WHERE_CODE = (
+    "run `hookprof replay` where the model's code can be imported (its folder is on the path "
+    "when you run from it, or set PYTHONPATH), with the class defined in a module, not in the "
+    "training script run as __main__"
+)
 
 
 def _autocast(modes: dict[str, Any] | None, device: str) -> Any:
@@ -124,11 +134,13 @@ def _autocast(modes: dict[str, Any] | None, device: str) -> Any:
     return torch.autocast(device_type=device, dtype=getattr(torch, dtype))
 
 
-def _set_rng(cpu_rng: torch.Tensor | None, cuda_rng: list[torch.Tensor] | None, device: str) -> None:
+def _set_rng(
+    cpu_rng: torch.Tensor | None, cuda_rng: list[torch.Tensor] | None, device: str
+) -> None:
     if cpu_rng is not None:
         torch.set_rng_state(cpu_rng)
     if cuda_rng is not None and device == "cuda":
-        torch.cuda.set_rng_state_all(cuda_rng[:torch.cuda.device_count()])
+        torch.cuda.set_rng_state_all(cuda_rng[: torch.cuda.device_count()])
 
 
 def describe_range(label: str, value: Any) -> list[str]:
@@ -143,10 +155,16 @@ def describe_range(label: str, value: Any) -> list[str]:
             continue
         x = t.detach().to("cpu", torch.float64)
         finite = x[torch.isfinite(x)]
-        span = f"[{finite.min().item():.4g}, {finite.max().item():.4g}]" if finite.numel() else "[no finite value]"
+        span = (
+            f"[{finite.min().item():.4g}, {finite.max().item():.4g}]"
+            if finite.numel()
+            else "[no finite value]"
+        )
         nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
-        lines.append(f"  {name}: {str(t.dtype).removeprefix('torch.')} {shape}, finite range {span}, "
-                     f"{nan} NaN, {inf} Inf")
+        lines.append(
+            f"  {name}: {str(t.dtype).removeprefix('torch.')} {shape}, finite range {span}, "
+            f"{nan} NaN, {inf} Inf"
+        )
     return lines
 
 
@@ -165,11 +183,15 @@ def load(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise CannotLoad(f"no capsule at {path}") from None
     except Exception as exc:
-        raise CannotLoad(f"{path} is not a hookprof capsule ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+        raise CannotLoad(
+            f"{path} is not a hookprof capsule ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        ) from None
     if not isinstance(capsule, dict) or "view" not in capsule:
         raise CannotLoad(f"{path} is not a hookprof capsule")
     if capsule.get("format", 0) > 1:
-        raise CannotLoad(f"{path} is a newer capsule (format {capsule['format']}) than this hookprof reads")
+        raise CannotLoad(
+            f"{path} is a newer capsule (format {capsule['format']}) than this hookprof reads"
+        )
     return capsule
 
 
@@ -177,28 +199,45 @@ def _loaded(data: bytes) -> Any:
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except (ImportError, AttributeError) as exc:
-        raise CannotLoad(f"the step's inputs need a class that cannot be imported here ({exc})") from None
+        raise CannotLoad(
+            f"the step's inputs need a class that cannot be imported here ({exc})"
+        ) from None
 
 
-def _target(capsule: dict[str, Any]) -> tuple[nn.Module, Any, Any, torch.Tensor | None, Any, str | None]:
+def _target(
+    capsule: dict[str, Any],
+) -> tuple[nn.Module, Any, Any, torch.Tensor | None, Any, str | None]:
     """(module to run, args, kwargs, cpu rng, cuda rng, the producer's name or None)."""
     producer = capsule.get("producer")
     if producer is not None:
         args, kwargs = _loaded(producer["inputs"])
-        return (load_module(producer), args, kwargs, producer.get("cpu_rng"), producer.get("cuda_rng"),
-                producer["name"])
+        return (
+            load_module(producer),
+            args,
+            kwargs,
+            producer.get("cpu_rng"),
+            producer.get("cuda_rng"),
+            producer["name"],
+        )
     forward = capsule["forward"]
     if "model" not in capsule:
         sizes = capsule["view"].get("sizes", {})
-        if "hashes" not in capsule:  # not left out for its size: say what the capsule says (issue 38)
-            raise CannotLoad("the capsule holds no weights, and not for their size: its replay named a "
-                             "producer other than the layer of the incident it was written for, so it kept "
-                             "neither that producer nor the model (left out: "
-                             + "; ".join(capsule["view"].get("left_out", [])) + ")")
-        raise CannotLoad(f"the capsule holds no weights: the model's state_dict ({sizes.get('state_dict_bytes')} "
-                         f"bytes) was above capsule_max_bytes ({sizes.get('max_bytes')}); it holds the step's "
-                         "inputs and a sha256 of each parameter (load them with torch.load, weights from your "
-                         "checkpoint)")
+        if (
+            "hashes" not in capsule
+        ):  # not left out for its size: say what the capsule says (issue 38)
+            raise CannotLoad(
+                "the capsule holds no weights, and not for their size: its replay named a "
+                "producer other than the layer of the incident it was written for, so it kept "
+                "neither that producer nor the model (left out: "
+                + "; ".join(capsule["view"].get("left_out", []))
+                + ")"
+            )
+        raise CannotLoad(
+            f"the capsule holds no weights: the model's state_dict ({sizes.get('state_dict_bytes')} "
+            f"bytes) was above capsule_max_bytes ({sizes.get('max_bytes')}); it holds the step's "
+            "inputs and a sha256 of each parameter (load them with torch.load, weights from your "
+            "checkpoint)"
+        )
     model = load_module(capsule["model"])
     args, kwargs = _loaded(forward["inputs"])
     target = model.get_submodule(forward["entry"]) if forward.get("entry") else model
@@ -211,13 +250,17 @@ class FirstBadGradient:
 
     def __init__(self, model: nn.Module):
         self.found: str | None = None
-        self._handles = [p.register_hook(self._hook(name)) for name, p in model.named_parameters()
-                         if p.requires_grad]
+        self._handles = [
+            p.register_hook(self._hook(name))
+            for name, p in model.named_parameters()
+            if p.requires_grad
+        ]
 
     def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if self.found is None and _bad(grad):
                 self.found = name
+
         return hook
 
     def remove(self) -> None:
@@ -225,8 +268,14 @@ class FirstBadGradient:
             h.remove()
 
 
-def _replay_backward(capsule: dict[str, Any], target: tuple, grads: list[torch.Tensor | None],
-                     device: str, runs: int, say: Callable[[str], None]) -> int:
+def _replay_backward(
+    capsule: dict[str, Any],
+    target: tuple,
+    grads: list[torch.Tensor | None],
+    device: str,
+    runs: int,
+    say: Callable[[str], None],
+) -> int:
     """A backward NaN's capsule: the forward again, then the backward from the gradients the
     outputs received in training (`grads`), up to `runs` times; the first non-finite
     gradient named. `target`: _target's, on `device`."""
@@ -241,11 +290,16 @@ def _replay_backward(capsule: dict[str, Any], target: tuple, grads: list[torch.T
         try:
             with torch.enable_grad(), _autocast(modes, device):
                 output = module(*args, **kwargs)
-            pairs = [(t, g) for t, g in zip(iter_tensors(output), grads)
-                     if g is not None and t.requires_grad]
+            pairs = [
+                (t, g)
+                for t, g in zip(iter_tensors(output), grads)
+                if g is not None and t.requires_grad
+            ]
             if not pairs:  # nothing to run the backward from: no verdict, rather than "transient"
-                say("could not load: the capsule holds no gradient of the model's outputs that "
-                    "matches this forward's outputs, so its backward cannot be run again")
+                say(
+                    "could not load: the capsule holds no gradient of the model's outputs that "
+                    "matches this forward's outputs, so its backward cannot be run again"
+                )
                 return NOT_LOADED
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         finally:
@@ -255,19 +309,27 @@ def _replay_backward(capsule: dict[str, Any], target: tuple, grads: list[torch.T
             break
     if found is not None:
         layer = found.rpartition(".")[0] or ROOT_NAME
-        say(f"reproduced: NaN/Inf in the backward, first in the gradient of {found} (layer {layer})")
+        say(
+            f"reproduced: NaN/Inf in the backward, first in the gradient of {found} (layer {layer})"
+        )
         status = REPRODUCED
     else:
-        say(f"not reproduced in {runs} runs on {device}: the backward's gradients were finite "
-            "(transient: suspect nondeterminism or hardware)")
+        say(
+            f"not reproduced in {runs} runs on {device}: the backward's gradients were finite "
+            "(transient: suspect nondeterminism or hardware)"
+        )
         status = NOT_REPRODUCED
-    say(f"capsule of step {view['step']} on rank {view['rank']} ({view['host']}, {view['device']}); "
-        f"hookprof said: backward, layer {view['event'].get('layer')}")
+    say(
+        f"capsule of step {view['step']} on rank {view['rank']} ({view['host']}, {view['device']}); "
+        f"hookprof said: backward, layer {view['event'].get('layer')}"
+    )
     _say_ranges(say, args, kwargs, output)
     return status
 
 
-def replay(path: str, device: str = "cpu", runs: int = 3, say: Callable[[str], None] = print) -> int:
+def replay(
+    path: str, device: str = "cpu", runs: int = 3, say: Callable[[str], None] = print
+) -> int:
     """Run the capsule at `path`; say the verdict and the ranges; return the exit status."""
     try:
         capsule = load(path)
@@ -275,14 +337,18 @@ def replay(path: str, device: str = "cpu", runs: int = 3, say: Callable[[str], N
             raise CannotLoad("--device cuda: CUDA is not available here")
         module, args, kwargs, cpu_rng, cuda_rng, producer = _target(capsule)
         module, args, kwargs = module.to(device), _to(args, device), _to(kwargs or {}, device)
-        grads = (_to(_loaded(capsule["backward"]["output_grads"]), device)
-                 if "backward" in capsule and "model" in capsule else None)
+        grads = (
+            _to(_loaded(capsule["backward"]["output_grads"]), device)
+            if "backward" in capsule and "model" in capsule
+            else None
+        )
     except CannotLoad as exc:
         say(f"could not load: {exc}")
         return NOT_LOADED
     if grads is not None:
-        return _replay_backward(capsule, (module, args, kwargs, cpu_rng, cuda_rng, producer), grads,
-                                device, runs, say)
+        return _replay_backward(
+            capsule, (module, args, kwargs, cpu_rng, cuda_rng, producer), grads, device, runs, say
+        )
     view = capsule["view"]
     modes = view.get("modes") or {}
     output, found, op = None, None, None
@@ -291,7 +357,11 @@ def replay(path: str, device: str = "cpu", runs: int = 3, say: Callable[[str], N
         finder = ProducerFinder(module)
         ops = FirstNonFiniteOp()
         try:
-            with torch.set_grad_enabled(bool(modes.get("grad_enabled", False))), _autocast(modes, device), ops:
+            with (
+                torch.set_grad_enabled(bool(modes.get("grad_enabled", False))),
+                _autocast(modes, device),
+                ops,
+            ):
                 output = module(*args, **kwargs)
         finally:
             finder.remove()
@@ -299,7 +369,10 @@ def replay(path: str, device: str = "cpu", runs: int = 3, say: Callable[[str], N
             found, op = finder.found, ops.op
             break
     if found is not None or _bad(output):
-        name, module_type = found or (INPUT_NAME if _bad((args, kwargs)) else "(unknown)", type(module).__name__)
+        name, module_type = found or (
+            INPUT_NAME if _bad((args, kwargs)) else "(unknown)",
+            type(module).__name__,
+        )
         if producer is not None and name not in (INPUT_NAME, "(unknown)"):
             # names inside the capsule's module are relative to the producer
             name = producer if name == ROOT_NAME else f"{producer}.{name}"
@@ -307,13 +380,20 @@ def replay(path: str, device: str = "cpu", runs: int = 3, say: Callable[[str], N
         say(f"reproduced: NaN/Inf made by {name} ({how})")
         status = REPRODUCED
     else:
-        say(f"not reproduced in {runs} runs on {device}: transient (suspect nondeterminism or hardware)")
+        say(
+            f"not reproduced in {runs} runs on {device}: transient (suspect nondeterminism or hardware)"
+        )
         status = NOT_REPRODUCED
-    say(f"capsule of step {view['step']} on rank {view['rank']} ({view['host']}, {view['device']}); "
-        f"hookprof said: {view['event'].get('replay') or 'no replay verdict'}, layer {view['event'].get('layer')}")
+    say(
+        f"capsule of step {view['step']} on rank {view['rank']} ({view['host']}, {view['device']}); "
+        f"hookprof said: {view['event'].get('replay') or 'no replay verdict'}, "
+        f"layer {view['event'].get('layer')}"
+    )
     if (capsule.get("producer") or {}).get("inputs_changed_in_place"):
-        say("note: the producer's inputs were changed in place after its call (the capsule holds "
+        say(
+            "note: the producer's inputs were changed in place after its call (the capsule holds "
             "them as they were when the replay ended): a verdict of (input) or transient may come "
-            "from that")
+            "from that"
+        )
     _say_ranges(say, args, kwargs, output)
     return status

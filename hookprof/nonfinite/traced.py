@@ -93,10 +93,12 @@ class TracedOutputCheck:
         was = self.counts.device
         self.counts = _static_address(torch.zeros(2, dtype=torch.int32, device=device))
         if self._say is not None:
-            self._say("compiled check moved",
-                      f"the compiled model's inputs are on {device}, its parameters were on {was} at "
-                      f"attach(): its output NaN/Inf check moves to {device} (one recompile); the step "
-                      "it was found on went unchecked. Attach after moving the model to its device.")
+            self._say(
+                "compiled check moved",
+                f"the compiled model's inputs are on {device}, its parameters were on {was} at "
+                f"attach(): its output NaN/Inf check moves to {device} (one recompile); the step "
+                "it was found on went unchecked. Attach after moving the model to its device.",
+            )
 
     def step_began(self) -> None:
         """Keep the RNG state for a replay of this step's compiled forward (a few us)."""
@@ -117,7 +119,9 @@ class TracedOutputCheck:
         self.called = False
         self.compiled = True
         inputs, self.inputs = self.inputs, None
-        device = next((t.device for t in iter_tensors(inputs)), None) if inputs is not None else None
+        device = (
+            next((t.device for t in iter_tensors(inputs)), None) if inputs is not None else None
+        )
         if device is not None and device != self.counts.device:
             self._moved(device)
             return None  # this step's outputs were not on the counters' device: not checked

@@ -42,7 +42,13 @@ def step_phases(spent: list, scale: float = 1.0) -> tuple[float, ...]:
     as `other`, so that the phases add up to the step's duration. The host's phases
     (Progress, in ns) and the device's (device_phases.py, in seconds) fold by this one rule."""
     data, forward, backward, optimizer, other, outside = spent
-    return (data * scale, forward * scale, backward * scale, optimizer * scale, (other + outside) * scale)
+    return (
+        data * scale,
+        forward * scale,
+        backward * scale,
+        optimizer * scale,
+        (other + outside) * scale,
+    )
 
 
 # The training thread's position, replaced whole at every boundary: a plain tuple
@@ -83,11 +89,27 @@ class Progress:
         _, current, since, _ = self.where
         spent = self._spent
         spent[current] += now_ns - since
-        data, forward, backward, optimizer, other, outside = spent  # step_phases(spent, 1e-9), inline
-        seconds = (data * 1e-9, forward * 1e-9, backward * 1e-9, optimizer * 1e-9, (other + outside) * 1e-9)
+        data, forward, backward, optimizer, other, outside = (
+            spent  # step_phases(spent, 1e-9), inline
+        )
+        seconds = (
+            data * 1e-9,
+            forward * 1e-9,
+            backward * 1e-9,
+            optimizer * 1e-9,
+            (other + outside) * 1e-9,
+        )
         steps, (s_data, s_forward, s_backward, s_optimizer, s_other) = self.totals
-        self.totals = (steps + 1, (s_data + seconds[0], s_forward + seconds[1], s_backward + seconds[2],
-                                   s_optimizer + seconds[3], s_other + seconds[4]))
+        self.totals = (
+            steps + 1,
+            (
+                s_data + seconds[0],
+                s_forward + seconds[1],
+                s_backward + seconds[2],
+                s_optimizer + seconds[3],
+                s_other + seconds[4],
+            ),
+        )
         self.last_step = (number, seconds)
         self._spent = [0, 0, 0, 0, 0, 0]
         self.where = (number + 1, DATA, now_ns, None)

@@ -27,12 +27,14 @@ from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from hookprof.device.timing import Timer
 from hookprof.phases.clock import DATA, OUTSIDE, PHASES, Progress, step_phases
 from hookprof.step.record import StepRecord
-from hookprof.device.timing import Timer
 
 END = -1  # the step's last mark: its end
-RESTART = -2  # the step's clock restarted (the first step's first forward): earlier marks do not count
+RESTART = (
+    -2
+)  # the step's clock restarted (the first step's first forward): earlier marks do not count
 
 
 class PhaseMarks:
@@ -46,7 +48,7 @@ class PhaseMarks:
         self._mark = timer.mark
         self.record: StepRecord | None = None
 
-    def bind(self, record: StepRecord) -> "PhaseMarks":
+    def bind(self, record: StepRecord) -> PhaseMarks:
         """Mark into `record` (a sampled step's) from now on."""
         self.record = record
         return self
@@ -65,8 +67,9 @@ class PhaseMarks:
         self._progress.end_step(number, now_ns)
 
 
-def device_phase_seconds(marks: Iterable[tuple[int, Any]],
-                         at: Callable[[Any], float]) -> tuple[float, ...] | None:
+def device_phase_seconds(
+    marks: Iterable[tuple[int, Any]], at: Callable[[Any], float]
+) -> tuple[float, ...] | None:
     """Device seconds per phase (PHASES order) of one step from its marks, `at(token)` being
     seconds from the record's ref (the step's first mark, at the previous step's end, where
     its `data` begins). None when the step has no end mark (it was not a whole step).

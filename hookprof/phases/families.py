@@ -24,7 +24,9 @@ def progress_families(snap: Snapshot, rank: str) -> list[Metric]:
     if snap.device_phase_seconds is not None:  # a device timer (CUDA): absent on the CPU
         device = family(names.STEP_PHASE_DEVICE_SECONDS)
         for phase in PHASES:
-            device.add_metric([rank, phase], snap.device_phase_steps, snap.device_phase_seconds.get(phase, 0.0))
+            device.add_metric(
+                [rank, phase], snap.device_phase_steps, snap.device_phase_seconds.get(phase, 0.0)
+            )
         families.append(device)
     stalled = family(names.STALLED)
     stalled.add_metric([rank], 1.0 if snap.stall is not None else 0.0)

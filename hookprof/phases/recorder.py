@@ -50,7 +50,9 @@ class PhaseClock:
     def bind(self, record: Any) -> None:
         """A step begins: a sampled step's `record` (None for an unsampled one) gets the
         device marks; others write the host's progress alone, at no extra cost."""
-        writer = self.progress if record is None or self._marks is None else self._marks.bind(record)
+        writer = (
+            self.progress if record is None or self._marks is None else self._marks.bind(record)
+        )
         if self.enter.__self__ is not writer:  # (an unsampled step after another: unchanged)
             self._write_to(writer)
 

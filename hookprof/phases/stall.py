@@ -38,12 +38,20 @@ LAST_COLLECTIVES = 4
 MAX_STACK = 40  # frames kept in a report, innermost ones
 
 # frames that say what the thread waits on ("/" separated path fragments)
-_COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/c10d_logger.py",
-                     "torch/distributed/_functional_collectives", "torch/nn/parallel/distributed.py")
+_COLLECTIVE_FILES = (
+    "torch/distributed/distributed_c10d.py",
+    "torch/distributed/c10d_logger.py",
+    "torch/distributed/_functional_collectives",
+    "torch/nn/parallel/distributed.py",
+)
 _DATA_FILES = ("torch/utils/data/",)
 # known long work that is not a stall of the step: a checkpoint save or load, a (re)compile
-_EXCUSED_FILES = {"torch/serialization.py": "checkpoint", "torch/distributed/checkpoint/": "checkpoint",
-                  "torch/_dynamo/": "compile", "torch/_inductor/": "compile"}
+_EXCUSED_FILES = {
+    "torch/serialization.py": "checkpoint",
+    "torch/distributed/checkpoint/": "checkpoint",
+    "torch/_dynamo/": "compile",
+    "torch/_inductor/": "compile",
+}
 
 
 class StallWatch(DaemonThread):
@@ -51,22 +59,54 @@ class StallWatch(DaemonThread):
     `interval_s`; tests may call it with their own clock reading)."""
 
     @classmethod
-    def from_config(cls, progress: Progress, model: nn.Module, config: Any, *, faults: Faults,
-                    rank: int, model_name: str, clock: Callable[[], int],
-                    wall_clock: Callable[[], float], device_busy: Callable[[], bool]) -> "StallWatch":
+    def from_config(
+        cls,
+        progress: Progress,
+        model: nn.Module,
+        config: Any,
+        *,
+        faults: Faults,
+        rank: int,
+        model_name: str,
+        clock: Callable[[], int],
+        wall_clock: Callable[[], float],
+        device_busy: Callable[[], bool],
+    ) -> StallWatch:
         """The watch with its slice of the config (stall_factor, stall_min_s, stall_max_s,
         stall_warmup_steps)."""
-        return cls(progress, model, factor=config.stall_factor, min_s=config.stall_min_s,
-                   max_s=config.stall_max_s, warmup_steps=config.stall_warmup_steps, faults=faults,
-                   rank=rank, model_name=model_name, clock=clock, wall_clock=wall_clock,
-                   device_busy=device_busy, name=f"hookprof-stall-watch-rank{rank}")
+        return cls(
+            progress,
+            model,
+            factor=config.stall_factor,
+            min_s=config.stall_min_s,
+            max_s=config.stall_max_s,
+            warmup_steps=config.stall_warmup_steps,
+            faults=faults,
+            rank=rank,
+            model_name=model_name,
+            clock=clock,
+            wall_clock=wall_clock,
+            device_busy=device_busy,
+            name=f"hookprof-stall-watch-rank{rank}",
+        )
 
-    def __init__(self, progress: Progress, model: nn.Module, *, factor: float, min_s: float,
-                 max_s: float, warmup_steps: int, faults: Faults, rank: int, model_name: str,
-                 clock: Callable[[], int] = time.perf_counter_ns,
-                 wall_clock: Callable[[], float] = time.time,
-                 device_busy: Callable[[], bool] = lambda: False,
-                 name: str = "hookprof-stall-watch"):
+    def __init__(
+        self,
+        progress: Progress,
+        model: nn.Module,
+        *,
+        factor: float,
+        min_s: float,
+        max_s: float,
+        warmup_steps: int,
+        faults: Faults,
+        rank: int,
+        model_name: str,
+        clock: Callable[[], int] = time.perf_counter_ns,
+        wall_clock: Callable[[], float] = time.time,
+        device_busy: Callable[[], bool] = lambda: False,
+        name: str = "hookprof-stall-watch",
+    ):
         self._progress = progress
         # id(module) -> qualified name: ids only, the watch keeps no module alive
         self._module_names = {id(m): name or ROOT_NAME for name, m in model.named_modules()}
@@ -128,7 +168,9 @@ class StallWatch(DaemonThread):
             return None
         frames = _stack_of(self.training_thread)
         if elapsed <= self._max_s and _excused(frames):
-            return None  # known long work: judged against the ceiling alone, looked at again next poll
+            return (
+                None  # known long work: judged against the ceiling alone, looked at again next poll
+            )
         self._judged = key
         self.stalls += 1
         self.stall = self._report(step, phase, elapsed, limit, frames)
@@ -147,17 +189,28 @@ class StallWatch(DaemonThread):
         stall = self.stall
         self._judged, self.stall = None, None
         if stall is not None:
-            log.warning("hookprof: rank %s model %s: the %s of step %d went on after %.1f s",
-                        self._rank, self._model_name, stall.phase, stall.step,
-                        self._wall_clock() - stall.started_at)
+            log.warning(
+                "hookprof: rank %s model %s: the %s of step %d went on after %.1f s",
+                self._rank,
+                self._model_name,
+                stall.phase,
+                stall.step,
+                self._wall_clock() - stall.started_at,
+            )
 
-    def _report(self, step: int, phase: int, elapsed: float, limit: float, frames: list[Any]) -> StallReport:
+    def _report(
+        self, step: int, phase: int, elapsed: float, limit: float, frames: list[Any]
+    ) -> StallReport:
         layer = self._innermost_module(frames)
         collectives = last_collectives()
         return StallReport(
-            step=step, phase=phase_name(phase), layer=layer,
-            waiting_on=self._waiting_on(frames, collectives), seconds=elapsed,
-            threshold_seconds=limit, typical_seconds=statistics.median(self._typical[phase]),
+            step=step,
+            phase=phase_name(phase),
+            layer=layer,
+            waiting_on=self._waiting_on(frames, collectives),
+            seconds=elapsed,
+            threshold_seconds=limit,
+            typical_seconds=statistics.median(self._typical[phase]),
             started_at=self._wall_clock() - elapsed,
             stack=tuple(_describe_frame(f) for f in reversed(frames[:MAX_STACK])),
             collectives=tuple(c[0] for c in collectives),
@@ -218,13 +271,21 @@ class StallWatch(DaemonThread):
         model's name."""
         step, phase, since, label = self._progress.where
         steps, sums = self._progress.totals
-        position = StepProgress(step, phase_name(phase), max(0.0, (self._clock() - since) * 1e-9), label)
+        position = StepProgress(
+            step, phase_name(phase), max(0.0, (self._clock() - since) * 1e-9), label
+        )
         # a stall is shown while its phase lasts, even before the next poll clears it
         judged, stall = self._judged, self.stall
         current = judged == (step, phase, since)
         return dataclasses.replace(
-            snap, phase_seconds=dict(zip(PHASES, sums)), phase_steps=steps, progress=position,
-            stall=stall if current else None, stalls=self.stalls, model=self._model_name)
+            snap,
+            phase_seconds=dict(zip(PHASES, sums)),
+            phase_steps=steps,
+            progress=position,
+            stall=stall if current else None,
+            stalls=self.stalls,
+            model=self._model_name,
+        )
 
 
 def _stack_of(thread_id: int) -> list[Any]:
@@ -273,7 +334,7 @@ def last_collectives(limit: int = LAST_COLLECTIVES) -> list[tuple[str, bool]]:
     try:
         from torch._C import _distributed_c10d as c10d
 
-        dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json")
+        dump = getattr(c10d, "_dump_fr_trace_json", None) or c10d._dump_nccl_trace_json
         entries = json.loads(dump(includeCollectives=True, onlyActive=False)).get("entries", [])
     except Exception:
         return []
@@ -282,8 +343,13 @@ def last_collectives(limit: int = LAST_COLLECTIVES) -> list[tuple[str, bool]]:
         # gloo leaves every entry "scheduled" and marks completion by retiring it; NCCL also
         # moves its state to "completed"
         in_flight = not entry.get("retired", False) and entry.get("state") != "completed"
-        out.append((f"seq {entry.get('collective_seq_id')} {entry.get('profiling_name')} "
-                    f"{entry.get('state')}{' (in flight)' if in_flight else ''}", in_flight))
+        out.append(
+            (
+                f"seq {entry.get('collective_seq_id')} {entry.get('profiling_name')} "
+                f"{entry.get('state')}{' (in flight)' if in_flight else ''}",
+                in_flight,
+            )
+        )
     return out
 
 

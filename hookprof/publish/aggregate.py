@@ -12,13 +12,12 @@ from types import MappingProxyType
 from typing import Any
 
 from hookprof.device.identity import device_name
-from hookprof.phases.device import DevicePhaseTotals, device_phase_seconds
-from hookprof.nonfinite.attribution import Attribution, ForwardFinding, forward_roles
-from hookprof.nonfinite.guard import fold_skips
-from hookprof.efficiency.figures import EfficiencyTotals
-from hookprof.nonfinite.detector import PHASE_INDEX, fold_counters, merge_counters
-from hookprof.step.record import Packet, StepCounters, StepRecord
 from hookprof.device.timing import Timer
+from hookprof.efficiency.figures import EfficiencyTotals
+from hookprof.nonfinite.attribution import Attribution, ForwardFinding, forward_roles
+from hookprof.nonfinite.detector import PHASE_INDEX, fold_counters, merge_counters
+from hookprof.nonfinite.guard import fold_skips
+from hookprof.phases.device import DevicePhaseTotals, device_phase_seconds
 from hookprof.snapshot import (
     PHASES,
     DroppedNonFinite,
@@ -28,9 +27,12 @@ from hookprof.snapshot import (
     Snapshot,
     layer_series,
 )
+from hookprof.step.record import Packet, StepCounters, StepRecord
 
-REPLAY_UNAVAILABLE_DTENSOR = ("the model has FSDP2 / tensor-parallel (DTensor) parameters: a replay on one rank "
-                              "would start collectives the other ranks never join")
+REPLAY_UNAVAILABLE_DTENSOR = (
+    "the model has FSDP2 / tensor-parallel (DTensor) parameters: a replay on one rank "
+    "would start collectives the other ranks never join"
+)
 GRADSCALER_LAYER = "(gradscaler)"  # layer label of persistent GradScaler skipping
 FLAG_KINDS = ("vanishing", "exploding")
 
@@ -67,29 +69,57 @@ def _nanmax(values: list[float]) -> float:
 
 class Aggregator:
     @classmethod
-    def for_table(cls, table: Any, rank: int, config: Any, *, efficiency: EfficiencyTotals | None,
-                  device_phases: DevicePhaseTotals | None,
-                  statistics: tuple[Any, ...] = ()) -> "Aggregator":
+    def for_table(
+        cls,
+        table: Any,
+        rank: int,
+        config: Any,
+        *,
+        efficiency: EfficiencyTotals | None,
+        device_phases: DevicePhaseTotals | None,
+        statistics: tuple[Any, ...] = (),
+    ) -> Aggregator:
         """The totals of a model's layer table, with their slice of the config (max_layers,
         max_layer_series, vanishing_grad_norm, exploding_grad_norm)."""
-        return cls(table.names, [layer.module_type for layer in table.layers], rank, config.max_layers,
-                   (config.vanishing_grad_norm, config.exploding_grad_norm),
-                   container_names=[name for name, _ in table.containers],
-                   container_types=[type(m).__name__ if m is not None else "" for _, m in table.containers],
-                   max_series=config.max_layer_series, efficiency=efficiency, device_phases=device_phases,
-                   statistics=tuple((s.name, s.help) for s in statistics),
-                   device=device_name(table.param_devices()),
-                   # FSDP2 / tensor parallel: a replay on one rank would start collectives
-                   # the other ranks never join (nonfinite/checks.py never runs one)
-                   replay_unavailable=REPLAY_UNAVAILABLE_DTENSOR if table.has_dtensor_params else None,
-                   gradients_every_step=config.nonfinite_check == "all")
+        return cls(
+            table.names,
+            [layer.module_type for layer in table.layers],
+            rank,
+            config.max_layers,
+            (config.vanishing_grad_norm, config.exploding_grad_norm),
+            container_names=[name for name, _ in table.containers],
+            container_types=[
+                type(m).__name__ if m is not None else "" for _, m in table.containers
+            ],
+            max_series=config.max_layer_series,
+            efficiency=efficiency,
+            device_phases=device_phases,
+            statistics=tuple((s.name, s.help) for s in statistics),
+            device=device_name(table.param_devices()),
+            # FSDP2 / tensor parallel: a replay on one rank would start collectives
+            # the other ranks never join (nonfinite/checks.py never runs one)
+            replay_unavailable=REPLAY_UNAVAILABLE_DTENSOR if table.has_dtensor_params else None,
+            gradients_every_step=config.nonfinite_check == "all",
+        )
 
-    def __init__(self, names: list[str], module_types: list[str], rank: int, max_layers: int,
-                 grad_norm_bounds: tuple[float, float] = (1e-6, 1e3), container_names: list[str] = (),
-                 *, container_types: list[str] = (), max_series: int | None = None, efficiency: EfficiencyTotals | None = None,
-                 device_phases: DevicePhaseTotals | None = None,
-                 statistics: tuple[tuple[str, str], ...] = (), device: str = "cpu",
-                 replay_unavailable: str | None = None, gradients_every_step: bool = True):
+    def __init__(
+        self,
+        names: list[str],
+        module_types: list[str],
+        rank: int,
+        max_layers: int,
+        grad_norm_bounds: tuple[float, float] = (1e-6, 1e3),
+        container_names: list[str] = (),
+        *,
+        container_types: list[str] = (),
+        max_series: int | None = None,
+        efficiency: EfficiencyTotals | None = None,
+        device_phases: DevicePhaseTotals | None = None,
+        statistics: tuple[tuple[str, str], ...] = (),
+        device: str = "cpu",
+        replay_unavailable: str | None = None,
+        gradients_every_step: bool = True,
+    ):
         n = len(names)
         # names of recorded calls: layers, then container modules (hooked by the replay, and
         # timed on sampled steps when one is a compiled region: regional compilation)
@@ -112,8 +142,12 @@ class Aggregator:
         self.last_sampled_step: int | None = None
         self.loss: float | None = None
         self.grad_norm: float | None = None
-        self._attribution = Attribution(names, device=device, replay_unavailable=replay_unavailable,
-                                        gradients_every_step=gradients_every_step)
+        self._attribution = Attribution(
+            names,
+            device=device,
+            replay_unavailable=replay_unavailable,
+            gradients_every_step=gradients_every_step,
+        )
         self.counters = fold_counters([], n)  # the device counters, every drain merged
         # guard.SkipCounters as last drained: name -> (count, persistent)
         self.device_counts: dict[str, tuple[int, int]] = {}
@@ -144,7 +178,9 @@ class Aggregator:
         if packet.counter_parts:
             parts = [packet.batch.get(("counters", k)) for k in range(packet.counter_parts)]
             dropped = [packet.batch.get(("dropped", k)) for k in range(packet.dropped_parts)]
-            self.counters = merge_counters(self.counters, fold_counters(parts, len(self.names), dropped))
+            self.counters = merge_counters(
+                self.counters, fold_counters(parts, len(self.names), dropped)
+            )
             self._attribution.counters(self.counters)
         for name, n_parts in packet.count_parts.items():
             new = fold_skips([packet.batch.get((name, k)) for k in range(n_parts)])
@@ -167,8 +203,11 @@ class Aggregator:
                 self.fwd_nonfinite[i] += 1
         if figures.finding is not None:
             if packet.sampled:
-                backward_bad = any(not math.isfinite(v) for k in range(packet.grad_parts)
-                                   for v in packet.batch.get(("grad_sq", k)))
+                backward_bad = any(
+                    not math.isfinite(v)
+                    for k in range(packet.grad_parts)
+                    for v in packet.batch.get(("grad_sq", k))
+                )
                 self._attribution.sampled(packet.step, figures.finding, backward_bad)
             else:
                 self._attribution.replayed(packet.step, figures.finding, packet.replay_moved)
@@ -224,7 +263,9 @@ class Aggregator:
         figures.checked = bool(rec.act)
         # a replay's layers whose own weights were non-finite (replay.own_weights_nonfinite)
         weights_bad = {i for i, v in enumerate(packet.batch.get("weights_bad")) if v}
-        figures.finding = forward_roles(rec, self._call_names, len(self.names), act_max, bwd_start, weights_bad)
+        figures.finding = forward_roles(
+            rec, self._call_names, len(self.names), act_max, bwd_start, weights_bad
+        )
         return figures
 
     def _add_sampled_step(self, packet: Packet, figures: StepFigures) -> None:
@@ -253,10 +294,14 @@ class Aggregator:
             "recompute": figures.recompute,
             "bwd": figures.bwd,
             "grad": [math.sqrt(squares[i]) if i in packet.has_grad else None for i in range(n)],
-            "zero_ratio": previous["zero_ratio"] if keep_activations else
-            [figures.zeros[i] / figures.numel[i] if figures.numel[i] else None for i in range(n)],
-            "absmax": previous["absmax"] if keep_activations else
-            [_nanmax(figures.absmax[i]) if figures.absmax[i] else None for i in range(n)],
+            "zero_ratio": previous["zero_ratio"]
+            if keep_activations
+            else [
+                figures.zeros[i] / figures.numel[i] if figures.numel[i] else None for i in range(n)
+            ],
+            "absmax": previous["absmax"]
+            if keep_activations
+            else [_nanmax(figures.absmax[i]) if figures.absmax[i] else None for i in range(n)],
         }
         self._fold_statistics(packet)
         if packet.has_grad:
@@ -405,7 +450,9 @@ class Aggregator:
             recompute_seconds_total=self.recompute_total[i],
             recompute_calls_total=self.recompute_calls_total[i],
             nonfinite=MappingProxyType(self._layer_nonfinite(i)),
-            gradient_flags=MappingProxyType({k: self.flagged[k][i] if layer else 0 for k in FLAG_KINDS}),
+            gradient_flags=MappingProxyType(
+                {k: self.flagged[k][i] if layer else 0 for k in FLAG_KINDS}
+            ),
         )
 
     def _select_exported(self) -> tuple[str, ...]:
@@ -429,8 +476,11 @@ class Aggregator:
             return tuple(names[i] for i in range(n)) + tuple(names[i] for i in keep)
         bad = [i for i in range(n) if any(self._layer_nonfinite(i).values())]
         bad_set = set(bad)
-        by_time = sorted((i for i in range(n) if i not in bad_set),
-                         key=lambda i: self.fwd_total[i] + self.bwd_total[i], reverse=True)
+        by_time = sorted(
+            (i for i in range(n) if i not in bad_set),
+            key=lambda i: self.fwd_total[i] + self.bwd_total[i],
+            reverse=True,
+        )
         layers: list[int] = []
         for i in bad:  # a bad layer that does not fit leaves room for a later, smaller one
             if used + cost[i] <= budget:
@@ -451,9 +501,15 @@ class Aggregator:
             return [0] * len(names)
         eff = self.efficiency.stats().layers if self.efficiency is not None else {}
         n = len(self.names)
-        stats = [sum(1 for values in self.statistic_values if values[i] is not None) for i in range(n)]
-        return [layer_series(self._layers[name], eff.get(name), stats[i] if i < n else 0)
-                if name in self._layers else 0 for i, name in enumerate(names)]
+        stats = [
+            sum(1 for values in self.statistic_values if values[i] is not None) for i in range(n)
+        ]
+        return [
+            layer_series(self._layers[name], eff.get(name), stats[i] if i < n else 0)
+            if name in self._layers
+            else 0
+            for i, name in enumerate(names)
+        ]
 
     def _layer_nonfinite(self, i: int) -> dict[str, int]:
         # forward: sampled steps' output checks; backward: the device counters (every step);
@@ -472,8 +528,9 @@ class Aggregator:
         bad = [self.names[i] for i, flag in enumerate(c["dropped_layers"]) if flag]
         return DroppedNonFinite(steps, first, bad[-1] if bad else None, tuple(reversed(bad[:-1])))
 
-    def snapshot(self, counters: StepCounters, internal_errors: int,
-                 notices: tuple[str, ...] = ()) -> Snapshot:
+    def snapshot(
+        self, counters: StepCounters, internal_errors: int, notices: tuple[str, ...] = ()
+    ) -> Snapshot:
         if self._dirty:
             self._rebuild_layers()
             self._dirty = False
@@ -511,7 +568,9 @@ class Aggregator:
             gradient_flagged_steps=MappingProxyType(dict(self.flagged_steps)),
             notices=notices,
             efficiency=self.efficiency.stats() if self.efficiency is not None else None,
-            device_phase_seconds=self.device_phases.by_phase() if self.device_phases is not None else None,
+            device_phase_seconds=self.device_phases.by_phase()
+            if self.device_phases is not None
+            else None,
             device_phase_steps=self.device_phases.steps if self.device_phases is not None else 0,
             layer_statistics=self._statistics_view(),
         )
@@ -520,11 +579,21 @@ class Aggregator:
         if not self.statistics:
             return MappingProxyType({})
         index = {name: i for i, name in enumerate(self.names)}
-        return MappingProxyType({
-            name: LayerStatisticValues(help, MappingProxyType({
-                layer: values[index[layer]] for layer in self._exported
-                if layer in index and values[index[layer]] is not None}))
-            for (name, help), values in zip(self.statistics, self.statistic_values)})
+        return MappingProxyType(
+            {
+                name: LayerStatisticValues(
+                    help,
+                    MappingProxyType(
+                        {
+                            layer: values[index[layer]]
+                            for layer in self._exported
+                            if layer in index and values[index[layer]] is not None
+                        }
+                    ),
+                )
+                for (name, help), values in zip(self.statistics, self.statistic_values)
+            }
+        )
 
 
 def _no_pause() -> None:

@@ -30,29 +30,46 @@ def document(name: str, snapshot: Snapshot, history: History) -> dict[str, Any]:
     layers = []
     for layer_name in snapshot.exported_layers:
         stats = snapshot.layers[layer_name]
-        layers.append({
-            "name": layer_name, "module": stats.module,
-            "forward_seconds": stats.forward_seconds_total / sampled,
-            "backward_seconds": stats.backward_seconds_total / sampled,
-            "grad_norm": stats.grad_norm, "nonfinite": dict(stats.nonfinite),
-            # what the per-layer table needs to show the figures `hookprof top` shows
-            "forward_seconds_total": stats.forward_seconds_total, "forward_calls": stats.forward_calls_total,
-            "backward_seconds_total": stats.backward_seconds_total, "backward_calls": stats.backward_calls_total,
-            "activation_abs_max": stats.activation_abs_max, "activation_zero_ratio": stats.activation_zero_ratio,
-        })
+        layers.append(
+            {
+                "name": layer_name,
+                "module": stats.module,
+                "forward_seconds": stats.forward_seconds_total / sampled,
+                "backward_seconds": stats.backward_seconds_total / sampled,
+                "grad_norm": stats.grad_norm,
+                "nonfinite": dict(stats.nonfinite),
+                # what the per-layer table needs to show the figures `hookprof top` shows
+                "forward_seconds_total": stats.forward_seconds_total,
+                "forward_calls": stats.forward_calls_total,
+                "backward_seconds_total": stats.backward_seconds_total,
+                "backward_calls": stats.backward_calls_total,
+                "activation_abs_max": stats.activation_abs_max,
+                "activation_zero_ratio": stats.activation_zero_ratio,
+            }
+        )
     first = snapshot.first_nonfinite
     return {
-        "model": name, "rank": snapshot.rank, "hookprof_version": __version__,
-        "generated_at": time.time(), "steps": snapshot.step, "sampled_steps": snapshot.sampled_steps,
+        "model": name,
+        "rank": snapshot.rank,
+        "hookprof_version": __version__,
+        "generated_at": time.time(),
+        "steps": snapshot.step,
+        "sampled_steps": snapshot.sampled_steps,
         "step_seconds_mean": snapshot.step_duration_sum / snapshot.step if snapshot.step else None,
-        "step_seconds_sum": snapshot.step_duration_sum, "held_back_updates": snapshot.held_back_updates,
-        "loss": stored(snapshot.loss), "grad_norm": stored(snapshot.grad_norm),
-        "nonfinite_steps": dict(snapshot.nonfinite_steps), "skipped_steps": snapshot.skipped_steps,
-        "dropped_nonfinite": None if snapshot.dropped_nonfinite is None
+        "step_seconds_sum": snapshot.step_duration_sum,
+        "held_back_updates": snapshot.held_back_updates,
+        "loss": stored(snapshot.loss),
+        "grad_norm": stored(snapshot.grad_norm),
+        "nonfinite_steps": dict(snapshot.nonfinite_steps),
+        "skipped_steps": snapshot.skipped_steps,
+        "dropped_nonfinite": None
+        if snapshot.dropped_nonfinite is None
         else dataclasses.asdict(snapshot.dropped_nonfinite),
-        "first_nonfinite": None if first is None else {
-            **dataclasses.asdict(first), "summary": describe(first, snapshot.rank)},
-        "layers_total": len(snapshot.layers), "layer_totals": layers,
+        "first_nonfinite": None
+        if first is None
+        else {**dataclasses.asdict(first), "summary": describe(first, snapshot.rank)},
+        "layers_total": len(snapshot.layers),
+        "layer_totals": layers,
         "history": history.view(),
     }
 
@@ -79,7 +96,9 @@ def _decode(value: Any) -> Any:
 
 def to_json(documents: list[dict[str, Any]]) -> bytes:
     """What /history.json serves: {"models": [document, ...]}, strict JSON."""
-    return json.dumps({"models": _encode(documents)}, allow_nan=False, separators=(",", ":")).encode()
+    return json.dumps(
+        {"models": _encode(documents)}, allow_nan=False, separators=(",", ":")
+    ).encode()
 
 
 def from_json(body: bytes) -> list[dict[str, Any]]:

@@ -45,9 +45,14 @@ RERANK_POINTS = 8  # which layers the per-layer series follow is decided again t
 _MISSING = math.nan
 # the columns of a point, and how two neighbours merge
 COLUMNS = {
-    "step": "last", "wall_time": "last", "step_seconds": "mean_steps", "loss": "mean",
-    "grad_norm": "max", "nonfinite_steps": "last",
-    "samples": "sum", "steps": "sum",  # sampled steps / steps a point covers (the weights)
+    "step": "last",
+    "wall_time": "last",
+    "step_seconds": "mean_steps",
+    "loss": "mean",
+    "grad_norm": "max",
+    "nonfinite_steps": "last",
+    "samples": "sum",
+    "steps": "sum",  # sampled steps / steps a point covers (the weights)
 }
 LAYER_COLUMNS = {"forward_seconds": "mean", "backward_seconds": "mean", "grad_norm": "max"}
 
@@ -81,9 +86,15 @@ def _merge(rule: str, a: float, b: float, wa: float, wb: float) -> float:
 class History:
     """Owned by the publisher thread, which calls `observe`; anyone may call `view`."""
 
-    def __init__(self, names: list[str], *, max_points: int = MAX_POINTS,
-                 layer_slots: int = LAYER_SLOTS, max_events: int = MAX_EVENTS,
-                 container_names: list[str] = ()):
+    def __init__(
+        self,
+        names: list[str],
+        *,
+        max_points: int = MAX_POINTS,
+        layer_slots: int = LAYER_SLOTS,
+        max_events: int = MAX_EVENTS,
+        container_names: list[str] = (),
+    ):
         if max_points < 2 or max_points % 2:
             raise ValueError(f"max_points must be an even number >= 2, got {max_points}")
         # rows: the layers, then the container modules (timed when one is a compiled region)
@@ -96,12 +107,16 @@ class History:
         self.stride = 1  # sampled steps per point, doubled at each halving
         self._lock = threading.Lock()
         self._cols = {name: array("d") for name in COLUMNS}
-        self._layer_cols = {name: [array("d") for _ in range(self.layer_slots)] for name in LAYER_COLUMNS}
+        self._layer_cols = {
+            name: [array("d") for _ in range(self.layer_slots)] for name in LAYER_COLUMNS
+        }
         # slot -> layer index; with no more layers than slots, slot k is layer k for good
         self._slot_layer: list[int] = list(range(self.layer_slots))
         self._fixed_slots = self.layer_slots == len(names)
         self._events_first: list[dict[str, Any]] = []
-        self._events_last: deque[dict[str, Any]] = deque(maxlen=max(max_events - max_events // 2, 1))
+        self._events_last: deque[dict[str, Any]] = deque(
+            maxlen=max(max_events - max_events // 2, 1)
+        )
         self.events_dropped = 0
         self._seen_steps = 0  # StepCounters' steps and sum at the last point
         self._seen_sum = 0.0
@@ -113,7 +128,7 @@ class History:
 
     # ---------------- feeding (publisher thread) ----------------
 
-    def observe(self, packet: "Packet", aggregator: "Aggregator", counters: "StepCounters") -> None:
+    def observe(self, packet: Packet, aggregator: Aggregator, counters: StepCounters) -> None:
         """After `aggregator` folded `packet`: a point for a sampled step, an event when the
         non-finite counts went up."""
         steps, total, wall = counters.latest()
@@ -129,15 +144,30 @@ class History:
             if bad > self._seen_bad:
                 self._add_event(packet.step, wall, aggregator, bad)
 
-    def _add_point(self, step: int, steps: int, total: float, wall: float | None,
-                   aggregator: "Aggregator", bad: int, loss: float | None) -> None:
+    def _add_point(
+        self,
+        step: int,
+        steps: int,
+        total: float,
+        wall: float | None,
+        aggregator: Aggregator,
+        bad: int,
+        loss: float | None,
+    ) -> None:
         covered = steps - self._seen_steps
         step_seconds = (total - self._seen_sum) / covered if covered > 0 else _MISSING
         self._seen_steps, self._seen_sum = steps, total
         last = aggregator.last_step_figures
-        point = {"step": float(step), "wall_time": stored(wall), "step_seconds": step_seconds,
-                 "loss": stored(loss), "grad_norm": stored(aggregator.grad_norm),
-                 "nonfinite_steps": float(bad), "samples": 1.0, "steps": float(max(covered, 0))}
+        point = {
+            "step": float(step),
+            "wall_time": stored(wall),
+            "step_seconds": step_seconds,
+            "loss": stored(loss),
+            "grad_norm": stored(aggregator.grad_norm),
+            "nonfinite_steps": float(bad),
+            "samples": 1.0,
+            "steps": float(max(covered, 0)),
+        }
         n = len(self._cols["step"])
         opening = not n or self._cols["samples"][n - 1] >= self.stride
         if opening:
@@ -149,15 +179,20 @@ class History:
         if new_regions:
             self._regions_seen = len(regions)
             self._add_region_slots(regions)
-        if (opening and (self._opened % RERANK_POINTS == 1 or bad != self._ranked_bad)) or (
-                bad and not self._ranked_bad) or (new_regions and not self._fixed_slots):
+        if (
+            (opening and (self._opened % RERANK_POINTS == 1 or bad != self._ranked_bad))
+            or (bad and not self._ranked_bad)
+            or (new_regions and not self._fixed_slots)
+        ):
             self._ranked_bad = bad
             self._assign_slots(aggregator)
         per_layer = {
             "forward_seconds": [last["fwd"][i] if last else _MISSING for i in self._slot_layer],
             "backward_seconds": [last["bwd"][i] if last else _MISSING for i in self._slot_layer],
-            "grad_norm": [stored(last["grad"][i]) if last and i < self._n_layers else _MISSING
-                          for i in self._slot_layer],
+            "grad_norm": [
+                stored(last["grad"][i]) if last and i < self._n_layers else _MISSING
+                for i in self._slot_layer
+            ],
         }
         if not opening:
             self._merge_into_last(point, per_layer)  # the open point takes this one in
@@ -174,7 +209,11 @@ class History:
         """prof.step(loss) after an optimizer step ended the sampled step (the loss came on
         its own): it is that point's loss when the point has none."""
         n = len(self._cols["step"])
-        if n and self._cols["step"][n - 1] == step and self._cols["loss"][n - 1] != self._cols["loss"][n - 1]:
+        if (
+            n
+            and self._cols["step"][n - 1] == step
+            and self._cols["loss"][n - 1] != self._cols["loss"][n - 1]
+        ):
             self._cols["loss"][n - 1] = stored(loss)
 
     def _merge_into_last(self, point: dict[str, float], per_layer: dict[str, list[float]]) -> None:
@@ -198,7 +237,9 @@ class History:
         def halved(col: array, rule: str) -> array:
             weights = steps if rule == "mean_steps" else samples
             rule = rule.replace("_steps", "")
-            return array("d", (_merge(rule, col[j], col[j + 1], weights[j], weights[j + 1]) for j in pairs))
+            return array(
+                "d", (_merge(rule, col[j], col[j + 1], weights[j], weights[j + 1]) for j in pairs)
+            )
 
         for name, slots in self._layer_cols.items():
             self._layer_cols[name] = [halved(col, LAYER_COLUMNS[name]) for col in slots]
@@ -223,7 +264,7 @@ class History:
             for name in LAYER_COLUMNS:
                 self._layer_cols[name].append(array("d", [_MISSING] * points))
 
-    def _assign_slots(self, aggregator: "Aggregator") -> None:
+    def _assign_slots(self, aggregator: Aggregator) -> None:
         """Which layers the per-layer series follow: every layer when they fit, else the
         non-finite ones first, then the top by total time. A layer keeps its slot while it
         stays among those; a newcomer takes a free slot or the least busy one left out."""
@@ -240,12 +281,15 @@ class History:
         else:  # (one set, not one per layer: this runs on the publisher thread, 10k layers)
             bad_set = set(bad)
             candidates = [*range(n), *aggregator.region_rows]
-            wanted = bad + heapq.nlargest(room, (i for i in candidates if i not in bad_set),
-                                          key=time_of.__getitem__)
+            wanted = bad + heapq.nlargest(
+                room, (i for i in candidates if i not in bad_set), key=time_of.__getitem__
+            )
         held = set(self._slot_layer)
         wanted_set = set(wanted)
-        leaving = sorted((k for k, i in enumerate(self._slot_layer) if i not in wanted_set),
-                         key=lambda k: time_of[self._slot_layer[k]])
+        leaving = sorted(
+            (k for k, i in enumerate(self._slot_layer) if i not in wanted_set),
+            key=lambda k: time_of[self._slot_layer[k]],
+        )
         for i in wanted:
             if i in held or not leaving:
                 continue
@@ -256,13 +300,24 @@ class History:
                 for j in range(len(col)):
                     col[j] = _MISSING
 
-    def _add_event(self, step: int, wall: float | None, aggregator: "Aggregator", bad: int) -> None:
+    def _add_event(self, step: int, wall: float | None, aggregator: Aggregator, bad: int) -> None:
         layer_bad = aggregator.counters["layer_bad"]
-        newly = [self.names[i] for i in range(self._n_layers)
-                 if layer_bad[i] + aggregator.fwd_nonfinite[i] > self._seen_layer_bad[i]]
-        self._seen_layer_bad = [layer_bad[i] + aggregator.fwd_nonfinite[i] for i in range(self._n_layers)]
-        event = {"step": step, "wall_time": wall, "new_nonfinite_steps": bad - self._seen_bad,
-                 "nonfinite_steps": bad, "layers": newly[:8], "more_layers": max(len(newly) - 8, 0)}
+        newly = [
+            self.names[i]
+            for i in range(self._n_layers)
+            if layer_bad[i] + aggregator.fwd_nonfinite[i] > self._seen_layer_bad[i]
+        ]
+        self._seen_layer_bad = [
+            layer_bad[i] + aggregator.fwd_nonfinite[i] for i in range(self._n_layers)
+        ]
+        event = {
+            "step": step,
+            "wall_time": wall,
+            "new_nonfinite_steps": bad - self._seen_bad,
+            "nonfinite_steps": bad,
+            "layers": newly[:8],
+            "more_layers": max(len(newly) - 8, 0),
+        }
         self._seen_bad = bad
         if len(self._events_first) < self.max_events // 2:
             self._events_first.append(event)
@@ -281,15 +336,27 @@ class History:
 
         with self._lock:
             points = {name: plain(col) for name, col in self._cols.items()}
-            layers = [{"name": self.names[i],
-                       **{name: plain(self._layer_cols[name][k]) for name in LAYER_COLUMNS}}
-                      for k, i in enumerate(self._slot_layer)]
+            layers = [
+                {
+                    "name": self.names[i],
+                    **{name: plain(self._layer_cols[name][k]) for name in LAYER_COLUMNS},
+                }
+                for k, i in enumerate(self._slot_layer)
+            ]
             events = [dict(e) for e in (*self._events_first, *self._events_last)]
-            return {"stride": self.stride, "max_points": self.max_points, "points": points,
-                    "layers": layers, "events": events, "events_dropped": self.events_dropped}
+            return {
+                "stride": self.stride,
+                "max_points": self.max_points,
+                "points": points,
+                "layers": layers,
+                "events": events,
+                "events_dropped": self.events_dropped,
+            }
 
     def nbytes(self) -> int:
         """Bytes held by the series (the part that would grow with the run if unbounded)."""
         with self._lock:
-            arrays = list(self._cols.values()) + [c for cols in self._layer_cols.values() for c in cols]
+            arrays = list(self._cols.values()) + [
+                c for cols in self._layer_cols.values() for c in cols
+            ]
             return sum(a.itemsize * a.buffer_info()[1] for a in arrays)

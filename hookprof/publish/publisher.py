@@ -10,19 +10,19 @@ run that stops or hangs is published all the same."""
 from __future__ import annotations
 
 import queue
-from collections import deque
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from hookprof.publish.aggregate import Aggregator
-from hookprof.faults import Backoff, DaemonThread, Faults
-from hookprof.publish.history import LAYER_SLOTS, History
-from hookprof.notices import Notices
-from hookprof.step.record import Packet, StepCounters
-from hookprof.snapshot import Snapshot
 from hookprof.device.timing import Timer
+from hookprof.faults import Backoff, DaemonThread, Faults
+from hookprof.notices import Notices
+from hookprof.publish.aggregate import Aggregator
+from hookprof.publish.history import LAYER_SLOTS, History
+from hookprof.snapshot import Snapshot
+from hookprof.step.record import Packet, StepCounters
 
 _STOP = object()
 _NUDGE = object()
@@ -182,12 +182,15 @@ class Publisher(DaemonThread):
                     with self._faults.contain("publisher thread", disable=False):
                         self._publish()
                     return
-                if isinstance(item, _PublishNow):  # its packets are folded: the next publish holds them
+                if isinstance(
+                    item, _PublishNow
+                ):  # its packets are folded: the next publish holds them
                     self._wanted_token = max(self._wanted_token, item.token)
                 # a nudge comes every step: while backing off only a flush (the caller asked
                 # and waits) tries before the back-off is over
-                if ((item is not _NUDGE or now - last_publish >= self._interval_s)
-                        and (self._backoff.ready() or type(item) is threading.Event)):
+                if (item is not _NUDGE or now - last_publish >= self._interval_s) and (
+                    self._backoff.ready() or type(item) is threading.Event
+                ):
                     self._publish()
                     last_publish = time.monotonic()
             except Exception as exc:  # never die: a lost sample is better than no exporter
@@ -214,15 +217,43 @@ class Publisher(DaemonThread):
                         self._in_flight.popleft()
 
 
-def for_model(make: Callable[..., Publisher], table: Any, rank: int, config: Any, counters: StepCounters,
-              faults: Faults, timer: Timer, notices: Notices, *, efficiency: Any, device_phases: Any,
-              decorate: Callable[[Snapshot], Snapshot], statistics: tuple[Any, ...] = ()) -> Publisher:
+def for_model(
+    make: Callable[..., Publisher],
+    table: Any,
+    rank: int,
+    config: Any,
+    counters: StepCounters,
+    faults: Faults,
+    timer: Timer,
+    notices: Notices,
+    *,
+    efficiency: Any,
+    device_phases: Any,
+    decorate: Callable[[Snapshot], Snapshot],
+    statistics: tuple[Any, ...] = (),
+) -> Publisher:
     """A model's publisher (`make`: Publisher, or a test's subclass) over its own totals and
     the report's bounded history, with its slice of the config (publish_interval_s, and the
     aggregator's and history's)."""
-    return make(Aggregator.for_table(table, rank, config, efficiency=efficiency, device_phases=device_phases,
-                                     statistics=statistics),
-                counters, faults, timer, config.publish_interval_s, name=f"hookprof-publisher-rank{rank}",
-                notices=notices, decorate=decorate,
-                history=History(table.names, layer_slots=min(LAYER_SLOTS, config.max_layers),
-                                container_names=[name for name, _ in table.containers]))
+    return make(
+        Aggregator.for_table(
+            table,
+            rank,
+            config,
+            efficiency=efficiency,
+            device_phases=device_phases,
+            statistics=statistics,
+        ),
+        counters,
+        faults,
+        timer,
+        config.publish_interval_s,
+        name=f"hookprof-publisher-rank{rank}",
+        notices=notices,
+        decorate=decorate,
+        history=History(
+            table.names,
+            layer_slots=min(LAYER_SLOTS, config.max_layers),
+            container_names=[name for name, _ in table.containers],
+        ),
+    )

@@ -29,9 +29,18 @@ from hookprof.step.record import StepCounters
 class Serving:
     """One profiler's place on the /metrics page."""
 
-    def __init__(self, config: Config, name: str, rank: int, local_rank: int, publisher: Any,
-                 registry: CollectorRegistry | None, *, faults: Faults | None = None,
-                 counters: StepCounters | None = None):
+    def __init__(
+        self,
+        config: Config,
+        name: str,
+        rank: int,
+        local_rank: int,
+        publisher: Any,
+        registry: CollectorRegistry | None,
+        *,
+        faults: Faults | None = None,
+        counters: StepCounters | None = None,
+    ):
         self._config = config
         self._name = name
         self._rank = rank
@@ -44,7 +53,9 @@ class Serving:
         self.collector = self._collector(build_info=True)
         self.endpoint: Endpoint | None = None
         self._system: SystemSampler | None = None
-        self._registered: list[Any] = []  # collectors put in a caller's registry: taken out at detach
+        self._registered: list[
+            Any
+        ] = []  # collectors put in a caller's registry: taken out at detach
         self.registry: CollectorRegistry | None = None
         if not config.serve:
             extra: tuple[Any, ...] = ()
@@ -55,11 +66,17 @@ class Serving:
                     name=f"hookprof-system-rank{rank}",
                 )
                 extra = (SystemCollector(lambda: system.latest, rank),)
-            self.registry = make_registry(self.collector, process_metrics=config.system_metrics,
-                                          extra=extra, registry=registry,
-                                          registered=self._registered if registry is not None else None)
+            self.registry = make_registry(
+                self.collector,
+                process_metrics=config.system_metrics,
+                extra=extra,
+                registry=registry,
+                registered=self._registered if registry is not None else None,
+            )
 
-    def join(self, document: Callable[[], dict[str, Any]], supervisor: ThreadSupervisor) -> Callable[[], None]:
+    def join(
+        self, document: Callable[[], dict[str, Any]], supervisor: ThreadSupervisor
+    ) -> Callable[[], None]:
         """Serving: join the process's endpoint on the configured port (base_port +
         LOCAL_RANK; it starts on the first member), its page re-rendered when this model's
         snapshot changes. Returns what leaves it (and takes out collectors put in a caller's
@@ -67,8 +84,9 @@ class Serving:
         if self._config.serve:
             config = self._config
             port = config.port + self._local_rank if config.port else 0
-            member = Member(self._name, self._collector(build_info=False), self._page_version,
-                            document=document)
+            member = Member(
+                self._name, self._collector(build_info=False), self._page_version, document=document
+            )
             self.endpoint = endpoint.join(member, config, port, self._rank, self._local_rank)
             if self.endpoint is not None:  # (None: its port was taken, port_conflict="off")
                 self.registry = self.endpoint.registry
@@ -82,18 +100,28 @@ class Serving:
     def _collector(self, build_info: bool) -> SnapshotCollector:
         publisher = self._publisher
         # publisher "up" while it publishes: a thread alive but failing to build is not
-        return SnapshotCollector(lambda: publisher.latest, torch.__version__, lambda: publisher.publishing,
-                                 rank=self._rank, model=self._name, build_info=build_info,
-                                 faults=self._faults, counters=self._counters)
+        return SnapshotCollector(
+            lambda: publisher.latest,
+            torch.__version__,
+            lambda: publisher.publishing,
+            rank=self._rank,
+            model=self._name,
+            build_info=build_info,
+            faults=self._faults,
+            counters=self._counters,
+        )
 
     def _page_version(self) -> tuple[Any, ...]:
         """What this model's part of the /metrics page is made from: the page is re-rendered
         when any of these changes (the step count only while the snapshot is stale: it is
         then read from the counters)."""
         publishing = self._publisher.publishing
-        return (self._publisher.latest, publishing,
-                self._faults.errors if self._faults is not None else None,
-                None if publishing or self._counters is None else self._counters.steps)
+        return (
+            self._publisher.latest,
+            publishing,
+            self._faults.errors if self._faults is not None else None,
+            None if publishing or self._counters is None else self._counters.steps,
+        )
 
     def _leave(self) -> None:
         if self.endpoint is not None:

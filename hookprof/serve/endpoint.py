@@ -28,26 +28,41 @@ from hookprof.serve.server import Limits, MetricsServer
 from hookprof.serve.system import SystemCollector, SystemSampler
 
 # what every model joining an endpoint must agree on with the one that started it
-SHARED_FIELDS = ("tls_certfile", "tls_keyfile", "tls_client_cafile", "system_metrics", "gpu_metrics",
-                 "system_interval_s", "http_max_requests", "http_max_connections",
-                 "http_header_timeout_s", "http_idle_timeout_s", "http_write_timeout_s")
+SHARED_FIELDS = (
+    "tls_certfile",
+    "tls_keyfile",
+    "tls_client_cafile",
+    "system_metrics",
+    "gpu_metrics",
+    "system_interval_s",
+    "http_max_requests",
+    "http_max_connections",
+    "http_header_timeout_s",
+    "http_idle_timeout_s",
+    "http_write_timeout_s",
+)
 
-_endpoints: dict[tuple[str, int], "Endpoint"] = {}
+_endpoints: dict[tuple[str, int], Endpoint] = {}
 _lock = threading.Lock()
 
 
 class Member:
     """One model on an endpoint: its collector and what its page is made from."""
 
-    def __init__(self, name: str, collector: SnapshotCollector, version: Callable[[], tuple[Any, ...]],
-                 document: Callable[[], dict[str, Any]]):
+    def __init__(
+        self,
+        name: str,
+        collector: SnapshotCollector,
+        version: Callable[[], tuple[Any, ...]],
+        document: Callable[[], dict[str, Any]],
+    ):
         self.name = name
         self.collector = collector
         self.version = version
         self.document = document  # the run report's data (report.py), served at /history.json
 
 
-def join(member: Member, config: Config, port: int, rank: int, local_rank: int) -> "Endpoint | None":
+def join(member: Member, config: Config, port: int, rank: int, local_rank: int) -> Endpoint | None:
     """The endpoint serving (config.addr, port), started if none does; `member` is on it.
     Port 0 always starts one of its own (it picks a free port). A port held elsewhere:
     `config.port_conflict` says what follows (serve/port_conflict.py); None when nothing
@@ -58,12 +73,15 @@ def join(member: Member, config: Config, port: int, rank: int, local_rank: int) 
         if endpoint is None:
             try:
                 endpoint = Endpoint(config, port, rank, local_rank)
-            except PortInUseError as exc:
+            except PortInUseError as taken:
                 ours = next((e for (_, p), e in _endpoints.items() if p == port), None)
+                exc = taken
                 if ours is not None:  # this process serves that port on another address: whose
-                    exc = PortInUseError(config.addr, port, holder=", ".join(m.name for m in ours.members()))
+                    exc = PortInUseError(
+                        config.addr, port, holder=", ".join(m.name for m in ours.members())
+                    )
                 if config.port_conflict == "raise":
-                    raise exc
+                    raise exc from None  # (the holder named: the first error adds nothing)
                 conflict = PortConflict(config.addr, port, _holder(exc, port))
                 if config.port_conflict == "off":
                     conflict.say(None)
@@ -85,8 +103,15 @@ def _holder(exc: PortInUseError, port: int) -> str | None:
 
 
 class Endpoint:
-    def __init__(self, config: Config, port: int, rank: int, local_rank: int, *,
-                 conflict: PortConflict | None = None):
+    def __init__(
+        self,
+        config: Config,
+        port: int,
+        rank: int,
+        local_rank: int,
+        *,
+        conflict: PortConflict | None = None,
+    ):
         self.config = config
         self.conflict = conflict  # the taken port this endpoint stands in for
         self._members: dict[str, Member] = {}
@@ -104,12 +129,20 @@ class Endpoint:
                 name=f"hookprof-system-rank{rank}",
             )
             extra += (SystemCollector(lambda: self.system.latest, rank),)
-        self.registry = make_registry(_Models(self), process_metrics=config.system_metrics, extra=extra)
+        self.registry = make_registry(
+            _Models(self), process_metrics=config.system_metrics, extra=extra
+        )
         self.server = MetricsServer(
-            self.registry, config.addr, port, version=self._page_version,
-            certfile=config.tls_certfile, keyfile=config.tls_keyfile,
-            client_cafile=config.tls_client_cafile, limits=Limits.from_config(config),
-            history=self._history_json)
+            self.registry,
+            config.addr,
+            port,
+            version=self._page_version,
+            certfile=config.tls_certfile,
+            keyfile=config.tls_keyfile,
+            client_cafile=config.tls_client_cafile,
+            limits=Limits.from_config(config),
+            history=self._history_json,
+        )
         if self.system is not None:
             self.system.start()
 
@@ -139,10 +172,15 @@ class Endpoint:
         for field in SHARED_FIELDS:
             mine, theirs = getattr(self.config, field), getattr(config, field)
             if mine != theirs:
-                raise ConfigError(field, theirs, (
-                    f"{mine!r}, as for the models already served on {self.url} (one endpoint per "
-                    "address and port serves every model of a process; choose another port for "
-                    "other settings)"))
+                raise ConfigError(
+                    field,
+                    theirs,
+                    (
+                        f"{mine!r}, as for the models already served on {self.url} (one endpoint per "
+                        "address and port serves every model of a process; choose another port for "
+                        "other settings)"
+                    ),
+                )
 
     def add(self, member: Member) -> None:
         with self._members_lock:

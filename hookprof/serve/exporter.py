@@ -19,10 +19,9 @@ from hookprof.efficiency.families import efficiency_families
 from hookprof.faults import PARTS, Faults, log
 from hookprof.metrics_names import family
 from hookprof.phases.families import progress_families
-from hookprof.snapshot import LAYER_PHASES, PHASES, Snapshot
 from hookprof.serve.system import PsutilProcessCollector, has_proc_fs
+from hookprof.snapshot import LAYER_PHASES, PHASES, Snapshot
 from hookprof.step.record import StepCounters
-
 
 _HOST = socket.gethostname()  # the hookprof_first_nonfinite_origin_info `host` label
 
@@ -39,10 +38,17 @@ class SnapshotCollector(Collector):
     step count go out from them, not only from the snapshot, so that a snapshot that cannot
     be built, or cannot be rendered, still shows its faults and the steps taken."""
 
-    def __init__(self, get_snapshot: Callable[[], Snapshot], torch_version: str,
-                 publisher_alive: Callable[[], bool] = lambda: True, rank: int = 0,
-                 model: str | None = None, build_info: bool = True,
-                 faults: Faults | None = None, counters: StepCounters | None = None):
+    def __init__(
+        self,
+        get_snapshot: Callable[[], Snapshot],
+        torch_version: str,
+        publisher_alive: Callable[[], bool] = lambda: True,
+        rank: int = 0,
+        model: str | None = None,
+        build_info: bool = True,
+        faults: Faults | None = None,
+        counters: StepCounters | None = None,
+    ):
         self._get_snapshot = get_snapshot
         self._torch_version = torch_version
         self._publisher_alive = publisher_alive
@@ -62,8 +68,10 @@ class SnapshotCollector(Collector):
             return
         for built in self._families():
             if built.name != names.BUILD_INFO.name:
-                built.samples = [s._replace(labels={**s.labels, names.MODEL_LABEL: self._model})
-                                 for s in built.samples]
+                built.samples = [
+                    s._replace(labels={**s.labels, names.MODEL_LABEL: self._model})
+                    for s in built.samples
+                ]
             yield built
 
     def _families(self) -> Iterator[Metric]:
@@ -74,13 +82,19 @@ class SnapshotCollector(Collector):
             snap = self._get_snapshot()
             rank = str(snap.rank)
             # built whole before the first yield: a failure leaves no half-rendered page
-            families = [*self._step_metrics(snap, rank, up), *self._layer_metrics(snap, rank),
-                        *progress_families(snap, rank), *efficiency_families(snap, rank)]
+            families = [
+                *self._step_metrics(snap, rank, up),
+                *self._layer_metrics(snap, rank),
+                *progress_families(snap, rank),
+                *efficiency_families(snap, rank),
+            ]
         except Exception:  # a scrape must not fail: the thread gauge and build info still go out
             families = [*self._live_counts(rank, None, None)]
             if not self._failed:
                 self._failed = True
-                log.error("hookprof: rendering the snapshot failed; serving the rest", exc_info=True)
+                log.error(
+                    "hookprof: rendering the snapshot failed; serving the rest", exc_info=True
+                )
         yield from families
 
         yield _one(names.PUBLISHER_THREAD_UP, rank, 1.0 if up else 0.0)
@@ -113,8 +127,9 @@ class SnapshotCollector(Collector):
         yield internal
 
     def _step_metrics(self, snap: Snapshot, rank: str, up: bool = True) -> Iterator[Metric]:
-        live = self._live_counts(rank, snap.step if up or self._counters is None else None,
-                                 snap.internal_errors)
+        live = self._live_counts(
+            rank, snap.step if up or self._counters is None else None, snap.internal_errors
+        )
         yield next(live)  # hookprof_steps_total
         yield _one(names.SAMPLED_STEPS_TOTAL, rank, snap.sampled_steps)
 
@@ -124,8 +139,11 @@ class SnapshotCollector(Collector):
         yield duration
 
         # absent until there is a value: no step yet, no loss given, no sampled step yet
-        for metric, value in ((names.LAST_STEP_TIMESTAMP_SECONDS, snap.last_step_timestamp),
-                              (names.LOSS, snap.loss), (names.GRADIENT_NORM, snap.grad_norm)):
+        for metric, value in (
+            (names.LAST_STEP_TIMESTAMP_SECONDS, snap.last_step_timestamp),
+            (names.LOSS, snap.loss),
+            (names.GRADIENT_NORM, snap.grad_norm),
+        ):
             if value is not None:
                 yield _one(metric, rank, value)
 
@@ -136,7 +154,9 @@ class SnapshotCollector(Collector):
 
         yield _one(names.SKIPPED_STEPS_TOTAL, rank, snap.skipped_steps)
         dropped = snap.dropped_nonfinite
-        yield _one(names.DROPPED_NONFINITE_STEPS_TOTAL, rank, 0 if dropped is None else dropped.steps)
+        yield _one(
+            names.DROPPED_NONFINITE_STEPS_TOTAL, rank, 0 if dropped is None else dropped.steps
+        )
         if dropped is not None and dropped.layer is not None:
             first_dropped = family(names.FIRST_DROPPED_NONFINITE_INFO)
             first_dropped.add_metric([rank, dropped.layer, str(dropped.first_step)], 1)
@@ -161,8 +181,18 @@ class SnapshotCollector(Collector):
         event = snap.first_nonfinite
         if event is not None and (event.found_by is not None or event.replay is not None):
             origin = family(names.FIRST_NONFINITE_ORIGIN_INFO)
-            origin.add_metric([rank, event.phase, str(event.step), event.found_by or "",
-                               event.replay or "", _HOST, event.device], 1)
+            origin.add_metric(
+                [
+                    rank,
+                    event.phase,
+                    str(event.step),
+                    event.found_by or "",
+                    event.replay or "",
+                    _HOST,
+                    event.device,
+                ],
+                1,
+            )
             yield origin
         if event is not None and event.capsule is not None:
             capsule = family(names.FIRST_NONFINITE_CAPSULE_INFO)
@@ -230,10 +260,14 @@ def _le(bound: float) -> str:
     return "+Inf" if math.isinf(bound) else repr(float(bound))
 
 
-def make_registry(collector: Collector, *, process_metrics: bool = True,
-                  extra: tuple[Collector, ...] = (),
-                  registry: CollectorRegistry | None = None,
-                  registered: list[Collector] | None = None) -> CollectorRegistry:
+def make_registry(
+    collector: Collector,
+    *,
+    process_metrics: bool = True,
+    extra: tuple[Collector, ...] = (),
+    registry: CollectorRegistry | None = None,
+    registered: list[Collector] | None = None,
+) -> CollectorRegistry:
     """A registry of its own per profiler, so two profilers never mix their series (or the
     one given, e.g. a caller's: `registered` then lists what was put in, to take out again)."""
     if registry is None:

@@ -60,10 +60,14 @@ class Limits:
     write_timeout_s: float
 
     @classmethod
-    def from_config(cls, config: Any) -> "Limits":
-        return cls(config.http_max_requests, config.http_max_connections,
-                   config.http_header_timeout_s, config.http_idle_timeout_s,
-                   config.http_write_timeout_s)
+    def from_config(cls, config: Any) -> Limits:
+        return cls(
+            config.http_max_requests,
+            config.http_max_connections,
+            config.http_header_timeout_s,
+            config.http_idle_timeout_s,
+            config.http_write_timeout_s,
+        )
 
 
 class _Conn:
@@ -105,7 +109,12 @@ def parse_head(head: bytes) -> Request:
     """Request line and headers (without the blank line); ValueError when it is not HTTP."""
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[0].isalpha() or not parts[1] or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
+    if (
+        len(parts) != 3
+        or not parts[0].isalpha()
+        or not parts[1]
+        or parts[2] not in ("HTTP/1.0", "HTTP/1.1")
+    ):
         raise ValueError(f"bad request line {lines[0][:80]!r}")
     headers: dict[str, str] = {}
     for line in lines[1:]:
@@ -164,9 +173,16 @@ class Server:
     """Listens on (addr, port) and answers with `app` (WSGI) under `limits`; `on_reject(reason)`
     is called for every connection closed for one of REJECT_REASONS."""
 
-    def __init__(self, addr: str, port: int, app: Callable, limits: Limits, *,
-                 context: ssl.SSLContext | None = None,
-                 on_reject: Callable[[str], None] = lambda reason: None):
+    def __init__(
+        self,
+        addr: str,
+        port: int,
+        app: Callable,
+        limits: Limits,
+        *,
+        context: ssl.SSLContext | None = None,
+        on_reject: Callable[[str], None] = lambda reason: None,
+    ):
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -272,15 +288,20 @@ class Server:
                 if self._context is not None:
                     # the handshake runs step by step as the client's bytes arrive,
                     # never inside accept()
-                    tls = self._context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                    tls = self._context.wrap_socket(
+                        sock, server_side=True, do_handshake_on_connect=False
+                    )
                     self._open.discard(sock)
                     self._open.add(tls)
                     sock = tls
             except OSError:
                 self._close(_Conn(sock, 0.0, True))
                 continue
-            conn = _Conn(sock, time.monotonic() + self._limits.header_timeout_s,
-                         handshaken=self._context is None)
+            conn = _Conn(
+                sock,
+                time.monotonic() + self._limits.header_timeout_s,
+                handshaken=self._context is None,
+            )
             self._wait(conn, selectors.EVENT_READ)
             self._advance(conn)  # bytes may already be there
 
@@ -354,7 +375,7 @@ class Server:
         return True
 
     def _dispatch(self, conn: _Conn, end: int) -> None:
-        head, conn.buf = conn.buf[:end], conn.buf[end + 4:]
+        head, conn.buf = conn.buf[:end], conn.buf[end + 4 :]
         try:
             request = parse_head(head)
         except ValueError:
@@ -364,8 +385,9 @@ class Server:
         self._unwait(conn)
         self._busy += 1
         try:
-            threading.Thread(target=self._answer, args=(conn, request), name="hookprof-http-request",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._answer, args=(conn, request), name="hookprof-http-request", daemon=True
+            ).start()
         except RuntimeError:  # no thread to be had
             self._busy -= 1
             self._reject(conn, "too_many_requests", TOO_MANY_REQUESTS)
@@ -479,9 +501,13 @@ class Server:
     def _call_app(self, request: Request) -> tuple[str, list[tuple[str, str]], bytes]:
         path, _, query = request.target.partition("?")
         environ = {
-            "REQUEST_METHOD": request.method, "PATH_INFO": path, "QUERY_STRING": query,
-            "SERVER_PROTOCOL": request.version, "wsgi.url_scheme": self.scheme,
-            "SERVER_NAME": str(self.server_address[0]), "SERVER_PORT": str(self.server_address[1]),
+            "REQUEST_METHOD": request.method,
+            "PATH_INFO": path,
+            "QUERY_STRING": query,
+            "SERVER_PROTOCOL": request.version,
+            "wsgi.url_scheme": self.scheme,
+            "SERVER_NAME": str(self.server_address[0]),
+            "SERVER_PORT": str(self.server_address[1]),
         }
         for name, value in request.headers.items():
             environ["HTTP_" + name.upper().replace("-", "_")] = value

@@ -38,7 +38,11 @@ def _listening_inodes(port: int, proc: str) -> set[str]:
                 for line in f:
                     fields = line.split()
                     # local_address is HEXADDR:HEXPORT; inode is the tenth column
-                    if len(fields) > 9 and fields[3] == _LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    if (
+                        len(fields) > 9
+                        and fields[3] == _LISTEN
+                        and int(fields[1].rsplit(":", 1)[1], 16) == port
+                    ):
                         inodes.add(fields[9])
         except (OSError, ValueError, IndexError):
             continue
@@ -52,11 +56,11 @@ def _command(proc: str, pid: str) -> str:
     except OSError:
         return "?"
     text = " ".join(" ".join(w.decode(errors="replace").split()) for w in words if w)  # one line
-    return text if len(text) <= _MAX_COMMAND else text[:_MAX_COMMAND - 3] + "..."
+    return text if len(text) <= _MAX_COMMAND else text[: _MAX_COMMAND - 3] + "..."
 
 
 def port_holder(port: int, proc: str = "/proc") -> str | None:
-    """"pid 1234 (python -m http.server 8479)" for the process listening on TCP `port`, or
+    """ "pid 1234 (python -m http.server 8479)" for the process listening on TCP `port`, or
     None when it cannot be found. Never raises."""
     wanted = {f"socket:[{inode}]" for inode in _listening_inodes(port, proc)}
     if not wanted:
@@ -90,16 +94,23 @@ class PortConflict:
 
     def say(self, served_port: int | None) -> None:
         """The one log error: the port, its holder, and where metrics are served instead."""
-        held = f"held by {self.holder}" if self.holder else (
-            "held by another process (`ss -ltnp` or `lsof -i :%d` names it)" % self.port)
+        held = (
+            f"held by {self.holder}"
+            if self.holder
+            else f"held by another process (`ss -ltnp` or `lsof -i :{self.port}` names it)"
+        )
         if served_port is None:
             instead = 'metrics are not served (port_conflict="off")'
         else:
             instead = f'serving metrics on {self.addr}:{served_port} instead (port_conflict="free")'
         log.error(
             "hookprof: cannot serve metrics on %s:%d, %s; %s. Training goes on. Choose a free "
-            "port with port=... or HOOKPROF_PORT; port_conflict=\"raise\" stops at attach instead.",
-            self.addr, self.port, held, instead)
+            'port with port=... or HOOKPROF_PORT; port_conflict="raise" stops at attach instead.',
+            self.addr,
+            self.port,
+            held,
+            instead,
+        )
 
 
 class PortConflictInfo(Collector):
@@ -117,5 +128,7 @@ class PortConflictInfo(Collector):
         # the pid only: a command line can hold a token or a password, and the page is
         # read by anyone who reaches the port (the log line has the command)
         holder = self._conflict.holder
-        info.add_metric([str(self._conflict.port), holder.split(" (", 1)[0] if holder else "unknown"], 1)
+        info.add_metric(
+            [str(self._conflict.port), holder.split(" (", 1)[0] if holder else "unknown"], 1
+        )
         yield info

@@ -31,7 +31,9 @@ from hookprof.serve.httpd import REJECT_REASONS, Limits, Server
 class CachedPage:
     """The rendered exposition of `registry` per format, shared by every request."""
 
-    def __init__(self, registry: Any, version: Callable[[], tuple[Any, ...]], max_age_s: float = 1.0):
+    def __init__(
+        self, registry: Any, version: Callable[[], tuple[Any, ...]], max_age_s: float = 1.0
+    ):
         # version(): the objects the page is made from (snapshots, flags); a page is reused
         # while they are the very same objects (identity, not equality: cheap, and an old
         # object stays referenced so its id cannot be recycled)
@@ -47,8 +49,12 @@ class CachedPage:
         with self._lock:
             version, now = self._version(), time.monotonic()
             cached = self._pages.get(key)
-            if (cached is not None and now - cached[1] < self._max_age_s
-                    and len(cached[0]) == len(version) and all(a is b for a, b in zip(cached[0], version))):
+            if (
+                cached is not None
+                and now - cached[1] < self._max_age_s
+                and len(cached[0]) == len(version)
+                and all(a is b for a, b in zip(cached[0], version))
+            ):
                 return cached[2]
             render = openmetrics.generate_latest if open_metrics else generate_latest
             body = render(self._registry)
@@ -59,7 +65,7 @@ class CachedPage:
             return body
 
 
-def make_app(page: CachedPage, history: "CachedHistory | None" = None) -> Callable:
+def make_app(page: CachedPage, history: CachedHistory | None = None) -> Callable:
     def app(environ: dict, start_response: Callable) -> list[bytes]:
         if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
             start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
@@ -73,7 +79,12 @@ def make_app(page: CachedPage, history: "CachedHistory | None" = None) -> Callab
         open_metrics = "application/openmetrics-text" in environ.get("HTTP_ACCEPT", "")
         compressed = "gzip" in environ.get("HTTP_ACCEPT_ENCODING", "")
         body = page.get(open_metrics, compressed)
-        headers = [("Content-Type", openmetrics.CONTENT_TYPE_LATEST if open_metrics else CONTENT_TYPE_LATEST)]
+        headers = [
+            (
+                "Content-Type",
+                openmetrics.CONTENT_TYPE_LATEST if open_metrics else CONTENT_TYPE_LATEST,
+            )
+        ]
         if compressed:
             headers.append(("Content-Encoding", "gzip"))
         start_response("200 OK", headers)
@@ -115,8 +126,6 @@ def tls_context(certfile: str, keyfile: str | None, client_cafile: str | None) -
     return context
 
 
-
-
 class ConnectionCounters(Collector):
     """hookprof_http_connections_rejected_total{reason}: connections the endpoint refused or
     closed, by reason (hookprof/httpd.py REJECT_REASONS), each pre-initialised to 0 so that
@@ -148,18 +157,28 @@ class MetricsServer:
     """The /metrics endpoint on one (addr, port), with a clean stop. Its connection counters
     are registered in `registry`, so they are on the page they protect."""
 
-    def __init__(self, registry: CollectorRegistry, addr: str, port: int, *,
-                 version: Callable[[], tuple[Any, ...]] = tuple,
-                 certfile: str | None = None, keyfile: str | None = None,
-                 client_cafile: str | None = None, limits: Limits | None = None,
-                 history: Callable[[], bytes] | None = None):
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        addr: str,
+        port: int,
+        *,
+        version: Callable[[], tuple[Any, ...]] = tuple,
+        certfile: str | None = None,
+        keyfile: str | None = None,
+        client_cafile: str | None = None,
+        limits: Limits | None = None,
+        history: Callable[[], bytes] | None = None,
+    ):
         from hookprof.config import Config
 
         self.page = CachedPage(registry, version)
         self.history = CachedHistory(history) if history is not None else None
         self.limits = limits if limits is not None else Limits.from_config(Config())
         self.connections = ConnectionCounters()
-        self._context = tls_context(certfile, keyfile, client_cafile) if certfile is not None else None
+        self._context = (
+            tls_context(certfile, keyfile, client_cafile) if certfile is not None else None
+        )
         self.addr = addr
         self.restarts = 0
         self._start(port)
@@ -169,13 +188,21 @@ class MetricsServer:
 
     def _start(self, port: int) -> None:
         try:
-            self._server = Server(self.addr, port, make_app(self.page, self.history), self.limits,
-                                  context=self._context, on_reject=self.connections.add)
+            self._server = Server(
+                self.addr,
+                port,
+                make_app(self.page, self.history),
+                self.limits,
+                context=self._context,
+                on_reject=self.connections.add,
+            )
         except OSError as exc:
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):
                 raise PortInUseError(self.addr, port, exc) from exc
             raise
-        self._thread = threading.Thread(target=self._server.serve_forever, name="hookprof-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="hookprof-http", daemon=True
+        )
         self._thread.start()
 
     @property

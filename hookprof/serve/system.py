@@ -85,7 +85,9 @@ class NvmlReader:
                 name = _text(self._nvml.nvmlDeviceGetName(handle))
                 self._handles.append((index, handle, uuid, name))
         except ImportError:
-            log.info("hookprof: GPU metrics off: nvidia-ml-py is not installed (pip install 'hookprof[gpu]')")
+            log.info(
+                "hookprof: GPU metrics off: nvidia-ml-py is not installed (pip install 'hookprof[gpu]')"
+            )
             return
         except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
             # str(exc), not exc: a handler that keeps records (pytest's caplog, a notebook's
@@ -104,22 +106,25 @@ class NvmlReader:
         nv = self._nvml
         out = []
         for index, handle, uuid, name in self._handles:
-            util = _try(lambda: nv.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0)
-            mem = _try(lambda: nv.nvmlDeviceGetMemoryInfo(handle))
-            power_mw = _try(lambda: nv.nvmlDeviceGetPowerUsage(handle))
-            temp = _try(lambda: nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU))
-            energy_mj = _try(lambda: nv.nvmlDeviceGetTotalEnergyConsumption(handle))
-            out.append(GpuSample(
-                index=index,
-                uuid=uuid,
-                name=name,
-                utilization_ratio=util,
-                memory_used_bytes=None if mem is None else int(mem.used),
-                memory_total_bytes=None if mem is None else int(mem.total),
-                power_watts=None if power_mw is None else power_mw / 1000.0,
-                temperature_celsius=None if temp is None else float(temp),
-                energy_joules=None if energy_mj is None else energy_mj / 1000.0,
-            ))
+            rates = _try(nv.nvmlDeviceGetUtilizationRates, handle)
+            util = None if rates is None else rates.gpu / 100.0
+            mem = _try(nv.nvmlDeviceGetMemoryInfo, handle)
+            power_mw = _try(nv.nvmlDeviceGetPowerUsage, handle)
+            temp = _try(nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU)
+            energy_mj = _try(nv.nvmlDeviceGetTotalEnergyConsumption, handle)
+            out.append(
+                GpuSample(
+                    index=index,
+                    uuid=uuid,
+                    name=name,
+                    utilization_ratio=util,
+                    memory_used_bytes=None if mem is None else int(mem.used),
+                    memory_total_bytes=None if mem is None else int(mem.total),
+                    power_watts=None if power_mw is None else power_mw / 1000.0,
+                    temperature_celsius=None if temp is None else float(temp),
+                    energy_joules=None if energy_mj is None else energy_mj / 1000.0,
+                )
+            )
         return tuple(out)
 
     def close(self) -> None:
@@ -320,10 +325,10 @@ def has_proc_fs() -> bool:
     return os.path.exists("/proc/self/stat")
 
 
-def _try(fn: Callable[[], Any]) -> Any:
-    """fn(), or None if it raised: one missing reading must not cost the others."""
+def _try(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), or None if it raised: one missing reading must not cost the others."""
     try:
-        return fn()
+        return fn(*args)
     except Exception:
         return None
 

@@ -60,16 +60,32 @@ class BackwardEnd:
     never once `closed` is set (detach). What it raises is a fault of "backward end" in
     `faults` (training goes on; the step's gradients are then read at the optimizer)."""
 
-    __slots__ = ("_on_end", "_faults", "_queued", "closed", "keep_output_grads", "output_grads",
-                 "_param_handles", "_accumulator")
+    __slots__ = (
+        "_on_end",
+        "_faults",
+        "_queued",
+        "closed",
+        "keep_output_grads",
+        "output_grads",
+        "_param_handles",
+        "_accumulator",
+    )
 
-    def __init__(self, on_end: Callable[[], None], faults: Any, *, keep_output_grads: bool = False,
-                 params: list[torch.Tensor] = ()):
+    def __init__(
+        self,
+        on_end: Callable[[], None],
+        faults: Any,
+        *,
+        keep_output_grads: bool = False,
+        params: list[torch.Tensor] = (),
+    ):
         self._on_end = on_end
         self._faults = faults
         # one trainable parameter's AccumulateGrad node: tells backward() from autograd.grad
         trained = [p for p in params if p.requires_grad and p.is_leaf]
-        self._accumulator = accumulator_of(trained[0]) if trained and _WILL_EXECUTE is not None else None
+        self._accumulator = (
+            accumulator_of(trained[0]) if trained and _WILL_EXECUTE is not None else None
+        )
         self._queued = False  # a callback is queued for the backward in progress
         self.closed = False
         # the gradient each output tensor of the last forward received (the incident capsule
@@ -135,8 +151,9 @@ class BackwardEnd:
         for node, places in list(by_node.items())[:_MAX_NODES]:
             node.register_prehook(functools.partial(self._began_keeping, kept, places))
 
-    def _began_keeping(self, kept: list[torch.Tensor | None], places: list[tuple[int, int]],
-                       grad_outputs: Any) -> None:
+    def _began_keeping(
+        self, kept: list[torch.Tensor | None], places: list[tuple[int, int]], grad_outputs: Any
+    ) -> None:
         try:
             for k, nr in places:
                 g = grad_outputs[nr] if nr < len(grad_outputs) else None

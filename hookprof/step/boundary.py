@@ -2,7 +2,8 @@
 
 Owns: the hooks on the root module (and on its children, for loops that never call the root:
 Lightning's `training_step`, `model.compute_loss(x)`), the listening of one profiler to the
-process's optimizer step hooks (step/dispatch.py) and its GradScaler watch, and the step's flags: whether `prof.step()` took
+process's optimizer step hooks (step/dispatch.py) and its GradScaler watch, and the step's flags:
+whether `prof.step()` took
 over, whether the root ever ran, what this step has seen (a forward, an owned optimizer's
 update, a GradScaler skip), when it started, whether the optimizer already ended it.
 
@@ -42,31 +43,37 @@ MAX_FORWARDS_PER_STEP = 1000
 
 def trains_in_eval_notice(model_type: str) -> str:
     """Said once when an optimizer stepped after forwards of the model in eval mode only."""
-    return (f"{model_type} trains in eval mode (model.eval() while gradients flow and an "
-            "optimizer steps, as in fine-tuning with frozen BatchNorm): from the next step on "
-            "its forwards with gradients enabled are training forwards, whatever "
-            "module.training says (this step's forward was taken for an evaluation: its layer "
-            "calls are not recorded); a forward under no_grad or inference_mode stays an "
-            "evaluation.")
+    return (
+        f"{model_type} trains in eval mode (model.eval() while gradients flow and an "
+        "optimizer steps, as in fine-tuning with frozen BatchNorm): from the next step on "
+        "its forwards with gradients enabled are training forwards, whatever "
+        "module.training says (this step's forward was taken for an evaluation: its layer "
+        "calls are not recorded); a forward under no_grad or inference_mode stays an "
+        "evaluation."
+    )
 
 
 def no_step_notice(model_type: str) -> str:
     """Said once when MAX_FORWARDS_PER_STEP forwards came without a step boundary."""
-    return (f"{MAX_FORWARDS_PER_STEP} forwards of {model_type} without a step boundary: no "
-            "torch.optim optimizer steps its parameters and prof.step() is not called, so "
-            "hookprof cannot tell steps apart; per-layer timing and gradient norms are off until "
-            "one comes. Call prof.step(loss) once per training step (after the parameter update).")
+    return (
+        f"{MAX_FORWARDS_PER_STEP} forwards of {model_type} without a step boundary: no "
+        "torch.optim optimizer steps its parameters and prof.step() is not called, so "
+        "hookprof cannot tell steps apart; per-layer timing and gradient norms are off until "
+        "one comes. Call prof.step(loss) once per training step (after the parameter update)."
+    )
 
 
 def model_changed_notice(model_type: str, names: list[str]) -> str:
     """Said once when an optimizer steps parameters of the model that were not there at
     attach() (a head added, LoRA adapters injected, load_state_dict(assign=True))."""
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return (f"{model_type} changed after attach(): an optimizer steps {len(names)} of its "
-            f"parameters that were not there at attach ({shown}). Steps are counted, but these "
-            "parameters have no gradient norms (the global norm leaves them out) and no "
-            "per-layer figures; re-attach to cover them: prof.detach(); "
-            "prof = hookprof.attach(model).")
+    return (
+        f"{model_type} changed after attach(): an optimizer steps {len(names)} of its "
+        f"parameters that were not there at attach ({shown}). Steps are counted, but these "
+        "parameters have no gradient norms (the global norm leaves them out) and no "
+        "per-layer figures; re-attach to cover them: prof.detach(); "
+        "prof = hookprof.attach(model)."
+    )
 
 
 class TracedForward(Protocol):
@@ -84,8 +91,17 @@ class StepEvents(Protocol):
     never part of its public surface."""
 
     def _on_eval_forward(self) -> None: ...
-    def _on_forward(self, module: nn.Module, args: Any, kwargs: Any, *, entry: bool,
-                   own_layer: int | None, now: int, first_step: bool) -> None: ...
+    def _on_forward(
+        self,
+        module: nn.Module,
+        args: Any,
+        kwargs: Any,
+        *,
+        entry: bool,
+        own_layer: int | None,
+        now: int,
+        first_step: bool,
+    ) -> None: ...
     def _on_output(self, output: Any) -> None: ...
     def _on_update_began(self, optimizer: torch.optim.Optimizer) -> None: ...
     def _on_before_update(self, optimizer: torch.optim.Optimizer) -> None: ...
@@ -99,17 +115,27 @@ class StepEvents(Protocol):
     def _on_no_step_signal(self) -> None: ...
     def _on_loss(self, loss: Any) -> None: ...
     def _on_late_loss(self, loss: Any) -> None: ...
-    def _on_step_end(self, loss: Any, *, skipped: bool, started_ns: int | None,
-                    forward_seen: bool) -> tuple[int, int]: ...
+    def _on_step_end(
+        self, loss: Any, *, skipped: bool, started_ns: int | None, forward_seen: bool
+    ) -> tuple[int, int]: ...
     def _on_step_ended(self, number: int, now: int) -> None: ...
 
 
 class StepBoundary:
     """The step boundaries of one profiled model (training thread and autograd threads)."""
 
-    def __init__(self, model: nn.Module, params: list[torch.Tensor], root_layer: int | None,
-                 events: StepEvents, hooks: LayerHooks, faults: Faults, clock: Callable[[], int],
-                 compiled: bool, say: Callable[[str, str], None] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        params: list[torch.Tensor],
+        root_layer: int | None,
+        events: StepEvents,
+        hooks: LayerHooks,
+        faults: Faults,
+        clock: Callable[[], int],
+        compiled: bool,
+        say: Callable[[str, str], None] | None = None,
+    ):
         self.module_ids = frozenset(id(m) for m in model.modules())
         self._param_ids = frozenset(id(p) for p in params)
         self._root_layer = root_layer  # the root's own layer, when it owns parameters directly
@@ -120,8 +146,13 @@ class StepBoundary:
         self.compiled = compiled  # the model runs under torch.compile: no per-layer hooks
         self._probe = CompileProbe()
         self._traced: TracedForward | None = None  # the output check compiled into the graph
-        self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (key, owns)
-        self._last_owned: tuple[Any, bool] = (None, False)  # (optimizer, owns) of the update in progress
+        self._owned: weakref.WeakKeyDictionary = (
+            weakref.WeakKeyDictionary()
+        )  # optimizer -> (key, owns)
+        self._last_owned: tuple[Any, bool] = (
+            None,
+            False,
+        )  # (optimizer, owns) of the update in progress
         self._handles: list[Any] = []
         self._entry_handles: list[Any] = []  # on the root's children, until the root's own forward
         self._entry: nn.Module | None = None  # the entry call in progress
@@ -174,17 +205,20 @@ class StepBoundary:
         # the root's pair also on a model compiled before attach: traced with it, it is the
         # output NaN check inside the graph and keeps the inputs for a replay (a model that
         # already ran compiled recompiles once for it; one compiled after attach does not)
-        self._handles.append(model.register_forward_pre_hook(
-            self._on_root_forward, prepend=True, with_kwargs=True))
+        self._handles.append(
+            model.register_forward_pre_hook(self._on_root_forward, prepend=True, with_kwargs=True)
+        )
         self._handles.append(model.register_forward_hook(self._on_root_output))
         if not self.compiled:
             for child in model.children():
                 if isinstance(child, torch.jit.ScriptModule):
                     continue  # takes no Python hooks; a loop calls the root of such a model
-                self._entry_handles.append(child.register_forward_pre_hook(
-                    self._on_entry_forward, with_kwargs=True))
-                self._entry_handles.append(child.register_forward_hook(
-                    self._on_entry_output, always_call=True))
+                self._entry_handles.append(
+                    child.register_forward_pre_hook(self._on_entry_forward, with_kwargs=True)
+                )
+                self._entry_handles.append(
+                    child.register_forward_hook(self._on_entry_output, always_call=True)
+                )
         # through the process's one pair of optimizer hooks: adding or removing a hook of
         # torch's own while another thread's optimizer steps breaks that step (dispatch.py)
         self._handles.append(dispatch.listen(self._on_optimizer_pre, self._on_optimizer_post))
@@ -217,7 +251,7 @@ class StepBoundary:
             return True
         return False
 
-    def __deepcopy__(self, memo: dict) -> "StepBoundary":
+    def __deepcopy__(self, memo: dict) -> StepBoundary:
         return _inert()
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -266,8 +300,13 @@ class StepBoundary:
         gets: the step begins, its inputs are checked and kept for a replay, its output is
         checked (a NaN in them is the input's; one made by the root's own code between two
         entry calls is seen as a non-finite input of the second)."""
-        if (is_compiling() or self.detached or self._entry is not None or self._hooks.replaying
-                or transformed()):
+        if (
+            is_compiling()
+            or self.detached
+            or self._entry is not None
+            or self._hooks.replaying
+            or transformed()
+        ):
             return  # (detached before the rest: a copy of the model holds an inert boundary)
         self._entry = module
         self._forward_began(module, args, kwargs, own_layer=None, entry=True)
@@ -283,13 +322,18 @@ class StepBoundary:
             return
         if not is_compiling() and transformed():
             return  # jit.trace, vmap, export: no training step, hookprof steps aside
-        if (not is_compiling() and self._entry_handles
-                and torch.is_grad_enabled() and (module.training or self._trains_in_eval)):
+        if (
+            not is_compiling()
+            and self._entry_handles
+            and torch.is_grad_enabled()
+            and (module.training or self._trains_in_eval)
+        ):
             self._drop_entry_hooks()  # the root's own forward runs: it is the step's forward
         self._forward_began(module, args, kwargs, own_layer=self._root_layer, entry=False)
 
-    def _forward_began(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None,
-                       entry: bool) -> None:
+    def _forward_began(
+        self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None, entry: bool
+    ) -> None:
         """The root module's forward begins: the step has begun; its inputs are kept for a
         replay."""
         if is_compiling():
@@ -297,8 +341,11 @@ class StepBoundary:
             # once, and the eager run goes on: never latched into "compiled" by it
             if not is_exporting():
                 self._probe.seen = True
-                if self._traced is not None and torch.is_grad_enabled() and (
-                        module.training or self._trains_in_eval):
+                if (
+                    self._traced is not None
+                    and torch.is_grad_enabled()
+                    and (module.training or self._trains_in_eval)
+                ):
                     self._traced.note_inputs(args, kwargs)  # for a replay of this step
             return
         if self._hooks.replaying:
@@ -319,8 +366,9 @@ class StepBoundary:
         self._training_forward(module, args, kwargs, own_layer, entry)
 
     @guarded("root forward pre-hook", locked=True)
-    def _training_forward(self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None,
-                          entry: bool) -> None:
+    def _training_forward(
+        self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None, entry: bool
+    ) -> None:
         now = self._clock()
         self._root_seen = True
         first_step = False
@@ -330,8 +378,9 @@ class StepBoundary:
             if self._step_start_ns is None:  # the first step begins
                 self._step_start_ns = now
                 first_step = True
-        self._events._on_forward(module, args, kwargs, entry=entry, own_layer=own_layer, now=now,
-                                first_step=first_step)
+        self._events._on_forward(
+            module, args, kwargs, entry=entry, own_layer=own_layer, now=now, first_step=first_step
+        )
         self._forwards += 1
         if self._forwards == MAX_FORWARDS_PER_STEP:
             self._events._on_no_step_signal()
@@ -340,8 +389,12 @@ class StepBoundary:
         """The root module's forward returned: its output is checked (every step), inside
         the graph when the model runs compiled."""
         if is_compiling():
-            if (not self.detached and self._traced is not None and torch.is_grad_enabled()
-                    and (module.training or self._trains_in_eval)):
+            if (
+                not self.detached
+                and self._traced is not None
+                and torch.is_grad_enabled()
+                and (module.training or self._trains_in_eval)
+            ):
                 self._traced.note_output(output)
             return
         if self.detached or self._hooks.replaying or transformed():
@@ -383,7 +436,9 @@ class StepBoundary:
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
             return (args[0], wrapped, *args[2:]), kwargs
-        if self._train_mode_seen and not self._trains_in_eval:  # _judge_eval_mode's usual case, inline
+        if (
+            self._train_mode_seen and not self._trains_in_eval
+        ):  # _judge_eval_mode's usual case, inline
             self._train_mode_seen = self._eval_grad_seen = False
         elif self._train_mode_seen or self._eval_grad_seen:  # (else it has nothing to judge)
             self._judge_eval_mode()
@@ -394,8 +449,9 @@ class StepBoundary:
             self._events._on_later_update(optimizer)
         return None
 
-    def _wrap_closure(self, closure: Callable[[], Any],
-                      optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+    def _wrap_closure(
+        self, closure: Callable[[], Any], optimizer: torch.optim.Optimizer
+    ) -> Callable[[], Any]:
         judged = self._events._closure_judged(optimizer)
 
         def closure_then_read() -> Any:
@@ -496,8 +552,12 @@ class StepBoundary:
         with self._lock:
             if self.detached:  # detach() on another thread since the check above
                 return
-            number, now = self._events._on_step_end(loss, skipped=skipped, started_ns=self._step_start_ns,
-                                                   forward_seen=self._forward_seen)
+            number, now = self._events._on_step_end(
+                loss,
+                skipped=skipped,
+                started_ns=self._step_start_ns,
+                forward_seen=self._forward_seen,
+            )
             self._stepped = self._scaler_skipped = False
             self._step_start_ns = now
             self._forward_seen = False

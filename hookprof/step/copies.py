@@ -39,8 +39,11 @@ DEEPCOPY = "__deepcopy__"
 # a module's hook dicts that may hold hookprof's hooks, and the dicts keyed by those hooks'
 # ids that say how to call them (handle ids are unique across all dicts)
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
-_KEYED_BY_HOOK = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
-                  "_forward_hooks_always_called")
+_KEYED_BY_HOOK = (
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
 
 
 def is_hookprof_hook(hook: Any) -> bool:
@@ -91,8 +94,10 @@ class CleanReduce:
     def __call__(self, protocol: int) -> Any:
         module = self._module()
         if module is None:  # a copy made by a class's own __deepcopy__/__reduce__ (see above)
-            raise TypeError("this module was copied while hookprof was attached by a class that "
-                            "copies its __dict__ itself; copy it after prof.detach()")
+            raise TypeError(
+                "this module was copied while hookprof was attached by a class that "
+                "copies its __dict__ itself; copy it after prof.detach()"
+            )
         reduced = type(module).__reduce_ex__(module, protocol)
         if not isinstance(reduced, tuple) or len(reduced) < 3:
             return reduced
@@ -158,7 +163,10 @@ class Placed:
             reducer = CleanReduce(module)
             module.__dict__[ATTRIBUTE] = reducer
             self._placed.append((weakref.ref(module), ATTRIBUTE, reducer))
-            if getattr(type(module), DEEPCOPY, None) is not None and DEEPCOPY not in module.__dict__:
+            if (
+                getattr(type(module), DEEPCOPY, None) is not None
+                and DEEPCOPY not in module.__dict__
+            ):
                 copier = CleanDeepcopy(module)
                 module.__dict__[DEEPCOPY] = copier
                 self._placed.append((weakref.ref(module), DEEPCOPY, copier))

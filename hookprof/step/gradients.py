@@ -46,9 +46,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hookprof.layers import LayerTable
 from hookprof.device import transfer
 from hookprof.device.transfer import index_to_device
+from hookprof.layers import LayerTable
 
 
 def local_tensor(grad: torch.Tensor) -> torch.Tensor:
@@ -72,6 +72,7 @@ class DroppedCheck(NamedTuple):
     backward_bad: torch.Tensor
     update_bad: torch.Tensor
     backward: torch.Tensor
+
 
 class _Plan(NamedTuple):
     """How to reduce one set of present gradients: all on `device`, dense, so one fused
@@ -177,8 +178,13 @@ class GradientNorms:
         if not all(map(operator.is_not, grads, repeat(None))):
             missing = tuple(compress(count(), map(operator.is_, grads, repeat(None))))
         plan = self._check_plans.get(missing)
-        if plan is None or (plan.order and (grads[plan.order[0]].device != plan.device
-                                            or grads[plan.order[0]].dtype != plan.dtype)):
+        if plan is None or (
+            plan.order
+            and (
+                grads[plan.order[0]].device != plan.device
+                or grads[plan.order[0]].dtype != plan.dtype
+            )
+        ):
             plan = self._make_check_plan(grads, missing)  # new, or the model was moved or cast
         if plan.chunks is None:
             return self.layer_squares()
@@ -197,7 +203,7 @@ class GradientNorms:
         ordered = list(map(grads.__getitem__, plan.order))
         out = torch.zeros(self._n, dtype=torch.float32, device=plan.device)
         for chunk in plan.chunks or ():  # one "cat" chunk: the usual model
-            part = ordered[chunk.start:chunk.stop]
+            part = ordered[chunk.start : chunk.stop]
             kind = chunk.kind
             if kind == "scalar":
                 values = torch.stack(part)
@@ -209,8 +215,11 @@ class GradientNorms:
                     if chunk.narrow_range:
                         flat = flat.sub(flat)
                 else:
-                    flat = (torch._chunk_cat(part, 0, 1)[0] if _CAN_CHUNK_CAT
-                            else torch.cat([g.reshape(-1) for g in part]))
+                    flat = (
+                        torch._chunk_cat(part, 0, 1)[0]
+                        if _CAN_CHUNK_CAT
+                        else torch.cat([g.reshape(-1) for g in part])
+                    )
                     if chunk.narrow_range:
                         flat.sub_(flat)  # our own copy: 0 where finite, NaN where not
                 if flat.numel() != chunk.numel:  # a gradient changed shape: its pieces with it
@@ -218,10 +227,14 @@ class GradientNorms:
                 # unsafe: the lengths are ours, and their total is checked above; the safe
                 # mode reads their sum and minimum back to the host, two waits for the device
                 values = torch.segment_reduce(flat, "sum", lengths=chunk.lengths, unsafe=True)
-            out.index_add_(0, chunk.index, values if values.dtype == torch.float32 else values.float())
+            out.index_add_(
+                0, chunk.index, values if values.dtype == torch.float32 else values.float()
+            )
         return out
 
-    def _make_check_plan(self, grads: list[torch.Tensor | None], missing: tuple[int, ...]) -> _CheckPlan:
+    def _make_check_plan(
+        self, grads: list[torch.Tensor | None], missing: tuple[int, ...]
+    ) -> _CheckPlan:
         if len(self._check_plans) >= _MAX_PLANS:
             self._check_plans.clear()
         layer = self._table.param_layer
@@ -229,20 +242,33 @@ class GradientNorms:
         seen = frozenset(layer[i] for i in present)
         first = grads[present[0]] if present else None
         # no fused check (chunks None), still looked at for a move or a cast (its first gradient)
-        plan = _CheckPlan(None if first is None else first.device, None if first is None else first.dtype,
-                          tuple(present[:1]), None, seen)
+        plan = _CheckPlan(
+            None if first is None else first.device,
+            None if first is None else first.dtype,
+            tuple(present[:1]),
+            None,
+            seen,
+        )
         devices = {grads[i].device for i in present}
-        if (len(devices) == 1 and not any(grads[i].is_sparse for i in present)
-                and first.device.type in _FUSED_DEVICES
-                and not (first.device.type == "cpu" and self.cpu_dot_per_tensor)):
-            chunks, order = self._chunks(grads, [i for i in present if grads[i].numel()], first.device)
+        if (
+            len(devices) == 1
+            and not any(grads[i].is_sparse for i in present)
+            and first.device.type in _FUSED_DEVICES
+            and not (first.device.type == "cpu" and self.cpu_dot_per_tensor)
+        ):
+            chunks, order = self._chunks(
+                grads, [i for i in present if grads[i].numel()], first.device
+            )
             if order:
-                plan = _CheckPlan(first.device, grads[order[0]].dtype, tuple(order), tuple(chunks), seen)
+                plan = _CheckPlan(
+                    first.device, grads[order[0]].dtype, tuple(order), tuple(chunks), seen
+                )
         self._check_plans[missing] = plan
         return plan
 
-    def _chunks(self, grads: list[Any], nonempty: list[int],
-                device: torch.device) -> tuple[list[_Chunk], list[int]]:
+    def _chunks(
+        self, grads: list[Any], nonempty: list[int], device: torch.device
+    ) -> tuple[list[_Chunk], list[int]]:
         layer = self._table.param_layer
         order: list[int] = []
         chunks: list[_Chunk] = []
@@ -257,8 +283,17 @@ class GradientNorms:
                 owners = [layer[i] for i, c in zip(run, cut) for _ in c]
             start = len(order)
             order.extend(run)
-            chunks.append(_Chunk(start, len(order), kind, sum(sizes), lengths, self._index(device, owners),
-                                 grads[run[0]].dtype == torch.float16))
+            chunks.append(
+                _Chunk(
+                    start,
+                    len(order),
+                    kind,
+                    sum(sizes),
+                    lengths,
+                    self._index(device, owners),
+                    grads[run[0]].dtype == torch.float16,
+                )
+            )
 
         for dtype in dict.fromkeys(grads[i].dtype for i in nonempty):  # first seen, first
             of_dtype = [i for i in nonempty if grads[i].dtype == dtype]
@@ -389,9 +424,13 @@ def _cpu_squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def layer_squares(groups: dict[torch.device, tuple[list[torch.Tensor], list[int]]], n: int,
-                  index_cache: dict | Callable[[torch.device, list[int]], torch.Tensor], *,
-                  cpu_dot: bool = True) -> tuple[list[torch.Tensor], frozenset[int]]:
+def layer_squares(
+    groups: dict[torch.device, tuple[list[torch.Tensor], list[int]]],
+    n: int,
+    index_cache: dict | Callable[[torch.device, list[int]], torch.Tensor],
+    *,
+    cpu_dot: bool = True,
+) -> tuple[list[torch.Tensor], frozenset[int]]:
     """Tensors grouped by device with the layer of each: per device, the squared L2 norms
     summed per layer (float64, length n, on the device); and the layers seen. Nothing is
     read back. `index_cache` keeps the host-to-device layer indices between calls (a dict,
@@ -435,8 +474,16 @@ class StepGradients:
     Owned by the profiler; the training thread, or autograd's thread while the training
     thread waits in backward()."""
 
-    __slots__ = ("_norms", "_every_step", "_wanted", "squares", "exact", "backward", "read_at_update",
-                 "_join_flags")
+    __slots__ = (
+        "_norms",
+        "_every_step",
+        "_wanted",
+        "squares",
+        "exact",
+        "backward",
+        "read_at_update",
+        "_join_flags",
+    )
 
     def __init__(self, norms: GradientNorms, *, every_step: bool = True):
         self._norms = norms
@@ -473,22 +520,30 @@ class StepGradients:
         """Read them now if this step wants them and they were not read yet: on a sampled
         step per-layer squared norms (its figures, `exact`); on another, per-layer values
         that are only checked for NaN/Inf (GradientNorms.layer_checks)."""
-        if at_update:  # (an optimizer's pre-hook: the step's end need not look at late replays again)
+        if (
+            at_update
+        ):  # (an optimizer's pre-hook: the step's end need not look at late replays again)
             self.read_at_update = True
         if self.squares is None and (sampled or self._every_step):
             self.squares = self._norms.layer_squares() if sampled else self._norms.layer_checks()
             self.exact = sampled
 
-    def at_step_end(self, sampled: bool) -> tuple[tuple[list[torch.Tensor], frozenset[int]] | None,
-                                                  dict[torch.device, DroppedCheck] | None]:
+    def at_step_end(
+        self, sampled: bool
+    ) -> tuple[
+        tuple[list[torch.Tensor], frozenset[int]] | None, dict[torch.device, DroppedCheck] | None
+    ]:
         """The step ends (no optimizer hook may have read them: prof.step() alone): read
         once if still wanted, then what the step's check counts (`joined`)."""
         if self.squares is None:
             self.read_once(sampled)
         return self.joined()
 
-    def joined(self) -> tuple[tuple[list[torch.Tensor], frozenset[int]] | None,
-                              dict[torch.device, DroppedCheck] | None]:
+    def joined(
+        self,
+    ) -> tuple[
+        tuple[list[torch.Tensor], frozenset[int]] | None, dict[torch.device, DroppedCheck] | None
+    ]:
         """What the step's non-finite check counts: the update's reading, with its layers
         taken from the backwards' reading on a device where both are non-finite (a NaN
         backward made, then spread to every layer by a clip). A NaN made after backward() (an
@@ -541,10 +596,14 @@ class StepGradients:
 def no_gradients_notice(model_type: str, backward: Any = None) -> str:
     """Said once when a step that ran its forward ends with no gradient to read (`backward`:
     what its backwards' ends checked, when they were seen)."""
-    checks = ("gradient norms have nothing to read (the NaN/Inf check read them as the "
-              "backward ended)" if backward is not None and backward[1] else
-              "gradient norms and the per-layer backward check have nothing to read")
-    return (f"no parameter of {model_type} had a gradient at the end of a step that ran its "
-            f"forward, so {checks}: "
-            "end steps after the backward and before zero_grad() (prof.step() there, or a "
-            "torch.optim step); gradients computed functionally (torch.func) are not in .grad")
+    checks = (
+        "gradient norms have nothing to read (the NaN/Inf check read them as the backward ended)"
+        if backward is not None and backward[1]
+        else "gradient norms and the per-layer backward check have nothing to read"
+    )
+    return (
+        f"no parameter of {model_type} had a gradient at the end of a step that ran its "
+        f"forward, so {checks}: "
+        "end steps after the backward and before zero_grad() (prof.step() there, or a "
+        "torch.optim step); gradients computed functionally (torch.func) are not in .grad"
+    )

@@ -75,7 +75,9 @@ def _note_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def _deciding(original: Callable[..., Any]) -> Callable[..., Any]:
-    def _maybe_opt_step(self: Any, optimizer: Any, optimizer_state: Any, *args: Any, **kwargs: Any) -> Any:
+    def _maybe_opt_step(
+        self: Any, optimizer: Any, optimizer_state: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         key = id(optimizer)
         _stepped.discard(key)
         result = original(self, optimizer, optimizer_state, *args, **kwargs)

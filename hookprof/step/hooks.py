@@ -33,11 +33,11 @@ from typing import Any
 import torch
 
 from hookprof.compiled import compiled_regions, is_compiling, transformed
+from hookprof.device.timing import Timer
 from hookprof.faults import Faults
 from hookprof.layers import LayerTable
 from hookprof.step.record import ROOT_INPUT, Activation, Call, StepRecord
 from hookprof.tensors import iter_tensors
-from hookprof.device.timing import Timer
 
 ZERO_SAMPLE = 4096  # values per output the zero ratio is computed from
 
@@ -65,11 +65,11 @@ def _graphs_compiled() -> int:
     return utils.counters["stats"]["unique_graphs"] if utils is not None else 0
 
 
-
 def _real(t: torch.Tensor) -> torch.Tensor:
     """A complex tensor's real view (its NaN/Inf and the size of its parts; aminmax refuses
     complex input, issue 39); any other tensor itself."""
     return torch.view_as_real(t) if t.is_complex() else t
+
 
 class ForwardWrapper:
     """A layer's `forward` while it is instrumented: times the call around the module's own
@@ -111,8 +111,15 @@ class LayerHooks:
     """The per-layer instrumentation of sampled steps. It stays installed across consecutive
     sampled steps (only the record changes) and is removed for unsampled ones."""
 
-    def __init__(self, table: LayerTable, timer: Timer, faults: Faults, activation_stats: bool,
-                 root: torch.nn.Module | None = None, statistics: tuple[Any, ...] = ()):
+    def __init__(
+        self,
+        table: LayerTable,
+        timer: Timer,
+        faults: Faults,
+        activation_stats: bool,
+        root: torch.nn.Module | None = None,
+        statistics: tuple[Any, ...] = (),
+    ):
         self._table = table
         self._timer = timer
         self._faults = faults
@@ -123,7 +130,9 @@ class LayerHooks:
         # dead units are a property of activation outputs: the zero ratio is taken for layers
         # without parameters of their own (ReLU, GELU, Dropout, pooling), not for Linear/Conv
         # outputs, which are almost never exactly zero
-        self._zero_ratio = [not layer.param_indices for layer in table.layers] + [False] * len(table.containers)
+        self._zero_ratio = [not layer.param_indices for layer in table.layers] + [False] * len(
+            table.containers
+        )
         self._handles: list[Any] = []  # hook handles (root layer, modules that refuse a wrapper)
         self._skipped: list[int] = []  # layers left out: their calls run inside a compiled graph
         # (module, attribute, wrapper, the instance attribute it replaced or _NO_ATTRIBUTE):
@@ -167,7 +176,9 @@ class LayerHooks:
         between calls (a first call reads the precision, then the counter is called direct)."""
         self.on_call = on_call
 
-    def begin(self, rec: StepRecord, install: bool = True, *, activation_stats: bool | None = None) -> None:
+    def begin(
+        self, rec: StepRecord, install: bool = True, *, activation_stats: bool | None = None
+    ) -> None:
         """Start recording a sampled step into `rec`, installing the hooks if needed; with
         `activation_stats`, switch the per-layer output checks for this step."""
         self._rec = rec
@@ -219,8 +230,9 @@ class LayerHooks:
                 if module is None:
                     continue
                 containers.append(module.register_forward_pre_hook(partial(self._pre, first + k)))
-                containers.append(module.register_forward_hook(partial(self._post, first + k),
-                                                               always_call=True))
+                containers.append(
+                    module.register_forward_hook(partial(self._post, first + k), always_call=True)
+                )
             yield
         finally:
             for handle in containers:
@@ -282,10 +294,16 @@ class LayerHooks:
         n = len(self._table.layers)
         for region in regions:
             # (a region a wrapper cannot go on is left untimed rather than failing the step)
-            if not self._wrap(region.target, region.attribute, region.row, self._enter_region, self._end_region):
+            if not self._wrap(
+                region.target, region.attribute, region.row, self._enter_region, self._end_region
+            ):
                 continue
             module = self._table.row_module(region.row)
-            if region.row < n and module is not None and next(iter(module.children()), None) is None:
+            if (
+                region.row < n
+                and module is not None
+                and next(iter(module.children()), None) is None
+            ):
                 seen.add(region.row)
             elif module is not None:
                 self._region_params[region.row] = list(module.parameters())
@@ -319,8 +337,11 @@ class LayerHooks:
             if module is not root and self._wrap_forward(module, layer.index):
                 continue
             # with the keyword arguments: the FLOP counter replays the call with them
-            self._handles.append(module.register_forward_pre_hook(partial(self._pre_with_kwargs, layer.index),
-                                                                  with_kwargs=True))
+            self._handles.append(
+                module.register_forward_pre_hook(
+                    partial(self._pre_with_kwargs, layer.index), with_kwargs=True
+                )
+            )
             self._handles.append(
                 module.register_forward_hook(partial(self._post, layer.index), always_call=True)
             )
@@ -337,8 +358,9 @@ class LayerHooks:
         """Put a ForwardWrapper timing `row` in place of `target`'s `attribute` (a layer's
         forward, a region's compiled call); False when the object refuses it."""
         prior = target.__dict__.get(attribute, _NO_ATTRIBUTE)
-        wrapper = ForwardWrapper(enter, end, row, getattr(target, attribute),
-                                 None if prior is _NO_ATTRIBUTE else prior)
+        wrapper = ForwardWrapper(
+            enter, end, row, getattr(target, attribute), None if prior is _NO_ATTRIBUTE else prior
+        )
         try:
             setattr(target, attribute, wrapper)
         except Exception:
@@ -385,7 +407,9 @@ class LayerHooks:
     # what the layer's pre-hook does, for a call whose hooks were installed mid-call
     start_call = _pre
 
-    def _pre_with_kwargs(self, layer_index: int, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    def _pre_with_kwargs(
+        self, layer_index: int, module: torch.nn.Module, args: Any, kwargs: Any
+    ) -> None:
         self._enter(layer_index, args, kwargs)
 
     def _post(self, layer_index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -397,9 +421,13 @@ class LayerHooks:
             return False
         rec = self._rec
         # the plain flag first: inside the training forward no C call is needed
-        if rec is None or self._paused or self._faults.broken or not (
-                self._in_training_forward or torch.is_grad_enabled() or self.replaying) \
-                or transformed():  # jit.trace, vmap, export: their calls are no step's
+        if (
+            rec is None
+            or self._paused
+            or self._faults.broken
+            or not (self._in_training_forward or torch.is_grad_enabled() or self.replaying)
+            or transformed()
+        ):  # jit.trace, vmap, export: their calls are no step's
             return False
         try:
             mark = self._timer.mark
@@ -423,8 +451,11 @@ class LayerHooks:
             stats = self._activation_stats and not recompute
             role = call << 1  # an input: the call's backward ends when its gradient is ready
             # forward(x), inline: a call of iter_tensors costs about as much as the loop
-            tensors = args if type(args) is tuple and len(args) == 1 and isinstance(args[0], _Tensor) \
+            tensors = (
+                args
+                if type(args) is tuple and len(args) == 1 and isinstance(args[0], _Tensor)
                 else iter_tensors(args)
+            )
             for t in tensors:
                 # non-leaf only: a hook on a leaf (a parameter passed as an input) would
                 # outlive the step and survive detach()
@@ -438,8 +469,11 @@ class LayerHooks:
                         roles.append(role)
                 if stats and (t.is_floating_point() or t.is_complex()) and t.numel():
                     self._note_input(rec, t, call)
-            if not inputs_need_grad and layer_index not in rec.param_hooked and (
-                    layer_index < len(self._table) or layer_index in self._region_params):
+            if (
+                not inputs_need_grad
+                and layer_index not in rec.param_hooked
+                and (layer_index < len(self._table) or layer_index in self._region_params)
+            ):
                 self._hook_params(rec, layer_index)
             if recompute or not self._in_training_forward:
                 self.mark_pending()
@@ -464,8 +498,12 @@ class LayerHooks:
             self._faults.report("forward hook", exc)
             return
         rec = self._rec
-        if rec is None or self._paused or self._faults.broken or not (
-                self._in_training_forward or torch.is_grad_enabled() or self.replaying):
+        if (
+            rec is None
+            or self._paused
+            or self._faults.broken
+            or not (self._in_training_forward or torch.is_grad_enabled() or self.replaying)
+        ):
             return
         try:
             stack = getattr(self._local, "stack", None)
@@ -492,7 +530,9 @@ class LayerHooks:
                     rec.out_stats[id(t)] = (weakref.ref(t), t._version, len(rec.act))
                     if self._zero_ratio[layer_index]:
                         sample = zero_sample(d)
-                        rec.act.append(Activation(call, low, high, torch.count_nonzero(sample), sample.numel()))
+                        rec.act.append(
+                            Activation(call, low, high, torch.count_nonzero(sample), sample.numel())
+                        )
                     else:
                         rec.act.append(Activation(call, low, high, None, 0))
                     if self._statistics:
@@ -518,8 +558,10 @@ class LayerHooks:
             try:
                 value = stat.reduce(output)
                 if not isinstance(value, _Tensor) or value.numel() != 1:
-                    raise TypeError(f"layer statistic {stat.name!r}: reduce() must return a "
-                                    f"one-value tensor, got {type(value).__qualname__}")
+                    raise TypeError(
+                        f"layer statistic {stat.name!r}: reduce() must return a "
+                        f"one-value tensor, got {type(value).__qualname__}"
+                    )
                 rec.stats.append((k, call, value.detach().reshape(()).to(torch.float32)))
             except Exception as exc:
                 self._faults.report(f"layer statistic {stat.name}", exc, disable=False)
@@ -549,7 +591,9 @@ class LayerHooks:
             params = [self._table.params[i] for i in self._table.layers[layer_index].param_indices]
         for p in params:
             if p.requires_grad:
-                rec.param_handles.append(p.register_hook(partial(self._param_done, rec, layer_index)))
+                rec.param_handles.append(
+                    p.register_hook(partial(self._param_done, rec, layer_index))
+                )
 
     def mark_pending(self) -> None:
         """Register the noted backward marks, one node pre-hook per autograd node: at the end

@@ -46,8 +46,13 @@ class StepPlanner:
     the plan (DESIGN.md invariant 3): the step keeps its gradient norms and NaN checks, only
     its per-layer hooks stay out (SampledStep.begin)."""
 
-    def __init__(self, every: int, min_interval_s: float, activation_stats: bool,
-                 activation_interval_s: float):
+    def __init__(
+        self,
+        every: int,
+        min_interval_s: float,
+        activation_stats: bool,
+        activation_interval_s: float,
+    ):
         self._sampler = Sampler(every, min_interval_s)
         self._activation_stats = activation_stats
         self._check_interval_ns = int(activation_interval_s * 1e9)
@@ -55,12 +60,20 @@ class StepPlanner:
 
     def plan(self, step: int, now_ns: int, *, incident: bool) -> StepPlan:
         sampler = self._sampler
-        if not incident and sampler._last_step is not None and (
-                step - sampler._last_step < sampler.every or now_ns - sampler._last_ns < sampler.min_interval_ns):
+        if (
+            not incident
+            and sampler._last_step is not None
+            and (
+                step - sampler._last_step < sampler.every
+                or now_ns - sampler._last_ns < sampler.min_interval_ns
+            )
+        ):
             return UNSAMPLED  # should_sample's "no", inline: the usual step, one call less
         sampled = sampler.should_sample(step, now_ns) or incident
-        checked = sampled and self._activation_stats and (
-            incident or now_ns - self._last_checked_ns >= self._check_interval_ns
+        checked = (
+            sampled
+            and self._activation_stats
+            and (incident or now_ns - self._last_checked_ns >= self._check_interval_ns)
         )
         if checked:
             self._last_checked_ns = now_ns

@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 import torch
 
 from hookprof.device import transfer
-from hookprof.snapshot import STEP_DURATION_BUCKETS
 from hookprof.device.transfer import HostBatch, ScalarBatch
+from hookprof.snapshot import STEP_DURATION_BUCKETS
 
 
 class Call:
@@ -42,7 +42,9 @@ class Call:
         self.outer_end: Any = None
 
     def tokens(self) -> Iterator[Any]:
-        return (t for t in (self.outer_start, self.start, self.end, self.outer_end) if t is not None)
+        return (
+            t for t in (self.outer_start, self.start, self.end, self.outer_end) if t is not None
+        )
 
 
 ROOT_INPUT = -2  # Activation.call of the root module's inputs
@@ -63,9 +65,23 @@ class StepRecord:
     """What the hooks of one sampled step wrote. Appends only: list.append is atomic, and
     backward hooks may run on autograd worker threads."""
 
-    __slots__ = ("ref", "calls", "grad_ready", "param_done", "act", "param_hooked",
-                 "param_handles", "pending_marks", "out_stats", "inputs", "recompute", "ended", "phase_marks",
-                 "stats", "untimed")
+    __slots__ = (
+        "ref",
+        "calls",
+        "grad_ready",
+        "param_done",
+        "act",
+        "param_hooked",
+        "param_handles",
+        "pending_marks",
+        "out_stats",
+        "inputs",
+        "recompute",
+        "ended",
+        "phase_marks",
+        "stats",
+        "untimed",
+    )
 
     def __init__(self, ref: Any):
         self.ref = ref  # timer token taken when the step began
@@ -74,7 +90,9 @@ class StepRecord:
         # (an int, not a tuple: one allocation less per layer call): for an output the
         # call's backward starts there, for an input the call's backward ends
         self.grad_ready: list[tuple[list[int], Any]] = []
-        self.param_done: list[tuple[int, Any]] = []  # (layer, token): a parameter's grad accumulated
+        self.param_done: list[
+            tuple[int, Any]
+        ] = []  # (layer, token): a parameter's grad accumulated
         self.act: list[Activation] = []
         self.param_hooked: set[int] = set()
         self.param_handles: list[Any] = []
@@ -99,7 +117,7 @@ class StepRecord:
         # a compiled region's call during which Dynamo compiled (a first call, a recompile)
         self.untimed: set[int] = set()
 
-    def absorb_rerun(self, other: "StepRecord") -> None:
+    def absorb_rerun(self, other: StepRecord) -> None:
         """A re-run's own record joins this step's: its calls after this one's (numbered on,
         their activations, statistics and marks with them), recorded as a re-run. The re-run
         recorded apart, so this step's own parameter hooks and pending marks were never
@@ -195,7 +213,9 @@ class Packet:
     has_grad: frozenset[int] = frozenset()  # layers that had a gradient
     act_order: list[int] = field(default_factory=list)  # record.act index of each value
     counter_parts: int = 0  # how many non-finite counter blocks the batch holds
-    dropped_parts: int = 0  # the devices' kept values of the first dropped step (Detector.dropped_blocks)
+    dropped_parts: int = (
+        0  # the devices' kept values of the first dropped step (Detector.dropped_blocks)
+    )
     count_parts: dict[str, int] = field(default_factory=dict)  # other counters: name -> blocks
     loss: float | None = None  # the loss when it was given as a Python number
     loss_in_batch: bool = False
@@ -238,19 +258,30 @@ def real_loss(loss: Any) -> tuple[Any, str | None]:
 
 def loss_notice(what: str) -> str:
     """The notice for a loss that is not a real scalar (real_loss)."""
-    return (f"prof.step(loss) was given {what}, not a real scalar: the loss is neither exported "
-            "(hookprof_loss) nor checked for NaN/Inf; steps are counted and the gradients and "
-            "per-layer checks go on. Pass the scalar loss itself, e.g. prof.step(loss) rather than "
-            "prof.step((loss, outputs)), or .real/.mean() of it")
+    return (
+        f"prof.step(loss) was given {what}, not a real scalar: the loss is neither exported "
+        "(hookprof_loss) nor checked for NaN/Inf; steps are counted and the gradients and "
+        "per-layer checks go on. Pass the scalar loss itself, e.g. prof.step(loss) rather than "
+        "prof.step((loss, outputs)), or .real/.mean() of it"
+    )
 
 
-def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.Tensor], *,
-              grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None,
-              loss: Any = None, sampled: bool = True,
-              counts: dict[str, list[torch.Tensor]] | None = None, efficiency: Any = None,
-              extra: list[tuple[Any, torch.Tensor]] = (), not_replayed: str | None = None,
-              replay_moved: int = 0, capsule: str | None = None,
-              dropped_values: list[torch.Tensor] = ()) -> Packet:
+def pack_step(
+    step: int,
+    record: StepRecord | None,
+    counter_blocks: list[torch.Tensor],
+    *,
+    grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None,
+    loss: Any = None,
+    sampled: bool = True,
+    counts: dict[str, list[torch.Tensor]] | None = None,
+    efficiency: Any = None,
+    extra: list[tuple[Any, torch.Tensor]] = (),
+    not_replayed: str | None = None,
+    replay_moved: int = 0,
+    capsule: str | None = None,
+    dropped_values: list[torch.Tensor] = (),
+) -> Packet:
     """Gather one step's device scalars (per-device gradient squares, the record's activation
     reductions, the non-finite counter blocks, the loss) and start their one device-to-host
     copy; the returned packet is the publisher's. Also for a replayed forward (`sampled=False`
@@ -272,17 +303,30 @@ def pack_step(step: int, record: StepRecord | None, counter_blocks: list[torch.T
         count_parts[name] = len(blocks)
     for key, values in extra:  # other device scalars of the step (weight and update norms)
         batch.add(key, values)
-    packet = Packet(step=step, record=record, sampled=sampled, grad_parts=len(parts),
-                    has_grad=has_grad, act_order=act_order, counter_parts=len(counter_blocks),
-                    dropped_parts=len(dropped_values),
-                    count_parts=count_parts, efficiency=efficiency, stat_order=stat_order,
-                    stat_parts=stat_parts, not_replayed=not_replayed, replay_moved=replay_moved,
-                    capsule=capsule)
+    packet = Packet(
+        step=step,
+        record=record,
+        sampled=sampled,
+        grad_parts=len(parts),
+        has_grad=has_grad,
+        act_order=act_order,
+        counter_parts=len(counter_blocks),
+        dropped_parts=len(dropped_values),
+        count_parts=count_parts,
+        efficiency=efficiency,
+        stat_order=stat_order,
+        stat_parts=stat_parts,
+        not_replayed=not_replayed,
+        replay_moved=replay_moved,
+        capsule=capsule,
+    )
     if isinstance(loss, torch.Tensor) and not transfer.on_host(loss):
         batch.add("loss", loss.detach().reshape(-1)[:1])  # rides the step's one copy
         packet.loss_in_batch = True
     elif loss is not None:  # a number, or a tensor readable without a wait (transfer.on_host)
-        packet.loss = float(loss.detach().reshape(-1)[0]) if isinstance(loss, torch.Tensor) else float(loss)
+        packet.loss = (
+            float(loss.detach().reshape(-1)[0]) if isinstance(loss, torch.Tensor) else float(loss)
+        )
     packet.batch = batch.send()
     return packet
 

@@ -33,8 +33,12 @@ class SampledStep:
     def __init__(self, config: Any, hooks: LayerHooks, timer: Timer, publisher: Any):
         # its slice of the config: sample_every, min_sample_interval_s, activation_stats,
         # activation_interval_s
-        self._planner = StepPlanner(config.sample_every, config.min_sample_interval_s,
-                                    config.activation_stats, config.activation_interval_s)
+        self._planner = StepPlanner(
+            config.sample_every,
+            config.min_sample_interval_s,
+            config.activation_stats,
+            config.activation_interval_s,
+        )
         self._hooks = hooks
         self._timer = timer
         self._publisher = publisher
@@ -53,8 +57,9 @@ class SampledStep:
         """A record of its own (the forward replay's)."""
         return StepRecord(self._timer.start())
 
-    def begin(self, number: int, now_ns: int, *, incident: bool, broken: bool,
-              compiled: bool) -> StepRecord | None:
+    def begin(
+        self, number: int, now_ns: int, *, incident: bool, broken: bool, compiled: bool
+    ) -> StepRecord | None:
         """Plan step `number`: sampled or not, with output checks or not; hooks in or out
         (out under torch.compile, and while a fault in them backs off: `broken`, whose step
         is still sampled for its gradient norms). Returns the step's record (None: no hooks)."""
@@ -91,7 +96,9 @@ class SampledStep:
         else:
             self.record = record
 
-    def install_late(self, module: nn.Module, args: Any, own_layer: int | None, entry: bool) -> None:
+    def install_late(
+        self, module: nn.Module, args: Any, own_layer: int | None, entry: bool
+    ) -> None:
         """A training forward of the root begins on a sampled step whose hooks are not in
         yet (step 1): put them in now."""
         if self.record is None or self._hooks.installed or entry:
@@ -113,7 +120,9 @@ class SampledStep:
             self.unfolded = False
             self._publisher.nudge()
 
-    def end(self, number: int, *, broken: bool, pack: Callable[[StepRecord | None], Packet]) -> bool:
+    def end(
+        self, number: int, *, broken: bool, pack: Callable[[StepRecord | None], Packet]
+    ) -> bool:
         """Step `number` ends. A sampled step's hooks come out and it is packed by `pack` (its
         one device-to-host copy starts now; the publisher folds it when nudged or within
         publish_interval_s) and submitted; when the hooks failed half-way (`broken`) without

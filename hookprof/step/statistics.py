@@ -60,13 +60,19 @@ def checked(statistics: Any) -> tuple[LayerStatistic, ...]:
     seen: set[str] = set()
     for stat in statistics:
         if not isinstance(stat, LayerStatistic) or not callable(stat.reduce):
-            raise ConfigError("layer_statistics", stat, "objects with name, help and reduce(output)")
+            raise ConfigError(
+                "layer_statistics", stat, "objects with name, help and reduce(output)"
+            )
         if not isinstance(stat.name, str) or not NAME.fullmatch(stat.name):
-            raise ConfigError("layer_statistics", stat.name,
-                              "names of lowercase letters, digits and underscores")
+            raise ConfigError(
+                "layer_statistics", stat.name, "names of lowercase letters, digits and underscores"
+            )
         if LAYER_STATISTIC_PREFIX + stat.name in BY_NAME or stat.name in seen:
-            raise ConfigError("layer_statistics", stat.name,
-                              "a name neither given twice nor one of hookprof's own metrics")
+            raise ConfigError(
+                "layer_statistics",
+                stat.name,
+                "a name neither given twice nor one of hookprof's own metrics",
+            )
         if not isinstance(stat.help, str) or not stat.help.strip():
             raise ConfigError("layer_statistics", stat.help, f"a help text for {stat.name!r}")
         seen.add(stat.name)

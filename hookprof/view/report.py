@@ -20,8 +20,14 @@ def history_url(url: str, tls: bool = False) -> str:
     return normalize(url, tls, HISTORY_PATH)
 
 
-def fetch(url: str, *, cacert: str | None = None, cert: str | None = None, key: str | None = None,
-          timeout: float = 10.0) -> list[dict[str, Any]]:
+def fetch(
+    url: str,
+    *,
+    cacert: str | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+    timeout: float = 10.0,
+) -> list[dict[str, Any]]:
     """Every model's document from an endpoint (TLS: the server's CA, and a client
     certificate where it asks for one). ValueError for a bad URL or certificate file,
     ScrapeError when the endpoint cannot be read."""
@@ -29,13 +35,20 @@ def fetch(url: str, *, cacert: str | None = None, cert: str | None = None, key: 
     return read_history(target, context, timeout)
 
 
-def read_history(target: str, context: ssl.SSLContext | None, timeout: float) -> list[dict[str, Any]]:
+def read_history(
+    target: str, context: ssl.SSLContext | None, timeout: float
+) -> list[dict[str, Any]]:
     """The documents at a /history.json URL (scrape.endpoints makes it); ScrapeError when
     it cannot be read or what it sends is not a hookprof history."""
     body = fetch_bytes(target, context, timeout, MAX_RESPONSE_BYTES)
     try:
         documents = from_json(body)
-    except (ValueError, KeyError, TypeError, RecursionError):  # not JSON, JSON without "models", too deep
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        RecursionError,
+    ):  # not JSON, JSON without "models", too deep
         raise _not_history(target) from None
     if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
         raise _not_history(target, '"models" is not a list of documents')
@@ -48,10 +61,21 @@ def render_history(target: str, documents: list[dict[str, Any]]) -> str:
     foreign JSON, and any field it needs may be absent there."""
     try:
         return render(documents, source=target)
-    except (LookupError, TypeError, ValueError, AttributeError, ArithmeticError, RecursionError) as exc:
+    except (
+        LookupError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        ArithmeticError,
+        RecursionError,
+    ) as exc:
         raise _not_history(target, f"{type(exc).__name__}: {one_line(str(exc), 80)}") from None
 
 
 def _not_history(target: str, why: str = "") -> ScrapeError:
-    return ScrapeError(target, "what it sent is not a hookprof history" + (f" ({why})" if why else "")
-                       + " (is it a hookprof endpoint, and one recent enough to serve /history.json?)")
+    return ScrapeError(
+        target,
+        "what it sent is not a hookprof history"
+        + (f" ({why})" if why else "")
+        + " (is it a hookprof endpoint, and one recent enough to serve /history.json?)",
+    )

@@ -29,7 +29,7 @@ class Scale:
 
     @property
     def domain(self) -> tuple[float, float]:
-        return (10 ** self.lo, 10 ** self.hi) if self.log else (self.lo, self.hi)
+        return (10**self.lo, 10**self.hi) if self.log else (self.lo, self.hi)
 
 
 def tick_step(lo: float, hi: float, count: int) -> float:
@@ -55,10 +55,13 @@ def linear_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
 
 def log_ticks(lo: float, hi: float) -> list[float]:
     """Powers of ten covering [lo, hi] (lo > 0), every other one when there are many."""
-    a, b = math.floor(math.log10(lo)), max(math.ceil(math.log10(hi)), math.floor(math.log10(lo)) + 1)
+    a, b = (
+        math.floor(math.log10(lo)),
+        max(math.ceil(math.log10(hi)), math.floor(math.log10(lo)) + 1),
+    )
     every = 1 if b - a <= 8 else 2
     b = a + math.ceil((b - a) / every) * every
-    return [10.0 ** k for k in range(a, b + 1, every)]
+    return [10.0**k for k in range(a, b + 1, every)]
 
 
 def decimals_for(ticks: list[float]) -> int:
@@ -67,7 +70,7 @@ def decimals_for(ticks: list[float]) -> int:
         return 2
     step = abs(ticks[1] - ticks[0])
     power = math.floor(math.log10(step) + 1e-9)
-    return max(0, -power + (1 if round(step / 10 ** power, 6) == 2.5 else 0))
+    return max(0, -power + (1 if round(step / 10**power, 6) == 2.5 else 0))
 
 
 def tick_label(v: float, decimals: int) -> str:
@@ -82,7 +85,9 @@ def step_axis(last_step: float) -> Scale:
     """The step axis of one model's charts: from 0 to a little past the last step anything
     was seen at."""
     last = max(float(last_step), 1.0)
-    return Scale(0.0, last + max(1.0, 0.015 * last), PAD_L, WIDTH - PAD_R)  # a mark at the last step stays clear of the edge
+    return Scale(
+        0.0, last + max(1.0, 0.015 * last), PAD_L, WIDTH - PAD_R
+    )  # a mark at the last step stays clear of the edge
 
 
 def step_ticks(xs: Scale) -> list[float]:

@@ -12,7 +12,14 @@ import math
 from typing import Any
 
 from hookprof.view.report_axes import (
-    PAD_L, PAD_R, WIDTH, Scale, decimals_for, linear_ticks, log_ticks, step_ticks, tick_label,
+    PAD_L,
+    WIDTH,
+    Scale,
+    decimals_for,
+    linear_ticks,
+    log_ticks,
+    step_ticks,
+    tick_label,
 )
 
 HEIGHT = 210  # a line chart's viewBox height
@@ -42,8 +49,10 @@ def _svg(cls: str, height: float, xs: Scale, extra: str = "") -> str:
     """An SVG that scales to the page's width; its step axis (s0..s1 at x0..x1 in the
     viewBox) is in its data-* for the hover script."""
     s0, s1 = xs.domain
-    return (f'<svg class="{cls}" viewBox="0 0 {WIDTH} {height:.0f}" data-s0="{s0:g}" data-s1="{s1:g}" '
-            f'data-x0="{xs.a:g}" data-x1="{xs.b:g}" role="img" {extra}>')
+    return (
+        f'<svg class="{cls}" viewBox="0 0 {WIDTH} {height:.0f}" data-s0="{s0:g}" data-s1="{s1:g}" '
+        f'data-x0="{xs.a:g}" data-x1="{xs.b:g}" role="img" {extra}>'
+    )
 
 
 def step_axis_marks(xs: Scale, y: float, top: float) -> str:
@@ -52,28 +61,50 @@ def step_axis_marks(xs: Scale, y: float, top: float) -> str:
     parts = [f'<line class="axis" x1="{xs.a:g}" y1="{y:g}" x2="{xs.b:g}" y2="{y:g}"/>']
     for s in step_ticks(xs):
         x = xs(s)
-        parts.append(f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{top:g}" y2="{y:g}"/>'
-                     f'<text class="xtick" data-step="{s:g}" x="{x:.1f}" y="{y + 15:g}" '
-                     f'text-anchor="middle">{step_label(s)}</text>')
-    parts.append(f'<text class="axis-title" x="{xs.b:g}" y="{y + 29:g}" text-anchor="end">training step</text>')
+        parts.append(
+            f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{top:g}" y2="{y:g}"/>'
+            f'<text class="xtick" data-step="{s:g}" x="{x:.1f}" y="{y + 15:g}" '
+            f'text-anchor="middle">{step_label(s)}</text>'
+        )
+    parts.append(
+        f'<text class="axis-title" x="{xs.b:g}" y="{y + 29:g}" text-anchor="end">training step</text>'
+    )
     return "".join(parts)
 
 
-def incident_mark(xs: Scale, step: int | None, top: float, bottom: float, label: bool = True) -> str:
+def incident_mark(
+    xs: Scale, step: int | None, top: float, bottom: float, label: bool = True
+) -> str:
     """The first NaN/Inf's step across a chart, named at the top."""
     if step is None:
         return ""
     x = xs(step)
     right = x > xs.b - 140  # near the axis' end the label goes to the line's left
-    text = (f'<text class="incident-label" x="{x - 5 if right else x + 5:.1f}" y="{top + 20:g}" '
+    text = (
+        (
+            f'<text class="incident-label" x="{x - 5 if right else x + 5:.1f}" y="{top + 20:g}" '
             f'text-anchor="{"end" if right else "start"}" fill="{BAD}">NaN/Inf, step {step_label(step)}</text>'
-            ) if label else ""
-    return (f'<line class="incident" data-step="{step}" x1="{x:.1f}" x2="{x:.1f}" y1="{top:g}" '
-            f'y2="{bottom:g}" stroke="{BAD}" stroke-width="2" stroke-dasharray="6 3"/>' + text)
+        )
+        if label
+        else ""
+    )
+    return (
+        f'<line class="incident" data-step="{step}" x1="{x:.1f}" x2="{x:.1f}" y1="{top:g}" '
+        f'y2="{bottom:g}" stroke="{BAD}" stroke-width="2" stroke-dasharray="6 3"/>' + text
+    )
 
 
-def line_chart(kind: str, title: str, unit: str, xs: Scale, steps: list[float], spans: list[float],
-               values: list[float | None], incident: int | None, log_allowed: bool = False) -> str:
+def line_chart(
+    kind: str,
+    title: str,
+    unit: str,
+    xs: Scale,
+    steps: list[float],
+    spans: list[float],
+    values: list[float | None],
+    incident: int | None,
+    log_allowed: bool = False,
+) -> str:
     """Values over steps: a line through the finite ones (broken where a value is missing
     or not finite), a red band over the steps of a non-finite one, the incident's step.
     `spans[i]` is the first step point i covers. Drawn on a log axis when `log_allowed`
@@ -87,13 +118,23 @@ def line_chart(kind: str, title: str, unit: str, xs: Scale, steps: list[float], 
     ticks = log_ticks(lo, hi) if log else linear_ticks(lo, hi)
     ys = Scale(ticks[0], ticks[-1], HEIGHT - PAD_B, PAD_T, log=log)
     bottom = HEIGHT - PAD_B
-    out = [head, _svg("chart", HEIGHT, xs, f'data-kind="{kind}" data-log="{int(log)}" data-unit="{html.escape(unit)}"')]
+    out = [
+        head,
+        _svg(
+            "chart",
+            HEIGHT,
+            xs,
+            f'data-kind="{kind}" data-log="{int(log)}" data-unit="{html.escape(unit)}"',
+        ),
+    ]
     decimals = decimals_for(ticks)
     for t in ticks:
         y = ys(t)
-        out.append(f'<line class="grid" x1="{xs.a:g}" x2="{xs.b:g}" y1="{y:.1f}" y2="{y:.1f}"/>'
-                   f'<text class="ytick" data-value="{t:.9g}" x="{xs.a - 6:g}" y="{y + 4:.1f}" '
-                   f'text-anchor="end">{tick_label(t, decimals)}</text>')
+        out.append(
+            f'<line class="grid" x1="{xs.a:g}" x2="{xs.b:g}" y1="{y:.1f}" y2="{y:.1f}"/>'
+            f'<text class="ytick" data-value="{t:.9g}" x="{xs.a - 6:g}" y="{y + 4:.1f}" '
+            f'text-anchor="end">{tick_label(t, decimals)}</text>'
+        )
     out.append(step_axis_marks(xs, bottom, PAD_T))
     out.append(f'<line class="axis" x1="{xs.a:g}" y1="{PAD_T}" x2="{xs.a:g}" y2="{bottom:g}"/>')
     segments: list[list[str]] = [[]]
@@ -103,22 +144,28 @@ def line_chart(kind: str, title: str, unit: str, xs: Scale, steps: list[float], 
                 segments.append([])
             if v is not None:  # over the steps the point covers, none before the first NaN
                 x0, x1 = xs(_from(first, incident)), xs(s)
-                out.append(f'<rect class="nonfinite" data-step="{s:g}" x="{x0:.1f}" y="{PAD_T}" '
-                           f'width="{max(x1 - x0, 2):.1f}" height="{bottom - PAD_T:g}" fill="{BAD}" '
-                           f'fill-opacity="0.16"/><rect class="nonfinite-top" x="{x0:.1f}" y="{PAD_T}" '
-                           f'width="{max(x1 - x0, 2):.1f}" height="5" fill="{BAD}"/>')
+                out.append(
+                    f'<rect class="nonfinite" data-step="{s:g}" x="{x0:.1f}" y="{PAD_T}" '
+                    f'width="{max(x1 - x0, 2):.1f}" height="{bottom - PAD_T:g}" fill="{BAD}" '
+                    f'fill-opacity="0.16"/><rect class="nonfinite-top" x="{x0:.1f}" y="{PAD_T}" '
+                    f'width="{max(x1 - x0, 2):.1f}" height="5" fill="{BAD}"/>'
+                )
             continue
         segments[-1].append(f"{xs(s):.1f},{ys(v):.1f}")
     d = " ".join("M" + " L".join(seg) for seg in segments if len(seg) > 1)
-    out.append(f'<path class="line" data-steps="{" ".join(f"{s:g}" for s in steps)}" '
-               f'data-first="{" ".join(f"{s:g}" for s in spans)}" '
-               f'data-values="{" ".join(num(v) for v in values)}" d="{d}"/>')
+    out.append(
+        f'<path class="line" data-steps="{" ".join(f"{s:g}" for s in steps)}" '
+        f'data-first="{" ".join(f"{s:g}" for s in spans)}" '
+        f'data-values="{" ".join(num(v) for v in values)}" d="{d}"/>'
+    )
     for seg in segments:  # a finite point between two gaps has no line: a dot
         if len(seg) == 1:
             x, y = seg[0].split(",")
             out.append(f'<circle class="dot" cx="{x}" cy="{y}" r="2.5"/>')
     out.append(incident_mark(xs, incident, PAD_T, bottom))
-    out.append(f'<line class="cross" x1="0" x2="0" y1="{PAD_T}" y2="{bottom:g}" display="none"/></svg></div>')
+    out.append(
+        f'<line class="cross" x1="0" x2="0" y1="{PAD_T}" y2="{bottom:g}" display="none"/></svg></div>'
+    )
     return "".join(out)
 
 
@@ -150,7 +197,7 @@ def viridis(t: float) -> str:
     i = min(int(t), len(stops) - 2)
     f = t - i
     a, b = stops[i], stops[i + 1]
-    return "#%02x%02x%02x" % tuple(round(a[c] + (b[c] - a[c]) * f) for c in range(3))
+    return "#" + "".join(f"{round(a[c] + (b[c] - a[c]) * f):02x}" for c in range(3))
 
 
 def _groups(n: int, rows: int) -> list[range]:
@@ -164,8 +211,14 @@ def _group_max(values: list[float | None], group: range) -> float | None:
     return max(present) if present else None  # inf (non-finite) wins
 
 
-def heatmap(xs: Scale, steps: list[float], spans: list[float], layers: list[dict[str, Any]],
-            incident: int | None, hatch_id: str) -> str:
+def heatmap(
+    xs: Scale,
+    steps: list[float],
+    spans: list[float],
+    layers: list[dict[str, Any]],
+    incident: int | None,
+    hatch_id: str,
+) -> str:
     """Gradient norm per layer over the run: one row per tracked layer, each cell over the
     steps its points cover, colour by log10 of the norm over the whole map's range (one of
     HEAT_LEVELS colours); red where it was not finite, hatched where there was no value."""
@@ -189,16 +242,20 @@ def heatmap(xs: Scale, steps: list[float], spans: list[float], layers: list[dict
     top = 8
     bottom = top + HEAT_ROW * len(binned)
     height = bottom + 40
-    out = [_svg("heatmap", height, xs, f'data-lo="{10 ** lo:.6g}" data-hi="{10 ** hi:.6g}"'),
-           f'<defs><pattern id="{hatch_id}" width="6" height="6" patternUnits="userSpaceOnUse" '
-           f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#f4f4f4"/>'
-           f'<line x1="0" y1="0" x2="0" y2="6" stroke="#bbb" stroke-width="2"/></pattern></defs>',
-           step_axis_marks(xs, bottom + 2, top)]  # first: its grid lines under the cells
+    out = [
+        _svg("heatmap", height, xs, f'data-lo="{10**lo:.6g}" data-hi="{10**hi:.6g}"'),
+        f'<defs><pattern id="{hatch_id}" width="6" height="6" patternUnits="userSpaceOnUse" '
+        f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#f4f4f4"/>'
+        f'<line x1="0" y1="0" x2="0" y2="6" stroke="#bbb" stroke-width="2"/></pattern></defs>',
+        step_axis_marks(xs, bottom + 2, top),
+    ]  # first: its grid lines under the cells
     for k, (name, vals) in enumerate(binned):
         y = top + k * HEAT_ROW
-        short = name if len(name) <= NAME_CHARS else "..." + name[-(NAME_CHARS - 3):]
-        out.append(f'<g class="row" data-layer="{html.escape(name)}"><text x="{xs.a - 6:g}" y="{y + 12}" '
-                   f'text-anchor="end"><title>{html.escape(name)}</title>{html.escape(short)}</text>')
+        short = name if len(name) <= NAME_CHARS else "..." + name[-(NAME_CHARS - 3) :]
+        out.append(
+            f'<g class="row" data-layer="{html.escape(name)}"><text x="{xs.a - 6:g}" y="{y + 12}" '
+            f'text-anchor="end"><title>{html.escape(name)}</title>{html.escape(short)}</text>'
+        )
         j = 0
         while j < len(groups):  # a run of neighbouring cells of one colour is one rect
             fill, end, peak = colour(vals[j]), j, vals[j]
@@ -210,8 +267,10 @@ def heatmap(xs: Scale, steps: list[float], spans: list[float], layers: list[dict
             x0 = xs(_from(first, incident) if fill == BAD else first - 1)
             x1 = xs(last)
             # 0.5 more than the width: no hairline between neighbours when the page scales
-            out.append(f'<rect data-v="{num(peak, 6)}" data-s="{first:g}-{last:g}" x="{x0:.1f}" y="{y}" '
-                       f'width="{max(x1 - x0, 0.5) + 0.5:.1f}" height="{HEAT_ROW - 2}" fill="{fill}"/>')
+            out.append(
+                f'<rect data-v="{num(peak, 6)}" data-s="{first:g}-{last:g}" x="{x0:.1f}" y="{y}" '
+                f'width="{max(x1 - x0, 0.5) + 0.5:.1f}" height="{HEAT_ROW - 2}" fill="{fill}"/>'
+            )
             j = end + 1
         out.append("</g>")
     out.append(incident_mark(xs, incident, 0, bottom + 2, label=False))
@@ -222,16 +281,18 @@ def heatmap(xs: Scale, steps: list[float], spans: list[float], layers: list[dict
 def _heat_legend(lo: float, hi: float, hatch_id: str) -> str:
     """The colour scale, its ends labelled with norms, and what red and hatched mean."""
     stops = "".join(f'<stop offset="{k / 8:.3f}" stop-color="{viridis(k / 8)}"/>' for k in range(9))
-    return (f'<svg class="legend-scale" viewBox="0 0 {WIDTH} 34" role="img">'
-            f'<defs><linearGradient id="{hatch_id}-scale">{stops}</linearGradient></defs>'
-            f'<text x="{PAD_L - 6}" y="17" text-anchor="end">gradient norm</text>'
-            f'<text class="scale-lo" x="{PAD_L}" y="17" data-value="{10 ** lo:.6g}">{10 ** lo:.3g}</text>'
-            f'<rect x="{PAD_L + 50}" y="6" width="240" height="14" fill="url(#{hatch_id}-scale)"/>'
-            f'<text class="scale-hi" x="{PAD_L + 296}" y="17" data-value="{10 ** hi:.6g}">{10 ** hi:.3g} (log scale)</text>'
-            f'<rect x="{PAD_L + 430}" y="6" width="14" height="14" fill="{BAD}"/>'
-            f'<text x="{PAD_L + 450}" y="17">NaN/Inf</text>'
-            f'<rect x="{PAD_L + 520}" y="6" width="14" height="14" fill="url(#{hatch_id})" stroke="#bbb"/>'
-            f'<text x="{PAD_L + 540}" y="17">no value (no gradient, or the layer was not tracked yet)</text></svg>')
+    return (
+        f'<svg class="legend-scale" viewBox="0 0 {WIDTH} 34" role="img">'
+        f'<defs><linearGradient id="{hatch_id}-scale">{stops}</linearGradient></defs>'
+        f'<text x="{PAD_L - 6}" y="17" text-anchor="end">gradient norm</text>'
+        f'<text class="scale-lo" x="{PAD_L}" y="17" data-value="{10**lo:.6g}">{10**lo:.3g}</text>'
+        f'<rect x="{PAD_L + 50}" y="6" width="240" height="14" fill="url(#{hatch_id}-scale)"/>'
+        f'<text class="scale-hi" x="{PAD_L + 296}" y="17" data-value="{10**hi:.6g}">{10**hi:.3g} (log scale)</text>'
+        f'<rect x="{PAD_L + 430}" y="6" width="14" height="14" fill="{BAD}"/>'
+        f'<text x="{PAD_L + 450}" y="17">NaN/Inf</text>'
+        f'<rect x="{PAD_L + 520}" y="6" width="14" height="14" fill="url(#{hatch_id})" stroke="#bbb"/>'
+        f'<text x="{PAD_L + 540}" y="17">no value (no gradient, or the layer was not tracked yet)</text></svg>'
+    )
 
 
 # ---------------- the NaN/Inf timeline ----------------
@@ -249,32 +310,42 @@ def dropped_gaps(events: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
     return gaps
 
 
-def timeline(xs: Scale, events: list[dict[str, Any]], dropped: int, incident: int | None, hatch_id: str) -> str:
+def timeline(
+    xs: Scale, events: list[dict[str, Any]], dropped: int, incident: int | None, hatch_id: str
+) -> str:
     """Each time new non-finite steps were seen (a red dot, hover for the layers), the
     first incident, and the stretches whose events the history did not keep, hatched and
     labelled: a plain line there would read as steps without NaN."""
     height = 74
     y = 30
-    out = [_svg("timeline", height, xs),
-           f'<defs><pattern id="{hatch_id}" width="6" height="6" patternUnits="userSpaceOnUse" '
-           f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#fbe9e9"/>'
-           f'<line x1="0" y1="0" x2="0" y2="6" stroke="{BAD}" stroke-opacity="0.45" stroke-width="2"/></pattern></defs>',
-           step_axis_marks(xs, height - 34, 6)]
+    out = [
+        _svg("timeline", height, xs),
+        f'<defs><pattern id="{hatch_id}" width="6" height="6" patternUnits="userSpaceOnUse" '
+        f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#fbe9e9"/>'
+        f'<line x1="0" y1="0" x2="0" y2="6" stroke="{BAD}" stroke-opacity="0.45" stroke-width="2"/></pattern></defs>',
+        step_axis_marks(xs, height - 34, 6),
+    ]
     gaps = dropped_gaps(events)
     for after, before, missing in gaps:
         x0, x1 = xs(after), xs(before)
-        out.append(f'<rect class="dropped" data-from="{after}" data-to="{before}" data-steps="{missing}" '
-                   f'data-events="{dropped}" x="{x0:.1f}" y="{y - 12}" width="{max(x1 - x0, 2):.1f}" height="24" '
-                   f'fill="url(#{hatch_id})" data-tip="{dropped:,} events not kept between steps {after:,} and '
-                   f'{before:,}: {missing:,} more non-finite steps there"/>'
-                   f'<text class="dropped-label" x="{(x0 + x1) / 2:.1f}" y="{y - 15}" text-anchor="middle" '
-                   f'fill="{BAD}">{dropped:,} events not kept ({missing:,} non-finite steps)</text>')
+        out.append(
+            f'<rect class="dropped" data-from="{after}" data-to="{before}" data-steps="{missing}" '
+            f'data-events="{dropped}" x="{x0:.1f}" y="{y - 12}" width="{max(x1 - x0, 2):.1f}" height="24" '
+            f'fill="url(#{hatch_id})" data-tip="{dropped:,} events not kept between steps {after:,} and '
+            f'{before:,}: {missing:,} more non-finite steps there"/>'
+            f'<text class="dropped-label" x="{(x0 + x1) / 2:.1f}" y="{y - 15}" text-anchor="middle" '
+            f'fill="{BAD}">{dropped:,} events not kept ({missing:,} non-finite steps)</text>'
+        )
     for e in events:
         names = ", ".join(e["layers"]) + (f" +{e['more_layers']}" if e["more_layers"] else "")
-        tip = (f"step {e['step']:,}: {e['new_nonfinite_steps']} new non-finite step(s), {e['nonfinite_steps']} so far; "
-               + (names or "no layer named"))
-        out.append(f'<circle class="event" data-step="{e["step"]}" data-new="{e["new_nonfinite_steps"]}" '
-                   f'cx="{xs(e["step"]):.1f}" cy="{y}" r="4" fill="{BAD}" data-tip="{html.escape(tip)}"/>')
+        tip = (
+            f"step {e['step']:,}: {e['new_nonfinite_steps']} new non-finite step(s), {e['nonfinite_steps']} so far; "
+            + (names or "no layer named")
+        )
+        out.append(
+            f'<circle class="event" data-step="{e["step"]}" data-new="{e["new_nonfinite_steps"]}" '
+            f'cx="{xs(e["step"]):.1f}" cy="{y}" r="4" fill="{BAD}" data-tip="{html.escape(tip)}"/>'
+        )
     out.append(incident_mark(xs, incident, 4, height - 34, label=False))
     out.append("</svg>")
     return "".join(out)

@@ -24,9 +24,9 @@ TABLE_ROWS = 200  # the busiest layers in the table, plus every one that went no
 
 REPLAY_WORDS = {
     "reproducible": "reproducible: the step replayed with the same inputs, weights and RNG made it again "
-                    "(the data or the model)",
+    "(the data or the model)",
     "transient": "transient: the step replayed with the same inputs, weights and RNG was finite "
-                 "(suspect a non-deterministic kernel, a race, or the hardware)",
+    "(suspect a non-deterministic kernel, a race, or the hardware)",
     "not replayed": "not replayed",
 }
 
@@ -35,8 +35,14 @@ def last_step(doc: dict[str, Any]) -> float:
     """The last step anything on the page was seen at: the charts' step axis ends there, so
     that an incident after the last sampled step (on_nonfinite="raise") is on every chart."""
     first = doc["first_nonfinite"]
-    return max([float(doc["steps"]), *doc["history"]["points"]["step"],
-                *(e["step"] for e in doc["history"]["events"]), *([first["step"]] if first else [])])
+    return max(
+        [
+            float(doc["steps"]),
+            *doc["history"]["points"]["step"],
+            *(e["step"] for e in doc["history"]["events"]),
+            *([first["step"]] if first else []),
+        ]
+    )
 
 
 def _after(doc: dict[str, Any]) -> str:
@@ -52,19 +58,33 @@ def summary(doc: dict[str, Any]) -> str:
     hist = doc["history"]
     counts = doc["nonfinite_steps"]
     bad = sum(counts.values())
-    figures = [("steps", f'{doc["steps"]:,}'), ("sampled steps", f'{doc["sampled_steps"]:,}'),
-               ("mean step time", num(doc["step_seconds_mean"] and doc["step_seconds_mean"] * 1e3, 4, " ms")),
-               ("loss, last sampled", num(doc["loss"], 4) + _after(doc)),
-               ("gradient norm, last sampled", num(doc["grad_norm"], 4) + _after(doc)),
-               ("non-finite steps", ", ".join(f"{p} {c:,}" for p, c in counts.items()) if bad else "none")]
+    figures = [
+        ("steps", f"{doc['steps']:,}"),
+        ("sampled steps", f"{doc['sampled_steps']:,}"),
+        (
+            "mean step time",
+            num(doc["step_seconds_mean"] and doc["step_seconds_mean"] * 1e3, 4, " ms"),
+        ),
+        ("loss, last sampled", num(doc["loss"], 4) + _after(doc)),
+        ("gradient norm, last sampled", num(doc["grad_norm"], 4) + _after(doc)),
+        ("non-finite steps", ", ".join(f"{p} {c:,}" for p, c in counts.items()) if bad else "none"),
+    ]
     if doc["skipped_steps"]:
-        figures.append(("GradScaler skipped", f'{doc["skipped_steps"]:,} steps'))
+        figures.append(("GradScaler skipped", f"{doc['skipped_steps']:,} steps"))
     if doc.get("held_back_updates"):
-        figures.append(("updates held back", f'{doc["held_back_updates"]:,}'))
-    figures.append(("history", f'{len(hist["points"]["step"])} points, {hist["stride"]} sampled step(s) each'))
-    return '<div class="figures">' + "".join(
-        f'<div class="figure{" bad-box" if k == "non-finite steps" and bad else ""}"><span>{k}</span>'
-        f'<b>{html.escape(str(v))}</b></div>' for k, v in figures) + "</div>"
+        figures.append(("updates held back", f"{doc['held_back_updates']:,}"))
+    figures.append(
+        ("history", f"{len(hist['points']['step'])} points, {hist['stride']} sampled step(s) each")
+    )
+    return (
+        '<div class="figures">'
+        + "".join(
+            f'<div class="figure{" bad-box" if k == "non-finite steps" and bad else ""}"><span>{k}</span>'
+            f"<b>{html.escape(str(v))}</b></div>"
+            for k, v in figures
+        )
+        + "</div>"
+    )
 
 
 def incident(doc: dict[str, Any]) -> str:
@@ -73,8 +93,13 @@ def incident(doc: dict[str, Any]) -> str:
     first = doc["first_nonfinite"]
     if first is None:
         return '<p class="clean">No NaN or Inf in any step so far (loss, forward and backward checked).</p>'
-    rows = [("where", f'{first["layer"] if first["layer"] is not None else "no layer named"} '
-                      f'({first["phase"]} phase), step {first["step"]:,}')]
+    rows = [
+        (
+            "where",
+            f"{first['layer'] if first['layer'] is not None else 'no layer named'} "
+            f"({first['phase']} phase), step {first['step']:,}",
+        )
+    ]
     if first.get("found_by"):
         rows.append(("found by", first["found_by"]))
     if first.get("propagators"):
@@ -83,19 +108,33 @@ def incident(doc: dict[str, Any]) -> str:
     if replay:
         words = REPLAY_WORDS.get(replay, replay)
         if first.get("replay_note"):
-            words += f' ({first["replay_note"]})'
-        rows.append(("replay", f'<span class="verdict" data-replay="{html.escape(replay)}">{html.escape(words)}</span>'))
+            words += f" ({first['replay_note']})"
+        rows.append(
+            (
+                "replay",
+                f'<span class="verdict" data-replay="{html.escape(replay)}">{html.escape(words)}</span>',
+            )
+        )
     capsule = first.get("capsule")
     if capsule:
-        rows.append(("capsule", f'<code class="capsule">{html.escape(str(capsule))}</code> '
-                                f'(reproduce it anywhere: <code>hookprof replay {html.escape(str(capsule))}</code>)'))
+        rows.append(
+            (
+                "capsule",
+                f'<code class="capsule">{html.escape(str(capsule))}</code> '
+                f"(reproduce it anywhere: <code>hookprof replay {html.escape(str(capsule))}</code>)",
+            )
+        )
     if first.get("device") and first["device"] != "cpu":
         rows.append(("device", html.escape(str(first["device"]))))
-    body = "".join(f"<tr><th>{k}</th><td>{v if k in ('replay', 'capsule') else html.escape(str(v))}</td></tr>"
-                   for k, v in rows)
-    return (f'<div class="incident-box"><p class="bad first-offender" data-layer="{html.escape(str(first["layer"]))}" '
-            f'data-step="{first["step"]}" data-phase="{first["phase"]}">{html.escape(first["summary"])}</p>'
-            f'<table class="kv">{body}</table></div>')
+    body = "".join(
+        f"<tr><th>{k}</th><td>{v if k in ('replay', 'capsule') else html.escape(str(v))}</td></tr>"
+        for k, v in rows
+    )
+    return (
+        f'<div class="incident-box"><p class="bad first-offender" data-layer="{html.escape(str(first["layer"]))}" '
+        f'data-step="{first["step"]}" data-phase="{first["phase"]}">{html.escape(first["summary"])}</p>'
+        f'<table class="kv">{body}</table></div>'
+    )
 
 
 # a column's title -> its key in table.COLUMNS (how its value is read from a row)
@@ -109,13 +148,20 @@ def layer_table(doc: dict[str, Any]) -> str:
     rows, left_out = choose(sort_rows(table.rows, "share"), TABLE_ROWS)
     if not rows:
         return '<p class="muted">no layers</p>'
-    head = "".join(f'<th data-col="{k}"{"" if t in ("layer", "module", "NaN") else " class=num"}>{t}</th>'
-                   for k, t in enumerate(TITLES))
+    head = "".join(
+        f'<th data-col="{k}"{"" if t in ("layer", "module", "NaN") else " class=num"}>{t}</th>'
+        for k, t in enumerate(TITLES)
+    )
     body = [_table_row(r) for r in rows]
-    more = f'<p class="muted">{left_out} more layers not shown (the table keeps every non-finite one)</p>' \
-        if left_out else ""
-    return (f'<table class="layers" data-model="{html.escape(doc["model"])}"><thead><tr>{head}</tr></thead>'
-            f'<tbody>{"".join(body)}</tbody></table>{more}')
+    more = (
+        f'<p class="muted">{left_out} more layers not shown (the table keeps every non-finite one)</p>'
+        if left_out
+        else ""
+    )
+    return (
+        f'<table class="layers" data-model="{html.escape(doc["model"])}"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table>{more}"
+    )
 
 
 def _table_row(row: LayerRow) -> str:
@@ -128,10 +174,14 @@ def _table_row(row: LayerRow) -> str:
             out.append(f'<td class="nan-marks">{html.escape(text)}</td>')
         elif title == "share" and row.share is not None:
             width = min(max(row.share, 0.0), 1.0) * 100
-            out.append(f'<td class="num"{sort}><span class="share-bar" style="width:{width:.1f}%"></span>'
-                       f'{html.escape(text)}</td>')
+            out.append(
+                f'<td class="num"{sort}><span class="share-bar" style="width:{width:.1f}%"></span>'
+                f"{html.escape(text)}</td>"
+            )
         else:
-            out.append(f'<td{" class=num" if title not in ("layer", "module") else ""}{sort}>{html.escape(text)}</td>')
+            out.append(
+                f"<td{' class=num' if title not in ('layer', 'module') else ''}{sort}>{html.escape(text)}</td>"
+            )
     bad = row.first or bool(row.nonfinite)
     return f'<tr data-layer="{html.escape(row.layer)}"{" class=bad-row" if bad else ""}>{"".join(out)}</tr>'
 
@@ -149,24 +199,54 @@ def model_section(doc: dict[str, Any], index: int = 0) -> str:
     parts = [
         f'<section class="model" data-model="{html.escape(doc["model"])}">',
         f'<h1>{html.escape(doc["model"])} <span class="muted">rank {doc["rank"]}, hookprof '
-        f'{html.escape(str(doc.get("hookprof_version", "")))}</span></h1>',
-        summary(doc), "<h2>NaN/Inf</h2>", incident(doc),
+        f"{html.escape(str(doc.get('hookprof_version', '')))}</span></h1>",
+        summary(doc),
+        "<h2>NaN/Inf</h2>",
+        incident(doc),
     ]
     if first is not None or events:
         parts.append("<h3>When new non-finite steps were seen</h3>")
         parts.append(timeline(xs, events, hist["events_dropped"], at, f"dropped{index}"))
     parts += [
         "<h2>Over the run</h2>",
-        line_chart("loss", "Loss (mean over the sampled steps a point covers)", "", xs, steps, spans, pts["loss"], at),
-        line_chart("grad_norm", "Global gradient norm (maximum over a point)", "", xs, steps, spans,
-                   pts["grad_norm"], at, log_allowed=True),
-        line_chart("step_seconds", "Step time, ms (mean over the steps a point covers)", "ms", xs, steps, spans, ms, at),
+        line_chart(
+            "loss",
+            "Loss (mean over the sampled steps a point covers)",
+            "",
+            xs,
+            steps,
+            spans,
+            pts["loss"],
+            at,
+        ),
+        line_chart(
+            "grad_norm",
+            "Global gradient norm (maximum over a point)",
+            "",
+            xs,
+            steps,
+            spans,
+            pts["grad_norm"],
+            at,
+            log_allowed=True,
+        ),
+        line_chart(
+            "step_seconds",
+            "Step time, ms (mean over the steps a point covers)",
+            "ms",
+            xs,
+            steps,
+            spans,
+            ms,
+            at,
+        ),
         f'<h2>Gradient norm per layer <span class="muted">({len(hist["layers"])} tracked layers)</span></h2>',
         heatmap(xs, steps, spans, hist["layers"], at, f"hatch{index}"),
         f'<h2>Layers <span class="muted">({len(doc["layer_totals"])} of {doc["layers_total"]} exported; '
-        f'times per call over the sampled steps, share of the mean step; as <code>hookprof top</code> shows them)'
-        f'</span></h2>',
-        layer_table(doc), "</section>",
+        f"times per call over the sampled steps, share of the mean step; as <code>hookprof top</code> shows them)"
+        f"</span></h2>",
+        layer_table(doc),
+        "</section>",
     ]
     return "".join(parts)
 
@@ -175,12 +255,17 @@ def render(documents: list[dict[str, Any]], source: str = "") -> str:
     """The whole page for one or more models' documents (report.document / report.fetch)."""
     made = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
     title = "hookprof report: " + ", ".join(d["model"] for d in documents)
-    body = "".join(model_section(d, k) for k, d in enumerate(documents)) or "<p>No model is attached there.</p>"
+    body = (
+        "".join(model_section(d, k) for k, d in enumerate(documents))
+        or "<p>No model is attached there.</p>"
+    )
     where = f" from {html.escape(source)}" if source else ""
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f'<meta name="viewport" content="width=device-width"><style>{CSS}</style></head><body>'
-            f'<p class="muted">hookprof run report{where}, made {made}</p>{body}'
-            f'<div id="tip" class="tip"></div><script>{SCRIPT}</script></body></html>')
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f'<meta name="viewport" content="width=device-width"><style>{CSS}</style></head><body>'
+        f'<p class="muted">hookprof run report{where}, made {made}</p>{body}'
+        f'<div id="tip" class="tip"></div><script>{SCRIPT}</script></body></html>'
+    )
 
 
 def write(path: str, documents: list[dict[str, Any]], source: str = "") -> str:

@@ -33,8 +33,9 @@ class ScrapeError(Exception):
 
 
 def normalize(url: str, tls: bool = False, path: str | None = None) -> str:
-    """"host:port" -> "http://host:port/metrics" ("https" when TLS options were given); a
-    host alone gets hookprof's default port (not http's 80), a URL without a path /metrics. `path`: the page to read whatever path the URL names
+    """ "host:port" -> "http://host:port/metrics" ("https" when TLS options were given); a
+    host alone gets hookprof's default port (not http's 80), a URL without a path /metrics. `path`:
+    the page to read whatever path the URL names
     (`hookprof report` takes the /metrics URL and reads /history.json beside it).
     ValueError for what is not an http(s) endpoint, or an http:// URL given with TLS options."""
     given = url
@@ -42,37 +43,51 @@ def normalize(url: str, tls: bool = False, path: str | None = None) -> str:
         url = ("https://" if tls else "http://") + url
     parts = urlsplit(url)
     if not _is_endpoint(parts):
-        raise ValueError(f"not an http(s) endpoint URL: {given!r} (expected e.g. {DEFAULT_TARGET} or {DEFAULT_URL})")
+        raise ValueError(
+            f"not an http(s) endpoint URL: {given!r} (expected e.g. {DEFAULT_TARGET} or {DEFAULT_URL})"
+        )
     if "://" not in given and parts.port is None:  # `hookprof report localhost`
         parts = parts._replace(netloc=f"{parts.netloc}:{DEFAULT_PORT}")
     if tls and parts.scheme == "http":
         # top used to read it in plain http with the options unused: a TLS endpoint then
         # answered "connection reset", the options given looking like the wrong ones
-        raise ValueError(f"{given}: --cacert and --cert are TLS options, but the URL says http:// "
-                         f"(write https://, or host:port alone)")
+        raise ValueError(
+            f"{given}: --cacert and --cert are TLS options, but the URL says http:// "
+            f"(write https://, or host:port alone)"
+        )
     if path is None:
-        return urlunsplit((parts.scheme, parts.netloc, parts.path if parts.path not in ("", "/") else "/metrics",
-                           parts.query, ""))
+        return urlunsplit(
+            (
+                parts.scheme,
+                parts.netloc,
+                parts.path if parts.path not in ("", "/") else "/metrics",
+                parts.query,
+                "",
+            )
+        )
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
 def _is_endpoint(parts: SplitResult) -> bool:
     try:
-        parts.port  # a port that is not a number in 0-65535 raises here
+        _ = parts.port  # a port that is not a number in 0-65535 raises here
     except ValueError:
         return False
     return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
-def tls_context(cacert: str | None = None, cert: str | None = None,
-                key: str | None = None) -> ssl.SSLContext:
+def tls_context(
+    cacert: str | None = None, cert: str | None = None, key: str | None = None
+) -> ssl.SSLContext:
     """Client-side TLS: the system's CAs, or `cacert` (the CA that signed the endpoint's
     certificate); `cert`/`key`: the client certificate an endpoint with
     Config.tls_client_cafile asks for. ValueError naming the option whose file is missing
     or unusable."""
     for option, path in (("--cacert", cacert), ("--cert", cert), ("--key", key)):
         if path is not None and not os.path.isfile(path):
-            raise ValueError(f"{option} {path}: " + ("not a file" if os.path.exists(path) else "no such file"))
+            raise ValueError(
+                f"{option} {path}: " + ("not a file" if os.path.exists(path) else "no such file")
+            )
     try:
         context = ssl.create_default_context(cafile=cacert)
     except OSError as exc:  # ssl.SSLError is one
@@ -83,12 +98,19 @@ def tls_context(cacert: str | None = None, cert: str | None = None,
         except OSError as exc:
             given = f"--cert {cert}" + (f" with --key {key}" if key else "")
             hint = "" if key else " (pass --key when the key is not in the --cert file)"
-            raise ValueError(f"{given}: {_unusable(exc, 'a PEM certificate and its private key')}{hint}") from None
+            raise ValueError(
+                f"{given}: {_unusable(exc, 'a PEM certificate and its private key')}{hint}"
+            ) from None
     return context
 
 
-def endpoints(targets: list[str], cacert: str | None = None, cert: str | None = None,
-              key: str | None = None, path: str | None = None) -> tuple[list[str], ssl.SSLContext | None]:
+def endpoints(
+    targets: list[str],
+    cacert: str | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+    path: str | None = None,
+) -> tuple[list[str], ssl.SSLContext | None]:
     """What a person typed -> the URLs to read and the TLS context for the https ones
     (`normalize` says how each target becomes a URL). ValueError, in words naming the
     option, for anything that cannot work whatever the endpoint does."""
@@ -111,8 +133,12 @@ def fetch(url: str, context: ssl.SSLContext | None = None, timeout: float = 5.0)
     return fetch_bytes(url, context, timeout).decode("utf-8", errors="replace")
 
 
-def fetch_bytes(url: str, context: ssl.SSLContext | None = None, timeout: float = 5.0,
-                max_bytes: int = MAX_PAGE_BYTES) -> bytes:
+def fetch_bytes(
+    url: str,
+    context: ssl.SSLContext | None = None,
+    timeout: float = 5.0,
+    max_bytes: int = MAX_PAGE_BYTES,
+) -> bytes:
     """The body at `url`; ScrapeError on any failure. `timeout` bounds the whole fetch
     (connect, TLS handshake, response head and body, redirects): every wait on the network
     is given only the time left, so an endpoint that trickles its answer a byte at a time is
@@ -127,12 +153,19 @@ def fetch_bytes(url: str, context: ssl.SSLContext | None = None, timeout: float 
                 break
             target = urljoin(url, location)
             if _origin(target) != _origin(url):
-                raise ScrapeError(url, f"it redirects to another endpoint ({one_line(target)}): "
-                                       "not followed; give that URL if it is the one meant")
+                raise ScrapeError(
+                    url,
+                    f"it redirects to another endpoint ({one_line(target)}): "
+                    "not followed; give that URL if it is the one meant",
+                )
             url = target
         else:
             raise ScrapeError(url, f"more than {MAX_REDIRECTS} redirects (a redirect loop?)")
-    except (OSError, http.client.HTTPException, UnicodeError) as exc:  # UnicodeError: a host IDNA refuses
+    except (
+        OSError,
+        http.client.HTTPException,
+        UnicodeError,
+    ) as exc:  # UnicodeError: a host IDNA refuses
         raise ScrapeError(url, _why(exc, url, timeout)) from None
     if not 200 <= status < 300:
         raise ScrapeError(url, f"HTTP {status} {one_line(reason)}".rstrip())
@@ -187,8 +220,9 @@ class _DeadlineSocket:
         return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
 
 
-def _get(url: str, context: ssl.SSLContext | None, deadline: _Deadline,
-         max_bytes: int) -> tuple[int, str, str | None, bytes]:
+def _get(
+    url: str, context: ssl.SSLContext | None, deadline: _Deadline, max_bytes: int
+) -> tuple[int, str, str | None, bytes]:
     """One GET: (status, reason, Location header, body)."""
     parts = urlsplit(url)
     host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
@@ -197,9 +231,13 @@ def _get(url: str, context: ssl.SSLContext | None, deadline: _Deadline,
         if parts.scheme == "https":
             sock.settimeout(deadline.left())  # a total for the handshake (CPython's _ssl)
             sock = (context or ssl.create_default_context()).wrap_socket(sock, server_hostname=host)
-        target = quote((parts.path or "/") + (f"?{parts.query}" if parts.query else ""), safe=_URL_SAFE)
-        request = (f"GET {target} HTTP/1.1\r\nHost: {parts.netloc.rpartition('@')[2]}\r\n"
-                   f"User-Agent: hookprof\r\nAccept-Encoding: identity\r\nConnection: close\r\n\r\n")
+        target = quote(
+            (parts.path or "/") + (f"?{parts.query}" if parts.query else ""), safe=_URL_SAFE
+        )
+        request = (
+            f"GET {target} HTTP/1.1\r\nHost: {parts.netloc.rpartition('@')[2]}\r\n"
+            f"User-Agent: hookprof\r\nAccept-Encoding: identity\r\nConnection: close\r\n\r\n"
+        )
         sock.settimeout(deadline.left())  # sendall: the timeout bounds the whole call
         sock.sendall(request.encode("ascii"))
         response = http.client.HTTPResponse(_DeadlineSocket(sock, deadline), method="GET")  # type: ignore[arg-type]
@@ -209,9 +247,16 @@ def _get(url: str, context: ssl.SSLContext | None, deadline: _Deadline,
             while chunk := response.read1(1 << 16):
                 size += len(chunk)
                 if size > max_bytes:
-                    raise ScrapeError(url, f"it sent more than {max_bytes} bytes: not a hookprof page")
+                    raise ScrapeError(
+                        url, f"it sent more than {max_bytes} bytes: not a hookprof page"
+                    )
                 chunks.append(chunk)
-            return response.status, response.reason, response.getheader("Location"), b"".join(chunks)
+            return (
+                response.status,
+                response.reason,
+                response.getheader("Location"),
+                b"".join(chunks),
+            )
         finally:
             response.close()
     finally:
@@ -247,18 +292,27 @@ def _unusable(exc: OSError, expected: str) -> str:
 
 def _why(reason: object, url: str, timeout: float) -> str:
     if isinstance(reason, ssl.SSLCertVerificationError):
-        return (f"its TLS certificate is not trusted ({reason.verify_message}): pass --cacert "
-                "with the CA that signed the endpoint's certificate")
+        return (
+            f"its TLS certificate is not trusted ({reason.verify_message}): pass --cacert "
+            "with the CA that signed the endpoint's certificate"
+        )
     if isinstance(reason, ssl.SSLError):
-        return (f"TLS failed ({reason.reason or reason}): if the endpoint asks for client "
-                "certificates (Config.tls_client_cafile), pass --cert and --key")
+        return (
+            f"TLS failed ({reason.reason or reason}): if the endpoint asks for client "
+            "certificates (Config.tls_client_cafile), pass --cert and --key"
+        )
     if isinstance(reason, ConnectionRefusedError):
         return "connection refused: nothing listens there (is the training process running, on that port?)"
     if isinstance(reason, (TimeoutError, ConnectionResetError, http.client.RemoteDisconnected)):
-        hint = ("" if url.startswith("https:") else
-                "; if the endpoint serves TLS (Config.tls_certfile), use https:// and --cacert")
+        hint = (
+            ""
+            if url.startswith("https:")
+            else "; if the endpoint serves TLS (Config.tls_certfile), use https:// and --cacert"
+        )
         if isinstance(reason, TimeoutError):
-            return f"no answer in time: the answer took longer than {timeout:g} s (--timeout)" + hint
+            return (
+                f"no answer in time: the answer took longer than {timeout:g} s (--timeout)" + hint
+            )
         return "the connection was closed without an answer" + hint
     if isinstance(reason, http.client.IncompleteRead):
         return "the connection was closed before the whole answer was sent"

@@ -1,5 +1,6 @@
 """The short summary said when a profiler is detached, or when the interpreter exits while one
-is still attached (Config.summary_at_exit; the exit hook is live.py's): steps, step time, NaN/Inf, the costliest layers.
+is still attached (Config.summary_at_exit; the exit hook is live.py's): steps, step time, NaN/Inf,
+the costliest layers.
 
 It goes to the "hookprof" logger when the program has set up logging to show INFO, else
 straight to stderr: a summary nobody sees (Python's default shows warnings only) would be

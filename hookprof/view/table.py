@@ -117,13 +117,16 @@ def quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
                 return lower_bound
             if count == lower_count:
                 return bound
-            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
+                count - lower_count
+            )
         lower_bound, lower_count = bound, count
     return lower_bound
 
 
-def bucket_window(now: Sequence[tuple[float, float]],
-                  before: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...] | None:
+def bucket_window(
+    now: Sequence[tuple[float, float]], before: Sequence[tuple[float, float]]
+) -> tuple[tuple[float, float], ...] | None:
     """The histogram of the observations between two cumulative ones (same bounds)."""
     if [b for b, _ in now] != [b for b, _ in before]:
         return None
@@ -145,7 +148,9 @@ def _step_seconds(header: RunHeader, layer_seconds: Iterable[float]) -> float | 
     return max(mean, sum(layer_seconds) / header.sampled_steps)
 
 
-def _share(layer_seconds: float, calls: float, header: RunHeader, step_seconds: float | None) -> float | None:
+def _share(
+    layer_seconds: float, calls: float, header: RunHeader, step_seconds: float | None
+) -> float | None:
     if not calls or step_seconds is None:  # never timed: no share, not 0%
         return None
     return layer_seconds / header.sampled_steps / step_seconds
@@ -157,34 +162,67 @@ def _share(layer_seconds: float, calls: float, header: RunHeader, step_seconds: 
 def from_snapshot(snap: Snapshot, model: str = "") -> RunTable:
     first = snap.first_nonfinite
     header = RunHeader(
-        rank=snap.rank, model=model, steps=snap.step, sampled_steps=snap.sampled_steps,
+        rank=snap.rank,
+        model=model,
+        steps=snap.step,
+        sampled_steps=snap.sampled_steps,
         step_buckets=tuple((float(b), float(c)) for b, c in snap.step_duration_buckets),
-        step_seconds_sum=snap.step_duration_sum, loss=snap.loss, grad_norm=snap.grad_norm,
-        nonfinite_steps=dict(snap.nonfinite_steps), skipped_steps=snap.skipped_steps,
-        dropped=None if snap.dropped_nonfinite is None else (
-            snap.dropped_nonfinite.steps, snap.dropped_nonfinite.first_step, snap.dropped_nonfinite.layer),
-        first_nonfinite=FirstNonFinite(first.layer, first.phase, first.step, first.found_by, first.replay,
-                                       first.capsule) if first else None,
+        step_seconds_sum=snap.step_duration_sum,
+        loss=snap.loss,
+        grad_norm=snap.grad_norm,
+        nonfinite_steps=dict(snap.nonfinite_steps),
+        skipped_steps=snap.skipped_steps,
+        dropped=None
+        if snap.dropped_nonfinite is None
+        else (
+            snap.dropped_nonfinite.steps,
+            snap.dropped_nonfinite.first_step,
+            snap.dropped_nonfinite.layer,
+        ),
+        first_nonfinite=FirstNonFinite(
+            first.layer, first.phase, first.step, first.found_by, first.replay, first.capsule
+        )
+        if first
+        else None,
         position=_position(snap.progress.step, snap.progress.phase, snap.progress.phase_seconds)
-        if snap.progress is not None else None,
+        if snap.progress is not None
+        else None,
         stall=_stall(snap.stall.step, snap.stall.phase, snap.stall.layer, snap.stall.waiting_on)
-        if snap.stall is not None else None,
+        if snap.stall is not None
+        else None,
     )
     rows = []
-    step_seconds = _step_seconds(header, (layer.forward_seconds_total + layer.backward_seconds_total
-                                          for layer in snap.layers.values()))
+    step_seconds = _step_seconds(
+        header,
+        (
+            layer.forward_seconds_total + layer.backward_seconds_total
+            for layer in snap.layers.values()
+        ),
+    )
     for name, layer in snap.layers.items():
-        rows.append(LayerRow(
-            layer=name, module=layer.module,
-            forward_ms=_per_call_ms(layer.forward_seconds_total, layer.forward_calls_total),
-            backward_ms=_per_call_ms(layer.backward_seconds_total, layer.backward_calls_total),
-            share=_share(layer.forward_seconds_total + layer.backward_seconds_total,
-                         layer.forward_calls_total + layer.backward_calls_total, header, step_seconds),
-            grad_norm=layer.grad_norm, abs_max=layer.activation_abs_max,
-            dead_ratio=layer.activation_zero_ratio,
-            nonfinite={p: layer.nonfinite.get(p, 0) for p in LAYER_PHASES if layer.nonfinite.get(p, 0)},
-            first=first is not None and first.layer == name, rank=snap.rank, model=model,
-        ))
+        rows.append(
+            LayerRow(
+                layer=name,
+                module=layer.module,
+                forward_ms=_per_call_ms(layer.forward_seconds_total, layer.forward_calls_total),
+                backward_ms=_per_call_ms(layer.backward_seconds_total, layer.backward_calls_total),
+                share=_share(
+                    layer.forward_seconds_total + layer.backward_seconds_total,
+                    layer.forward_calls_total + layer.backward_calls_total,
+                    header,
+                    step_seconds,
+                ),
+                grad_norm=layer.grad_norm,
+                abs_max=layer.activation_abs_max,
+                dead_ratio=layer.activation_zero_ratio,
+                nonfinite={
+                    p: layer.nonfinite.get(p, 0) for p in LAYER_PHASES if layer.nonfinite.get(p, 0)
+                },
+                first=first is not None and first.layer == name,
+                rank=snap.rank,
+                model=model,
+            )
+        )
     return RunTable(header, tuple(rows))
 
 
@@ -223,7 +261,12 @@ _LAYER_SAMPLES = {
     names.LAYER_ACTIVATION_ZERO_RATIO.name: "dead_ratio",
 }
 _STEP_BUCKET = names.STEP_DURATION_SECONDS.sample("bucket")
-_RUN_COUNTS = ("steps", "sampled_steps", "skipped_steps", "dropped_steps")  # read as ints: int() of NaN raised
+_RUN_COUNTS = (
+    "steps",
+    "sampled_steps",
+    "skipped_steps",
+    "dropped_steps",
+)  # read as ints: int() of NaN raised
 
 
 # the families a process's endpoint serves once (found on the first GPU run: the CUDA
@@ -239,7 +282,9 @@ def from_metrics(text: str) -> list[RunTable]:
     runs: dict[tuple[str, int], _Run] = {}
     try:
         families = list(text_string_to_metric_families(text))
-    except ValueError as exc:  # an HTML page, garbage: the parser's words, on the line it stopped at
+    except (
+        ValueError
+    ) as exc:  # an HTML page, garbage: the parser's words, on the line it stopped at
         raise ValueError(f"not the Prometheus text format: {exc}") from None
     for family in families:
         if not family.name.startswith(names.PREFIX) or family.name in _PER_PROCESS:
@@ -248,7 +293,10 @@ def from_metrics(text: str) -> list[RunTable]:
             if "rank" not in s.labels:
                 continue
             try:
-                key = (s.labels.get(names.MODEL_LABEL, ""), _whole(s.labels["rank"], "the rank label"))
+                key = (
+                    s.labels.get(names.MODEL_LABEL, ""),
+                    _whole(s.labels["rank"], "the rank label"),
+                )
                 _read_sample(runs.setdefault(key, _Run()), s.name, s.labels, s.value)
             except KeyError as exc:
                 raise ValueError(f"{s.name} without its {exc.args[0]} label") from None
@@ -293,8 +341,12 @@ def _read_sample(run: _Run, name: str, labels: Mapping[str, str], value: float) 
         if "module" in labels:
             layer["module"] = labels["module"]
     elif name == names.STALL_INFO.name:
-        run.values["stall"] = _stall(_whole(labels["step"], "the step label"), labels["phase"], labels["layer"],
-                                     labels["waiting_on"])
+        run.values["stall"] = _stall(
+            _whole(labels["step"], "the step label"),
+            labels["phase"],
+            labels["layer"],
+            labels["waiting_on"],
+        )
     elif name == names.PROGRESS_STEP.name:
         run.values["progress_step"] = _whole(value, "the step")
     elif name == names.PROGRESS_PHASE.name:
@@ -308,33 +360,55 @@ def _read_sample(run: _Run, name: str, labels: Mapping[str, str], value: float) 
 def _table(model: str, rank: int, run: _Run) -> RunTable:
     v = run.values
     header = RunHeader(
-        rank=rank, model=model, steps=int(v.get("steps", 0)),
-        sampled_steps=int(v.get("sampled_steps", 0)), step_buckets=tuple(sorted(run.buckets)),
-        step_seconds_sum=v.get("step_seconds_sum", 0.0), loss=v.get("loss"),
+        rank=rank,
+        model=model,
+        steps=int(v.get("steps", 0)),
+        sampled_steps=int(v.get("sampled_steps", 0)),
+        step_buckets=tuple(sorted(run.buckets)),
+        step_seconds_sum=v.get("step_seconds_sum", 0.0),
+        loss=v.get("loss"),
         grad_norm=v.get("grad_norm"),
         nonfinite_steps={p: v["nonfinite_steps"].get(p, 0) for p in PHASES},
-        skipped_steps=int(v.get("skipped_steps", 0)), first_nonfinite=_first(v),
-        dropped=(int(v["dropped_steps"]), *v.get("dropped_first", (None, None))) if v.get("dropped_steps") else None,
-        position=_position(int(v["progress_step"]), v.get("progress_phase", "?"), v.get("progress_seconds", 0.0))
-        if "progress_step" in v else None,
+        skipped_steps=int(v.get("skipped_steps", 0)),
+        first_nonfinite=_first(v),
+        dropped=(int(v["dropped_steps"]), *v.get("dropped_first", (None, None)))
+        if v.get("dropped_steps")
+        else None,
+        position=_position(
+            int(v["progress_step"]), v.get("progress_phase", "?"), v.get("progress_seconds", 0.0)
+        )
+        if "progress_step" in v
+        else None,
         stall=v.get("stall"),
     )
     first = header.first_nonfinite
     rows = []
-    step_seconds = _step_seconds(header, (layer.get("fwd_sum", 0.0) + layer.get("bwd_sum", 0.0)
-                                          for layer in run.layers.values()))
+    step_seconds = _step_seconds(
+        header,
+        (layer.get("fwd_sum", 0.0) + layer.get("bwd_sum", 0.0) for layer in run.layers.values()),
+    )
     for name, layer in run.layers.items():
-        rows.append(LayerRow(
-            layer=name, module=layer.get("module", ""),
-            forward_ms=_per_call_ms(layer.get("fwd_sum", 0.0), layer.get("fwd_count", 0)),
-            backward_ms=_per_call_ms(layer.get("bwd_sum", 0.0), layer.get("bwd_count", 0)),
-            share=_share(layer.get("fwd_sum", 0.0) + layer.get("bwd_sum", 0.0),
-                         layer.get("fwd_count", 0) + layer.get("bwd_count", 0), header, step_seconds),
-            grad_norm=layer.get("grad_norm"), abs_max=layer.get("abs_max"),
-            dead_ratio=layer.get("dead_ratio"),
-            nonfinite={p: c for p, c in layer["nonfinite"].items() if c},
-            first=first is not None and first.layer == name, rank=rank, model=model,
-        ))
+        rows.append(
+            LayerRow(
+                layer=name,
+                module=layer.get("module", ""),
+                forward_ms=_per_call_ms(layer.get("fwd_sum", 0.0), layer.get("fwd_count", 0)),
+                backward_ms=_per_call_ms(layer.get("bwd_sum", 0.0), layer.get("bwd_count", 0)),
+                share=_share(
+                    layer.get("fwd_sum", 0.0) + layer.get("bwd_sum", 0.0),
+                    layer.get("fwd_count", 0) + layer.get("bwd_count", 0),
+                    header,
+                    step_seconds,
+                ),
+                grad_norm=layer.get("grad_norm"),
+                abs_max=layer.get("abs_max"),
+                dead_ratio=layer.get("dead_ratio"),
+                nonfinite={p: c for p, c in layer["nonfinite"].items() if c},
+                first=first is not None and first.layer == name,
+                rank=rank,
+                model=model,
+            )
+        )
     return RunTable(header, tuple(rows))
 
 
@@ -350,30 +424,56 @@ def from_document(doc: Mapping[str, Any]) -> RunTable:
     steps = int(doc["steps"])
     mean = doc.get("step_seconds_mean")
     header = RunHeader(
-        rank=int(doc["rank"]), model=str(doc["model"]), steps=steps, sampled_steps=int(doc["sampled_steps"]),
+        rank=int(doc["rank"]),
+        model=str(doc["model"]),
+        steps=steps,
+        sampled_steps=int(doc["sampled_steps"]),
         step_seconds_sum=doc.get("step_seconds_sum", (mean or 0.0) * steps),
-        loss=doc.get("loss"), grad_norm=doc.get("grad_norm"),
-        nonfinite_steps=dict(doc["nonfinite_steps"]), skipped_steps=int(doc.get("skipped_steps", 0)),
+        loss=doc.get("loss"),
+        grad_norm=doc.get("grad_norm"),
+        nonfinite_steps=dict(doc["nonfinite_steps"]),
+        skipped_steps=int(doc.get("skipped_steps", 0)),
         dropped=_dropped_of(doc.get("dropped_nonfinite")),
-        first_nonfinite=FirstNonFinite(first["layer"], first["phase"], int(first["step"]), first.get("found_by"),
-                                       first.get("replay")) if first else None,
+        first_nonfinite=FirstNonFinite(
+            first["layer"],
+            first["phase"],
+            int(first["step"]),
+            first.get("found_by"),
+            first.get("replay"),
+        )
+        if first
+        else None,
     )
     layers = doc["layer_totals"]
-    totals = [(layer.get("forward_seconds_total", 0.0), layer.get("forward_calls", 0),
-               layer.get("backward_seconds_total", 0.0), layer.get("backward_calls", 0)) for layer in layers]
+    totals = [
+        (
+            layer.get("forward_seconds_total", 0.0),
+            layer.get("forward_calls", 0),
+            layer.get("backward_seconds_total", 0.0),
+            layer.get("backward_calls", 0),
+        )
+        for layer in layers
+    ]
     step_seconds = _step_seconds(header, (f + b for f, _, b, _ in totals))
     rows = []
     for layer, (fwd, fwd_calls, bwd, bwd_calls) in zip(layers, totals):
         nonfinite = layer.get("nonfinite") or {}
-        rows.append(LayerRow(
-            layer=layer["name"], module=layer["module"],
-            forward_ms=_per_call_ms(fwd, fwd_calls), backward_ms=_per_call_ms(bwd, bwd_calls),
-            share=_share(fwd + bwd, fwd_calls + bwd_calls, header, step_seconds),
-            grad_norm=layer.get("grad_norm"), abs_max=layer.get("activation_abs_max"),
-            dead_ratio=layer.get("activation_zero_ratio"),
-            nonfinite={p: nonfinite[p] for p in LAYER_PHASES if nonfinite.get(p)},
-            first=first is not None and first["layer"] == layer["name"], rank=header.rank, model=header.model,
-        ))
+        rows.append(
+            LayerRow(
+                layer=layer["name"],
+                module=layer["module"],
+                forward_ms=_per_call_ms(fwd, fwd_calls),
+                backward_ms=_per_call_ms(bwd, bwd_calls),
+                share=_share(fwd + bwd, fwd_calls + bwd_calls, header, step_seconds),
+                grad_norm=layer.get("grad_norm"),
+                abs_max=layer.get("activation_abs_max"),
+                dead_ratio=layer.get("activation_zero_ratio"),
+                nonfinite={p: nonfinite[p] for p in LAYER_PHASES if nonfinite.get(p)},
+                first=first is not None and first["layer"] == layer["name"],
+                rank=header.rank,
+                model=header.model,
+            )
+        )
     return RunTable(header, tuple(rows))
 
 
@@ -468,7 +568,7 @@ def fmt_seconds(v: float | None) -> str:
 
 
 def nan_marks(row: LayerRow) -> str:
-    """"first" for the run's first offender, then F<n>/B<n>: steps on which its outputs
+    """ "first" for the run's first offender, then F<n>/B<n>: steps on which its outputs
     (forward) or gradients (backward) held a NaN or Inf."""
     marks = ["first"] if row.first else []
     marks += [f"{p[0].upper()}{row.nonfinite[p]}" for p in LAYER_PHASES if row.nonfinite.get(p)]
@@ -477,13 +577,30 @@ def nan_marks(row: LayerRow) -> str:
 
 def cells(row: LayerRow) -> list[str]:
     """The row as the table shows it, in TITLES' order (after rank/model, when shown)."""
-    return [row.layer, row.module, fmt_ms(row.forward_ms), fmt_ms(row.backward_ms),
-            fmt_share(row.share), fmt_num(row.grad_norm), fmt_num(row.abs_max),
-            fmt_ratio(row.dead_ratio), nan_marks(row)]
+    return [
+        row.layer,
+        row.module,
+        fmt_ms(row.forward_ms),
+        fmt_ms(row.backward_ms),
+        fmt_share(row.share),
+        fmt_num(row.grad_norm),
+        fmt_num(row.abs_max),
+        fmt_ratio(row.dead_ratio),
+        nan_marks(row),
+    ]
 
 
-TITLES = ["layer", "module", "fwd ms/call", "bwd ms/call", "share", "grad norm", "|act| max",
-          "dead", "NaN"]
+TITLES = [
+    "layer",
+    "module",
+    "fwd ms/call",
+    "bwd ms/call",
+    "share",
+    "grad norm",
+    "|act| max",
+    "dead",
+    "NaN",
+]
 _LEFT = {"layer", "module", "NaN", "rank", "model"}
 
 
@@ -492,7 +609,9 @@ def header_line(h: RunHeader) -> str:
     parts = [who, f"step {h.steps} ({h.sampled_steps} sampled)"]
     if h.steps_per_s is not None:
         parts.append(f"{h.steps_per_s:.1f} steps/s")
-    parts.append(f"step time p50 {fmt_seconds(h.step_quantile(0.5))} p95 {fmt_seconds(h.step_quantile(0.95))}")
+    parts.append(
+        f"step time p50 {fmt_seconds(h.step_quantile(0.5))} p95 {fmt_seconds(h.step_quantile(0.95))}"
+    )
     parts.append(f"loss {fmt_num(h.loss)}")
     parts.append(f"grad norm {fmt_num(h.grad_norm)}")
     if h.position is not None:
@@ -515,7 +634,9 @@ def _first(values: dict[str, Any]) -> FirstNonFinite | None:
         return None
     phase, step = values["first_at"]
     found_by, replay = values.get("first_origin", (None, None))
-    return FirstNonFinite(values.get("first_layer"), phase, step, found_by, replay, values.get("first_capsule"))
+    return FirstNonFinite(
+        values.get("first_layer"), phase, step, found_by, replay, values.get("first_capsule")
+    )
 
 
 def first_words(f: FirstNonFinite) -> str:
@@ -545,8 +666,13 @@ def nonfinite_line(h: RunHeader) -> str:
         text += f"; GradScaler skipped {h.skipped_steps} steps"
     if h.dropped is not None:
         count, step, layer = h.dropped
-        text += f"; the loop dropped the non-finite gradients of {count} step{'s' if count != 1 else ''} (no incident"
-        text += f"; first: {layer or 'a layer not yet named'} at step {step})" if step is not None else ")"
+        plural = "s" if count != 1 else ""
+        text += f"; the loop dropped the non-finite gradients of {count} step{plural} (no incident"
+        text += (
+            f"; first: {layer or 'a layer not yet named'} at step {step})"
+            if step is not None
+            else ")"
+        )
     if h.first_nonfinite is not None and h.first_nonfinite.capsule:
         text += f"; capsule: {h.first_nonfinite.capsule} (hookprof replay it)"
     return text
@@ -577,7 +703,9 @@ def row_cells(rows: Sequence[LayerRow], several_runs: bool) -> tuple[list[str], 
 
 def render_rows(rows: Sequence[LayerRow], several_runs: bool = False) -> list[str]:
     titles, body = row_cells(rows, several_runs)
-    widths = [max(len(t), *(len(c[i]) for c in body)) if body else len(t) for i, t in enumerate(titles)]
+    widths = [
+        max(len(t), *(len(c[i]) for c in body)) if body else len(t) for i, t in enumerate(titles)
+    ]
 
     def line(values: Sequence[str]) -> str:
         out = [v.ljust(w) if t in _LEFT else v.rjust(w) for t, v, w in zip(titles, values, widths)]
@@ -586,8 +714,14 @@ def render_rows(rows: Sequence[LayerRow], several_runs: bool = False) -> list[st
     return [line(titles), *(line(c) for c in body)]
 
 
-def render(tables: Sequence[RunTable], *, by: str = "share", reverse: bool = False,
-           name_filter: str = "", limit: int | None = 25) -> str:
+def render(
+    tables: Sequence[RunTable],
+    *,
+    by: str = "share",
+    reverse: bool = False,
+    name_filter: str = "",
+    limit: int | None = 25,
+) -> str:
     """Header lines, then the layers of every table in one list, sorted and filtered."""
     rows = [r for t in tables for r in t.rows]
     if name_filter:

@@ -34,10 +34,20 @@ from hookprof.view.table import (
 INSTALL_HINT = "hookprof top needs the 'rich' package: pip install 'hookprof[top]'"
 
 # key -> sort column (pressing the current one again reverses the order)
-SORT_KEYS = {"s": "share", "f": "forward", "b": "backward", "g": "grad", "a": "absmax",
-             "d": "dead", "x": "nan", "n": "layer"}
-HELP = ("sort: s share  f fwd  b bwd  g grad norm  a |act| max  d dead  x NaN  n name "
-        "(again: reverse)   / filter   q quit")
+SORT_KEYS = {
+    "s": "share",
+    "f": "forward",
+    "b": "backward",
+    "g": "grad",
+    "a": "absmax",
+    "d": "dead",
+    "x": "nan",
+    "n": "layer",
+}
+HELP = (
+    "sort: s share  f fwd  b bwd  g grad norm  a |act| max  d dead  x NaN  n name "
+    "(again: reverse)   / filter   q quit"
+)
 
 
 class Scraper:
@@ -64,21 +74,35 @@ class Scraper:
             try:
                 found = from_metrics(text)
             except ValueError as exc:  # an HTML page, garbage, a rank that is not a number
-                errors[url] = f"what it sent is not a hookprof /metrics page ({one_line(str(exc), 120)})"
+                errors[url] = (
+                    f"what it sent is not a hookprof /metrics page ({one_line(str(exc), 120)})"
+                )
                 continue
             if not found:
                 errors[url] = "no hookprof series on this page (is it a hookprof endpoint?)"
             for table in found:
                 key = (url, table.header.model, table.header.rank)
                 before = self._before.get(key)
-                tables.append(with_rates(table, before[1] if before else None,
-                                         now - before[0] if before else 0.0))
+                tables.append(
+                    with_rates(
+                        table, before[1] if before else None, now - before[0] if before else 0.0
+                    )
+                )
                 self._before[key] = (now, table)
         return tables, errors
 
 
-def run_once(scraper: Scraper, *, interval: float, by: str, reverse: bool, name_filter: str,
-             limit: int | None, out: Any = sys.stdout, err: Any = sys.stderr) -> int:
+def run_once(
+    scraper: Scraper,
+    *,
+    interval: float,
+    by: str,
+    reverse: bool,
+    name_filter: str,
+    limit: int | None,
+    out: Any = sys.stdout,
+    err: Any = sys.stderr,
+) -> int:
     """Two looks `interval` apart (steps/s needs two), then one plain table. Exit status 1,
     with the reason on stderr, when an endpoint cannot be read."""
     tables, errors = scraper.look()
@@ -169,8 +193,12 @@ def view(state: ViewState, height: int) -> Any:
         if title == sorted_title:
             arrow = " ^" if (COLUMNS[state.by][2] == state.reverse) else " v"
         left = title in ("rank", "model", "layer", "module", "NaN")
-        table.add_column(title + arrow, justify="left" if left else "right",
-                         style="bold" if title == sorted_title else None, no_wrap=True)
+        table.add_column(
+            title + arrow,
+            justify="left" if left else "right",
+            style="bold" if title == sorted_title else None,
+            no_wrap=True,
+        )
     for row, values in zip(shown, body):
         table.add_row(*values, style="red" if (row.first or row.nonfinite) else None)
 
@@ -186,8 +214,7 @@ def view(state: ViewState, height: int) -> Any:
     return Group(*lines, table, Text(status), Text(HELP, style="dim"))
 
 
-def run_live(scraper: Scraper, *, interval: float, by: str, reverse: bool,
-             name_filter: str) -> int:
+def run_live(scraper: Scraper, *, interval: float, by: str, reverse: bool, name_filter: str) -> int:
     try:
         from rich.console import Console
         from rich.live import Live
@@ -195,8 +222,10 @@ def run_live(scraper: Scraper, *, interval: float, by: str, reverse: bool,
         print(INSTALL_HINT, file=sys.stderr)
         return 2
     if not sys.stdin.isatty() or not sys.stdout.isatty():
-        print("hookprof top: the live view needs a terminal; use --once for a plain table",
-              file=sys.stderr)
+        print(
+            "hookprof top: the live view needs a terminal; use --once for a plain table",
+            file=sys.stderr,
+        )
         return 2
     import termios
     import tty

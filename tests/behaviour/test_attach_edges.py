@@ -14,7 +14,9 @@ from hookprof import _testing
 from hookprof.step import boundary
 from support.hooks_left import forward_hooks, forward_pre_hooks, global_hook_counts
 
-CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "support", "data", "attached_sequential_1dc2b42.pt")
+CHECKPOINT = os.path.join(
+    os.path.dirname(__file__), "..", "support", "data", "attached_sequential_1dc2b42.pt"
+)
 
 
 class WithScriptedChild(nn.Module):
@@ -97,4 +99,8 @@ def test_a_meta_device_model_is_refused_at_attach_with_the_fix():
         prof.flush()
         snap = prof.snapshot()
     assert snap.internal_errors == 0 and snap.nonfinite_steps["backward"] >= 1
-    assert (snap.first_nonfinite.layer, snap.first_nonfinite.step, snap.first_nonfinite.device) == ("2", 3, "cpu")
+    assert (snap.first_nonfinite.layer, snap.first_nonfinite.step, snap.first_nonfinite.device) == (
+        "2",
+        3,
+        "cpu",
+    )

@@ -63,8 +63,12 @@ def test_recomputation_is_reported_apart_and_never_as_forward(reentrant, every_s
     for name in outside:
         assert snap.layers[name].forward_calls_total == 5, name
         assert snap.layers[name].recompute_calls_total == 0, name
-    recomputed = samples(families, "hookprof_layer_recompute_seconds", "hookprof_layer_recompute_seconds_count")
+    recomputed = samples(
+        families, "hookprof_layer_recompute_seconds", "hookprof_layer_recompute_seconds_count"
+    )
     assert {dict(k)["layer"] for k in recomputed} == set(inside)
     assert all(v == 5 for v in recomputed.values())
-    forward = samples(families, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds_count")
+    forward = samples(
+        families, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds_count"
+    )
     assert {dict(k)["layer"]: v for k, v in forward.items()} == {n: 5 for n in inside + outside}

@@ -64,9 +64,13 @@ def check_step_level_figures(model, snap, prof):
         grads = [prof.table.params[i].grad for i in layer.param_indices]
         if grads:
             expected = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])).item()
-            assert snap.layers[layer.name].grad_norm == pytest.approx(expected, rel=1e-5), layer.name
+            assert snap.layers[layer.name].grad_norm == pytest.approx(expected, rel=1e-5), (
+                layer.name
+            )
     # per-layer timing is off under compile, never wrong
-    assert all(s.forward_calls_total == 0 and s.backward_calls_total == 0 for s in snap.layers.values())
+    assert all(
+        s.forward_calls_total == 0 and s.backward_calls_total == 0 for s in snap.layers.values()
+    )
 
 
 @pytest.mark.parametrize("when", ["before", "after"])

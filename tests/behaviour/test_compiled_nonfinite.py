@@ -65,7 +65,11 @@ def run(how: str, backend: str, fullgraph: bool, attach: bool, poison=None):
             opt.step()
             if step == 2:
                 warm = compiled_so_far()
-        dynamo = (sum(counters["graph_break"].values()), compiled_so_far(), compiled_so_far() - warm)
+        dynamo = (
+            sum(counters["graph_break"].values()),
+            compiled_so_far(),
+            compiled_so_far() - warm,
+        )
         event = counts = None
         if prof is not None:
             prof.flush()
@@ -121,14 +125,24 @@ def poison_block_weight(model):
 
 @pytest.mark.parametrize("how", ["whole", "regional"])
 def test_a_nan_weight_under_compile_is_named_as_in_eager_mode(how):
-    _, eager_event, eager_counts, _ = run("eager", "aot_eager", False, attach=True, poison=poison_block_weight)
+    _, eager_event, eager_counts, _ = run(
+        "eager", "aot_eager", False, attach=True, poison=poison_block_weight
+    )
     assert eager_event.layer == "blocks.1.fc1" and eager_event.phase == "forward"
     _, event, counts, _ = run(how, "aot_eager", False, attach=True, poison=poison_block_weight)
     assert event_of(event) == event_of(eager_event) and counts == eager_counts
 
 
-def regional_run(compile_blocks, *, attach: bool, fullgraph: bool, backend: str = "aot_eager",
-                 attach_first: bool = True, steps: int = 8, **extra):
+def regional_run(
+    compile_blocks,
+    *,
+    attach: bool,
+    fullgraph: bool,
+    backend: str = "aot_eager",
+    attach_first: bool = True,
+    steps: int = 8,
+    **extra,
+):
     """Train `steps` steps of Net, every other one sampled, its blocks compiled by
     `compile_blocks(model, backend, fullgraph)` after attach (or before, `attach_first=False`).
     Returns (parameters, snapshot or None, compiled after step 1, graph breaks, the page and
@@ -138,7 +152,9 @@ def regional_run(compile_blocks, *, attach: bool, fullgraph: bool, backend: str 
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    settings = dict(port=0, summary_at_exit=False, sample_every=2, min_sample_interval_s=0.0, **extra)
+    settings = dict(
+        port=0, summary_at_exit=False, sample_every=2, min_sample_interval_s=0.0, **extra
+    )
     if not attach_first:
         compile_blocks(model, backend, fullgraph)
     prof = hookprof.attach(model, **settings) if attach else None
@@ -162,8 +178,14 @@ def regional_run(compile_blocks, *, attach: bool, fullgraph: bool, backend: str 
         if prof is not None:
             prof.detach()
     params = [p.detach().clone() for p in model.parameters()]
-    return params, snap, compiled_so_far() - warm, sum(counters["graph_break"].values()), \
-        (page if attach else None), first_graphs
+    return (
+        params,
+        snap,
+        compiled_so_far() - warm,
+        sum(counters["graph_break"].values()),
+        (page if attach else None),
+        first_graphs,
+    )
 
 
 def blocks_compiled_in_place(model, backend, fullgraph):
@@ -187,8 +209,9 @@ REGIONAL = [
 
 
 @pytest.mark.parametrize("compile_blocks,fullgraph,backend,attach_first", REGIONAL)
-def test_regional_compilation_times_each_compiled_block_as_one_row(compile_blocks, fullgraph, backend,
-                                                                   attach_first):
+def test_regional_compilation_times_each_compiled_block_as_one_row(
+    compile_blocks, fullgraph, backend, attach_first
+):
     """Blocks compiled one by one (module.compile(), or torch.compile(block) put in its
     place; before or after attach): each block's call is timed from outside its graph as one
     row named as the block (module `ResidualBlock`), forward and backward, on every sampled step but
@@ -198,9 +221,15 @@ def test_regional_compilation_times_each_compiled_block_as_one_row(compile_block
     without hookprof; the model's FLOPs per step equal the eager run's (the blocks counted
     as units), and the rows are on the page."""
     plain, _, plain_compiled, plain_breaks, _, _ = regional_run(
-        compile_blocks, attach=False, fullgraph=fullgraph, backend=backend, attach_first=attach_first)
+        compile_blocks,
+        attach=False,
+        fullgraph=fullgraph,
+        backend=backend,
+        attach_first=attach_first,
+    )
     params, snap, compiled, breaks, page, first_graphs = regional_run(
-        compile_blocks, attach=True, fullgraph=fullgraph, backend=backend, attach_first=attach_first)
+        compile_blocks, attach=True, fullgraph=fullgraph, backend=backend, attach_first=attach_first
+    )
     _, eager, _, _, _, _ = regional_run(lambda *a: None, attach=True, fullgraph=fullgraph)
     assert snap.internal_errors == 0
     assert compiled == plain_compiled == 0 and breaks == plain_breaks == 0
@@ -212,7 +241,9 @@ def test_regional_compilation_times_each_compiled_block_as_one_row(compile_block
     timed = 0
     for k in range(2):
         row = layers[f"blocks.{k}"]
-        assert row.module == "ResidualBlock" or (row.module == "OptimizedModule" and not attach_first)
+        assert row.module == "ResidualBlock" or (
+            row.module == "OptimizedModule" and not attach_first
+        )
         # step 1 was sampled: a block call inside which Dynamo compiled is not timed (its
         # time is compilation); the other block, served by the same graph, is
         assert sampled - 1 <= row.forward_calls_total == row.backward_calls_total <= sampled, row
@@ -220,13 +251,22 @@ def test_regional_compilation_times_each_compiled_block_as_one_row(compile_block
         assert row.forward_seconds_total > 0 and row.backward_seconds_total > 0
         assert row.grad_norm is None and row.activation_abs_max is None
         for inner in ("fc1", "act", "fc2"):
-            inside = [s for n, s in layers.items() if n in (f"blocks.{k}.{inner}", f"blocks.{k}._orig_mod.{inner}")]
+            inside = [
+                s
+                for n, s in layers.items()
+                if n in (f"blocks.{k}.{inner}", f"blocks.{k}._orig_mod.{inner}")
+            ]
             assert len(inside) == 1 and inside[0].forward_calls_total == 0, inside
-        assert (f'hookprof_layer_forward_seconds_count{{layer="blocks.{k}",model="OverflowNet",module="{row.module}",'
-                f'rank="0"}} {float(row.forward_calls_total)}') in page["metrics"]
+        assert (
+            f'hookprof_layer_forward_seconds_count{{layer="blocks.{k}",model="OverflowNet",module="{row.module}",'
+            f'rank="0"}} {float(row.forward_calls_total)}'
+        ) in page["metrics"]
         # the report follows it like a layer: a series of forward times, one value per timed step
         (series,) = [s for s in page["report"]["history"]["layers"] if s["name"] == f"blocks.{k}"]
-        assert sum(v is not None and v > 0 for v in series["forward_seconds"]) == row.forward_calls_total
+        assert (
+            sum(v is not None and v > 0 for v in series["forward_seconds"])
+            == row.forward_calls_total
+        )
     assert timed == 2 * sampled - first_graphs
     for outside in ("inp", "out"):
         assert layers[outside].forward_calls_total == sampled
@@ -243,8 +283,9 @@ def test_regional_compilation_gets_the_blocks_layers_statistics_from_an_eager_re
     calls), nothing is recompiled and training stays bit-identical."""
     every = dict(activation_interval_s=0.0)
     plain, _, _, _, _, _ = regional_run(blocks_compiled_in_place, attach=False, fullgraph=fullgraph)
-    params, snap, compiled, _, _, _ = regional_run(blocks_compiled_in_place, attach=True,
-                                                   fullgraph=fullgraph, **every)
+    params, snap, compiled, _, _, _ = regional_run(
+        blocks_compiled_in_place, attach=True, fullgraph=fullgraph, **every
+    )
     _, eager, _, _, _, _ = regional_run(lambda *a: None, attach=True, fullgraph=fullgraph, **every)
     assert snap.internal_errors == 0 and compiled == 0
     assert [torch.equal(a, b) for a, b in zip(bits(plain), bits(params))] == [True] * len(plain)
@@ -317,8 +358,13 @@ def stats_run(how: str, attach: bool):
     torch.manual_seed(0)
     model = StatsNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    settings = dict(port=0, summary_at_exit=False, sample_every=2, min_sample_interval_s=0.0,
-                    activation_interval_s=0.0)
+    settings = dict(
+        port=0,
+        summary_at_exit=False,
+        sample_every=2,
+        min_sample_interval_s=0.0,
+        activation_interval_s=0.0,
+    )
     prof = hookprof.attach(model, **settings) if attach else None
     call = compile_model(model, how, "aot_eager", False) if how != "regional" else model
     if how == "regional":
@@ -366,7 +412,10 @@ def test_sampled_steps_of_a_compiled_model_get_activation_statistics_from_an_eag
     else:  # every layer is timed on the sampled steps, the compiled BatchNorm from outside its
         # graph (but not on a step that compiled it: torch 2.13's Dynamo skips a torch.nn
         # module's own frames, so nothing may be compiled at all)
-        assert layers["inp"].forward_calls_total == 4 and layers["norm"].forward_calls_total in (3, 4)
+        assert layers["inp"].forward_calls_total == 4 and layers["norm"].forward_calls_total in (
+            3,
+            4,
+        )
 
 
 @pytest.fixture
@@ -383,13 +432,17 @@ def dynamo_folds_is_exporting_to_true(monkeypatch):
         yield False
         return
     table = handlers()
-    monkeypatch.setitem(table, torch.compiler.is_exporting, lambda self, tx, *a, **k: ConstantVariable.create(True))
+    monkeypatch.setitem(
+        table, torch.compiler.is_exporting, lambda self, tx, *a, **k: ConstantVariable.create(True)
+    )
     torch._dynamo.reset()
     yield True
     torch._dynamo.reset()
 
 
-def test_a_forward_overflow_is_seen_where_dynamo_calls_every_trace_an_export(dynamo_folds_is_exporting_to_true):
+def test_a_forward_overflow_is_seen_where_dynamo_calls_every_trace_an_export(
+    dynamo_folds_is_exporting_to_true,
+):
     """hookprof's root hooks tell torch.export from torch.compile by the flag itself: with
     is_exporting() folded to True, the hooks took every compiled trace for an export and left
     the output check out, so the forward NaN read as layer `out`, backward (11 tests failed
@@ -423,4 +476,6 @@ def test_the_counters_are_static_inputs_so_cuda_graphs_keep_the_graph():
         logger.removeHandler(handler)
         torch._logging.set_logs()
     assert event.phase == "forward"
-    assert any(m.startswith("Adding static input") and m.endswith("._traced.counts") for m in said), said
+    assert any(
+        m.startswith("Adding static input") and m.endswith("._traced.counts") for m in said
+    ), said

@@ -21,16 +21,20 @@ def complex_model():
 
 def test_complex_parameters_are_measured_and_every_step_counted():
     model = complex_model()
-    prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, activation_interval_s=0.0,
-                                                         **EVERY_STEP))
+    prof = hookprof.attach(
+        model,
+        config=hookprof.Config(summary_at_exit=False, activation_interval_s=0.0, **EVERY_STEP),
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     try:
         for _ in range(6):
             opt.zero_grad()
             model(torch.randn(3, 4, generator=g, dtype=torch.cfloat)).abs().sum().backward()
-            expected = {name: math.sqrt(sum(float(p.grad.abs().pow(2).sum()) for p in layer.parameters()))
-                        for name, layer in (("0", model[0]), ("1", model[1]))}
+            expected = {
+                name: math.sqrt(sum(float(p.grad.abs().pow(2).sum()) for p in layer.parameters()))
+                for name, layer in (("0", model[0]), ("1", model[1]))
+            }
             opt.step()
         prof.flush()
         snap = prof.snapshot()
@@ -53,10 +57,14 @@ def inf_gradient(model, step):
         model[0].bias.grad[1] = complex(0.0, float("inf"))
 
 
-@pytest.mark.parametrize("before_backward, after_backward, expected", [
-    (nan_weight, None, ("1", "forward", 3)),
-    (None, inf_gradient, ("0", "backward", 2)),
-], ids=["a NaN weight", "an Inf in a gradient"])
+@pytest.mark.parametrize(
+    "before_backward, after_backward, expected",
+    [
+        (nan_weight, None, ("1", "forward", 3)),
+        (None, inf_gradient, ("0", "backward", 2)),
+    ],
+    ids=["a NaN weight", "an Inf in a gradient"],
+)
 def test_a_nan_in_a_complex_model_is_found_and_named(before_backward, after_backward, expected):
     model = complex_model()
     prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, **RARELY))

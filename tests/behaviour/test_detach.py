@@ -12,8 +12,13 @@ import torch
 
 import hookprof
 from hookprof.step import dispatch
-from support.hooks_left import (dispatcher_hook_counts, foreign_global_hook_counts, gradscaler_step_decider,
-                                 hookprof_threads, model_state)
+from support.hooks_left import (
+    dispatcher_hook_counts,
+    foreign_global_hook_counts,
+    gradscaler_step_decider,
+    hookprof_threads,
+    model_state,
+)
 from support.metrics import scrape
 from support.models import MixedNet, seeded, train
 from support.ports import free_port, port_is_free

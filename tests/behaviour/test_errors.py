@@ -62,7 +62,9 @@ def test_a_port_this_process_serves_on_another_address_names_the_holder():
     with hookprof.attach(first_model, port=port, addr="0.0.0.0"):
         before = model_state(second_model)
         with pytest.raises(hookprof.PortInUseError, match=str(port)) as info:
-            hookprof.attach(second_model, port=port, port_conflict="raise")  # 127.0.0.1: taken by us
+            hookprof.attach(
+                second_model, port=port, port_conflict="raise"
+            )  # 127.0.0.1: taken by us
         assert model_state(second_model) == before
     # issue 11 case 6: the message says who holds it and what releases it
     assert info.value.holder == "DeepNet"

@@ -28,10 +28,12 @@ def evaluate(model, how: str):
 def run(settings, with_eval: bool):
     model = seeded(DeepNet)
     with hookprof.attach(model, **settings) as prof:
+
         def on_step(step, m):
             if with_eval:
                 for how in ("no_grad", "inference_mode", "eval_mode"):
                     evaluate(m, how)
+
         train(model, 8, prof=prof, on_step=on_step, explicit_step=True)
         prof.flush()
         return model, prof.snapshot()
@@ -63,8 +65,13 @@ def test_training_in_eval_mode_is_training(every_step, caplog):
     from support.inject import StepInjector
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
-                                torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 16),
+        torch.nn.Linear(16, 1),
+    )
     injector = StepInjector(model[3], {6})
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)

@@ -121,8 +121,15 @@ def test_a_fault_in_the_layer_hooks_costs_that_step_only(caplog):
     prof = hookprof.Profiler(model, hookprof.Config(**SETTINGS), timer=FailingTimer())
     try:
         with caplog.at_level(logging.ERROR, logger="hookprof"):
-            grads, seen = _train_watching(prof, model, opt, x, y, range(1, 11),
-                                          before=lambda step: failing.update(left=int(step == 5)))
+            grads, seen = _train_watching(
+                prof,
+                model,
+                opt,
+                x,
+                y,
+                range(1, 11),
+                before=lambda step: failing.update(left=int(step == 5)),
+            )
         snap = prof.snapshot()
     finally:
         prof.detach()

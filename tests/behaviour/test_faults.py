@@ -11,14 +11,16 @@ import torch
 
 import hookprof
 from hookprof import _testing
-from hookprof.publish.publisher import Publisher
 from hookprof.faults import PARTS
+from hookprof.publish.publisher import Publisher
 from support.metrics import errors_by_part, parse, samples, scrape
 from support.models import DeepNet, seeded, train
 
 
 def up(prof) -> float:
-    return samples(parse(scrape(prof.url)), "hookprof_publisher_thread_up")[frozenset({"rank": "0"}.items())]
+    return samples(parse(scrape(prof.url)), "hookprof_publisher_thread_up")[
+        frozenset({"rank": "0"}.items())
+    ]
 
 
 # pytest reports a thread's uncaught exception as a warning: here it is the point
@@ -31,7 +33,7 @@ class DyingPublisher(Publisher):
 
     die_at: int | None = None
     die_from: int | None = None
-    instances: list["DyingPublisher"] = []
+    instances: list[DyingPublisher] = []
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -41,7 +43,8 @@ class DyingPublisher(Publisher):
     def fold(self, packet):
         self.folds += 1
         if (packet.sampled and packet.step == self.die_at) or (
-                self.die_from is not None and self.folds >= self.die_from):
+            self.die_from is not None and self.folds >= self.die_from
+        ):
             raise SystemExit("something stronger than an Exception")  # ends a thread quietly
         super().fold(packet)
 
@@ -76,7 +79,10 @@ def test_publisher_thread_death_is_reported_and_the_thread_restarted(caplog, eve
         assert snap.internal_errors == 1
         assert snap.step == 10  # step counts are host counters, not lost with the thread
         f = parse(scrape(prof.url))
-        assert samples(f, "hookprof_steps", "hookprof_steps_total")[frozenset({"rank": "0"}.items())] == 10
+        assert (
+            samples(f, "hookprof_steps", "hookprof_steps_total")[frozenset({"rank": "0"}.items())]
+            == 10
+        )
     finally:
         prof.detach()
     for a, b in zip(reference.parameters(), model.parameters()):
@@ -117,7 +123,10 @@ def test_metrics_server_thread_death_is_reported_and_serving_resumes(caplog, eve
             prof.flush()
         assert _testing.metrics_server(prof).alive and prof.port == port  # same port, serving again
         f = parse(scrape(prof.url))
-        assert samples(f, "hookprof_steps", "hookprof_steps_total")[frozenset({"rank": "0"}.items())] == 2
+        assert (
+            samples(f, "hookprof_steps", "hookprof_steps_total")[frozenset({"rank": "0"}.items())]
+            == 2
+        )
         assert errors_by_part(f) == {**dict.fromkeys(PARTS, 0.0), "metrics server": 1.0}
         assert any("metrics server thread" in r.getMessage() for r in caplog.records)
     finally:

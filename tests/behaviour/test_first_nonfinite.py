@@ -90,8 +90,13 @@ def test_a_cnn_whose_weight_is_made_nan_names_that_layer(lag, policy, caplog):
     if policy == "raise":
         error = result.error
         assert error is not None
-        assert (error.layer, error.phase, error.step, error.found_by, error.replay) == \
-            ("features.3", "forward", 50, "non-finite weights", "reproducible")
+        assert (error.layer, error.phase, error.step, error.found_by, error.replay) == (
+            "features.3",
+            "forward",
+            50,
+            "non-finite weights",
+            "reproducible",
+        )
         assert "first in features.3: its weights are non-finite" in str(error)
         if lag == 0:
             assert result.error_step == 50
@@ -102,7 +107,9 @@ def test_a_cnn_whose_weight_is_made_nan_names_that_layer(lag, policy, caplog):
     if policy in ("warn", "skip"):
         assert len(lines) == 1, lines
         line = lines[0]
-        assert line.startswith("hookprof: NaN/Inf in the forward phase at step 50 on rank 0, first in ")
+        assert line.startswith(
+            "hookprof: NaN/Inf in the forward phase at step 50 on rank 0, first in "
+        )
         if expected.layer is not None:
             assert "first in features.3: its weights are non-finite" in line
             assert "reproducible" in line
@@ -162,7 +169,9 @@ def test_a_nan_bias_in_a_model_with_dataclass_outputs_names_its_layer(lag, polic
             report = prof.report()
         finally:
             prof.detach()
-    assert_event(event, Outcome("decoder", "forward", BIAS_STEP, "non-finite weights", "reproducible"))
+    assert_event(
+        event, Outcome("decoder", "forward", BIAS_STEP, "non-finite weights", "reproducible")
+    )
     assert NOT_YET not in report
 
 
@@ -185,11 +194,14 @@ def test_transformers_trainer_with_a_nan_weight_names_h1_mlp_c_fc(lag, accumulat
     policy = "record" if lag == 0 else "skip"  # skip: the fused AdamW's update is held back
     vocab, seq, batch, steps = 64, 8, 4, 8
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=vocab, n_positions=seq, n_embd=32, n_layer=2, n_head=2))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=32, n_layer=2, n_head=2)
+    )
     g = torch.Generator().manual_seed(1)
-    data = [{"input_ids": ids, "labels": ids}
-            for ids in torch.randint(0, vocab, (steps * batch * accumulation, seq), generator=g)]
+    data = [
+        {"input_ids": ids, "labels": ids}
+        for ids in torch.randint(0, vocab, (steps * batch * accumulation, seq), generator=g)
+    ]
 
     class NanWeight(TrainerCallback):
         def on_step_begin(self, args, state, control, model=None, **kwargs):
@@ -199,20 +211,33 @@ def test_transformers_trainer_with_a_nan_weight_names_h1_mlp_c_fc(lag, accumulat
 
     callback = HookprofTrainerCallback(**UNSAMPLED, on_nonfinite=policy, summary_at_exit=False)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=steps, report_to=[], use_cpu=True,
-        per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
-        save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
-        optim="adamw_torch_fused", max_grad_norm=1e9, logging_steps=steps)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
-                                   callbacks=[callback, NanWeight()])
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        report_to=[],
+        use_cpu=True,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+        optim="adamw_torch_fused",
+        max_grad_norm=1e9,
+        logging_steps=steps,
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[callback, NanWeight()]
+    )
     with behind_by(lag):
         trainer.train()
     prof = callback.profiler
     assert prof.detached  # on_train_end
     snap = prof.snapshot()
     assert C_FC in snap.layers  # hookprof's name of the layer: its path in the model
-    assert_event(snap.first_nonfinite,
-                 Outcome(C_FC, "forward", NAN_WEIGHT_AT, "non-finite weights", "reproducible"))
+    assert_event(
+        snap.first_nonfinite,
+        Outcome(C_FC, "forward", NAN_WEIGHT_AT, "non-finite weights", "reproducible"),
+    )
     assert snap.first_nonfinite.layer.endswith("h.1.mlp.c_fc")
     assert NOT_YET not in summary_text(snap, prof.name)
 
@@ -243,8 +268,13 @@ def test_a_stateful_poison_on_a_sampled_but_unchecked_step_is_transient():
     step 1, whatever the machine's speed). Nothing saw the poison make the NaN; its replay is
     finite: transient, no layer, never "not yet localised"."""
     scenario = TransientPoison(at=7)
-    result = run(scenario, lag=0, policy="record", steps=scenario.steps(0),
-                 settings=dict(sample_every=1, min_sample_interval_s=0.0, activation_interval_s=3600.0))
+    result = run(
+        scenario,
+        lag=0,
+        policy="record",
+        steps=scenario.steps(0),
+        settings=dict(sample_every=1, min_sample_interval_s=0.0, activation_interval_s=3600.0),
+    )
     assert result.snapshot.sampled_steps == scenario.steps(0)  # step 7 was a sampled step
     assert_event(result.snapshot.first_nonfinite, Outcome(None, "forward", 7, None, "transient"))
     assert_never_not_yet_localised(result)
@@ -278,16 +308,23 @@ def test_a_nan_that_its_replay_does_not_make_again_is_transient(lag, policy, cap
         assert said == []
     else:
         assert len(said) == 1, said
-        assert said[0].startswith("NaN/Inf in the forward phase at step 7 on rank 0" if policy == "raise"
-                                  else "hookprof: NaN/Inf in the forward phase at step 7 on rank 0")
+        assert said[0].startswith(
+            "NaN/Inf in the forward phase at step 7 on rank 0"
+            if policy == "raise"
+            else "hookprof: NaN/Inf in the forward phase at step 7 on rank 0"
+        )
         if expected.replay == "transient":
             assert "transient" in said[0]
             assert f"rank 0 on {HOST}, device cpu" in said[0]
         else:
             assert "not replayed: " + expected.replay_note in said[0]
     if policy == "raise":
-        assert (result.error.layer, result.error.step, result.error.found_by, result.error.replay) == \
-            (None, 7, None, expected.replay)
+        assert (
+            result.error.layer,
+            result.error.step,
+            result.error.found_by,
+            result.error.replay,
+        ) == (None, 7, None, expected.replay)
     assert_never_not_yet_localised(result)
 
 
@@ -301,7 +338,9 @@ def test_a_batch_row_that_overflows_fc1_is_reproducible_and_names_fc1(lag, polic
     result = run(scenario, lag=lag, policy=policy, steps=scenario.steps(lag))
     expected = scenario.expected(lag, policy)
     if lag == 0 or policy == "skip":
-        assert expected == Outcome("fc1", "forward", 5, "replay", "reproducible")  # the scenario's own word
+        assert expected == Outcome(
+            "fc1", "forward", 5, "replay", "reproducible"
+        )  # the scenario's own word
     assert_event(result.snapshot.first_nonfinite, expected)
     assert_never_not_yet_localised(result)
 
@@ -311,9 +350,13 @@ def test_a_batch_row_that_overflows_fc1_on_a_sampled_step_names_fc1_from_that_st
     """On a sampled, checked step its own checks saw fc1 overflow, and name it from there;
     the replay then makes it again (reproducible) when it can run on the step's weights."""
     scenario = Overflow(at=5)
-    result = run(scenario, lag=lag, policy="record", steps=scenario.steps(lag), settings=EVERY_STEP_CHECKED)
+    result = run(
+        scenario, lag=lag, policy="record", steps=scenario.steps(lag), settings=EVERY_STEP_CHECKED
+    )
     replay = ("reproducible", None) if lag == 0 else ("not replayed", BEHIND)
-    assert_event(result.snapshot.first_nonfinite, Outcome("fc1", "forward", 5, "sampled step", *replay))
+    assert_event(
+        result.snapshot.first_nonfinite, Outcome("fc1", "forward", 5, "sampled step", *replay)
+    )
 
 
 # ---------------------------------------------------------------- the backward's first
@@ -329,7 +372,10 @@ def test_the_first_layer_of_a_backward_nan_stays_named_as_training_goes_on():
     for steps in (6, 14):
         result = run(scenario, lag=0, policy="record", steps=steps)
         answers[steps] = event_key(result.snapshot.first_nonfinite)
-    assert answers == {6: scenario.expected(0, "record").key, 14: scenario.expected(0, "record").key}
+    assert answers == {
+        6: scenario.expected(0, "record").key,
+        14: scenario.expected(0, "record").key,
+    }
 
 
 # ---------------------------------------------------------------- g. the exported series
@@ -343,5 +389,16 @@ def test_a_transient_first_nan_is_exported_with_rank_host_and_device():
     finally:
         result.prof.detach()
     origin = samples(families, "hookprof_first_nonfinite_origin_info")
-    assert origin == {frozenset({"rank": "0", "phase": "forward", "step": "7", "found_by": "",
-                                 "replay": "transient", "host": HOST, "device": "cpu"}.items()): 1.0}
+    assert origin == {
+        frozenset(
+            {
+                "rank": "0",
+                "phase": "forward",
+                "step": "7",
+                "found_by": "",
+                "replay": "transient",
+                "host": HOST,
+                "device": "cpu",
+            }.items()
+        ): 1.0
+    }

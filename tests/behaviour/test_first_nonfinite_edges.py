@@ -18,8 +18,17 @@ from support.lagging_device import lagging_device
 BAD_STEP = 5
 
 
-def train(model, steps, *, lag=0, settings=UNSAMPLED, policy="record", micro_batches=1,
-          before_step=lambda step, model: None, batch=None):
+def train(
+    model,
+    steps,
+    *,
+    lag=0,
+    settings=UNSAMPLED,
+    policy="record",
+    micro_batches=1,
+    before_step=lambda step, model: None,
+    batch=None,
+):
     """A plain loop with a fused SGD on the emulated device `lag` steps behind; returns the
     event after flush()."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, fused=True)
@@ -68,6 +77,7 @@ def test_a_nan_in_an_earlier_micro_batch_is_said_not_replayed_not_left_pending(l
     so that very forward is replayed: "(input)". On a device behind, the flags arrive after
     the step: the replay covers a step's last forward, which cannot answer, so the event
     says so (not "not yet localised" for ever)."""
+
     def batch(step, micro, g):
         x = torch.randn(6, 4, generator=g)
         if step == BAD_STEP and micro == 0:
@@ -76,8 +86,12 @@ def test_a_nan_in_an_earlier_micro_batch_is_said_not_replayed_not_left_pending(l
 
     event, report = train(Mlp(), BAD_STEP + 2 * lag + 3, lag=lag, micro_batches=2, batch=batch)
     if lag == 0:
-        assert (event.layer, event.step, event.found_by, event.replay) == ("(input)", BAD_STEP, "input",
-                                                                          "reproducible")
+        assert (event.layer, event.step, event.found_by, event.replay) == (
+            "(input)",
+            BAD_STEP,
+            "input",
+            "reproducible",
+        )
     else:
         assert (event.layer, event.phase, event.step) == (None, "forward", BAD_STEP)
         assert (event.replay, event.replay_note) == ("not replayed", EARLIER_FORWARD)
@@ -116,7 +130,12 @@ def test_an_attention_masks_minus_inf_is_no_evidence_the_nan_reproduced():
     the mask itself is made inside the forward here): the stateful fault's replay is finite,
     so the NaN is transient, not "reproducible" and not "(input)"."""
     event, _ = train(MaskedAttention(BAD_STEP), BAD_STEP + 2)
-    assert (event.layer, event.step, event.found_by, event.replay) == (None, BAD_STEP, None, "transient")
+    assert (event.layer, event.step, event.found_by, event.replay) == (
+        None,
+        BAD_STEP,
+        None,
+        "transient",
+    )
 
 
 class MaskedInput(MaskedAttention):
@@ -133,7 +152,12 @@ def test_a_minus_inf_mask_in_the_batch_does_not_make_a_transient_nan_the_inputs(
         return torch.cat([x, torch.triu(torch.full((6, 4), float("-inf")), 1)], dim=1)
 
     event, _ = train(MaskedInput(BAD_STEP), BAD_STEP + 2, batch=batch)
-    assert (event.layer, event.step, event.found_by, event.replay) == (None, BAD_STEP, None, "transient")
+    assert (event.layer, event.step, event.found_by, event.replay) == (
+        None,
+        BAD_STEP,
+        None,
+        "transient",
+    )
 
 
 def test_with_gradients_unchecked_weights_made_nan_by_an_update_are_no_evidence():
@@ -141,14 +165,19 @@ def test_with_gradients_unchecked_weights_made_nan_by_an_update_are_no_evidence(
     of fc1 at step 5 reaches its weights; step 6's forward is then NaN from fc1's weights.
     Nothing says whether an update made them so, so no layer is named from them (it would
     read "before any non-finite update", which is not known), and the event says why."""
+
     def before_step(step, model):
         if step == BAD_STEP:
             model.poison = model.fc1.weight.register_hook(lambda g: g * float("nan"))
         elif step == BAD_STEP + 1:
             model.poison.remove()
 
-    event, report = train(Mlp(), BAD_STEP + 3, settings=dict(UNSAMPLED, nonfinite_check="loss"),
-                          before_step=before_step)
+    event, report = train(
+        Mlp(),
+        BAD_STEP + 3,
+        settings=dict(UNSAMPLED, nonfinite_check="loss"),
+        before_step=before_step,
+    )
     assert (event.layer, event.phase, event.step) == (None, "forward", BAD_STEP + 1)
     assert event.found_by is None and event.replay == "reproducible"
     assert event.replay_note == WEIGHTS_UNPROVEN
@@ -176,12 +205,19 @@ def test_a_nan_made_by_the_roots_own_code_on_a_checked_step_names_the_root():
     """On a checked step only the layers are hooked: they see fc2 get a NaN input, no
     producer. The replay (which also runs on checked steps) hooks the containers too and
     names the root, after fc1 ran finite."""
+
     def before_step(step, model):
         model.bad = step == BAD_STEP
 
-    event, report = train(RootMath(), BAD_STEP + 2, settings=EVERY_STEP_CHECKED, before_step=before_step)
+    event, report = train(
+        RootMath(), BAD_STEP + 2, settings=EVERY_STEP_CHECKED, before_step=before_step
+    )
     assert (event.layer, event.phase, event.step) == ("(root)", "forward", BAD_STEP)
-    assert (event.found_by, event.replay, event.last_finite_child) == ("replay", "reproducible", "fc1")
+    assert (event.found_by, event.replay, event.last_finite_child) == (
+        "replay",
+        "reproducible",
+        "fc1",
+    )
     assert "not yet localised" not in report
 
 
@@ -239,4 +275,9 @@ def test_an_fp16_overflow_under_autocast_replays_in_fp16(lag):
             event = prof.snapshot().first_nonfinite
         finally:
             prof.detach()
-    assert (event.layer, event.phase, event.step, event.replay) == ("0", "forward", 4, "reproducible")
+    assert (event.layer, event.phase, event.step, event.replay) == (
+        "0",
+        "forward",
+        4,
+        "reproducible",
+    )

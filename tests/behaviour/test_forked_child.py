@@ -17,7 +17,9 @@ from torch import nn
 
 import hookprof
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="os.fork")
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "fork") or sys.platform == "darwin", reason="os.fork"
+)
 
 
 def test_a_forked_child_that_trains_restarts_quietly_and_says_so(caplog):
@@ -31,7 +33,9 @@ def test_a_forked_child_that_trains_restarts_quietly_and_says_so(caplog):
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
 
-    prof = hookprof.attach(model, port=0, summary_at_exit=False, sample_every=1, min_sample_interval_s=0.5)
+    prof = hookprof.attach(
+        model, port=0, summary_at_exit=False, sample_every=1, min_sample_interval_s=0.5
+    )
     try:
         train(3)
         read, write = os.pipe()
@@ -48,8 +52,12 @@ def test_a_forked_child_that_trains_restarts_quietly_and_says_so(caplog):
                     time.sleep(0.05)
                 prof.flush()
                 snap = prof.snapshot()
-                result = {"steps": snap.step, "errors": snap.internal_errors, "said": said,
-                          "notices": list(snap.notices)}
+                result = {
+                    "steps": snap.step,
+                    "errors": snap.internal_errors,
+                    "said": said,
+                    "notices": list(snap.notices),
+                }
             except BaseException as exc:  # anything: reported to the parent
                 result = {"error": repr(exc)}
             os.write(write, json.dumps(result).encode())
@@ -62,7 +70,11 @@ def test_a_forked_child_that_trains_restarts_quietly_and_says_so(caplog):
         assert child["errors"] == 0, child
         assert child["steps"] > 3
         forked = [n for n in child["notices"] if "is a fork of" in n]
-        assert len(forked) == 1 and "does not serve" in forked[0] and f"fork of {os.getpid()}" in forked[0]
+        assert (
+            len(forked) == 1
+            and "does not serve" in forked[0]
+            and f"fork of {os.getpid()}" in forked[0]
+        )
         assert not any("thread died" in line for line in child["said"])
         # the parent: its threads and its endpoint as they were
         train(2)

@@ -9,8 +9,8 @@ import torch
 
 import hookprof
 from hookprof.device.timing import CpuTimer
-from hookprof.publish.publisher import Publisher
 from hookprof.faults import PARTS
+from hookprof.publish.publisher import Publisher
 from support.metrics import errors_by_part, parse, scrape
 from support.models import MixedNet, seeded, train
 
@@ -57,7 +57,8 @@ def test_failure_inside_a_hook_is_counted_and_training_is_unchanged(caplog):
     # through its weight)
     per_step = {"act": 2, "shared": 2, "attn.out_proj": 0}
     assert {n: s.forward_calls_total for n, s in snap.layers.items()} == {
-        n: 11 * per_step.get(n, 1) for n in snap.layers}
+        n: 11 * per_step.get(n, 1) for n in snap.layers
+    }
     # the clock failed inside a layer's hook: counted under that part alone
     assert errors_by_part(parse(text)) == {**dict.fromkeys(PARTS, 0.0), "layer hooks": 1.0}
     records = [r for r in caplog.records if "internal error" in r.getMessage()]

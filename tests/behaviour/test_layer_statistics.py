@@ -16,8 +16,13 @@ from torch import nn
 import hookprof
 from hookprof.errors import ConfigError
 
-EVERY_STEP = dict(port=0, sample_every=1, min_sample_interval_s=0.0, activation_interval_s=0.0,
-                  summary_at_exit=False)
+EVERY_STEP = dict(
+    port=0,
+    sample_every=1,
+    min_sample_interval_s=0.0,
+    activation_interval_s=0.0,
+    summary_at_exit=False,
+)
 
 
 class OutputMean:
@@ -60,9 +65,12 @@ def net() -> nn.Module:
 def train_recording(model: nn.Module, steps: int) -> dict[str, torch.Tensor]:
     """Train; return each layer's output of the last step, read by hooks of the test's own."""
     last: dict[str, torch.Tensor] = {}
-    handles = [module.register_forward_hook(
-        lambda m, i, out, name=name: last.__setitem__(name, out.detach().clone()))
-        for name, module in model.named_children()]
+    handles = [
+        module.register_forward_hook(
+            lambda m, i, out, name=name: last.__setitem__(name, out.detach().clone())
+        )
+        for name, module in model.named_children()
+    ]
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -102,15 +110,17 @@ def test_a_statistic_part_is_exported_per_layer_with_the_last_steps_values():
         assert norms[layer] == pytest.approx(torch.linalg.vector_norm(out).item(), rel=1e-5)
     assert "# HELP hookprof_layer_activation_mean Mean of the layer's output" in page
     if shutil.which("promtool"):
-        lint = subprocess.run(["promtool", "check", "metrics"], input=page, text=True,
-                              capture_output=True, timeout=60)
+        lint = subprocess.run(
+            ["promtool", "check", "metrics"], input=page, text=True, capture_output=True, timeout=60
+        )
         assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
 def test_a_failing_statistic_is_counted_and_switches_nothing_else_off():
     model = net()
-    prof = hookprof.attach(model, layer_statistics=(Failing(), NotAScalar(), OutputMean()),
-                           **EVERY_STEP)
+    prof = hookprof.attach(
+        model, layer_statistics=(Failing(), NotAScalar(), OutputMean()), **EVERY_STEP
+    )
     try:
         outputs = train_recording(model, 3)
         prof.flush()
@@ -129,15 +139,18 @@ def test_a_failing_statistic_is_counted_and_switches_nothing_else_off():
     assert snap.layers["3"].activation_abs_max == pytest.approx(outputs["3"].abs().max().item())
 
 
-@pytest.mark.parametrize("statistics, wrong", [
-    ([OutputMean()], None),  # a list is taken as a tuple
-    (OutputMean(), "a tuple of layer statistics"),
-    ((OutputMean(), OutputMean()), "neither given twice"),
-    ((type("Own", (OutputMean,), {"name": "activation_abs_max"})(),), "one of hookprof's own"),
-    ((type("Bad", (OutputMean,), {"name": "Mean-Value"})(),), "lowercase letters"),
-    ((type("NoHelp", (OutputMean,), {"help": " "})(),), "a help text"),
-    ((object(),), "objects with name, help and reduce"),
-])
+@pytest.mark.parametrize(
+    "statistics, wrong",
+    [
+        ([OutputMean()], None),  # a list is taken as a tuple
+        (OutputMean(), "a tuple of layer statistics"),
+        ((OutputMean(), OutputMean()), "neither given twice"),
+        ((type("Own", (OutputMean,), {"name": "activation_abs_max"})(),), "one of hookprof's own"),
+        ((type("Bad", (OutputMean,), {"name": "Mean-Value"})(),), "lowercase letters"),
+        ((type("NoHelp", (OutputMean,), {"help": " "})(),), "a help text"),
+        ((object(),), "objects with name, help and reduce"),
+    ],
+)
 def test_statistics_are_checked_at_attach(statistics, wrong):
     model = net()
     if wrong is None:

@@ -26,9 +26,9 @@ lightning = pytest.importorskip(
 )
 
 import hookprof  # noqa: E402
-from support.metrics import parse, samples  # noqa: E402
 from support.inject import NanAt  # noqa: E402
 from support.lightning_models import ReadEachStep, SetStep, fit, run_ddp_rank, seeded_regressor  # noqa: E402
+from support.metrics import parse, samples  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     # a DataLoader without workers is what a 2-core test wants; Lightning advises against it
@@ -51,7 +51,9 @@ def assert_norms_per_step(seen: dict, expected: list[dict[str, float]]) -> None:
         assert norms == pytest.approx(expected[step - 1], rel=1e-5), f"step {step}"
 
 
-def profiled_fit(module, steps: int, tmp_path, settings=ISSUE_SETTINGS, callbacks=(), **trainer_kwargs):
+def profiled_fit(
+    module, steps: int, tmp_path, settings=ISSUE_SETTINGS, callbacks=(), **trainer_kwargs
+):
     """Trainer.fit with hookprof attached to the LightningModule; returns (snapshot after
     detach, the per-step reader)."""
     with hookprof.attach(module, **settings) as prof:
@@ -81,8 +83,11 @@ def test_automatic_optimization_norms_are_those_of_each_step(tmp_path):
 # counted as forward: the root's forward never runs under Lightning (training_step calls
 # self.body), so there was no output check and no producer. Now `body`, called from
 # outside the model, is the step's forward: checked, kept for a replay
-@pytest.mark.parametrize("settings", [ISSUE_SETTINGS, dict(ISSUE_SETTINGS, activation_interval_s=0.0)],
-                         ids=["issue-settings", "every-step-checked"])
+@pytest.mark.parametrize(
+    "settings",
+    [ISSUE_SETTINGS, dict(ISSUE_SETTINGS, activation_interval_s=0.0)],
+    ids=["issue-settings", "every-step-checked"],
+)
 def test_forward_nan_in_a_middle_layer_is_named_with_its_step(settings, tmp_path):
     nan = NanAt({7})
     model = seeded_regressor(middle=nan)
@@ -117,16 +122,22 @@ def clipped(model, step: int) -> dict[str, float]:
 # after the update) confirms that this is what the optimizer read.
 # issue 18 (1): accumulation showed the first micro-batch's gradients alone, clipping and
 # bf16 step N-1's gradients at step N and none at step 1 (all read before the closure)
-@pytest.mark.parametrize("trainer_kwargs", [
-    dict(accumulate_grad_batches=2),
-    dict(gradient_clip_val=1.0),
-    dict(precision="bf16-mixed"),
-], ids=["accumulate-2", "clip-1.0", "bf16-mixed"])
+@pytest.mark.parametrize(
+    "trainer_kwargs",
+    [
+        dict(accumulate_grad_batches=2),
+        dict(gradient_clip_val=1.0),
+        dict(precision="bf16-mixed"),
+    ],
+    ids=["accumulate-2", "clip-1.0", "bf16-mixed"],
+)
 def test_norms_under_trainer_settings_are_those_the_update_reads(trainer_kwargs, tmp_path):
     steps = 6
     accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
     model = seeded_regressor()
-    snap, reader = profiled_fit(model, steps, tmp_path, batches=steps * accumulate, **trainer_kwargs)
+    snap, reader = profiled_fit(
+        model, steps, tmp_path, batches=steps * accumulate, **trainer_kwargs
+    )
     assert snap.step == steps and len(model.before_step) == steps
     if "gradient_clip_val" in trainer_kwargs:
         expected = [clipped(model, step) for step in range(1, steps + 1)]
@@ -185,8 +196,14 @@ def test_16_mixed_with_its_scaler_on_a_gpu_counts_the_scalers_skips(tmp_path):
     scaler = torch.amp.GradScaler("cuda", init_scale=init_scale)
     scales = ScaleAfterEachStep(scaler)
     model = seeded_regressor()
-    snap, reader = profiled_fit(model, steps, tmp_path, callbacks=[scales], accelerator="cuda",
-                                plugins=[MixedPrecision("16-mixed", "cuda", scaler)])
+    snap, reader = profiled_fit(
+        model,
+        steps,
+        tmp_path,
+        callbacks=[scales],
+        accelerator="cuda",
+        plugins=[MixedPrecision("16-mixed", "cuda", scaler)],
+    )
     skipped = [after < before for before, after in zip([init_scale, *scales.scales], scales.scales)]
     assert snap.step == steps and 0 < sum(skipped) < steps
     assert snap.skipped_steps == sum(skipped)

@@ -30,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "metrics.md"
 HEADER = ("metric", "type", "labels", "present", "meaning")
 GPU_ONLY = "**GPU only**"  # how a row's "present" cell says it cannot appear without a GPU
-PORT_CONFLICT_ONLY = "**port conflict only**"  # ... that it needs a taken metrics port (the demo picks a free one)
+PORT_CONFLICT_ONLY = (
+    "**port conflict only**"  # ... that it needs a taken metrics port (the demo picks a free one)
+)
 # ... that it needs a loop that drops non-finite gradients (the demo's NaN reaches its update);
 # scraped and checked in tests/unit/step/test_backward_end.py
 DROPPED_ONLY = "**a dropped step only**"
@@ -49,8 +51,21 @@ DEMO_ENV = {
     "HOOKPROF_STALL_MIN_S": "0.5",
     "HOOKPROF_SUMMARY_AT_EXIT": "0",
 }
-DEMO_ARGS = ("demo", "--addr", "127.0.0.1", "--port", "0", "--steps", "30", "--nan-at-step", "20",
-             "--sample-every", "1", "--min-sample-interval", "0")
+DEMO_ARGS = (
+    "demo",
+    "--addr",
+    "127.0.0.1",
+    "--port",
+    "0",
+    "--steps",
+    "30",
+    "--nan-at-step",
+    "20",
+    "--sample-every",
+    "1",
+    "--min-sample-interval",
+    "0",
+)
 START_TIMEOUT_S = 60.0  # torch's import on a loaded 2-core machine
 COMPLETE_TIMEOUT_S = 60.0
 
@@ -60,7 +75,9 @@ class Row:
     name: str
     kind: str
     labels: frozenset[str] | None  # None: not known (a family without samples)
-    gpu_only: bool = False  # (or port conflict only, or a dropped step only: never on the demo's page here)
+    gpu_only: bool = (
+        False  # (or port conflict only, or a dropped step only: never on the demo's page here)
+    )
 
 
 def documented(text: str) -> dict[str, Row]:
@@ -68,7 +85,11 @@ def documented(text: str) -> dict[str, Row]:
     rows: dict[str, Row] = {}
     in_table = False
     for line in text.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
+        cells = (
+            [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("|")
+            else None
+        )
         if cells is None:
             in_table = False
         elif tuple(cells) == HEADER:
@@ -78,8 +99,12 @@ def documented(text: str) -> dict[str, Row]:
             name = re.fullmatch(r"`([a-zA-Z_:][a-zA-Z0-9_:]*)`", cells[0])
             assert name, f"a metric cell that is not one `name`: {line}"
             assert name[1] not in rows, f"{name[1]} documented twice"
-            rows[name[1]] = Row(name[1], cells[1], frozenset(re.findall(r"`([^`]+)`", cells[2])),
-                                GPU_ONLY in cells[3] or PORT_CONFLICT_ONLY in cells[3] or DROPPED_ONLY in cells[3])
+            rows[name[1]] = Row(
+                name[1],
+                cells[1],
+                frozenset(re.findall(r"`([^`]+)`", cells[2])),
+                GPU_ONLY in cells[3] or PORT_CONFLICT_ONLY in cells[3] or DROPPED_ONLY in cells[3],
+            )
     return rows
 
 
@@ -97,8 +122,9 @@ def defined() -> dict[str, Row]:
     return {m.name: Row(m.name, m.kind, frozenset(m.exported_labels)) for m in metrics_names.ALL}
 
 
-def disagreements(docs: dict[str, Row], other: dict[str, Row], where: str,
-                  gpu_rows_may_be_absent: bool = False) -> list[str]:
+def disagreements(
+    docs: dict[str, Row], other: dict[str, Row], where: str, gpu_rows_may_be_absent: bool = False
+) -> list[str]:
     """What docs and `other` (named `where`) disagree on, one line each; [] when they agree."""
     problems = []
     for name, row in sorted(docs.items()):
@@ -110,8 +136,10 @@ def disagreements(docs: dict[str, Row], other: dict[str, Row], where: str,
         if theirs.kind != row.kind:
             problems.append(f"{name}: documented as a {row.kind}, a {theirs.kind} in {where}")
         if theirs.labels is not None and theirs.labels != row.labels:
-            problems.append(f"{name}: documented labels {sorted(row.labels)}, "
-                            f"{sorted(theirs.labels)} in {where}")
+            problems.append(
+                f"{name}: documented labels {sorted(row.labels)}, "
+                f"{sorted(theirs.labels)} in {where}"
+            )
     problems += [f"{name}: in {where}, not documented" for name in sorted(set(other) - set(docs))]
     return problems
 
@@ -125,8 +153,10 @@ def test_the_docs_list_exactly_what_metrics_names_defines():
 
 def test_the_docs_list_exactly_what_the_demo_exports(demo_page):
     docs = documented(DOCS.read_text())
-    assert disagreements(docs, exported(demo_page), "the demo's page",
-                         gpu_rows_may_be_absent=True) == []
+    assert (
+        disagreements(docs, exported(demo_page), "the demo's page", gpu_rows_may_be_absent=True)
+        == []
+    )
     # and the page's help texts are the module's (one wording per series)
     helps = {f.name: f.documentation for f in text_string_to_metric_families(demo_page)}
     assert {m.family_name: m.help for m in metrics_names.ALL if m.family_name in helps} == helps
@@ -137,10 +167,19 @@ def demo_page(tmp_path_factory) -> str:
     """The /metrics page of a real `hookprof demo` once every series the docs promise on a
     CPU is on it (or COMPLETE_TIMEOUT_S passed: the test then says what is missing)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKPROF_")}
-    env.update(DEMO_ENV, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-               HOOKPROF_CAPSULE_DIR=str(tmp_path_factory.mktemp("capsules")))  # its NaN's capsule
-    proc = subprocess.Popen([sys.executable, "-m", "hookprof.cli", *DEMO_ARGS], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env.update(
+        DEMO_ENV,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        HOOKPROF_CAPSULE_DIR=str(tmp_path_factory.mktemp("capsules")),
+    )  # its NaN's capsule
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hookprof.cli", *DEMO_ARGS],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         url = _served_url(proc)
         wanted = {name for name, row in documented(DOCS.read_text()).items() if not row.gpu_only}
@@ -179,8 +218,10 @@ def _served_url(proc: subprocess.Popen) -> str:
 
 # ---- the comparison can fail, both ways ----
 
-ROW = ("| `hookprof_held_back_updates_total` | counter | `model`, `rank` | always | optimizer "
-       "updates of non-finite steps hookprof held back (`on_nonfinite=\"skip\"` or `\"raise\"`) |")
+ROW = (
+    "| `hookprof_held_back_updates_total` | counter | `model`, `rank` | always | optimizer "
+    'updates of non-finite steps hookprof held back (`on_nonfinite="skip"` or `"raise"`) |'
+)
 
 
 def test_the_docs_row_this_file_edits_is_there():
@@ -190,14 +231,16 @@ def test_the_docs_row_this_file_edits_is_there():
 def test_a_row_missing_from_the_docs_is_reported():
     docs = documented(DOCS.read_text().replace(ROW + "\n", ""))
     assert disagreements(docs, defined(), "metrics_names.py") == [
-        "hookprof_held_back_updates_total: in metrics_names.py, not documented"]
+        "hookprof_held_back_updates_total: in metrics_names.py, not documented"
+    ]
 
 
 def test_a_row_too_many_in_the_docs_is_reported():
     extra = ROW.replace("held_back_updates", "made_up")
     docs = documented(DOCS.read_text().replace(ROW, f"{ROW}\n{extra}"))
     assert disagreements(docs, defined(), "metrics_names.py") == [
-        "hookprof_made_up_total: documented, not in metrics_names.py"]
+        "hookprof_made_up_total: documented, not in metrics_names.py"
+    ]
 
 
 def test_wrong_labels_and_type_in_the_docs_are_reported():
@@ -238,23 +281,36 @@ PAGE_DOCS = """\
 def test_a_page_and_docs_that_agree_give_nothing():
     # _total put back on the counter; _sum/_count folded into the summary; a family without
     # samples has no labels to compare; a GPU-only row may be absent, may be present
-    assert disagreements(documented(PAGE_DOCS), exported(PAGE), "the page",
-                         gpu_rows_may_be_absent=True) == []
+    assert (
+        disagreements(
+            documented(PAGE_DOCS), exported(PAGE), "the page", gpu_rows_may_be_absent=True
+        )
+        == []
+    )
 
 
 def test_a_series_on_the_page_the_docs_lack_is_reported():
-    docs = documented(PAGE_DOCS.replace("| `hookprof_steps_total` | counter | `model`, `rank` | always | steps |\n", ""))
+    docs = documented(
+        PAGE_DOCS.replace(
+            "| `hookprof_steps_total` | counter | `model`, `rank` | always | steps |\n", ""
+        )
+    )
     assert disagreements(docs, exported(PAGE), "the page", gpu_rows_may_be_absent=True) == [
-        "hookprof_steps_total: in the page, not documented"]
+        "hookprof_steps_total: in the page, not documented"
+    ]
 
 
 def test_a_documented_series_missing_from_the_page_is_reported_unless_gpu_only():
     page = PAGE.replace('hookprof_steps_total{model="Net",rank="0"} 3.0\n', "").replace(
-        "# HELP hookprof_steps_total Training steps completed\n# TYPE hookprof_steps_total counter\n", "")
-    assert disagreements(documented(PAGE_DOCS), exported(page), "the page",
-                         gpu_rows_may_be_absent=True) == ["hookprof_steps_total: documented, not in the page"]
+        "# HELP hookprof_steps_total Training steps completed\n# TYPE hookprof_steps_total counter\n",
+        "",
+    )
+    assert disagreements(
+        documented(PAGE_DOCS), exported(page), "the page", gpu_rows_may_be_absent=True
+    ) == ["hookprof_steps_total: documented, not in the page"]
     assert disagreements(documented(PAGE_DOCS), exported(PAGE), "the page") == [
-        "hookprof_gpu_energy_joules_total: documented, not in the page"]
+        "hookprof_gpu_energy_joules_total: documented, not in the page"
+    ]
 
 
 def test_labels_on_the_page_that_the_docs_lack_are_reported():

@@ -46,8 +46,10 @@ def ema_update(ema: nn.Module, model: nn.Module, decay: float = 0.9) -> None:
 
 def what_hookprof_could_leave(model: nn.Module) -> list[tuple[str, list[str], list[int]]]:
     """Per module: its instance attribute names and the size of each of its hook dicts."""
-    return [(name, sorted(vars(m)), [len(getattr(m, d, {})) for d in MODULE_HOOK_DICTS])
-            for name, m in model.named_modules()]
+    return [
+        (name, sorted(vars(m)), [len(getattr(m, d, {})) for d in MODULE_HOOK_DICTS])
+        for name, m in model.named_modules()
+    ]
 
 
 COPIES = {
@@ -71,7 +73,7 @@ def test_a_copy_of_an_attached_model_is_the_copy_of_a_model_never_attached(how, 
     make_copy = COPIES[how]
     model, twin = make_model(), make_model()
     opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin))
-    with hookprof.attach(model, summary_at_exit=False, **EVERY_STEP) as prof:
+    with hookprof.attach(model, summary_at_exit=False, **EVERY_STEP):
         if when == "between sampled steps":
             train_steps(model, opt, 2, seed=1)
             train_steps(twin, twin_opt, 2, seed=1)
@@ -79,7 +81,9 @@ def test_a_copy_of_an_attached_model_is_the_copy_of_a_model_never_attached(how, 
         copied = make_copy(model)
         assert what_hookprof_could_leave(copied) == expected
         # a layer on its own too (the entry hooks and forward wrappers sit on layers)
-        assert what_hookprof_could_leave(make_copy(model[0])) == what_hookprof_could_leave(make_copy(twin[0]))
+        assert what_hookprof_could_leave(make_copy(model[0])) == what_hookprof_could_leave(
+            make_copy(twin[0])
+        )
     # detach took nothing from the copy, because it had nothing of hookprof's
     assert what_hookprof_could_leave(copied) == expected
     # ... and the original is as the twin again
@@ -138,7 +142,9 @@ def test_ema_and_swa_copies_train_bit_identically_and_script_while_attached():
         finally:
             if prof is not None:
                 prof.detach()
-        results.append([t.clone() for m in (model, ema, swa) for t in (*m.parameters(), *m.buffers())])
+        results.append(
+            [t.clone() for m in (model, ema, swa) for t in (*m.parameters(), *m.buffers())]
+        )
     plain, profiled = results
     assert len(plain) == len(profiled)
     assert all(torch.equal(a, b) for a, b in zip(plain, profiled))
@@ -156,7 +162,7 @@ model.eval()
 torch.manual_seed(0)
 out = model(torch.randn(4, 6))
 print(hooks, attrs, repr(out.sum().item()))
-""" % (MODULE_HOOK_DICTS,)
+""" % (MODULE_HOOK_DICTS,)  # noqa: UP031 (a script with a repr in it: %r is the clearest)
 
 
 def test_a_model_saved_while_attached_loads_where_hookprof_is_not_installed(tmp_path):
@@ -172,8 +178,13 @@ def test_a_model_saved_while_attached_loads_where_hookprof_is_not_installed(tmp_
     with open(path, "rb") as f:
         assert b"hookprof" not in f.read()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_HOOKPROF, path], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_HOOKPROF, path],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     hooks, attrs, value = done.stdout.split(" ", 2)
     assert (hooks, attrs) == ("0", "[]")

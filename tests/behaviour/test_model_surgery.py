@@ -115,17 +115,34 @@ def assign_state(model: Net):
     return model, model.parameters()
 
 
-@pytest.mark.parametrize("surgery, steps, new", [
-    (add_head, 3, "2 of its parameters that were not there at attach (heads.0.weight, heads.0.bias)"),
-    # 0 of 6 steps counted before
-    (lora, 6, "2 of its parameters that were not there at attach "
-              "(body.lora_A.default.weight, body.lora_B.default.weight)"),
-    # 0 of 4 steps counted before
-    (assign_state, 4, "4 of its parameters that were not there at attach "
-                      "(body.weight, body.bias, out.weight, out.bias)"),
-], ids=["head added", "LoRA injected", "load_state_dict assign"])
+@pytest.mark.parametrize(
+    "surgery, steps, new",
+    [
+        (
+            add_head,
+            3,
+            "2 of its parameters that were not there at attach (heads.0.weight, heads.0.bias)",
+        ),
+        # 0 of 6 steps counted before
+        (
+            lora,
+            6,
+            "2 of its parameters that were not there at attach "
+            "(body.lora_A.default.weight, body.lora_B.default.weight)",
+        ),
+        # 0 of 4 steps counted before
+        (
+            assign_state,
+            4,
+            "4 of its parameters that were not there at attach "
+            "(body.weight, body.bias, out.weight, out.bias)",
+        ),
+    ],
+    ids=["head added", "LoRA injected", "load_state_dict assign"],
+)
 def test_surgery_after_attach_counts_every_step_and_names_what_is_not_covered(
-        caplog, surgery, steps, new):
+    caplog, surgery, steps, new
+):
     snap = after_surgery(caplog, surgery, steps)
     assert snap.step == steps
     (notice,) = said(caplog, snap)

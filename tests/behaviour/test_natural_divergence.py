@@ -30,8 +30,16 @@ def first_event(prof) -> tuple[str, str | None, int] | None:
     return (event.phase, layer, event.step)
 
 
-def train(model: nn.Module, batches, *, lr: float, steps: int, lag: int = 0, scale: float = 1.0,
-          loss_fn=nn.functional.mse_loss) -> tuple[tuple | None, tuple | None]:
+def train(
+    model: nn.Module,
+    batches,
+    *,
+    lr: float,
+    steps: int,
+    lag: int = 0,
+    scale: float = 1.0,
+    loss_fn=nn.functional.mse_loss,
+) -> tuple[tuple | None, tuple | None]:
     """SGD on `model` for `steps` batches with hookprof attached (defaults: unsampled steps)
     and the test's own hooks; the loss handed to prof.step(). On the emulated device `lag`
     steps behind the host, a fused SGD under on_nonfinite="skip": a forward NaN's flag comes
@@ -40,8 +48,12 @@ def train(model: nn.Module, batches, *, lr: float, steps: int, lag: int = 0, sca
     test_first_nonfinite.py). Returns (hookprof's first event, the own hooks' first)."""
     own = OwnHooks()
     with behind_by(lag):
-        prof = hookprof.attach(model, config=hookprof.Config(
-            summary_at_exit=False, on_nonfinite="skip" if lag else "record", **UNSAMPLED))
+        prof = hookprof.attach(
+            model,
+            config=hookprof.Config(
+                summary_at_exit=False, on_nonfinite="skip" if lag else "record", **UNSAMPLED
+            ),
+        )
         try:
             own.replaying = lambda: _testing.replaying(prof)
             own.watch(model)
@@ -50,7 +62,9 @@ def train(model: nn.Module, batches, *, lr: float, steps: int, lag: int = 0, sca
                 opt.zero_grad()
                 loss = loss_fn(model(x).float(), y)
                 own.loss(loss)
-                (loss * scale).backward()  # scale: a static loss scale, as fp16 code had before GradScaler
+                (
+                    loss * scale
+                ).backward()  # scale: a static loss scale, as fp16 code had before GradScaler
                 opt.step()
                 prof.step(loss)
                 own.stepped()
@@ -69,15 +83,23 @@ def gaussian(shape_x, shape_y, *, dtype=torch.float32, seed=1):
 
 def mlp(dtype=torch.float32) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).to(dtype)
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)
+    ).to(dtype)
 
 
 @pytest.mark.parametrize("lag", [0, 3])
 def test_an_fp16_backward_overflow_names_the_first_gradient_computed(lag):
     """A float16 MLP with a static loss scale of 1024: at step 2 its output is finite and its
     gradients overflow, first in the last Linear (the first backward computes)."""
-    seen, own = train(mlp(torch.float16), gaussian((32, 16), (32, 1), dtype=torch.float16), lr=0.1,
-                      steps=6, lag=lag, scale=1024.0)
+    seen, own = train(
+        mlp(torch.float16),
+        gaussian((32, 16), (32, 1), dtype=torch.float16),
+        lr=0.1,
+        steps=6,
+        lag=lag,
+        scale=1024.0,
+    )
     assert own is not None and own[0] == "backward", own  # the run diverged, in its backward
     assert seen == own
 
@@ -89,8 +111,13 @@ def test_an_fp16_forward_overflow_names_its_layer(lr, layer):
     output's check sums in float32: a sum past 65504 is no overflow of the output.) A device
     behind the host is tested with a forward NaN below (a fused SGD, as skip needs, takes
     this run to a backward overflow instead)."""
-    seen, own = train(mlp(torch.float16), gaussian((32, 16), (32, 1), dtype=torch.float16), lr=lr,
-                      steps=6, scale=4096.0)
+    seen, own = train(
+        mlp(torch.float16),
+        gaussian((32, 16), (32, 1), dtype=torch.float16),
+        lr=lr,
+        steps=6,
+        scale=4096.0,
+    )
     assert own == ("forward", layer, 2)
     assert own is not None and own[0] == "forward", own
     assert seen == own
@@ -114,6 +141,7 @@ def test_an_exploding_lstm_is_named_where_it_first_overflows(lr):
     its gradient norms pass 1.8e19 well before anything is non-finite (a float32 dot of such
     a gradient with itself overflows: hookprof's CPU norms take those again in float64),
     and the first non-finite value is the loss, whose squares overflow."""
+
     def targets():
         g = torch.Generator().manual_seed(1)
         while True:
@@ -195,10 +223,13 @@ def test_gpt2_under_the_trainer_names_the_first_gradient_backward_computed(lag, 
     from hookprof.integrations.huggingface import HookprofTrainerCallback
 
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=2))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=2)
+    )
     g = torch.Generator().manual_seed(1)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (4096, 32), generator=g)]
+    data = [
+        {"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (4096, 32), generator=g)
+    ]
     own = OwnHooks().watch(model)
 
     class Own(TrainerCallback):
@@ -206,13 +237,28 @@ def test_gpt2_under_the_trainer_names_the_first_gradient_backward_computed(lag, 
             own.stepped()
 
     _testing.forget_capsules_written()
-    callback = HookprofTrainerCallback(**UNSAMPLED, summary_at_exit=False, capsule_dir=str(tmp_path / "capsules"))
+    callback = HookprofTrainerCallback(
+        **UNSAMPLED, summary_at_exit=False, capsule_dir=str(tmp_path / "capsules")
+    )
     own.replaying = lambda: callback.profiler is not None and _testing.replaying(callback.profiler)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=12, learning_rate=10,
-        optim="sgd", max_grad_norm=0, report_to=[], save_strategy="no", use_cpu=True,
-        lr_scheduler_type="constant", warmup_steps=0, disable_tqdm=True, dataloader_num_workers=0)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[Own(), callback])
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_steps=12,
+        learning_rate=10,
+        optim="sgd",
+        max_grad_norm=0,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[Own(), callback]
+    )
     with behind_by(lag):
         trainer.train()
     own.remove()
@@ -242,7 +288,9 @@ def test_a_finite_fp16_output_whose_sum_passes_65504_is_no_nan():
         model.weight.fill_(75.0)
         model.bias.zero_()
     x = torch.ones(1, 4, dtype=torch.float16)
-    assert torch.isfinite(model(x)).all() and not torch.isfinite(model(x).sum())  # fp16's own sum overflows
+    assert torch.isfinite(model(x)).all() and not torch.isfinite(
+        model(x).sum()
+    )  # fp16's own sum overflows
     with hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, **UNSAMPLED)) as prof:
         for _ in range(3):
             model.zero_grad()

@@ -27,8 +27,13 @@ from support.sync_watch import SyncWatch
 LAG = 3
 STEPS = 14
 BAD_STEP = 5  # unsampled: steps 1, 4, 7 are sampled (sample_every=3) until the NaN
-SAMPLED = dict(port=0, sample_every=3, min_sample_interval_s=0.0, activation_interval_s=0.0,
-               update_norm_interval_s=0.0)
+SAMPLED = dict(
+    port=0,
+    sample_every=3,
+    min_sample_interval_s=0.0,
+    activation_interval_s=0.0,
+    update_norm_interval_s=0.0,
+)
 POLICIES = ["record", "skip", "raise"]
 
 
@@ -103,6 +108,7 @@ def plain_loop(model, opt, injector, *, user_item: bool = True, steps: int = STE
             opt.step()
             if user_item:
                 loss.item()  # the user's own wait: allowed, not hookprof's
+
     return loop
 
 
@@ -111,8 +117,11 @@ def plain_loop(model, opt, injector, *, user_item: bool = True, steps: int = STE
 def test_mlp_with_each_optimizer_and_policy(kind, policy):
     model = seeded(DeepNet)
     opt = OPTIMIZERS[kind](model.parameters())
-    watch, (snap,), error = watched(model, dict(SAMPLED, on_nonfinite=policy),
-                                    plain_loop(model, opt, StepInjector(model.blocks[1].act, {BAD_STEP})))
+    watch, (snap,), error = watched(
+        model,
+        dict(SAMPLED, on_nonfinite=policy),
+        plain_loop(model, opt, StepInjector(model.blocks[1].act, {BAD_STEP})),
+    )
     assert_no_hookprof_sync(watch)
     assert_nan_seen(snap, error, policy)
     assert len(watch.by("user")) >= BAD_STEP - 1  # the loop's own loss.item() calls were seen
@@ -124,7 +133,9 @@ def test_default_configuration(check):
     model = seeded(DeepNet)
     opt = OPTIMIZERS["adamw fused"](model.parameters())
     settings = dict(port=0, nonfinite_check=check)
-    watch, (snap,), _ = watched(model, settings, plain_loop(model, opt, StepInjector(model.blocks[2].fc, {BAD_STEP})))
+    watch, (snap,), _ = watched(
+        model, settings, plain_loop(model, opt, StepInjector(model.blocks[2].fc, {BAD_STEP}))
+    )
     assert_no_hookprof_sync(watch)
     assert snap.step == STEPS and snap.first_nonfinite.step == BAD_STEP
 
@@ -132,8 +143,11 @@ def test_default_configuration(check):
 def test_loss_only_check_with_sampled_steps():
     model = seeded(DeepNet)
     opt = OPTIMIZERS["sgd"](model.parameters())
-    watch, (snap,), _ = watched(model, dict(SAMPLED, nonfinite_check="loss", on_nonfinite="skip"),
-                                plain_loop(model, opt, StepInjector(model.blocks[0].fc, {BAD_STEP})))
+    watch, (snap,), _ = watched(
+        model,
+        dict(SAMPLED, nonfinite_check="loss", on_nonfinite="skip"),
+        plain_loop(model, opt, StepInjector(model.blocks[0].fc, {BAD_STEP})),
+    )
     assert_no_hookprof_sync(watch)
     assert snap.first_nonfinite.step == BAD_STEP
 
@@ -159,8 +173,11 @@ class ConvNet(nn.Module):
 def test_batchnorm_convnet(policy):
     model = seeded(ConvNet)
     opt = OPTIMIZERS["sgd"](model.parameters())
-    watch, (snap,), error = watched(model, dict(SAMPLED, on_nonfinite=policy),
-                                    plain_loop(model, opt, StepInjector(model.bn1, {BAD_STEP})))
+    watch, (snap,), error = watched(
+        model,
+        dict(SAMPLED, on_nonfinite=policy),
+        plain_loop(model, opt, StepInjector(model.bn1, {BAD_STEP})),
+    )
     assert_no_hookprof_sync(watch)
     assert_nan_seen(snap, error, policy)
 
@@ -347,11 +364,19 @@ def test_detach_mid_run_leaves_nothing_that_waits():
 
 # -- the one opt-in wait ---------------------------------------------------------------
 
+
 def documented_waits(watch: SyncWatch) -> list[str]:
     """hookprof's would-syncs as (op, hookprof frame that asked): the innermost frame of a
     wait is transfer.wait_ready, so the caller below it is named."""
-    return [(w.op, next(f for f in w.stack if not f.startswith("hookprof/device/transfer.py")).split(":")[0])
-            for w in watch.hookprofs]
+    return [
+        (
+            w.op,
+            next(f for f in w.stack if not f.startswith("hookprof/device/transfer.py")).split(":")[
+                0
+            ],
+        )
+        for w in watch.hookprofs
+    ]
 
 
 # the replay waits for the output flag of each step until it has run once: steps 1 to 5,
@@ -366,10 +391,16 @@ def test_nonfinite_sync_waits_for_the_output_flag_until_the_producer_is_named(ki
     flag (hookprof/nonfinite/replay.py, through transfer.wait_ready), and nothing else."""
     model = seeded(DeepNet)
     opt = OPTIMIZERS[kind](model.parameters())
-    watch, (snap,), _ = watched(model, dict(SAMPLED, nonfinite_sync=True),
-                                plain_loop(model, opt, StepInjector(model.blocks[2].fc, {BAD_STEP})))
+    watch, (snap,), _ = watched(
+        model,
+        dict(SAMPLED, nonfinite_sync=True),
+        plain_loop(model, opt, StepInjector(model.blocks[2].fc, {BAD_STEP})),
+    )
     assert watch.early_reads == []
-    assert documented_waits(watch) == [("LaggingEvent.synchronize", "hookprof/nonfinite/replay.py")] * REPLAY_WAITS
+    assert (
+        documented_waits(watch)
+        == [("LaggingEvent.synchronize", "hookprof/nonfinite/replay.py")] * REPLAY_WAITS
+    )
     assert (snap.first_nonfinite.layer, snap.first_nonfinite.step) == ("blocks.2.fc", BAD_STEP)
 
 
@@ -380,8 +411,11 @@ def test_nonfinite_sync_with_a_non_fused_optimizer_under_skip_also_waits_for_the
     the guard's and so is on the host by then (docs/nonfinite.md, nonfinite_sync)."""
     model = seeded(DeepNet)
     opt = OPTIMIZERS["sgd"](model.parameters())
-    watch, (snap,), _ = watched(model, dict(SAMPLED, nonfinite_sync=True, on_nonfinite="skip"),
-                                plain_loop(model, opt, StepInjector(model.blocks[2].fc, {BAD_STEP})))
+    watch, (snap,), _ = watched(
+        model,
+        dict(SAMPLED, nonfinite_sync=True, on_nonfinite="skip"),
+        plain_loop(model, opt, StepInjector(model.blocks[2].fc, {BAD_STEP})),
+    )
     assert watch.early_reads == []
     waits = documented_waits(watch)
     guard = waits.count(("LaggingEvent.synchronize", "hookprof/nonfinite/guard.py"))
@@ -394,12 +428,19 @@ def test_nonfinite_sync_with_a_fused_optimizer_needs_no_guard_wait():
     """A fused kernel reads the flag on the device: only the replay's wait remains."""
     model = seeded(DeepNet)
     opt = OPTIMIZERS["adamw fused"](model.parameters())
-    watch, _, _ = watched(model, dict(SAMPLED, nonfinite_sync=True, on_nonfinite="skip"),
-                          plain_loop(model, opt, StepInjector(model.blocks[2].fc, {BAD_STEP})))
-    assert documented_waits(watch) == [("LaggingEvent.synchronize", "hookprof/nonfinite/replay.py")] * REPLAY_WAITS
+    watch, _, _ = watched(
+        model,
+        dict(SAMPLED, nonfinite_sync=True, on_nonfinite="skip"),
+        plain_loop(model, opt, StepInjector(model.blocks[2].fc, {BAD_STEP})),
+    )
+    assert (
+        documented_waits(watch)
+        == [("LaggingEvent.synchronize", "hookprof/nonfinite/replay.py")] * REPLAY_WAITS
+    )
 
 
 # -- the watch can fail ----------------------------------------------------------------
+
 
 def test_the_watch_catches_a_flag_read_before_its_copy_completed(monkeypatch):
     """A bug put into hookprof: the one-value peek hands back the device flag itself, as a
@@ -408,7 +449,9 @@ def test_the_watch_catches_a_flag_read_before_its_copy_completed(monkeypatch):
     monkeypatch.setattr(transfer, "peek", lambda flag: (flag, None))
     model = seeded(DeepNet)
     opt = OPTIMIZERS["sgd"](model.parameters())
-    watch, _, _ = watched(model, dict(SAMPLED), plain_loop(model, opt, StepInjector(model.stem, {BAD_STEP})))
+    watch, _, _ = watched(
+        model, dict(SAMPLED), plain_loop(model, opt, StepInjector(model.stem, {BAD_STEP}))
+    )
     assert watch.hookprofs, "the watch missed a sync put into hookprof"
     frames = {w.frame.split(":")[0] for w in watch.hookprofs}
     assert "hookprof/nonfinite/replay.py" in frames
@@ -445,9 +488,14 @@ def test_the_watch_catches_a_copy_read_while_still_in_flight(monkeypatch):
     monkeypatch.setattr(transfer, "is_ready", lambda ready: True)
     model = seeded(DeepNet)
     opt = OPTIMIZERS["sgd"](model.parameters())
-    watch, _, _ = watched(model, dict(SAMPLED, on_nonfinite="skip"),
-                          plain_loop(model, opt, StepInjector(model.stem, {BAD_STEP}), user_item=False))
-    assert watch.hookprofs and all(w.op == "Publisher.settle" for w in watch.hookprofs), watch.report()
+    watch, _, _ = watched(
+        model,
+        dict(SAMPLED, on_nonfinite="skip"),
+        plain_loop(model, opt, StepInjector(model.stem, {BAD_STEP}), user_item=False),
+    )
+    assert watch.hookprofs and all(w.op == "Publisher.settle" for w in watch.hookprofs), (
+        watch.report()
+    )
     frames = {w.frame.split(":")[0] for w in watch.early_reads}
     assert "hookprof/nonfinite/incident.py" in frames, watch.report()
 
@@ -497,6 +545,7 @@ def test_waits_inside_flush_are_allowed_and_named():
 
 # -- the same on a real GPU ----------------------------------------------------------------
 
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("policy", ["skip", "raise"])
 def test_gradscaler_with_a_fused_optimizer_under_skip_and_raise_on_cuda(policy):
@@ -539,10 +588,12 @@ def test_hookprofs_gradscaler_wrapper_is_looked_through_only_for_torchs_own_wait
     (clip_grad_norm_ with error_if_nonfinite checks its norm on the host)."""
     import hookprof.step.gradscaler as wrapper_module
 
-    source = ("def _maybe_opt_step(own, params):\n"
-              "    if own:\n"
-              "        return params[0].grad.sum().item()\n"
-              "    return torch.nn.utils.clip_grad_norm_(params, 1.0, error_if_nonfinite=True)\n")
+    source = (
+        "def _maybe_opt_step(own, params):\n"
+        "    if own:\n"
+        "        return params[0].grad.sum().item()\n"
+        "    return torch.nn.utils.clip_grad_norm_(params, 1.0, error_if_nonfinite=True)\n"
+    )
     namespace = {"torch": torch}
     exec(compile(source, wrapper_module.__file__, "exec"), namespace)
     wrapper = namespace["_maybe_opt_step"]

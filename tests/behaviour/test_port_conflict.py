@@ -32,8 +32,12 @@ HOLDER_COMMAND = " ".join([sys.executable, "-c", *HOLDER.split()])  # as the hol
 @pytest.fixture
 def held_port():
     """(port, pid): a port another process listens on, as a user's other server would."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, "hold-port"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, "hold-port"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         yield int(proc.stdout.readline()), proc.pid
     finally:
@@ -42,8 +46,11 @@ def held_port():
 
 
 def conflict_errors(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.ERROR and "cannot serve metrics" in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.ERROR and "cannot serve metrics" in r.getMessage()
+    ]
 
 
 def test_the_holder_is_found_from_proc(held_port):
@@ -73,7 +80,9 @@ def test_a_taken_port_serves_on_a_free_one_and_says_so(held_port, caplog):
     assert 'port_conflict="raise"' in message
     (labels,) = samples(page, "hookprof_metrics_port_conflict_info", model=None)
     assert dict(labels)["wanted_port"] == str(port) and dict(labels)["holder"] == f"pid {pid}"
-    assert samples(page, "hookprof_steps", "hookprof_steps_total") == {frozenset({("rank", "0")}): 3}
+    assert samples(page, "hookprof_steps", "hookprof_steps_total") == {
+        frozenset({("rank", "0")}): 3
+    }
 
 
 def test_off_serves_nothing_and_training_goes_on(held_port, caplog):

@@ -9,8 +9,8 @@ import threading
 import time
 
 import hookprof
-from hookprof.publish.publisher import Publisher
 from hookprof.faults import PARTS
+from hookprof.publish.publisher import Publisher
 from support.metrics import errors_by_part, parse, samples, scrape
 from support.models import MixedNet, seeded, train
 
@@ -21,7 +21,7 @@ class FailingBuild(Publisher):
     """A Publisher whose snapshot build fails while `failing` is set; it counts its failed
     builds and the publisher thread's CPU time when each failed (time.thread_time)."""
 
-    made: list["FailingBuild"] = []
+    made: list[FailingBuild] = []
 
     def __init__(self, *args, **kwargs):
         self.failing = threading.Event()
@@ -51,7 +51,9 @@ def _train_for(model, prof, seconds: float, max_steps: int = 100_000) -> int:
 def test_a_snapshot_build_that_keeps_failing_backs_off_and_the_page_shows_it():
     FailingBuild.made.clear()
     model = seeded(MixedNet)
-    config = hookprof.Config(port=0, sample_every=1, min_sample_interval_s=0.0, publish_interval_s=0.2)
+    config = hookprof.Config(
+        port=0, sample_every=1, min_sample_interval_s=0.0, publish_interval_s=0.2
+    )
     with hookprof.Profiler(model, config, publisher=FailingBuild) as prof:
         publisher = FailingBuild.made[0]
         train(model, 3)
@@ -79,7 +81,9 @@ def test_a_snapshot_build_that_keeps_failing_backs_off_and_the_page_shows_it():
         # the page: the faults and the steps taken, although no snapshot could be built
         errors = errors_by_part(page)
         assert errors["publisher"] >= 1 and sum(errors.values()) == errors["publisher"]
-        assert samples(page, "hookprof_steps", "hookprof_steps_total") == {RANK0: float(failing_steps)}
+        assert samples(page, "hookprof_steps", "hookprof_steps_total") == {
+            RANK0: float(failing_steps)
+        }
         assert samples(page, "hookprof_publisher_thread_up") == {RANK0: 0.0}
 
         # recovery: the next build that succeeds publishes, the thread is up again
@@ -88,14 +92,18 @@ def test_a_snapshot_build_that_keeps_failing_backs_off_and_the_page_shows_it():
         assert prof.snapshot().step == failing_steps
         recovered = parse(scrape(prof.url))
         assert samples(recovered, "hookprof_publisher_thread_up") == {RANK0: 1.0}
-        assert samples(recovered, "hookprof_steps", "hookprof_steps_total") == {RANK0: float(failing_steps)}
+        assert samples(recovered, "hookprof_steps", "hookprof_steps_total") == {
+            RANK0: float(failing_steps)
+        }
         assert errors_by_part(recovered)["publisher"] >= 1
 
 
 def test_detach_while_the_snapshot_build_fails_stops_the_publisher_at_once():
     FailingBuild.made.clear()
     model = seeded(MixedNet)
-    config = hookprof.Config(port=0, sample_every=1, min_sample_interval_s=0.0, summary_at_exit=False)
+    config = hookprof.Config(
+        port=0, sample_every=1, min_sample_interval_s=0.0, summary_at_exit=False
+    )
     prof = hookprof.Profiler(model, config, publisher=FailingBuild)
     publisher = FailingBuild.made[0]
     try:

@@ -183,11 +183,14 @@ def test_the_last_step_is_published_without_another_step_or_a_flush():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(5)
-    with hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
-                         publish_interval_s=0.2) as prof:
+    with hookprof.attach(
+        model, port=0, sample_every=1, min_sample_interval_s=0.0, publish_interval_s=0.2
+    ) as prof:
         for _ in range(4):
             opt.zero_grad()
-            nn.functional.mse_loss(model(torch.randn(8, 8, generator=g)), torch.zeros(8, 1)).backward()
+            nn.functional.mse_loss(
+                model(torch.randn(8, 8, generator=g)), torch.zeros(8, 1)
+            ).backward()
             opt.step()
         ended = time.monotonic()
         rank = frozenset({"rank": "0"}.items())
@@ -198,8 +201,12 @@ def test_the_last_step_is_published_without_another_step_or_a_flush():
             time.sleep(0.02)
         assert samples(f, "hookprof_sampled_steps", "hookprof_sampled_steps_total")[rank] == 4
         assert samples(f, "hookprof_steps", "hookprof_steps_total")[rank] == 4
-        expected = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model[2].parameters()]))
-        got = samples(f, "hookprof_layer_gradient_norm")[frozenset({"rank": "0", "layer": "2"}.items())]
+        expected = torch.linalg.vector_norm(
+            torch.cat([p.grad.reshape(-1) for p in model[2].parameters()])
+        )
+        got = samples(f, "hookprof_layer_gradient_norm")[
+            frozenset({"rank": "0", "layer": "2"}.items())
+        ]
         assert got == pytest.approx(expected.item(), rel=1e-5)  # the last step's own norms
 
 
@@ -214,7 +221,9 @@ def test_a_loop_without_step_signal_stays_bounded_and_says_what_it_needs(caplog)
     with caplog.at_level(logging.WARNING, logger="hookprof"):
         with hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0) as prof:
             for _ in range(1200):
-                loss = nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 1))
+                loss = nn.functional.mse_loss(
+                    model(torch.randn(4, 8, generator=g)), torch.zeros(4, 1)
+                )
                 loss.backward()
                 with torch.no_grad():
                     for p in model.parameters():
@@ -232,7 +241,9 @@ def test_a_loop_without_step_signal_stays_bounded_and_says_what_it_needs(caplog)
     assert len(lines) == 1 and "prof.step(" in lines[0]
     assert snap.step == 2 and snap.sampled_steps == 1  # step 2 sampled again, normally
     assert snap.layers["0"].calls == 1 and snap.layers["0"].grad_norm is not None
-    assert [n for n in snap.notices if "without a step boundary" in n] == [lines[0].removeprefix("hookprof: ")]
+    assert [n for n in snap.notices if "without a step boundary" in n] == [
+        lines[0].removeprefix("hookprof: ")
+    ]
 
 
 def test_steps_ended_after_zero_grad_say_why_norms_are_missing(caplog):
@@ -259,7 +270,9 @@ def test_steps_ended_after_zero_grad_say_why_norms_are_missing(caplog):
     assert snap.step == 3 and snap.layers["0"].grad_norm is None
     said = [r.getMessage() for r in caplog.records if "had a gradient" in r.getMessage()]
     assert len(said) == 1 and "zero_grad" in said[0]
-    assert [n for n in snap.notices if "had a gradient" in n] == [said[0].removeprefix("hookprof: ")]
+    assert [n for n in snap.notices if "had a gradient" in n] == [
+        said[0].removeprefix("hookprof: ")
+    ]
 
 
 class Embed(nn.Module):
@@ -286,9 +299,11 @@ def loop(model, steps, prof, *, nan_input_at=(), poison=None):
         opt.step()
 
 
-@pytest.mark.parametrize("settings", [RARELY, dict(port=0, sample_every=1, min_sample_interval_s=0.0,
-                                                    activation_interval_s=0.0)],
-                         ids=["replayed", "checked-step"])
+@pytest.mark.parametrize(
+    "settings",
+    [RARELY, dict(port=0, sample_every=1, min_sample_interval_s=0.0, activation_interval_s=0.0)],
+    ids=["replayed", "checked-step"],
+)
 def test_a_nan_in_the_batch_is_the_inputs(settings):
     """Case 8: a NaN in the input batch was never attributed (layer None for ever)."""
     torch.manual_seed(0)
@@ -378,12 +393,15 @@ def test_a_replay_on_a_sampled_step_without_checks_leaves_nothing_after_detach()
     outlived detach() and grew for ever."""
     torch.manual_seed(0)
     model = Embed()
-    with hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
-                         activation_stats=False) as prof:  # sampled, never checked: replays
+    with hookprof.attach(
+        model, port=0, sample_every=1, min_sample_interval_s=0.0, activation_stats=False
+    ) as prof:  # sampled, never checked: replays
         loop(model, 3, prof, nan_input_at={2})
         prof.flush()
         assert prof.snapshot().first_nonfinite.layer == "(input)"
-    assert all(not post_accumulate_grad_hooks(p) and not p._backward_hooks for p in model.parameters())
+    assert all(
+        not post_accumulate_grad_hooks(p) and not p._backward_hooks for p in model.parameters()
+    )
 
 
 class Masked(nn.Module):
@@ -399,9 +417,11 @@ class Masked(nn.Module):
         return self.head(self.poison(self.inner(x) + mask.clamp(min=0)))
 
 
-@pytest.mark.parametrize("settings", [RARELY, dict(port=0, sample_every=1, min_sample_interval_s=0.0,
-                                                    activation_interval_s=0.0)],
-                         ids=["replayed", "checked-step"])
+@pytest.mark.parametrize(
+    "settings",
+    [RARELY, dict(port=0, sample_every=1, min_sample_interval_s=0.0, activation_interval_s=0.0)],
+    ids=["replayed", "checked-step"],
+)
 def test_an_inf_mask_among_the_inputs_does_not_take_the_blame(settings):
     """Review B2: any non-finite root input made "(input)" the producer of every NaN."""
     poison = NanAt({3})
@@ -430,7 +450,9 @@ def test_a_callers_registry_gets_its_collectors_back_at_detach():
     prof = hookprof.Profiler(Embed(), hookprof.Config(serve=False), registry=registry)
     assert b"hookprof_steps_total" in generate_latest(registry)
     prof.detach()
-    assert b"hookprof_" not in generate_latest(registry) and b"process_" not in generate_latest(registry)
+    assert b"hookprof_" not in generate_latest(registry) and b"process_" not in generate_latest(
+        registry
+    )
 
 
 def test_an_lbfgs_step_with_thousands_of_closure_calls_is_one_step(caplog):
@@ -439,8 +461,15 @@ def test_an_lbfgs_step_with_thousands_of_closure_calls_is_one_step(caplog):
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
-    opt = torch.optim.LBFGS(model.parameters(), lr=1e-4, max_iter=1500, max_eval=1500,
-                            tolerance_grad=0.0, tolerance_change=0.0, history_size=2)
+    opt = torch.optim.LBFGS(
+        model.parameters(),
+        lr=1e-4,
+        max_iter=1500,
+        max_eval=1500,
+        tolerance_grad=0.0,
+        tolerance_change=0.0,
+        history_size=2,
+    )
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     calls = []
 
@@ -458,8 +487,12 @@ def test_an_lbfgs_step_with_thousands_of_closure_calls_is_one_step(caplog):
             snap = prof.snapshot()
     assert len(calls) > 1000
     assert not [r for r in caplog.records if "without a step boundary" in r.getMessage()]
-    assert snap.step == 1 and snap.layers["0"].calls == len(calls)  # every call of the step recorded
-    expected = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model[0].parameters()]))
+    assert snap.step == 1 and snap.layers["0"].calls == len(
+        calls
+    )  # every call of the step recorded
+    expected = torch.linalg.vector_norm(
+        torch.cat([p.grad.reshape(-1) for p in model[0].parameters()])
+    )
     assert snap.layers["0"].grad_norm == pytest.approx(expected.item(), rel=1e-5)
 
 

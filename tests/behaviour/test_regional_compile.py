@@ -16,8 +16,13 @@ import hookprof
 import hookprof.nonfinite.checks as checks
 from support.compiled import compiled_so_far
 
-EVERY_STEP = dict(port=0, summary_at_exit=False, min_sample_interval_s=0.0, activation_interval_s=0.0,
-                  sample_every=1)
+EVERY_STEP = dict(
+    port=0,
+    summary_at_exit=False,
+    min_sample_interval_s=0.0,
+    activation_interval_s=0.0,
+    sample_every=1,
+)
 
 
 class Overflow(nn.Module):
@@ -30,7 +35,11 @@ class Overflow(nn.Module):
 class Block(nn.Module):
     def __init__(self, overflow: bool = False, own_param: bool = False, state: bool = False):
         super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(16, 32), Overflow() if overflow else nn.GELU(), nn.Linear(32, 16)
+        self.fc1, self.act, self.fc2 = (
+            nn.Linear(16, 32),
+            Overflow() if overflow else nn.GELU(),
+            nn.Linear(32, 16),
+        )
         # a parameter of its own beside its children makes the block a layer of its own
         self.scale = nn.Parameter(torch.ones(16)) if own_param else None
         self.seen = torch.zeros(()) if state else None  # a plain tensor attribute, not a buffer
@@ -113,7 +122,9 @@ def test_a_compiled_block_that_is_a_layer_compiles_once():
     sampled steps, which Dynamo guards on, so every sampled step recompiled the block (up
     to the recompile limit, then ran it eagerly). Now nothing is compiled after warm-up."""
     _, _, plain, _ = train(lambda: Net(own_param=True), compile_blocks, attach=False, steps=12)
-    _, snap, compiled, _ = train(lambda: Net(own_param=True), compile_blocks, steps=12, sample_every=2)
+    _, snap, compiled, _ = train(
+        lambda: Net(own_param=True), compile_blocks, steps=12, sample_every=2
+    )
     assert plain == compiled == 0
     assert snap.layers["blocks.0"].forward_calls_total >= 5  # timed as one row
 
@@ -123,11 +134,14 @@ def test_two_updates_in_one_step_keep_the_step_s_own_record():
     GAN's discriminator and generator). The first update's re-run was recorded into the
     step's record: its eager calls were counted as timed ones, and it took the step's
     parameter hooks, so the second forward's first layer lost its backward."""
+
     def run(compile_fn):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = Net()
-        first = torch.optim.SGD(list(model.inp.parameters()) + list(model.blocks.parameters()), lr=0.01)
+        first = torch.optim.SGD(
+            list(model.inp.parameters()) + list(model.blocks.parameters()), lr=0.01
+        )
         second = torch.optim.SGD(model.out.parameters(), lr=0.01)
         with hookprof.attach(model, **EVERY_STEP) as prof:
             compile_fn(model)
@@ -147,7 +161,10 @@ def test_two_updates_in_one_step_keep_the_step_s_own_record():
     assert regional.layers["blocks.0.fc1"].forward_calls_total == 0
     for name in ("inp", "out"):
         e, r = eager.layers[name], regional.layers[name]
-        assert (r.forward_calls_total, r.backward_calls_total) == (e.forward_calls_total, e.backward_calls_total)
+        assert (r.forward_calls_total, r.backward_calls_total) == (
+            e.forward_calls_total,
+            e.backward_calls_total,
+        )
 
 
 def test_state_kept_outside_the_buffers_is_left_as_it_was():
@@ -181,6 +198,7 @@ class StemNet(nn.Module):
 def test_a_compiled_block_on_the_raw_input_has_its_backward_timed():
     """The stem takes the data, which needs no gradient: its backward ends at its
     parameters' last gradient (it had no end, so no backward time)."""
+
     def compile_both(model):
         model.stem.compile(backend="aot_eager")
         model.block.compile(backend="aot_eager")
@@ -194,6 +212,7 @@ def test_a_compiled_block_on_the_raw_input_has_its_backward_timed():
 def test_a_compiled_block_with_a_compiled_child_has_its_flops_counted():
     """A child put in torch.compile's wrapper inside a block that is compiled too: the
     block's copy on meta tensors failed on the wrapper, and the model lost the blocks' FLOPs."""
+
     def nested(model):
         for i, block in enumerate(model.blocks):
             block.fc1 = torch.compile(block.fc1, backend="aot_eager")
@@ -221,12 +240,16 @@ def test_a_leaf_compiled_alone_is_checked_as_itself_without_a_rerun():
     finally:
         checks.forward_again = original
     assert reruns == []
-    assert snap.layers["out"].activation_abs_max is not None and snap.layers["out"].forward_calls_total >= 7
+    assert (
+        snap.layers["out"].activation_abs_max is not None
+        and snap.layers["out"].forward_calls_total >= 7
+    )
 
 
 def test_a_closure_optimizer_gets_the_blocks_statistics():
     """LBFGS runs the forward inside optimizer.step: the re-run was asked for at the update's
     start, before the closure's forward, so the blocks' layers never had statistics."""
+
     def run(compile_fn):
         torch._dynamo.reset()
         torch.manual_seed(0)

@@ -91,7 +91,9 @@ def train(edit: str, *, frozen: bool, prof_settings: dict | None):
 @pytest.mark.parametrize("edit", list(EDITS))
 def test_the_replay_leaves_training_as_it_was_and_says_why_it_did_not_run(edit, frozen):
     reference, ref_losses, _ = train(edit, frozen=frozen, prof_settings=None)
-    model, losses, snap = train(edit, frozen=frozen, prof_settings=dict(RARELY, summary_at_exit=False))
+    model, losses, snap = train(
+        edit, frozen=frozen, prof_settings=dict(RARELY, summary_at_exit=False)
+    )
     # every step ran, and training is what it was without hookprof, bit for bit
     assert len(losses) == len(ref_losses) == 6
     assert same_bits(losses, ref_losses)
@@ -102,7 +104,11 @@ def test_the_replay_leaves_training_as_it_was_and_says_why_it_did_not_run(edit, 
     if EDITS[edit] is None:  # the inputs are the step's: the replay names the producer
         assert (event.layer, event.replay) == ("exp", REPRODUCIBLE)
     else:  # never "transient": the replay would have run on an input edited twice
-        assert (event.layer, event.replay, event.replay_note) == (None, NOT_REPLAYED, INPUTS_CHANGED)
+        assert (event.layer, event.replay, event.replay_note) == (
+            None,
+            NOT_REPLAYED,
+            INPUTS_CHANGED,
+        )
 
 
 def test_the_replay_runs_on_copies_of_the_inputs():

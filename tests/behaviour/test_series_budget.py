@@ -20,7 +20,8 @@ class Wide(nn.Module):
     def __init__(self, blocks: int = 100, dim: int = 8):
         super().__init__()
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(dim, dim), nn.LayerNorm(dim), nn.ReLU()) for _ in range(blocks))
+            nn.Sequential(nn.Linear(dim, dim), nn.LayerNorm(dim), nn.ReLU()) for _ in range(blocks)
+        )
 
     def forward(self, x):
         return sum(block(x) for block in self.blocks)
@@ -41,8 +42,15 @@ def train_and_scrape(**config) -> tuple[dict[str, int], dict[str, str], float]:
     model = Wide()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)
-    with hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
-                         activation_interval_s=0.0, peak_flops=1e12, **config) as prof:
+    with hookprof.attach(
+        model,
+        port=0,
+        sample_every=1,
+        min_sample_interval_s=0.0,
+        activation_interval_s=0.0,
+        peak_flops=1e12,
+        **config,
+    ) as prof:
         for _ in range(3):
             opt.zero_grad(set_to_none=True)
             model(torch.randn(4, 8, generator=g)).square().mean().backward()
@@ -50,8 +58,12 @@ def train_and_scrape(**config) -> tuple[dict[str, int], dict[str, str], float]:
         prof.flush()
         text = scrape(prof.url, timeout=60)
     kinds = {name: type(m).__name__ for name, m in model.named_modules() if name}
-    exported = next(s.value for f in parse(text).values() for s in f.samples
-                    if s.name == "hookprof_layers_exported")
+    exported = next(
+        s.value
+        for f in parse(text).values()
+        for s in f.samples
+        if s.name == "hookprof_layers_exported"
+    )
     return per_layer_series(text), kinds, exported
 
 

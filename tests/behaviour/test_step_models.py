@@ -13,7 +13,16 @@ import hookprof
 from hookprof._testing import hook_owner
 from support.hooks_left import forward_pre_hooks
 from support.metrics import parse, samples, scrape
-from support.models import DeepNet, Discriminator, Generator, hookprof_norms, layer_norms, loss_of, seeded, train
+from support.models import (
+    DeepNet,
+    Discriminator,
+    Generator,
+    hookprof_norms,
+    layer_norms,
+    loss_of,
+    seeded,
+    train,
+)
 from support.ports import free_port
 from support.settings import EVERY_STEP
 
@@ -83,8 +92,11 @@ class LossMethodNet(nn.Module):
 # "backward": 2, "loss": 0} and first_nonfinite == ("head", "backward", 5): no root forward,
 # so no forward check and no producer. Now the first call of a root's child from outside the
 # model (here `stem`) is the step's forward: its inputs and output are checked
-@pytest.mark.parametrize("settings", [EVERY_STEP, dict(EVERY_STEP, activation_interval_s=0.0)],
-                         ids=["issue-settings", "every-step-checked"])
+@pytest.mark.parametrize(
+    "settings",
+    [EVERY_STEP, dict(EVERY_STEP, activation_interval_s=0.0)],
+    ids=["issue-settings", "every-step-checked"],
+)
 def test_nan_in_the_batch_of_a_loop_that_never_calls_the_root(settings):
     model = seeded(LossMethodNet)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -152,8 +164,12 @@ def test_a_gan_attached_twice_with_default_ports_serves_both_from_one_endpoint(m
     assert steps_by_model(text) == {"Generator": 3, "Discriminator": 6}
     norms = samples(parse(text), "hookprof_layer_gradient_norm", model=None)
     layers = {(dict(labels)["model"], dict(labels)["layer"]) for labels in norms}
-    assert layers == {("Generator", "net.0"), ("Generator", "net.2"),
-                      ("Discriminator", "net.0"), ("Discriminator", "net.2")}
+    assert layers == {
+        ("Generator", "net.0"),
+        ("Generator", "net.2"),
+        ("Discriminator", "net.0"),
+        ("Discriminator", "net.2"),
+    }
 
 
 # issue 18 (3): PortInUseError at the second attach, as above

@@ -19,7 +19,9 @@ from torch import nn
 import hookprof
 from support.hooks_left import hookprof_threads
 
-QUIET = dict(sample_every=1000, min_sample_interval_s=0.0, summary_at_exit=False, system_metrics=False)
+QUIET = dict(
+    sample_every=1000, min_sample_interval_s=0.0, summary_at_exit=False, system_metrics=False
+)
 
 
 def _tiny(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -123,8 +125,14 @@ def test_detach_from_another_thread_during_a_step_end_leaves_no_layer_hooks(monk
 
     monkeypatch.setattr(owner, name, held_step_end)
     model, opt = _tiny(0)
-    prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
-                           summary_at_exit=False, system_metrics=False)
+    prof = hookprof.attach(
+        model,
+        port=0,
+        sample_every=1,
+        min_sample_interval_s=0.0,
+        summary_at_exit=False,
+        system_metrics=False,
+    )
     trainer = threading.Thread(target=_train, args=(model, opt, 3))
     trainer.start()
     assert inside.wait(30.0)
@@ -138,7 +146,10 @@ def test_detach_from_another_thread_during_a_step_end_leaves_no_layer_hooks(monk
     detacher.join(30.0)
     trainer.join(30.0)
     assert not detacher.is_alive() and not trainer.is_alive() and prof.detached
-    left = [(n, sorted(vars(m))) for n, m in model.named_modules()
-            if "forward" in vars(m) or forward_hooks(m) or forward_pre_hooks(m)]
+    left = [
+        (n, sorted(vars(m)))
+        for n, m in model.named_modules()
+        if "forward" in vars(m) or forward_hooks(m) or forward_pre_hooks(m)
+    ]
     assert left == []
     _train(model, opt, 2)  # and it trains on, unprofiled

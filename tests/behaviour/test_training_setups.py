@@ -30,8 +30,11 @@ def amp_run(kind: str, settings: dict | None, steps: int = 6):
         else:
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
-            norms.append(torch.linalg.vector_norm(
-                torch.cat([p.grad.flatten() for p in model.parameters()])).item())  # unscaled
+            norms.append(
+                torch.linalg.vector_norm(
+                    torch.cat([p.grad.flatten() for p in model.parameters()])
+                ).item()
+            )  # unscaled
             scaler.step(opt)
             scaler.update()
         return loss
@@ -48,7 +51,9 @@ def test_mixed_precision_bit_identical_with_unscaled_norms(kind, every_step):
         assert torch.equal(a, b)
     assert snap.step == 6 and snap.skipped_steps == 0
     assert snap.nonfinite_steps == {"forward": 0, "backward": 0, "loss": 0}
-    expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])).item()
+    expected = torch.linalg.vector_norm(
+        torch.cat([p.grad.flatten() for p in model.parameters()])
+    ).item()
     assert snap.grad_norm == pytest.approx(expected, rel=1e-5)
     if kind == "fp16":
         # the scaler multiplies the loss by 4096: hookprof reads the gradients after unscale_
@@ -97,4 +102,6 @@ def test_10000_leaves_attach_train_and_scrape():
     assert samples(f, "hookprof_layers_exported") == {frozenset({"rank": "0"}.items()): 500}
     exported = samples(f, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds_count")
     assert len(exported) == 500 and set(exported.values()) == {2.0}
-    assert samples(f, "hookprof_steps", "hookprof_steps_total") == {frozenset({"rank": "0"}.items()): 2}
+    assert samples(f, "hookprof_steps", "hookprof_steps_total") == {
+        frozenset({"rank": "0"}.items()): 2
+    }

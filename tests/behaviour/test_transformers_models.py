@@ -15,14 +15,21 @@ VOCAB, SEQ, BATCH = 97, 16, 4
 
 
 def gpt2():
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2
+    )
     return transformers.GPT2LMHeadModel(config)  # lm_head is tied to wte
 
 
 def bert():
-    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=2, intermediate_size=64,
-                                     max_position_embeddings=SEQ)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=SEQ,
+    )
     return transformers.BertForMaskedLM(config)
 
 
@@ -64,9 +71,15 @@ def test_bit_identical_training_full_coverage_and_exact_norms(build, every_step)
         grads = [g for g in grads if g is not None]
         if not grads:
             continue
-        expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
-        assert snap.layers[layer.name].grad_norm == pytest.approx(expected.item(), rel=1e-5), layer.name
-    total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        expected = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])
+        )
+        assert snap.layers[layer.name].grad_norm == pytest.approx(expected.item(), rel=1e-5), (
+            layer.name
+        )
+    total = torch.nn.utils.get_total_norm(
+        [p.grad for p in model.parameters() if p.grad is not None]
+    )
     assert snap.grad_norm == pytest.approx(total.item(), rel=1e-5)
 
     # forward and backward times came from the real layers

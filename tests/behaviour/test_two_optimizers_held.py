@@ -29,16 +29,23 @@ class EncoderDecoder(nn.Module):
         return self.decoder(self.encoder(x))
 
 
-def train(policy: str | None, *, skip: frozenset = frozenset(), fused: bool = False, steps: int = 7):
+def train(
+    policy: str | None, *, skip: frozenset = frozenset(), fused: bool = False, steps: int = 7
+):
     """Two Adam optimizers; a batch with an Inf at BAD_STEP (it makes every gradient NaN).
     `skip`: the reference leaves those steps' updates out itself."""
     torch.manual_seed(0)
     model = EncoderDecoder()
-    opts = [torch.optim.Adam(model.encoder.parameters(), lr=1e-2, fused=fused),
-            torch.optim.Adam(model.decoder.parameters(), lr=1e-3, fused=fused)]
+    opts = [
+        torch.optim.Adam(model.encoder.parameters(), lr=1e-2, fused=fused),
+        torch.optim.Adam(model.decoder.parameters(), lr=1e-3, fused=fused),
+    ]
     g = torch.Generator().manual_seed(1)
-    prof = None if policy is None else hookprof.attach(model, **RARELY, on_nonfinite=policy,
-                                                        summary_at_exit=False)
+    prof = (
+        None
+        if policy is None
+        else hookprof.attach(model, **RARELY, on_nonfinite=policy, summary_at_exit=False)
+    )
     try:
         for step in range(1, steps + 1):
             x = torch.randn(4, 8, generator=g)
@@ -67,7 +74,9 @@ def test_skip_holds_back_every_optimizer_of_the_bad_step(fused):
     model, opts, snap = train("skip", fused=fused)
     assert finite(list(model.parameters()))
     for opt in opts:  # the optimizers' state too: no NaN reached Adam's moments
-        assert finite([v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)])
+        assert finite(
+            [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
+        )
     assert same_bits(list(model.parameters()), list(reference.parameters()))
     assert snap.held_back_updates == 1  # one step held back, however many optimizers it had
     assert (snap.first_nonfinite.phase, snap.first_nonfinite.step) == ("forward", BAD_STEP)

@@ -26,9 +26,19 @@ def test_20_scrapers_for_30_seconds_while_training():
     g = torch.Generator().manual_seed(0)
     steps = 0
     with hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0) as prof:
-        load = subprocess.Popen([sys.executable, worker("load_scrapers.py"), prof.url,
-                                 "--scrapers", "20", "--seconds", "30"],
-                                stdout=subprocess.PIPE, text=True)
+        load = subprocess.Popen(
+            [
+                sys.executable,
+                worker("load_scrapers.py"),
+                prof.url,
+                "--scrapers",
+                "20",
+                "--seconds",
+                "30",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
@@ -46,7 +56,9 @@ def test_20_scrapers_for_30_seconds_while_training():
     assert report["non_monotonic"] == [], report["non_monotonic"][:5]
     assert min(report["per_scraper"]) >= 10, report["per_scraper"]  # every scraper got through
     assert steps > 50
-    assert samples(final, "hookprof_steps", "hookprof_steps_total") == {frozenset({"rank": "0"}.items()): steps}
+    assert samples(final, "hookprof_steps", "hookprof_steps_total") == {
+        frozenset({"rank": "0"}.items()): steps
+    }
     print(f"\n{report['scrapes']} scrapes by 20 scrapers in 30 s, {steps} training steps")
 
 
@@ -80,19 +92,30 @@ def test_two_models_in_two_threads_never_mix(every_step):
             assert set(snap.layers) == own
             assert snap.step == steps[name] and snap.sampled_steps == steps[name]
             f = parse(scrape(prof.url))
-            exported = {dict(k)["layer"] for k in samples(
-                f, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds_count")}
+            exported = {
+                dict(k)["layer"]
+                for k in samples(
+                    f, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds_count"
+                )
+            }
             called = {n for n, st in snap.layers.items() if st.forward_calls_total}
             assert exported == called and called <= own, name  # no layer of the other model
             normed = {dict(k)["layer"] for k in samples(f, "hookprof_layer_gradient_norm")}
             assert normed and normed <= own, name
-            assert samples(f, "hookprof_steps", "hookprof_steps_total")[frozenset({"rank": "0"}.items())] == steps[name]
+            assert (
+                samples(f, "hookprof_steps", "hookprof_steps_total")[
+                    frozenset({"rank": "0"}.items())
+                ]
+                == steps[name]
+            )
             # the last step's norms are this model's own gradients
             for layer in prof.table.layers:
                 grads = [prof.table.params[i].grad for i in layer.param_indices]
                 grads = [g_ for g_ in grads if g_ is not None]
                 if grads:
-                    expected = torch.linalg.vector_norm(torch.cat([g_.reshape(-1) for g_ in grads])).item()
+                    expected = torch.linalg.vector_norm(
+                        torch.cat([g_.reshape(-1) for g_ in grads])
+                    ).item()
                     assert snap.layers[layer.name].grad_norm == pytest.approx(expected, rel=1e-5)
             calls = [s.forward_calls_total for s in snap.layers.values()]
             assert max(calls) > 0
@@ -127,7 +150,9 @@ def test_the_page_is_rendered_once_per_change_not_per_scrape(every_step):
         with urllib.request.urlopen(request, timeout=10) as r:
             assert r.headers["Content-Encoding"] == "gzip"
             assert "hookprof_steps_total" in gzip.decompress(r.read()).decode()
-        request = urllib.request.Request(prof.url, headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        request = urllib.request.Request(
+            prof.url, headers={"Accept": "application/openmetrics-text; version=1.0.0"}
+        )
         with urllib.request.urlopen(request, timeout=10) as r:
             assert r.headers["Content-Type"].startswith("application/openmetrics-text")
             body = r.read().decode()

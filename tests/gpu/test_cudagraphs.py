@@ -23,9 +23,15 @@ def run(fullgraph: bool, attach: bool):
     """(parameters, the first NaN/Inf, Dynamo's counts after warm-up: graph breaks, frames
     and graphs compiled, CUDA-graph skips)."""
     params, snap, dynamo = overflow_run(
-        lambda model: torch.compile(model, mode="reduce-overhead", fullgraph=fullgraph), attach=attach,
-        device="cuda", net=NET, batch=128, steps=10, bad_step=BAD_STEP,
-        settings=dict(port=0, summary_at_exit=False))
+        lambda model: torch.compile(model, mode="reduce-overhead", fullgraph=fullgraph),
+        attach=attach,
+        device="cuda",
+        net=NET,
+        batch=128,
+        steps=10,
+        bad_step=BAD_STEP,
+        settings=dict(port=0, summary_at_exit=False),
+    )
     if snap is not None:
         assert snap.internal_errors == 0
     return params, snap.first_nonfinite if snap is not None else None, dynamo
@@ -35,6 +41,11 @@ def run(fullgraph: bool, attach: bool):
 def test_reduce_overhead_names_the_forward_nan_and_keeps_every_cuda_graph(fullgraph):
     plain, _, plain_dynamo = run(fullgraph, attach=False)
     params, event, dynamo = run(fullgraph, attach=True)
-    assert (event.layer, event.phase, event.step, event.replay) == ("inp", "forward", BAD_STEP, "reproducible")
+    assert (event.layer, event.phase, event.step, event.replay) == (
+        "inp",
+        "forward",
+        BAD_STEP,
+        "reproducible",
+    )
     assert dynamo == plain_dynamo  # graph breaks, recompiles after warm-up, CUDA-graph skips
     assert same_bits(plain, params)

@@ -46,7 +46,9 @@ def test_nvml_gauges_match_nvml_and_nvidia_smi():
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             uuid = pynvml.nvmlDeviceGetUUID(handle)
             uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-            expected[frozenset({"gpu": str(index), "UUID": uuid}.items())] = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+            expected[frozenset({"gpu": str(index), "UUID": uuid}.items())] = (
+                pynvml.nvmlDeviceGetMemoryInfo(handle).total
+            )
     finally:
         pynvml.nvmlShutdown()
     assert totals == expected  # one series per GPU, labels and total memory exact
@@ -57,14 +59,21 @@ def test_nvml_gauges_match_nvml_and_nvidia_smi():
         assert abs(by_index[str(index)] - cuda_total) <= 0.05 * by_index[str(index)]
     smi = shutil.which("nvidia-smi")
     if smi is not None:  # the labels as a person reads them, and memory in MiB
-        out = subprocess.run([smi, "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=60, check=True).stdout
+        out = subprocess.run(
+            [smi, "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         rows = [line.split(", ") for line in out.strip().splitlines()]
         assert {(r[0], r[1]) for r in rows} == {(dict(k)["gpu"], dict(k)["UUID"]) for k in totals}
         for index, _, mib in rows:
             assert abs(by_index[index] / 2**20 - float(mib)) <= 1.0
     utilization = samples(families, "hookprof_gpu_utilization_ratio")
-    assert utilization.keys() == totals.keys() and all(0.0 <= v <= 1.0 for v in utilization.values())
+    assert utilization.keys() == totals.keys() and all(
+        0.0 <= v <= 1.0 for v in utilization.values()
+    )
 
 
 def test_cuda_memory_gauges_equal_torch_allocator():
@@ -107,8 +116,9 @@ def _train_mlp(overrides: dict | None, steps: int = 12):
     raises."""
     device = torch.device("cuda", 0)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.GELU(),
-                          nn.Linear(128, 1)).to(device)
+    model = nn.Sequential(
+        nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 1)
+    ).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator(device=device).manual_seed(1)
     xs = [torch.randn(32, 64, device=device, generator=g) for _ in range(steps)]

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from unit.step.test_backward_end import model_and_data
 
 import hookprof
 from hookprof.nonfinite import reproduce
 from support.settings import RARELY
-from unit.step.test_backward_end import model_and_data
 
 pytestmark = pytest.mark.cuda
 
@@ -48,14 +48,25 @@ def test_a_backward_nan_capsule_on_cuda_under_nonfinite_sync(tmp_path):
 
     _testing.forget_capsules_written()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).cuda().half()
+    model = (
+        nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+        .cuda()
+        .half()
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
-    prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, capsule_dir=str(tmp_path),
-                                                         nonfinite_sync=True, **RARELY))
+    prof = hookprof.attach(
+        model,
+        config=hookprof.Config(
+            summary_at_exit=False, capsule_dir=str(tmp_path), nonfinite_sync=True, **RARELY
+        ),
+    )
     try:
         for _ in range(4):
-            x, y = torch.randn(32, 16, generator=g).half().cuda(), torch.randn(32, 1, generator=g).cuda()
+            x, y = (
+                torch.randn(32, 16, generator=g).half().cuda(),
+                torch.randn(32, 1, generator=g).cuda(),
+            )
             opt.zero_grad()
             (nn.functional.mse_loss(model(x).float(), y) * 1024.0).backward()
             opt.step()

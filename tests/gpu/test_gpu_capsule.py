@@ -24,8 +24,13 @@ BAD_STEP = 4
 def replay(path: str, device: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKPROF_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
-    return subprocess.run([sys.executable, "-m", "hookprof.cli", "replay", path, "--device", device],
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "hookprof.cli", "replay", path, "--device", device],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -35,8 +40,14 @@ def test_cuda_capsule_replays_on_cuda_and_on_the_cpu_with_the_same_verdict(tmp_p
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     # nonfinite_sync: the replay runs before the update, on the bad forward's own weights
-    config = hookprof.Config(summary_at_exit=False, capsule_dir=str(tmp_path), nonfinite_sync=True,
-                             port=0, sample_every=1000, min_sample_interval_s=3600.0)
+    config = hookprof.Config(
+        summary_at_exit=False,
+        capsule_dir=str(tmp_path),
+        nonfinite_sync=True,
+        port=0,
+        sample_every=1000,
+        min_sample_interval_s=3600.0,
+    )
     g = torch.Generator(device="cuda").manual_seed(1)
     with hookprof.attach(model, config=config) as prof:
         for step in range(1, BAD_STEP + 3):

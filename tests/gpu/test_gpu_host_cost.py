@@ -41,8 +41,10 @@ def test_benchmark_loops_never_sync(name, config):
         with no_sync(drain_first=True):
             shape.step()
     except RuntimeError as exc:
-        pytest.skip(f"{name}'s training step syncs without hookprof attached, so it cannot "
-                    f"show whether hookprof adds one: {exc}")
+        pytest.skip(
+            f"{name}'s training step syncs without hookprof attached, so it cannot "
+            f"show whether hookprof adds one: {exc}"
+        )
     prof = hookprof.attach(shape.model, port=0, **CONFIGS[config])
     try:
         shape.step()  # attach-time work (pinned index copies) happens once, outside the check

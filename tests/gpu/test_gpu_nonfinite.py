@@ -22,8 +22,16 @@ from support.settings import RARELY
 pytestmark = pytest.mark.cuda
 
 
-def run(model, opt, steps, bad: BadBatch | None, *, item_every_step=False, scaler=None,
-        overflow_at=frozenset()):
+def run(
+    model,
+    opt,
+    steps,
+    bad: BadBatch | None,
+    *,
+    item_every_step=False,
+    scaler=None,
+    overflow_at=frozenset(),
+):
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(1)
     xs = [torch.randn(32, 64, device=device, generator=g) for _ in range(steps)]
@@ -47,7 +55,9 @@ def run(model, opt, steps, bad: BadBatch | None, *, item_every_step=False, scale
                 with torch.autocast("cuda", dtype=torch.float16):
                     loss = nn.functional.mse_loss(model(x), y)
                 if step in overflow_at:
-                    loss = loss * 6e4  # the fp16 gradients overflow down to a scale of ~1 (measured)
+                    loss = (
+                        loss * 6e4
+                    )  # the fp16 gradients overflow down to a scale of ~1 (measured)
                 scaler.scale(loss).backward()
                 scaler.step(opt)
                 scaler.update()

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.cuda
 
 def test_a_rank_blocked_on_the_device_shows_the_host_stack_that_waits():
     model = seeded(DeepNet).cuda()
-    prof = hookprof.attach(model, port=0, stall_min_s=0.5, stall_warmup_steps=2, publish_interval_s=0.1)
+    prof = hookprof.attach(
+        model, port=0, stall_min_s=0.5, stall_warmup_steps=2, publish_interval_s=0.1
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)
     seen = {}

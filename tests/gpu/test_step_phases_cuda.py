@@ -24,12 +24,15 @@ LOAD_S = 0.005  # the loop's "data loading" before each forward: the device idle
 def test_device_phases_on_cuda_add_no_sync_and_stay_within_the_stream_s_time():
     device = torch.device("cuda", 0)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.GELU(),
-                          nn.Linear(512, 1)).to(device)
+    model = nn.Sequential(
+        nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 1)
+    ).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     xs = [torch.randn(64, 256, device=device) for _ in range(STEPS)]
     ys = [torch.randn(64, 1, device=device) for _ in range(STEPS)]
-    prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0, stall_detection=False)
+    prof = hookprof.attach(
+        model, port=0, sample_every=1, min_sample_interval_s=0.0, stall_detection=False
+    )
     try:
         assert prof.timer.kind == "cuda"
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -60,7 +63,9 @@ def test_device_phases_on_cuda_add_no_sync_and_stay_within_the_stream_s_time():
         # data is not seen: its clock starts at its first forward); half, for launch jitter
         assert device_s["data"] >= 0.5 * LOAD_S * (STEPS - 1), device_s
         page = parse(scrape(prof.url))
-        count = samples(page, "hookprof_step_phase_device_seconds", "hookprof_step_phase_device_seconds_count")
+        count = samples(
+            page, "hookprof_step_phase_device_seconds", "hookprof_step_phase_device_seconds_count"
+        )
         assert set(count.values()) == {float(STEPS)} and len(count) == 5
     finally:
         prof.detach()

@@ -10,9 +10,12 @@ import pytest
 
 # the Debian package that provides each server binary the tests run
 DEBIAN_PACKAGE = {
-    "prometheus": "prometheus", "promtool": "prometheus",
-    "prometheus-alertmanager": "prometheus-alertmanager", "amtool": "prometheus-alertmanager",
-    "docker-compose": "docker-compose", "chromium": "chromium",
+    "prometheus": "prometheus",
+    "promtool": "prometheus",
+    "prometheus-alertmanager": "prometheus-alertmanager",
+    "amtool": "prometheus-alertmanager",
+    "docker-compose": "docker-compose",
+    "chromium": "chromium",
     "tmux": "tmux",  # a real terminal for hookprof top's live view
 }
 

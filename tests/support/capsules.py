@@ -14,9 +14,18 @@ import hookprof
 from support.first_nan import UNSAMPLED, Run, Scenario, run
 
 
-def capsule_of(scenario: Scenario, directory: Path, *, lag: int = 0, policy: str = "record", **more: Any) -> tuple[Run, str]:
+def capsule_of(
+    scenario: Scenario, directory: Path, *, lag: int = 0, policy: str = "record", **more: Any
+) -> tuple[Run, str]:
     """Train `scenario` with capsules on; (the run, the capsule's path from its snapshot)."""
-    r = run(scenario, lag=lag, policy=policy, steps=scenario.steps(lag), capsule_dir=str(directory), **more)
+    r = run(
+        scenario,
+        lag=lag,
+        policy=policy,
+        steps=scenario.steps(lag),
+        capsule_dir=str(directory),
+        **more,
+    )
     event = r.snapshot.first_nonfinite
     assert event is not None and event.capsule is not None, event
     return r, event.capsule

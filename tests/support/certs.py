@@ -18,21 +18,30 @@ def make_cert(tmp_path, name, issuer=None, *, ca=False, server=False):
     now = datetime.datetime.now(datetime.timezone.utc)
     signer_cert, signer_key = issuer if issuer else (None, key)
     builder = (
-        x509.CertificateBuilder().subject_name(subject)
+        x509.CertificateBuilder()
+        .subject_name(subject)
         .issuer_name(signer_cert.subject if signer_cert else subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if server:
         builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
     cert = builder.sign(signer_key, hashes.SHA256())
     cert_path, key_path = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     return cert, key, str(cert_path), str(key_path)
 
 

@@ -9,9 +9,17 @@ import torch
 from support.models import loss_of
 
 
-def closure_loop(model, opt, steps: int, injector=None, *, hide_nonfinite: bool = False,
-                 skip_steps: frozenset = frozenset(), stop_before: int | None = None,
-                 closure_returns_loss: bool = True) -> list:
+def closure_loop(
+    model,
+    opt,
+    steps: int,
+    injector=None,
+    *,
+    hide_nonfinite: bool = False,
+    skip_steps: frozenset = frozenset(),
+    stop_before: int | None = None,
+    closure_returns_loss: bool = True,
+) -> list:
     """`opt.step(closure)` each step, the closure doing zero_grad, forward and backward.
     `hide_nonfinite`: the reference's own skip (a non-finite evaluation leaves no gradient,
     which every torch.optim optimizer takes as "leave this parameter and its state alone").
@@ -60,7 +68,9 @@ class SharpnessAware(torch.optim.Optimizer):
         with_grad = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         climbs = []
         if with_grad:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in with_grad]))
+            norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(p.grad) for p in with_grad])
+            )
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
@@ -86,7 +96,8 @@ class SharpnessAware(torch.optim.Optimizer):
 
 OPTIMIZERS = {
     "lbfgs": lambda m: torch.optim.LBFGS(m.parameters(), lr=0.1, max_iter=4),
-    "lbfgs strong_wolfe": lambda m: torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4,
-                                                      line_search_fn="strong_wolfe"),
+    "lbfgs strong_wolfe": lambda m: torch.optim.LBFGS(
+        m.parameters(), lr=0.5, max_iter=4, line_search_fn="strong_wolfe"
+    ),
     "sam": lambda m: SharpnessAware(m.parameters()),
 }

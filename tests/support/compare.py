@@ -20,4 +20,6 @@ def finite(values) -> bool:
 def same_bits(a, b) -> bool:
     """Two lists of float32 tensors hold the very same bits (NaN-aware: a NaN equals the
     same NaN)."""
-    return len(a) == len(b) and all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b)
+    )

@@ -17,7 +17,11 @@ def compiled_so_far() -> int:
 class ResidualBlock(nn.Module):
     def __init__(self, width: int):
         super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        self.fc1, self.act, self.fc2 = (
+            nn.Linear(width, 2 * width),
+            nn.GELU(),
+            nn.Linear(2 * width, width),
+        )
 
     def forward(self, x):
         return x + self.fc2(self.act(self.fc1(x)))
@@ -44,12 +48,24 @@ class OverflowNet(nn.Module):
 
 def dynamo_counts() -> tuple[int, int, int]:
     """(graph breaks, frames and graphs compiled, CUDA-graph skips) so far."""
-    return (sum(counters["graph_break"].values()), compiled_so_far(),
-            counters["inductor"]["cudagraph_skips"])
+    return (
+        sum(counters["graph_break"].values()),
+        compiled_so_far(),
+        counters["inductor"]["cudagraph_skips"],
+    )
 
 
-def overflow_run(compile_model, *, attach: bool, device: str, net: dict, batch: int,
-                 steps: int, bad_step: int, settings: dict):
+def overflow_run(
+    compile_model,
+    *,
+    attach: bool,
+    device: str,
+    net: dict,
+    batch: int,
+    steps: int,
+    bad_step: int,
+    settings: dict,
+):
     """Train OverflowNet(**net) on `device`, `compile_model(model)` what the loop calls, with
     a row that overflows `inp` in the batch of `bad_step`; hookprof attached (`settings`)
     before compiling when `attach`. Returns (parameters, snapshot or None, Dynamo's counts:

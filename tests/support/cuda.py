@@ -18,8 +18,14 @@ class Net(nn.Module):
         super().__init__()
         self.embed = nn.Linear(64, width)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
-                          nn.Linear(4 * width, width)) for _ in range(depth))
+            nn.Sequential(
+                nn.LayerNorm(width),
+                nn.Linear(width, 4 * width),
+                nn.GELU(),
+                nn.Linear(4 * width, width),
+            )
+            for _ in range(depth)
+        )
         self.head = nn.Linear(width, 1)
 
     def forward(self, x):
@@ -33,7 +39,9 @@ def setup(fused=True):
     """Net on the GPU (seed 0) and its AdamW, fused or for-each."""
     torch.manual_seed(0)
     model = Net().cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if fused else {"foreach": True}))
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-3, **({"fused": True} if fused else {"foreach": True})
+    )
     return model, opt
 
 

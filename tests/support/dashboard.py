@@ -12,8 +12,16 @@ JOB = "hookprof-demo"  # the job the system tests scrape, which substitute() sel
 # and windows a 1 s scrape interval fills ($__rate_interval is 4 scrape intervals at least).
 # model=~".*" also matches series without a `model` label (Prometheus 2.42): every panel
 # returning data shows the board works with an exporter that does not emit it yet
-VARIABLES = {"$job": JOB, "$model": ".*", "$instance": ".*", "$rank": ".*", "$layer": ".*", "$topk": "10",
-             "$__rate_interval": "5s", "$__range": "1m"}
+VARIABLES = {
+    "$job": JOB,
+    "$model": ".*",
+    "$instance": ".*",
+    "$rank": ".*",
+    "$layer": ".*",
+    "$topk": "10",
+    "$__rate_interval": "5s",
+    "$__range": "1m",
+}
 
 
 def substitute(expr: str) -> str:
@@ -29,7 +37,12 @@ def dashboard() -> dict:
 
 
 def panel_queries(board: dict) -> list[tuple[str, str]]:
-    return [(p["title"], t["expr"]) for p in board["panels"] for t in p.get("targets", []) if t.get("expr")]
+    return [
+        (p["title"], t["expr"])
+        for p in board["panels"]
+        for t in p.get("targets", [])
+        if t.get("expr")
+    ]
 
 
 def alert_rules() -> list[dict]:

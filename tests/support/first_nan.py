@@ -22,8 +22,9 @@ it poisons, the step it picks) and what hookprof must then say under each policy
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +44,9 @@ from support.lagging_device import lagging_device
 
 LAGS = (0, 1, 3)
 # every step sampled, and every sampled step checked (per-layer output checks)
-EVERY_STEP_CHECKED = dict(port=0, sample_every=1, min_sample_interval_s=0.0, activation_interval_s=0.0)
+EVERY_STEP_CHECKED = dict(
+    port=0, sample_every=1, min_sample_interval_s=0.0, activation_interval_s=0.0
+)
 # step 1 sampled only (until an incident opens), however slow a loaded machine makes the steps
 UNSAMPLED = dict(port=0, sample_every=1000, min_sample_interval_s=3600.0)
 
@@ -57,8 +60,13 @@ class SmallCNN(nn.Module):
     def __init__(self, classes: int = 4):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+        )
         self.head = nn.Linear(8, classes)
         self.classes = classes
 
@@ -66,7 +74,9 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x).flatten(1))
 
     def batch(self, g: torch.Generator, size: int = 4):
-        return torch.randn(size, 3, 8, 8, generator=g), torch.randint(0, self.classes, (size,), generator=g)
+        return torch.randn(size, 3, 8, 8, generator=g), torch.randint(
+            0, self.classes, (size,), generator=g
+        )
 
 
 class PoisonAt(nn.Module):
@@ -188,7 +198,9 @@ class Scenario:
         return self.at + 2 * lag + 4
 
 
-def _not_replayed(layer_phase_step: tuple[str, int], lag: int, policy: str) -> tuple[str, str] | None:
+def _not_replayed(
+    layer_phase_step: tuple[str, int], lag: int, policy: str
+) -> tuple[str, str] | None:
     """What a device `lag` steps behind under `policy` makes of a forward NaN of an unsampled
     step, with the loop's fused optimizer: None when the replay runs (lag 0: at once; skip
     and raise hold the fused update back and replay late), else (NOT_REPLAYED, why)."""
@@ -249,7 +261,9 @@ class SampledPoison(Scenario):
         # the sampled step names it; its replay (the poison's next call) is finite, which is
         # a verdict only on the step's own weights (lag 0); a late replay runs after other
         # updates (skip, raise), and under record on a device behind there is none
-        return Outcome(self.layer, "forward", self.at, FOUND_BY_SAMPLED, *_finite_replay(lag, policy))
+        return Outcome(
+            self.layer, "forward", self.at, FOUND_BY_SAMPLED, *_finite_replay(lag, policy)
+        )
 
 
 class TransientPoison(SampledPoison):
@@ -283,7 +297,9 @@ class Overflow(Scenario):
         inputs[0] = 3e38 * torch.sign(model.fc1.weight[0].detach())
         assert torch.isfinite(inputs).all()
         with torch.no_grad():  # the precondition, checked apart from hookprof
-            assert not torch.isfinite(nn.functional.linear(inputs, model.fc1.weight, model.fc1.bias)).all()
+            assert not torch.isfinite(
+                nn.functional.linear(inputs, model.fc1.weight, model.fc1.bias)
+            ).all()
         return inputs
 
     def expected(self, lag, policy):
@@ -358,9 +374,18 @@ class Run:
     device_waits: list[str]
 
 
-def run(scenario: Scenario, *, lag: int, policy: str, steps: int, publisher: Any = None,
-        settings: dict | None = None, on_step: Callable[[int, Any], None] | None = None,
-        keep_attached: bool = False, **more: Any) -> Run:
+def run(
+    scenario: Scenario,
+    *,
+    lag: int,
+    policy: str,
+    steps: int,
+    publisher: Any = None,
+    settings: dict | None = None,
+    on_step: Callable[[int, Any], None] | None = None,
+    keep_attached: bool = False,
+    **more: Any,
+) -> Run:
     """Train `scenario`'s model for `steps` with hookprof attached (scenario.settings, then
     `settings`, on_nonfinite=policy, `more`), on the emulated device `lag` steps behind the
     host (lag 0: the plain CPU), with a fused SGD; stop at a NonFiniteError. `publisher`: a
@@ -369,7 +394,8 @@ def run(scenario: Scenario, *, lag: int, policy: str, steps: int, publisher: Any
     opt = fused_sgd(model)
     g = torch.Generator().manual_seed(1)
     config = hookprof.Config(summary_at_exit=False).replace(
-        **{**scenario.settings, **(settings or {}), "on_nonfinite": policy, **more})
+        **{**scenario.settings, **(settings or {}), "on_nonfinite": policy, **more}
+    )
     error, error_step, waits = None, None, []
     with behind_by(lag) as device:
         if publisher is not None:

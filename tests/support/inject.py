@@ -46,7 +46,9 @@ class BadBatch:
         current, poisoned = self.current, self.poisoned
         if current is None or poisoned is None:
             return False
-        return current is poisoned or (current.shape == poisoned.shape and torch.equal(current, poisoned))
+        return current is poisoned or (
+            current.shape == poisoned.shape and torch.equal(current, poisoned)
+        )
 
     def _poison(self, module, args, output):
         if self._is_poisoned():

@@ -21,8 +21,8 @@ must only look at them through hookprof), or streams.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -39,7 +39,7 @@ class LaggingDevice:
         self.issued = 0  # copies issued so far, in stream order
         self.synced_through = 0  # every copy up to this one has completed (a wait saw it)
 
-    def event(self) -> "LaggingEvent":
+    def event(self) -> LaggingEvent:
         self.issued += 1
         return LaggingEvent(self, self.steps_done + self.lag, self.issued)
 
@@ -51,8 +51,9 @@ class LaggingEvent:
         self._order = order
 
     def query(self) -> bool:
-        return (self._order <= self._device.synced_through
-                or self._device.steps_done >= self._ready_at)
+        return (
+            self._order <= self._device.synced_through or self._device.steps_done >= self._ready_at
+        )
 
     def synchronize(self) -> None:
         self._device.waits.append(threading.current_thread().name)

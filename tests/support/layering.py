@@ -205,8 +205,11 @@ def upward(
             found.append((imp, why))
         elif dst_rank == src_rank and src_layer.independent and src_unit != dst_unit:
             found.append(
-                (imp, f"'{src_unit}' and '{dst_unit}' are both in layer '{src_layer.name}', "
-                      "whose packages must not import one another")
+                (
+                    imp,
+                    f"'{src_unit}' and '{dst_unit}' are both in layer '{src_layer.name}', "
+                    "whose packages must not import one another",
+                )
             )
     return found
 

@@ -31,14 +31,20 @@ class Regressor(L.LightningModule):
     def __init__(self, middle: nn.Module | None = None, manual: bool = False, lr: float = 0.05):
         super().__init__()
         self.body = nn.Sequential(
-            nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16),
-            middle if middle is not None else nn.Identity(), nn.ReLU(), nn.Linear(16, 1),
+            nn.Linear(4, 16),
+            nn.ReLU(),
+            nn.Linear(16, 16),
+            middle if middle is not None else nn.Identity(),
+            nn.ReLU(),
+            nn.Linear(16, 1),
         )
         self.automatic_optimization = not manual
         self.lr = lr
         self.before_step: list[dict[str, float]] = []
         self.total_before_step: list[float] = []
-        self.losses: list[float] = []  # each training_step's loss, as computed (the test's own sync)
+        self.losses: list[
+            float
+        ] = []  # each training_step's loss, as computed (the test's own sync)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -56,8 +62,11 @@ class Regressor(L.LightningModule):
     def on_before_optimizer_step(self, optimizer):
         self.before_step.append(layer_norms(self))
         grads = [p.grad.double() for p in self.parameters() if p.grad is not None]
-        self.total_before_step.append(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(g) for g in grads])).item())
+        self.total_before_step.append(
+            torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g) for g in grads])
+            ).item()
+        )
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
@@ -101,14 +110,29 @@ def loader(batches: int, seed: int = 0) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
 
 
-def fit(module: L.LightningModule, steps: int, *, callbacks=(), batches: int | None = None,
-        root_dir=None, **trainer_kwargs) -> L.Trainer:
+def fit(
+    module: L.LightningModule,
+    steps: int,
+    *,
+    callbacks=(),
+    batches: int | None = None,
+    root_dir=None,
+    **trainer_kwargs,
+) -> L.Trainer:
     """Trainer.fit for `steps` optimizer steps on the CPU, with nothing written or printed
     that the tests do not need."""
-    settings = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False)
+    settings = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     settings.update(trainer_kwargs)
-    trainer = L.Trainer(max_steps=steps, callbacks=list(callbacks), default_root_dir=root_dir, **settings)
+    trainer = L.Trainer(
+        max_steps=steps, callbacks=list(callbacks), default_root_dir=root_dir, **settings
+    )
     trainer.fit(module, loader(batches if batches is not None else steps))
     return trainer
 
@@ -125,8 +149,14 @@ def run_ddp_rank(rank: int, world: int, master_port: int, base_port: int, steps:
     free port of its own: base_port, part of run_two's signature, is not used)."""
     from support.ranks import torchrun_environment
 
-    torchrun_environment(rank, world, master_port, TORCHELASTIC_RUN_ID="hookprof-test", GROUP_RANK="0",
-                         LOCAL_WORLD_SIZE=str(world))
+    torchrun_environment(
+        rank,
+        world,
+        master_port,
+        TORCHELASTIC_RUN_ID="hookprof-test",
+        GROUP_RANK="0",
+        LOCAL_WORLD_SIZE=str(world),
+    )
     import hookprof
 
     model = seeded_regressor()
@@ -134,8 +164,15 @@ def run_ddp_rank(rank: int, world: int, master_port: int, base_port: int, steps:
     try:
         reader = ReadEachStep(prof)
         # the DistributedSampler Lightning puts in gives each rank its own half of the batches
-        fit(model, steps, callbacks=[reader], batches=world * steps, strategy="ddp",
-            devices=world, num_nodes=1)
+        fit(
+            model,
+            steps,
+            callbacks=[reader],
+            batches=world * steps,
+            strategy="ddp",
+            devices=world,
+            num_nodes=1,
+        )
         out.put((rank, prof.url, model.before_step, reader.seen))
         go_home.wait(60)  # the parent scrapes while we are still serving
     finally:

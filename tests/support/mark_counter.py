@@ -28,7 +28,9 @@ class LeafCount:
     forward_marks: int  # start and end of each call
     outer_marks: int  # around calls with an instrumented parent
     node_marks: int  # autograd node pre-hooks (gradient ready at a layer's output or input)
-    param_marks: int  # post-accumulate-grad hooks (backward end of layers without an input gradient)
+    param_marks: (
+        int  # post-accumulate-grad hooks (backward end of layers without an input gradient)
+    )
     step_marks: int  # per step, not per layer: the step's phase boundaries (device_phases.py)
     hook_calls: int  # Python calls torch made into hookprof's per-layer hooks
 
@@ -42,8 +44,13 @@ class LeafCount:
         return self.layer_marks / self.layers
 
 
-def count_sampled_step(model: torch.nn.Module, step: Callable[[Callable[[torch.nn.Module], None]], object],
-                       *, warmup: int = 2, **config) -> LeafCount:
+def count_sampled_step(
+    model: torch.nn.Module,
+    step: Callable[[Callable[[torch.nn.Module], None]], object],
+    *,
+    warmup: int = 2,
+    **config,
+) -> LeafCount:
     """Marks and hook calls of one sampled step of `model`. `step(before_update)` runs one
     training step and calls `before_update(model)` between backward and the optimizer, where
     the step's record is complete (bench/shapes.Shape.step has that form)."""
@@ -62,7 +69,9 @@ def count_sampled_step(model: torch.nn.Module, step: Callable[[Callable[[torch.n
             seen["recorded"] = stream.recorded
             seen["calls"] = len(rec.calls)
             seen["forward"] = sum((c.start is not None) + (c.end is not None) for c in rec.calls)
-            seen["outer"] = sum((c.outer_start is not None) + (c.outer_end is not None) for c in rec.calls)
+            seen["outer"] = sum(
+                (c.outer_start is not None) + (c.outer_end is not None) for c in rec.calls
+            )
             seen["node"] = len(rec.grad_ready)
             seen["param"] = len(rec.param_done)
             seen["step"] = len(getattr(rec, "phase_marks", ()))  # a version without them: none

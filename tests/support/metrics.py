@@ -51,8 +51,9 @@ def errors_by_part(families: dict, rank: str = "0", *, model=ONE_MODEL) -> dict[
     """{part: count} of hookprof_internal_errors_total for one rank (faults.PARTS: every part
     is on the page, 0 included)."""
     out = {}
-    for labels, value in samples(families, "hookprof_internal_errors", "hookprof_internal_errors_total",
-                                 model=model).items():
+    for labels, value in samples(
+        families, "hookprof_internal_errors", "hookprof_internal_errors_total", model=model
+    ).items():
         labels = dict(labels)
         if labels["rank"] == rank:
             out[labels["part"]] = value

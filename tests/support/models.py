@@ -100,8 +100,17 @@ def loss_of(model: nn.Module, batch) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 
 
-def train(model: nn.Module, steps: int, *, prof=None, seed: int = 0, lr: float = 0.05,
-          explicit_step: bool = False, micro_batches: int = 1, on_step=None):
+def train(
+    model: nn.Module,
+    steps: int,
+    *,
+    prof=None,
+    seed: int = 0,
+    lr: float = 0.05,
+    explicit_step: bool = False,
+    micro_batches: int = 1,
+    on_step=None,
+):
     """SGD with momentum; optimizer steps end hookprof steps unless explicit_step."""
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -168,8 +177,9 @@ def profiled(model: nn.Module, steps: int, settings: dict, **train_kwargs):
         return prof.snapshot()
 
 
-def run_optionally_profiled(model: nn.Module, settings: dict | None, steps: int, train_step,
-                            *, scrape_metrics: bool = False):
+def run_optionally_profiled(
+    model: nn.Module, settings: dict | None, steps: int, train_step, *, scrape_metrics: bool = False
+):
     """Call `train_step()` (one training iteration; returns its loss) `steps` times, with
     hookprof attached (Config overrides `settings`; each iteration ends with prof.step(loss))
     or, when settings is None, without it. Returns (profiler, snapshot after everything was
@@ -198,7 +208,11 @@ def layer_norms(model: nn.Module) -> dict[str, float]:
     left out, as hookprof leaves their grad_norm at None."""
     norms = {}
     for name, module in model.named_modules():
-        grads = [p.grad.double().flatten() for p in module.parameters(recurse=False) if p.grad is not None]
+        grads = [
+            p.grad.double().flatten()
+            for p in module.parameters(recurse=False)
+            if p.grad is not None
+        ]
         if grads:
             norms[name] = torch.linalg.vector_norm(torch.cat(grads)).item()
     return norms

@@ -9,9 +9,9 @@ import copy
 import os
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -76,9 +76,9 @@ class CallCounter:
         if event == "call":
             path = frame.f_code.co_filename
             if path.startswith(_PACKAGE):
-                self.calls[f"{path[len(_PACKAGE):]}:{frame.f_code.co_name}"] += 1
+                self.calls[f"{path[len(_PACKAGE) :]}:{frame.f_code.co_name}"] += 1
 
-    def __enter__(self) -> "CallCounter":
+    def __enter__(self) -> CallCounter:
         self._previous = sys.getprofile()
         sys.setprofile(self._profile)
         return self
@@ -119,8 +119,15 @@ def _accelerator_path(lag: int | None, gradients: bool) -> Iterator[None]:
         GradientNorms.cpu_dot_per_tensor = saved
 
 
-def host_cost_of_unsampled_step(depth: int, *, device: str = "cpu", lag: int | None = 3,
-                                cpu_path: bool = False, warmup: int = 3, **config) -> HostCost:
+def host_cost_of_unsampled_step(
+    depth: int,
+    *,
+    device: str = "cpu",
+    lag: int | None = 3,
+    cpu_path: bool = False,
+    warmup: int = 3,
+    **config,
+) -> HostCost:
     """hookprof's ops, tensors and Python calls in one unsampled step of DeepNet(depth) on
     `device`, with the defaults and `config`: with it, less without it (two copies of one
     model, same batch). On the CPU, the accelerator's path (`lag`: the emulated device's
@@ -145,4 +152,6 @@ def host_cost_of_unsampled_step(depth: int, *, device: str = "cpu", lag: int | N
         finally:
             prof.detach()
     assert not (bare_counter.ops - counter.ops), "hookprof removed ops from the training step?"
-    return HostCost(counter.ops - bare_counter.ops, counter.outputs - bare_counter.outputs, calls.calls)
+    return HostCost(
+        counter.ops - bare_counter.ops, counter.outputs - bare_counter.outputs, calls.calls
+    )

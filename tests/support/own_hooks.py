@@ -46,9 +46,12 @@ class OwnHooks:
     replaying: Callable[[], bool] = lambda: False
     handles: list = field(default_factory=list)
 
-    def watch(self, model: nn.Module) -> "OwnHooks":
+    def watch(self, model: nn.Module) -> OwnHooks:
         for name, module in model.named_modules():
-            if next(module.children(), None) is None and next(module.parameters(recurse=False), None) is not None:
+            if (
+                next(module.children(), None) is None
+                and next(module.parameters(recurse=False), None) is not None
+            ):
                 self.handles.append(module.register_forward_hook(self._forward_hook(name)))
         for name, p in model.named_parameters():
             if p.requires_grad:
@@ -59,12 +62,14 @@ class OwnHooks:
         def hook(module, args, output):
             if torch.is_grad_enabled() and not self.replaying() and _bad(output):
                 self.forward.setdefault(self.step, []).append(name)
+
         return hook
 
     def _grad_hook(self, layer: str):
         def hook(grad):
             if _bad(grad):
                 self.grads.setdefault(self.step, []).append(layer)
+
         return hook
 
     def loss(self, value: torch.Tensor) -> None:

@@ -33,8 +33,12 @@ class Processes:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, args: list[str], **kwargs) -> subprocess.Popen:
-        proc = subprocess.Popen(args, stdout=kwargs.pop("stdout", subprocess.DEVNULL),
-                                stderr=kwargs.pop("stderr", subprocess.DEVNULL), **kwargs)
+        proc = subprocess.Popen(
+            args,
+            stdout=kwargs.pop("stdout", subprocess.DEVNULL),
+            stderr=kwargs.pop("stderr", subprocess.DEVNULL),
+            **kwargs,
+        )
         self.procs.append(proc)
         return proc
 

@@ -13,8 +13,12 @@ from support.ports import free_port, free_port_range
 def torchrun_environment(rank: int, world: int, master_port: int, **extra: str) -> None:
     """What torchrun would set for this rank (and `extra` variables), in this process."""
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_RANK=str(rank), **extra,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(master_port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        **extra,
     )
 
 
@@ -37,7 +41,10 @@ def run_two(target, steps):
     out, go_home = ctx.Queue(), ctx.Event()
     master_port = free_port()
     base_port = free_port_range(2, avoid=(master_port,))
-    procs = [ctx.Process(target=target, args=(r, 2, master_port, base_port, steps, out, go_home)) for r in range(2)]
+    procs = [
+        ctx.Process(target=target, args=(r, 2, master_port, base_port, steps, out, go_home))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:

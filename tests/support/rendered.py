@@ -35,13 +35,15 @@ class Elements(HTMLParser):
         self.text.append(data)
 
     def find(self, tag: str, **attrs: str) -> list[dict[str, str]]:
-        return [a for t, a in self.tags if t == tag and all(a.get(k) == v for k, v in attrs.items())]
+        return [
+            a for t, a in self.tags if t == tag and all(a.get(k) == v for k, v in attrs.items())
+        ]
 
 
 def line_of(el: Elements, svg: dict) -> dict:
     """The attributes of the line a chart (`svg`, one of el.find("svg")) draws."""
     seen = False
-    for tag, attrs in el.tags:
+    for _tag, attrs in el.tags:
         if attrs is svg:
             seen = True
         elif seen and attrs.get("class") == "line":
@@ -62,7 +64,9 @@ def demo_run(steps: int = STEPS, nan_at: int = NAN_STEP, **overrides):
     torch.manual_seed(0)
     model = DemoNet()
     injector = InjectNonFinite(dict(model.named_modules())["mlp.0"], {nan_at}, count_calls=False)
-    prof = hookprof.attach(model, **{"port": 0, "sample_every": 1, "min_sample_interval_s": 0.0, **overrides})
+    prof = hookprof.attach(
+        model, **{"port": 0, "sample_every": 1, "min_sample_interval_s": 0.0, **overrides}
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(0)
     losses = []

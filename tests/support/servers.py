@@ -53,7 +53,9 @@ class Webhook:
         self.thread.start()
 
     def alerts(self, status: str = "firing") -> list[tuple[float, dict]]:
-        return [(t, a) for t, n in self.received for a in n.get("alerts", []) if a["status"] == status]
+        return [
+            (t, a) for t, n in self.received for a in n.get("alerts", []) if a["status"] == status
+        ]
 
     def close(self):
         self.server.shutdown()
@@ -77,22 +79,36 @@ receivers:
       - url: http://127.0.0.1:{webhook_port}/
         send_resolved: true
 """)
-    procs.start([binaries()["alertmanager"], f"--config.file={config}",
-                 f"--storage.path={os.path.join(tmp, 'am')}",
-                 f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="])
-    wait_for("alertmanager ready", lambda: urllib.request.urlopen(
-        f"http://127.0.0.1:{port}/-/ready", timeout=2).status == 200, timeout=30)
+    procs.start(
+        [
+            binaries()["alertmanager"],
+            f"--config.file={config}",
+            f"--storage.path={os.path.join(tmp, 'am')}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ]
+    )
+    wait_for(
+        "alertmanager ready",
+        lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2).status == 200,
+        timeout=30,
+    )
     return port
 
 
-def start_prometheus(procs: Processes, tmp: str, targets: list[str], am_port: int | None,
-                     job: str = "hookprof") -> int:
+def start_prometheus(
+    procs: Processes, tmp: str, targets: list[str], am_port: int | None, job: str = "hookprof"
+) -> int:
     port = free_port()
     config = os.path.join(tmp, "prom.yml")
-    alerting = "" if am_port is None else f"""
+    alerting = (
+        ""
+        if am_port is None
+        else f"""
 alerting:
   alertmanagers:
     - static_configs: [{{targets: ['127.0.0.1:{am_port}']}}]"""
+    )
     with open(config, "w") as f:
         f.write(f"""
 global:
@@ -103,11 +119,19 @@ scrape_configs:
   - job_name: {job}
     static_configs: [{{targets: {json.dumps(targets)}}}]
 """)
-    procs.start([binaries()["prometheus"], f"--config.file={config}",
-                 f"--storage.tsdb.path={os.path.join(tmp, 'tsdb')}",
-                 f"--web.listen-address=127.0.0.1:{port}"])
-    wait_for("prometheus ready", lambda: urllib.request.urlopen(
-        f"http://127.0.0.1:{port}/-/ready", timeout=2).status == 200, timeout=30)
+    procs.start(
+        [
+            binaries()["prometheus"],
+            f"--config.file={config}",
+            f"--storage.tsdb.path={os.path.join(tmp, 'tsdb')}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ]
+    )
+    wait_for(
+        "prometheus ready",
+        lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2).status == 200,
+        timeout=30,
+    )
     return port
 
 
@@ -131,17 +155,34 @@ def ranks_scraped(run_rank, args_of_rank, world: int, tmp: str, job: str, scrape
     out, go_home = ctx.Queue(), ctx.Event()
     master_port = free_port()
     base_port = free_port_range(world, avoid=(master_port,))
-    workers = [ctx.Process(target=run_rank, args=(r, world, master_port, base_port, *args_of_rank(r, out, go_home)))
-               for r in range(world)]
+    workers = [
+        ctx.Process(
+            target=run_rank, args=(r, world, master_port, base_port, *args_of_rank(r, out, go_home))
+        )
+        for r in range(world)
+    ]
     procs = Processes()
     for w in workers:
         w.start()
     try:
         urls = dict(out.get(timeout=60) for _ in range(world))
         assert urls[world - 1].endswith(f":{base_port + world - 1}/metrics")
-        prom = start_prometheus(procs, tmp, [f"127.0.0.1:{base_port + r}" for r in range(world)], None, job=job)
-        wait_for(f"every rank scraped {scrapes} times", lambda: len(query(
-            prom, f'count_over_time(hookprof_steps_total{{job="{job}"}}[1m]) >= {scrapes}')) == world, timeout=40)
+        prom = start_prometheus(
+            procs, tmp, [f"127.0.0.1:{base_port + r}" for r in range(world)], None, job=job
+        )
+        wait_for(
+            f"every rank scraped {scrapes} times",
+            lambda: (
+                len(
+                    query(
+                        prom,
+                        f'count_over_time(hookprof_steps_total{{job="{job}"}}[1m]) >= {scrapes}',
+                    )
+                )
+                == world
+            ),
+            timeout=40,
+        )
         yield prom, workers
     finally:
         go_home.set()

@@ -86,10 +86,27 @@ PASS_THROUGH = {("hookprof/step/gradscaler.py", "_maybe_opt_step")}
 
 _TAGGED = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 # ops that return a Python value read from metadata only, never from the data
-_METADATA = {"is_same_size", "is_set_to", "_nnz", "sparse_dim", "dense_dim", "is_coalesced",
-             "_has_same_storage_numel", "_has_compatible_shallow_copy_type", "is_pinned",
-             "_debug_has_internal_overlap", "sym_size", "sym_stride", "sym_numel",
-             "sym_storage_offset", "size", "stride", "numel", "dim", "is_contiguous"}
+_METADATA = {
+    "is_same_size",
+    "is_set_to",
+    "_nnz",
+    "sparse_dim",
+    "dense_dim",
+    "is_coalesced",
+    "_has_same_storage_numel",
+    "_has_compatible_shallow_copy_type",
+    "is_pinned",
+    "_debug_has_internal_overlap",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+    "size",
+    "stride",
+    "numel",
+    "dim",
+    "is_contiguous",
+}
 _BOOL_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl", "_index_put_impl_"}
 _HOST_READS = {"tolist", "numpy", "__array__", "cpu"}
 # torch.tensor(values) and friends without a device: host tensors on a GPU machine too
@@ -110,7 +127,7 @@ def _file(frame) -> str:
     """hookprof/nonfinite/replay.py for hookprof's files, the bare name for others."""
     path = os.path.abspath(frame.f_code.co_filename)
     if path.startswith(HOOKPROF_DIR):
-        return "hookprof/" + path[len(HOOKPROF_DIR):]
+        return "hookprof/" + path[len(HOOKPROF_DIR) :]
     return os.path.basename(path)
 
 
@@ -153,7 +170,9 @@ def _argument(func, args, kwargs, name: str, default):
     """An argument by schema name, given positionally or by keyword."""
     if name in kwargs:
         return kwargs[name]
-    for i, arg in enumerate(func._schema.arguments):  # an OpOverload's schema: torch's only record of it
+    for i, arg in enumerate(
+        func._schema.arguments
+    ):  # an OpOverload's schema: torch's only record of it
         if arg.name == name:
             return args[i] if i < len(args) and not arg.kwarg_only else default
     return default
@@ -161,7 +180,9 @@ def _argument(func, args, kwargs, name: str, default):
 
 def _has_bool_index(args) -> bool:
     indices = args[1] if len(args) > 1 else ()
-    return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in indices or ())
+    return any(
+        isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in indices or ()
+    )
 
 
 class SyncWatch:
@@ -222,7 +243,7 @@ class SyncWatch:
         return threading.current_thread() is self._thread
 
     # -- installing -----------------------------------------------------------------------
-    def __enter__(self) -> "SyncWatch":
+    def __enter__(self) -> SyncWatch:
         self._thread = threading.current_thread()
         watch = self
         copy_owner, copy_name = _testing.device_copy_seam()
@@ -259,10 +280,12 @@ class SyncWatch:
         lagging_device.LaggingEvent.synchronize = waited
         publisher.Publisher.flush = flushed
         publisher.Publisher.settle = settled
-        self._restore = [(copy_owner, copy_name, start_copy),
-                         (lagging_device.LaggingEvent, "synchronize", synchronize),
-                         (publisher.Publisher, "flush", flush),
-                         (publisher.Publisher, "settle", settle)]
+        self._restore = [
+            (copy_owner, copy_name, start_copy),
+            (lagging_device.LaggingEvent, "synchronize", synchronize),
+            (publisher.Publisher, "flush", flush),
+            (publisher.Publisher, "settle", settle),
+        ]
         for mode in self._modes:
             mode.__enter__()
         return self

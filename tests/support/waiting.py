@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 
 
-def wait_for(what: str, check, timeout: float = 10.0, interval: float = 0.2, *, retry_errors: bool = True):
+def wait_for(
+    what: str, check, timeout: float = 10.0, interval: float = 0.2, *, retry_errors: bool = True
+):
     """Poll check() every `interval` seconds until it returns something truthy, and return
     that; fail naming `what` after `timeout`. With `retry_errors` an exception from check()
     means "not up yet" (a server still starting) and is named in the failure; without it,
@@ -23,4 +25,6 @@ def wait_for(what: str, check, timeout: float = 10.0, interval: float = 0.2, *, 
                 raise
             last_error = exc
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what} (last error: {last_error})")
+    raise AssertionError(
+        f"timed out after {timeout:.1f}s waiting for {what} (last error: {last_error})"
+    )

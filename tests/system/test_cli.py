@@ -23,9 +23,22 @@ def test_version():
 def test_demo_serves_live_metrics_and_reports_an_injected_nan():
     port = free_port()
     proc = subprocess.Popen(
-        hookprof_cmd("demo", "--port", str(port), "--steps", "100000", "--nan-at-step", "30",
-                     "--nan-layer", "mlp.0", "--step-delay", "0.002"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        hookprof_cmd(
+            "demo",
+            "--port",
+            str(port),
+            "--steps",
+            "100000",
+            "--nan-at-step",
+            "30",
+            "--nan-layer",
+            "mlp.0",
+            "--step-delay",
+            "0.002",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
@@ -39,13 +52,19 @@ def test_demo_serves_live_metrics_and_reports_an_injected_nan():
             if first or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        steps = samples(f, "hookprof_steps", "hookprof_steps_total")[frozenset({"rank": "0"}.items())]
+        steps = samples(f, "hookprof_steps", "hookprof_steps_total")[
+            frozenset({"rank": "0"}.items())
+        ]
         assert steps >= 30
         assert list(first) == [
             frozenset({"rank": "0", "layer": "mlp.0", "phase": "forward", "step": "30"}.items())
         ]
-        layers = {dict(k)["layer"] for k in samples(f, "hookprof_layer_forward_seconds",
-                                                     "hookprof_layer_forward_seconds_count")}
+        layers = {
+            dict(k)["layer"]
+            for k in samples(
+                f, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds_count"
+            )
+        }
         assert {"embed", "attn", "norm", "mlp.0", "mlp.1", "mlp.2", "head"} <= layers
     finally:
         proc.terminate()
@@ -59,8 +78,12 @@ def test_demo_serves_live_metrics_and_reports_an_injected_nan():
 
 
 def test_demo_with_a_step_limit_and_exit_exits_by_itself():
-    out = subprocess.run(hookprof_cmd("demo", "--port", "0", "--steps", "20", "--exit"),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        hookprof_cmd("demo", "--port", "0", "--steps", "20", "--exit"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "stopped after 20 steps" in out.stdout
     assert "still serving" not in out.stdout
@@ -69,16 +92,32 @@ def test_demo_with_a_step_limit_and_exit_exits_by_itself():
 def test_demo_diagnoses_the_nan_prints_the_table_and_serves_until_ctrl_c():
     port = free_port()
     proc = subprocess.Popen(
-        hookprof_cmd("demo", "--port", str(port), "--steps", "30", "--nan-at-step", "20",
-                     "--nan-layer", "mlp.2", "--sample-every", "1", "--min-sample-interval", "0"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        hookprof_cmd(
+            "demo",
+            "--port",
+            str(port),
+            "--steps",
+            "30",
+            "--nan-at-step",
+            "20",
+            "--nan-layer",
+            "mlp.2",
+            "--sample-every",
+            "1",
+            "--min-sample-interval",
+            "0",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
     )
     try:
         # hookprof's one-line diagnosis, as the NaN arrives (before the run ends)
         line = read_until(proc.stdout, "hookprof: NaN/Inf")
-        assert line.startswith("hookprof: NaN/Inf in the forward phase at step 20 on rank 0, "
-                               "first in layer mlp.2"), line
+        assert line.startswith(
+            "hookprof: NaN/Inf in the forward phase at step 20 on rank 0, first in layer mlp.2"
+        ), line
         printed = []
         while "still serving metrics" not in (printed or [""])[-1]:
             printed.append(proc.stdout.readline())
@@ -87,11 +126,17 @@ def test_demo_diagnoses_the_nan_prints_the_table_and_serves_until_ctrl_c():
         assert table[0].startswith("rank 0  model DemoNet  step 30 (30 sampled)"), printed
         assert table[1].split()[:2] == ["mlp.2", "Linear"] and "first" in table[1].split()
         # the run is over and its figures stay up to be read
-        first = samples(parse(scrape(f"http://127.0.0.1:{port}/metrics")), "hookprof_steps",
-                        "hookprof_steps_total")
+        first = samples(
+            parse(scrape(f"http://127.0.0.1:{port}/metrics")),
+            "hookprof_steps",
+            "hookprof_steps_total",
+        )
         time.sleep(1.0)
-        later = samples(parse(scrape(f"http://127.0.0.1:{port}/metrics")), "hookprof_steps",
-                        "hookprof_steps_total")
+        later = samples(
+            parse(scrape(f"http://127.0.0.1:{port}/metrics")),
+            "hookprof_steps",
+            "hookprof_steps_total",
+        )
         assert first == later == {frozenset({("rank", "0")}): 30.0}
         assert proc.poll() is None
         proc.send_signal(signal.SIGINT)  # Ctrl-C
@@ -107,6 +152,10 @@ def test_demo_diagnoses_the_nan_prints_the_table_and_serves_until_ctrl_c():
 
 
 def test_demo_rejects_an_unknown_layer():
-    out = subprocess.run(hookprof_cmd("demo", "--port", "0", "--nan-at-step", "3", "--nan-layer", "nope"),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        hookprof_cmd("demo", "--port", "0", "--nan-at-step", "3", "--nan-layer", "nope"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "no module named 'nope'" in out.stderr

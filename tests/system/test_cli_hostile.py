@@ -79,9 +79,17 @@ def hostile(handler):
 
 def reply(body: bytes, status: bytes = b"200 OK", headers: bytes = b"Content-Type: text/plain\r\n"):
     """A handler sending one whole response."""
+
     def handler(conn, stop):
-        conn.sendall(b"HTTP/1.1 " + status + b"\r\n" + headers
-                     + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        conn.sendall(
+            b"HTTP/1.1 "
+            + status
+            + b"\r\n"
+            + headers
+            + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+            + body
+        )
+
     return handler
 
 
@@ -118,7 +126,11 @@ def one_line_error(out: subprocess.CompletedProcess, code: int, *words: str) -> 
 @pytest.mark.parametrize("command", ["top", "report"])
 def test_a_response_head_trickled_a_byte_a_second_is_given_up_at_the_timeout(command):
     with hostile(trickle) as server:
-        args = ("top", "--once", server.url) if command == "top" else ("report", server.url, "-o", "/dev/null")
+        args = (
+            ("top", "--once", server.url)
+            if command == "top"
+            else ("report", server.url, "-o", "/dev/null")
+        )
         out, ended = run_cli(*args, "--timeout", "2")
         took = ended - server.accepted[0]
     one_line_error(out, 1, "took longer than 2 s (--timeout)")
@@ -133,26 +145,45 @@ def test_top_refuses_an_endless_body_at_its_size_cap():
     assert took < 20, took  # ended by the cap, long before the deadline
 
 
-@pytest.mark.parametrize("body, why", [
-    (b"<!DOCTYPE html><html><body><h1>Welcome</h1></body></html>\n", "not the Prometheus text format"),
-    (b"\x00\xff\xfe garbage {{{ \x01\x02\n", "not the Prometheus text format"),
-    (b'hookprof_steps_total{rank="abc"} 5\n', "the rank label is 'abc', not a whole number"),
-    (b'hookprof_steps_total{rank="0"} NaN\n', "the count is 'nan', not a whole number"),
-    (b'hookprof_steps_total{rank="0"} +Inf\n', "the count is 'inf', not a whole number"),
-    (b'hookprof_first_nonfinite_info{rank="0",phase="forward"} 1\n', "without its layer label"),
-])
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        (
+            b"<!DOCTYPE html><html><body><h1>Welcome</h1></body></html>\n",
+            "not the Prometheus text format",
+        ),
+        (b"\x00\xff\xfe garbage {{{ \x01\x02\n", "not the Prometheus text format"),
+        (b'hookprof_steps_total{rank="abc"} 5\n', "the rank label is 'abc', not a whole number"),
+        (b'hookprof_steps_total{rank="0"} NaN\n', "the count is 'nan', not a whole number"),
+        (b'hookprof_steps_total{rank="0"} +Inf\n', "the count is 'inf', not a whole number"),
+        (b'hookprof_first_nonfinite_info{rank="0",phase="forward"} 1\n', "without its layer label"),
+    ],
+)
 def test_top_on_a_page_that_is_not_hookprof_metrics(body, why):
     with hostile(reply(body)) as server:
         out, _ = run_cli("top", "--once", server.url, "--timeout", "5")
     one_line_error(out, 1, "not a hookprof /metrics page", why)
 
 
-@pytest.mark.parametrize("body", [
-    b'{"models":[{}]}', b'{"models":5}', b"[" * 200_000,
-    b'{"models":[{"model":"m"}]}', b'{"models":[{"model":"m","layer_totals":5,"history":"x"}]}',
-    b'{"models":[5]}',
-], ids=["model-without-fields", "models-not-a-list", "200k-brackets", "model-without-history",
-        "history-not-a-list", "model-not-an-object"])  # pytest's own id of 200 KB of "[" went into
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"models":[{}]}',
+        b'{"models":5}',
+        b"[" * 200_000,
+        b'{"models":[{"model":"m"}]}',
+        b'{"models":[{"model":"m","layer_totals":5,"history":"x"}]}',
+        b'{"models":[5]}',
+    ],
+    ids=[
+        "model-without-fields",
+        "models-not-a-list",
+        "200k-brackets",
+        "model-without-history",
+        "history-not-a-list",
+        "model-not-an-object",
+    ],
+)  # pytest's own id of 200 KB of "[" went into
 # PYTEST_CURRENT_TEST, and an environment string over 128 KiB fails every subprocess (E2BIG,
 # seen with the GPU image's pytest)
 def test_report_on_json_that_is_not_a_hookprof_history(body, tmp_path):
@@ -162,18 +193,27 @@ def test_report_on_json_that_is_not_a_hookprof_history(body, tmp_path):
     assert not (tmp_path / "run.html").exists()
 
 
-@pytest.mark.parametrize("args", [
-    ("top", "--once", "--timeout", "-1"), ("top", "--once", "--timeout", "nan"),
-    ("top", "--once", "--timeout", "0"), ("top", "--once", "--interval", "nan"),
-    ("report", "--timeout", "0"), ("report", "--timeout", "inf"), ("report", "--timeout", "-5"),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("top", "--once", "--timeout", "-1"),
+        ("top", "--once", "--timeout", "nan"),
+        ("top", "--once", "--timeout", "0"),
+        ("top", "--once", "--interval", "nan"),
+        ("report", "--timeout", "0"),
+        ("report", "--timeout", "inf"),
+        ("report", "--timeout", "-5"),
+    ],
+)
 def test_a_timeout_that_is_not_a_positive_number_of_seconds(args):
     out, _ = run_cli(*args, "127.0.0.1:9")
     one_line_error(out, 2, "not a")
 
 
 def test_a_redirect_loop_is_one_line():
-    with hostile(lambda conn, stop: reply(b"", b"302 Found", b"Location: /metrics\r\n")(conn, stop)) as server:
+    with hostile(
+        lambda conn, stop: reply(b"", b"302 Found", b"Location: /metrics\r\n")(conn, stop)
+    ) as server:
         out, _ = run_cli("top", "--once", server.url, "--timeout", "5")
     one_line_error(out, 1, "redirects")
     assert len(server.accepted) == 6  # the first request and 5 redirects followed
@@ -194,13 +234,16 @@ def test_demo_on_a_port_in_use():
     one_line_error(out, 2, "Address already in use")
 
 
-@pytest.mark.parametrize("args, words", [
-    (("--port", "-1"), "port must be an integer in [0, 65535]"),
-    (("--port", "70000"), "port must be an integer in [0, 65535]"),
-    (("--addr", "999.1.1.1"), "cannot serve metrics"),
-    (("--addr", "not a host"), "cannot serve metrics"),
-    (("--sample-every", "0"), "sample_every must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("--port", "-1"), "port must be an integer in [0, 65535]"),
+        (("--port", "70000"), "port must be an integer in [0, 65535]"),
+        (("--addr", "999.1.1.1"), "cannot serve metrics"),
+        (("--addr", "not a host"), "cannot serve metrics"),
+        (("--sample-every", "0"), "sample_every must be >= 1"),
+    ],
+)
 def test_demo_with_bad_options(args, words):
     out, _ = run_cli("demo", "--steps", "1", "--exit", "--port", str(free_port()), *args)
     one_line_error(out, 2, words)

@@ -22,18 +22,27 @@ def board() -> dict:
 
 def test_committed_json_is_what_the_generator_writes():
     pytest.importorskip("grafana_foundation_sdk")
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "grafana", "generate.py"), "--check"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "grafana", "generate.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
 
 
 def test_variables_and_datasource(board):
     variables = {v["name"]: v for v in board["templating"]["list"]}
     assert {"datasource", "job", "model", "instance", "rank", "layer", "topk"} <= set(variables)
-    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert (
+        variables["datasource"]["type"] == "datasource"
+        and variables["datasource"]["query"] == "prometheus"
+    )
     for name in ("job", "model", "instance", "rank", "layer"):
         v = variables[name]
-        assert v["type"] == "query" and v["multi"] and v["includeAll"] and v["allValue"] == ".*", name
+        assert v["type"] == "query" and v["multi"] and v["includeAll"] and v["allValue"] == ".*", (
+            name
+        )
         assert v["datasource"]["uid"] == "${datasource}", name
     for panel in board["panels"]:
         if panel["type"] == "row":
@@ -48,20 +57,34 @@ def test_variables_and_datasource(board):
 def test_panels_the_issue_asks_for(board):
     titles = {p["title"]: p for p in board["panels"]}
     for title, kind in {
-        "Steps per second": "timeseries", "Step duration": "timeseries", "Loss": "timeseries",
-        "Global gradient norm": "timeseries", "Top layers by forward time": "bargauge",
-        "Top layers by backward time": "bargauge", "Forward latency per layer": "timeseries",
-        "Backward latency per layer": "timeseries", "Gradient norm per layer": "timeseries",
-        "First non-finite layer": "table", "GradScaler skipped steps": "timeseries",
-        "CPU": "timeseries", "Memory": "timeseries", "GPU utilisation": "timeseries",
-        "GPU memory": "timeseries", "GPU power and temperature": "timeseries",
+        "Steps per second": "timeseries",
+        "Step duration": "timeseries",
+        "Loss": "timeseries",
+        "Global gradient norm": "timeseries",
+        "Top layers by forward time": "bargauge",
+        "Top layers by backward time": "bargauge",
+        "Forward latency per layer": "timeseries",
+        "Backward latency per layer": "timeseries",
+        "Gradient norm per layer": "timeseries",
+        "First non-finite layer": "table",
+        "GradScaler skipped steps": "timeseries",
+        "CPU": "timeseries",
+        "Memory": "timeseries",
+        "GPU utilisation": "timeseries",
+        "GPU memory": "timeseries",
+        "GPU power and temperature": "timeseries",
         "Scrape targets up": "timeseries",
         # issue 15
-        "Model FLOP/s": "timeseries", "Model FLOPs utilisation (MFU)": "timeseries",
-        "Achieved FLOP/s of the slowest layers": "bargauge", "Update-to-weight ratio": "timeseries",
-        "Update-to-weight ratio per layer": "timeseries", "Step time per rank and the median of ranks": "timeseries",
-        "Slowest rank over the median": "timeseries", "Step phases per rank over the median of ranks": "timeseries",
-        "Step time by phase": "timeseries", "Device time by phase (CUDA)": "timeseries",
+        "Model FLOP/s": "timeseries",
+        "Model FLOPs utilisation (MFU)": "timeseries",
+        "Achieved FLOP/s of the slowest layers": "bargauge",
+        "Update-to-weight ratio": "timeseries",
+        "Update-to-weight ratio per layer": "timeseries",
+        "Step time per rank and the median of ranks": "timeseries",
+        "Slowest rank over the median": "timeseries",
+        "Step phases per rank over the median of ranks": "timeseries",
+        "Step time by phase": "timeseries",
+        "Device time by phase (CUDA)": "timeseries",
     }.items():
         assert titles[title]["type"] == kind, title
 
@@ -76,12 +99,16 @@ def test_per_layer_panels_are_bounded_for_1000_layers(board):
 
 
 # per attached model (they carry `model`) or per process and host (they do not): issue 18
-PER_MODEL = re.compile(r"\bhookprof_(?:steps|sampled_steps|step_duration_seconds|last_step_timestamp_seconds|loss"
-                       r"|gradient_norm|nonfinite_steps|skipped_steps|gradient_flagged_steps|layer_\w+"
-                       r"|first_nonfinite_info|layers|layers_exported|internal_errors|publisher_thread_up"
-                       r"|model_flops_\w+|update_ratio|step_phase_seconds|step_phase_device_seconds|progress_\w+|stalled|stalls|stall_info)")
-PER_PROCESS = re.compile(r"\b(?:up|process_\w+|hookprof_(?:host|gpu|cuda_memory)_\w+"
-                         r"|hookprof_http_connections_rejected_total|hookprof_build_info)\b")
+PER_MODEL = re.compile(
+    r"\bhookprof_(?:steps|sampled_steps|step_duration_seconds|last_step_timestamp_seconds|loss"
+    r"|gradient_norm|nonfinite_steps|skipped_steps|gradient_flagged_steps|layer_\w+"
+    r"|first_nonfinite_info|layers|layers_exported|internal_errors|publisher_thread_up"
+    r"|model_flops_\w+|update_ratio|step_phase_seconds|step_phase_device_seconds|progress_\w+|stalled|stalls|stall_info)"
+)
+PER_PROCESS = re.compile(
+    r"\b(?:up|process_\w+|hookprof_(?:host|gpu|cuda_memory)_\w+"
+    r"|hookprof_http_connections_rejected_total|hookprof_build_info)\b"
+)
 
 
 def test_model_variable_selects_every_per_model_query_and_keeps_models_apart(board):
@@ -90,7 +117,7 @@ def test_model_variable_selects_every_per_model_query_and_keeps_models_apart(boa
     (model,) = [v for v in board["templating"]["list"] if v["name"] == "model"]
     assert model["query"]["query"] == 'label_values(hookprof_steps_total{job=~"$job"}, model)'
     # the variables after it are narrowed by it
-    for v in board["templating"]["list"][variables.index("model") + 1:]:
+    for v in board["templating"]["list"][variables.index("model") + 1 :]:
         if v["type"] == "query":
             assert 'model=~"$model"' in v["query"]["query"], v["name"]
     per_model = 0

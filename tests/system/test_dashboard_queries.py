@@ -35,20 +35,44 @@ def prometheus_on_demo(tmp_path_factory):
     try:
         port = free_port()
         demo = procs.start(
-            [sys.executable, worker("fake_gpu_demo.py"), "demo", "--port", str(port),
-             "--nan-at-step", "150", "--nan-layer", "mlp.2", "--step-delay", "0.01"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "HOOKPROF_SYSTEM_INTERVAL_S": "0.5",
-                 "HOOKPROF_MIN_SAMPLE_INTERVAL_S": "0.5",
-                 # a CPU has no default peak: a set one makes the MFU panel's series exist
-                 "HOOKPROF_PEAK_FLOPS": "1e12"},
+            [
+                sys.executable,
+                worker("fake_gpu_demo.py"),
+                "demo",
+                "--port",
+                str(port),
+                "--nan-at-step",
+                "150",
+                "--nan-layer",
+                "mlp.2",
+                "--step-delay",
+                "0.01",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                "HOOKPROF_SYSTEM_INTERVAL_S": "0.5",
+                "HOOKPROF_MIN_SAMPLE_INTERVAL_S": "0.5",
+                # a CPU has no default peak: a set one makes the MFU panel's series exist
+                "HOOKPROF_PEAK_FLOPS": "1e12",
+            },
         )
         read_until(demo.stdout, "serving metrics")
         prom = start_prometheus(procs, tmp, [f"127.0.0.1:{port}"], None, job=JOB)
         # enough history for rate() windows, and the NaN localised and scraped
-        wait_for("the first non-finite layer in Prometheus",
-                 lambda: query(prom, "hookprof_first_nonfinite_info"), timeout=90)
-        wait_for("10 scrapes", lambda: query(prom, f'count_over_time(up{{job="{JOB}"}}[1m]) >= 10'), timeout=60)
+        wait_for(
+            "the first non-finite layer in Prometheus",
+            lambda: query(prom, "hookprof_first_nonfinite_info"),
+            timeout=90,
+        )
+        wait_for(
+            "10 scrapes",
+            lambda: query(prom, f'count_over_time(up{{job="{JOB}"}}[1m]) >= 10'),
+            timeout=60,
+        )
         yield prom
     finally:
         procs.stop_all()
@@ -80,8 +104,10 @@ def test_every_variable_query_lists_values(prometheus_on_demo):
         m = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"]["query"])
         assert m, var["query"]
         selector, label = substitute(m.group(1)), m.group(2)
-        url = (f"http://127.0.0.1:{prometheus_on_demo}/api/v1/label/{label}/values?"
-               + urllib.parse.urlencode({"match[]": selector}))
+        url = (
+            f"http://127.0.0.1:{prometheus_on_demo}/api/v1/label/{label}/values?"
+            + urllib.parse.urlencode({"match[]": selector})
+        )
         values = set(get_json(url)["data"])
         assert values, f"variable {var['name']} lists nothing: {var['query']['query']}"
         if var["name"] in expected:
@@ -91,31 +117,53 @@ def test_every_variable_query_lists_values(prometheus_on_demo):
 
 
 # per process and host: never a `model` label (issue 18); every other hookprof_* series has one
-PER_PROCESS = "hookprof_(host|gpu|cuda_memory)_.*|hookprof_build_info|hookprof_http_connections_rejected_total"
+PER_PROCESS = (
+    "hookprof_(host|gpu|cuda_memory)_.*|hookprof_build_info"
+    "|hookprof_http_connections_rejected_total"
+)
 
 
 def test_per_process_series_carry_no_model_label(prometheus_on_demo):
-    wrong = query(prometheus_on_demo, f'group by (__name__) ({{job="{JOB}", __name__=~"process_.*|{PER_PROCESS}", '
-                                      'model!=""})')
+    wrong = query(
+        prometheus_on_demo,
+        f'group by (__name__) ({{job="{JOB}", __name__=~"process_.*|{PER_PROCESS}", model!=""}})',
+    )
     assert not wrong, [r["metric"]["__name__"] for r in wrong]
 
 
 def test_every_per_model_series_carries_the_model_label(prometheus_on_demo):
-    unlabelled = query(prometheus_on_demo, f'group by (__name__) ({{job="{JOB}", __name__=~"hookprof_.*", '
-                                           f'__name__!~"{PER_PROCESS}", model=""}})')
+    unlabelled = query(
+        prometheus_on_demo,
+        f'group by (__name__) ({{job="{JOB}", __name__=~"hookprof_.*", '
+        f'__name__!~"{PER_PROCESS}", model=""}})',
+    )
     assert not unlabelled, sorted(r["metric"]["__name__"] for r in unlabelled)
     (var,) = [v for v in dashboard()["templating"]["list"] if v["name"] == "model"]
     m = re.fullmatch(r"label_values\((.+), model\)", var["query"]["query"])
-    url = (f"http://127.0.0.1:{prometheus_on_demo}/api/v1/label/model/values?"
-           + urllib.parse.urlencode({"match[]": substitute(m.group(1))}))
+    url = (
+        f"http://127.0.0.1:{prometheus_on_demo}/api/v1/label/model/values?"
+        + urllib.parse.urlencode({"match[]": substitute(m.group(1))})
+    )
     assert len(get_json(url)["data"]) == 1  # the demo attaches one model
 
 
 def test_every_alert_rule_evaluates_and_its_series_exist(prometheus_on_demo):
     rules = {r.get("alert") or r["record"]: r for r in alert_rules()}
-    loaded = wait_for("rules evaluated", lambda: [
-        r for g in get_json(f"http://127.0.0.1:{prometheus_on_demo}/api/v1/rules")["data"]["groups"]
-        for r in g["rules"] if r.get("lastEvaluation", "").startswith("2")] or None, timeout=30)
+    loaded = wait_for(
+        "rules evaluated",
+        lambda: (
+            [
+                r
+                for g in get_json(f"http://127.0.0.1:{prometheus_on_demo}/api/v1/rules")["data"][
+                    "groups"
+                ]
+                for r in g["rules"]
+                if r.get("lastEvaluation", "").startswith("2")
+            ]
+            or None
+        ),
+        timeout=30,
+    )
     assert {r["name"] for r in loaded} == set(rules)
     for r in loaded:
         assert r["health"] == "ok" and not r.get("lastError"), (r["name"], r.get("lastError"))
@@ -150,7 +198,9 @@ def test_readme_recording_rules_pass_promtool_and_return_data(prometheus_on_demo
     path.write_text(json.dumps(doc))  # JSON is YAML
     tool = promtool()
     if tool is not None:
-        result = subprocess.run([tool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [tool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+        )
         assert result.returncode == 0, result.stdout + result.stderr
     rules = [r for g in doc["groups"] for r in g["rules"]]
     assert len(rules) >= 4

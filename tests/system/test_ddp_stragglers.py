@@ -34,8 +34,14 @@ def synced_ranks_scraped(request, tmp_path_factory):
 
     stop_at = mp.get_context("spawn").Value("i", 0)  # the step every rank stops after
     tmp = str(tmp_path_factory.mktemp("ddp_straggler"))
-    with ranks_scraped(run_rank, lambda r, out, go_home: ((0.0, DELAY), "data", out, go_home, stop_at, request.param),
-                       2, tmp, JOB, scrapes=5) as (prom, workers):
+    with ranks_scraped(
+        run_rank,
+        lambda r, out, go_home: ((0.0, DELAY), "data", out, go_home, stop_at, request.param),
+        2,
+        tmp,
+        JOB,
+        scrapes=5,
+    ) as (prom, workers):
         yield prom, SETUPS[request.param]
     assert [w.exitcode for w in workers] == [0, 0]  # both stopped after the same step
 
@@ -52,9 +58,14 @@ def by_rank_and_phase(result: list[dict]) -> dict[tuple[str, str], float]:
 def test_equal_step_times_leave_the_step_time_rule_blind(synced_ranks_scraped):
     """The bug this fixes: the slowed rank's step is no longer than the other's."""
     prom, _ = synced_ranks_scraped
-    steps = {r["metric"]["rank"]: float(r["value"][1]) for r in query(
-        prom, "sum by (rank) (rate(hookprof_step_duration_seconds_sum[1m]))"
-                           " / sum by (rank) (rate(hookprof_step_duration_seconds_count[1m]))")}
+    steps = {
+        r["metric"]["rank"]: float(r["value"][1])
+        for r in query(
+            prom,
+            "sum by (rank) (rate(hookprof_step_duration_seconds_sum[1m]))"
+            " / sum by (rank) (rate(hookprof_step_duration_seconds_count[1m]))",
+        )
+    }
     assert set(steps) == {"0", "1"} and min(steps.values()) >= DELAY, steps
     assert steps["1"] == pytest.approx(steps["0"], rel=0.05)
     assert query(prom, rule("HookprofStragglerRank")["expr"]) == []
@@ -82,11 +93,19 @@ def test_the_phase_rule_names_rank_1_and_its_data_phase(synced_ranks_scraped):
     # rank 0's wait stands out from the median of two as well: the rule leaves it out
     above = by_rank_and_phase(query(prom, "hookprof:step_phase_seconds:above_median_of_ranks5m"))
     assert set(above) == {("1", "data"), ("0", wait)}, above
-    alerts = wait_for("the phase straggler alert pending", lambda: [
-        a for a in get_json(f"http://127.0.0.1:{prom}/api/v1/alerts")["data"]["alerts"]
-        if a["labels"]["alertname"].startswith("HookprofStraggler")], timeout=20)
-    assert [(a["labels"]["alertname"], a["labels"]["rank"], a["labels"]["phase"], a["state"]) for a in alerts] == [
-        ("HookprofStragglerPhase", "1", "data", "pending")], json.dumps(alerts)
+    alerts = wait_for(
+        "the phase straggler alert pending",
+        lambda: [
+            a
+            for a in get_json(f"http://127.0.0.1:{prom}/api/v1/alerts")["data"]["alerts"]
+            if a["labels"]["alertname"].startswith("HookprofStraggler")
+        ],
+        timeout=20,
+    )
+    assert [
+        (a["labels"]["alertname"], a["labels"]["rank"], a["labels"]["phase"], a["state"])
+        for a in alerts
+    ] == [("HookprofStragglerPhase", "1", "data", "pending")], json.dumps(alerts)
 
 
 def test_the_straggler_panels_show_the_phase_comparison(synced_ranks_scraped):

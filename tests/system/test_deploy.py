@@ -50,12 +50,18 @@ def mounts(service: str) -> dict[str, str]:
 
 
 def rule_count() -> int:
-    with open(os.path.join(ROOT, "deploy", "prometheus", "hookprof-rules.yml"), encoding="utf-8") as f:
+    with open(
+        os.path.join(ROOT, "deploy", "prometheus", "hookprof-rules.yml"), encoding="utf-8"
+    ) as f:
         return sum(len(g["rules"]) for g in yaml.safe_load(f)["groups"])
 
 
 def flag(service: str, name: str) -> str:
-    (value,) = [a.split("=", 1)[1] for a in compose()["services"][service]["command"] if a.startswith(name + "=")]
+    (value,) = [
+        a.split("=", 1)[1]
+        for a in compose()["services"][service]["command"]
+        if a.startswith(name + "=")
+    ]
     return value
 
 
@@ -76,7 +82,9 @@ def test_prometheus_config_as_mounted_in_the_container_passes_promtool(tmp_path)
     config = tmp_path / flag("prometheus", "--config.file").lstrip("/")
     result = run([tool("promtool"), "check", "config", str(config)])
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "1 rule files found" in result.stdout and f"{rule_count()} rules found" in result.stdout, result.stdout
+    assert (
+        "1 rule files found" in result.stdout and f"{rule_count()} rules found" in result.stdout
+    ), result.stdout
     prom = yaml.safe_load(config.read_text())
     (job,) = prom["scrape_configs"]
     assert "hookprof" in job["job_name"]  # the exporter-down alerts select on it
@@ -106,7 +114,9 @@ def test_grafana_provisioning_points_at_prometheus_and_the_dashboards():
     assert provider["type"] == "file"
     dashboards_dir = grafana[provider["options"]["path"]]
     assert dashboards_dir == os.path.join(ROOT, "grafana", "dashboards")
-    home = compose()["services"]["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    home = compose()["services"]["grafana"]["environment"][
+        "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"
+    ]
     assert os.path.exists(os.path.join(dashboards_dir, os.path.basename(home)))
 
 
@@ -151,8 +161,12 @@ def test_generator_check_refuses_a_promtool_test_file_in_the_rules_glob(tmp_path
     # a copy of the repository's deploy/ and dashboards, with a unit-test file put back where
     # it was before issue 32: the rules' glob must hold rule files only
     shutil.copytree(os.path.join(ROOT, "deploy"), tmp_path / "deploy")
-    shutil.copytree(os.path.join(ROOT, "grafana", "dashboards"), tmp_path / "grafana" / "dashboards")
-    shutil.copy(tmp_path / "deploy/prometheus/tests/hookprof-rules.test.yml", tmp_path / "deploy/prometheus")
+    shutil.copytree(
+        os.path.join(ROOT, "grafana", "dashboards"), tmp_path / "grafana" / "dashboards"
+    )
+    shutil.copy(
+        tmp_path / "deploy/prometheus/tests/hookprof-rules.test.yml", tmp_path / "deploy/prometheus"
+    )
     result = run([sys.executable, str(tmp_path / "deploy/kubernetes/generate.py"), "--check"])
     assert result.returncode == 1
     assert "deploy/prometheus/hookprof-rules.test.yml is in the rules' glob" in result.stderr
@@ -164,7 +178,9 @@ def test_prometheusrule_groups_pass_promtool(tmp_path):
     path = tmp_path / "groups.yml"
     path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     result = run([tool("promtool"), "check", "rules", str(path)])
-    assert result.returncode == 0 and f"{rule_count()} rules found" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0 and f"{rule_count()} rules found" in result.stdout, (
+        result.stdout + result.stderr
+    )
 
 
 def test_podmonitor_selects_the_job_and_covers_its_ports():
@@ -178,7 +194,9 @@ def test_podmonitor_selects_the_job_and_covers_its_ports():
     env = {e["name"]: e["value"] for e in container["env"]}
     base = int(env["HOOKPROF_PORT"])
     assert env["HOOKPROF_ADDR"] == "0.0.0.0"
-    nproc = int(next(a for a in container["command"] if a.startswith("--nproc-per-node=")).split("=")[1])
+    nproc = int(
+        next(a for a in container["command"] if a.startswith("--nproc-per-node=")).split("=")[1]
+    )
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     # one named port per local rank, rank N on base + N, each one the PodMonitor scrapes
     assert ports == {f"hookprof-{i}": base + i for i in range(nproc)}
@@ -189,7 +207,9 @@ def test_podmonitor_selects_the_job_and_covers_its_ports():
 def test_configmaps_carry_the_dashboards_and_the_script_the_job_mounts():
     dashboards = manifest("grafana-dashboards.yaml")
     assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
-    with open(os.path.join(ROOT, "grafana", "dashboards", "hookprof-training.json"), encoding="utf-8") as f:
+    with open(
+        os.path.join(ROOT, "grafana", "dashboards", "hookprof-training.json"), encoding="utf-8"
+    ) as f:
         assert json.loads(dashboards["data"]["hookprof-training.json"]) == json.load(f)
     job = manifest("training-job.yaml")
     volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
@@ -226,13 +246,34 @@ def run_train_script(nproc: int, layers: int) -> str:
     from support.ports import free_port_range
 
     base = free_port_range(nproc)
-    env = {**os.environ, "HOOKPROF_PORT": str(base), "HOOKPROF_SAMPLE_EVERY": "1",
-           "HOOKPROF_MIN_SAMPLE_INTERVAL_S": "0", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {
+        **os.environ,
+        "HOOKPROF_PORT": str(base),
+        "HOOKPROF_SAMPLE_EVERY": "1",
+        "HOOKPROF_MIN_SAMPLE_INTERVAL_S": "0",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         os.path.join(K8S, "train.py"), "--steps", "100000", "--width", "64"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            os.path.join(K8S, "train.py"),
+            "--steps",
+            "100000",
+            "--width",
+            "64",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         urls, output = {}, ""
         deadline = time.monotonic() + 120
@@ -252,7 +293,9 @@ def run_train_script(nproc: int, layers: int) -> str:
                 if steps and list(steps.values())[0] >= 5:
                     break
                 time.sleep(0.2)
-            assert steps == {frozenset({"rank": rank}.items()): steps[frozenset({"rank": rank}.items())]}
+            assert steps == {
+                frozenset({"rank": rank}.items()): steps[frozenset({"rank": rank}.items())]
+            }
             assert len(samples(f, "hookprof_layer_gradient_norm")) == layers
         return output
     finally:

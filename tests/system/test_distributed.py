@@ -3,7 +3,6 @@ rank label, and DDP's gradients are read after the all-reduce."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from support.metrics import parse, samples
@@ -42,12 +41,14 @@ def test_fsdp2_local_norms_combine_to_the_full_norms():
     for layer, full in full_layers.items():
         combined = (norms0[layer] ** 2 + norms1[layer] ** 2) ** 0.5
         assert combined == pytest.approx(full, rel=1e-5), layer
-    assert (global0 ** 2 + global1 ** 2) ** 0.5 == pytest.approx(total, rel=1e-5)  # = get_total_norm
+    assert (global0**2 + global1**2) ** 0.5 == pytest.approx(total, rel=1e-5)  # = get_total_norm
     for rank, text in texts.items():
         exported = samples(parse(text), "hookprof_layer_gradient_norm")
         assert {dict(k)["rank"] for k in exported} == {str(rank)}
         by_layer = {dict(k)["layer"]: v for k, v in exported.items()}
-        assert by_layer == pytest.approx({n: v for n, v in (norms0 if rank == 0 else norms1).items() if v is not None})
+        assert by_layer == pytest.approx(
+            {n: v for n, v in (norms0 if rank == 0 else norms1).items() if v is not None}
+        )
 
 
 def test_hookprof_runs_no_collectives():
@@ -58,12 +59,18 @@ def test_hookprof_runs_no_collectives():
 
     import hookprof
 
-    pattern = re.compile(r"\b(dist|distributed|funcol|c10d)\.(all_reduce|all_gather\w*|reduce_scatter\w*|"
-                         r"broadcast\w*|barrier|gather\w*|scatter\w*|send|recv|isend|irecv)\b"
-                         r"|\.(full_tensor|redistribute)\(")
+    pattern = re.compile(
+        r"\b(dist|distributed|funcol|c10d)\.(all_reduce|all_gather\w*|reduce_scatter\w*|"
+        r"broadcast\w*|barrier|gather\w*|scatter\w*|send|recv|isend|irecv)\b"
+        r"|\.(full_tensor|redistribute)\("
+    )
     package = pathlib.Path(hookprof.__file__).parent
-    found = [f"{path.name}:{n}: {line.strip()}" for path in sorted(package.glob("*.py"))
-             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    found = [
+        f"{path.name}:{n}: {line.strip()}"
+        for path in sorted(package.glob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert found == [], found
 
 

@@ -22,13 +22,16 @@ import pytest
 from support.ports import free_port
 from support.rendered import Elements, demo_run, line_of, number
 
-
 COMMANDS = ("top", "report")
 
 
 def hookprof(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hookprof.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "hookprof.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def command_args(command: str, target: str, tmp_path) -> list[str]:
@@ -79,11 +82,17 @@ def test_report_of_host_port_with_cacert_goes_over_https_and_draws_the_live_run(
     assert f"from https://127.0.0.1:{port}/history.json" in page
     el = Elements(page)
     (first,) = el.find("p", **{"class": "bad first-offender"})
-    assert (first["data-layer"], first["data-step"], first["data-phase"]) == ("mlp.0", "9", "forward")
+    assert (first["data-layer"], first["data-step"], first["data-phase"]) == (
+        "mlp.0",
+        "9",
+        "forward",
+    )
     (loss_chart,) = el.find("svg", **{"data-kind": "loss"})
     line = line_of(el, loss_chart)
     assert line["data-steps"].split() == [str(s) for s in range(1, 13)]
-    for step, (drawn, seen) in enumerate(zip((number(v) for v in line["data-values"].split()), losses), start=1):
+    for step, (drawn, seen) in enumerate(
+        zip((number(v) for v in line["data-values"].split()), losses), start=1
+    ):
         if step < 9:  # the losses the training loop computed, read back through TLS
             assert math.isclose(drawn, seen, rel_tol=1e-6), (step, drawn, seen)
         else:
@@ -92,15 +101,37 @@ def test_report_of_host_port_with_cacert_goes_over_https_and_draws_the_live_run(
 
 def test_report_over_mutual_tls_with_host_port(pki, tmp_path):
     cert, key = pki["server"]
-    prof, _ = demo_run(steps=4, nan_at=0, tls_certfile=cert, tls_keyfile=key, tls_client_cafile=pki["ca"])
+    prof, _ = demo_run(
+        steps=4, nan_at=0, tls_certfile=cert, tls_keyfile=key, tls_client_cafile=pki["ca"]
+    )
     try:
         port = prof.url.split(":")[2].split("/")[0]
         target = f"127.0.0.1:{port}"
         out = tmp_path / "run.html"
-        ok = hookprof("report", target, "--cacert", pki["ca"], "--cert", pki["client"][0], "--key",
-                      pki["client"][1], "-o", str(out))
-        stranger = hookprof("report", target, "--cacert", pki["ca"], "--cert", pki["stranger"][0], "--key",
-                            pki["stranger"][1], "-o", str(tmp_path / "no.html"))
+        ok = hookprof(
+            "report",
+            target,
+            "--cacert",
+            pki["ca"],
+            "--cert",
+            pki["client"][0],
+            "--key",
+            pki["client"][1],
+            "-o",
+            str(out),
+        )
+        stranger = hookprof(
+            "report",
+            target,
+            "--cacert",
+            pki["ca"],
+            "--cert",
+            pki["stranger"][0],
+            "--key",
+            pki["stranger"][1],
+            "-o",
+            str(tmp_path / "no.html"),
+        )
     finally:
         prof.detach()
     assert ok.returncode == 0, ok.stderr
@@ -121,8 +152,10 @@ def test_a_wrong_ca_is_one_line_saying_what_to_pass(command, tls_run, tmp_path):
     assert result.returncode == 1
     page = "metrics" if command == "top" else "history.json"
     line = one_line_error(result, command)
-    assert line.startswith(f"hookprof {command}: cannot read https://127.0.0.1:{port}/{page}: "
-                           "its TLS certificate is not trusted ("), line
+    assert line.startswith(
+        f"hookprof {command}: cannot read https://127.0.0.1:{port}/{page}: "
+        "its TLS certificate is not trusted ("
+    ), line
     assert "pass --cacert with the CA that signed the endpoint's certificate" in line
     assert not (tmp_path / "run.html").exists()
 
@@ -132,27 +165,56 @@ def bad_inputs(pki) -> dict[str, tuple[list[str], str]]:
     the one-line error must hold)."""
     missing = os.path.join(os.path.dirname(pki["ca"]), "nowhere.pem")
     return {
-        "http with --cacert": (["--cacert", pki["ca"]], "--cacert and --cert are TLS options, but the URL says http://"),
+        "http with --cacert": (
+            ["--cacert", pki["ca"]],
+            "--cacert and --cert are TLS options, but the URL says http://",
+        ),
         "missing CA file": (["--cacert", missing], f"--cacert {missing}: no such file"),
-        "CA file not PEM": (["--cacert", pki["client"][1]], f"--cacert {pki['client'][1]}: not a PEM CA certificate ("),
-        "CA a directory": (["--cacert", os.path.dirname(pki["ca"])], f"--cacert {os.path.dirname(pki['ca'])}: not a file"),
+        "CA file not PEM": (
+            ["--cacert", pki["client"][1]],
+            f"--cacert {pki['client'][1]}: not a PEM CA certificate (",
+        ),
+        "CA a directory": (
+            ["--cacert", os.path.dirname(pki["ca"])],
+            f"--cacert {os.path.dirname(pki['ca'])}: not a file",
+        ),
         "key without cert": (["--key", pki["client"][1]], "--key needs --cert"),
-        "cert without its key": (["--cacert", pki["ca"], "--cert", pki["client"][0]],
-                                 f"--cert {pki['client'][0]}: not a PEM certificate and its private key "
-                                 "(pass --key when the key is not in the --cert file)"),
-        "key not the cert's": (["--cacert", pki["ca"], "--cert", pki["client"][0], "--key", pki["stranger"][1]],
-                               f"--cert {pki['client'][0]} with --key {pki['stranger'][1]}: not a PEM "
-                               "certificate and its private key (KEY_VALUES_MISMATCH)"),
+        "cert without its key": (
+            ["--cacert", pki["ca"], "--cert", pki["client"][0]],
+            f"--cert {pki['client'][0]}: not a PEM certificate and its private key "
+            "(pass --key when the key is not in the --cert file)",
+        ),
+        "key not the cert's": (
+            ["--cacert", pki["ca"], "--cert", pki["client"][0], "--key", pki["stranger"][1]],
+            f"--cert {pki['client'][0]} with --key {pki['stranger'][1]}: not a PEM "
+            "certificate and its private key (KEY_VALUES_MISMATCH)",
+        ),
     }
 
 
-@pytest.mark.parametrize("case", ["http with --cacert", "missing CA file", "CA file not PEM", "CA a directory",
-                                  "key without cert", "cert without its key", "key not the cert's"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "http with --cacert",
+        "missing CA file",
+        "CA file not PEM",
+        "CA a directory",
+        "key without cert",
+        "cert without its key",
+        "key not the cert's",
+    ],
+)
 @pytest.mark.parametrize("command", COMMANDS)
-def test_bad_options_are_refused_in_one_line_before_connecting(command, case, pki, tmp_path, capsys):
+def test_bad_options_are_refused_in_one_line_before_connecting(
+    command, case, pki, tmp_path, capsys
+):
     extra, words = bad_inputs(pki)[case]
     # nothing listens on the port: a refusal to connect would be a different message
-    target = f"http://127.0.0.1:{free_port()}" if case == "http with --cacert" else f"127.0.0.1:{free_port()}"
+    target = (
+        f"http://127.0.0.1:{free_port()}"
+        if case == "http with --cacert"
+        else f"127.0.0.1:{free_port()}"
+    )
     result = in_process(capsys, *command_args(command, target, tmp_path), *extra)
     assert result.returncode == 2, result.stderr
     assert words in one_line_error(result, command)
@@ -170,7 +232,9 @@ def test_a_bad_url_is_refused_in_one_line(command, target, tmp_path, capsys):
 @pytest.mark.parametrize("command", COMMANDS)
 def test_refused_and_silent_endpoints_say_so_within_the_timeout(command, tmp_path):
     refused_port = free_port()
-    refused = hookprof(*command_args(command, f"127.0.0.1:{refused_port}", tmp_path), "--timeout", "2")
+    refused = hookprof(
+        *command_args(command, f"127.0.0.1:{refused_port}", tmp_path), "--timeout", "2"
+    )
     assert refused.returncode == 1
     assert "connection refused: nothing listens there" in one_line_error(refused, command)
     # a socket that listens and never accepts: the kernel completes the connection, nobody answers
@@ -178,7 +242,9 @@ def test_refused_and_silent_endpoints_say_so_within_the_timeout(command, tmp_pat
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         port = silent.getsockname()[1]
-        quiet = hookprof(*command_args(command, f"127.0.0.1:{port}", tmp_path), "--timeout", "1", timeout=60)
+        quiet = hookprof(
+            *command_args(command, f"127.0.0.1:{port}", tmp_path), "--timeout", "1", timeout=60
+        )
     assert quiet.returncode == 1
     assert "no answer in time" in one_line_error(quiet, command)
     assert not (tmp_path / "run.html").exists()
@@ -246,7 +312,9 @@ def test_report_says_why_it_cannot_write_the_file(tmp_path):
     finally:
         prof.detach()
     assert result.returncode == 1
-    assert f"cannot write {tmp_path / 'no-such-dir' / 'run.html'}" in one_line_error(result, "report")
+    assert f"cannot write {tmp_path / 'no-such-dir' / 'run.html'}" in one_line_error(
+        result, "report"
+    )
 
 
 def tls_options(command: str) -> dict[str, tuple[str | None, str | None]]:
@@ -260,8 +328,11 @@ def tls_options(command: str) -> dict[str, tuple[str | None, str | None]]:
     {"top": cli.add_top_parser, "report": cli.add_report_parser}[command](sub)
     (command_parser,) = sub.choices.values()
     # argparse keeps a parser's options in _actions only: no public list of them
-    return {a.option_strings[0]: (a.metavar, a.help) for a in command_parser._actions
-            if a.option_strings and a.option_strings[0] in ("--cacert", "--cert", "--key", "--timeout")}
+    return {
+        a.option_strings[0]: (a.metavar, a.help)
+        for a in command_parser._actions
+        if a.option_strings and a.option_strings[0] in ("--cacert", "--cert", "--key", "--timeout")
+    }
 
 
 def test_top_and_report_declare_the_same_tls_options_with_the_same_words():

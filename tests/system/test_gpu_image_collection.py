@@ -18,8 +18,14 @@ from support.paths import ROOT
 
 # dev extras (pyproject.toml) that the GPU image does not have, by import name; PyYAML and
 # rich stay: transformers and huggingface_hub depend on them
-NOT_ON_THE_GPU_IMAGE = ("cryptography", "lightning", "pytorch_lightning", "lightning_fabric",
-                        "accelerate", "grafana_foundation_sdk")
+NOT_ON_THE_GPU_IMAGE = (
+    "cryptography",
+    "lightning",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "accelerate",
+    "grafana_foundation_sdk",
+)
 
 # None in sys.modules makes `import x` raise ModuleNotFoundError and importlib.util.find_spec
 # answer None, as for a package that is not installed; pytest-timeout (a plugin, which
@@ -37,8 +43,14 @@ sys.exit(pytest.main(["--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovi
 def cuda_test_ids(hidden: tuple[str, ...]) -> set[str]:
     """The node ids `pytest -m cuda --collect-only` finds with the packages `hidden`."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, "-c", COLLECT, ",".join(hidden)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-c", COLLECT, ",".join(hidden)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]  # 2 = interrupted by a collection error
     return set(re.findall(r"^(tests/[^\n]+::[^\n]+)$", out.stdout, re.M))
@@ -54,7 +66,13 @@ def test_the_suite_collects_without_the_extras_the_gpu_image_lacks():
     assert len(lightning) == 1
     assert on_the_image == everything - lightning
     files = {t.split("::")[0] for t in everything}
-    assert {"tests/gpu/test_gpu.py", "tests/gpu/test_gpu_nonfinite.py", "tests/gpu/test_gpu_host_cost.py",
-            "tests/gpu/test_stalls_cuda.py", "tests/unit/efficiency/test_efficiency.py",
-            "tests/system/test_deploy.py", "tests/unit/nonfinite/test_closure_guard.py",
-            "tests/gpu/test_step_phases_cuda.py"} < files
+    assert {
+        "tests/gpu/test_gpu.py",
+        "tests/gpu/test_gpu_nonfinite.py",
+        "tests/gpu/test_gpu_host_cost.py",
+        "tests/gpu/test_stalls_cuda.py",
+        "tests/unit/efficiency/test_efficiency.py",
+        "tests/system/test_deploy.py",
+        "tests/unit/nonfinite/test_closure_guard.py",
+        "tests/gpu/test_step_phases_cuda.py",
+    } < files

@@ -21,8 +21,14 @@ def replay(path: str, *args: str) -> subprocess.CompletedProcess:
     code must be) and nothing of the training process."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKPROF_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
-    return subprocess.run([sys.executable, "-m", "hookprof.cli", "replay", path, *args], env=env,
-                          capture_output=True, text=True, timeout=300, cwd="/")
+    return subprocess.run(
+        [sys.executable, "-m", "hookprof.cli", "replay", path, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+    )
 
 
 def test_overflowing_row_reproduces_on_the_cpu_and_names_the_layer(tmp_path):
@@ -32,7 +38,10 @@ def test_overflowing_row_reproduces_on_the_cpu_and_names_the_layer(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert lines[0] == "reproduced: NaN/Inf made by fc1 (aten.addmm in Linear)"
     # the bad row is +-3e38 (finite), fc1's output holds Infs: the ranges say both
-    assert lines[lines.index("inputs:") + 1] == "  args: float32 8x8, finite range [-3e+38, 3e+38], 0 NaN, 0 Inf"
+    assert (
+        lines[lines.index("inputs:") + 1]
+        == "  args: float32 8x8, finite range [-3e+38, 3e+38], 0 NaN, 0 Inf"
+    )
     out = lines[lines.index("output:") + 1]
     assert out.startswith("  output: float32 8x16, finite range [") and not out.endswith(" 0 Inf")
 
@@ -41,7 +50,10 @@ def test_stateful_fault_is_not_reproduced_exit_1(tmp_path):
     _, path = capsule_of(TransientPoison(at=7), tmp_path)
     done = replay(path, "--runs", "4")
     assert done.returncode == 1, done.stdout + done.stderr
-    assert done.stdout.splitlines()[0] == "not reproduced in 4 runs on cpu: transient (suspect nondeterminism or hardware)"
+    assert (
+        done.stdout.splitlines()[0]
+        == "not reproduced in 4 runs on cpu: transient (suspect nondeterminism or hardware)"
+    )
 
 
 def test_producer_class_not_importable_exit_2_with_one_line(tmp_path):
@@ -49,13 +61,18 @@ def test_producer_class_not_importable_exit_2_with_one_line(tmp_path):
     done = replay(path)
     assert done.returncode == 2
     lines = done.stdout.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("could not load: the capsule holds only the state_dict of ")
+    assert len(lines) == 1 and lines[0].startswith(
+        "could not load: the capsule holds only the state_dict of "
+    )
     assert "local_producer_capsule.<locals>.LocalExp" in lines[0] and not done.stderr
 
 
 def test_not_a_capsule_exit_2(tmp_path):
     missing = replay(str(tmp_path / "nothing.pt"))
-    assert (missing.returncode, missing.stdout) == (2, f"could not load: no capsule at {tmp_path / 'nothing.pt'}\n")
+    assert (missing.returncode, missing.stdout) == (
+        2,
+        f"could not load: no capsule at {tmp_path / 'nothing.pt'}\n",
+    )
     (tmp_path / "junk.pt").write_bytes(b"not a pickle")
     junk = replay(str(tmp_path / "junk.pt"))
     assert junk.returncode == 2 and len(junk.stdout.splitlines()) == 1
@@ -89,8 +106,9 @@ class MyNet(nn.Module):
 def test_replay_run_from_the_model_codes_folder_imports_it(tmp_path, monkeypatch):
     """The producer's class lives in mynet.py next to where the person runs `hookprof replay`
     (no PYTHONPATH): it is importable there, as under `python -m` (exit 2 before)."""
-    import hookprof
     import torch
+
+    import hookprof
 
     (tmp_path / "mynet.py").write_text(MYNET)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -111,16 +129,26 @@ def test_replay_run_from_the_model_codes_folder_imports_it(tmp_path, monkeypatch
         prof.flush()
         path = prof.snapshot().first_nonfinite.capsule
     assert path is not None
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKPROF_") and k != "PYTHONPATH"}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("HOOKPROF_") and k != "PYTHONPATH"
+    }
     env["PYTHONPATH"] = str(ROOT)  # hookprof itself, not the model's folder
     # the installed console script (not `python -m`, which puts the folder on the path itself)
     script = os.path.join(os.path.dirname(sys.executable), "hookprof")
     if not os.path.exists(script):  # run from a checkout on PYTHONPATH (the GPU image): no script
-        reason = f"no console script {script}: hookprof is not pip-installed here (pip install -e .)"
+        reason = (
+            f"no console script {script}: hookprof is not pip-installed here (pip install -e .)"
+        )
         if os.environ.get("CI"):
             pytest.fail(f"{reason}; .ci/run installs it in CI")
         pytest.skip(reason)
-    done = subprocess.run([script, "replay", path], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    done = subprocess.run(
+        [script, "replay", path],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(tmp_path),
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("reproduced: NaN/Inf made by scale")

@@ -18,7 +18,6 @@ from support.servers import binaries, get_json, query, start_prometheus
 from support.waiting import wait_for
 from workers.stall_worker import run_rank
 
-
 WORLD, STUCK = 3, 1
 # docs/stalls.md: threshold (here the 1 s floor) + poll (floor / 4) + publish_interval_s
 # + scrape interval + 2 evaluation intervals (the alert reads a recording rule)
@@ -36,8 +35,12 @@ def test_the_stuck_rank_is_named_and_the_others_wait_in_a_collective(tmp_path):
     out, go, release = ctx.Queue(), ctx.Event(), ctx.Event()
     master_port = free_port()
     base_port = free_port_range(WORLD, avoid=(master_port,))
-    ranks = [ctx.Process(target=run_rank, args=(r, WORLD, master_port, base_port, STUCK, out, go, release))
-             for r in range(WORLD)]
+    ranks = [
+        ctx.Process(
+            target=run_rank, args=(r, WORLD, master_port, base_port, STUCK, out, go, release)
+        )
+        for r in range(WORLD)
+    ]
     procs = Processes()
     for p in ranks:
         p.start()
@@ -50,19 +53,26 @@ def test_the_stuck_rank_is_named_and_the_others_wait_in_a_collective(tmp_path):
         targets = [urllib.parse.urlsplit(u).netloc for _, u in sorted(urls.items())]
         prom_port = start_prometheus(procs, str(tmp_path), targets, am_port=None)
         # past the warm-up (3 steps) with some steps learned, on every rank, as Prometheus sees it
-        wait_for("every rank past step 10 in Prometheus",
-                 lambda: len(query(prom_port, "hookprof_progress_step > 10")) == WORLD, timeout=90)
+        wait_for(
+            "every rank past step 10 in Prometheus",
+            lambda: len(query(prom_port, "hookprof_progress_step > 10")) == WORLD,
+            timeout=90,
+        )
         assert firing(prom_port, "HookprofRankStuck") == []  # training normally: no page
 
         go.set()
         kind, rank, stuck_at = out.get(timeout=60)
         assert (kind, rank) == ("stuck", STUCK)
-        wait_for("HookprofRankStuck firing", lambda: firing(prom_port, "HookprofRankStuck"), timeout=60)
+        wait_for(
+            "HookprofRankStuck firing", lambda: firing(prom_port, "HookprofRankStuck"), timeout=60
+        )
         latency = time.time() - stuck_at
 
         def naming_the_layer():
             alerts = firing(prom_port, "HookprofRankStuck")
-            assert {a["labels"]["rank"] for a in alerts} == {str(STUCK)}, alerts  # never another rank
+            assert {a["labels"]["rank"] for a in alerts} == {str(STUCK)}, (
+                alerts
+            )  # never another rank
             return [a for a in alerts if "layer" in a["labels"]]
 
         # when the waiting ranks stall first, the alert names the rank and phase before the
@@ -71,9 +81,15 @@ def test_the_stuck_rank_is_named_and_the_others_wait_in_a_collective(tmp_path):
         layer_latency = time.time() - stuck_at
         labels = alert["labels"]
         assert (labels["rank"], labels["phase"], labels["layer"], labels["waiting_on"]) == (
-            str(STUCK), "forward", "blocks.2.act", "code")
-        print(f"\nHookprofRankStuck firing {latency:.1f}s after rank {STUCK} blocked, with its layer after "
-              f"{layer_latency:.1f}s (bound {BOUND_S:.2f}s)")
+            str(STUCK),
+            "forward",
+            "blocks.2.act",
+            "code",
+        )
+        print(
+            f"\nHookprofRankStuck firing {latency:.1f}s after rank {STUCK} blocked, with its layer after "
+            f"{layer_latency:.1f}s (bound {BOUND_S:.2f}s)"
+        )
         # 3 s of slack for a 2-core machine running three ranks and Prometheus
         assert latency <= BOUND_S + 3.0 and layer_latency <= BOUND_S + 3.0
 
@@ -81,14 +97,26 @@ def test_the_stuck_rank_is_named_and_the_others_wait_in_a_collective(tmp_path):
             info = query(prom_port, "hookprof_stall_info")
             return info if len(info) == WORLD else None
 
-        info = {s["metric"]["rank"]: s["metric"] for s in wait_for("every rank stalled", waiting, timeout=30)}
+        info = {
+            s["metric"]["rank"]: s["metric"]
+            for s in wait_for("every rank stalled", waiting, timeout=30)
+        }
         for r in range(WORLD):
             if r != STUCK:
-                assert (info[str(r)]["phase"], info[str(r)]["waiting_on"]) == ("backward", "collective"), info[str(r)]
+                assert (info[str(r)]["phase"], info[str(r)]["waiting_on"]) == (
+                    "backward",
+                    "collective",
+                ), info[str(r)]
         # still only the stuck rank, now that every rank has stalled
         assert [a["labels"]["rank"] for a in firing(prom_port, "HookprofRankStuck")] == [str(STUCK)]
-        wait_for("HookprofRankStalled for every rank", lambda: {a["labels"]["rank"] for a in firing(
-            prom_port, "HookprofRankStalled")} == {str(r) for r in range(WORLD)}, timeout=15)
+        wait_for(
+            "HookprofRankStalled for every rank",
+            lambda: (
+                {a["labels"]["rank"] for a in firing(prom_port, "HookprofRankStalled")}
+                == {str(r) for r in range(WORLD)}
+            ),
+            timeout=15,
+        )
     finally:
         release.set()
         procs.stop_all()

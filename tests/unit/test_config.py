@@ -16,7 +16,10 @@ from support.models import DeepNet, seeded
 def test_defaults_are_documented_values():
     c = Config()
     assert (c.port, c.addr, c.sample_every, c.min_sample_interval_s) == (
-        DEFAULT_PORT, "127.0.0.1", 10, 2.0,
+        DEFAULT_PORT,
+        "127.0.0.1",
+        10,
+        2.0,
     )
     assert not 9100 <= DEFAULT_PORT <= 9999  # outside the Prometheus exporter port range
 
@@ -31,21 +34,37 @@ def test_defaults_are_documented_values():
         ("port", "9000", "port must be of type int, got '9000'"),
         ("min_sample_interval_s", -1.0, "min_sample_interval_s must be >= 0, got -1.0"),
         ("max_layers", 0, "max_layers must be >= 1, got 0"),
-        ("publish_interval_s", 0, "publish_interval_s must be >= 0.05 (seconds: a thread waking more often "
-                                  "takes a share of a core of its own), got 0"),
+        (
+            "publish_interval_s",
+            0,
+            "publish_interval_s must be >= 0.05 (seconds: a thread waking more often "
+            "takes a share of a core of its own), got 0",
+        ),
         ("exploding_grad_norm", -1.0, "exploding_grad_norm must be a finite number > 0, got -1.0"),
         ("rank", -1, "rank must be >= 0 or None, got -1"),
         ("addr", " ", "addr must be a non-empty host address, got ' '"),
-        ("on_nonfinite", "explode", "on_nonfinite must be one of ('record', 'warn', 'raise', 'dump', 'skip'), got 'explode'"),
+        (
+            "on_nonfinite",
+            "explode",
+            "on_nonfinite must be one of ('record', 'warn', 'raise', 'dump', 'skip'), got 'explode'",
+        ),
         ("nonfinite_check", "none", "nonfinite_check must be one of ('all', 'loss'), got 'none'"),
         ("http_max_requests", 0, "http_max_requests must be >= 1, got 0"),
-        ("http_max_connections", 40, "http_max_connections must be above http_max_requests (40), got 40"),
+        (
+            "http_max_connections",
+            40,
+            "http_max_connections must be above http_max_requests (40), got 40",
+        ),
         ("http_header_timeout_s", 0, "http_header_timeout_s must be > 0, got 0"),
         ("http_idle_timeout_s", -1.0, "http_idle_timeout_s must be > 0, got -1.0"),
         ("http_write_timeout_s", 0.0, "http_write_timeout_s must be > 0, got 0.0"),
         ("peak_flops", 0.0, "peak_flops must be > 0 or None, got 0.0"),
         ("update_norm_max_bytes", -1, "update_norm_max_bytes must be >= 0, got -1"),
-        ("capsule_dir", "  ", "capsule_dir must be a directory path, or None for no capsule, got '  '"),
+        (
+            "capsule_dir",
+            "  ",
+            "capsule_dir must be a directory path, or None for no capsule, got '  '",
+        ),
         ("capsule_max_count", 0, "capsule_max_count must be >= 1, got 0"),
         ("capsule_max_bytes", -1, "capsule_max_bytes must be >= 0, got -1"),
     ],
@@ -111,24 +130,58 @@ def test_environment_variables_fill_every_field():
     }
     c = Config.from_env(env)
     assert c == Config(
-        port=9001, addr="0.0.0.0", serve=False, sample_every=7, min_sample_interval_s=0.5,
-        max_layers=20, max_layer_series=240, activation_stats=False, rank=3, local_rank=None,
-        publish_interval_s=2.0, disable=False, nonfinite_check="loss", on_nonfinite="dump",
-        dump_dir="/tmp/reports", capsule_dir="/tmp/capsules", capsule_max_count=2, capsule_max_bytes=4096,
-        incident_steps=5, max_skipped_steps=3,
-        vanishing_grad_norm=1e-8, exploding_grad_norm=100.0, activation_interval_s=0.25,
-        system_metrics=False, gpu_metrics=False, system_interval_s=0.5,
-        tls_certfile=__file__, tls_keyfile=__file__, tls_client_cafile=__file__,
-        http_max_requests=8, http_max_connections=32, http_header_timeout_s=2.5,
-        http_idle_timeout_s=30.0, http_write_timeout_s=4.0, name="student",
-        summary_at_exit=False, nonfinite_sync=True,
-        stall_detection=False, stall_factor=3.0, stall_min_s=12.5, stall_max_s=60.0, stall_warmup_steps=9,
-        flop_counting=False, peak_flops=9.89e14, update_norms=False, update_norm_max_bytes=2**20,
-        update_norm_interval_s=0.5, port_conflict="off",
+        port=9001,
+        addr="0.0.0.0",
+        serve=False,
+        sample_every=7,
+        min_sample_interval_s=0.5,
+        max_layers=20,
+        max_layer_series=240,
+        activation_stats=False,
+        rank=3,
+        local_rank=None,
+        publish_interval_s=2.0,
+        disable=False,
+        nonfinite_check="loss",
+        on_nonfinite="dump",
+        dump_dir="/tmp/reports",
+        capsule_dir="/tmp/capsules",
+        capsule_max_count=2,
+        capsule_max_bytes=4096,
+        incident_steps=5,
+        max_skipped_steps=3,
+        vanishing_grad_norm=1e-8,
+        exploding_grad_norm=100.0,
+        activation_interval_s=0.25,
+        system_metrics=False,
+        gpu_metrics=False,
+        system_interval_s=0.5,
+        tls_certfile=__file__,
+        tls_keyfile=__file__,
+        tls_client_cafile=__file__,
+        http_max_requests=8,
+        http_max_connections=32,
+        http_header_timeout_s=2.5,
+        http_idle_timeout_s=30.0,
+        http_write_timeout_s=4.0,
+        name="student",
+        summary_at_exit=False,
+        nonfinite_sync=True,
+        stall_detection=False,
+        stall_factor=3.0,
+        stall_min_s=12.5,
+        stall_max_s=60.0,
+        stall_warmup_steps=9,
+        flop_counting=False,
+        peak_flops=9.89e14,
+        update_norms=False,
+        update_norm_max_bytes=2**20,
+        update_norm_interval_s=0.5,
+        port_conflict="off",
     )
     # every field has a variable: a new field without one fails here
     assert {f.name for f in dataclasses.fields(Config)} == {
-        k[len("HOOKPROF_"):].lower() for k in env if k.startswith("HOOKPROF_")
+        k[len("HOOKPROF_") :].lower() for k in env if k.startswith("HOOKPROF_")
     }
 
 
@@ -141,7 +194,10 @@ def test_explicit_fields_win_over_environment():
     [
         ({"HOOKPROF_PORT": "http"}, "HOOKPROF_PORT must be an integer, got 'http'"),
         ({"HOOKPROF_SAMPLE_EVERY": "0"}, "sample_every must be >= 1, got 0"),
-        ({"HOOKPROF_SERVE": "maybe"}, "HOOKPROF_SERVE must be one of 1/0/true/false/yes/no/on/off, got 'maybe'"),
+        (
+            {"HOOKPROF_SERVE": "maybe"},
+            "HOOKPROF_SERVE must be one of 1/0/true/false/yes/no/on/off, got 'maybe'",
+        ),
     ],
 )
 def test_bad_environment_values_are_clear_errors(env, message):
@@ -185,17 +241,23 @@ def test_unknown_override_is_a_clear_error():
 
 
 def test_a_misspelt_variable_is_warned_about_with_the_setting_meant():
-    environ = {"HOOKPROF_SMAPLE_EVERY": "3", "HOOKPROF_PORT": "0",
-               "HOOKPROF_ROOT": "/srv"}  # far from every setting: someone else's, left alone
+    environ = {
+        "HOOKPROF_SMAPLE_EVERY": "3",
+        "HOOKPROF_PORT": "0",
+        "HOOKPROF_ROOT": "/srv",
+    }  # far from every setting: someone else's, left alone
     with pytest.warns(UserWarning) as caught:
         config = Config.from_env(environ)
     assert [str(w.message) for w in caught] == [
-        "HOOKPROF_SMAPLE_EVERY is not a hookprof setting and is ignored (did you mean HOOKPROF_SAMPLE_EVERY?)"]
+        "HOOKPROF_SMAPLE_EVERY is not a hookprof setting and is ignored (did you mean HOOKPROF_SAMPLE_EVERY?)"
+    ]
     assert (config.sample_every, config.port) == (Config().sample_every, 0)
 
 
 def test_port_conflict_is_validated_and_read_from_the_environment():
     assert Config().port_conflict == "free"
     assert read_env({"HOOKPROF_PORT_CONFLICT": "raise"}) == {"port_conflict": "raise"}
-    with pytest.raises(ConfigError, match=r"port_conflict must be one of \('free', 'off', 'raise'\), got 'stop'"):
+    with pytest.raises(
+        ConfigError, match=r"port_conflict must be one of \('free', 'off', 'raise'\), got 'stop'"
+    ):
         Config(port_conflict="stop")

@@ -12,9 +12,20 @@ import hookprof
 from hookprof import Config, ConfigError
 from support.models import MixedNet, seeded
 
-INTERVALS = ["publish_interval_s", "system_interval_s", "min_sample_interval_s", "activation_interval_s",
-             "update_norm_interval_s", "http_header_timeout_s", "http_idle_timeout_s",
-             "http_write_timeout_s", "stall_min_s", "stall_max_s", "stall_factor", "peak_flops"]
+INTERVALS = [
+    "publish_interval_s",
+    "system_interval_s",
+    "min_sample_interval_s",
+    "activation_interval_s",
+    "update_norm_interval_s",
+    "http_header_timeout_s",
+    "http_idle_timeout_s",
+    "http_write_timeout_s",
+    "stall_min_s",
+    "stall_max_s",
+    "stall_factor",
+    "peak_flops",
+]
 
 
 @pytest.mark.parametrize("value", [math.inf, math.nan, 1e300, 10**400])
@@ -26,8 +37,15 @@ def test_an_interval_that_is_not_finite_or_absurd_is_a_config_error_naming_it(fi
     assert str(info.value).startswith(f"{field} must be a finite number <= ")
 
 
-@pytest.mark.parametrize("field, highest", [("publish_interval_s", 3600.0), ("system_interval_s", 3600.0),
-                                            ("min_sample_interval_s", 86400.0), ("stall_max_s", 7 * 86400.0)])
+@pytest.mark.parametrize(
+    "field, highest",
+    [
+        ("publish_interval_s", 3600.0),
+        ("system_interval_s", 3600.0),
+        ("min_sample_interval_s", 86400.0),
+        ("stall_max_s", 7 * 86400.0),
+    ],
+)
 def test_the_documented_highest_value_is_accepted_and_above_it_is_not(field, highest):
     assert getattr(Config(**{field: highest}), field) == highest
     with pytest.raises(ConfigError) as info:
@@ -35,9 +53,14 @@ def test_the_documented_highest_value_is_accepted_and_above_it_is_not(field, hig
     assert info.value.field == field
 
 
-@pytest.mark.parametrize("variable, field", [("HOOKPROF_PUBLISH_INTERVAL_S", "publish_interval_s"),
-                                             ("HOOKPROF_SYSTEM_INTERVAL_S", "system_interval_s"),
-                                             ("HOOKPROF_MIN_SAMPLE_INTERVAL_S", "min_sample_interval_s")])
+@pytest.mark.parametrize(
+    "variable, field",
+    [
+        ("HOOKPROF_PUBLISH_INTERVAL_S", "publish_interval_s"),
+        ("HOOKPROF_SYSTEM_INTERVAL_S", "system_interval_s"),
+        ("HOOKPROF_MIN_SAMPLE_INTERVAL_S", "min_sample_interval_s"),
+    ],
+)
 @pytest.mark.parametrize("raw", ["1e300", "inf"])
 def test_an_absurd_interval_from_the_environment_is_a_config_error_naming_it(variable, field, raw):
     with pytest.raises(ConfigError) as info:
@@ -45,16 +68,39 @@ def test_an_absurd_interval_from_the_environment_is_a_config_error_naming_it(var
     assert info.value.field == field
 
 
-@pytest.mark.parametrize("addr", ["999.1.1.1", "1.2.3.256", "a..b", "-host", "host_name", "[::1]",
-                                  "http://127.0.0.1", "127.0.0.1:8479", "1:2:3:4:5:6:7:8:9"])
+@pytest.mark.parametrize(
+    "addr",
+    [
+        "999.1.1.1",
+        "1.2.3.256",
+        "a..b",
+        "-host",
+        "host_name",
+        "[::1]",
+        "http://127.0.0.1",
+        "127.0.0.1:8479",
+        "1:2:3:4:5:6:7:8:9",
+    ],
+)
 def test_an_address_that_is_no_ip_literal_or_host_name_is_a_config_error_naming_addr(addr):
     with pytest.raises(ConfigError) as info:
         Config(addr=addr)
     assert info.value.field == "addr" and info.value.value == addr
 
 
-@pytest.mark.parametrize("addr", ["127.0.0.1", "0.0.0.0", "::", "::1", "fe80::1%eth0", "localhost",
-                                  "node-3.cluster.local", "pod-ip.example.com."])
+@pytest.mark.parametrize(
+    "addr",
+    [
+        "127.0.0.1",
+        "0.0.0.0",
+        "::",
+        "::1",
+        "fe80::1%eth0",
+        "localhost",
+        "node-3.cluster.local",
+        "pod-ip.example.com.",
+    ],
+)
 def test_ip_literals_and_host_names_are_accepted_without_a_lookup(addr):
     assert Config(addr=addr).addr == addr
 
@@ -65,9 +111,14 @@ def test_an_address_from_the_environment_is_checked_too():
     assert info.value.field == "addr"
 
 
-@pytest.mark.parametrize("make", [lambda: Config(local_rank=70000),
-                                  lambda: Config(port=65000, local_rank=536),
-                                  lambda: Config.from_env({"HOOKPROF_LOCAL_RANK": "70000"})])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Config(local_rank=70000),
+        lambda: Config(port=65000, local_rank=536),
+        lambda: Config.from_env({"HOOKPROF_LOCAL_RANK": "70000"}),
+    ],
+)
 def test_a_served_port_beyond_65535_is_a_config_error_naming_local_rank(make):
     with pytest.raises(ConfigError) as info:
         make()
@@ -76,7 +127,9 @@ def test_a_served_port_beyond_65535_is_a_config_error_naming_local_rank(make):
 
 def test_local_rank_bounds_hold_only_where_a_port_is_served():
     assert Config(port=65000, local_rank=535).local_rank == 535
-    assert Config(port=0, local_rank=70000).local_rank == 70000  # port 0: a free port, whatever the rank
+    assert (
+        Config(port=0, local_rank=70000).local_rank == 70000
+    )  # port 0: a free port, whatever the rank
     assert Config(serve=False, local_rank=70000).local_rank == 70000
 
 

@@ -83,15 +83,18 @@ def test_every_relative_link_in_the_readme_and_docs_resolves():
     pages = doc_pages()
     assert len(pages) > 10  # the docs are where this test thinks they are
     assert sum(len(links(p)) for p in pages) > 50
-    broken = [f"{page.relative_to(ROOT)}:{line}: {target} ({why})"
-              for page, line, target, why in broken_links(pages)]
+    broken = [
+        f"{page.relative_to(ROOT)}:{line}: {target} ({why})"
+        for page, line, target, why in broken_links(pages)
+    ]
     assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
 
 
 def test_a_missing_page_and_a_missing_heading_are_reported(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.md").write_text(
-        "# Title\n\n## `nonfinite_sync`: one wait, when asked\n\n## Repeat\n\n## Repeat\n")
+        "# Title\n\n## `nonfinite_sync`: one wait, when asked\n\n## Repeat\n\n## Repeat\n"
+    )
     (tmp_path / "a.md").write_text(
         "# A\n\n"
         "[ok](sub/b.md) [ok](sub/b.md#nonfinite_sync-one-wait-when-asked) [ok](#a)\n"
@@ -99,7 +102,8 @@ def test_a_missing_page_and_a_missing_heading_are_reported(tmp_path):
         "`[code](nowhere.md)` and ![img](sub/b.md)\n"
         "```\n[fenced](nowhere.md)\n```\n"
         "[gone](sub/c.md) [bad anchor](sub/b.md#no-such-heading) [here](#nothing-here)\n"
-        "[third](sub/b.md#repeat-2)\n")
+        "[third](sub/b.md#repeat-2)\n"
+    )
     page = tmp_path / "a.md"
     assert broken_links([page]) == [
         (page, 9, "sub/c.md", "no such file"),
@@ -111,6 +115,7 @@ def test_a_missing_page_and_a_missing_heading_are_reported(tmp_path):
 
 def test_heading_slugs_follow_github():
     assert slug("`nonfinite_sync`: one wait per update, when asked") == (
-        "nonfinite_sync-one-wait-per-update-when-asked")
+        "nonfinite_sync-one-wait-per-update-when-asked"
+    )
     assert slug("Closure steps (`optimizer.step(closure)`)") == "closure-steps-optimizerstepclosure"
     assert slug("See [the README](../README.md) first") == "see-the-readme-first"

@@ -38,17 +38,35 @@ def reported_wheres() -> dict[str, str]:
 def test_every_reported_fault_has_a_part_of_its_own():
     wheres = reported_wheres()
     # the scan sees the package (a broken scan would find nothing and prove nothing)
-    assert {"forward hook", "root forward hook", "publisher", "stall watch", "metrics server",
-            "summary"} <= set(wheres)
+    assert {
+        "forward hook",
+        "root forward hook",
+        "publisher",
+        "stall watch",
+        "metrics server",
+        "summary",
+    } <= set(wheres)
     unclaimed = {w: at for w, at in wheres.items() if part_of(w) == "other"}
     assert unclaimed == {}
 
 
 def test_faults_count_each_report_under_its_part_and_in_the_total():
     faults = Faults()
-    for where in ("forward pre-hook", "forward hook", "layer statistic dead_ratio",
-                  "publisher thread (restart 1)", "nonfinite dump (/x/y.json)", "metrics server thread restart"):
+    for where in (
+        "forward pre-hook",
+        "forward hook",
+        "layer statistic dead_ratio",
+        "publisher thread (restart 1)",
+        "nonfinite dump (/x/y.json)",
+        "metrics server thread restart",
+    ):
         faults.report(where, RuntimeError("injected"), disable=False)
     assert faults.errors == 6 == sum(faults.by_part.values())
-    assert faults.by_part == {**dict.fromkeys(PARTS, 0), "layer hooks": 2, "layer statistics": 1,
-                              "publisher": 1, "nonfinite": 1, "metrics server": 1}
+    assert faults.by_part == {
+        **dict.fromkeys(PARTS, 0),
+        "layer hooks": 2,
+        "layer statistics": 1,
+        "publisher": 1,
+        "nonfinite": 1,
+        "metrics server": 1,
+    }

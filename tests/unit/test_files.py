@@ -22,12 +22,21 @@ PREVIOUS = "<html>the previous good report</html>"
 
 
 def run_worker(*args: str, timeout: float = 120) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS]), "PYTHONDONTWRITEBYTECODE": "1"}
-    done = subprocess.run([sys.executable, worker("file_fault_worker.py"), *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([ROOT, TESTS]),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, worker("file_fault_worker.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, (done.returncode, done.stdout, done.stderr[-3000:])
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def leftovers(directory) -> list[str]:
@@ -73,7 +82,9 @@ def test_a_symlink_planted_at_the_report_path_is_replaced_not_followed(tmp_path)
     assert not path.is_symlink() and "hookprof run report" in path.read_text(encoding="utf-8")
 
 
-def test_symlinks_planted_at_every_predictable_temporary_name_are_never_followed(tmp_path, monkeypatch):
+def test_symlinks_planted_at_every_predictable_temporary_name_are_never_followed(
+    tmp_path, monkeypatch
+):
     """Before: the dump's temporary file was `<path>.tmp`, opened without O_EXCL|O_NOFOLLOW,
     so a link planted there made hookprof overwrite the link's target. Now the name has the
     pid and 64 random bits; here the random bits are made predictable too, and a link is
@@ -85,27 +96,52 @@ def test_symlinks_planted_at_every_predictable_temporary_name_are_never_followed
     tokens = iter(["0" * 16, "1" * 16])
     monkeypatch.setattr("secrets.token_hex", lambda n: next(tokens))
     base = f"hookprof-nonfinite-model-rank0-pid{os.getpid()}-step7.json"
-    planted = [dump_dir / guess for guess in (
-        base + ".tmp", f".{base}.{os.getpid()}.{'0' * 16}.tmp",
-        "hookprof-nonfinite-rank0-step7.json.tmp")]  # the last: the name before issue 29
+    planted = [
+        dump_dir / guess
+        for guess in (
+            base + ".tmp",
+            f".{base}.{os.getpid()}.{'0' * 16}.tmp",
+            "hookprof-nonfinite-rank0-step7.json.tmp",
+        )
+    ]  # the last: the name before issue 29
     for link in planted:
         link.symlink_to(victim)
     path = write_report(EVENT, SNAP, str(dump_dir), 0)
     assert victim.read_text(encoding="utf-8") == "do not touch"
     assert json.loads(open(path, encoding="utf-8").read())["incident"]["step"] == 7
     assert all(p.is_symlink() for p in planted)  # left as they were, never written through
-    assert sorted(p.name for p in dump_dir.iterdir() if not p.is_symlink()) == [os.path.basename(path)]
+    assert sorted(p.name for p in dump_dir.iterdir() if not p.is_symlink()) == [
+        os.path.basename(path)
+    ]
 
 
 def test_three_processes_of_rank_0_dump_into_one_directory_without_a_failed_write(tmp_path):
     """Before: the three shared one `.tmp` name and failed hundreds of their writes
     (FileNotFoundError when another's os.replace took it), and all wrote one file."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS]), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([ROOT, TESTS]),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     go = tmp_path.parent / f"{tmp_path.name}.go"  # all three start writing together
-    procs = [subprocess.Popen([sys.executable, worker("file_fault_worker.py"), "dumps", str(tmp_path),
-                               "1000", "--go", str(go)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                worker("file_fault_worker.py"),
+                "dumps",
+                str(tmp_path),
+                "1000",
+                "--go",
+                str(go),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     results = []
     try:
         for proc in procs:  # each says READY once imported (a bounded wait: the line or EOF)
@@ -115,7 +151,7 @@ def test_three_processes_of_rank_0_dump_into_one_directory_without_a_failed_writ
             out, err = proc.communicate(timeout=150)
             lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
             assert proc.returncode == 0 and lines, (out, err[-3000:])
-            results.append(json.loads(lines[-1][len("RESULT "):]))
+            results.append(json.loads(lines[-1][len("RESULT ") :]))
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -124,7 +160,9 @@ def test_three_processes_of_rank_0_dump_into_one_directory_without_a_failed_writ
     assert [r["failed"] for r in results] == [0, 0, 0], [r["first_failure"] for r in results]
     # one file per process: the model, the rank, the pid and the step name it
     names = sorted(os.path.basename(r["paths"][0]) for r in results)
-    assert names == sorted(f"hookprof-nonfinite-model-rank0-pid{r['pid']}-step7.json" for r in results)
+    assert names == sorted(
+        f"hookprof-nonfinite-model-rank0-pid{r['pid']}-step7.json" for r in results
+    )
     assert sorted(os.listdir(tmp_path)) == names  # and no temporary file left
     for name in names:
         assert json.loads((tmp_path / name).read_text())["incident"]["layer"] == "fc"
@@ -133,12 +171,25 @@ def test_three_processes_of_rank_0_dump_into_one_directory_without_a_failed_writ
 def test_concurrent_writers_of_one_path_each_write_whole(tmp_path):
     """Three processes writing one report path over and over: every write succeeds and the
     file is always one writer's page whole."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS]), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([ROOT, TESTS]),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     path = tmp_path / "run.html"
-    code = ("import sys; from hookprof.files import write_atomic\n"
-            "for i in range(300): write_atomic(sys.argv[1], sys.argv[2] * 5000)\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(path), letter], env=env,
-                              stderr=subprocess.PIPE, text=True) for letter in "abc"]
+    code = (
+        "import sys; from hookprof.files import write_atomic\n"
+        "for i in range(300): write_atomic(sys.argv[1], sys.argv[2] * 5000)\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(path), letter],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for letter in "abc"
+    ]
     seen = set()
     for _ in range(200):  # read while they write: always a whole page
         if path.exists():

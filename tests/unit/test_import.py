@@ -8,8 +8,9 @@ import textwrap
 
 
 def run(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -55,8 +56,13 @@ def test_numpy_is_a_dependency_and_the_cli_prints_no_torch_warning():
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
         dependencies = tomllib.load(f)["project"]["dependencies"]
     assert any(d.split(">")[0].split("=")[0].strip() == "numpy" for d in dependencies), dependencies
-    out = subprocess.run([sys.executable, "-m", "hookprof.cli", "--version"], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+    out = subprocess.run(
+        [sys.executable, "-m", "hookprof.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": root},
+    )
     assert out.returncode == 0 and out.stderr == "", out.stderr
 
 

@@ -37,29 +37,52 @@ HERE = "tests/unit/test_layering.py"
 # lowest first. Members are top-level modules of hookprof/ or its subpackages (a subpackage's
 # modules, at any depth, are in its row). "__init__" is hookprof/__init__.py: `import hookprof`.
 LAYERS = (
-    Layer("foundations", (
-        "_version", "config", "errors", "snapshot",  # the public surface's data types
-        "faults", "notices", "layers", "tensors", "compiled", "distributed",
-        "metrics_names",  # every exported name, label and unit (issue 27; may not exist yet)
-        "files",  # the one atomic, no-follow writer of every file hookprof writes (issue 29)
-    )),
+    Layer(
+        "foundations",
+        (
+            "_version",
+            "config",
+            "errors",
+            "snapshot",  # the public surface's data types
+            "faults",
+            "notices",
+            "layers",
+            "tensors",
+            "compiled",
+            "distributed",
+            "metrics_names",  # every exported name, label and unit (issue 27; may not exist yet)
+            "files",  # the one atomic, no-follow writer of every file hookprof writes (issue 29)
+        ),
+    ),
     Layer("device", ("device",)),  # the only host<->device seam
     Layer("step", ("step",)),  # hooks, the sampled step's record, plan, gradients
     Layer("features", ("nonfinite", "efficiency", "phases"), independent=True),
     Layer("publish", ("publish",)),  # the publisher thread: aggregate, history, the document
     Layer("serve", ("serve",)),  # the endpoint: httpd, exporter, server
     Layer("view", ("view",)),  # what a person reads: table, summary, top, report
-    Layer("wiring", (
-        "__init__", "profiler", "live", "disabled", "cli", "demo", "_testing", "integrations",
-    )),
+    Layer(
+        "wiring",
+        (
+            "__init__",
+            "profiler",
+            "live",
+            "disabled",
+            "cli",
+            "demo",
+            "_testing",
+            "integrations",
+        ),
+    ),
 )
 
 # imports that break a rule on purpose, each with its reason. Keep this list short: an entry
 # that is no longer needed fails test_allowed_imports_are_still_needed.
 EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("hookprof.snapshot", "hookprof.view.table"):
-        "str(snapshot) is public API and prints the per-layer table: a lazy import inside "
-        "Snapshot.__str__, so the table's code loads only when a snapshot is printed",
+    (
+        "hookprof.snapshot",
+        "hookprof.view.table",
+    ): "str(snapshot) is public API and prints the per-layer table: a lazy import inside "
+    "Snapshot.__str__, so the table's code loads only when a snapshot is printed",
 }
 
 ALLOWED = EXCEPTIONS
@@ -76,8 +99,11 @@ HOW_TO_FIX = (
 
 def may_import(layer: Layer) -> str:
     rank = LAYERS.index(layer)
-    own = (f"its own package (not the other packages of '{layer.name}')" if layer.independent
-           else f"its own layer ({layer.name})")
+    own = (
+        f"its own package (not the other packages of '{layer.name}')"
+        if layer.independent
+        else f"its own layer ({layer.name})"
+    )
     if rank == 0:
         return f"'{layer.name}' may import only {own}"
     below = ", ".join(lower.name for lower in LAYERS[:rank])
@@ -150,9 +176,7 @@ def stale_allowed(root: Path, allowed: dict[tuple[str, str], str]) -> list[str]:
 
 def test_allowed_imports_are_still_needed():
     stale = stale_allowed(HOOKPROF, ALLOWED)
-    assert not stale, (
-        f"no longer needed: delete from EXCEPTIONS in {HERE}:\n"
-        + "\n".join(stale))
+    assert not stale, f"no longer needed: delete from EXCEPTIONS in {HERE}:\n" + "\n".join(stale)
 
 
 def test_the_checker_reads_the_real_package():
@@ -196,8 +220,9 @@ def only_message(messages: list[str], *names: str) -> str:
 
 
 def test_fails_when_device_imports_view(copy):
-    found = new_messages(upward_messages, copy, "device/timing.py",
-                         "from hookprof.view import table")
+    found = new_messages(
+        upward_messages, copy, "device/timing.py", "from hookprof.view import table"
+    )
     text = only_message(found, "hookprof.device.timing", "hookprof.view.table")
     assert "hookprof/device/timing.py:" in text
     assert "layer 'device' imports the higher layer 'view'" in text
@@ -206,18 +231,28 @@ def test_fails_when_device_imports_view(copy):
 
 def test_fails_when_a_feature_package_imports_another(copy):
     # lazily, inside a function: still an import
-    found = new_messages(upward_messages, copy, "efficiency/flops.py",
-                         "def _late():\n    import hookprof.phases.clock")
+    found = new_messages(
+        upward_messages,
+        copy,
+        "efficiency/flops.py",
+        "def _late():\n    import hookprof.phases.clock",
+    )
     text = only_message(found, "hookprof.efficiency.flops", "hookprof.phases.clock")
     assert "'efficiency' and 'phases' are both in layer 'features'" in text
 
 
-@pytest.mark.parametrize("code, kind", [
-    ("def _late():\n    from hookprof.device import transfer", "lazy (inside a function)"),
-    ("from typing import TYPE_CHECKING\n"
-     "if TYPE_CHECKING:\n"
-     "    from hookprof.device.transfer import peek", "under TYPE_CHECKING"),
-])
+@pytest.mark.parametrize(
+    "code, kind",
+    [
+        ("def _late():\n    from hookprof.device import transfer", "lazy (inside a function)"),
+        (
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n"
+            "    from hookprof.device.transfer import peek",
+            "under TYPE_CHECKING",
+        ),
+    ],
+)
 def test_fails_on_a_two_module_cycle(copy, code, kind):
     # transfer imports streams at the top; streams importing transfer back closes a cycle
     # inside one layer, which no layer rule catches
@@ -231,8 +266,9 @@ def test_fails_on_a_two_module_cycle(copy, code, kind):
 
 def test_fails_on_a_module_missing_from_the_table(copy):
     # a new file is a new module: add() creates it
-    found = new_messages(unclassified_messages, copy, "newthing.py",
-                         '"""A module nobody placed."""')
+    found = new_messages(
+        unclassified_messages, copy, "newthing.py", '"""A module nobody placed."""'
+    )
     text = only_message(found, "hookprof.newthing")
     assert f"Add 'newthing' to the right row of LAYERS in {HERE}" in text
 

@@ -14,7 +14,7 @@ from support.ranks import torchrun_environment
 SETUPS = {
     "ddp": "DDP(model), hookprof attached to the model inside it, no buffers",
     "ddp+buffers": "the model holds a buffer (as BatchNorm does): DDP broadcasts buffers at the start of "
-                   "its forward, before the wrapped model's forward",
+    "its forward, before the wrapped model's forward",
     "ddp+buffers, attached to the wrapper": "the same, hookprof attached to the DDP wrapper itself",
     "ddp+buffers, broadcast_buffers=False": "the same buffer, DDP told not to broadcast buffers",
     "fsdp": "fully_shard on each block and the root (FSDP2), hookprof attached after sharding",
@@ -41,8 +41,18 @@ def _wrapped(model, setup: str, world: int):
     return ddp, (ddp if "wrapper" in setup else model)
 
 
-def run_rank(rank: int, world: int, master_port: int, base_port: int, delays, slow_phase: str,
-             out, go_home, stop_at, setup: str = "ddp"):
+def run_rank(
+    rank: int,
+    world: int,
+    master_port: int,
+    base_port: int,
+    delays,
+    slow_phase: str,
+    out,
+    go_home,
+    stop_at,
+    setup: str = "ddp",
+):
     """delays[rank]: seconds of sleep per step in `slow_phase` ("data": before the forward,
     as a slow data loader; "forward": inside the model's forward, as a slow layer; "other":
     after the optimizer step, as rank 0 logging or checkpointing).
@@ -62,7 +72,9 @@ def run_rank(rank: int, world: int, master_port: int, base_port: int, delays, sl
         if slow_phase == "forward":  # runs inside the root's forward, whatever wraps the model
             model.stem.register_forward_pre_hook(lambda module, args: time.sleep(delays[rank]))
         train, attached = _wrapped(model, setup, world)
-        prof = hookprof.attach(attached, port=base_port, min_sample_interval_s=0.2, system_metrics=False)
+        prof = hookprof.attach(
+            attached, port=base_port, min_sample_interval_s=0.2, system_metrics=False
+        )
         opt = torch.optim.SGD(train.parameters(), lr=0.01)
         g = torch.Generator().manual_seed(100 + rank)
         mse_step(train, opt, *model.batch(g))
@@ -71,7 +83,11 @@ def run_rank(rank: int, world: int, master_port: int, base_port: int, delays, sl
         deadline = time.monotonic() + 120  # bounded, whatever the parent does
         step = 1
         while stop_at.value == 0 or step < stop_at.value:
-            if rank == 0 and stop_at.value == 0 and (go_home.is_set() or time.monotonic() > deadline):
+            if (
+                rank == 0
+                and stop_at.value == 0
+                and (go_home.is_set() or time.monotonic() > deadline)
+            ):
                 stop_at.value = step + 3
             batch = model.batch(g)
             if slow_phase == "data":

@@ -33,7 +33,9 @@ def run_rank(rank: int, world: int, master_port: int, base_port: int, steps: int
         dist.destroy_process_group()
 
 
-def run_fsdp_rank(rank: int, world: int, master_port: int, base_port: int, steps: int, out, go_home):
+def run_fsdp_rank(
+    rank: int, world: int, master_port: int, base_port: int, steps: int, out, go_home
+):
     """FSDP2 (fully_shard) over gloo: hookprof attached after sharding, so its parameters
     are the DTensor shards; each rank reports its local (partial) norms and the full norms
     computed with collectives by the test itself."""
@@ -68,19 +70,35 @@ def run_fsdp_rank(rank: int, world: int, master_port: int, base_port: int, steps
             grads = [prof.table.params[i].grad for i in layer.param_indices]
             grads = [gr.full_tensor() for gr in grads if gr is not None]
             if grads:
-                full_layers[layer.name] = torch.linalg.vector_norm(torch.cat([gr.reshape(-1) for gr in grads])).item()
-        total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+                full_layers[layer.name] = torch.linalg.vector_norm(
+                    torch.cat([gr.reshape(-1) for gr in grads])
+                ).item()
+        total = torch.nn.utils.get_total_norm(
+            [p.grad for p in model.parameters() if p.grad is not None]
+        )
         total = total.full_tensor().item() if hasattr(total, "full_tensor") else float(total)
         dtensor = type(next(model.parameters())).__name__
-        out.put((rank, prof.url, {n: s.grad_norm for n, s in snap.layers.items()}, snap.grad_norm,
-                 full_layers, total, dtensor, snap.step))
+        out.put(
+            (
+                rank,
+                prof.url,
+                {n: s.grad_norm for n, s in snap.layers.items()},
+                snap.grad_norm,
+                full_layers,
+                total,
+                dtensor,
+                snap.step,
+            )
+        )
         go_home.wait(60)
         prof.detach()
     finally:
         dist.destroy_process_group()
 
 
-def run_compiled_rank(rank: int, world: int, master_port: int, base_port: int, steps: int, out, go_home):
+def run_compiled_rank(
+    rank: int, world: int, master_port: int, base_port: int, steps: int, out, go_home
+):
     """A compiled model (aot_eager) whose forward all-reduces (as hand-written tensor
     parallelism does), sampled every step with activation checks: no rank re-runs its
     forward for the statistics (alone, it would start an all-reduce the others never join),
@@ -107,8 +125,13 @@ def run_compiled_rank(rank: int, world: int, master_port: int, base_port: int, s
     try:
         torch.manual_seed(0)
         model = AllReduced()
-        prof = hookprof.attach(model, port=base_port, sample_every=1, min_sample_interval_s=0.0,
-                               activation_interval_s=0.0)
+        prof = hookprof.attach(
+            model,
+            port=base_port,
+            sample_every=1,
+            min_sample_interval_s=0.0,
+            activation_interval_s=0.0,
+        )
         call = torch.compile(model, backend="aot_eager")
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         g = torch.Generator().manual_seed(100 + rank)
@@ -118,7 +141,9 @@ def run_compiled_rank(rank: int, world: int, master_port: int, base_port: int, s
             opt.step()
         prof.flush()
         snap = prof.snapshot()
-        out.put((rank, prof.url, {n: s.activation_abs_max for n, s in snap.layers.items()}, snap.step))
+        out.put(
+            (rank, prof.url, {n: s.activation_abs_max for n, s in snap.layers.items()}, snap.step)
+        )
         go_home.wait(60)
         prof.detach()
     finally:

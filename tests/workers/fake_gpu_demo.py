@@ -14,11 +14,11 @@ import time
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # support.fake_gpu, and hookprof from this checkout
 
-from support import fake_gpu  # noqa: E402
 import hookprof.profiler  # noqa: E402
 import hookprof.serve.system  # noqa: E402
-from hookprof.device.timing import CudaEventTimer  # noqa: E402
 from hookprof.cli import main  # noqa: E402
+from hookprof.device.timing import CudaEventTimer  # noqa: E402
+from support import fake_gpu  # noqa: E402
 
 sys.modules["pynvml"] = fake_gpu.FakeNvml(gpus=2)
 hookprof.serve.system.cuda_api = lambda: fake_gpu.FakeCuda(devices=1)
@@ -26,8 +26,10 @@ hookprof.serve.system.cuda_api = lambda: fake_gpu.FakeCuda(devices=1)
 
 def host_stamped_event_timer(devices) -> CudaEventTimer:
     stream = fake_gpu.FakeStream()
-    return CudaEventTimer(event_factory=lambda: fake_gpu.FakeEvent(clock=lambda: time.perf_counter_ns() / 1000),
-                          current_stream=lambda: stream)
+    return CudaEventTimer(
+        event_factory=lambda: fake_gpu.FakeEvent(clock=lambda: time.perf_counter_ns() / 1000),
+        current_stream=lambda: stream,
+    )
 
 
 hookprof.profiler.timer_for = host_stamped_event_timer

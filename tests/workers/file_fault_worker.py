@@ -55,8 +55,12 @@ def train(directory: str, steps: int, bad_from: int) -> dict:
     prof = nan_gradients_from(bad_from, steps, on_nonfinite="dump", dump_dir=directory)
     snap = prof.snapshot()
     prof.detach()
-    return {"steps": prof.steps, "nonfinite_steps": dict(snap.nonfinite_steps),
-            "internal_errors": snap.internal_errors, "layers": len(snap.layers)}
+    return {
+        "steps": prof.steps,
+        "nonfinite_steps": dict(snap.nonfinite_steps),
+        "internal_errors": snap.internal_errors,
+        "layers": len(snap.layers),
+    }
 
 
 def report(path: str) -> dict:
@@ -91,8 +95,12 @@ def dumps(directory: str, n: int, go: str | None) -> dict:
             paths.add(write_report(event, snap, directory, 0))
         except OSError as exc:
             failed.append(repr(exc))
-    return {"failed": len(failed), "first_failure": failed[:1], "paths": sorted(paths),
-            "pid": os.getpid()}
+    return {
+        "failed": len(failed),
+        "first_failure": failed[:1],
+        "paths": sorted(paths),
+        "pid": os.getpid(),
+    }
 
 
 def main() -> None:

@@ -15,8 +15,13 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-COUNTERS = ("hookprof_steps_total", "hookprof_sampled_steps_total", "hookprof_nonfinite_steps_total",
-            "hookprof_layer_forward_seconds_count", "hookprof_layer_backward_seconds_count")
+COUNTERS = (
+    "hookprof_steps_total",
+    "hookprof_sampled_steps_total",
+    "hookprof_nonfinite_steps_total",
+    "hookprof_layer_forward_seconds_count",
+    "hookprof_layer_backward_seconds_count",
+)
 
 
 def counters(text: str) -> dict[str, float]:
@@ -53,21 +58,30 @@ def main() -> None:
     parser.add_argument("url")
     parser.add_argument("--scrapers", type=int, default=20)
     parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--interval", type=float, default=0.0, help="pause between one scraper's scrapes (0: none)")
+    parser.add_argument(
+        "--interval", type=float, default=0.0, help="pause between one scraper's scrapes (0: none)"
+    )
     args = parser.parse_args()
     until = time.monotonic() + args.seconds
     results = [{"scrapes": 0, "failures": [], "non_monotonic": []} for _ in range(args.scrapers)]
-    threads = [threading.Thread(target=scraper, args=(args.url, until, r, args.interval)) for r in results]
+    threads = [
+        threading.Thread(target=scraper, args=(args.url, until, r, args.interval)) for r in results
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    print(json.dumps({
-        "scrapes": sum(r["scrapes"] for r in results),
-        "per_scraper": [r["scrapes"] for r in results],
-        "failures": [f for r in results for f in r["failures"]],
-        "non_monotonic": [m for r in results for m in r["non_monotonic"]],
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "scrapes": sum(r["scrapes"] for r in results),
+                "per_scraper": [r["scrapes"] for r in results],
+                "failures": [f for r in results for f in r["failures"]],
+                "non_monotonic": [m for r in results for m in r["non_monotonic"]],
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,14 @@ def run_rank(rank: int, world: int, master_port: int, base_port: int, stuck: int
 
         sleeper = Sleeper(at=-1, release=release, max_s=60.0, started=started)
         model.blocks[2].act = sleeper
-        prof = hookprof.attach(model, port=base_port, stall_min_s=1.0, stall_factor=5.0,
-                               stall_warmup_steps=3, publish_interval_s=0.2)
+        prof = hookprof.attach(
+            model,
+            port=base_port,
+            stall_min_s=1.0,
+            stall_factor=5.0,
+            stall_warmup_steps=3,
+            publish_interval_s=0.2,
+        )
         out.put(("serving", rank, prof.url))
         ddp = DDP(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)

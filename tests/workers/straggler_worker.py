@@ -21,7 +21,9 @@ def run_rank(rank: int, world: int, master_port: int, base_port: int, delays, ou
         model = seeded(DeepNet)
         # no DDP: ranks that all-reduce every step finish every step together, so their step
         # times are equal by construction; these ranks train on, each at its own pace
-        prof = hookprof.attach(model, port=base_port, min_sample_interval_s=0.2, system_metrics=False)
+        prof = hookprof.attach(
+            model, port=base_port, min_sample_interval_s=0.2, system_metrics=False
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         g = torch.Generator().manual_seed(100 + rank)
         mse_step(model, opt, *model.batch(g))

@@ -102,8 +102,9 @@ def test_parent_time_excludes_children():
     torch.manual_seed(0)
     model = OwnsParamAndChildren(clock)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    config = hookprof.Config(port=0, sample_every=1, min_sample_interval_s=0.0,
-                             stall_detection=False)
+    config = hookprof.Config(
+        port=0, sample_every=1, min_sample_interval_s=0.0, stall_detection=False
+    )
     steps = 5
     with hookprof.Profiler(model, config, clock=clock, timer=CpuTimer(clock)) as prof:
         for _ in range(steps):
@@ -123,7 +124,9 @@ def test_parent_time_excludes_children():
     # the first sampled step, which runs the layers' forward code on meta tensors)
     assert sum(s.backward_seconds_total for s in snap.layers.values()) == 0
     forward_ns = steps * (2 * model.ROOT_NS + model.CHILD_NS * 21)
-    assert sum(s.forward_seconds_total for s in snap.layers.values()) == pytest.approx(forward_ns * 1e-9)
+    assert sum(s.forward_seconds_total for s in snap.layers.values()) == pytest.approx(
+        forward_ns * 1e-9
+    )
     assert snap.step_duration_sum >= forward_ns * 1e-9
 
 

@@ -22,7 +22,6 @@ from hookprof.layers import LayerTable
 from support.binaries import promtool
 from support.metrics import parse, samples, scrape
 
-
 # the every_step fixture, with update norms measured on every step too
 pytestmark = pytest.mark.every_step(update_norm_interval_s=0.0)
 
@@ -96,6 +95,7 @@ def test_counted_once_per_layer_kind_and_shape(every_step, monkeypatch):
 
 def test_numerics_unchanged_with_dropout_and_every_step_sampling(every_step):
     """Meta-tensor counting must not draw from the random generator (dropout would differ)."""
+
     def run(attach):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64), nn.Dropout(0.5), nn.Linear(64, 16))
@@ -127,7 +127,10 @@ def test_update_and_weight_norms_equal_the_parameter_change(every_step):
     deltas = [a - b for a, b in zip(after, before)]
     eff = snap.efficiency
     upd_sq, w_sq = 0.0, 0.0
-    for layer, (d_w, d_b, w, b) in {"0": (*deltas[0:2], *after[0:2]), "2": (*deltas[2:4], *after[2:4])}.items():
+    for layer, (d_w, d_b, w, b) in {
+        "0": (*deltas[0:2], *after[0:2]),
+        "2": (*deltas[2:4], *after[2:4]),
+    }.items():
         u = math.sqrt(d_w.square().sum().item() + d_b.square().sum().item())
         n = math.sqrt(w.square().sum().item() + b.square().sum().item())
         assert eff.layers[layer].update_norm == pytest.approx(u, rel=1e-5)
@@ -153,10 +156,17 @@ def test_layers_take_turns_under_the_byte_cap(every_step):
             prof.flush()
             turn = str(step % 3)
             k = int(turn) * 2
-            d = [model[int(turn)].weight.detach() - before[k], model[int(turn)].bias.detach() - before[k + 1]]
+            d = [
+                model[int(turn)].weight.detach() - before[k],
+                model[int(turn)].bias.detach() - before[k + 1],
+            ]
             expected = math.sqrt(sum(t.square().sum().item() for t in d))
-            assert prof.snapshot().efficiency.layers[turn].update_norm == pytest.approx(expected, rel=1e-5)
-        measured = {n for n, s in prof.snapshot().efficiency.layers.items() if s.update_norm is not None}
+            assert prof.snapshot().efficiency.layers[turn].update_norm == pytest.approx(
+                expected, rel=1e-5
+            )
+        measured = {
+            n for n, s in prof.snapshot().efficiency.layers.items() if s.update_norm is not None
+        }
         assert measured == {"0", "1", "2"}
 
 
@@ -174,8 +184,10 @@ def test_update_norms_at_most_once_per_interval(every_step):
             opt.step()
             opt.zero_grad()
             if step == 0:
-                first = math.sqrt((model[0].weight.detach() - before[0]).square().sum().item()
-                                  + (model[0].bias.detach() - before[1]).square().sum().item())
+                first = math.sqrt(
+                    (model[0].weight.detach() - before[0]).square().sum().item()
+                    + (model[0].bias.detach() - before[1]).square().sum().item()
+                )
         prof.flush()
         snap = prof.snapshot()
     assert snap.sampled_steps == 3
@@ -183,7 +195,9 @@ def test_update_norms_at_most_once_per_interval(every_step):
 
 
 def test_turns_fill_the_cap_and_a_large_layer_goes_alone():
-    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(100, 100), nn.Linear(10, 10))
+    model = nn.Sequential(
+        nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(100, 100), nn.Linear(10, 10)
+    )
     sizes = [(10 * 10 + 10) * 4, (10 * 10 + 10) * 4, (100 * 100 + 100) * 4, (10 * 10 + 10) * 4]
     norms = UpdateNorms(LayerTable(model), max_bytes=sizes[0] * 2)
     turns = [_testing.next_update_norm_turn(norms) for _ in range(4)]
@@ -193,7 +207,12 @@ def test_turns_fill_the_cap_and_a_large_layer_goes_alone():
     held = []
     for _ in range(4):
         norms.before_update()
-        held.append(sum(copy.numel() * copy.element_size() for _, copy in _testing.held_parameter_copies(norms)))
+        held.append(
+            sum(
+                copy.numel() * copy.element_size()
+                for _, copy in _testing.held_parameter_copies(norms)
+            )
+        )
         norms.drop()
     assert held == [sizes[0] + sizes[1], sizes[2], sizes[3] + sizes[0], sizes[1]]
 
@@ -207,15 +226,29 @@ def test_mfu_against_a_set_peak_and_the_metrics_on_the_page(every_step, tmp_path
     assert eff.flops_utilization == pytest.approx(eff.flops_per_second / 1e12)
     f = parse(text)
     assert samples(f, "hookprof_model_flops_utilization_ratio") == {
-        frozenset({"rank": "0"}.items()): pytest.approx(eff.flops_utilization)}
-    assert samples(f, "hookprof_layer_forward_flops")[frozenset({"rank": "0", "layer": "0"}.items())] == 2 * 8 * 32 * 64
-    assert samples(f, "hookprof_update_ratio") == {frozenset({"rank": "0"}.items()): pytest.approx(eff.update_ratio)}
-    for name in ("hookprof_layer_backward_flops", "hookprof_layer_flops_per_second", "hookprof_model_flops_per_second",
-                 "hookprof_layer_weight_norm", "hookprof_layer_update_norm", "hookprof_layer_update_ratio"):
+        frozenset({"rank": "0"}.items()): pytest.approx(eff.flops_utilization)
+    }
+    assert (
+        samples(f, "hookprof_layer_forward_flops")[frozenset({"rank": "0", "layer": "0"}.items())]
+        == 2 * 8 * 32 * 64
+    )
+    assert samples(f, "hookprof_update_ratio") == {
+        frozenset({"rank": "0"}.items()): pytest.approx(eff.update_ratio)
+    }
+    for name in (
+        "hookprof_layer_backward_flops",
+        "hookprof_layer_flops_per_second",
+        "hookprof_model_flops_per_second",
+        "hookprof_layer_weight_norm",
+        "hookprof_layer_update_norm",
+        "hookprof_layer_update_ratio",
+    ):
         assert samples(f, name), name
     page = tmp_path / "page.txt"
     page.write_text(text)
-    result = subprocess.run([promtool(), "check", "metrics"], stdin=page.open(), capture_output=True, text=True)
+    result = subprocess.run(
+        [promtool(), "check", "metrics"], stdin=page.open(), capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -289,28 +322,37 @@ def test_an_in_place_layer_is_counted_not_refused(every_step):
     layers = snap.efficiency.layers
     assert (layers["1"].forward_flops, layers["1"].backward_flops) == (0, 0)
     # the first layer's input needs no gradient: its backward is the weight gradient only
-    assert (layers["0"].forward_flops, layers["0"].backward_flops) == (2 * 5 * 8 * 16, 2 * 5 * 8 * 16)
-    assert (layers["2"].forward_flops, layers["2"].backward_flops) == (2 * 5 * 16 * 4, 4 * 5 * 16 * 4)
+    assert (layers["0"].forward_flops, layers["0"].backward_flops) == (
+        2 * 5 * 8 * 16,
+        2 * 5 * 8 * 16,
+    )
+    assert (layers["2"].forward_flops, layers["2"].backward_flops) == (
+        2 * 5 * 16 * 4,
+        4 * 5 * 16 * 4,
+    )
     assert not [n for n in snap.notices if "cannot be counted" in n], snap.notices
 
 
-@pytest.mark.parametrize("name, precision, expected", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.5e12),
-    ("NVIDIA H100 PCIe", "tf32", 378e12),
-    ("NVIDIA H200", "fp32", 67e12),
-    ("NVIDIA A100-SXM4-80GB", "tf32", 156e12),
-    ("NVIDIA A100-PCIE-40GB", "fp16", 312e12),
-    ("NVIDIA L4", "bf16", 121e12),
-    ("NVIDIA L40S", "bf16", 366.5e12),
-    ("NVIDIA A10", "bf16", 125e12),
-    ("Tesla V100-SXM2-16GB", "fp16", 125e12),
-    ("Tesla V100-SXM2-16GB", "bf16", None),  # no bf16 tensor cores
-    ("Tesla V100-SXM2-16GB", "tf32", 15.7e12),  # fp32 with TF32 allowed runs at fp32 rate
-    ("NVIDIA GeForce RTX 4090", "bf16", 165.2e12),
-    ("NVIDIA A10G", "bf16", None),  # no datasheet: unknown rather than guessed
-    ("NVIDIA B200", "bf16", None),
-    ("NVIDIA H100 80GB HBM3", "fp64", None),
-])
+@pytest.mark.parametrize(
+    "name, precision, expected",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.5e12),
+        ("NVIDIA H100 PCIe", "tf32", 378e12),
+        ("NVIDIA H200", "fp32", 67e12),
+        ("NVIDIA A100-SXM4-80GB", "tf32", 156e12),
+        ("NVIDIA A100-PCIE-40GB", "fp16", 312e12),
+        ("NVIDIA L4", "bf16", 121e12),
+        ("NVIDIA L40S", "bf16", 366.5e12),
+        ("NVIDIA A10", "bf16", 125e12),
+        ("Tesla V100-SXM2-16GB", "fp16", 125e12),
+        ("Tesla V100-SXM2-16GB", "bf16", None),  # no bf16 tensor cores
+        ("Tesla V100-SXM2-16GB", "tf32", 15.7e12),  # fp32 with TF32 allowed runs at fp32 rate
+        ("NVIDIA GeForce RTX 4090", "bf16", 165.2e12),
+        ("NVIDIA A10G", "bf16", None),  # no datasheet: unknown rather than guessed
+        ("NVIDIA B200", "bf16", None),
+        ("NVIDIA H100 80GB HBM3", "fp64", None),
+    ],
+)
 def test_peak_lookup_by_device_name(name, precision, expected):
     got = peaks.lookup(name, precision)
     assert got == (pytest.approx(expected) if expected is not None else None)
@@ -344,7 +386,9 @@ def test_no_sync_and_a_known_peak_on_cuda():
     assert eff.update_ratio is not None and eff.update_ratio > 0
     name = torch.cuda.get_device_name()
     if peaks.lookup(name, "bf16") is not None:
-        assert eff.flops_utilization == pytest.approx(eff.flops_per_second / peaks.lookup(name, "bf16"))
+        assert eff.flops_utilization == pytest.approx(
+            eff.flops_per_second / peaks.lookup(name, "bf16")
+        )
 
 
 def update_norm_of(model: nn.Sequential, before: list[torch.Tensor], layer: int) -> float:
@@ -374,7 +418,8 @@ def test_closure_steps_measure_their_updates_every_sampled_step(every_step):
             opt.step(closure)
             prof.flush()
             assert prof.snapshot().efficiency.layers["0"].update_norm == pytest.approx(
-                update_norm_of(model, before, 0), rel=1e-5)
+                update_norm_of(model, before, 0), rel=1e-5
+            )
 
 
 def test_an_update_the_guard_held_back_is_not_measured_as_zero(every_step):
@@ -383,7 +428,9 @@ def test_an_update_the_guard_held_back_is_not_measured_as_zero(every_step):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
-    with hookprof.attach(model, **{**every_step, "update_norm_interval_s": 0.0}, on_nonfinite="skip") as prof:
+    with hookprof.attach(
+        model, **{**every_step, "update_norm_interval_s": 0.0}, on_nonfinite="skip"
+    ) as prof:
         for step in range(1, 5):
             x = torch.randn(8, 32, generator=g)
             if step == 3:
@@ -399,7 +446,9 @@ def test_an_update_the_guard_held_back_is_not_measured_as_zero(every_step):
             if step == 3:  # held back: the figures stay step 2's
                 assert prof.snapshot().held_back_updates == 1
                 assert eff.layers["0"].update_norm == pytest.approx(expected, rel=1e-5)
-        assert eff.layers["0"].update_norm == pytest.approx(update_norm_of(model, before, 0), rel=1e-5)  # step 4
+        assert eff.layers["0"].update_norm == pytest.approx(
+            update_norm_of(model, before, 0), rel=1e-5
+        )  # step 4
 
 
 def test_flops_of_a_layer_called_with_keywords_under_a_user_forward_hook(every_step):

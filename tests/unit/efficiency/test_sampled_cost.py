@@ -18,7 +18,6 @@ from hookprof.efficiency.figures import StepEfficiency
 from hookprof.layers import LayerTable
 from hookprof.notices import Notices
 
-
 # the every_step fixture, with update norms measured on every step too
 pytestmark = pytest.mark.every_step(update_norm_interval_s=0.0)
 
@@ -72,6 +71,7 @@ def test_precision_is_read_once_per_sampled_step_inside_the_forward(every_step, 
 def test_a_failing_flops_note_is_said_once_and_the_hooks_stay_on(every_step, monkeypatch):
     """FlopCounter.note is what the layer hooks call on every layer call of a sampled step:
     a failure in it never reaches the loop nor switches the per-layer timing off."""
+
     def broken(value):
         raise RuntimeError("signature")
 
@@ -153,12 +153,20 @@ def test_the_peak_is_looked_up_once_per_device_and_precision(monkeypatch):
     x = torch.randn(2, 8, requires_grad=True)
 
     def profiler_half():
-        return StepEfficiency(LayerTable(model), flops=True, update_norms=False, update_max_bytes=0,
-                              peak_flops=None, notices=Notices())
+        return StepEfficiency(
+            LayerTable(model),
+            flops=True,
+            update_norms=False,
+            update_max_bytes=0,
+            peak_flops=None,
+            notices=Notices(),
+        )
 
     h100 = profiler_half()
     order = ["bf16", "bf16", "tf32", "bf16", "fp32", "tf32"]
-    assert efficiency_steps(h100, x, order) == [real_lookup("NVIDIA H100 80GB HBM3", p) for p in order]
+    assert efficiency_steps(h100, x, order) == [
+        real_lookup("NVIDIA H100 80GB HBM3", p) for p in order
+    ]
     assert names == ["NVIDIA H100 80GB HBM3"]
     assert lookups == [("NVIDIA H100 80GB HBM3", p) for p in ("bf16", "tf32", "fp32")]
     device[0] = "NVIDIA A100-SXM4-80GB"
@@ -169,13 +177,18 @@ def test_the_peak_is_looked_up_once_per_device_and_precision(monkeypatch):
     assert len(lookups) == 5
 
 
-def test_a_param_group_added_mid_run_is_measured_and_the_grouping_kept_until_then(every_step, monkeypatch):
+def test_a_param_group_added_mid_run_is_measured_and_the_grouping_kept_until_then(
+    every_step, monkeypatch
+):
     """Update norms regroup the parameters only when the optimizer's parameter groups
     change: a backbone frozen at attach, unfrozen later with a param group of its own, has
     its updates measured from then on, exactly."""
     regroups = []
     real_group = getattr(*_testing.update_norm_grouping_seam())
-    monkeypatch.setattr(*_testing.update_norm_grouping_seam(), lambda self: (regroups.append(1), real_group(self))[1])
+    monkeypatch.setattr(
+        *_testing.update_norm_grouping_seam(),
+        lambda self: (regroups.append(1), real_group(self))[1],
+    )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     backbone, head = model[0], model[2]
@@ -191,8 +204,10 @@ def test_a_param_group_added_mid_run_is_measured_and_the_grouping_kept_until_the
         prof.flush()
         after = [p.detach() for p in (*backbone.parameters(), *head.parameters())]
         d = [a - b for a, b in zip(after, before)]
-        return (math.sqrt(sum(t.square().sum().item() for t in d[:2])),
-                math.sqrt(sum(t.square().sum().item() for t in d[2:])))
+        return (
+            math.sqrt(sum(t.square().sum().item() for t in d[:2])),
+            math.sqrt(sum(t.square().sum().item() for t in d[2:])),
+        )
 
     with hookprof.attach(model, **every_step) as prof:
         for _ in range(3):

@@ -13,8 +13,14 @@ import time
 import pytest
 import torch
 
-import hookprof
-from hookprof.integrations.scalars import GRAD_NORM, PREFIX, SAMPLED_STEP, counters, headline, step_count
+from hookprof.integrations.scalars import (
+    GRAD_NORM,
+    PREFIX,
+    SAMPLED_STEP,
+    counters,
+    headline,
+    step_count,
+)
 from support.hooks_left import model_state
 from support.settings import EVERY_STEP
 
@@ -22,12 +28,15 @@ STEPS = 6
 
 
 def importorskip(name: str, extra: str):
-    return pytest.importorskip(name, reason=f"{extra} is a test extra (pip install -e '.[dev]'; .ci/run installs it)")
+    return pytest.importorskip(
+        name, reason=f"{extra} is a test extra (pip install -e '.[dev]'; .ci/run installs it)"
+    )
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_importing_hookprof_imports_no_trainer():
@@ -40,7 +49,9 @@ def test_importing_hookprof_imports_no_trainer():
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("module, package", [("lightning", "lightning"), ("huggingface", "transformers")])
+@pytest.mark.parametrize(
+    "module, package", [("lightning", "lightning"), ("huggingface", "transformers")]
+)
 def test_integration_without_its_package_names_what_to_install(module, package):
     # None in sys.modules makes `import <package>` raise ImportError, as if it were absent
     out = run_python(f"""
@@ -67,9 +78,15 @@ def assert_rows_are_the_snapshots(rows: list[tuple[int, dict, object]], final) -
         assert scalars == headline(snap, previous)
         assert scalars[PREFIX + "nonfinite_steps/backward"] == snap.nonfinite_steps["backward"]
         if GRAD_NORM in scalars:
-            assert scalars[SAMPLED_STEP] == snap.last_sampled_step != (previous and previous.last_sampled_step)
+            assert (
+                scalars[SAMPLED_STEP]
+                == snap.last_sampled_step
+                != (previous and previous.last_sampled_step)
+            )
         # the windows' mean step times, times their step counts, add up to the duration sum
-        total += scalars[PREFIX + "step_time_s"] * (step_count(snap) - (step_count(previous) if previous else 0))
+        total += scalars[PREFIX + "step_time_s"] * (
+            step_count(snap) - (step_count(previous) if previous else 0)
+        )
         previous = snap
     assert steps[-1] == final.step == step_count(final)
     assert counters(final) == {k: v for k, v in rows[-1][1].items() if k in counters(final)}
@@ -82,8 +99,8 @@ def assert_rows_are_the_snapshots(rows: list[tuple[int, dict, object]], final) -
 @pytest.fixture
 def lightning_parts():
     importorskip("lightning", "Lightning")
-    from support import lightning_models
     from hookprof.integrations import lightning as integration
+    from support import lightning_models
 
     return lightning_models, integration
 
@@ -141,8 +158,13 @@ def test_lightning_callback_attaches_for_fit_and_logs_the_snapshot(lightning_par
     logger = recording_logger(callback)
     seen: list[bool] = []
     started = time.perf_counter()
-    trainer = models.fit(model, STEPS, callbacks=[callback, watcher(callback, seen)],
-                         root_dir=tmp_path, logger=logger)
+    trainer = models.fit(
+        model,
+        STEPS,
+        callbacks=[callback, watcher(callback, seen)],
+        root_dir=tmp_path,
+        logger=logger,
+    )
     wall = time.perf_counter() - started
 
     # attached to the LightningModule for every batch, gone after fit (the module holds what
@@ -190,7 +212,9 @@ def test_lightning_callback_logs_a_nan_and_detaches_when_fit_fails(lightning_par
     logger = recording_logger(callback)
     model = failing_fit([callback], logger=logger)
 
-    assert callback.profiler.detached and model_state(model) == model_state(reference)  # on_exception
+    assert callback.profiler.detached and model_state(model) == model_state(
+        reference
+    )  # on_exception
     final = callback.profiler.snapshot()
     assert final.step == 5
     assert_rows_are_the_snapshots(logger.rows, final)  # the last one logged at on_exception
@@ -205,7 +229,9 @@ def test_lightning_callback_logs_a_nan_and_detaches_when_fit_fails(lightning_par
 
 @lightning_warnings
 @pytest.mark.parametrize("accumulate", [1, 3])
-def test_lightning_callback_hands_each_optimizer_steps_loss_to_hookprof(lightning_parts, tmp_path, accumulate):
+def test_lightning_callback_hands_each_optimizer_steps_loss_to_hookprof(
+    lightning_parts, tmp_path, accumulate
+):
     """prof.step(loss) once per optimizer step, with the mean of its micro-batches' losses
     (Lightning divides each by accumulate_grad_batches; the callback adds them up)."""
     models, integration = lightning_parts
@@ -223,11 +249,19 @@ def test_lightning_callback_hands_each_optimizer_steps_loss_to_hookprof(lightnin
                 losses[snap.step] = snap.loss
 
     model = models.seeded_regressor()
-    trainer = models.fit(model, steps, callbacks=[callback, ReadLoss()], root_dir=tmp_path,
-                         batches=steps * accumulate, accumulate_grad_batches=accumulate)
+    trainer = models.fit(
+        model,
+        steps,
+        callbacks=[callback, ReadLoss()],
+        root_dir=tmp_path,
+        batches=steps * accumulate,
+        accumulate_grad_batches=accumulate,
+    )
     assert trainer.global_step == callback.profiler.snapshot().step == steps
-    expected = {step: sum(model.losses[(step - 1) * accumulate:step * accumulate]) / accumulate
-                for step in range(1, steps + 1)}
+    expected = {
+        step: sum(model.losses[(step - 1) * accumulate : step * accumulate]) / accumulate
+        for step in range(1, steps + 1)
+    }
     assert losses == pytest.approx(expected, rel=1e-6)
     page = callback.profiler.snapshot()
     assert page.nonfinite_steps["loss"] == 0
@@ -248,14 +282,27 @@ def hf_train(tmp_path, callbacks, mixin: bool = False):
     from hookprof.integrations.huggingface import HookprofTrainerMixin
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2
+    )
     model = transformers.GPT2LMHeadModel(config)
     g = torch.Generator().manual_seed(1)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, VOCAB, (HF_STEPS * BATCH, SEQ), generator=g)]
+    data = [
+        {"input_ids": ids, "labels": ids}
+        for ids in torch.randint(0, VOCAB, (HF_STEPS * BATCH, SEQ), generator=g)
+    ]
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=HF_STEPS, logging_steps=1, report_to=[], use_cpu=True,
-        per_device_train_batch_size=BATCH, save_strategy="no", disable_tqdm=True, seed=0,
-        max_grad_norm=1e9, dataloader_num_workers=0,
+        output_dir=str(tmp_path),
+        max_steps=HF_STEPS,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        per_device_train_batch_size=BATCH,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        max_grad_norm=1e9,
+        dataloader_num_workers=0,
     )
     trainer_class = transformers.Trainer
     if mixin:
@@ -314,7 +361,11 @@ def test_hf_callback_attaches_for_train_and_logs_the_snapshot(mixin, hf_referenc
     assert final.step == trainer.state.global_step == HF_STEPS
     # one log per step: each carries the scalars of its own step (flushed at the log)
     rows = [entry for entry in trainer.state.log_history if PREFIX + "sampled_step" in entry]
-    assert [row["step"] for row in rows] == [row[SAMPLED_STEP] for row in rows] == list(range(1, HF_STEPS + 1))
+    assert (
+        [row["step"] for row in rows]
+        == [row[SAMPLED_STEP] for row in rows]
+        == list(range(1, HF_STEPS + 1))
+    )
     assert {k: v for k, v in rows[-1].items() if k in counters(final)} == counters(final)
     # unclipped here (max_grad_norm huge), the norm hookprof read after clipping is the one
     # Trainer computed before it for the same step (clip_grad_norm_)

@@ -53,7 +53,9 @@ def captured(name: str, lag: int, policy: str):
 def fold(result, packets):
     """The first NaN/Inf a fresh Aggregator of the run's model says after `packets`."""
     prof = result.prof
-    agg = Aggregator.for_table(prof.table, prof.rank, prof.config, efficiency=None, device_phases=None)
+    agg = Aggregator.for_table(
+        prof.table, prof.rank, prof.config, efficiency=None, device_phases=None
+    )
     for packet in packets:
         agg.fold(packet, prof.timer)
     return agg.snapshot(StepCounters(), 0).first_nonfinite
@@ -79,8 +81,15 @@ def orders(packets, at: int, seed: int):
 
 
 def describe(packet) -> str:
-    kind = ("sampled" if packet.sampled else "replay" if packet.record is not None
-            else "not replayed" if packet.not_replayed else "drain")
+    kind = (
+        "sampled"
+        if packet.sampled
+        else "replay"
+        if packet.record is not None
+        else "not replayed"
+        if packet.not_replayed
+        else "drain"
+    )
     return f"{kind}@{packet.step}"
 
 
@@ -101,9 +110,11 @@ def test_every_order_of_the_packets_gives_the_one_expected_answer(name, lag, pol
         notes.add(event.replay_note if event is not None else None)
         if event_key(event) != expected.key and wrong is None:
             wrong = [describe(p) for p in order]
-    said = (f"the run said {event_key(live)}; over {sum(answers.values())} orders of "
-            f"{len(packets)} packets ({dict(kinds)} from step {scenario.at} on): {dict(answers)}; "
-            f"expected {expected.key}; a wrong order: {wrong}")
+    said = (
+        f"the run said {event_key(live)}; over {sum(answers.values())} orders of "
+        f"{len(packets)} packets ({dict(kinds)} from step {scenario.at} on): {dict(answers)}; "
+        f"expected {expected.key}; a wrong order: {wrong}"
+    )
     assert event_key(live) == expected.key and set(answers) == {expected.key}, said
     assert live.replay_note == expected.replay_note and notes == {expected.replay_note}, notes
 
@@ -118,7 +129,11 @@ def test_a_packets_batch_reads_the_same_twice():
     first = [[b.get(k) for k in keys_of] for b in batches]
     second = [[b.get(k) for k in keys_of] for b in batches]
     assert repr(first) == repr(second)  # repr: NaNs compare equal
-    assert event_key(fold(result, packets)) == event_key(fold(result, packets)) == scenario.expected(3, "skip").key
+    assert (
+        event_key(fold(result, packets))
+        == event_key(fold(result, packets))
+        == scenario.expected(3, "skip").key
+    )
 
 
 @pytest.mark.parametrize("lag", LAGS)
@@ -139,7 +154,11 @@ def test_the_drain_folded_before_the_replays_record_and_after_it(lag):
 
     # drains (every one: the ones that know of the NaN included) first, then the record
     before = fold(result, others)
-    assert before is not None and (before.layer, before.phase, before.step) == (None, "forward", scenario.at)
+    assert before is not None and (before.layer, before.phase, before.step) == (
+        None,
+        "forward",
+        scenario.at,
+    )
     assert event_key(fold(result, others + [replay])) == expected
     rest = [p for p in others if all(p is not d for d in drains)]
     assert event_key(fold(result, drains + [replay] + rest)) == expected

@@ -9,7 +9,6 @@ import logging
 import os
 import re
 
-import pytest
 import torch
 from torch import nn
 
@@ -22,7 +21,9 @@ from support.own_hooks import OwnHooks
 
 def fp16_mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).half()
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)
+    ).half()
 
 
 def overflowing_run(directory, *, lag=0, **settings):
@@ -35,8 +36,12 @@ def overflowing_run(directory, *, lag=0, **settings):
     g = torch.Generator().manual_seed(1)
     before = {}
     with behind_by(lag):
-        prof = hookprof.attach(model, config=hookprof.Config(
-            summary_at_exit=False, capsule_dir=str(directory), **UNSAMPLED, **settings))
+        prof = hookprof.attach(
+            model,
+            config=hookprof.Config(
+                summary_at_exit=False, capsule_dir=str(directory), **UNSAMPLED, **settings
+            ),
+        )
         own.replaying = lambda: _testing.replaying(prof)
         own.watch(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -63,8 +68,9 @@ def test_a_backward_nan_gets_a_capsule_of_its_own_step_that_replays_to_its_layer
     event = prof.snapshot().first_nonfinite
     assert (event.layer, event.phase, event.step) == ("4", "backward", 2)
     path = event.capsule
-    assert path is not None and re.fullmatch(rf"hookprof-capsule-Sequential-rank0-step2-{os.getpid()}\.pt",
-                                             os.path.basename(path))
+    assert path is not None and re.fullmatch(
+        rf"hookprof-capsule-Sequential-rank0-step2-{os.getpid()}\.pt", os.path.basename(path)
+    )
     capsule = torch.load(path, map_location="cpu", weights_only=True)
     assert capsule["view"]["form"] == "backward" and capsule["view"]["step"] == 2
     assert capsule["view"]["weights_intact"] is True
@@ -74,8 +80,12 @@ def test_a_backward_nan_gets_a_capsule_of_its_own_step_that_replays_to_its_layer
         assert torch.equal(v, before[k]), k
     lines = []
     assert reproduce.replay(path, say=lines.append) == reproduce.REPRODUCED
-    assert lines[0] == "reproduced: NaN/Inf in the backward, first in the gradient of 4.weight (layer 4)" or \
-        lines[0] == "reproduced: NaN/Inf in the backward, first in the gradient of 4.bias (layer 4)"
+    assert (
+        lines[0]
+        == "reproduced: NaN/Inf in the backward, first in the gradient of 4.weight (layer 4)"
+        or lines[0]
+        == "reproduced: NaN/Inf in the backward, first in the gradient of 4.bias (layer 4)"
+    )
     assert "hookprof said: backward, layer 4" in lines[1]
 
 
@@ -104,8 +114,10 @@ def test_a_loss_nan_says_why_it_has_no_capsule(tmp_path, caplog):
     model = nn.Linear(4, 1)
     _testing.forget_capsules_written()
     with caplog.at_level(logging.WARNING, logger="hookprof"):
-        with hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, capsule_dir=str(tmp_path),
-                                                           **UNSAMPLED)) as prof:
+        with hookprof.attach(
+            model,
+            config=hookprof.Config(summary_at_exit=False, capsule_dir=str(tmp_path), **UNSAMPLED),
+        ) as prof:
             for step in range(1, 4):
                 out = model(torch.ones(2, 4))
                 loss = out.sum() * (float("inf") if step == 2 else 1.0)
@@ -131,8 +143,9 @@ def test_two_forwards_of_different_shapes_in_one_step_never_raise_into_backward(
 
     model = TwoHeads()
     _testing.forget_capsules_written()
-    with hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, capsule_dir=str(tmp_path),
-                                                       **UNSAMPLED)) as prof:
+    with hookprof.attach(
+        model, config=hookprof.Config(summary_at_exit=False, capsule_dir=str(tmp_path), **UNSAMPLED)
+    ) as prof:
         for _ in range(3):
             model.zero_grad()
             first = model(torch.randn(2, 4), True)
@@ -150,10 +163,11 @@ def test_a_gradscaler_overflow_leaves_the_capsule_for_the_real_incident(tmp_path
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)  # overflows at once, then backs off
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # overflows at once, then backs off
     g = torch.Generator().manual_seed(1)
-    with hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, capsule_dir=str(tmp_path),
-                                                       **UNSAMPLED)) as prof:
+    with hookprof.attach(
+        model, config=hookprof.Config(summary_at_exit=False, capsule_dir=str(tmp_path), **UNSAMPLED)
+    ) as prof:
         for step in range(1, 9):
             x = torch.randn(4, 8, generator=g)
             if step == 6:  # a row that overflows the first layer's first unit: the real incident
@@ -164,6 +178,6 @@ def test_a_gradscaler_overflow_leaves_the_capsule_for_the_real_incident(tmp_path
             scaler.update()
         prof.flush()
         event = prof.snapshot().first_nonfinite
-    assert scaler.get_scale() < 2.0 ** 127  # it did overflow and skip
+    assert scaler.get_scale() < 2.0**127  # it did overflow and skip
     assert (event.phase, event.step, event.layer) == ("forward", 6, "0")
     assert event.capsule is not None and "-step6-" in event.capsule

@@ -32,10 +32,14 @@ def part(data: bytes):
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
-def test_overflowing_row_saves_the_producer_its_inputs_output_and_weights_before_the_update(tmp_path):
+def test_overflowing_row_saves_the_producer_its_inputs_output_and_weights_before_the_update(
+    tmp_path,
+):
     r, path = capsule_of(Overflow(at=5), tmp_path, keep_attached=True)
     try:
-        assert re.fullmatch(rf"hookprof-capsule-Mlp-rank0-step5-{os.getpid()}\.pt", os.path.basename(path))
+        assert re.fullmatch(
+            rf"hookprof-capsule-Mlp-rank0-step5-{os.getpid()}\.pt", os.path.basename(path)
+        )
         assert os.path.dirname(path) == str(tmp_path)
         capsule = opened(path)
         assert capsule["view"]["form"] == "producer"
@@ -49,22 +53,35 @@ def test_overflowing_row_saves_the_producer_its_inputs_output_and_weights_before
         assert torch.isfinite(fc1.weight).all()
         assert not torch.isfinite(r.model.fc1.weight).all()  # record: the NaN update landed later
         expected = nn.functional.linear(x, fc1.weight, fc1.bias)
-        assert torch.equal(part(producer["output"]), expected) and not torch.isfinite(expected).all()
+        assert (
+            torch.equal(part(producer["output"]), expected) and not torch.isfinite(expected).all()
+        )
         assert producer["input_dtypes"] == ["float32"] and producer["output_dtypes"] == ["float32"]
-        assert torch.equal(producer["cpu_rng"], producer["cpu_rng"]) and producer["cpu_rng"].dtype == torch.uint8
+        assert (
+            torch.equal(producer["cpu_rng"], producer["cpu_rng"])
+            and producer["cpu_rng"].dtype == torch.uint8
+        )
         view = capsule["view"]
         assert view["event"]["layer"] == "fc1" and view["event"]["replay"] == "reproducible"
         assert view["event"]["capsule"] == path
-        assert (view["step"], view["rank"], view["policy"], view["device"]) == (5, 0, "record", "cpu")
+        assert (view["step"], view["rank"], view["policy"], view["device"]) == (
+            5,
+            0,
+            "record",
+            "cpu",
+        )
         assert view["weights_intact"] is True and view["updates_since_forward"] == 0
-        assert view["torch_version"] == torch.__version__ and view["hookprof_version"] == hookprof.__version__
+        assert (
+            view["torch_version"] == torch.__version__
+            and view["hookprof_version"] == hookprof.__version__
+        )
         assert view["modes"] == {"grad_enabled": True, "autocast": {}}
         assert view["dtypes"]["parameters"] == {k: "float32" for k in r.model.state_dict()}
         assert "fc1" in view["summary"]
         # the snapshot, the counter and the info metric carry it
         assert r.snapshot.capsules_written == 1 and r.snapshot.first_nonfinite.capsule == path
         page = generate_latest(r.prof.registry).decode()
-        assert re.search(r'hookprof_capsules_written_total\{[^}]*\} 1\.0', page)
+        assert re.search(r"hookprof_capsules_written_total\{[^}]*\} 1\.0", page)
         assert f'path="{path}"' in page
         assert f"capsule: {path}" in r.prof.report()
     finally:
@@ -100,8 +117,14 @@ def test_model_above_the_size_cap_keeps_inputs_and_a_hash_of_each_parameter(tmp_
     class Watched(TransientPoison):
         def before_step(self, step, model, inputs):
             if step == self.at:  # the weights the bad forward used, hashed apart from hookprof
-                before.update({k: hashlib.sha256(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-                               .hexdigest() for k, v in model.state_dict().items()})
+                before.update(
+                    {
+                        k: hashlib.sha256(
+                            v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                        ).hexdigest()
+                        for k, v in model.state_dict().items()
+                    }
+                )
             return inputs
 
     r, path = capsule_of(Watched(at=7), tmp_path, capsule_max_bytes=64)
@@ -148,7 +171,9 @@ def test_capsule_dir_not_writable_is_counted_said_once_and_training_goes_on(tmp_
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with caplog.at_level(logging.WARNING, logger="hookprof"):
-        r = run(Overflow(at=5), lag=0, policy="warn", steps=12, capsule_dir=str(blocker / "capsules"))
+        r = run(
+            Overflow(at=5), lag=0, policy="warn", steps=12, capsule_dir=str(blocker / "capsules")
+        )
     assert r.snapshot.step == 12 and r.error is None
     assert r.snapshot.internal_errors == 1 and r.snapshot.capsules_written == 0
     assert r.snapshot.first_nonfinite.layer == "fc1" and r.snapshot.first_nonfinite.capsule is None
@@ -162,8 +187,14 @@ def test_a_capsule_write_that_fails_inside_flush_is_in_that_flushs_snapshot(tmp_
     failed, and the snapshot that flush() returned did not count it yet (a second flush did)."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    r = run(Overflow(at=5), lag=0, policy="record", steps=5, capsule_dir=str(blocker / "capsules"),
-            keep_attached=True)  # r.snapshot: after run()'s one flush(), before any detach
+    r = run(
+        Overflow(at=5),
+        lag=0,
+        policy="record",
+        steps=5,
+        capsule_dir=str(blocker / "capsules"),
+        keep_attached=True,
+    )  # r.snapshot: after run()'s one flush(), before any detach
     try:
         assert r.snapshot.first_nonfinite is not None and r.snapshot.first_nonfinite.capsule is None
         assert r.snapshot.internal_errors == 1 and r.snapshot.capsules_written == 0
@@ -172,8 +203,17 @@ def test_a_capsule_write_that_fails_inside_flush_is_in_that_flushs_snapshot(tmp_
 
 
 def test_at_most_capsule_max_count_per_process(tmp_path):
-    paths = [run(Overflow(at=5), lag=0, policy="record", steps=8, capsule_dir=str(tmp_path),
-                 capsule_max_count=2).snapshot.first_nonfinite.capsule for _ in range(3)]
+    paths = [
+        run(
+            Overflow(at=5),
+            lag=0,
+            policy="record",
+            steps=8,
+            capsule_dir=str(tmp_path),
+            capsule_max_count=2,
+        ).snapshot.first_nonfinite.capsule
+        for _ in range(3)
+    ]
     assert paths[0] and paths[1] and paths[2] is None
     assert len(list(tmp_path.glob("hookprof-capsule-*.pt"))) == 2
 
@@ -185,7 +225,9 @@ def test_no_incident_no_capsule_no_hook(tmp_path, monkeypatch):
     monkeypatch.setattr(capsule.ReplayWatch, "__init__", never)  # a call would count a fault
     torch.manual_seed(0)
     model = Mlp()
-    config = hookprof.Config(summary_at_exit=False, capsule_dir=str(tmp_path / "caps")).replace(**UNSAMPLED)
+    config = hookprof.Config(summary_at_exit=False, capsule_dir=str(tmp_path / "caps")).replace(
+        **UNSAMPLED
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with hookprof.attach(model, config=config) as prof:
         for _ in range(5):
@@ -206,7 +248,8 @@ def test_a_capsule_waiting_at_detach_is_written_then(tmp_path):
     opt = fused_sgd(model)
     g = torch.Generator().manual_seed(1)
     config = hookprof.Config(summary_at_exit=False, capsule_dir=str(tmp_path)).replace(
-        **{**scenario.settings, "on_nonfinite": "record"})
+        **{**scenario.settings, "on_nonfinite": "record"}
+    )
     prof = hookprof.attach(model, config=config)
     for step in range(1, 4):  # the last step's forward overflows
         inputs, target = model.batch(g)
@@ -222,7 +265,8 @@ def test_a_capsule_waiting_at_detach_is_written_then(tmp_path):
 
 @pytest.mark.parametrize("policy", ["skip", "raise"])
 def test_a_run_ending_while_the_policy_holds_for_the_replay_says_it_and_writes_the_capsule(
-        tmp_path, caplog, policy):
+    tmp_path, caplog, policy
+):
     """On a device 3 steps behind, the policy waits for the late replay to name the layer;
     a run whose last step is the bad one ends (detach, no later step end) while it waits:
     detach acts on it (under "raise" it says it, never raises out of detach) and writes the
@@ -267,8 +311,10 @@ def test_a_capsule_without_weights_says_why_truly():
     model against a 256 MiB cap, issue 38); it now says what the capsule says."""
     from hookprof.nonfinite.reproduce import CannotLoad, _target
 
-    view = {"sizes": {"state_dict_bytes": 474112, "input_bytes": 4100, "max_bytes": 268435456},
-            "left_out": ["the model (the replay found a producer other than the one named)"]}
+    view = {
+        "sizes": {"state_dict_bytes": 474112, "input_bytes": 4100, "max_bytes": 268435456},
+        "left_out": ["the model (the replay found a producer other than the one named)"],
+    }
     capsule = {"view": view, "forward": {"inputs": None, "entry": None}}
     with pytest.raises(CannotLoad) as raised:
         _target(capsule)

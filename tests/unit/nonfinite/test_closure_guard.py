@@ -41,8 +41,17 @@ class DelegatingSAM(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure):
-        norm = torch.norm(torch.stack([p.grad.norm(p=2) for g in self.param_groups
-                                       for p in g["params"] if p.grad is not None]), p=2)
+        norm = torch.norm(
+            torch.stack(
+                [
+                    p.grad.norm(p=2)
+                    for g in self.param_groups
+                    for p in g["params"]
+                    if p.grad is not None
+                ]
+            ),
+            p=2,
+        )
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is not None:
@@ -77,8 +86,12 @@ def test_skip_holds_back_a_closure_optimizer_that_delegates_its_update():
     back down from its climb and keep the climbed (NaN) weights: its update is its inner
     optimizer's, judged at that optimizer's pre-hook."""
     reference = seeded(DeepNet)
-    ref_opt = delegating_sam_loop(reference, 8, StepInjector(reference.blocks[1].act, {BAD_STEP}),
-                                  skip_steps=frozenset({BAD_STEP}))
+    ref_opt = delegating_sam_loop(
+        reference,
+        8,
+        StepInjector(reference.blocks[1].act, {BAD_STEP}),
+        skip_steps=frozenset({BAD_STEP}),
+    )
     model = seeded(DeepNet)
     with hookprof.attach(model, **RARELY, on_nonfinite="skip") as prof:
         opt = delegating_sam_loop(model, 8, StepInjector(model.blocks[1].act, {BAD_STEP}))
@@ -122,15 +135,22 @@ def test_skip_holds_back_a_closure_step_whose_forward_went_nonfinite(kind):
     make = OPTIMIZERS[kind]
     reference = seeded(DeepNet)
     ref_opt = make(reference)
-    closure_loop(reference, ref_opt, 9, StepInjector(reference.blocks[1].act, {(BAD_STEP, c) for c in range(1, 100)}),
-                 hide_nonfinite=True)
+    closure_loop(
+        reference,
+        ref_opt,
+        9,
+        StepInjector(reference.blocks[1].act, {(BAD_STEP, c) for c in range(1, 100)}),
+        hide_nonfinite=True,
+    )
     assert finite(reference.parameters())
 
     model = seeded(DeepNet)
     opt = make(model)
     attrs = set(vars(opt))
     prof = hookprof.attach(model, **RARELY, on_nonfinite="skip")
-    returned = closure_loop(model, opt, 9, StepInjector(model.blocks[1].act, {(BAD_STEP, c) for c in range(1, 100)}))
+    returned = closure_loop(
+        model, opt, 9, StepInjector(model.blocks[1].act, {(BAD_STEP, c) for c in range(1, 100)})
+    )
     prof.flush()
     snap = prof.snapshot()
     prof.detach()
@@ -166,7 +186,13 @@ def test_skip_holds_back_a_later_lbfgs_evaluation_that_went_nonfinite(kind):
     make = OPTIMIZERS[kind]
     reference = seeded(DeepNet)
     ref_opt = make(reference)
-    closure_loop(reference, ref_opt, 8, StepInjector(reference.blocks[1].act, {(BAD_STEP, 3)}), hide_nonfinite=True)
+    closure_loop(
+        reference,
+        ref_opt,
+        8,
+        StepInjector(reference.blocks[1].act, {(BAD_STEP, 3)}),
+        hide_nonfinite=True,
+    )
 
     model = seeded(DeepNet)
     opt = make(model)
@@ -195,10 +221,19 @@ def test_raise_stops_a_closure_step_before_its_update(kind):
     prof = hookprof.attach(model, **RARELY, on_nonfinite="raise")
     try:
         with pytest.raises(hookprof.NonFiniteError) as info:
-            closure_loop(model, opt, 9, StepInjector(model.blocks[1].act, {(BAD_STEP, c) for c in range(1, 100)}))
+            closure_loop(
+                model,
+                opt,
+                9,
+                StepInjector(model.blocks[1].act, {(BAD_STEP, c) for c in range(1, 100)}),
+            )
     finally:
         prof.detach()
-    assert (info.value.layer, info.value.phase, info.value.step) == ("blocks.1.act", "forward", BAD_STEP)
+    assert (info.value.layer, info.value.phase, info.value.step) == (
+        "blocks.1.act",
+        "forward",
+        BAD_STEP,
+    )
     assert_same(reference, model)  # step 4's update never happened
     assert finite(flat_state(opt).values())
     state, ref_state = flat_state(opt), flat_state(ref_opt)
@@ -221,8 +256,14 @@ def test_skip_with_a_closure_that_returns_none_and_one_that_raises():
     the gradients its own closure made."""
     reference = seeded(DeepNet)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-    closure_loop(reference, ref_opt, 9, StepInjector(reference.blocks[1].act, {(BAD_STEP, 1)}),
-                 hide_nonfinite=True, closure_returns_loss=False)
+    closure_loop(
+        reference,
+        ref_opt,
+        9,
+        StepInjector(reference.blocks[1].act, {(BAD_STEP, 1)}),
+        hide_nonfinite=True,
+        closure_returns_loss=False,
+    )
 
     model = seeded(DeepNet)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -232,8 +273,13 @@ def test_skip_with_a_closure_that_returns_none_and_one_that_raises():
 
 
 def closure_steps_that_return_none_or_raise(model, opt, reference, ref_opt, prof):
-    returned = closure_loop(model, opt, 9, StepInjector(model.blocks[1].act, {(BAD_STEP, 1)}),
-                            closure_returns_loss=False)
+    returned = closure_loop(
+        model,
+        opt,
+        9,
+        StepInjector(model.blocks[1].act, {(BAD_STEP, 1)}),
+        closure_returns_loss=False,
+    )
     assert all(out is None for _, out in returned)
     assert_same(reference, model)
     assert_same_state(ref_opt, opt)
@@ -320,8 +366,10 @@ with contextlib.suppress(ImportError):
 
 
 @pytest.mark.skipif(lightning is None, reason="Lightning is a test extra (pip install -e '.[dev]')")
-@pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning",
-                            r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated")
+@pytest.mark.filterwarnings(
+    "ignore:.*does not have many workers:UserWarning",
+    r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated",
+)
 def test_lightning_automatic_optimization_skip_holds_back_step_7(tmp_path):
     """Lightning always passes a closure. A NaN made in body.3 at step 7 under "skip":
     training goes on to step 12 with finite weights, bit for bit as a run whose
@@ -346,7 +394,9 @@ def test_lightning_automatic_optimization_skip_holds_back_step_7(tmp_path):
     nan = NanAt({7})
     torch.manual_seed(0)
     model = Regressor(middle=nan)
-    prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0, on_nonfinite="skip")
+    prof = hookprof.attach(
+        model, port=0, sample_every=1, min_sample_interval_s=0.0, on_nonfinite="skip"
+    )
     try:
         trainer = fit(model, 12, callbacks=[SetStep(nan)], root_dir=tmp_path)
         prof.flush()
@@ -358,7 +408,8 @@ def test_lightning_automatic_optimization_skip_holds_back_step_7(tmp_path):
     assert finite(model.parameters())
     assert_same(reference, model)
     assert samples(page, "hookprof_held_back_updates", "hookprof_held_back_updates_total") == {
-        frozenset({("rank", "0")}): 1.0}
+        frozenset({("rank", "0")}): 1.0
+    }
     event = snap.first_nonfinite
     assert (event.layer, event.phase, event.step) == ("body.3", "forward", 7)
 
@@ -371,7 +422,13 @@ def test_on_a_device_steps_behind_a_non_fused_closure_step_needs_the_opt_in_wait
     make = OPTIMIZERS["lbfgs"]
     bad = {(BAD_STEP, c) for c in range(1, 100)}
     reference = seeded(DeepNet)
-    closure_loop(reference, make(reference), 7, StepInjector(reference.blocks[1].act, bad), hide_nonfinite=sync)
+    closure_loop(
+        reference,
+        make(reference),
+        7,
+        StepInjector(reference.blocks[1].act, bad),
+        hide_nonfinite=sync,
+    )
     model = seeded(DeepNet)
     with lagging_device(2) as device:
         with hookprof.attach(model, **RARELY, on_nonfinite="skip", nonfinite_sync=sync) as prof:

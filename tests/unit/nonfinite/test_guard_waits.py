@@ -63,7 +63,11 @@ def test_nonfinite_sync_waits_once_per_step_with_a_non_fused_optimizer(policy):
                 snap = prof.snapshot()
                 assert snap.held_back_updates == 1
                 event = snap.first_nonfinite
-                assert (event.layer, event.phase, event.step) == ("blocks.2.fc", "forward", BAD_STEP)
+                assert (event.layer, event.phase, event.step) == (
+                    "blocks.2.fc",
+                    "forward",
+                    BAD_STEP,
+                )
         finally:
             prof.detach()
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
@@ -86,7 +90,9 @@ def test_whether_a_closure_optimizer_delegates_is_worked_out_once_and_held_weakl
         answers.append(original(optimizer))
         return answers[-1]
 
-    monkeypatch.setattr(hookprof.nonfinite.guard, "delegates_update", counted)  # the cache's one caller
+    monkeypatch.setattr(
+        hookprof.nonfinite.guard, "delegates_update", counted
+    )  # the cache's one caller
     model = seeded(DeepNet)
     opt = OPTIMIZERS["sam"](model)
     with hookprof.attach(model, **RARELY, on_nonfinite="skip") as prof:
@@ -136,9 +142,11 @@ def still_sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every step is the same step
 
 
-@pytest.mark.parametrize("policy, make_opt", [("record", still_sgd), ("skip", still_sgd),
-                                              ("skip", fused_adam)],
-                         ids=["record", "skip sgd", "skip fused adam"])
+@pytest.mark.parametrize(
+    "policy, make_opt",
+    [("record", still_sgd), ("skip", still_sgd), ("skip", fused_adam)],
+    ids=["record", "skip sgd", "skip fused adam"],
+)
 def test_the_output_check_is_combined_once_per_step(policy, make_opt):
     """The model output's flag has one owner (output_check.OutputFlags): the replay peeks
     it, the guard and the detector read it, none of them stacks it again. On a step with
@@ -157,7 +165,9 @@ def test_the_output_check_is_combined_once_per_step(policy, make_opt):
     assert ops["aten.where.self"] == 1, ops
     # the guard folds the output's flag and the gradients' with one op
     assert ops["aten.bitwise_or.Tensor"] == (1 if skip else 0), ops
-    assert ops["aten.clone.default"] == (2 if policy == "skip" else 1), ops  # peeks (emulated copies)
+    assert ops["aten.clone.default"] == (2 if policy == "skip" else 1), (
+        ops
+    )  # peeks (emulated copies)
     assert ops_per_unsampled_step_on_a_device(policy, make_opt, depth=12) == ops
 
 
@@ -199,9 +209,8 @@ def test_a_late_replay_that_fails_leaves_nothing_swapped_in(where, monkeypatch):
     step is held once the failing step is over; nor cost the step it ran in its count
     (it runs at that step's end); later steps train as before."""
     import gc
-    import weakref
-
     import logging
+    import weakref
 
     # the logged error's traceback (its frames' locals) would hold the inputs for a log
     # capture that keeps records: not what is measured here
@@ -209,6 +218,7 @@ def test_a_late_replay_that_fails_leaves_nothing_swapped_in(where, monkeypatch):
     failed: list[int] = []
     step = 0
     if where == "before its forward":
+
         def failing_run(self, *args, **kwargs):
             failed.append(step)
             raise RuntimeError("injected: the replay failed")
@@ -220,6 +230,7 @@ def test_a_late_replay_that_fails_leaves_nothing_swapped_in(where, monkeypatch):
     with lagging_device(2):
         prof = hookprof.attach(model, **RARELY, on_nonfinite="skip")
         if where == "in its forward":
+
             def fail_in_replay(module, args):
                 if _testing.replaying(prof):
                     failed.append(step)

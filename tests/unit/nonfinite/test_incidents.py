@@ -50,8 +50,9 @@ def test_forward_nan_on_an_unsampled_step_is_localised_exactly(value):
 
     order = model.order()
     after = tuple(order[order.index("blocks.2.fc") + 1 :])
-    assert snap.first_nonfinite == NonFiniteEvent("blocks.2.fc", "forward", 7, after, found_by="replay",
-                                                 replay="reproducible")
+    assert snap.first_nonfinite == NonFiniteEvent(
+        "blocks.2.fc", "forward", 7, after, found_by="replay", replay="reproducible"
+    )
     assert snap.sampled_steps == 1  # found by replaying step 7, not by sampling it
     assert snap.nonfinite_steps == {"forward": 4, "backward": 4, "loss": 4}  # steps 7-10
     # the replay changed nothing: same parameters as the run without hookprof
@@ -72,7 +73,9 @@ def test_gradient_nan_on_an_unsampled_step(value):
     assert transfer.transfer_count() == start + 1  # step 1's sample; nothing since
     prof.detach()
     snap = prof.snapshot()
-    assert snap.first_nonfinite == NonFiniteEvent("blocks.3.fc", "backward", 5, found_by="backward check")
+    assert snap.first_nonfinite == NonFiniteEvent(
+        "blocks.3.fc", "backward", 5, found_by="backward check"
+    )
     assert snap.nonfinite_steps == {"forward": 0, "backward": 1, "loss": 0}
     assert snap.layers["blocks.3.fc"].nonfinite["backward"] == 1
     assert sum(s.nonfinite["backward"] for s in snap.layers.values()) == 1
@@ -81,8 +84,12 @@ def test_gradient_nan_on_an_unsampled_step(value):
 def test_the_loss_alone():
     model = seeded(DeepNet)
     prof = hookprof.attach(model, **RARELY)
-    run(model, 4, prof=prof,
-        loss_override=lambda step, loss: torch.tensor(float("nan")) if step == 3 else loss)
+    run(
+        model,
+        4,
+        prof=prof,
+        loss_override=lambda step, loss: torch.tensor(float("nan")) if step == 3 else loss,
+    )
     prof.detach()
     snap = prof.snapshot()
     assert snap.nonfinite_steps == {"forward": 0, "backward": 0, "loss": 1}
@@ -96,16 +103,22 @@ def test_counters_reach_the_exporter_with_the_next_sample():
         if step == 2:
             m.head.bias.grad[0] = float("nan")
 
-    with hookprof.attach(model, port=0, sample_every=3, min_sample_interval_s=0.0,
-                         publish_interval_s=0.05) as prof:
+    with hookprof.attach(
+        model, port=0, sample_every=3, min_sample_interval_s=0.0, publish_interval_s=0.05
+    ) as prof:
         run(model, 2, prof=prof, poison=poison)  # step 2 is not sampled
         time.sleep(0.5)  # ten publish intervals: what is published has step 2 ...
         assert prof.snapshot().step == 2
         assert prof.snapshot().nonfinite_steps["backward"] == 0  # ... not its device counters
         run(model, 2, prof=prof)  # step 4 is sampled and carries the counters
-        snap = wait_for("step 4's counters published", lambda: (
-            lambda s: s if s.step == 4 and s.nonfinite_steps["backward"] else None)(prof.snapshot()),
-            interval=0.02, retry_errors=False)
+        snap = wait_for(
+            "step 4's counters published",
+            lambda: (lambda s: s if s.step == 4 and s.nonfinite_steps["backward"] else None)(
+                prof.snapshot()
+            ),
+            interval=0.02,
+            retry_errors=False,
+        )
     assert snap.first_nonfinite == NonFiniteEvent("head", "backward", 2, found_by="backward check")
     assert snap.nonfinite_steps["backward"] >= 1
 
@@ -167,9 +180,11 @@ def test_warn_policy_logs_one_line(caplog):
         run(model, 5, prof=prof, injector=injector)
     prof.detach()
     lines = [r.getMessage() for r in caplog.records if "NaN/Inf" in r.getMessage()]
-    assert lines == ["hookprof: NaN/Inf in the forward phase at step 2 on rank 0, first in layer head "
-                     "(seen when the step was replayed); reproducible: a replay with the same inputs, "
-                     "weights and RNG made it again (the data or the model)"]
+    assert lines == [
+        "hookprof: NaN/Inf in the forward phase at step 2 on rank 0, first in layer head "
+        "(seen when the step was replayed); reproducible: a replay with the same inputs, "
+        "weights and RNG made it again (the data or the model)"
+    ]
 
 
 def assert_same_parameters(a_model, b_model):
@@ -231,10 +246,18 @@ def test_vanishing_and_exploding_gradients_are_flagged_per_layer():
         for name, module in m.named_modules():
             grads = [p.grad.flatten() for p in module.parameters(recurse=False)]
             if grads:
-                reference.setdefault(name, []).append(torch.linalg.vector_norm(torch.cat(grads)).item())
+                reference.setdefault(name, []).append(
+                    torch.linalg.vector_norm(torch.cat(grads)).item()
+                )
 
-    prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
-                           vanishing_grad_norm=low, exploding_grad_norm=high)
+    prof = hookprof.attach(
+        model,
+        port=0,
+        sample_every=1,
+        min_sample_interval_s=0.0,
+        vanishing_grad_norm=low,
+        exploding_grad_norm=high,
+    )
     run(model, 4, prof=prof, poison=record)
     prof.detach()
     snap = prof.snapshot()
@@ -293,7 +316,9 @@ def test_gradient_made_non_finite_by_a_tensor_hook():
     prof.detach()
     handle.remove()
     snap = prof.snapshot()
-    assert snap.first_nonfinite == NonFiniteEvent("blocks.1.fc", "backward", 4, found_by="backward check")
+    assert snap.first_nonfinite == NonFiniteEvent(
+        "blocks.1.fc", "backward", 4, found_by="backward check"
+    )
     assert snap.layers["blocks.1.fc"].nonfinite["backward"] >= 1
 
 
@@ -302,8 +327,9 @@ def test_activation_statistics_are_rate_limited_and_replay_covers_the_gap():
     their gauges persist, and a NaN at step 4 is still localised (by replaying step 4)."""
     model = seeded(DeepNet)
     injector = StepInjector(model.blocks[3].fc, {4})
-    prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
-                           activation_interval_s=3600.0)
+    prof = hookprof.attach(
+        model, port=0, sample_every=1, min_sample_interval_s=0.0, activation_interval_s=3600.0
+    )
     run(model, 5, prof=prof, injector=injector)
     prof.detach()
     snap = prof.snapshot()
@@ -311,5 +337,10 @@ def test_activation_statistics_are_rate_limited_and_replay_covers_the_gap():
     assert snap.layers["blocks.0.act"].activation_zero_ratio is not None  # kept from step 1
     order = model.order()
     assert snap.first_nonfinite == NonFiniteEvent(
-        "blocks.3.fc", "forward", 4, tuple(order[order.index("blocks.3.fc") + 1 :]),
-        found_by="replay", replay="reproducible")
+        "blocks.3.fc",
+        "forward",
+        4,
+        tuple(order[order.index("blocks.3.fc") + 1 :]),
+        found_by="replay",
+        replay="reproducible",
+    )

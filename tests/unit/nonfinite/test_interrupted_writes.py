@@ -41,8 +41,12 @@ def notebook_loop(settings: dict, steps: int = 10):
     model = scenario.make_model()
     opt = fused_sgd(model)
     g = torch.Generator().manual_seed(1)
-    prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False).replace(
-        **{**RARELY, **scenario.settings, **settings}))
+    prof = hookprof.attach(
+        model,
+        config=hookprof.Config(summary_at_exit=False).replace(
+            **{**RARELY, **scenario.settings, **settings}
+        ),
+    )
     caught = 0
     for step in range(1, steps + 1):
         try:
@@ -67,7 +71,9 @@ def caught_here(body):
 def test_an_interrupted_dump_is_written_at_the_next_step_end(tmp_path, monkeypatch, caplog):
     calls = interrupt_once(monkeypatch, incident_module)
     with caplog.at_level(logging.WARNING, logger="hookprof"):
-        prof, caught = caught_here(lambda: notebook_loop(dict(on_nonfinite="dump", dump_dir=str(tmp_path))))
+        prof, caught = caught_here(
+            lambda: notebook_loop(dict(on_nonfinite="dump", dump_dir=str(tmp_path)))
+        )
     try:
         assert caught == 1 and len(calls) == 2
         reports = list(tmp_path.glob("*.json"))
@@ -83,7 +89,9 @@ def test_an_interrupted_capsule_is_written_later(tmp_path, monkeypatch, caplog, 
     _testing.forget_capsules_written()
     calls = interrupt_once(monkeypatch, capsule_module)
     with caplog.at_level(logging.WARNING, logger="hookprof"):
-        prof, caught = caught_here(lambda: notebook_loop(dict(on_nonfinite=policy, capsule_dir=str(tmp_path))))
+        prof, caught = caught_here(
+            lambda: notebook_loop(dict(on_nonfinite=policy, capsule_dir=str(tmp_path)))
+        )
     try:
         # under record the capsule waits for flush(): the Ctrl-C lands there, and the cell
         # that called it is run again

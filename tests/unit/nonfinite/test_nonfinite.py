@@ -39,8 +39,13 @@ def test_forward_nonfinite_counted_for_layer_and_downstream_only(bad, value, eve
     assert snap.nonfinite_steps["loss"] == 1
     # the producer, and the layers the value flowed through after it
     assert snap.first_nonfinite == hookprof.NonFiniteEvent(
-        bad, "forward", at, tuple(order[position + 1 :]), found_by="sampled step",
-        replay="transient")  # the injector makes it at its 3rd call only: the replay is a 4th
+        bad,
+        "forward",
+        at,
+        tuple(order[position + 1 :]),
+        found_by="sampled step",
+        replay="transient",
+    )  # the injector makes it at its 3rd call only: the replay is a 4th
 
 
 def test_gradient_nonfinite_counted_for_the_layer(every_step):
@@ -61,7 +66,9 @@ def test_gradient_nonfinite_counted_for_the_layer(every_step):
     assert bad == {"blocks.3.fc"}
     assert snap.layers["blocks.3.fc"].grad_norm != snap.layers["blocks.3.fc"].grad_norm  # NaN
     assert snap.nonfinite_steps == {"forward": 0, "backward": 1, "loss": 0}
-    assert snap.first_nonfinite == hookprof.NonFiniteEvent("blocks.3.fc", "backward", at, found_by="backward check")
+    assert snap.first_nonfinite == hookprof.NonFiniteEvent(
+        "blocks.3.fc", "backward", at, found_by="backward check"
+    )
 
 
 def test_activation_statistics_match_the_outputs(every_step):
@@ -109,20 +116,32 @@ def test_dropped_steps_fold_across_devices_to_the_earliest_ones_layers():
 
     def drive(counters, backward, step, dropped):
         flags = torch.tensor([dropped, False])
-        counters.end_step(torch.zeros(3), None, step,
-                          DroppedCheck(flags[:1], flags[1:], torch.tensor(backward)))
+        counters.end_step(
+            torch.zeros(3), None, step, DroppedCheck(flags[:1], flags[1:], torch.tensor(backward))
+        )
 
     a, b = DeviceCounters(3, torch.device("cpu")), DeviceCounters(3, torch.device("cpu"))
     for step in range(1, 8):  # a drops steps 5 and 6, b step 3 only
         drive(a, [nan, nan, 1.0] if step == 5 else [1.0, nan, 1.0], step, step in (5, 6))
         drive(b, [1.0, 1.0, nan] if step == 3 else [nan, 1.0, 1.0], step, step == 3)
-    folded = fold_counters([a.flat.tolist(), b.flat.tolist()], 3,
-                           [a.dropped_values.tolist(), b.dropped_values.tolist()])
-    assert (folded["dropped_bad"], folded["dropped_first"], folded["dropped_layers"]) == ([2], [3], [0, 0, 1])
+    folded = fold_counters(
+        [a.flat.tolist(), b.flat.tolist()],
+        3,
+        [a.dropped_values.tolist(), b.dropped_values.tolist()],
+    )
+    assert (folded["dropped_bad"], folded["dropped_first"], folded["dropped_layers"]) == (
+        [2],
+        [3],
+        [0, 0, 1],
+    )
     assert sum(folded["layer_bad"]) == 0 and folded["phase_bad"] == [0, 0, 0]  # no incident
     alone = fold_counters([a.flat.tolist()], 3, [a.dropped_values.tolist()])
     assert (alone["dropped_first"], alone["dropped_layers"]) == ([5], [1, 1, 0])
     c = DeviceCounters(3, torch.device("cpu"))
     drive(c, [1.0, nan, 1.0], 3, True)
-    both = fold_counters([b.flat.tolist(), c.flat.tolist()], 3, [b.dropped_values.tolist(), c.dropped_values.tolist()])
+    both = fold_counters(
+        [b.flat.tolist(), c.flat.tolist()],
+        3,
+        [b.dropped_values.tolist(), c.dropped_values.tolist()],
+    )
     assert (both["dropped_first"], both["dropped_layers"]) == ([3], [0, 1, 1])

@@ -24,7 +24,9 @@ RARELY = {**bench.SETTINGS, "sample_every": 1000, "min_sample_interval_s": 3600.
 
 def run(policy: str) -> dict:
     overrides = dict(bench.POLICIES)[policy]
-    return bench.one_policy(policy, overrides, CPU, full=False, after=3, deadline_s=0.0, settings=RARELY)
+    return bench.one_policy(
+        policy, overrides, CPU, full=False, after=3, deadline_s=0.0, settings=RARELY
+    )
 
 
 def test_skip_names_the_producer_at_the_bad_steps_boundary_and_holds_its_update_back():

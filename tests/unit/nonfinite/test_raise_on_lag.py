@@ -63,8 +63,9 @@ def run(policy: str, fused: bool, lag: int, sync: bool = False, stop_when_named:
 
 
 def all_finite(model, opt) -> bool:
-    tensors = list(model.parameters()) + [t for s in opt.state.values() for t in s.values()
-                                          if isinstance(t, torch.Tensor)]
+    tensors = list(model.parameters()) + [
+        t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+    ]
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
@@ -101,8 +102,9 @@ def test_a_non_fused_update_that_took_the_nan_is_not_replayed_so_no_wrong_layer_
     assert snap.first_nonfinite.layer is None  # not "stem"
     assert error is not None and (error.phase, error.step) == ("forward", BAD_STEP)
     assert error.layer is None
-    assert any("not localised to a layer" in n and "nonfinite_sync=True" in n
-               for n in snap.notices), snap.notices
+    assert any(
+        "not localised to a layer" in n and "nonfinite_sync=True" in n for n in snap.notices
+    ), snap.notices
     assert not all_finite(model, opt)  # documented: the update reached the weights
     assert "MainThread" not in waits
 
@@ -125,6 +127,7 @@ def test_a_replay_names_a_layer_whose_weights_were_non_finite_before_any_non_fin
     weights are non-finite" was too broad). The same run with the NaN made by blocks.1.act's
     forward names blocks.1.act. (Weights made non-finite by an applied update are never
     evidence: test_a_non_fused_update_that_took_the_nan_is_not_replayed_so_no_wrong_layer_is_named.)"""
+
     def first_event(corrupt_weight: bool):
         model = seeded(DeepNet)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -165,10 +168,13 @@ def test_a_batchnorm_that_makes_the_nan_is_named_though_its_running_stats_took_i
     model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, **({"fused": True} if lag else {}))
     g = torch.Generator().manual_seed(0)
-    policy = "skip" if lag else "record"  # on a device behind the host the fused skip keeps the weights
+    policy = (
+        "skip" if lag else "record"
+    )  # on a device behind the host the fused skip keeps the weights
     with lagging_device(lag) if lag else contextlib.nullcontext():
-        prof = hookprof.attach(model, port=0, on_nonfinite=policy, sample_every=1000,
-                               min_sample_interval_s=3600.0)
+        prof = hookprof.attach(
+            model, port=0, on_nonfinite=policy, sample_every=1000, min_sample_interval_s=3600.0
+        )
         try:
             for step in range(1, 4 + 2 * lag):
                 x = torch.randn(8, 4, generator=g)

@@ -16,6 +16,7 @@ from support.models import DeepNet, loss_of, scaler_loop, seeded
 from support.optimizers import adam, momentum_sgd
 from support.settings import EVERY_STEP, RARELY
 
+
 @pytest.mark.parametrize("kind", ["fused", "foreach"])
 def test_gradscaler_skips_are_counted_exactly_and_are_no_incident(kind):
     """Issue 12 row 5/6: a fused optimizer is always stepped (the kernel skips through
@@ -53,8 +54,15 @@ def test_fused_gradscaler_skipping_that_never_stops_is_an_incident():
     assert snap.first_nonfinite.layer == "(gradscaler)"
 
 
-def train(model, opt, steps: int, injector=None, skip_update_at: frozenset = frozenset(),
-          prof=None, stop_at: int | None = None) -> None:
+def train(
+    model,
+    opt,
+    steps: int,
+    injector=None,
+    skip_update_at: frozenset = frozenset(),
+    prof=None,
+    stop_at: int | None = None,
+) -> None:
     g = torch.Generator().manual_seed(0)
     for step in range(1, steps + 1):
         if injector is not None:
@@ -68,15 +76,22 @@ def train(model, opt, steps: int, injector=None, skip_update_at: frozenset = fro
             opt.step()
 
 
-@pytest.mark.parametrize("make_opt", [momentum_sgd, lambda m: adam(m, "fused"),
-                                      lambda m: adam(m, "foreach")],
-                         ids=["sgd", "fused adam", "foreach adam"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [momentum_sgd, lambda m: adam(m, "fused"), lambda m: adam(m, "foreach")],
+    ids=["sgd", "fused adam", "foreach adam"],
+)
 def test_skip_policy_holds_back_the_nonfinite_update_and_trains_on(make_opt):
     """A NaN made in a layer's forward at step 4: its update never reaches the weights or
     the optimizer state; training goes on exactly as a loop that skipped that one update."""
     reference = seeded(DeepNet)
-    train(reference, make_opt(reference), 9, StepInjector(reference.blocks[1].act, {4}),
-          skip_update_at=frozenset({4}))
+    train(
+        reference,
+        make_opt(reference),
+        9,
+        StepInjector(reference.blocks[1].act, {4}),
+        skip_update_at=frozenset({4}),
+    )
     model = seeded(DeepNet)
     prof = hookprof.attach(model, **RARELY, on_nonfinite="skip")
     train(model, make_opt(model), 9, StepInjector(model.blocks[1].act, {4}))
@@ -87,7 +102,10 @@ def test_skip_policy_holds_back_the_nonfinite_update_and_trains_on(make_opt):
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert snap.held_back_updates == 1
     assert (snap.first_nonfinite.layer, snap.first_nonfinite.phase, snap.first_nonfinite.step) == (
-        "blocks.1.act", "forward", 4)
+        "blocks.1.act",
+        "forward",
+        4,
+    )
     assert snap.nonfinite_steps["forward"] == 1  # one bad step, and only one
 
 

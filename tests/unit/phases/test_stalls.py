@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 import torch
 
 import hookprof
@@ -56,7 +55,9 @@ def watch_page(prof, until, timeout: float = 15.0, then=None):
 def test_a_layer_blocked_in_its_forward_is_named_with_phase_step_and_stack(caplog):
     release, started = threading.Event(), {}
     model = seeded(DeepNet)
-    model.blocks[2].act = Sleeper(at=6, release=release, started=lambda n: started.setdefault("t", time.monotonic()))
+    model.blocks[2].act = Sleeper(
+        at=6, release=release, started=lambda n: started.setdefault("t", time.monotonic())
+    )
     prof = hookprof.attach(model, **FAST)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)
@@ -71,10 +72,17 @@ def test_a_layer_blocked_in_its_forward_is_named_with_phase_step_and_stack(caplo
         thread.join(20)
         families = seen["families"]
         (labels,) = samples(families, "hookprof_stall_info")
-        assert dict(labels) == {"rank": "0", "step": "6", "phase": "forward", "layer": "blocks.2.act",
-                                "waiting_on": "code"}
+        assert dict(labels) == {
+            "rank": "0",
+            "step": "6",
+            "phase": "forward",
+            "layer": "blocks.2.act",
+            "waiting_on": "code",
+        }
         assert samples(families, "hookprof_stalled") == {frozenset({"rank": "0"}.items()): 1.0}
-        assert samples(families, "hookprof_progress_phase") == {frozenset({"rank": "0", "phase": "forward"}.items()): 1.0}
+        assert samples(families, "hookprof_progress_phase") == {
+            frozenset({"rank": "0", "phase": "forward"}.items()): 1.0
+        }
         # judged after the threshold (0.3 s: the floor, a forward takes ~1 ms), not before
         assert seen["at"] - started["t"] >= 0.3
         # what `hookprof top` shows of that page, and print(prof.snapshot()) of that moment
@@ -88,7 +96,9 @@ def test_a_layer_blocked_in_its_forward_is_named_with_phase_step_and_stack(caplo
         snap = prof.snapshot()
         assert snap.stall is None and snap.stalls == 1  # it went on
         assert samples(page(prof), "hookprof_stalled") == {frozenset({"rank": "0"}.items()): 0.0}
-        block = next(r.getMessage() for r in caplog.records if "stalled in the forward" in r.getMessage())
+        block = next(
+            r.getMessage() for r in caplog.records if "stalled in the forward" in r.getMessage()
+        )
         assert "step 6" in block and "innermost layer: blocks.2.act" in block
         assert "stalling.py" in block and "in forward" in block  # the Sleeper's frame
     finally:
@@ -101,8 +111,9 @@ def test_a_stall_in_data_loading_is_phase_data():
     prof = hookprof.attach(model, **FAST)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     # batch 6 (items 30..34 with batch_size 5) takes 3 s in the worker
-    loader = torch.utils.data.DataLoader(SlowItems(60, slow_at=30, delay_s=3.0), batch_size=5, num_workers=1,
-                                         prefetch_factor=1)
+    loader = torch.utils.data.DataLoader(
+        SlowItems(60, slow_at=30, delay_s=3.0), batch_size=5, num_workers=1, prefetch_factor=1
+    )
     thread, seen = watch_page(prof, lambda f: samples(f, "hookprof_stall_info"))
     try:
         for x, y in loader:
@@ -111,10 +122,19 @@ def test_a_stall_in_data_loading_is_phase_data():
             opt.zero_grad()
         thread.join(20)
         (labels,) = samples(seen["families"], "hookprof_stall_info")
-        assert dict(labels) == {"rank": "0", "step": "7", "phase": "data", "layer": "(unknown)",
-                                "waiting_on": "data"}
-        assert seen["snapshot"].stall.stack[-1].split(" in ")[-1].startswith(("_try_get_data", "wait", "get", "_poll",
-                                                                                   "poll", "_recv", "select"))
+        assert dict(labels) == {
+            "rank": "0",
+            "step": "7",
+            "phase": "data",
+            "layer": "(unknown)",
+            "waiting_on": "data",
+        }
+        assert (
+            seen["snapshot"]
+            .stall.stack[-1]
+            .split(" in ")[-1]
+            .startswith(("_try_get_data", "wait", "get", "_poll", "poll", "_recv", "select"))
+        )
     finally:
         prof.detach()
 
@@ -141,7 +161,9 @@ def test_expect_slow_and_the_first_steps_never_stall(tmp_path):
         prof.flush()
         assert outside == {frozenset({"rank": "0", "phase": "outside"}.items()): -1.0}
         assert prof.snapshot().stalls == 0
-        assert samples(page(prof), "hookprof_stalls", "hookprof_stalls_total") == {frozenset({"rank": "0"}.items()): 0.0}
+        assert samples(page(prof), "hookprof_stalls", "hookprof_stalls_total") == {
+            frozenset({"rank": "0"}.items()): 0.0
+        }
     finally:
         prof.detach()
 
@@ -169,8 +191,18 @@ def test_threshold_is_factor_times_the_median_within_floor_and_ceiling():
 
     s = 1_000_000_000
     progress = Progress(0)
-    watch = StallWatch(progress, seeded(DeepNet), factor=4.0, min_s=1.0, max_s=30.0, warmup_steps=3,
-                       faults=Faults(), rank=0, model_name="DeepNet", clock=lambda: 0)
+    watch = StallWatch(
+        progress,
+        seeded(DeepNet),
+        factor=4.0,
+        min_s=1.0,
+        max_s=30.0,
+        warmup_steps=3,
+        faults=Faults(),
+        rank=0,
+        model_name="DeepNet",
+        clock=lambda: 0,
+    )
     now = 0
     forward_s = [2, 3, 10, 2, 3]  # median 3: a threshold of 12 s
     for number, fwd in enumerate(forward_s, 1):
@@ -185,8 +217,13 @@ def test_threshold_is_factor_times_the_median_within_floor_and_ceiling():
     progress.enter(FORWARD, now)
     assert watch.check(now + 11 * s) is None
     report = watch.check(now + 13 * s)
-    assert (report.step, report.phase, report.seconds, report.threshold_seconds, report.typical_seconds) == (
-        6, "forward", 13.0, 12.0, 3.0)
+    assert (
+        report.step,
+        report.phase,
+        report.seconds,
+        report.threshold_seconds,
+        report.typical_seconds,
+    ) == (6, "forward", 13.0, 12.0, 3.0)
     assert watch.check(now + 20 * s) is report and watch.stalls == 1  # once per stall
     progress.enter(BACKWARD, now + 21 * s)
     assert watch.check(now + 21 * s) is None and watch.stall is None
@@ -202,8 +239,18 @@ def test_no_judgement_during_warm_up():
     from hookprof.phases.stall import StallWatch
 
     progress = Progress(0)
-    watch = StallWatch(progress, seeded(DeepNet), factor=2.0, min_s=1.0, max_s=30.0, warmup_steps=3,
-                       faults=Faults(), rank=0, model_name="DeepNet", clock=lambda: 0)
+    watch = StallWatch(
+        progress,
+        seeded(DeepNet),
+        factor=2.0,
+        min_s=1.0,
+        max_s=30.0,
+        warmup_steps=3,
+        faults=Faults(),
+        rank=0,
+        model_name="DeepNet",
+        clock=lambda: 0,
+    )
     for number in (1, 2):
         progress.enter(FORWARD, number * 10**9)
         progress.end_step(number, number * 10**9 + 10**8)
@@ -219,7 +266,9 @@ def test_the_first_batch_of_an_epoch_is_judged_against_the_ceiling_only():
     prof = hookprof.attach(model, **{**QUIET, "stall_max_s": 10.0})
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     # item 0 (the first batch of every epoch) takes 2 s, twice the 1 s floor
-    loader = torch.utils.data.DataLoader(SlowItems(20, slow_at=0, delay_s=2.0), batch_size=5, num_workers=1)
+    loader = torch.utils.data.DataLoader(
+        SlowItems(20, slow_at=0, delay_s=2.0), batch_size=5, num_workers=1
+    )
     try:
         for _ in range(3):
             for x, y in loader:

@@ -68,14 +68,22 @@ def test_plain_loop_with_prof_step():
         # the first step's clock starts at its first forward: its data phase is not seen; and
         # until prof.step() is first called the optimizer ends steps, so step 1 has no other
         # and its 2 ms of logging are step 2's wait for data
-        assert phases(prof) == {"data": 17.0, "forward": 28.0, "backward": 44.0, "optimizer": 12.0, "other": 6.0}
+        assert phases(prof) == {
+            "data": 17.0,
+            "forward": 28.0,
+            "backward": 44.0,
+            "optimizer": 12.0,
+            "other": 6.0,
+        }
         snap = prof.snapshot()
         assert sum(snap.phase_seconds.values()) == pytest.approx(snap.step_duration_sum, abs=1e-12)
         page = parse(scrape(prof.url))
         count = samples(page, "hookprof_step_phase_seconds", "hookprof_step_phase_seconds_count")
         total = samples(page, "hookprof_step_phase_seconds", "hookprof_step_phase_seconds_sum")
-        assert count == {frozenset({"rank": "0", "phase": p}.items()): 4 for p in
-                         ("data", "forward", "backward", "optimizer", "other")}
+        assert count == {
+            frozenset({"rank": "0", "phase": p}.items()): 4
+            for p in ("data", "forward", "backward", "optimizer", "other")
+        }
         assert total[frozenset({"rank": "0", "phase": "backward"}.items())] == pytest.approx(0.044)
         where = samples(page, "hookprof_progress_phase")
         assert where == {frozenset({"rank": "0", "phase": "data"}.items()): 0.0}
@@ -109,8 +117,13 @@ def test_closure_optimizer_counts_its_forwards_and_backwards():
         # data: prev step's end to the optimizer's pre-hook; optimizer: the closure's time before
         # its forward, and LBFGS's own (none on this clock). The first step's clock starts at
         # its first forward, so its 5 ms of data and first 1 ms in the optimizer are not seen
-        assert phases(prof) == {"data": 10.0, "forward": 7.0 * n, "backward": 11.0 * n,
-                                "optimizer": 1.0 * (n - 1), "other": 0.0}
+        assert phases(prof) == {
+            "data": 10.0,
+            "forward": 7.0 * n,
+            "backward": 11.0 * n,
+            "optimizer": 1.0 * (n - 1),
+            "other": 0.0,
+        }
     finally:
         prof.detach()
 
@@ -144,11 +157,21 @@ def test_evaluation_and_expect_slow_are_outside_the_step_and_count_as_other():
             clock.advance(20)
             prof.flush()
             where = prof.snapshot().progress
-            assert (where.phase, where.label, where.phase_seconds) == ("outside", "checkpoint", 0.02)
+            assert (where.phase, where.label, where.phase_seconds) == (
+                "outside",
+                "checkpoint",
+                0.02,
+            )
         train_step()
         # step 1: forward 7, backward 11, optimizer 3; step 2: data 4, then 7 + 6 + 20 + 5
         # outside (counted as other), forward 7, backward 11, optimizer 3
-        assert phases(prof) == {"data": 4.0, "forward": 14.0, "backward": 22.0, "optimizer": 6.0, "other": 38.0}
+        assert phases(prof) == {
+            "data": 4.0,
+            "forward": 14.0,
+            "backward": 22.0,
+            "optimizer": 6.0,
+            "other": 38.0,
+        }
         snap = prof.snapshot()
         assert sum(snap.phase_seconds.values()) == pytest.approx(snap.step_duration_sum, abs=1e-12)
     finally:

@@ -45,7 +45,9 @@ class DeviceSGD(torch.optim.SGD):
     """An update of `host_ms` on the host that launches `kernel_ms` on the device (its step
     calls SGD's, so the optimizer hooks run twice, as in test_step_phases.TimedSGD)."""
 
-    def __init__(self, params, clock: FakeClock, device: QueuedDevice, host_ms: float, kernel_ms: float):
+    def __init__(
+        self, params, clock: FakeClock, device: QueuedDevice, host_ms: float, kernel_ms: float
+    ):
         super().__init__(params, lr=0.01)
         self.clock, self.device, self.host_ms, self.kernel_ms = clock, device, host_ms, kernel_ms
 
@@ -59,8 +61,15 @@ def device_profiler(model, clock, device, **overrides):
     """Sampled every step unless overridden; the timer is the real CudaEventTimer."""
     stream = FakeStream()
     timer = CudaEventTimer(event_factory=device.event, current_stream=lambda: stream)
-    config = hookprof.Config(**{"port": 0, "stall_detection": False, "sample_every": 1,
-                                "min_sample_interval_s": 0.0, **overrides})
+    config = hookprof.Config(
+        **{
+            "port": 0,
+            "stall_detection": False,
+            "sample_every": 1,
+            "min_sample_interval_s": 0.0,
+            **overrides,
+        }
+    )
     return hookprof.Profiler(model, config, clock=clock, timer=timer), stream
 
 
@@ -77,7 +86,9 @@ def rig(forward_ms: tuple[int, int], update_ms: tuple[int, int], **overrides):
 def device_phases(prof) -> tuple[int, dict[str, float]]:
     prof.flush()
     snap = prof.snapshot()
-    return snap.device_phase_steps, {k: round(v * 1e3, 6) for k, v in snap.device_phase_seconds.items()}
+    return snap.device_phase_steps, {
+        k: round(v * 1e3, 6) for k, v in snap.device_phase_seconds.items()
+    }
 
 
 def backward_with_kernels(loss, clock, device, host_ms, kernel_ms):
@@ -104,19 +115,38 @@ def test_device_bound_loop_shows_each_phase_s_kernels_and_the_page_passes_promto
             opt.zero_grad()
             clock.advance(2)
             prof.step(loss)
-        assert device_phases(prof) == (4, {"data": 0.0, "forward": 25.0, "backward": 36.0,
-                                           "optimizer": 12.0, "other": 0.0})
+        assert device_phases(prof) == (
+            4,
+            {"data": 0.0, "forward": 25.0, "backward": 36.0, "optimizer": 12.0, "other": 0.0},
+        )
         # the host's figures are the host's (test_step_phases' plain loop, these lengths)
-        assert phases(prof) == {"data": 17.0, "forward": 4.0, "backward": 8.0, "optimizer": 4.0, "other": 6.0}
+        assert phases(prof) == {
+            "data": 17.0,
+            "forward": 4.0,
+            "backward": 8.0,
+            "optimizer": 4.0,
+            "other": 6.0,
+        }
         text = scrape(prof.url)
         page = parse(text)
-        count = samples(page, "hookprof_step_phase_device_seconds", "hookprof_step_phase_device_seconds_count")
-        total = samples(page, "hookprof_step_phase_device_seconds", "hookprof_step_phase_device_seconds_sum")
+        count = samples(
+            page, "hookprof_step_phase_device_seconds", "hookprof_step_phase_device_seconds_count"
+        )
+        total = samples(
+            page, "hookprof_step_phase_device_seconds", "hookprof_step_phase_device_seconds_sum"
+        )
         assert count == {frozenset({"rank": "0", "phase": p}.items()): 4.0 for p in PHASES}
-        expected = {"data": 0.0, "forward": 0.025, "backward": 0.036, "optimizer": 0.012, "other": 0.0}
+        expected = {
+            "data": 0.0,
+            "forward": 0.025,
+            "backward": 0.036,
+            "optimizer": 0.012,
+            "other": 0.0,
+        }
         assert {dict(k)["phase"]: v for k, v in total.items()} == pytest.approx(expected, abs=1e-12)
-        result = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True,
-                                text=True, timeout=60)
+        result = subprocess.run(
+            [promtool(), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+        )
         assert result.returncode == 0, result.stdout + result.stderr
     finally:
         prof.detach()
@@ -138,8 +168,10 @@ def test_host_bound_loop_shows_the_device_idle_while_the_host_loads_data():
             backward_with_kernels(model(x).pow(2).mean(), clock, device, 3, 4)
             opt.step()
             opt.zero_grad()
-        assert device_phases(prof) == (3, {"data": 32.0, "forward": 9.0, "backward": 15.0,
-                                           "optimizer": 3.0, "other": 0.0})
+        assert device_phases(prof) == (
+            3,
+            {"data": 32.0, "forward": 9.0, "backward": 15.0, "optimizer": 3.0, "other": 0.0},
+        )
         snap = prof.snapshot()
         assert snap.step_duration_sum == pytest.approx(0.005 + 0.025 + 0.025, abs=1e-12)
     finally:
@@ -176,8 +208,16 @@ def test_closure_optimizer():
             opt.step(closure)
         n = len(calls)
         assert n > 3  # several closure calls per step
-        assert device_phases(prof) == (3, {"data": 8.0, "forward": 4.0 * n, "backward": 4.0 * n,
-                                           "optimizer": n + 1.0, "other": 0.0})
+        assert device_phases(prof) == (
+            3,
+            {
+                "data": 8.0,
+                "forward": 4.0 * n,
+                "backward": 4.0 * n,
+                "optimizer": n + 1.0,
+                "other": 0.0,
+            },
+        )
     finally:
         prof.detach()
 
@@ -209,9 +249,17 @@ def test_evaluation_and_expect_slow_count_as_other_on_the_device_too():
         with prof.expect_slow("checkpoint"):
             clock.advance(20)
         train_step()
-        assert device_phases(prof) == (2, {"data": 0.0, "forward": 8.0, "backward": 8.0,
-                                           "optimizer": 2.0, "other": 31.0})
-        assert phases(prof) == {"data": 4.0, "forward": 2.0, "backward": 4.0, "optimizer": 2.0, "other": 32.0}
+        assert device_phases(prof) == (
+            2,
+            {"data": 0.0, "forward": 8.0, "backward": 8.0, "optimizer": 2.0, "other": 31.0},
+        )
+        assert phases(prof) == {
+            "data": 4.0,
+            "forward": 2.0,
+            "backward": 4.0,
+            "optimizer": 2.0,
+            "other": 32.0,
+        }
     finally:
         prof.detach()
 
@@ -232,8 +280,10 @@ def test_micro_batches():
             opt.step()
             opt.zero_grad()
             prof.step()
-        assert device_phases(prof) == (3, {"data": 0.0, "forward": 37.0, "backward": 54.0,
-                                           "optimizer": 9.0, "other": 0.0})
+        assert device_phases(prof) == (
+            3,
+            {"data": 0.0, "forward": 37.0, "backward": 54.0, "optimizer": 9.0, "other": 0.0},
+        )
     finally:
         prof.detach()
 
@@ -253,8 +303,10 @@ def test_unsampled_steps_record_no_event():
             opt.zero_grad()
         assert recorded[2] == recorded[1] and stream.recorded == recorded[1]  # steps 2-4: none
         assert prof.steps == 4
-        assert device_phases(prof) == (1, {"data": 0.0, "forward": 7.0, "backward": 9.0,
-                                           "optimizer": 3.0, "other": 0.0})
+        assert device_phases(prof) == (
+            1,
+            {"data": 0.0, "forward": 7.0, "backward": 9.0, "optimizer": 3.0, "other": 0.0},
+        )
     finally:
         prof.detach()
 
@@ -264,8 +316,11 @@ def test_absent_with_the_cpu_timer():
     clock = FakeClock()
     model = DeviceNet(clock, QueuedDevice(clock), host_ms=1, kernel_ms=6)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    prof = hookprof.Profiler(model, hookprof.Config(port=0, stall_detection=False, sample_every=1,
-                                                    min_sample_interval_s=0.0), clock=clock)
+    prof = hookprof.Profiler(
+        model,
+        hookprof.Config(port=0, stall_detection=False, sample_every=1, min_sample_interval_s=0.0),
+        clock=clock,
+    )
     try:
         assert prof.timer.kind == "cpu"
         for _ in range(2):

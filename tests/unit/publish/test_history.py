@@ -49,10 +49,16 @@ class Feed:
             self.counters.observe(step_seconds(self.step), float(self.step))
             if self.step % self.every:
                 continue
-            squares = torch.tensor([grad_at(self.step, i) ** 2 for i in range(len(self.names))],
-                                   dtype=torch.float64)
-            packet = pack_step(self.step, None, [], loss=self.loss(self.step),
-                               grad_squares=([squares], frozenset(range(len(self.names)))))
+            squares = torch.tensor(
+                [grad_at(self.step, i) ** 2 for i in range(len(self.names))], dtype=torch.float64
+            )
+            packet = pack_step(
+                self.step,
+                None,
+                [],
+                loss=self.loss(self.step),
+                grad_squares=([squares], frozenset(range(len(self.names)))),
+            )
             self.aggregator.fold(packet, self.timer)
             self.history.observe(packet, self.aggregator, self.counters)
 
@@ -78,14 +84,19 @@ def test_a_million_steps_keep_the_history_at_its_fixed_size():
     assert feed.step == 1_000_000
     view = history.view()
     assert len(view["points"]["step"]) <= 256
-    assert max(sizes) <= full * 2, (full, sizes)  # arrays over-allocate a little; never grow with the run
+    assert max(sizes) <= full * 2, (
+        full,
+        sizes,
+    )  # arrays over-allocate a little; never grow with the run
     assert after - before < 64 * 1024, after - before
     assert history.stride * 256 >= feed.step // 50 > history.stride * 128
     assert view["points"]["step"][-1] == 1_000_000  # the last point ends at the last sampled step
     assert sum(view["points"]["samples"]) == 20_000
     assert sum(view["points"]["steps"]) == 1_000_000  # every step covered exactly once
-    print(f"history of 1e6 steps (20,000 sampled, 4 layers): {history.nbytes()} bytes of series, "
-          f"{len(view['points']['step'])} points of {history.stride} sampled steps")
+    print(
+        f"history of 1e6 steps (20,000 sampled, 4 layers): {history.nbytes()} bytes of series, "
+        f"{len(view['points']['step'])} points of {history.stride} sampled steps"
+    )
 
 
 def test_merged_points_agree_with_the_raw_steps_they_cover():
@@ -100,13 +111,19 @@ def test_merged_points_agree_with_the_raw_steps_they_cover():
         covered = range(k * 16 + 1, int(last) + 1)
         assert last == min((k + 1) * 16, 100)
         assert pts["samples"][k] == len(covered)
-        assert math.isclose(pts["step_seconds"][k], sum(map(step_seconds, covered)) / len(covered), rel_tol=1e-12)
-        assert math.isclose(pts["loss"][k], sum(map(loss_at, covered)) / len(covered), rel_tol=1e-12)
+        assert math.isclose(
+            pts["step_seconds"][k], sum(map(step_seconds, covered)) / len(covered), rel_tol=1e-12
+        )
+        assert math.isclose(
+            pts["loss"][k], sum(map(loss_at, covered)) / len(covered), rel_tol=1e-12
+        )
         global_norm = max(math.sqrt(sum(grad_at(s, i) ** 2 for i in range(3))) for s in covered)
         assert math.isclose(pts["grad_norm"][k], global_norm, rel_tol=1e-9)
         for i, row in enumerate(view["layers"]):
             assert row["name"] == "abc"[i]
-            assert math.isclose(row["grad_norm"][k], max(grad_at(s, i) for s in covered), rel_tol=1e-9)
+            assert math.isclose(
+                row["grad_norm"][k], max(grad_at(s, i) for s in covered), rel_tol=1e-9
+            )
 
 
 def test_a_non_finite_value_survives_merging():
@@ -138,7 +155,9 @@ def test_per_layer_series_are_bounded_and_follow_the_busiest_and_the_bad_layers(
     assert len(tracked) == 8 and "layer3" in tracked and "layer92" not in tracked
     row = view["layers"][tracked.index("layer3")]
     ranked_at = RERANK_POINTS + 1  # the point at which it was ranked again
-    assert row["grad_norm"][:ranked_at - 1] == [None] * (ranked_at - 1)  # nothing from before its slot
+    assert row["grad_norm"][: ranked_at - 1] == [None] * (
+        ranked_at - 1
+    )  # nothing from before its slot
     for step in range(ranked_at, 5 + RERANK_POINTS + 1):
         assert math.isclose(row["grad_norm"][step - 1], grad_at(step, 3), rel_tol=1e-9)
 

@@ -46,8 +46,9 @@ def nan_run():
     """DeepNet for 5 steps, every step sampled, blocks.1.fc output NaN at the last one."""
     model = seeded(DeepNet)
     inject = InjectNonFinite(model.blocks[1].fc, {5})
-    prof = hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
-                           activation_interval_s=0.0, rank=2)
+    prof = hookprof.attach(
+        model, port=0, sample_every=1, min_sample_interval_s=0.0, activation_interval_s=0.0, rank=2
+    )
     try:
         train(model, 5, prof=prof, explicit_step=True)
         prof.flush()
@@ -78,7 +79,9 @@ def test_values_equal_the_snapshot(nan_run):
     key = frozenset(r.items())
     assert samples(f, "hookprof_steps", "hookprof_steps_total") == {key: 5}
     assert samples(f, "hookprof_sampled_steps", "hookprof_sampled_steps_total") == {key: 5}
-    assert samples(f, "hookprof_step_duration_seconds", "hookprof_step_duration_seconds_count") == {key: 5}
+    assert samples(f, "hookprof_step_duration_seconds", "hookprof_step_duration_seconds_count") == {
+        key: 5
+    }
     assert samples(f, "hookprof_nonfinite_steps", "hookprof_nonfinite_steps_total") == {
         frozenset({**r, "phase": "forward"}.items()): 1,
         frozenset({**r, "phase": "backward"}.items()): 1,
@@ -98,10 +101,17 @@ def test_values_equal_the_snapshot(nan_run):
     # forward: the NaN layer and everything after it; backward: every layer with a gradient
     nonfinite = samples(f, "hookprof_layer_nonfinite", "hookprof_layer_nonfinite_total")
     order = model.order()
-    expected = {frozenset({**r, "layer": n, "phase": "forward"}.items()): 1
-                for n in order[order.index("blocks.1.fc"):]}
-    expected.update({frozenset({**r, "layer": n, "phase": "backward"}.items()): 1
-                     for n in order if not n.endswith(".act")})
+    expected = {
+        frozenset({**r, "layer": n, "phase": "forward"}.items()): 1
+        for n in order[order.index("blocks.1.fc") :]
+    }
+    expected.update(
+        {
+            frozenset({**r, "layer": n, "phase": "backward"}.items()): 1
+            for n in order
+            if not n.endswith(".act")
+        }
+    )
     assert nonfinite == expected
 
 
@@ -132,7 +142,9 @@ def test_promtool_accepts_the_exposition(nan_run):
         [tool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.strip() == "" and result.stderr.strip() == "", result.stdout + result.stderr
+    assert result.stdout.strip() == "" and result.stderr.strip() == "", (
+        result.stdout + result.stderr
+    )
 
 
 def test_layer_names_that_need_escaping_still_parse():
@@ -140,8 +152,11 @@ def test_layer_names_that_need_escaping_still_parse():
         def __init__(self):
             super().__init__()
             self.inner = torch.nn.ModuleDict(
-                {'quo"te': torch.nn.Linear(4, 4), "back\\slash": torch.nn.Linear(4, 4),
-                 "ünï": torch.nn.Linear(4, 1)}
+                {
+                    'quo"te': torch.nn.Linear(4, 4),
+                    "back\\slash": torch.nn.Linear(4, 4),
+                    "ünï": torch.nn.Linear(4, 1),
+                }
             )
 
         def forward(self, x):
@@ -167,8 +182,9 @@ def test_max_layers_keeps_top_by_time_and_every_nonfinite_layer():
         if step == 2:
             m.blocks[6].fc.bias.grad[0] = float("nan")
 
-    with hookprof.attach(model, port=0, sample_every=1, min_sample_interval_s=0.0,
-                         max_layers=5) as prof:
+    with hookprof.attach(
+        model, port=0, sample_every=1, min_sample_interval_s=0.0, max_layers=5
+    ) as prof:
         train(model, 2, on_step=poison)
         prof.flush()
         snap = prof.snapshot()
@@ -179,9 +195,17 @@ def test_max_layers_keeps_top_by_time_and_every_nonfinite_layer():
     assert bad == {"blocks.6.fc"}
     assert bad <= exported and len(exported) == 5
     rest = [n for n in snap.layers if n not in bad]
-    time = {n: snap.layers[n].forward_seconds_total + snap.layers[n].backward_seconds_total for n in rest}
+    time = {
+        n: snap.layers[n].forward_seconds_total + snap.layers[n].backward_seconds_total
+        for n in rest
+    }
     assert exported - bad == set(sorted(rest, key=time.get, reverse=True)[:4])
-    served = {dict(k)["layer"] for k in samples(f, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds_count")}
+    served = {
+        dict(k)["layer"]
+        for k in samples(
+            f, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds_count"
+        )
+    }
     assert served == exported
     assert samples(f, "hookprof_layers_exported")[frozenset({"rank": "0"}.items())] == 5
 
@@ -191,16 +215,30 @@ def hand_built_snapshot() -> hookprof.Snapshot:
     from types import MappingProxyType
 
     layer = hookprof.LayerStats(
-        name="blocks.0.fc", module="Linear", calls=2, forward_seconds=0.003, backward_seconds=0.005,
-        grad_norm=1.5, forward_seconds_total=0.25, forward_calls_total=40,
-        backward_seconds_total=0.5, backward_calls_total=20,
+        name="blocks.0.fc",
+        module="Linear",
+        calls=2,
+        forward_seconds=0.003,
+        backward_seconds=0.005,
+        grad_norm=1.5,
+        forward_seconds_total=0.25,
+        forward_calls_total=40,
+        backward_seconds_total=0.5,
+        backward_calls_total=20,
         nonfinite=MappingProxyType({"forward": 0, "backward": 3}),
     )
     return hookprof.Snapshot(
-        rank=3, step=20, sampled_steps=4, step_duration_buckets=((0.01, 5), (float("inf"), 20)),
-        step_duration_sum=1.25, loss=0.75, grad_norm=2.5,
-        nonfinite_steps=MappingProxyType({"forward": 0, "backward": 3, "loss": 0}), skipped_steps=1,
-        layers=MappingProxyType({"blocks.0.fc": layer}), exported_layers=("blocks.0.fc",),
+        rank=3,
+        step=20,
+        sampled_steps=4,
+        step_duration_buckets=((0.01, 5), (float("inf"), 20)),
+        step_duration_sum=1.25,
+        loss=0.75,
+        grad_norm=2.5,
+        nonfinite_steps=MappingProxyType({"forward": 0, "backward": 3, "loss": 0}),
+        skipped_steps=1,
+        layers=MappingProxyType({"blocks.0.fc": layer}),
+        exported_layers=("blocks.0.fc",),
         first_nonfinite=hookprof.NonFiniteEvent("blocks.0.fc", "backward", 17),
     )
 
@@ -221,17 +259,33 @@ def test_a_hand_built_snapshot_renders_to_exactly_its_values():
     assert samples(f, "hookprof_skipped_steps", "hookprof_skipped_steps_total") == {key(rank): 1}
     assert samples(f, "hookprof_loss") == {key(rank): 0.75}
     assert samples(f, "hookprof_gradient_norm") == {key(rank): 2.5}
-    assert samples(f, "hookprof_step_duration_seconds", "hookprof_step_duration_seconds_count") == {key(rank): 20}
-    assert samples(f, "hookprof_step_duration_seconds", "hookprof_step_duration_seconds_sum") == {key(rank): 1.25}
+    assert samples(f, "hookprof_step_duration_seconds", "hookprof_step_duration_seconds_count") == {
+        key(rank): 20
+    }
+    assert samples(f, "hookprof_step_duration_seconds", "hookprof_step_duration_seconds_sum") == {
+        key(rank): 1.25
+    }
     assert samples(f, "hookprof_nonfinite_steps", "hookprof_nonfinite_steps_total") == {
-        key({**rank, "phase": p}): v for p, v in (("forward", 0), ("backward", 3), ("loss", 0))}
-    assert samples(f, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds_sum") == {key(layer): 0.25}
-    assert samples(f, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds_count") == {key(layer): 40}
-    assert samples(f, "hookprof_layer_backward_seconds", "hookprof_layer_backward_seconds_sum") == {key(layer): 0.5}
-    assert samples(f, "hookprof_layer_gradient_norm") == {key({**rank, "layer": "blocks.0.fc"}): 1.5}
+        key({**rank, "phase": p}): v for p, v in (("forward", 0), ("backward", 3), ("loss", 0))
+    }
+    assert samples(f, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds_sum") == {
+        key(layer): 0.25
+    }
+    assert samples(f, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds_count") == {
+        key(layer): 40
+    }
+    assert samples(f, "hookprof_layer_backward_seconds", "hookprof_layer_backward_seconds_sum") == {
+        key(layer): 0.5
+    }
+    assert samples(f, "hookprof_layer_gradient_norm") == {
+        key({**rank, "layer": "blocks.0.fc"}): 1.5
+    }
     assert samples(f, "hookprof_first_nonfinite_info") == {
-        key({**rank, "layer": "blocks.0.fc", "phase": "backward", "step": "17"}): 1.0}
-    assert samples(f, "hookprof_build_info") == {key({"version": hookprof.__version__, "torch_version": "9.9"}): 1.0}
+        key({**rank, "layer": "blocks.0.fc", "phase": "backward", "step": "17"}): 1.0
+    }
+    assert samples(f, "hookprof_build_info") == {
+        key({"version": hookprof.__version__, "torch_version": "9.9"}): 1.0
+    }
 
 
 def test_a_snapshot_that_fails_to_render_leaves_a_valid_page_and_logs_once(caplog):

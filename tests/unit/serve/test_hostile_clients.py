@@ -25,8 +25,13 @@ from support.metrics import parse, samples, scrape
 from support.models import DeepNet, mse_step, seeded
 from support.ports import free_port
 
-LIMITS = dict(http_max_requests=4, http_max_connections=32, http_header_timeout_s=1.0,
-              http_idle_timeout_s=1.0, http_write_timeout_s=1.0)
+LIMITS = dict(
+    http_max_requests=4,
+    http_max_connections=32,
+    http_header_timeout_s=1.0,
+    http_idle_timeout_s=1.0,
+    http_write_timeout_s=1.0,
+)
 MAX_SERVER_THREADS = LIMITS["http_max_requests"] + 1  # the answering threads and the loop
 NOT_HTTP = b"\x00\xff not HTTP \x01\x02" * 20 + b"\r\n\r\n"
 
@@ -89,8 +94,14 @@ class Endpoint:
 
     def rejected(self, families: dict | None = None) -> dict[str, float]:
         families = families or self.scrape()
-        return {dict(k)["reason"]: v for k, v in samples(
-            families, "hookprof_http_connections_rejected", "hookprof_http_connections_rejected_total").items()}
+        return {
+            dict(k)["reason"]: v
+            for k, v in samples(
+                families,
+                "hookprof_http_connections_rejected",
+                "hookprof_http_connections_rejected_total",
+            ).items()
+        }
 
     def wait_rejected(self, reason: str, count: int, timeout: float = 6.0) -> dict[str, float]:
         """Scrape until hookprof_http_connections_rejected_total{reason} reaches count (the
@@ -115,7 +126,9 @@ class Endpoint:
         return socket.create_connection(("127.0.0.1", self.port), timeout=5)
 
     def connect_tls(self, context: ssl.SSLContext | None = None) -> ssl.SSLSocket:
-        return (context or self.client_context).wrap_socket(self.connect(), server_hostname="127.0.0.1")
+        return (context or self.client_context).wrap_socket(
+            self.connect(), server_hostname="127.0.0.1"
+        )
 
     def finish(self):
         """Training ran on throughout: every step it took is counted."""
@@ -124,7 +137,8 @@ class Endpoint:
         assert steps > self.trainer.started_with  # it trained during the test
         assert self.prof.snapshot().step == steps
         assert samples(self.scrape(), "hookprof_steps", "hookprof_steps_total") == {
-            frozenset({"rank": "0"}.items()): steps}
+            frozenset({"rank": "0"}.items()): steps
+        }
 
 
 @contextlib.contextmanager
@@ -403,8 +417,14 @@ def test_write_deadline_closes_a_client_that_stops_reading(pki):
     for tls in (False, True):
         rejected = []
         context = tls_context(*pki["server"], None) if tls else None
-        server = Server("127.0.0.1", 0, app, Limits(2, 8, 1.0, 1.0, 1.0), context=context,
-                        on_reject=rejected.append)
+        server = Server(
+            "127.0.0.1",
+            0,
+            app,
+            Limits(2, 8, 1.0, 1.0, 1.0),
+            context=context,
+            on_reject=rejected.append,
+        )
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         client = ssl.create_default_context(cafile=pki["ca"]) if tls else None
@@ -424,8 +444,11 @@ def test_write_deadline_closes_a_client_that_stops_reading(pki):
                     got += len(s.recv(1))
                     scheme = "https" if tls else "http"
                     t0 = time.monotonic()
-                    with urllib.request.urlopen(f"{scheme}://127.0.0.1:{server.server_address[1]}/small",
-                                                timeout=5, context=client) as r:
+                    with urllib.request.urlopen(
+                        f"{scheme}://127.0.0.1:{server.server_address[1]}/small",
+                        timeout=5,
+                        context=client,
+                    ) as r:
                         assert r.read() == b"small"
                     assert time.monotonic() - t0 < 1.0
                     time.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
@@ -433,7 +456,9 @@ def test_write_deadline_closes_a_client_that_stops_reading(pki):
                 # on through the small window: waiting for the end would take minutes)
                 assert rejected == ["write_timeout"], rejected
                 assert time.monotonic() - start < 3.0
-                assert got >= 1 and not _testing.open_connections(server)  # it had begun, and nothing is held
+                assert got >= 1 and not _testing.open_connections(
+                    server
+                )  # it had begun, and nothing is held
         finally:
             server.shutdown()
             server.server_close()
@@ -442,6 +467,7 @@ def test_write_deadline_closes_a_client_that_stops_reading(pki):
 
 # ------------------------------------------------------------------ forked children
 
+
 def socket_inodes() -> list[int]:
     """Inodes of the sockets this process holds open (Linux /proc)."""
     inodes = []
@@ -449,7 +475,7 @@ def socket_inodes() -> list[int]:
         with contextlib.suppress(OSError):
             target = os.readlink(f"/proc/self/fd/{fd}")
             if target.startswith("socket:["):
-                inodes.append(int(target[len("socket:["):-1]))
+                inodes.append(int(target[len("socket:[") : -1]))
     return inodes
 
 
@@ -472,8 +498,13 @@ def test_fork_workers_close_the_port_and_after_detach_it_is_free_at_once():
     model = seeded(DeepNet)
     prof = hookprof.attach(model, port=port, **LIMITS)
     again = trainer = None
-    loader = torch.utils.data.DataLoader(SocketsOfTheWorker(), batch_size=None, num_workers=2,
-                                         persistent_workers=True, multiprocessing_context="fork")
+    loader = torch.utils.data.DataLoader(
+        SocketsOfTheWorker(),
+        batch_size=None,
+        num_workers=2,
+        persistent_workers=True,
+        multiprocessing_context="fork",
+    )
     try:
         listening = os.fstat(_testing.http_server(prof).socket.fileno()).st_ino
         assert listening in socket_inodes()
@@ -509,9 +540,15 @@ def test_fork_workers_close_the_port_and_after_detach_it_is_free_at_once():
 def report_from_forked_child(prof, listening: int, queue) -> None:
     server = _testing.metrics_server(prof)
     server.restart()  # what the profiler's watchdog would do: nothing, in a child
-    queue.put({"forked": _testing.http_server(prof).forked, "alive": server.alive, "restarts": server.restarts,
-               "listening_fd": _testing.http_server(prof).socket.fileno(),
-               "holds_listening_socket": listening in socket_inodes()})
+    queue.put(
+        {
+            "forked": _testing.http_server(prof).forked,
+            "alive": server.alive,
+            "restarts": server.restarts,
+            "listening_fd": _testing.http_server(prof).socket.fileno(),
+            "holds_listening_socket": listening in socket_inodes(),
+        }
+    )
 
 
 @needs_proc
@@ -527,6 +564,11 @@ def test_a_forked_child_never_serves():
         finally:
             child.join(timeout=30)
         assert child.exitcode == 0
-        assert report == {"forked": True, "alive": True, "restarts": 0, "listening_fd": -1,
-                          "holds_listening_socket": False}
+        assert report == {
+            "forked": True,
+            "alive": True,
+            "restarts": 0,
+            "listening_fd": -1,
+            "holds_listening_socket": False,
+        }
         assert "hookprof_steps_total" in scrape(prof.url, timeout=5)  # the parent serves on

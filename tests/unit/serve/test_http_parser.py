@@ -19,7 +19,9 @@ SECOND = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
 @pytest.fixture
 def port():
-    prof = hookprof.attach(seeded(DeepNet), port=0, http_header_timeout_s=1.0, http_idle_timeout_s=1.0)
+    prof = hookprof.attach(
+        seeded(DeepNet), port=0, http_header_timeout_s=1.0, http_idle_timeout_s=1.0
+    )
     try:
         yield prof.port
     finally:
@@ -53,22 +55,28 @@ def statuses(reply: bytes) -> list[bytes]:
 
 def test_a_request_without_a_body_is_answered_and_kept_alive(port):
     # the baseline the next tests differ from: two requests on one connection, two answers
-    reply = exchange(port, b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n" + SECOND)
+    reply = exchange(
+        port, b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n" + SECOND
+    )
     assert [s[:12] for s in statuses(reply)] == [b"HTTP/1.1 200"] * 2
 
 
 def test_duplicate_content_length_is_a_bad_request(port):
     # a proxy honouring the first Content-Length sees one request with a body; the server
     # honoured the last one (0) and answered the body as a second request
-    head = (b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            b"Content-Length: %d\r\nContent-Length: 0\r\n\r\n" % len(SECOND))
+    head = (
+        b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Length: %d\r\nContent-Length: 0\r\n\r\n" % len(SECOND)
+    )
     reply = exchange(port, head + SECOND)
     assert statuses(reply) == [b"HTTP/1.1 400 Bad Request"], reply[:300]
 
 
 @pytest.mark.parametrize("value", [b"abc", b"-1", b"1, 1", "\u00b2".encode("latin-1")])
 def test_a_content_length_that_is_not_a_number_is_a_bad_request(port, value):
-    reply = exchange(port, b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: " + value + b"\r\n\r\n")
+    reply = exchange(
+        port, b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: " + value + b"\r\n\r\n"
+    )
     assert statuses(reply) == [b"HTTP/1.1 400 Bad Request"], reply[:300]
 
 
@@ -83,6 +91,10 @@ def test_a_head_over_the_limit_sent_in_one_piece_gets_431(port, size):
 
 def test_a_head_just_under_the_limit_is_answered(port):
     filler = MAX_HEAD_BYTES - 200
-    reply = exchange(port, b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * filler
-                     + b"\r\nConnection: close\r\n\r\n")
+    reply = exchange(
+        port,
+        b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: "
+        + b"a" * filler
+        + b"\r\nConnection: close\r\n\r\n",
+    )
     assert [s[:12] for s in statuses(reply)] == [b"HTTP/1.1 200"]

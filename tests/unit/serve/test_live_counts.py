@@ -23,7 +23,9 @@ def test_a_snapshot_that_cannot_be_rendered_still_shows_the_faults_and_the_steps
         raise RuntimeError("injected")
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(broken, "9.9", lambda: False, rank=3, faults=faults, counters=counters))
+    registry.register(
+        SnapshotCollector(broken, "9.9", lambda: False, rank=3, faults=faults, counters=counters)
+    )
     f = parse(generate_latest(registry).decode())
     assert samples(f, "hookprof_steps", "hookprof_steps_total") == {RANK3: 7.0}
     assert errors_by_part(f, "3") == {**dict.fromkeys(PARTS, 0.0), "publisher": 1.0}

@@ -43,7 +43,9 @@ def test_tls_scrape_with_a_certificate_made_here(pki):
         assert prof.url.startswith("https://127.0.0.1:")
         trusting = ssl.create_default_context(cafile=pki["ca"])
         families = parse(fetch(prof.url, trusting))
-        assert samples(families, "hookprof_steps", "hookprof_steps_total") == {frozenset({"rank": "0"}.items()): 0.0}
+        assert samples(families, "hookprof_steps", "hookprof_steps_total") == {
+            frozenset({"rank": "0"}.items()): 0.0
+        }
         with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
             fetch(prof.url, ssl.create_default_context())  # a client that does not trust our CA
         with pytest.raises((urllib.error.URLError, ConnectionError)):
@@ -52,8 +54,9 @@ def test_tls_scrape_with_a_certificate_made_here(pki):
 
 def test_client_certificate_required(pki):
     cert, key = pki["server"]
-    with hookprof.attach(model(), port=0, tls_certfile=cert, tls_keyfile=key,
-                         tls_client_cafile=pki["ca"]) as prof:
+    with hookprof.attach(
+        model(), port=0, tls_certfile=cert, tls_keyfile=key, tls_client_cafile=pki["ca"]
+    ) as prof:
         with_cert = ssl.create_default_context(cafile=pki["ca"])
         with_cert.load_cert_chain(*pki["client"])
         assert "hookprof_steps_total" in fetch(prof.url, with_cert)
@@ -74,7 +77,9 @@ def test_tls_config_errors_name_the_field(pki, tmp_path):
         hookprof.Config(tls_certfile=cert)
     with pytest.raises(hookprof.ConfigError, match="tls_certfile"):
         hookprof.Config(tls_client_cafile=pki["ca"])
-    with pytest.raises(hookprof.ConfigError, match="tls_keyfile must be a path to an existing file"):
+    with pytest.raises(
+        hookprof.ConfigError, match="tls_keyfile must be a path to an existing file"
+    ):
         hookprof.Config(tls_certfile=cert, tls_keyfile=str(tmp_path / "missing.key"))
 
 
@@ -83,7 +88,7 @@ WEIRD_NAMES = ['quo"te', "back\\slash", "new\nline", "ünïcødé_層", "tab\tan
 
 def test_label_values_survive_any_module_name():
     net = nn.Module()
-    for i, name in enumerate(WEIRD_NAMES):
+    for name in WEIRD_NAMES:
         net.add_module(name, nn.Linear(3, 3))
 
     def forward(x):
@@ -106,5 +111,7 @@ def test_label_values_survive_any_module_name():
     assert layers == set(WEIRD_NAMES)
     tool = shutil.which("promtool")  # the label checks above stand without it
     if tool is not None:
-        result = subprocess.run([tool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [tool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+        )
         assert result.returncode == 0, result.stdout + result.stderr

@@ -22,8 +22,13 @@ from support.hardware import nvml_driver_present
 from support.metrics import parse, samples, scrape
 from support.waiting import wait_for
 
-GPU_GAUGES = ["utilization_ratio", "memory_used_bytes", "memory_total_bytes", "power_watts",
-              "temperature_celsius"]
+GPU_GAUGES = [
+    "utilization_ratio",
+    "memory_used_bytes",
+    "memory_total_bytes",
+    "power_watts",
+    "temperature_celsius",
+]
 
 
 def small_model() -> torch.nn.Module:
@@ -40,9 +45,14 @@ def fake_nvml(monkeypatch):
 def test_host_and_process_metrics_match_psutil():
     with hookprof.attach(small_model(), port=0, system_interval_s=0.1) as prof:
         # the first CPU figure appears after one interval
-        f = wait_for("the first CPU figure", lambda: (
-            lambda f: f if "hookprof_host_cpu_utilization_ratio" in f else None)(parse(scrape(prof.url))),
-            interval=0.05, retry_errors=False)
+        f = wait_for(
+            "the first CPU figure",
+            lambda: (lambda f: f if "hookprof_host_cpu_utilization_ratio" in f else None)(
+                parse(scrape(prof.url))
+            ),
+            interval=0.05,
+            retry_errors=False,
+        )
         total = samples(f, "hookprof_host_memory_total_bytes")[frozenset()]
         available = samples(f, "hookprof_host_memory_available_bytes")[frozenset()]
         cpu = samples(f, "hookprof_host_cpu_utilization_ratio")[frozenset()]
@@ -74,18 +84,26 @@ def test_psutil_process_collector_agrees_with_prometheus_process_collector():
     ours.register(system.PsutilProcessCollector())
     theirs = CollectorRegistry()
     ProcessCollector(registry=theirs)
-    for name, rel in (("process_resident_memory_bytes", 0.05), ("process_virtual_memory_bytes", 0.05),
-                      ("process_start_time_seconds", 1e-6)):
+    for name, rel in (
+        ("process_resident_memory_bytes", 0.05),
+        ("process_virtual_memory_bytes", 0.05),
+        ("process_start_time_seconds", 1e-6),
+    ):
         a, b = ours.get_sample_value(name), theirs.get_sample_value(name)
         assert a is not None and b is not None, name
         assert abs(a - b) <= rel * b + 1, (name, a, b)
-    assert abs(ours.get_sample_value("process_open_fds") - theirs.get_sample_value("process_open_fds")) <= 2
+    assert (
+        abs(ours.get_sample_value("process_open_fds") - theirs.get_sample_value("process_open_fds"))
+        <= 2
+    )
     a = ours.get_sample_value("process_cpu_seconds_total")
     b = theirs.get_sample_value("process_cpu_seconds_total")
     assert abs(a - b) < 0.5, (a, b)
 
 
-@pytest.mark.skipif(nvml_driver_present(), reason="an NVIDIA driver answers here: the no-driver path cannot run")
+@pytest.mark.skipif(
+    nvml_driver_present(), reason="an NVIDIA driver answers here: the no-driver path cannot run"
+)
 def test_real_nvml_without_a_driver_switches_gpu_metrics_off_with_one_log_line(caplog):
     pytest.importorskip("pynvml")
     with caplog.at_level(logging.INFO, logger="hookprof"):
@@ -121,10 +139,25 @@ def test_fake_nvml_no_gpu_values_labels_and_units_over_http(fake_nvml):
         first = samples(f, "hookprof_gpu_energy_joules", "hookprof_gpu_energy_joules_total")[key0]
         assert first >= 1000.0
         fake_nvml.devices[0]["util"] = 97
-        later = wait_for("GPU 0 at 97%", lambda: (lambda f: f if samples(f, "hookprof_gpu_utilization_ratio").get(
-            frozenset({"gpu": "0", "UUID": fake_nvml.devices[0]["uuid"]}.items())) == 0.97
-            else None)(parse(scrape(prof.url))), interval=0.05, retry_errors=False)
-        assert samples(later, "hookprof_gpu_energy_joules", "hookprof_gpu_energy_joules_total")[key0] > first
+        later = wait_for(
+            "GPU 0 at 97%",
+            lambda: (
+                lambda f: (
+                    f
+                    if samples(f, "hookprof_gpu_utilization_ratio").get(
+                        frozenset({"gpu": "0", "UUID": fake_nvml.devices[0]["uuid"]}.items())
+                    )
+                    == 0.97
+                    else None
+                )
+            )(parse(scrape(prof.url))),
+            interval=0.05,
+            retry_errors=False,
+        )
+        assert (
+            samples(later, "hookprof_gpu_energy_joules", "hookprof_gpu_energy_joules_total")[key0]
+            > first
+        )
     assert fake_nvml.init_calls == 1 and fake_nvml.shutdown_calls == 1  # detach shuts NVML down
 
 
@@ -154,7 +187,11 @@ def test_fake_cuda_no_gpu_torch_memory_per_device(monkeypatch):
     monkeypatch.setattr(system, "cuda_api", lambda: cuda)
     with hookprof.attach(small_model(), port=0, rank=5) as prof:
         f = parse(scrape(prof.url))
-    for attr, factor in (("allocated_bytes", 1), ("reserved_bytes", 2), ("peak_allocated_bytes", 3)):
+    for attr, factor in (
+        ("allocated_bytes", 1),
+        ("reserved_bytes", 2),
+        ("peak_allocated_bytes", 3),
+    ):
         got = samples(f, f"hookprof_cuda_memory_{attr}")
         assert got == {
             frozenset({"rank": "5", "device": str(d)}.items()): float(cuda.allocated[d] * factor)
@@ -200,8 +237,12 @@ def test_promtool_accepts_system_metrics(fake_nvml, monkeypatch):
         time.sleep(0.2)
         text = scrape(prof.url)
     assert "hookprof_gpu_power_watts" in text and "hookprof_cuda_memory_reserved_bytes" in text
-    result = subprocess.run([tool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and not (result.stdout + result.stderr).strip(), result.stdout + result.stderr
+    result = subprocess.run(
+        [tool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and not (result.stdout + result.stderr).strip(), (
+        result.stdout + result.stderr
+    )
 
 
 def test_detach_stops_the_system_thread():

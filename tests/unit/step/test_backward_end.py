@@ -14,7 +14,7 @@ from hookprof.step.backward_end import BackwardEnd
 from hookprof.view.table import from_metrics, from_snapshot, nonfinite_line
 from support.first_nan import behind_by
 from support.metrics import parse, samples, scrape
-from support.models import DeepNet, seeded
+from support.models import DeepNet
 from support.settings import RARELY
 
 
@@ -72,14 +72,19 @@ def test_a_clip_by_a_nan_norm_does_not_move_the_first_layer(lag, policy):
     model, batches = model_and_data(bad_at=3)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=bool(lag))
     with behind_by(lag):
-        prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, on_nonfinite=policy, **RARELY))
+        prof = hookprof.attach(
+            model, config=hookprof.Config(summary_at_exit=False, on_nonfinite=policy, **RARELY)
+        )
         try:
             for x, y in batches[:5]:
                 opt.zero_grad()
                 nn.functional.mse_loss(model(x), y).backward()
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
                 if model.calls == 3:
-                    assert not torch.isfinite(norm) and not torch.isfinite(model.head.weight.grad).all()
+                    assert (
+                        not torch.isfinite(norm)
+                        and not torch.isfinite(model.head.weight.grad).all()
+                    )
                 opt.step()
             assert first(prof) == ("blocks.3.fc", "backward", 3)
         finally:
@@ -121,12 +126,19 @@ def test_gradients_the_loop_drops_are_counted_and_named_and_no_incident(policy, 
     layers below)."""
     model, batches = model_and_data(bad_at=3)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    seen: list[str] = []  # the test's own hooks: parameters whose gradient came non-finite, in order
-    handles = [p.register_hook(lambda g, name=name: seen.append(name) if not torch.isfinite(g).all() else None)
-               for name, p in model.named_parameters()]
+    seen: list[
+        str
+    ] = []  # the test's own hooks: parameters whose gradient came non-finite, in order
+    handles = [
+        p.register_hook(
+            lambda g, name=name: seen.append(name) if not torch.isfinite(g).all() else None
+        )
+        for name, p in model.named_parameters()
+    ]
     with behind_by(lag):
-        prof = hookprof.attach(model, config=hookprof.Config(summary_at_exit=False, on_nonfinite=policy,
-                                                             **RARELY))
+        prof = hookprof.attach(
+            model, config=hookprof.Config(summary_at_exit=False, on_nonfinite=policy, **RARELY)
+        )
         try:
             dropped = 0
             for x, y in batches[:6]:
@@ -145,15 +157,22 @@ def test_gradients_the_loop_drops_are_counted_and_named_and_no_incident(policy, 
             assert set(got.others) | {got.layer} == below
             text = scrape(prof.url)
             page = parse(text)  # the same, as Prometheus reads it
-            assert list(samples(page, "hookprof_dropped_nonfinite_steps", "hookprof_dropped_nonfinite_steps_total")
-                        .values()) == [1.0]
+            assert list(
+                samples(
+                    page,
+                    "hookprof_dropped_nonfinite_steps",
+                    "hookprof_dropped_nonfinite_steps_total",
+                ).values()
+            ) == [1.0]
             info = samples(page, "hookprof_first_dropped_nonfinite_info")
             assert [dict(k) for k in info] == [{"rank": "0", "layer": "blocks.3.fc", "step": "3"}]
             assert not samples(page, "hookprof_first_nonfinite_info")
             # what a person reads: the summary's line, and `hookprof top`'s from the page
             line = nonfinite_line(from_snapshot(snap).header)
             assert line.startswith("non-finite steps: none;") and (
-                "dropped the non-finite gradients of 1 step (no incident; first: blocks.3.fc at step 3)" in line)
+                "dropped the non-finite gradients of 1 step (no incident; first: blocks.3.fc at step 3)"
+                in line
+            )
             assert nonfinite_line(from_metrics(text)[0].header) == line
         finally:
             prof.detach()
@@ -177,8 +196,11 @@ def edit_in_place(model):
     g.div_(g.sub(g).norm())  # x / 0: NaN where x is 0, Inf elsewhere
 
 
-@pytest.mark.parametrize("edit, step", [(edit_through_data, 3), (edit_in_a_freed_place, 3), (edit_in_place, 4)],
-                         ids=["through .data", "a new tensor in a freed one's place", "in place"])
+@pytest.mark.parametrize(
+    "edit, step",
+    [(edit_through_data, 3), (edit_in_a_freed_place, 3), (edit_in_place, 4)],
+    ids=["through .data", "a new tensor in a freed one's place", "in place"],
+)
 def test_a_nan_made_after_the_backward_is_counted_where_the_update_reads_it(edit, step):
     """Gradients finite as backward left them, made NaN by the loop (a normalisation of a
     zero gradient, an all-reduce that overflows), also by edits the version counters do not
@@ -303,7 +325,9 @@ def test_backward_end_runs_once_per_backward_through_several_outputs():
     assert ends == [1, 1, 1]
 
 
-@pytest.mark.parametrize("attach_first", [False, True], ids=["compiled, then attached", "attached, then compiled"])
+@pytest.mark.parametrize(
+    "attach_first", [False, True], ids=["compiled, then attached", "attached, then compiled"]
+)
 def test_a_compiled_model_is_checked_at_its_backwards_end_too(attach_first):
     """Compiled, the root's hooks are traced into the graph (no node to hook): the end is
     queued from two parameters' accumulation instead. Without that the clip's NaN names the
@@ -326,8 +350,11 @@ def test_a_compiled_model_is_checked_at_its_backwards_end_too(attach_first):
         assert first(prof) == ("blocks.3.fc", "backward", 3)
     finally:
         prof.detach()
-    assert all(not p._post_accumulate_grad_hooks for p in model.parameters()
-               if getattr(p, "_post_accumulate_grad_hooks", None) is not None)
+    assert all(
+        not p._post_accumulate_grad_hooks
+        for p in model.parameters()
+        if getattr(p, "_post_accumulate_grad_hooks", None) is not None
+    )
 
 
 def test_training_through_autograd_grad_is_checked_where_the_update_reads_and_timed():
@@ -337,9 +364,19 @@ def test_training_through_autograd_grad_is_checked_where_the_update_reads_and_ti
     step's layer): the update reads them. And every layer is timed in backward (the first
     layer had 0 backward calls: its end was taken from .grad's accumulation)."""
     model, batches = model_and_data(bad_at=3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=True)  # skip holds step 3's update back
-    prof = hookprof.attach(model, config=hookprof.Config(
-        summary_at_exit=False, port=0, sample_every=1, min_sample_interval_s=0.0, on_nonfinite="skip"))
+    opt = torch.optim.SGD(
+        model.parameters(), lr=0.01, fused=True
+    )  # skip holds step 3's update back
+    prof = hookprof.attach(
+        model,
+        config=hookprof.Config(
+            summary_at_exit=False,
+            port=0,
+            sample_every=1,
+            min_sample_interval_s=0.0,
+            on_nonfinite="skip",
+        ),
+    )
     try:
         for x, y in batches[:6]:
             loss = nn.functional.mse_loss(model(x), y)
@@ -351,7 +388,10 @@ def test_training_through_autograd_grad_is_checked_where_the_update_reads_and_ti
         snap = prof.snapshot()
         assert first(prof) == ("blocks.3.fc", "backward", 3)
         assert snap.nonfinite_steps["backward"] == 1  # not step 4 again, from step 3's stale .grad
-        assert snap.layers["stem"].backward_calls_total == 6 and snap.layers["stem"].backward_seconds_total > 0
+        assert (
+            snap.layers["stem"].backward_calls_total == 6
+            and snap.layers["stem"].backward_seconds_total > 0
+        )
         assert all(s.backward_calls_total == 6 for s in snap.layers.values())
     finally:
         prof.detach()

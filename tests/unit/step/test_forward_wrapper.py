@@ -70,8 +70,11 @@ def test_copies_of_the_attached_model_train_unprofiled(every_step):
         buffer = io.BytesIO()
         torch.save(model, buffer)
         buffer.seek(0)
-        copies = [copy.deepcopy(model), torch.optim.swa_utils.AveragedModel(model).module,
-                  torch.load(buffer, weights_only=False)]
+        copies = [
+            copy.deepcopy(model),
+            torch.optim.swa_utils.AveragedModel(model).module,
+            torch.load(buffer, weights_only=False),
+        ]
         x = torch.randn(4, 8)
         with torch.no_grad():  # an evaluation call of the original: not profiled
             reference = model(x)

@@ -64,14 +64,26 @@ def checked_bad_layers(norms: GradientNorms, table: LayerTable) -> set[str]:
     return {table.layers[i].name for i, v in enumerate(values.tolist()) if not math.isfinite(v)}
 
 
-PLACES = [("a", "weight", (1, 2)), ("fp16", "weight", (0, 0)), ("brain", "bias", (3,)),
-          ("(root)", "temperature", ()), ("big", "weight", (-1, 15)), ("empty", "bias", (0,)),
-          ("mixed", "bias", (2,)), ("mixed", "weight", (0, 1)), ("conv", "weight", (3, 2, 1, 0))]
+PLACES = [
+    ("a", "weight", (1, 2)),
+    ("fp16", "weight", (0, 0)),
+    ("brain", "bias", (3,)),
+    ("(root)", "temperature", ()),
+    ("big", "weight", (-1, 15)),
+    ("empty", "bias", (0,)),
+    ("mixed", "bias", (2,)),
+    ("mixed", "weight", (0, 1)),
+    ("conv", "weight", (3, 2, 1, 0)),
+]
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    "value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"]
+)
 @pytest.mark.parametrize("layer, param, where", PLACES, ids=[f"{a}.{b}" for a, b, _ in PLACES])
-def test_a_non_finite_gradient_is_found_in_its_layer_only(accelerator_path, layer, param, where, value):
+def test_a_non_finite_gradient_is_found_in_its_layer_only(
+    accelerator_path, layer, param, where, value
+):
     model = Awkward()
     table = LayerTable(model)
     norms = GradientNorms(table)
@@ -119,7 +131,9 @@ def test_the_plan_follows_frozen_layers_a_cast_and_a_move(accelerator_path):
     assert checked_bad_layers(norms, table) == {"a"}
 
 
-@pytest.mark.parametrize("budget", [64, 4096], ids=["every gradient summed where it lies", "small copies"])
+@pytest.mark.parametrize(
+    "budget", [64, 4096], ids=["every gradient summed where it lies", "small copies"]
+)
 def test_chunks_bound_the_copy_and_find_the_same_layers(accelerator_path, monkeypatch, budget):
     """With a copy budget smaller than the gradients, a gradient that large is summed where it
     lies (a view: no copy, never written) and the rest are copied a budget at a time: more
@@ -133,12 +147,16 @@ def test_chunks_bound_the_copy_and_find_the_same_layers(accelerator_path, monkey
     model.big.weight.grad[7, 3] = float("inf")
     model.fp16.bias.grad[1] = float("nan")
     before = {name: p.grad.clone() for name, p in model.named_parameters()}
-    assert checked_bad_layers(norms, table) == {"brain", "big", "fp16"} == reference_bad_layers(table)
+    assert (
+        checked_bad_layers(norms, table) == {"brain", "big", "fp16"} == reference_bad_layers(table)
+    )
     for name, p in model.named_parameters():  # the check reads the gradients, never writes them
         assert torch.equal(p.grad.nan_to_num(), before[name].nan_to_num()), name
 
 
-def test_a_plan_without_the_fused_check_is_made_again_on_a_move_or_a_cast(accelerator_path, monkeypatch):
+def test_a_plan_without_the_fused_check_is_made_again_on_a_move_or_a_cast(
+    accelerator_path, monkeypatch
+):
     """A model stepped where the fused check does not run, then moved or cast to where it
     does, gets it from then on: the plan without it also looks at the first gradient's
     device and dtype every step. (A move to CUDA is emulated by a cast: this machine has one

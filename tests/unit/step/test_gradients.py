@@ -54,8 +54,10 @@ def test_every_parameter_is_covered():
     with hookprof.attach(model, port=0) as prof:
         table = prof.table
         assert sorted(table.param_names) == sorted(n for n, _ in model.named_parameters())
-        owners = {table.param_names[i]: table.layers[table.param_layer[i]].name
-                  for i in range(len(table.params))}
+        owners = {
+            table.param_names[i]: table.layers[table.param_layer[i]].name
+            for i in range(len(table.params))
+        }
     # MultiheadAttention owns in_proj_weight; out_proj is a layer though never called
     assert owners["attn.in_proj_weight"] == "attn"
     assert owners["attn.out_proj.weight"] == "attn.out_proj"
@@ -87,8 +89,9 @@ def test_frozen_layers_have_no_norm(every_step):
 def test_sparse_embedding_gradient_norm(every_step):
     """nn.Embedding(sparse=True) gives a sparse gradient; its norm is that of the dense one."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Flatten(),
-                                torch.nn.Linear(24, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(50, 8, sparse=True), torch.nn.Flatten(), torch.nn.Linear(24, 1)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tokens = torch.tensor([[1, 2, 2], [7, 1, 49]])  # repeated rows: the gradient needs coalescing
     with hookprof.attach(model, **every_step) as prof:

@@ -134,9 +134,14 @@ def test_accelerator_path_finds_the_first_bad_step_exactly(accelerator_path, val
     finally:
         prof.detach()
     snap = prof.snapshot()
-    assert snap.first_nonfinite == NonFiniteEvent("blocks.3.fc", "backward", 5, found_by="backward check")
+    assert snap.first_nonfinite == NonFiniteEvent(
+        "blocks.3.fc", "backward", 5, found_by="backward check"
+    )
     assert snap.nonfinite_steps["backward"] == 2
     assert snap.layers["blocks.3.fc"].nonfinite["backward"] == 2
     assert sum(s.nonfinite["backward"] for s in snap.layers.values()) == 2
-    assert all(math.isfinite(s.grad_norm) for n, s in snap.layers.items()
-               if s.grad_norm is not None and n != "blocks.3.fc")
+    assert all(
+        math.isfinite(s.grad_norm)
+        for n, s in snap.layers.items()
+        if s.grad_norm is not None and n != "blocks.3.fc"
+    )

@@ -25,13 +25,14 @@ import torch
 
 import hookprof
 from hookprof.demo import DemoNet
-from hookprof.view.report import from_json, history_url
 from hookprof.view import table
+from hookprof.view.report import from_json, history_url
 from hookprof.view.report_charts import BAD, HEIGHT, PAD_B, PAD_T
 from hookprof.view.report_html import render
 from support.binaries import require_binaries
 from support.processes import hookprof_cmd, read_until
 from support.rendered import NAN_STEP, STEPS, Elements, demo_run, line_of, number
+
 
 def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
     prof, losses = demo_run()
@@ -39,17 +40,26 @@ def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
         path = prof.report(str(tmp_path / "run.html"))
         doc = prof.report_document()
         snap = prof.snapshot()
-        top_rows = {r.layer: table.cells(r) for t in table.from_metrics(scrape(prof.url)) for r in t.rows}
+        top_rows = {
+            r.layer: table.cells(r) for t in table.from_metrics(scrape(prof.url)) for r in t.rows
+        }
     finally:
         prof.detach()
     page = open(path, encoding="utf-8").read()
     # self-contained: nothing to fetch; the one script is inline
-    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", page) and "<script src" not in page
-    assert "@import" not in page and re.findall(r"url\(([^)]*)\)", page) and all(
-        u.startswith("#") for u in re.findall(r"url\(([^)]*)\)", page))  # only the page's own patterns
+    assert (
+        not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", page) and "<script src" not in page
+    )
+    assert (
+        "@import" not in page
+        and re.findall(r"url\(([^)]*)\)", page)
+        and all(u.startswith("#") for u in re.findall(r"url\(([^)]*)\)", page))
+    )  # only the page's own patterns
     el = Elements(page)
     pts = doc["history"]["points"]
-    assert pts["step"] == [float(s) for s in range(1, STEPS + 1)]  # every step sampled: a point each
+    assert pts["step"] == [
+        float(s) for s in range(1, STEPS + 1)
+    ]  # every step sampled: a point each
 
     # the loss chart: the values the loop computed; NaN from the incident on drawn as red bands
     (loss_chart,) = el.find("svg", **{"data-kind": "loss"})
@@ -60,13 +70,20 @@ def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
         else:
             assert math.isnan(want) and seen == math.inf
     marks = [float(a["data-step"]) for a in el.find("rect", **{"class": "nonfinite"})]
-    assert marks and min(marks) == NAN_STEP and all(a["fill"] == BAD for a in el.find("rect", **{"class": "nonfinite"}))
+    assert (
+        marks
+        and min(marks) == NAN_STEP
+        and all(a["fill"] == BAD for a in el.find("rect", **{"class": "nonfinite"}))
+    )
 
     for svg in el.find("svg", **{"class": "chart"}) + el.find("svg", **{"class": "heatmap"}):
         x_of = _step_axis(page, svg)
         # the incident on every chart, at its step on the axis the chart labels
         (incident,) = _inside(el, svg, "line", "incident")
-        assert incident["data-step"] == str(NAN_STEP) and abs(float(incident["x1"]) - x_of(NAN_STEP)) < 0.06
+        assert (
+            incident["data-step"] == str(NAN_STEP)
+            and abs(float(incident["x1"]) - x_of(NAN_STEP)) < 0.06
+        )
     for svg in el.find("svg", **{"class": "chart"}):
         x_of = _step_axis(page, svg)
         labels, values = _yticks(page, svg)
@@ -76,10 +93,14 @@ def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
         line = line_of(el, svg)
         steps = [float(s) for s in line["data-steps"].split()]
         vals = [number(v) for v in line["data-values"].split()]
-        drawn_points = [tuple(map(float, p.split(","))) for p in re.findall(r"-?[\d.]+,-?[\d.]+", line["d"])]
+        drawn_points = [
+            tuple(map(float, p.split(","))) for p in re.findall(r"-?[\d.]+,-?[\d.]+", line["d"])
+        ]
         finite = [(s, v) for s, v in zip(steps, vals) if v is not None and math.isfinite(v)]
         assert len(drawn_points) == len(finite)
-        for (s, v), (x, y) in zip(finite, drawn_points):  # each point at its step and value on the labelled axes
+        for (s, v), (x, y) in zip(
+            finite, drawn_points
+        ):  # each point at its step and value on the labelled axes
             a, b = (math.log10(lo), math.log10(hi)) if log else (lo, hi)
             t = ((math.log10(v) if log else v) - a) / (b - a)
             assert abs(y - ((HEIGHT - PAD_B) + t * (PAD_T - (HEIGHT - PAD_B)))) <= 0.05 + 1e-6
@@ -104,7 +125,9 @@ def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
             first, last = (float(v) for v in cell["data-s"].split("-"))
             inside = [v for s, v in history[name].items() if first <= s <= last and v is not None]
             want = max(inside)
-            assert number(cell["data-v"]) == (math.inf if math.isinf(want) else float(f"{want:.6g}")), (name, cell)
+            assert number(cell["data-v"]) == (
+                math.inf if math.isinf(want) else float(f"{want:.6g}")
+            ), (name, cell)
             assert (cell["fill"] == BAD) == math.isinf(want)
             start = max(first, NAN_STEP) - 1 if math.isinf(want) else first - 1
             assert abs(float(cell["x"]) - x_of(start)) < 0.06
@@ -119,22 +142,29 @@ def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
     shown = _table_cells(page)
     assert set(shown) == set(snap.layers) == set(top_rows)
     for name, cells_ in shown.items():  # (top learns a module's class from its timing series: none
-        assert cells_[2:] == top_rows[name][2:], name  # for a layer never called, so its module is blank)
+        assert cells_[2:] == top_rows[name][2:], (
+            name
+        )  # for a layer never called, so its module is blank)
         assert top_rows[name][1] in ("", cells_[1]) and cells_[1] == snap.layers[name].module
     for name, layer in snap.layers.items():
         fwd = shown[name][2]
         if layer.forward_calls_total:
-            assert float(fwd) == pytest.approx(layer.forward_seconds_total / layer.forward_calls_total * 1e3,
-                                               rel=0.01, abs=0.001)
+            assert float(fwd) == pytest.approx(
+                layer.forward_seconds_total / layer.forward_calls_total * 1e3, rel=0.01, abs=0.001
+            )
         else:
             assert fwd == "-"
     assert shown["attn.out_proj"][2] == "-"  # used through its weight: never called, never 0 ms
     assert shown["mlp.0"][8].startswith("first")
-    assert 'class=bad-row' in page and re.search(r'<tr data-layer="mlp.0" class=bad-row>', page)
+    assert "class=bad-row" in page and re.search(r'<tr data-layer="mlp.0" class=bad-row>', page)
 
     # the first NaN/Inf in words, how it was found and what its replay said
     (first,) = el.find("p", **{"class": "bad first-offender"})
-    assert (first["data-layer"], first["data-step"], first["data-phase"]) == ("mlp.0", str(NAN_STEP), "forward")
+    assert (first["data-layer"], first["data-step"], first["data-phase"]) == (
+        "mlp.0",
+        str(NAN_STEP),
+        "forward",
+    )
     assert "first in layer mlp.0" in "".join(el.text)
     (verdict,) = el.find("span", **{"class": "verdict"})
     assert verdict["data-replay"] == snap.first_nonfinite.replay == "reproducible"
@@ -162,7 +192,7 @@ def _chart_source(page: str, svg: dict) -> str:
     """The markup of one chart, found by its opening tag's attributes."""
     key = f'data-s1="{svg["data-s1"]}"'
     for chunk in re.findall(r"<svg [^>]*>.*?</svg>", page, flags=re.S):
-        opening = chunk[:chunk.index(">")]
+        opening = chunk[: chunk.index(">")]
         if key in opening and svg.get("data-kind", "") in opening and svg["class"] in opening:
             return chunk
     raise AssertionError("chart not found")
@@ -170,28 +200,40 @@ def _chart_source(page: str, svg: dict) -> str:
 
 def _step_axis(page: str, svg: dict):
     """x of a step, read from the chart's own labelled x ticks (two of them fix the line)."""
-    ticks = [(float(s), float(x)) for s, x in re.findall(r'class="xtick" data-step="([^"]+)" x="([^"]+)"',
-                                                         _chart_source(page, svg))]
+    ticks = [
+        (float(s), float(x))
+        for s, x in re.findall(
+            r'class="xtick" data-step="([^"]+)" x="([^"]+)"', _chart_source(page, svg)
+        )
+    ]
     assert len(ticks) >= 3 and [t[0] for t in ticks] == sorted(t[0] for t in ticks)
     (s0, x0), (s1, x1) = ticks[0], ticks[-1]
     return lambda s: x0 + (s - s0) * (x1 - x0) / (s1 - s0)
 
 
 def _yticks(page: str, svg: dict) -> tuple[list[str], list[float]]:
-    found = re.findall(r'class="ytick" data-value="([^"]+)"[^>]*>([^<]+)</text>', _chart_source(page, svg))
+    found = re.findall(
+        r'class="ytick" data-value="([^"]+)"[^>]*>([^<]+)</text>', _chart_source(page, svg)
+    )
     return [label for _, label in found], [float(v) for v, _ in found]
 
 
 def _heat_cells(page: str) -> dict[str, list[dict]]:
     rows = re.findall(r'<g class="row" data-layer="([^"]+)">(.*?)</g>', page)
-    return {name: [Elements(r).tags[0][1] for r in re.findall(r"<rect [^>]*/>", body)] for name, body in rows}
+    return {
+        name: [Elements(r).tags[0][1] for r in re.findall(r"<rect [^>]*/>", body)]
+        for name, body in rows
+    }
 
 
 def _table_cells(page: str) -> dict[str, list[str]]:
     body = re.search(r'<table class="layers".*?<tbody>(.*?)</tbody>', page, flags=re.S).group(1)
     out = {}
     for row in re.findall(r"<tr[^>]*>(.*?)</tr>", body):
-        texts = [html.unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+        texts = [
+            html.unescape(re.sub(r"<[^>]+>", "", c))
+            for c in re.findall(r"<td[^>]*>(.*?)</td>", row)
+        ]
         out[texts[0]] = texts
     return out
 
@@ -208,14 +250,19 @@ def test_under_raise_every_chart_reaches_the_incident_step(tmp_path):
     assert len(losses) == 22  # the loop stopped at the incident
     assert max(doc["history"]["points"]["step"]) < 23 == doc["first_nonfinite"]["step"]
     el = Elements(page)
-    charts = el.find("svg", **{"class": "chart"}) + el.find("svg", **{"class": "heatmap"}) + \
-        el.find("svg", **{"class": "timeline"})
+    charts = (
+        el.find("svg", **{"class": "chart"})
+        + el.find("svg", **{"class": "heatmap"})
+        + el.find("svg", **{"class": "timeline"})
+    )
     assert len(charts) == 5
     for svg in charts:
         x_of = _step_axis(page, svg)
         assert float(svg["data-s1"]) > 23
         (mark,) = _inside(el, svg, "line", "incident")
-        assert abs(float(mark["x1"]) - x_of(23)) < 0.06 and float(mark["x1"]) < float(svg["data-x1"])
+        assert abs(float(mark["x1"]) - x_of(23)) < 0.06 and float(mark["x1"]) < float(
+            svg["data-x1"]
+        )
 
 
 @pytest.fixture(scope="module")
@@ -236,35 +283,80 @@ def _with(doc: dict, **changes) -> dict:
 def test_dropped_events_are_a_labelled_gap_not_a_clean_line(small_document):
     """The history keeps the first and the latest events: where it dropped some, the
     timeline draws a hatched, labelled stretch, with the steps the counts say were lost."""
+
     def event(step, new, total):
-        return {"step": step, "wall_time": None, "new_nonfinite_steps": new, "nonfinite_steps": total,
-                "layers": ["mlp.0"], "more_layers": 0}
-    events = [event(3, 1, 1), event(4, 1, 2), event(700, 1, 300), event(800, 2, 302)]  # 297 steps lost
+        return {
+            "step": step,
+            "wall_time": None,
+            "new_nonfinite_steps": new,
+            "nonfinite_steps": total,
+            "layers": ["mlp.0"],
+            "more_layers": 0,
+        }
+
+    events = [
+        event(3, 1, 1),
+        event(4, 1, 2),
+        event(700, 1, 300),
+        event(800, 2, 302),
+    ]  # 297 steps lost
     hist = _with(small_document["history"], events=events, events_dropped=704)
-    doc = _with(small_document, history=hist, steps=800,
-                first_nonfinite={"layer": "mlp.0", "phase": "forward", "step": 3, "summary": "NaN at 3"})
+    doc = _with(
+        small_document,
+        history=hist,
+        steps=800,
+        first_nonfinite={"layer": "mlp.0", "phase": "forward", "step": 3, "summary": "NaN at 3"},
+    )
     page = render([doc])
     el = Elements(page)
     (gap,) = el.find("rect", **{"class": "dropped"})
-    assert (gap["data-from"], gap["data-to"], gap["data-steps"], gap["data-events"]) == ("4", "700", "297", "704")
+    assert (gap["data-from"], gap["data-to"], gap["data-steps"], gap["data-events"]) == (
+        "4",
+        "700",
+        "297",
+        "704",
+    )
     (svg,) = el.find("svg", **{"class": "timeline"})
     x_of = _step_axis(page, svg)
-    assert abs(float(gap["x"]) - x_of(4)) < 0.06 and abs(float(gap["x"]) + float(gap["width"]) - x_of(700)) < 0.2
+    assert (
+        abs(float(gap["x"]) - x_of(4)) < 0.06
+        and abs(float(gap["x"]) + float(gap["width"]) - x_of(700)) < 0.2
+    )
     assert gap["fill"].startswith("url(#") and "704 events not kept (297 non-finite steps)" in page
-    assert [a["data-step"] for a in el.find("circle", **{"class": "event"})] == ["3", "4", "700", "800"]
+    assert [a["data-step"] for a in el.find("circle", **{"class": "event"})] == [
+        "3",
+        "4",
+        "700",
+        "800",
+    ]
 
 
 def test_the_incident_says_how_it_was_found_its_replay_and_its_capsule(small_document):
-    first = {"layer": None, "phase": "forward", "step": 5, "propagators": [], "found_by": None,
-             "replay": "transient", "replay_note": None, "device": "GPU-1234", "summary": "NaN/Inf at step 5",
-             "capsule": "/runs/7/hookprof-capsule-DemoNet-rank0-step5-99.pt"}
+    first = {
+        "layer": None,
+        "phase": "forward",
+        "step": 5,
+        "propagators": [],
+        "found_by": None,
+        "replay": "transient",
+        "replay_note": None,
+        "device": "GPU-1234",
+        "summary": "NaN/Inf at step 5",
+        "capsule": "/runs/7/hookprof-capsule-DemoNet-rank0-step5-99.pt",
+    }
     page = render([_with(small_document, first_nonfinite=first)])
     el = Elements(page)
     (verdict,) = el.find("span", **{"class": "verdict"})
     assert verdict["data-replay"] == "transient"
     text = "".join(el.text)
-    assert "no layer named (forward phase), step 5" in text and "suspect a non-deterministic kernel" in text
-    assert "hookprof replay /runs/7/hookprof-capsule-DemoNet-rank0-step5-99.pt" in text and "GPU-1234" in text
+    assert (
+        "no layer named (forward phase), step 5" in text
+        and "suspect a non-deterministic kernel" in text
+    )
+    assert (
+        "hookprof replay /runs/7/hookprof-capsule-DemoNet-rank0-step5-99.pt" in text
+        and "GPU-1234" in text
+    )
     # before issue 31's field exists: no capsule row, nothing else missing
     del first["capsule"]
     page = render([_with(small_document, first_nonfinite=first)])
@@ -281,8 +373,11 @@ def test_narrow_ranges_get_distinct_ticks_and_missing_values_break_the_line(smal
     el = Elements(page)
     (svg,) = el.find("svg", **{"data-kind": "loss"})
     labels, values = _yticks(page, svg)
-    assert len(set(labels)) == len(labels) >= 3 and values[0] <= min(v for v in loss if v) and values[-1] >= max(
-        v for v in loss if v)
+    assert (
+        len(set(labels)) == len(labels) >= 3
+        and values[0] <= min(v for v in loss if v)
+        and values[-1] >= max(v for v in loss if v)
+    )
     assert [float(t) for t in labels] == pytest.approx(values)  # a label is its tick's value
     assert line_of(el, svg)["d"].count("M") == 2
 
@@ -306,15 +401,35 @@ def test_history_json_is_served_with_the_metrics(tmp_path):
 
 def test_history_json_keeps_the_endpoints_tls_and_client_certificates(pki, tmp_path):
     cert, key = pki["server"]
-    prof, _ = demo_run(steps=5, nan_at=0, tls_certfile=cert, tls_keyfile=key, tls_client_cafile=pki["ca"])
+    prof, _ = demo_run(
+        steps=5, nan_at=0, tls_certfile=cert, tls_keyfile=key, tls_client_cafile=pki["ca"]
+    )
     try:
         url = prof.url
         out = tmp_path / "tls.html"
-        ok = subprocess.run(hookprof_cmd("report", url, "-o", str(out), "--cacert", pki["ca"],
-                                         "--cert", pki["client"][0], "--key", pki["client"][1]),
-                            capture_output=True, text=True, timeout=120)
-        refused = subprocess.run(hookprof_cmd("report", url, "-o", str(tmp_path / "no.html"), "--cacert", pki["ca"]),
-                                 capture_output=True, text=True, timeout=120)
+        ok = subprocess.run(
+            hookprof_cmd(
+                "report",
+                url,
+                "-o",
+                str(out),
+                "--cacert",
+                pki["ca"],
+                "--cert",
+                pki["client"][0],
+                "--key",
+                pki["client"][1],
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        refused = subprocess.run(
+            hookprof_cmd("report", url, "-o", str(tmp_path / "no.html"), "--cacert", pki["ca"]),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         plain = urllib.request.Request(history_url(url))
         context = ssl.create_default_context(cafile=pki["ca"])
         with pytest.raises((ssl.SSLError, OSError)):
@@ -323,17 +438,35 @@ def test_history_json_keeps_the_endpoints_tls_and_client_certificates(pki, tmp_p
         prof.detach()
     assert ok.returncode == 0, ok.stderr
     assert 'class="line"' in out.read_text()
-    assert refused.returncode == 1 and "cannot read" in refused.stderr and "pass --cert and --key" in refused.stderr
+    assert (
+        refused.returncode == 1
+        and "cannot read" in refused.stderr
+        and "pass --cert and --key" in refused.stderr
+    )
     assert not (tmp_path / "no.html").exists()
 
 
 @pytest.mark.slow
 def test_the_cli_reports_a_running_demo(tmp_path):
     demo = subprocess.Popen(
-        hookprof_cmd("demo", "--port", "0", "--steps", "0", "--nan-at-step", "25", "--sample-every", "1",
-                     "--min-sample-interval", "0"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        hookprof_cmd(
+            "demo",
+            "--port",
+            "0",
+            "--steps",
+            "0",
+            "--nan-at-step",
+            "25",
+            "--sample-every",
+            "1",
+            "--min-sample-interval",
+            "0",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         url = re.search(r"(http://\S+)", read_until(demo.stdout, "serving metrics at")).group(1)
         deadline = time.monotonic() + 120
@@ -344,7 +477,9 @@ def test_the_cli_reports_a_running_demo(tmp_path):
                 break
             time.sleep(0.3)
         out = tmp_path / "run.html"
-        result = subprocess.run(hookprof_cmd("report", url, "-o", str(out)), capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            hookprof_cmd("report", url, "-o", str(out)), capture_output=True, text=True, timeout=120
+        )
     finally:
         demo.terminate()
         try:
@@ -364,19 +499,31 @@ def test_the_cli_reports_a_running_demo(tmp_path):
     stride = int(steps[0])
     assert stride & (stride - 1) == 0
     assert steps[:12] == [float(stride * k) for k in range(1, 13)]
-    assert {a["data-layer"] for a in el.find("tr") if "data-layer" in a} >= {"embed", "attn", "mlp.0", "head"}
+    assert {a["data-layer"] for a in el.find("tr") if "data-layer" in a} >= {
+        "embed",
+        "attn",
+        "mlp.0",
+        "head",
+    }
 
 
 def test_the_cli_says_why_when_nothing_serves(tmp_path):
     from support.ports import free_port
 
-    result = subprocess.run(hookprof_cmd("report", f"127.0.0.1:{free_port()}", "-o", str(tmp_path / "x.html"),
-                                         "--timeout", "5"), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        hookprof_cmd(
+            "report", f"127.0.0.1:{free_port()}", "-o", str(tmp_path / "x.html"), "--timeout", "5"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1
     assert "cannot read http://127.0.0.1:" in result.stderr and "/history.json" in result.stderr
 
 
 # ---------------- a real browser ----------------
+
 
 def png_pixels(path: str) -> tuple[int, int, list[bytes]]:
     """Width, height and rows of RGB(A) bytes of an 8-bit PNG (chromium's screenshots),
@@ -385,8 +532,8 @@ def png_pixels(path: str) -> tuple[int, int, list[bytes]]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, idat, width = 8, b"", 0
     while pos < len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        chunk = data[pos + 8:pos + 8 + length]
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        chunk = data[pos + 8 : pos + 8 + length]
         if kind == b"IHDR":
             width, height, depth, color = struct.unpack(">IIBB", chunk[:10])
             assert depth == 8 and color in (2, 6)
@@ -398,7 +545,10 @@ def png_pixels(path: str) -> tuple[int, int, list[bytes]]:
     stride = width * bpp
     rows, prev = [], bytearray(stride)
     for r in range(height):
-        f, line = raw[r * (stride + 1)], bytearray(raw[r * (stride + 1) + 1:(r + 1) * (stride + 1)])
+        f, line = (
+            raw[r * (stride + 1)],
+            bytearray(raw[r * (stride + 1) + 1 : (r + 1) * (stride + 1)]),
+        )
         for i in range(stride):
             a = line[i - bpp] if i >= bpp else 0
             b, c = prev[i], prev[i - bpp] if i >= bpp else 0
@@ -414,7 +564,7 @@ def png_pixels(path: str) -> tuple[int, int, list[bytes]]:
                 line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
         rows.append(bytes(line))
         prev = line
-    return width, height, [bytes(r[i:i + 3]) for r in rows for i in range(0, stride, bpp)]
+    return width, height, [bytes(r[i : i + 3]) for r in rows for i in range(0, stride, bpp)]
 
 
 def chromium() -> str:
@@ -431,9 +581,22 @@ def console_errors(stderr: str) -> list[str]:
 
 
 def run_chromium(*args: str, cwd: str) -> subprocess.CompletedProcess:
-    return subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                           "--no-first-run", f"--user-data-dir={cwd}/profile", *args],
-                          capture_output=True, text=True, timeout=120, cwd=cwd)
+    return subprocess.run(
+        [
+            chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--no-first-run",
+            f"--user-data-dir={cwd}/profile",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
 
 
 PROBE = """<script>
@@ -474,8 +637,12 @@ def test_a_real_browser_renders_the_page_without_errors(tmp_path):
     assert browser
     # first, that a page's errors do show where this test looks for them
     control = tmp_path / "control.html"
-    control.write_text("<!DOCTYPE html><html><body><script>no_such_function()</script></body></html>")
-    seen = run_chromium("--dump-dom", "--enable-logging=stderr", "--v=0", f"file://{control}", cwd=str(tmp_path))
+    control.write_text(
+        "<!DOCTYPE html><html><body><script>no_such_function()</script></body></html>"
+    )
+    seen = run_chromium(
+        "--dump-dom", "--enable-logging=stderr", "--v=0", f"file://{control}", cwd=str(tmp_path)
+    )
     assert "no_such_function" in "".join(console_errors(seen.stderr)), seen.stderr[-2000:]
 
     prof, _ = demo_run(steps=80, nan_at=50, sample_every=5)
@@ -485,8 +652,14 @@ def test_a_real_browser_renders_the_page_without_errors(tmp_path):
     finally:
         prof.detach()
     url = "file://" + path
-    dom = run_chromium("--dump-dom", "--enable-logging=stderr", "--v=0", "--window-size=1400,1000", url,
-                       cwd=str(tmp_path))
+    dom = run_chromium(
+        "--dump-dom",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--window-size=1400,1000",
+        url,
+        cwd=str(tmp_path),
+    )
     assert dom.returncode == 0, dom.stderr[-2000:]
     # the DOM chromium built has every chart, and the console saw no error
     assert dom.stdout.count('class="chart"') == 3 and 'class="heatmap"' in dom.stdout
@@ -496,21 +669,41 @@ def test_a_real_browser_renders_the_page_without_errors(tmp_path):
     # the page as a person's pointer finds it: the same file with a probe script after it
     probe_step = 30
     probed = tmp_path / "probed.html"
-    probed.write_text(open(path, encoding="utf-8").read().replace(
-        "</body>", PROBE.replace("PROBE_STEP", str(probe_step)).replace("PROBE_NAN", "65") + "</body>"))
-    seen = run_chromium("--dump-dom", "--enable-logging=stderr", "--v=0", "--window-size=1400,1000",
-                        f"file://{probed}", cwd=str(tmp_path))
+    probed.write_text(
+        open(path, encoding="utf-8")
+        .read()
+        .replace(
+            "</body>",
+            PROBE.replace("PROBE_STEP", str(probe_step)).replace("PROBE_NAN", "65") + "</body>",
+        )
+    )
+    seen = run_chromium(
+        "--dump-dom",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--window-size=1400,1000",
+        f"file://{probed}",
+        cwd=str(tmp_path),
+    )
     assert not console_errors(seen.stderr), console_errors(seen.stderr)
-    probe = json.loads(html.unescape(re.search(r'<pre id="probe">(.*?)</pre>', seen.stdout, flags=re.S).group(1)))
+    probe = json.loads(
+        html.unescape(re.search(r'<pre id="probe">(.*?)</pre>', seen.stdout, flags=re.S).group(1))
+    )
     assert all(w >= 0.9 * probe["page"] for w in probe["charts"]), probe  # the charts use the width
-    assert probe["label_fill"] == probe["nan_colour"] == "rgb(214, 39, 40)", probe  # red text is red
+    assert probe["label_fill"] == probe["nan_colour"] == "rgb(214, 39, 40)", (
+        probe
+    )  # red text is red
     steps = doc["history"]["points"]["step"]
-    k = min(range(len(steps)), key=lambda i: abs(steps[i] - probe_step))  # the point nearest the pointer
+    k = min(
+        range(len(steps)), key=lambda i: abs(steps[i] - probe_step)
+    )  # the point nearest the pointer
     tip = re.fullmatch(r"steps (\d+)-(\d+): ([\d.]+)", probe["loss_tip"])
     assert tip, probe["loss_tip"]
     assert (int(tip[1]), int(tip[2])) == (steps[k - 1] + 1, steps[k])
     assert float(tip[3]) == pytest.approx(doc["history"]["points"]["loss"][k], rel=1e-4)
-    assert "gradient norm NaN/Inf" in probe["heat_tip"] and probe["heat_tip"].startswith("embed, steps")
+    assert "gradient norm NaN/Inf" in probe["heat_tip"] and probe["heat_tip"].startswith(
+        "embed, steps"
+    )
 
     shot = tmp_path / "shot.png"
     run = run_chromium(f"--screenshot={shot}", "--window-size=1400,1800", url, cwd=str(tmp_path))
@@ -541,15 +734,17 @@ def test_a_report_after_detach_and_under_hookprof_disable(tmp_path, monkeypatch)
 
 
 def test_one_endpoint_two_models_two_sections(tmp_path):
-    from support.ports import free_port
     from hookprof.view.report import fetch
     from hookprof.view.report_html import render
+    from support.ports import free_port
 
     port = free_port()
     torch.manual_seed(0)
     models = {"G": DemoNet(), "D": DemoNet(dim=32)}
-    profs = {name: hookprof.attach(m, port=port, name=name, sample_every=1, min_sample_interval_s=0.0)
-             for name, m in models.items()}
+    profs = {
+        name: hookprof.attach(m, port=port, name=name, sample_every=1, min_sample_interval_s=0.0)
+        for name, m in models.items()
+    }
     try:
         generator = torch.Generator().manual_seed(0)
         steps = {"G": 3, "D": 5}
@@ -570,7 +765,9 @@ def test_one_endpoint_two_models_two_sections(tmp_path):
     el = Elements(render(documents))
     assert sorted(a["data-model"] for a in el.find("section")) == ["D", "G"]
     assert len(el.find("svg", **{"data-kind": "step_seconds"})) == 2
-    assert not el.find("svg", **{"data-kind": "loss"})  # no loss given: "no values yet", no empty chart
+    assert not el.find(
+        "svg", **{"data-kind": "loss"}
+    )  # no loss given: "no values yet", no empty chart
 
 
 def test_a_last_sampled_value_from_before_the_incident_says_so(small_document):
@@ -579,10 +776,21 @@ def test_a_last_sampled_value_from_before_the_incident_says_so(small_document):
     which step they were taken and from which step the run was non-finite (a new user read
     `loss 2.514` as the loss at the end of a run whose loss was NaN from step 120)."""
     last = int(small_document["history"]["points"]["step"][-1])
-    after = _with(small_document, first_nonfinite={"layer": "(input)", "phase": "forward", "step": last + 5,
-                                                   "summary": "NaN"})
+    after = _with(
+        small_document,
+        first_nonfinite={
+            "layer": "(input)",
+            "phase": "forward",
+            "step": last + 5,
+            "summary": "NaN",
+        },
+    )
     page = render([after])
-    assert page.count(f"at step {last:,}; NaN/Inf from step {last + 5:,}") == 2  # loss and gradient norm
-    before = _with(small_document, first_nonfinite={"layer": "(input)", "phase": "forward", "step": 1,
-                                                    "summary": "NaN"})
+    assert (
+        page.count(f"at step {last:,}; NaN/Inf from step {last + 5:,}") == 2
+    )  # loss and gradient norm
+    before = _with(
+        small_document,
+        first_nonfinite={"layer": "(input)", "phase": "forward", "step": 1, "summary": "NaN"},
+    )
     assert "NaN/Inf from step" not in render([before])

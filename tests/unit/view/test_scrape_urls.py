@@ -9,13 +9,24 @@ from hookprof.view.scrape import normalize
 
 
 # issue 32: `hookprof report localhost` went to port 80
-@pytest.mark.parametrize("given, metrics, history", [
-    ("localhost", f"http://localhost:{DEFAULT_PORT}/metrics", f"http://localhost:{DEFAULT_PORT}/history.json"),
-    ("[::1]", f"http://[::1]:{DEFAULT_PORT}/metrics", f"http://[::1]:{DEFAULT_PORT}/history.json"),
-    ("node1:9000", "http://node1:9000/metrics", "http://node1:9000/history.json"),
-    # a URL with a scheme says its port (none: the scheme's), as a browser reads it
-    ("http://localhost", "http://localhost/metrics", "http://localhost/history.json"),
-])
+@pytest.mark.parametrize(
+    "given, metrics, history",
+    [
+        (
+            "localhost",
+            f"http://localhost:{DEFAULT_PORT}/metrics",
+            f"http://localhost:{DEFAULT_PORT}/history.json",
+        ),
+        (
+            "[::1]",
+            f"http://[::1]:{DEFAULT_PORT}/metrics",
+            f"http://[::1]:{DEFAULT_PORT}/history.json",
+        ),
+        ("node1:9000", "http://node1:9000/metrics", "http://node1:9000/history.json"),
+        # a URL with a scheme says its port (none: the scheme's), as a browser reads it
+        ("http://localhost", "http://localhost/metrics", "http://localhost/history.json"),
+    ],
+)
 def test_a_host_alone_gets_hookprofs_default_port(given, metrics, history):
     assert normalize(given) == metrics
     assert normalize(given, path="/history.json") == history

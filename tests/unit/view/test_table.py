@@ -26,9 +26,11 @@ from hookprof.view.table import (
     from_metrics,
     from_snapshot,
     quantile,
-    render as render_table,
     sort_rows,
     with_rates,
+)
+from hookprof.view.table import (
+    render as render_table,
 )
 from support.metrics import scrape
 from support.models import train
@@ -41,23 +43,46 @@ pytestmark = pytest.mark.every_step(system_metrics=False)
 def hand_snapshot(rank: int = 0) -> Snapshot:
     """30 steps taking 0.3 s in all (10 ms each on average), 3 of them sampled."""
     layers = {
-        "enc": LayerStats(name="enc", module="Linear", forward_seconds_total=0.006,
-                          forward_calls_total=3, backward_seconds_total=0.009,
-                          backward_calls_total=3, grad_norm=0.5, activation_abs_max=2.0,
-                          activation_zero_ratio=0.25),
-        "act": LayerStats(name="act", module="ReLU", forward_seconds_total=0.003,
-                          forward_calls_total=3, backward_seconds_total=0.003,
-                          backward_calls_total=3, activation_abs_max=1.5,
-                          activation_zero_ratio=0.5),
-        "dec": LayerStats(name="dec", module="Linear", grad_norm=0.1,
-                          nonfinite=MappingProxyType({"forward": 0, "backward": 2})),
+        "enc": LayerStats(
+            name="enc",
+            module="Linear",
+            forward_seconds_total=0.006,
+            forward_calls_total=3,
+            backward_seconds_total=0.009,
+            backward_calls_total=3,
+            grad_norm=0.5,
+            activation_abs_max=2.0,
+            activation_zero_ratio=0.25,
+        ),
+        "act": LayerStats(
+            name="act",
+            module="ReLU",
+            forward_seconds_total=0.003,
+            forward_calls_total=3,
+            backward_seconds_total=0.003,
+            backward_calls_total=3,
+            activation_abs_max=1.5,
+            activation_zero_ratio=0.5,
+        ),
+        "dec": LayerStats(
+            name="dec",
+            module="Linear",
+            grad_norm=0.1,
+            nonfinite=MappingProxyType({"forward": 0, "backward": 2}),
+        ),
     }
     return Snapshot(
-        rank=rank, step=30, sampled_steps=3, last_sampled_step=30,
+        rank=rank,
+        step=30,
+        sampled_steps=3,
+        last_sampled_step=30,
         step_duration_buckets=((0.005, 10), (0.01, 20), (0.025, 30), (INF, 30)),
-        step_duration_sum=0.3, loss=1.25, grad_norm=0.75,
+        step_duration_sum=0.3,
+        loss=1.25,
+        grad_norm=0.75,
         nonfinite_steps=MappingProxyType({"forward": 0, "backward": 2, "loss": 0}),
-        layers=MappingProxyType(layers), exported_layers=("enc", "act", "dec"),
+        layers=MappingProxyType(layers),
+        exported_layers=("enc", "act", "dec"),
         first_nonfinite=NonFiniteEvent("dec", "backward", 12),
     )
 
@@ -90,10 +115,24 @@ def test_rows_from_a_snapshot_match_hand_arithmetic():
 def test_shares_never_add_past_the_whole_when_sampled_steps_ran_long():
     # one sampled step (a first step's warm-up) whose layers took 30 ms, steps 10 ms on average
     snap = hand_snapshot()
-    slow = {n: LayerStats(name=n, module="Linear", forward_seconds_total=0.015, forward_calls_total=1,
-                          backward_seconds_total=0.0, backward_calls_total=0) for n in ("a", "b")}
-    snap = Snapshot(step=30, sampled_steps=1, step_duration_sum=0.3,
-                    step_duration_buckets=snap.step_duration_buckets, layers=MappingProxyType(slow))
+    slow = {
+        n: LayerStats(
+            name=n,
+            module="Linear",
+            forward_seconds_total=0.015,
+            forward_calls_total=1,
+            backward_seconds_total=0.0,
+            backward_calls_total=0,
+        )
+        for n in ("a", "b")
+    }
+    snap = Snapshot(
+        step=30,
+        sampled_steps=1,
+        step_duration_sum=0.3,
+        step_duration_buckets=snap.step_duration_buckets,
+        layers=MappingProxyType(slow),
+    )
     shares = [r.share for r in from_snapshot(snap).rows]
     assert shares == [pytest.approx(0.5), pytest.approx(0.5)]  # of the layers' 30 ms, not 300%
 
@@ -177,8 +216,12 @@ def test_rows_from_metric_text_match_hand_arithmetic():
 
 def test_a_page_with_two_models_gets_a_model_column():
     # rank 1's series relabelled as a second model of rank 0 (one process, two models)
-    page = "\n".join(line.replace('model="M"', 'model="M-2"').replace('rank="1"', 'rank="0"')
-                      if 'rank="1"' in line else line for line in PAGE.splitlines())
+    page = "\n".join(
+        line.replace('model="M"', 'model="M-2"').replace('rank="1"', 'rank="0"')
+        if 'rank="1"' in line
+        else line
+        for line in PAGE.splitlines()
+    )
     tables = from_metrics(page)
     assert [(t.header.model, t.header.rank) for t in tables] == [("M", 0), ("M-2", 0)]
     lines = render_table(tables, by="layer").splitlines()
@@ -191,17 +234,23 @@ def test_per_process_series_with_a_rank_make_no_table_of_their_own():
     but no model (served once per process): the first GPU run's `top` read them as a second,
     empty table named "" (test_stalls failed there)."""
     cuda_lines = "\n".join(
-        f'{metric.name}{{device="0",rank="0"}} 1.2e+09' for metric in
-        (names.CUDA_MEMORY_ALLOCATED_BYTES, names.CUDA_MEMORY_RESERVED_BYTES))
+        f'{metric.name}{{device="0",rank="0"}} 1.2e+09'
+        for metric in (names.CUDA_MEMORY_ALLOCATED_BYTES, names.CUDA_MEMORY_RESERVED_BYTES)
+    )
     tables = from_metrics(PAGE + cuda_lines + "\n")
     assert [(t.header.model, t.header.rank) for t in tables] == [("M", 0), ("M", 1)]
 
 
 def test_steps_per_second_and_recent_quantiles_from_two_looks():
-    (before,) = from_metrics(PAGE.replace('rank="1"', 'rank="9"').replace(
-        'hookprof_steps_total{model="M",rank="0"} 100', 'hookprof_steps_total{model="M",rank="0"} 60'
-    ).replace('{le="0.1",model="M",rank="0"} 100', '{le="0.1",model="M",rank="0"} 60').replace(
-        '{le="+Inf",model="M",rank="0"} 100', '{le="+Inf",model="M",rank="0"} 60'))[:1]
+    (before,) = from_metrics(
+        PAGE.replace('rank="1"', 'rank="9"')
+        .replace(
+            'hookprof_steps_total{model="M",rank="0"} 100',
+            'hookprof_steps_total{model="M",rank="0"} 60',
+        )
+        .replace('{le="0.1",model="M",rank="0"} 100', '{le="0.1",model="M",rank="0"} 60')
+        .replace('{le="+Inf",model="M",rank="0"} 100', '{le="+Inf",model="M",rank="0"} 60')
+    )[:1]
     now = from_metrics(PAGE)[0]
     h = with_rates(now, before, 2.0).header
     assert h.steps_per_s == pytest.approx(20.0)  # 40 steps in 2 s
@@ -212,8 +261,11 @@ def test_steps_per_second_and_recent_quantiles_from_two_looks():
 
 def test_page_and_snapshot_give_the_same_rows():
     snap = hand_snapshot(rank=3)
-    page = render(make_registry(SnapshotCollector(lambda: snap, "2", rank=3, model="Net"),
-                                process_metrics=False)).decode()
+    page = render(
+        make_registry(
+            SnapshotCollector(lambda: snap, "2", rank=3, model="Net"), process_metrics=False
+        )
+    ).decode()
     (from_page,) = from_metrics(page)
     direct = from_snapshot(snap, model="Net")
     assert from_page.header.first_nonfinite == direct.header.first_nonfinite
@@ -241,13 +293,29 @@ def test_sorting_filtering_and_choosing():
 def test_str_of_a_snapshot_is_the_readable_table_and_repr_is_short():
     text = str(hand_snapshot())
     as_of, *lines = text.splitlines()
-    assert as_of.startswith("hookprof snapshot of a model, rank 0, as of step 30 (")  # no name given
+    assert as_of.startswith(
+        "hookprof snapshot of a model, rank 0, as of step 30 ("
+    )  # no name given
     assert lines[0].startswith("rank 0  step 30 (3 sampled)")
     assert "step time p50 7.5 ms p95 22.8 ms" in lines[0] and "loss 1.25" in lines[0]
-    assert lines[1].strip() == ("non-finite steps: forward 0, backward 2, loss 0; "
-                                "first: dec (backward) at step 12")
-    assert lines[2].split() == ["layer", "module", "fwd", "ms/call", "bwd", "ms/call", "share",
-                                "grad", "norm", "|act|", "max", "dead", "NaN"]
+    assert lines[1].strip() == (
+        "non-finite steps: forward 0, backward 2, loss 0; first: dec (backward) at step 12"
+    )
+    assert lines[2].split() == [
+        "layer",
+        "module",
+        "fwd",
+        "ms/call",
+        "bwd",
+        "ms/call",
+        "share",
+        "grad",
+        "norm",
+        "|act|",
+        "max",
+        "dead",
+        "NaN",
+    ]
     cells = {line.split()[0]: line.split() for line in lines[3:]}
     assert cells["enc"] == ["enc", "Linear", "2.000", "3.000", "50.0%", "0.5", "2", "25%"]
     assert cells["act"] == ["act", "ReLU", "1.000", "1.000", "20.0%", "-", "1.5", "50%"]
@@ -258,8 +326,15 @@ def test_str_of_a_snapshot_is_the_readable_table_and_repr_is_short():
 
 
 def test_render_cuts_long_tables_and_says_so():
-    many = {f"l{i}": LayerStats(name=f"l{i}", module="Linear", forward_seconds_total=0.001 * (i + 1),
-                                forward_calls_total=1) for i in range(40)}
+    many = {
+        f"l{i}": LayerStats(
+            name=f"l{i}",
+            module="Linear",
+            forward_seconds_total=0.001 * (i + 1),
+            forward_calls_total=1,
+        )
+        for i in range(40)
+    }
     snap = Snapshot(step=10, sampled_steps=1, step_duration_sum=1.0, layers=MappingProxyType(many))
     lines = render_table([from_snapshot(snap)], limit=5).splitlines()
     assert [line.split()[0] for line in lines[3:8]] == ["l39", "l38", "l37", "l36", "l35"]
@@ -279,8 +354,13 @@ def test_a_real_run_reads_the_same_from_its_page_and_its_snapshot(every_step):
         assert page.header.steps == direct.header.steps == 12
         for row in direct.rows:
             other = row_of(page, row.layer)
-            assert (other.forward_ms, other.backward_ms, other.share, other.grad_norm, other.abs_max) \
-                == (row.forward_ms, row.backward_ms, row.share, row.grad_norm, row.abs_max), row.layer
+            assert (
+                other.forward_ms,
+                other.backward_ms,
+                other.share,
+                other.grad_norm,
+                other.abs_max,
+            ) == (row.forward_ms, row.backward_ms, row.share, row.grad_norm, row.abs_max), row.layer
             # the gradient norm is the layer's own parameters' (every step sampled: the last one's)
             grads = [p.grad.flatten() for p in modules[row.layer].parameters(recurse=False)]
             if grads:
@@ -306,13 +386,17 @@ def test_detach_logs_a_summary_naming_the_first_offender(every_step, caplog):
         prof.detach()
     (text,) = [r.getMessage() for r in caplog.records if "hookprof summary" in r.getMessage()]
     lines = text.splitlines()
-    assert lines[0].startswith(f"hookprof summary ({prof.name}, rank 0): 8 steps, 8 sampled; step time p50 ")
+    assert lines[0].startswith(
+        f"hookprof summary ({prof.name}, rank 0): 8 steps, 8 sampled; step time p50 "
+    )
     assert "first: mlp.0 (forward) at step 5" in lines[1]
     top = lines[2].split(": ", 1)[1].split(", ")
     assert len(top) == 5
     # the five named are the five largest shares, in order
-    expected = sorted(((r.share, r.layer) for r in from_snapshot(prof.snapshot()).rows
-                       if r.share is not None), reverse=True)[:5]
+    expected = sorted(
+        ((r.share, r.layer) for r in from_snapshot(prof.snapshot()).rows if r.share is not None),
+        reverse=True,
+    )[:5]
     assert [t.split()[0] for t in top] == [name for _, name in expected]
 
 
@@ -358,8 +442,9 @@ def test_interpreter_exit_while_attached_says_the_summary(how):
 
     env = {**os.environ, "HOOKPROF_SUMMARY_AT_EXIT": "0" if how == "opt-out" else "1"}
     code = textwrap.dedent(EXITS_ATTACHED) + ("prof.detach()\n" if how == "detached" else "")
-    out = subprocess.run([sys.executable, "-c", code], env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "done"
     if how == "opt-out":
@@ -388,7 +473,9 @@ def test_a_profilers_snapshot_carries_the_models_name():
     from support.models import DeepNet, seeded, train
 
     model = seeded(DeepNet)
-    with hookprof.attach(model, port=0, name="student", sample_every=1, min_sample_interval_s=0.0) as prof:
+    with hookprof.attach(
+        model, port=0, name="student", sample_every=1, min_sample_interval_s=0.0
+    ) as prof:
         train(model, 2)
         prof.flush()
         assert prof.snapshot().model == "student"

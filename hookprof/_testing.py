@@ -46,7 +46,7 @@ def counter_drain_seam(prof: Profiler) -> tuple[Any, str]:
     return prof, "_drain_counters"
 
 
-def live_profilers() -> list[Profiler]:
+def live_profilers() -> list[Any]:
     """Every profiler attached in this process and not yet detached."""
     from hookprof import live
 
@@ -199,7 +199,7 @@ def summary_registered() -> bool:
     return live.at_exit_watched()[0]
 
 
-def summary_watched() -> list[Profiler]:
+def summary_watched() -> list[Any]:
     """The profilers the at-exit summary will speak of (live.py)."""
     from hookprof import live
 

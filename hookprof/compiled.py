@@ -18,6 +18,7 @@ graph (`compiled_regions`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -29,12 +30,13 @@ log = logging.getLogger("hookprof")
 
 # called first thing in every hook: the function itself, not a wrapper around it (one
 # Python call less per hook, and Dynamo recognises it as the constant True while tracing)
-is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-if is_compiling is None:  # torch < 2.3
-    is_compiling = torch._dynamo.is_compiling
+is_compiling: Callable[[], bool] = (
+    getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    or torch._dynamo.is_compiling  # torch < 2.3
+)
 
 
-_compiler = getattr(torch, "compiler", None)
+_compiler: Any = getattr(torch, "compiler", None)
 _HAS_EXPORT_FLAG = hasattr(_compiler, "_is_exporting_flag")
 if _HAS_EXPORT_FLAG:
 
@@ -45,7 +47,7 @@ if _HAS_EXPORT_FLAG:
         the output check (found on the first GPU run, torch 2.11: every compiled forward NaN
         was missed). The flag it returns is a module global, which Dynamo reads as a guarded
         constant in every version."""
-        return _compiler._is_exporting_flag
+        return bool(_compiler._is_exporting_flag)
 else:  # torch < 2.3: no flag; the function where there is one
     is_exporting = getattr(_compiler, "is_exporting", lambda: False)
 # torch.jit.is_tracing() without its Python frame (what it returns outside TorchScript)

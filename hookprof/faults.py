@@ -210,7 +210,7 @@ def guarded(
             return contained  # type: ignore[return-value]
 
         @functools.wraps(method)
-        def contained(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def contained_unlocked(self: Any, *args: Any, **kwargs: Any) -> Any:
             # a plain try (not Faults.contain): this runs in every hook, every step, and a
             # generator-based context manager costs ~1 us a call
             try:
@@ -221,7 +221,7 @@ def guarded(
                 self._faults.report(part, exc, disable=disable)
                 return default
 
-        return contained  # type: ignore[return-value]
+        return contained_unlocked  # type: ignore[return-value]
 
     return wrap
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ class Layer:
     module_type: str  # class name, the `module` label
     # held weakly: a profiler must not keep its model alive (a notebook cell run again
     # drops the model, and the next attach releases the profiler whose model is gone)
-    module_ref: weakref.ref
+    module_ref: weakref.ref[nn.Module]
     param_indices: tuple[int, ...]  # positions in LayerTable.params
 
     @property
@@ -44,7 +45,7 @@ class LayerTable:
         self.param_layer: list[int] = []  # layer index of each parameter
         # the other modules (non-leaf, no parameters of their own, the root among them):
         # (name, module); their own code can make a NaN between their children's calls
-        self._containers: list[tuple[str, weakref.ref]] = []
+        self._containers: list[tuple[str, weakref.ref[nn.Module]]] = []
         seen: set[int] = set()
         for name, module in model.named_modules():
             own = [
@@ -104,7 +105,7 @@ class LayerTable:
             return self.layers[row].module
         return self._containers[row - len(self.layers)][1]()
 
-    def named_rows(self):
+    def named_rows(self) -> Iterator[tuple[int, str, nn.Module | None]]:
         """(row, name, module) of every row: the layers, then the containers."""
         for layer in self.layers:
             yield layer.index, layer.name, layer.module

@@ -16,16 +16,13 @@ A foundation: it imports nothing of hookprof's (prometheus_client only, for `fam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     SummaryMetricFamily,
-)
-from prometheus_client.core import (
-    Metric as Family,
 )
 
 Kind = Literal["counter", "gauge", "summary", "histogram"]
@@ -73,9 +70,10 @@ _FAMILIES = {
 }
 
 
-def family(metric: Metric, value: float | None = None) -> Family:
+def family(metric: Metric, value: float | None = None) -> Any:
     """A prometheus_client family of `metric`'s kind, name, help and labels, to add samples
-    to; with `value`, the one sample of a metric without labels."""
+    to; with `value`, the one sample of a metric without labels. (Typed Any: the four family
+    classes' add_metric take different arguments, buckets for a histogram.)"""
     cls = _FAMILIES[metric.kind]
     if value is not None:
         return cls(metric.name, metric.help, value=value)

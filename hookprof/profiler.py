@@ -300,7 +300,7 @@ class Profiler:
 
     def report_document(self) -> dict[str, Any]:
         """The run report's data for this model (what /history.json serves; publish/document.py)."""
-        return document(self.name, self._publisher.latest, self._publisher.history)
+        return document(self.name, self._publisher.latest, self._publisher.history)  # type: ignore[arg-type]
 
     def step(self, loss: Any = None) -> None:
         """Mark a step boundary; `loss` (tensor or number) is exported on sampled steps.
@@ -538,7 +538,7 @@ class Profiler:
         guard = nan.guard  # (nan.holding, inline)
         no_update = skipped or (guard is not None and guard.holding)
         if guard is not None:
-            self._counters.set_held_back(nan.end_update(number))
+            self._counters.set_held_back(nan.end_update(number) or 0)  # (with a guard: an int)
         self._phases.end_step(number, now)
 
         def pack(record: StepRecord | None) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 PHASES = ("forward", "backward", "loss")
 LAYER_PHASES = ("forward", "backward")
@@ -17,7 +18,7 @@ STEP_DURATION_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )  # fmt: skip
 
-_EMPTY: Mapping = MappingProxyType({})
+_EMPTY: Mapping[Any, Any] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,31 +34,32 @@ class StreamLookup:
         self._current_device = current_device
         self._known: dict[tuple, Any] = {}
 
-    def _bind(self) -> None:
+    def _bind(self) -> tuple[Callable[[int], tuple], Callable[[tuple], Any], Callable[[], int]]:
         import torch
 
         if self._query is None:
-            self._query = (
-                torch._C._cuda_getCurrentStream
-            )  # -> (stream id, device index, device type)
+            # -> (stream id, device index, device type)
+            self._query = torch._C._cuda_getCurrentStream
         if self._build is None:
             self._build = lambda data: torch.cuda.Stream(
                 stream_id=data[0], device_index=data[1], device_type=data[2]
             )
         if self._current_device is None:
             self._current_device = torch._C._cuda_getDevice
+        return self._query, self._build, self._current_device
 
     def __call__(self, device_index: int | None = None) -> Any:
-        if self._query is None or self._build is None or self._current_device is None:
-            self._bind()
+        query, build, current = self._query, self._build, self._current_device
+        if query is None or build is None or current is None:
+            query, build, current = self._bind()
         if device_index is None:
-            device_index = self._current_device()
-        data = self._query(device_index)
+            device_index = current()
+        data = query(device_index)
         stream = self._known.get(data)
         if stream is None:
             if len(self._known) >= MAX_KNOWN:
                 self._known.clear()
-            stream = self._known[data] = self._build(data)
+            stream = self._known[data] = build(data)
         return stream
 
 

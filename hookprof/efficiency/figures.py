@@ -113,8 +113,10 @@ class StepEfficiency:
                 f"the precision of {self._model_name} cannot be "
                 f"read ({exc!r}): model FLOPs utilisation may be missing",
             )
-        self._hooks.listen(self.flops.note)
-        self.flops.note(layer, args, kwargs, nested)
+        flops = self.flops
+        assert flops is not None  # (this listener is registered only with a FLOP counter)
+        self._hooks.listen(flops.note)
+        flops.note(layer, args, kwargs, nested)
 
     def _rearm(self) -> None:
         """The step is over: the next one's first layer call reads the precision again."""

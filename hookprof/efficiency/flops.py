@@ -187,7 +187,8 @@ class FlopCounter:
         # containers are never called through hookprof, and a kind reads every parameter)
         self._layers = len(table.layers)
         self._shared: dict[Any, OrderedDict] = {}
-        self._cache: list[OrderedDict | None] = [
+        # per row: its kind's signatures (None: a container, until its first call)
+        self._cache: list[Any] = [
             self._shared.setdefault(
                 _kind(layer.module) if layer.module is not None else object(), OrderedDict()
             )
@@ -207,11 +208,14 @@ class FlopCounter:
             if layer < self._layers:
                 module = self._table.layers[layer].module
             else:  # a compiled region's row (torch.compile's wrapper when compiled before attach)
-                module = unwrap_compiled(self._table.row_module(layer))[0]
+                row = self._table.row_module(layer)
+                module = None if row is None else unwrap_compiled(row)[0]
             if module is None:
                 return
-            if self._cache[layer] is None:  # a container's first call
-                self._cache[layer] = self._shared.setdefault(_kind(module), OrderedDict())
+            cache = self._cache[layer]
+            if cache is None:  # a container's first call
+                cache = self._cache[layer] = self._shared.setdefault(_kind(module), OrderedDict())
+            key: Any
             if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
                 a = args[0]  # forward(x), inline: the same key as below for ~1/3 of its cost
                 key = (module.training, ((a.shape, a.dtype, a.requires_grad),))
@@ -220,7 +224,6 @@ class FlopCounter:
             if kwargs:
                 key = (key, tuple((k, _key(v)) for k, v in kwargs.items()))
             self._calls.append((layer, key, nested))
-            cache = self._cache[layer]
             if key not in cache and (id(cache), key) not in self._pending:
                 describe = lambda v: _Meta(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
                 self._pending[(id(cache), key)] = (

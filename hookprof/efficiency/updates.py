@@ -111,7 +111,8 @@ class UpdateNorms:
         self._before = before
 
     def _turn(self) -> list[int]:
-        chosen, total = [], 0
+        chosen: list[int] = []
+        total = 0
         n = len(self._trainable)
         while len(chosen) < n:
             layer = self._trainable[self._next]

@@ -92,11 +92,13 @@ class HookprofTrainerMixin:
 
     def _hookprof_callbacks(self) -> list[HookprofTrainerCallback]:
         return [
-            c for c in self.callback_handler.callbacks if isinstance(c, HookprofTrainerCallback)
+            c
+            for c in self.callback_handler.callbacks  # type: ignore[attr-defined]  # a Trainer's
+            if isinstance(c, HookprofTrainerCallback)
         ]
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        loss = super().training_step(*args, **kwargs)
+        loss = super().training_step(*args, **kwargs)  # type: ignore[misc]  # mixed into a Trainer
         for callback in self._hookprof_callbacks():
             callback.loss.add(loss)  # (detached by Trainer; added on the device, no wait)
         return loss
@@ -104,4 +106,4 @@ class HookprofTrainerMixin:
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         for callback in self._hookprof_callbacks():
             logs.update(callback.scalars())
-        super().log(logs, *args, **kwargs)
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]  # mixed into a Trainer

@@ -54,7 +54,7 @@ def headline(snap: Snapshot, previous: Snapshot | None = None) -> dict[str, floa
     scalars = counters(snap)
     if new_sample(snap, previous) and snap.grad_norm is not None:
         scalars[GRAD_NORM] = snap.grad_norm
-        scalars[SAMPLED_STEP] = float(snap.last_sampled_step)
+        scalars[SAMPLED_STEP] = float(snap.last_sampled_step or 0)  # (a new sample: set)
     before_sum, before_count = (
         (previous.step_duration_sum, step_count(previous)) if previous else (0.0, 0)
     )

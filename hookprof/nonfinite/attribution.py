@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from hookprof.layers import INPUT_NAME
@@ -90,7 +91,7 @@ def forward_roles(
     n_layers: int,
     act_max: dict[int, float],
     bwd_start: dict[int, float],
-    weights_bad: set[int] = frozenset(),
+    weights_bad: AbstractSet[int] = frozenset(),
 ) -> ForwardFinding:
     """Who made a NaN/Inf on a checked or replayed step: the root's inputs ("(input)"),
     else the innermost call with finite inputs and a non-finite output (the first to end:
@@ -261,7 +262,8 @@ class Attribution:
             (step, 0, f) for step, f in self._sampled.items() if step >= first
         ]
         seen += [(step, 1, f) for step, (f, _) in self._replayed.items() if step >= first]
-        layer, found_by, propagators, last_child, unproven = None, None, (), None, None
+        layer, found_by, last_child, unproven = None, None, None, None
+        propagators: tuple[str, ...] = ()
         for step, replay, finding in sorted(seen, key=lambda s: (s[0] != first, s[0], s[1])):
             if step != first and not clean_before(step):
                 continue

@@ -491,7 +491,7 @@ class Capsules:
                     f"process has written capsule_max_count={self._max_count} already",
                 )
             return None
-        path = capsule_path(self._dir, model, rank, draft.step)
+        path = capsule_path(self._dir, model, rank, draft.step)  # type: ignore[arg-type]  # drafted: a dir
         try:
             buffer = io.BytesIO()
             torch.save(self._contents(draft, event, path, model, rank, summary), buffer)

@@ -179,7 +179,7 @@ class NonfiniteChecks:
         if not view.active:
             return None
         self._scaler_view = view
-        self._scaler_skips.add(view.found_inf)
+        self._scaler_skips.add(view.found_inf)  # type: ignore[arg-type]  # active: has one
         return view
 
     def backward_ended(
@@ -242,7 +242,7 @@ class NonfiniteChecks:
     def closure_call(self, judged: bool) -> None:
         """The closure finds the gradients it left, and the optimizer no found_inf of an
         earlier evaluation."""
-        if judged:
+        if judged and self.guard is not None:  # (judged: by the guard)
             self.guard.after_update()
 
     @property
@@ -342,7 +342,9 @@ class NonfiniteChecks:
         if inputs is not None:
             self.replay.capture(inputs[0], inputs[1], rng=self.traced.rng)
             # kept for this step's re-run (statistics of a sampled step), whatever the replay's state
-            self._rerun_forward = CapturedForward(None, inputs[0], inputs[1], *self.traced.rng)
+            self._rerun_forward = CapturedForward(
+                None, inputs[0], inputs[1], *(self.traced.rng or ())
+            )
         if self.replay.note_output(self.output.last, self.output.earlier):
             self.replay_forward(step)
         return True

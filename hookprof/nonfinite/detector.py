@@ -10,6 +10,7 @@ exactly as soon as they are drained.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -269,7 +270,7 @@ class Detector:
 
 
 def fold_counters(
-    parts: list[list[float]], n_layers: int, dropped_values: list[list[float]] = ()
+    parts: list[list[float]], n_layers: int, dropped_values: Sequence[list[float]] = ()
 ) -> dict[str, list[int]]:
     """Host side: combine the drained counters of all devices. Each part is the flat
     [layer_bad, phase_bad, dropped_bad, layer_first, phase_first, dropped_first] of one

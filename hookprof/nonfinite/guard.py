@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 import torch
@@ -175,7 +177,7 @@ class UnwindWatch:
             return True
         if sys.getprofile() is not None:
             return False
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         while frame is not None and frame.f_code is not _STEP_WRAPPER_CODE:
             frame = frame.f_back
         if frame is None:  # not inside an optimizer step (a direct call): nothing to watch
@@ -244,7 +246,7 @@ class UpdateGuard:
     def before_update(
         self,
         optimizer: torch.optim.Optimizer,
-        params: list[torch.Tensor],
+        params: Sequence[torch.Tensor],
         flags: list[bool | torch.Tensor],
     ) -> None:
         """`flags`: this step's checks so far (host bools, device 0-d bools)."""
@@ -268,7 +270,7 @@ class UpdateGuard:
         self.unguarded = True
         self._say_unfused(optimizer)
 
-    def hold_again(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    def hold_again(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
         """A later optimizer of the step that has just ended: a model trained by two
         optimizers without prof.step(), whose first one's post-hook ended the step (no
         forward since). Its update is held back as the step's was, so that no part of a bad
@@ -294,7 +296,7 @@ class UpdateGuard:
         earlier = getattr(optimizer, "found_inf", None)
         if earlier is not None:  # GradScaler's, or another profiler's guard: skip on either
             found = torch.maximum(earlier.to(found.device).reshape(found.shape), found)
-        optimizer.found_inf = found  # read by the fused kernel; removed after the step
+        optimizer.found_inf = found  # type: ignore[attr-defined]  # read by the fused kernel; removed after the step
         # GradScaler.step deletes its own found_inf after the step: it gets it back. Another
         # guard's is not handed back (it would outlive its step): that guard finds ours
         # in its place and leaves it, and ours is removed
@@ -311,11 +313,11 @@ class UpdateGuard:
             ),
         )
 
-    def _hide(self, params: list[torch.Tensor]) -> None:
+    def _hide(self, params: Sequence[torch.Tensor]) -> None:
         self._hide_grads(params)
         self._step_held = True
 
-    def _hide_grads(self, params: list[torch.Tensor]) -> None:
+    def _hide_grads(self, params: Sequence[torch.Tensor]) -> None:
         for p in params:
             if p.grad is not None:
                 self._hidden.append((p, p.grad))
@@ -360,9 +362,9 @@ class UpdateGuard:
             self._set_found = None
             if getattr(optimizer, "found_inf", None) is found:
                 if replaced is None:
-                    del optimizer.found_inf
+                    del optimizer.found_inf  # type: ignore[attr-defined]
                 else:  # GradScaler.step deletes its own after the step: leave it one to delete
-                    optimizer.found_inf = replaced
+                    optimizer.found_inf = replaced  # type: ignore[attr-defined]
 
 
 def host_flags_of_squares(parts: list[torch.Tensor]) -> list[bool | torch.Tensor]:

@@ -44,7 +44,7 @@ class PublisherLike(Protocol):
 
     latest: Snapshot
 
-    def flush(self) -> bool: ...
+    def flush(self, timeout: float | None = ...) -> bool: ...
 
     def publish_now(self) -> int: ...
 
@@ -334,7 +334,7 @@ def replay_words(event: NonFiniteEvent, rank: int) -> str:
     """What the replay of the step said, when it said something."""
     if event.replay == REPRODUCIBLE:
         cause = {FOUND_BY_WEIGHTS: "its weights", FOUND_BY_INPUT: "the data"}.get(
-            event.found_by, "the data or the model"
+            event.found_by or "", "the data or the model"
         )
         return f"; reproducible: a replay with the same inputs, weights and RNG made it again ({cause})"
     if event.replay == TRANSIENT:

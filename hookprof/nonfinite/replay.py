@@ -403,7 +403,7 @@ class ForwardReplay:
             self.kept.popleft()
             if bool(flag[0]) and captured is None:
                 self._refuse(step, UNHELD if self.keep_late else BEHIND)
-            elif bool(flag[0]):
+            elif bool(flag[0]) and captured is not None:
                 rec = new_record()
                 return (step, rec) if self._run(hooks, rec, captured, step) else None
             elif earlier is not None and bool(earlier[0]):

@@ -46,7 +46,7 @@ class PhaseMarks:
     def __init__(self, progress: Progress, timer: Timer):
         self._progress = progress
         self._mark = timer.mark
-        self.record: StepRecord | None = None
+        self.record: Any = None  # the sampled step's StepRecord, once bound
 
     def bind(self, record: StepRecord) -> PhaseMarks:
         """Mark into `record` (a sampled step's) from now on."""

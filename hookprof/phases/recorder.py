@@ -53,7 +53,8 @@ class PhaseClock:
         writer = (
             self.progress if record is None or self._marks is None else self._marks.bind(record)
         )
-        if self.enter.__self__ is not writer:  # (an unsampled step after another: unchanged)
+        # (an unsampled step after another: unchanged)
+        if self.enter.__self__ is not writer:  # type: ignore[attr-defined]
             self._write_to(writer)
 
     @property

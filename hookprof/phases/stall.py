@@ -118,7 +118,7 @@ class StallWatch(DaemonThread):
         self._device_busy = device_busy
         self.interval_s = max(0.02, min(1.0, min_s / 4))
         self.training_thread = threading.get_ident()  # set again at the first training forward
-        self._typical = [deque(maxlen=WINDOW) for _ in PHASES]
+        self._typical: list[deque[float]] = [deque(maxlen=WINDOW) for _ in PHASES]
         self._learned_step = 0
         self._judged: tuple[int, int, int] | None = None  # (step, phase, since) of the stall
         self.stall: StallReport | None = None
@@ -334,7 +334,7 @@ def last_collectives(limit: int = LAST_COLLECTIVES) -> list[tuple[str, bool]]:
     try:
         from torch._C import _distributed_c10d as c10d
 
-        dump = getattr(c10d, "_dump_fr_trace_json", None) or c10d._dump_nccl_trace_json
+        dump = getattr(c10d, "_dump_fr_trace_json", None) or c10d._dump_nccl_trace_json  # type: ignore[attr-defined]
         entries = json.loads(dump(includeCollectives=True, onlyActive=False)).get("entries", [])
     except Exception:
         return []

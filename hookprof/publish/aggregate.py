@@ -7,7 +7,7 @@ updates StepCounters, nothing else.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -109,9 +109,9 @@ class Aggregator:
         rank: int,
         max_layers: int,
         grad_norm_bounds: tuple[float, float] = (1e-6, 1e3),
-        container_names: list[str] = (),
+        container_names: Sequence[str] = (),
         *,
-        container_types: list[str] = (),
+        container_types: Sequence[str] = (),
         max_series: int | None = None,
         efficiency: EfficiencyTotals | None = None,
         device_phases: DevicePhaseTotals | None = None,
@@ -325,7 +325,7 @@ class Aggregator:
         values = [v for k in range(packet.stat_parts) for v in packet.batch.get(("stat", k))]
         fresh: list[list[float | None]] = [[None] * len(self.names) for _ in self.statistics]
         for (k, call), value in zip(packet.stat_order, values):
-            layer = packet.record.calls[call].layer
+            layer = packet.record.calls[call].layer  # type: ignore[union-attr]  # stats: a record
             if layer < len(self.names):  # (container modules are hooked by the replay only)
                 fresh[k][layer] = value
         self.statistic_values = fresh
@@ -585,9 +585,9 @@ class Aggregator:
                     help,
                     MappingProxyType(
                         {
-                            layer: values[index[layer]]
+                            layer: value
                             for layer in self._exported
-                            if layer in index and values[index[layer]] is not None
+                            if layer in index and (value := values[index[layer]]) is not None
                         }
                     ),
                 )

@@ -31,6 +31,7 @@ import math
 import threading
 from array import array
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class History:
         max_points: int = MAX_POINTS,
         layer_slots: int = LAYER_SLOTS,
         max_events: int = MAX_EVENTS,
-        container_names: list[str] = (),
+        container_names: Sequence[str] = (),
     ):
         if max_points < 2 or max_points % 2:
             raise ValueError(f"max_points must be an even number >= 2, got {max_points}")

@@ -126,8 +126,10 @@ class Serving:
     def _leave(self) -> None:
         if self.endpoint is not None:
             self.endpoint.leave(self._name)
-        for collector in self._registered:
-            self.registry.unregister(collector)
+        registry = self.registry
+        for collector in self._registered:  # (registered only where there is a registry)
+            if registry is not None:
+                registry.unregister(collector)
         self._registered = []
 
     @property

@@ -123,12 +123,12 @@ class Endpoint:
         if conflict is not None:
             extra += (PortConflictInfo(conflict),)
         if config.system_metrics:
-            self.system = SystemSampler(
+            self.system = system = SystemSampler(
                 config.system_interval_s,
                 gpus=config.gpu_metrics and local_rank == 0,  # one series per GPU per node
                 name=f"hookprof-system-rank{rank}",
             )
-            extra += (SystemCollector(lambda: self.system.latest, rank),)
+            extra += (SystemCollector(lambda: system.latest, rank),)
         self.registry = make_registry(
             _Models(self), process_metrics=config.system_metrics, extra=extra
         )
@@ -154,6 +154,12 @@ class Endpoint:
     @property
     def restarts(self) -> int:
         return self.server.restarts
+
+    @restarts.setter
+    def restarts(self, value: int) -> None:
+        # (ThreadSupervisor gives a restart back in a forked child: a read-only property
+        # made that an AttributeError, counted as a failed restart; found by mypy)
+        self.server.restarts = value
 
     def restart(self) -> None:
         with self._restart_lock:  # two models' step boundaries may notice it at once

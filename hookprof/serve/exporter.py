@@ -175,8 +175,8 @@ class SnapshotCollector(Collector):
 
         if snap.first_nonfinite is not None and snap.first_nonfinite.layer is not None:
             first = family(names.FIRST_NONFINITE_INFO)
-            event = snap.first_nonfinite
-            first.add_metric([rank, event.layer, event.phase, str(event.step)], 1)
+            named = snap.first_nonfinite
+            first.add_metric([rank, named.layer, named.phase, str(named.step)], 1)
             yield first
         event = snap.first_nonfinite
         if event is not None and (event.found_by is not None or event.replay is not None):

@@ -310,7 +310,7 @@ class Server:
         try:
             if not conn.handshaken:
                 try:
-                    conn.sock.do_handshake()
+                    conn.sock.do_handshake()  # type: ignore[attr-defined]  # an SSLSocket here
                 except ssl.SSLWantReadError:
                     return self._wait(conn, selectors.EVENT_READ)
                 except ssl.SSLWantWriteError:

@@ -31,7 +31,7 @@ optimizer, as before.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,13 +46,14 @@ _ENGINE = torch.autograd.Variable._execution_engine
 # torch.autograd.grad (which writes no .grad: a check of .grad at its end would read the
 # last step's gradients) and answers under backward(); the same query torch's own
 # multi-gradient hooks make
-_WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)
+_WILL_EXECUTE: Any = getattr(torch._C, "_will_engine_execute_node", None)
 
 
 def accumulator_of(param: torch.Tensor) -> Any:
     """The AccumulateGrad node of a parameter (the node autograd writes its .grad with)."""
     with torch.enable_grad():
-        return param.view_as(param).grad_fn.next_functions[0][0]
+        node: Any = param.view_as(param).grad_fn  # (a view of a leaf: never None)
+        return node.next_functions[0][0]
 
 
 class BackwardEnd:
@@ -77,7 +78,7 @@ class BackwardEnd:
         faults: Any,
         *,
         keep_output_grads: bool = False,
-        params: list[torch.Tensor] = (),
+        params: Sequence[torch.Tensor] = (),
     ):
         self._on_end = on_end
         self._faults = faults
@@ -95,7 +96,7 @@ class BackwardEnd:
         self.output_grads: list[torch.Tensor | None] = []
         self._param_handles: list[Any] = []  # watch_params' hooks (removed by `remove`)
 
-    def watch_params(self, params: list[torch.Tensor]) -> None:
+    def watch_params(self, params: Sequence[torch.Tensor]) -> None:
         """The model runs compiled: queue the end from the first and the last trainable
         parameter's accumulation (once; `remove` takes them out)."""
         if self._param_handles:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import operator
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -127,7 +127,7 @@ class StepBoundary:
     def __init__(
         self,
         model: nn.Module,
-        params: list[torch.Tensor],
+        params: Sequence[torch.Tensor],
         root_layer: int | None,
         events: StepEvents,
         hooks: LayerHooks,

@@ -135,7 +135,8 @@ class CleanDeepcopy:
 
     def __call__(self, memo: dict) -> Any:
         module = self._module()
-        copied = type(module).__deepcopy__(module, memo)
+        assert module is not None  # (called as the module's own __deepcopy__: it is alive)
+        copied = type(module).__deepcopy__(module, memo)  # type: ignore[attr-defined]  # ours
         state = getattr(copied, "__dict__", None)
         if isinstance(state, dict):
             clean = without_hookprof(state)

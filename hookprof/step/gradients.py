@@ -79,7 +79,7 @@ class _Plan(NamedTuple):
     pass serves (None: the general path, grouping by device per step)."""
 
     device: torch.device | None
-    index: torch.Tensor | None  # layer of each present gradient, on `device`
+    layer_index: torch.Tensor | None  # layer of each present gradient, on `device`
     seen: frozenset[int]  # layers that have a gradient
 
 
@@ -119,7 +119,7 @@ class _Chunk(NamedTuple):
     kind: str
     numel: int  # elements of the gradients start:stop, the sum of `lengths`
     lengths: torch.Tensor | None  # elements of each summed piece, in order (on the device)
-    index: torch.Tensor  # the layer of each piece (on the device)
+    layer_index: torch.Tensor  # the layer of each piece (on the device)
     narrow_range: bool  # float16: a finite sum overflows at 65504, so x - x (0 or NaN) first
 
 
@@ -199,7 +199,7 @@ class GradientNorms:
             except (RuntimeError, UserWarning):
                 return self.layer_squares()  # (exact, and per gradient: never no check)
 
-    def _checked(self, plan: _CheckPlan, grads: list[torch.Tensor | None]) -> torch.Tensor:
+    def _checked(self, plan: _CheckPlan, grads: list[Any]) -> torch.Tensor:
         ordered = list(map(grads.__getitem__, plan.order))
         out = torch.zeros(self._n, dtype=torch.float32, device=plan.device)
         for chunk in plan.chunks or ():  # one "cat" chunk: the usual model
@@ -228,13 +228,11 @@ class GradientNorms:
                 # mode reads their sum and minimum back to the host, two waits for the device
                 values = torch.segment_reduce(flat, "sum", lengths=chunk.lengths, unsafe=True)
             out.index_add_(
-                0, chunk.index, values if values.dtype == torch.float32 else values.float()
+                0, chunk.layer_index, values if values.dtype == torch.float32 else values.float()
             )
         return out
 
-    def _make_check_plan(
-        self, grads: list[torch.Tensor | None], missing: tuple[int, ...]
-    ) -> _CheckPlan:
+    def _make_check_plan(self, grads: list[Any], missing: tuple[int, ...]) -> _CheckPlan:
         if len(self._check_plans) >= _MAX_PLANS:
             self._check_plans.clear()
         layer = self._table.param_layer
@@ -251,7 +249,8 @@ class GradientNorms:
         )
         devices = {grads[i].device for i in present}
         if (
-            len(devices) == 1
+            first is not None
+            and len(devices) == 1
             and not any(grads[i].is_sparse for i in present)
             and first.device.type in _FUSED_DEVICES
             and not (first.device.type == "cpu" and self.cpu_dot_per_tensor)
@@ -316,7 +315,7 @@ class GradientNorms:
         parameters, float64 of length len(table)); and the layers that had any gradient."""
         if self._distributed:
             return self._grouped()
-        grads = [p.grad for p in self._params]
+        grads: list[Any] = [p.grad for p in self._params]
         missing = tuple(i for i, g in enumerate(grads) if g is None)
         if missing:
             grads = [g for g in grads if g is not None]
@@ -326,13 +325,14 @@ class GradientNorms:
         # one device check per step: a model moved with .to() after attach gets a new plan
         if plan is None or (plan.device is not None and grads[0].device != plan.device):
             plan = self._make_plan(grads, missing)
-        if plan.device is None:
+        index = plan.layer_index
+        if plan.device is None or index is None:  # (both None together: the general path)
             return self._grouped()
         if plan.device.type == "cpu" and self.cpu_dot_per_tensor:
             squares = _cpu_squared_norms(grads)
             per_layer = torch.zeros(len(self._table), dtype=torch.float64)
-            return [per_layer.index_add_(0, plan.index, squares)], plan.seen
-        return [fused_layer_squares(grads, plan.index, len(self._table))], plan.seen
+            return [per_layer.index_add_(0, index, squares)], plan.seen
+        return [fused_layer_squares(grads, index, len(self._table))], plan.seen
 
     def _make_plan(self, grads: list[torch.Tensor], missing: tuple[int, ...]) -> _Plan:
         absent = set(missing)
@@ -443,9 +443,10 @@ def layer_squares(
             index = index_cache(device, layers)
         else:
             key = (device, tuple(layers))
-            index = index_cache.get(key)
-            if index is None:
-                index = index_cache[key] = index_to_device(layers, device)
+            cached = index_cache.get(key)
+            if cached is None:
+                cached = index_cache[key] = index_to_device(layers, device)
+            index = cached
         if device.type == "cpu" and cpu_dot:
             per_layer = torch.zeros(n, dtype=torch.float64)
             out.append(per_layer.index_add_(0, index, _cpu_squared_norms(tensors)))

@@ -52,7 +52,7 @@ class Watch:
             _watchers = tuple(w for w in _watchers if w is not watcher)
             if not _watchers and _installed is not None:
                 original, handle = _installed
-                GradScaler._maybe_opt_step = original
+                GradScaler._maybe_opt_step = original  # type: ignore[method-assign]
                 handle.remove()
                 _installed = None
 
@@ -64,7 +64,7 @@ def watch(watcher: Watcher) -> Watch:
         if GradScaler is not None and _installed is None:
             original = GradScaler.__dict__["_maybe_opt_step"]
             handle = dispatch.listen(pre=_note_step)
-            GradScaler._maybe_opt_step = _deciding(original)
+            GradScaler._maybe_opt_step = _deciding(original)  # type: ignore[method-assign]
             _installed = (original, handle)
         _watchers = (*_watchers, watcher)
     return Watch(watcher)

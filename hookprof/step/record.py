@@ -15,7 +15,7 @@ import bisect
 import math
 import numbers
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -206,7 +206,8 @@ class Packet:
     (record, not sampled) or a drain of the non-finite counters alone (neither)."""
 
     step: int  # 1-based number of the step
-    batch: HostBatch | None = None  # set when the device-to-host copy is started
+    # set when the device-to-host copy is started (pack_step: every packet has one)
+    batch: HostBatch = field(default_factory=lambda: HostBatch({}, {}))
     record: StepRecord | None = None
     sampled: bool = True
     grad_parts: int = 0  # how many per-device gradient vectors the batch holds
@@ -276,11 +277,11 @@ def pack_step(
     sampled: bool = True,
     counts: dict[str, list[torch.Tensor]] | None = None,
     efficiency: Any = None,
-    extra: list[tuple[Any, torch.Tensor]] = (),
+    extra: Sequence[tuple[Any, torch.Tensor]] = (),
     not_replayed: str | None = None,
     replay_moved: int = 0,
     capsule: str | None = None,
-    dropped_values: list[torch.Tensor] = (),
+    dropped_values: Sequence[torch.Tensor] = (),
 ) -> Packet:
     """Gather one step's device scalars (per-device gradient squares, the record's activation
     reductions, the non-finite counter blocks, the loss) and start their one device-to-host
@@ -355,7 +356,7 @@ def _add_activations(batch: ScalarBatch, record: StepRecord) -> list[int]:
         act_order.extend(indices)
         batch.add("act_min", torch.stack([record.act[i].low for i in indices]))
         batch.add("act_max", torch.stack([record.act[i].high for i in indices]))
-        nonzero = [record.act[i].nonzero for i in indices if record.act[i].nonzero is not None]
+        nonzero = [n for i in indices if (n := record.act[i].nonzero) is not None]
         if nonzero:
             batch.add("nonzero", torch.stack(nonzero))
     return act_order

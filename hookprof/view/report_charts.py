@@ -160,8 +160,8 @@ def line_chart(
     )
     for seg in segments:  # a finite point between two gaps has no line: a dot
         if len(seg) == 1:
-            x, y = seg[0].split(",")
-            out.append(f'<circle class="dot" cx="{x}" cy="{y}" r="2.5"/>')
+            cx, cy = seg[0].split(",")
+            out.append(f'<circle class="dot" cx="{cx}" cy="{cy}" r="2.5"/>')
     out.append(incident_mark(xs, incident, PAD_T, bottom))
     out.append(
         f'<line class="cross" x1="0" x2="0" y1="{PAD_T}" y2="{bottom:g}" display="none"/></svg></div>'
@@ -207,7 +207,7 @@ def _groups(n: int, rows: int) -> list[range]:
 
 
 def _group_max(values: list[float | None], group: range) -> float | None:
-    present = [values[j] for j in group if values[j] is not None]
+    present: list[float] = [v for j in group if (v := values[j]) is not None]
     return max(present) if present else None  # inf (non-finite) wins
 
 
@@ -261,8 +261,9 @@ def heatmap(
             fill, end, peak = colour(vals[j]), j, vals[j]
             while end + 1 < len(groups) and colour(vals[end + 1]) == fill:
                 end += 1
-                if vals[end] is not None and (peak is None or vals[end] > peak):
-                    peak = vals[end]
+                value = vals[end]
+                if value is not None and (peak is None or value > peak):
+                    peak = value
             first, last = spans[groups[j][0]], steps[groups[end][-1]]
             x0 = xs(_from(first, incident) if fill == BAD else first - 1)
             x1 = xs(last)

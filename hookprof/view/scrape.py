@@ -205,7 +205,7 @@ class _DeadlineReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer) -> int:  # type: ignore[override]
+    def readinto(self, buffer) -> int:
         self._sock.settimeout(self._deadline.left())
         return self._sock.recv_into(buffer)
 

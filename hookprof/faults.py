@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
 from hookprof.errors import NonFiniteError
+from hookprof.handles import Handle
 
 log = logging.getLogger("hookprof")
 
@@ -253,10 +254,10 @@ class DaemonThread:
     def _run(self) -> None:
         raise NotImplementedError
 
-    def start(self) -> Callable[[], None]:
-        """Start the thread; returns what stops it (the subclass's `stop`)."""
+    def start(self) -> Handle:
+        """Start the thread; returns the handle that stops it (the subclass's `stop`)."""
         self._thread.start()
-        return self.stop
+        return Handle(self.stop)
 
     def stop(self, timeout: float = 5.0) -> None:
         raise NotImplementedError

@@ -240,18 +240,16 @@ class Profiler:
             earlier = live.earlier_notice(self.model_type, self.name) if config.serve else None
             if earlier:
                 self._notices.say("earlier profiler", earlier)
-            undo.callback(self._serving.join(self.report_document, self._supervisor))
-            undo.callback(self._publisher.start())
+            undo.enter_context(self._serving.join(self.report_document, self._supervisor))
+            undo.enter_context(self._publisher.start())
             if config.stall_detection:
-                undo.callback(self._watch.start())
-            undo.callback(self._serving.start())
+                undo.enter_context(self._watch.start())
+            undo.enter_context(self._serving.start())
             if compiled:  # a hook added now would force a recompile, and do nothing in the graph
                 explain_attached_after_compile(self._notices)
                 self._backward_end.watch_params(self.table.params)
-            (
-                undo.callback(self._boundary.install(model, self._nan.traced)),
-                undo.callback(self._release_step),
-            )
+            undo.enter_context(self._boundary.install(model, self._nan.traced))
+            undo.callback(self._release_step)
             self._begin_step(1, clock())
             live.add(self, self._boundary.module_ids, summary_at_exit=config.summary_at_exit)
             self._undo = undo.pop_all()

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from hookprof.config import Config
 from hookprof.faults import Faults, ThreadSupervisor
+from hookprof.handles import Handle
 from hookprof.serve import endpoint
 from hookprof.serve.endpoint import Endpoint, Member
 from hookprof.serve.exporter import SnapshotCollector, make_registry
@@ -74,9 +75,7 @@ class Serving:
                 registered=self._registered if registry is not None else None,
             )
 
-    def join(
-        self, document: Callable[[], dict[str, Any]], supervisor: ThreadSupervisor
-    ) -> Callable[[], None]:
+    def join(self, document: Callable[[], dict[str, Any]], supervisor: ThreadSupervisor) -> Handle:
         """Serving: join the process's endpoint on the configured port (base_port +
         LOCAL_RANK; it starts on the first member), its page re-rendered when this model's
         snapshot changes. Returns what leaves it (and takes out collectors put in a caller's
@@ -91,11 +90,12 @@ class Serving:
             if self.endpoint is not None:  # (None: its port was taken, port_conflict="off")
                 self.registry = self.endpoint.registry
                 supervisor.watch("metrics server", self.endpoint)
-        return self._leave
+        return Handle(self._leave)
 
-    def start(self) -> Callable[[], None]:
-        """Start this profiler's own system sampler (not serving); returns what stops it."""
-        return self._system.start() if self._system is not None else lambda: None
+    def start(self) -> Handle:
+        """Start this profiler's own system sampler (not serving); returns the handle that
+        stops it."""
+        return self._system.start() if self._system is not None else Handle(lambda: None)
 
     def _collector(self, build_info: bool) -> SnapshotCollector:
         publisher = self._publisher

@@ -29,6 +29,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from hookprof import metrics_names as names
+from hookprof.handles import Handle
 from hookprof.metrics_names import family
 
 log = logging.getLogger("hookprof")
@@ -180,10 +181,10 @@ class SystemSampler:
     def gpus_enabled(self) -> bool:
         return self._nvml is not None and self._nvml.enabled
 
-    def start(self) -> Callable[[], None]:
-        """Start sampling; returns what stops it."""
+    def start(self) -> Handle:
+        """Start sampling; returns the handle that stops it."""
         self._thread.start()
-        return self.stop
+        return Handle(self.stop)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()

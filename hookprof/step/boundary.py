@@ -31,6 +31,7 @@ from torch import nn
 
 from hookprof.compiled import CompileProbe, is_compiling, is_exporting, transformed
 from hookprof.faults import Faults, guarded
+from hookprof.handles import Handle, HandleGroup
 from hookprof.step import copies, dispatch, gradscaler
 from hookprof.step.hooks import LayerHooks
 
@@ -153,8 +154,8 @@ class StepBoundary:
             None,
             False,
         )  # (optimizer, owns) of the update in progress
-        self._handles: list[Any] = []
-        self._entry_handles: list[Any] = []  # on the root's children, until the root's own forward
+        self._handles = HandleGroup()
+        self._entry_handles = HandleGroup()  # on the root's children, until the root's own forward
         self._entry: nn.Module | None = None  # the entry call in progress
         self.detached = False  # detach() was called (written under the lock, read anywhere)
         # held while a step ends or a training forward begins, and by close(): once close()
@@ -186,7 +187,7 @@ class StepBoundary:
 
     # ---------------- installing and removing ----------------
 
-    def install(self, model: nn.Module, traced: TracedForward | None = None) -> Callable[[], None]:
+    def install(self, model: nn.Module, traced: TracedForward | None = None) -> Handle:
         """Hook the root, its children (unless compiled before attach: their entry hooks
         serve eager loops only), the optimizers and GradScaler; returns what removes them
         all. A registration that fails takes the others out before it raises.
@@ -197,32 +198,32 @@ class StepBoundary:
         except BaseException:
             self._remove()
             raise
-        return self._remove
+        return Handle(self._remove)
 
     def _register(self, model: nn.Module) -> None:
         # first: a copy of the model (EMA, SWA, torch.save) must never carry what follows
-        self._handles.append(copies.Placed(model))
+        self._handles.add(copies.Placed(model))
         # the root's pair also on a model compiled before attach: traced with it, it is the
         # output NaN check inside the graph and keeps the inputs for a replay (a model that
         # already ran compiled recompiles once for it; one compiled after attach does not)
-        self._handles.append(
+        self._handles.add(
             model.register_forward_pre_hook(self._on_root_forward, prepend=True, with_kwargs=True)
         )
-        self._handles.append(model.register_forward_hook(self._on_root_output))
+        self._handles.add(model.register_forward_hook(self._on_root_output))
         if not self.compiled:
             for child in model.children():
                 if isinstance(child, torch.jit.ScriptModule):
                     continue  # takes no Python hooks; a loop calls the root of such a model
-                self._entry_handles.append(
+                self._entry_handles.add(
                     child.register_forward_pre_hook(self._on_entry_forward, with_kwargs=True)
                 )
-                self._entry_handles.append(
+                self._entry_handles.add(
                     child.register_forward_hook(self._on_entry_output, always_call=True)
                 )
         # through the process's one pair of optimizer hooks: adding or removing a hook of
         # torch's own while another thread's optimizer steps breaks that step (dispatch.py)
-        self._handles.append(dispatch.listen(self._on_optimizer_pre, self._on_optimizer_post))
-        self._handles.append(gradscaler.watch(self._on_scaler_decision))
+        self._handles.add(dispatch.listen(self._on_optimizer_pre, self._on_optimizer_post))
+        self._handles.add(gradscaler.watch(self._on_scaler_decision))
 
     def close(self) -> None:
         """Detached: every hook from now on does nothing (also a copy's, see _inert). Waits
@@ -232,16 +233,14 @@ class StepBoundary:
             self._last_owned = (None, False)
 
     def _remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._drop_entry_hooks()
+        try:
+            self._handles.remove()
+        finally:
+            self._drop_entry_hooks()
 
     def _drop_entry_hooks(self) -> None:
-        for handle in self._entry_handles:
-            handle.remove()
-        self._entry_handles = []
         self._entry = None
+        self._entry_handles.remove()
 
     def latch_compiled(self) -> bool:
         """True once, when a compiled call of the model was first seen (Dynamo ran the root's
@@ -324,7 +323,7 @@ class StepBoundary:
             return  # jit.trace, vmap, export: no training step, hookprof steps aside
         if (
             not is_compiling()
-            and self._entry_handles
+            and self._entry_handles.members
             and torch.is_grad_enabled()
             and (module.training or self._trains_in_eval)
         ):

@@ -35,6 +35,7 @@ import torch
 from hookprof.compiled import compiled_regions, is_compiling, transformed
 from hookprof.device.timing import Timer
 from hookprof.faults import Faults
+from hookprof.handles import Handle, HandleGroup
 from hookprof.layers import LayerTable
 from hookprof.step.record import ROOT_INPUT, Activation, Call, StepRecord
 from hookprof.tensors import iter_tensors
@@ -133,11 +134,13 @@ class LayerHooks:
         self._zero_ratio = [not layer.param_indices for layer in table.layers] + [False] * len(
             table.containers
         )
-        self._handles: list[Any] = []  # hook handles (root layer, modules that refuse a wrapper)
+        # what is installed, as handles: hook handles (the root layer, modules that refuse a
+        # wrapper) and wrappers put in place (a layer's `forward`, a compiled region's
+        # compiled call: see _wrap); a replay's additions go in a group of their own
+        self._installs = HandleGroup()
+        self._group = self._installs  # where an install goes now
+        self._wrappers = 0  # wrappers in place
         self._skipped: list[int] = []  # layers left out: their calls run inside a compiled graph
-        # (module, attribute, wrapper, the instance attribute it replaced or _NO_ATTRIBUTE):
-        # a layer's `forward`, or a compiled region's compiled call (see _install_regions)
-        self._wrapped: list[tuple[torch.nn.Module, str, Any, Any]] = []
         # the compiled regions with children (see _install_regions): row -> every parameter
         # of the module, where its backward ends when its inputs need no gradient; and
         # whether some layer's calls are seen by no hook (their statistics: a re-run)
@@ -158,7 +161,7 @@ class LayerHooks:
 
     @property
     def installed(self) -> bool:
-        return bool(self._handles or self._wrapped)
+        return bool(self._installs.members)
 
     @property
     def hides_compiled_layers(self) -> bool:
@@ -219,28 +222,27 @@ class LayerHooks:
         step_rec, step_local = self._rec, self._local  # a sampled step's own, if one is open
         self.replaying = True
         self._activation_stats = True
-        containers: list[Any] = []
-        handles_before, wrapped_before = len(self._handles), len(self._wrapped)
+        added = HandleGroup()  # what the replay adds: its container hooks, skipped layers
         try:
             self.begin(rec)
             if installed and self._skipped:  # the layers inside compiled regions, for the replay
+                self._group = added
                 self._install_layers([self._table.layers[i] for i in self._skipped])
             first = len(self._table.layers)
             for k, (_, module) in enumerate(self._table.containers):
                 if module is None:
                     continue
-                containers.append(module.register_forward_pre_hook(partial(self._pre, first + k)))
-                containers.append(
+                added.add(module.register_forward_pre_hook(partial(self._pre, first + k)))
+                added.add(
                     module.register_forward_hook(partial(self._post, first + k), always_call=True)
                 )
             yield
         finally:
-            for handle in containers:
-                handle.remove()
+            self._group = self._installs
+            added.remove()
             self.replaying = False
             self._activation_stats = stats_were_on
             if installed:
-                self._uninstall(handles_before, wrapped_before)  # what the replay added
                 self.end()  # the replay's record: its parameter hooks go
                 # the sampled step goes on recording (its own hooks are removed at its end)
                 self._rec, self._local = step_rec, step_local
@@ -337,12 +339,12 @@ class LayerHooks:
             if module is not root and self._wrap_forward(module, layer.index):
                 continue
             # with the keyword arguments: the FLOP counter replays the call with them
-            self._handles.append(
+            self._group.add(
                 module.register_forward_pre_hook(
                     partial(self._pre_with_kwargs, layer.index), with_kwargs=True
                 )
             )
-            self._handles.append(
+            self._group.add(
                 module.register_forward_hook(partial(self._post, layer.index), always_call=True)
             )
 
@@ -365,8 +367,21 @@ class LayerHooks:
             setattr(target, attribute, wrapper)
         except Exception:
             return False
-        self._wrapped.append((target, attribute, wrapper, prior))
+        self._wrappers += 1
+        self._group.add(Handle(partial(self._unwrap, target, attribute, wrapper, prior)))
         return True
+
+    def _unwrap(self, target: Any, attribute: str, wrapper: ForwardWrapper, prior: Any) -> None:
+        """Take one wrapper out: restore only our own attribute (one set over ours since is
+        left alone; our wrapper inside it then just calls through)."""
+        self._wrappers -= 1
+        if not self._wrappers:
+            self._region_params, self._hides = {}, False
+        if target.__dict__.get(attribute) is wrapper:
+            if prior is _NO_ATTRIBUTE:
+                delattr(target, attribute)
+            else:
+                setattr(target, attribute, prior)
 
     def end(self) -> None:
         """Stop recording (the instrumentation stays for a following sampled step)."""
@@ -379,25 +394,9 @@ class LayerHooks:
 
     def remove(self) -> None:
         self.end()
-        self._uninstall(0, 0)
+        self._installs.remove()
+        self._region_params, self._hides = {}, False
         self._local = threading.local()
-
-    def _uninstall(self, handles_from: int, wrapped_from: int) -> None:
-        """Take out the hooks and wrappers put in from these positions on."""
-        for handle in self._handles[handles_from:]:
-            handle.remove()
-        del self._handles[handles_from:]
-        for module, attribute, wrapper, prior in self._wrapped[wrapped_from:]:
-            # restore only our own attribute: one set over ours since is left alone (our
-            # wrapper inside it then just calls through)
-            if module.__dict__.get(attribute) is wrapper:
-                if prior is _NO_ATTRIBUTE:
-                    delattr(module, attribute)
-                else:
-                    setattr(module, attribute, prior)
-        del self._wrapped[wrapped_from:]
-        if not self._wrapped:
-            self._region_params, self._hides = {}, False
 
     # --- hook bodies: never raise, never return anything, never read a device value ---
 

@@ -52,6 +52,7 @@ LAYERS = (
             "distributed",
             "metrics_names",  # every exported name, label and unit (issue 27; may not exist yet)
             "files",  # the one atomic, no-follow writer of every file hookprof writes (issue 29)
+            "handles",  # the one undo style: Handle, HandleGroup (issue 40)
         ),
     ),
     Layer("device", ("device",)),  # the only host<->device seam

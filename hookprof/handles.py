@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # (typing.Self from Python 3.11)
+    from typing_extensions import Self
 
 
 class Removable(Protocol):
@@ -19,7 +22,27 @@ class Removable(Protocol):
     def remove(self) -> None: ...
 
 
-class Handle:
+class _RemovedOnExit:
+    """`with handle:` removes it at the block's end."""
+
+    __slots__ = ()
+
+    def remove(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+
+class Handle(_RemovedOnExit):
     """Undoes one install: `remove()` calls `undo` the first time, never again."""
 
     __slots__ = ("_undo",)
@@ -36,19 +59,8 @@ class Handle:
         if undo is not None:
             undo()
 
-    def __enter__(self) -> Handle:
-        return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.remove()
-
-
-class HandleGroup:
+class HandleGroup(_RemovedOnExit):
     """Handles removed together, the last added first; `remove()` empties the group (a group
     can take new handles after it, and removing it again does nothing). Every member is
     removed even when one raises: the first error is raised once all have been tried."""
@@ -76,14 +88,3 @@ class HandleGroup:
                 first = first or exc
         if first is not None:
             raise first
-
-    def __enter__(self) -> HandleGroup:
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.remove()

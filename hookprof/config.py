@@ -10,7 +10,7 @@ import os
 import re
 import typing
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,19 +29,82 @@ PortConflict = Literal["free", "off", "raise"]
 PORT_CONFLICTS: tuple[str, ...] = typing.get_args(PortConflict)
 
 
+_DAY = 86400.0
+# the shortest interval of a thread that wakes on a clock (the publisher, the system sampler):
+# below 0.05 s they take a share of a core of their own while training idles (1e-9 took
+# 0.4-0.9 of a core and made steps 2-7x slower, issue 39); at 0.05 s each stays under ~1%
+# (docs/configuration.md)
+MIN_THREAD_INTERVAL_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """What one field's value must be, kept beside the field (`_ruled`). None, where the
+    field's type allows it, passes every rule. `high` is checked first and says "a finite
+    number": every interval and threshold is bounded, so that an inf (or 1e300) is named
+    here rather than killing the thread that waits on it (OverflowError) later."""
+
+    low: float | None = None  # at least
+    above: float | None = None  # more than
+    high: float | None = None  # at most (and so finite: nan fails it too)
+    holds: Callable[[Any], bool] | None = None  # any other test of the value alone
+    words: str | None = None  # what is expected, where low/above do not say it
+
+    def expected(self, value: Any, nullable: bool) -> str | None:
+        """None when `value` keeps the rule; else what the field must be."""
+        if value is None:
+            return None
+        if self.high is not None and not value <= self.high:
+            return f"a finite number <= {self.high:g}"
+        if (
+            (self.low is None or value >= self.low)
+            and (self.above is None or value > self.above)
+            and (self.holds is None or self.holds(value))
+        ):
+            return None
+        if self.words is not None:
+            return self.words
+        bound = f">= {self.low:g}" if self.low is not None else f"> {self.above:g}"
+        return bound + (" or None" if nullable else "")
+
+
+def _ruled(default: Any, *rules: Rule) -> Any:
+    """A field's default with the rules its value must keep (in the field's metadata)."""
+    return dataclasses.field(default=default, metadata={"rules": rules})
+
+
+_THREAD_INTERVAL = Rule(
+    low=MIN_THREAD_INTERVAL_S,
+    high=3600.0,
+    words=f">= {MIN_THREAD_INTERVAL_S:g} (seconds: a thread waking more often takes a share "
+    "of a core of its own)",
+)
+_EXISTING_FILE = Rule(holds=os.path.isfile, words="a path to an existing file")
+_ADDRESS_WORDS = "an IPv4 or IPv6 address or a host name (e.g. 127.0.0.1, ::1, 0.0.0.0, localhost)"
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Config:
     """Everything a user can set. Each field can also come from `HOOKPROF_<FIELD>`."""
 
-    port: int = DEFAULT_PORT
+    port: int = _ruled(
+        DEFAULT_PORT, Rule(holds=lambda v: 0 <= v <= 65535, words="an integer in [0, 65535]")
+    )
     """TCP port of the /metrics endpoint. Under torchrun each process serves
     `port + LOCAL_RANK`. 0 picks a free port (read it back from `Profiler.url`)."""
 
-    addr: str = "127.0.0.1"
+    addr: str = _ruled(
+        "127.0.0.1",
+        Rule(holds=lambda a: bool(a.strip()), words="a non-empty host address"),
+        Rule(holds=lambda a: _is_address(a), words=_ADDRESS_WORDS),
+    )
     """Address the metrics server binds. Loopback by default: set "0.0.0.0" (or a pod IP)
     to let a Prometheus on another host scrape it."""
 
-    name: str | None = None
+    name: str | None = _ruled(
+        None,
+        Rule(holds=lambda n: bool(n.strip()), words="a non-empty name, or None for the class name"),
+    )
     """The `model` label of this model's series: by default its class name. Made unique in
     the process (a second `Net` is served as `Net-2`), as every model of a process shares one
     endpoint."""
@@ -57,17 +120,17 @@ class Config:
     it and serves nothing, "raise" raises hookprof.PortInUseError at attach. Training goes
     on under "free" and "off": a metrics port is not worth a run."""
 
-    tls_certfile: str | None = None
+    tls_certfile: str | None = _ruled(None, _EXISTING_FILE)
     """PEM certificate: serve /metrics over HTTPS (with `tls_keyfile`)."""
 
-    tls_keyfile: str | None = None
+    tls_keyfile: str | None = _ruled(None, _EXISTING_FILE)
     """PEM private key of `tls_certfile`."""
 
-    tls_client_cafile: str | None = None
+    tls_client_cafile: str | None = _ruled(None, _EXISTING_FILE)
     """PEM CA bundle: when set, only clients presenting a certificate signed by it can
     connect (mutual TLS; Prometheus: `tls_config.cert_file`/`key_file`). Needs TLS on."""
 
-    http_max_requests: int = 40
+    http_max_requests: int = _ruled(40, Rule(low=1))
     """Requests answered at once (one short-lived thread each, node_exporter's
     `--web.max-requests` default). A complete request beyond it is answered 503 at once."""
 
@@ -76,31 +139,31 @@ class Config:
     training process needs its own). A new connection beyond it closes the oldest one that
     is not being answered. Must be above `http_max_requests`."""
 
-    http_header_timeout_s: float = 10.0
+    http_header_timeout_s: float = _ruled(10.0, Rule(above=0, high=_DAY))
     """A connection must complete its TLS handshake and send a whole request head within
     this many seconds of being accepted (or of a keep-alive request's first byte)."""
 
-    http_idle_timeout_s: float = 120.0
+    http_idle_timeout_s: float = _ruled(120.0, Rule(above=0, high=_DAY))
     """A keep-alive connection with no new request for this long is closed. Above the
     usual 60 s scrape interval, so Prometheus reuses its connection."""
 
-    http_write_timeout_s: float = 10.0
+    http_write_timeout_s: float = _ruled(10.0, Rule(above=0, high=_DAY))
     """A response must be taken by the client within this many seconds (Prometheus's
     default scrape timeout), or the connection is closed."""
 
-    sample_every: int = 10
+    sample_every: int = _ruled(10, Rule(low=1))
     """A step is sampled (per-layer hooks installed) only when at least this many steps
     have passed since the last sampled step ..."""
 
-    min_sample_interval_s: float = 2.0
+    min_sample_interval_s: float = _ruled(2.0, Rule(low=0, high=_DAY))
     """... and at least this many seconds. With both defaults a 15 s scrape sees a fresh
     sample whenever a step takes under 1.5 s, and fast loops sample once per 2 s."""
 
-    max_layers: int = 500
+    max_layers: int = _ruled(500, Rule(low=1))
     """Most layers exported per rank. Beyond it: the layers with the most time, plus every
     layer that went non-finite. `hookprof_layers` / `hookprof_layers_exported` tell."""
 
-    max_layer_series: int = 9000
+    max_layer_series: int = _ruled(9000, Rule(low=1))
     """Most per-layer series on a rank's /metrics page (the budget counts series, not layers:
     a layer exports 4 to 12 with the defaults, docs/metrics.md). Beyond it: every layer that
     went non-finite first (in layer order), then the layers with the most time, while they
@@ -111,16 +174,16 @@ class Config:
     """On sampled steps, compute each layer output's zero ratio and absolute maximum
     (which also detects non-finite outputs)."""
 
-    activation_interval_s: float = 1.0
+    activation_interval_s: float = _ruled(1.0, Rule(low=0, high=_DAY))
     """Activation statistics (and the per-layer output checks that come with them) are taken
     on sampled steps at most this often: with sampling every step they are the costliest
     part, and a gauge refreshed every second is fresh enough. A step without them that goes
     non-finite is localised by replaying its forward."""
 
-    rank: int | None = None
+    rank: int | None = _ruled(None, Rule(low=0))
     """The `rank` label. None: $RANK, else torch.distributed's rank if initialised, else 0."""
 
-    local_rank: int | None = None
+    local_rank: int | None = _ruled(None, Rule(low=0))
     """Offset added to `port`. None: $LOCAL_RANK, else 0."""
 
     nonfinite_check: NonfiniteCheck = "all"
@@ -151,35 +214,41 @@ class Config:
     dump_dir: str = "hookprof-dumps"
     """Where on_nonfinite="dump" writes its reports."""
 
-    capsule_dir: str | None = None
+    capsule_dir: str | None = _ruled(
+        None,
+        Rule(holds=lambda d: bool(d.strip()), words="a directory path, or None for no capsule"),
+    )
     """Where the incident capsule of a run's first NaN/Inf is written (one file: the producer
     module, its inputs and output, or the step's forward inputs and the model, for
     `hookprof replay`). None (the default): none is written. A capsule holds a batch of
     training data: set it only where that data may be kept (docs/nonfinite.md)."""
 
-    capsule_max_count: int = 3
+    capsule_max_count: int = _ruled(3, Rule(low=1))
     """At most this many capsules per process (several models, attach after attach)."""
 
-    capsule_max_bytes: int = 256 * 2**20
+    capsule_max_bytes: int = _ruled(256 * 2**20, Rule(low=0))
     """A capsule holds the model's state_dict when it and the step's inputs fit in this many
     bytes; above it, the inputs and a sha256 of each parameter (a named producer's module is
     saved whatever its size)."""
 
-    incident_steps: int = 20
+    incident_steps: int = _ruled(20, Rule(low=0))
     """After a NaN/Inf is seen, sample every step (forward checks on) for up to this many
     steps, until the layer that produced it is found."""
 
-    max_skipped_steps: int = 10
+    max_skipped_steps: int = _ruled(10, Rule(low=0))
     """GradScaler skips (fp16 overflow) are normal; more than this many in a row count as a
     non-finite incident (phase "backward")."""
 
     vanishing_grad_norm: float = 1e-6
     """On sampled steps a layer whose gradient norm is below this is flagged "vanishing" ..."""
 
-    exploding_grad_norm: float = 1e3
+    exploding_grad_norm: float = _ruled(
+        1e3,
+        Rule(holds=lambda v: 0 < v < math.inf, words="a finite number > 0"),  # nan too
+    )
     """... and above this, "exploding" (hookprof_gradient_flagged_steps_total)."""
 
-    publish_interval_s: float = 1.0
+    publish_interval_s: float = _ruled(1.0, _THREAD_INTERVAL)
     """How often the background thread republishes step counters between sampled steps."""
 
     system_metrics: bool = True
@@ -191,7 +260,7 @@ class Config:
     nvidia-ml-py: `pip install 'hookprof[gpu]'`). Only local rank 0 exports them, one series
     per GPU per node. Turn off where dcgm-exporter already runs."""
 
-    system_interval_s: float = 5.0
+    system_interval_s: float = _ruled(5.0, _THREAD_INTERVAL)
     """How often host, process and GPU statistics are sampled (never per step)."""
 
     summary_at_exit: bool = True
@@ -203,26 +272,26 @@ class Config:
     """Watch for stalls (docs/stalls.md): a small daemon thread compares how long the
     training thread has been in its current step phase with that phase's typical duration."""
 
-    stall_factor: float = 5.0
+    stall_factor: float = _ruled(5.0, Rule(low=1, high=1e6))
     """A phase lasting more than this many times its typical duration (the median of its
     share of recent steps) is a stall ..."""
 
-    stall_min_s: float = 30.0
+    stall_min_s: float = _ruled(30.0, Rule(above=0, high=7 * _DAY))
     """... but never one shorter than this (phases of a few milliseconds vary by more than
     any factor) ..."""
 
-    stall_max_s: float = 480.0
+    stall_max_s: float = _ruled(480.0, Rule(high=7 * _DAY))
     """... and always one longer than this: below the NCCL watchdog's default timeout
     (10 min), so the report comes while the job is still alive."""
 
-    stall_warmup_steps: int = 3
+    stall_warmup_steps: int = _ruled(3, Rule(low=0))
     """Steps completed before phases are judged (the first compile, cache warm-up)."""
     flop_counting: bool = True
     """Count each layer's forward and backward FLOPs (once per input shape, on meta tensors)
     and export FLOPs per layer, achieved FLOP/s per layer and for the model, and the model's
     FLOPs utilisation when the device's peak is known (docs/efficiency.md)."""
 
-    peak_flops: float | None = None
+    peak_flops: float | None = _ruled(None, Rule(above=0, high=1e21))  # a zettaFLOP/s per device
     """Peak FLOP/s of one device for the model's precision, for the utilisation ratio. None:
     looked up by GPU name and precision (hookprof/efficiency/peaks.py); unknown GPUs and CPUs get none."""
 
@@ -230,11 +299,11 @@ class Config:
     """On sampled steps, export each layer's weight norm, update norm (the change the
     optimizer step made) and their ratio, and the global update-to-weight ratio."""
 
-    update_norm_max_bytes: int = 256 * 2**20
+    update_norm_max_bytes: int = _ruled(256 * 2**20, Rule(low=0))
     """Most bytes of parameters copied before an update to measure it: beyond it, layers
     take turns across sampled steps (a layer larger than this alone is copied alone)."""
 
-    update_norm_interval_s: float = 1.0
+    update_norm_interval_s: float = _ruled(1.0, Rule(low=0, high=_DAY))
     """Update norms are measured on sampled steps at most this often: a measurement copies
     and reads the parameters (~0.6 of a step on a small-batch CPU MLP), so sampling every
     step must not mean copying every step."""
@@ -243,137 +312,12 @@ class Config:
     """Kill switch: attach() returns a profiler that does nothing (HOOKPROF_DISABLE=1)."""
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            _check_type(field.name, getattr(self, field.name), _FIELD_TYPES[field.name])
-        # every interval finite and bounded, first (so that an inf is named, not the field
-        # compared with it): inf (or 1e300) passed `> 0`, then killed the thread that waits
-        # on it (OverflowError) or stopped it for good. Each field's own rule follows.
-        for name, high in _BOUNDS.items():
-            value = getattr(self, name)
-            _check_range(
-                name, value, value is None or value <= high, f"a finite number <= {high:g}"
-            )  # nan too
-        _check_range("port", self.port, 0 <= self.port <= 65535, "an integer in [0, 65535]")
-        _check_range("addr", self.addr, bool(self.addr.strip()), "a non-empty host address")
-        _check_range(
-            "addr",
-            self.addr,
-            _is_address(self.addr),
-            "an IPv4 or IPv6 address or a host name (e.g. 127.0.0.1, ::1, 0.0.0.0, localhost)",
-        )
-        if self.name is not None:
-            _check_range(
-                "name",
-                self.name,
-                bool(self.name.strip()),
-                "a non-empty name, or None for the class name",
-            )
-        _check_tls(self)
-        _check_http(self)
-        _check_range("sample_every", self.sample_every, self.sample_every >= 1, ">= 1")
-        _check_range(
-            "min_sample_interval_s",
-            self.min_sample_interval_s,
-            self.min_sample_interval_s >= 0,
-            ">= 0",
-        )
-        _check_range("max_layers", self.max_layers, self.max_layers >= 1, ">= 1")
-        _check_range("max_layer_series", self.max_layer_series, self.max_layer_series >= 1, ">= 1")
-        _check_range(
-            "activation_interval_s",
-            self.activation_interval_s,
-            self.activation_interval_s >= 0,
-            ">= 0",
-        )
-        # the two threads that wake on a clock: below 0.05 s they take a share of a core of
-        # their own while training idles (1e-9 took 0.4-0.9 of a core and made steps 2-7x
-        # slower, issue 39); at 0.05 s each stays under ~1% (docs/configuration.md)
-        for name in ("publish_interval_s", "system_interval_s"):
-            _check_range(
-                name,
-                getattr(self, name),
-                getattr(self, name) >= MIN_THREAD_INTERVAL_S,
-                f">= {MIN_THREAD_INTERVAL_S:g} (seconds: a thread waking more often takes a "
-                "share of a core of its own)",
-            )
-        _check_range(
-            "nonfinite_check",
-            self.nonfinite_check,
-            self.nonfinite_check in NONFINITE_CHECKS,
-            f"one of {NONFINITE_CHECKS}",
-        )
-        _check_range(
-            "port_conflict",
-            self.port_conflict,
-            self.port_conflict in PORT_CONFLICTS,
-            f"one of {PORT_CONFLICTS}",
-        )
-        _check_range(
-            "on_nonfinite",
-            self.on_nonfinite,
-            self.on_nonfinite in NONFINITE_POLICIES,
-            f"one of {NONFINITE_POLICIES}",
-        )
-        _check_range("incident_steps", self.incident_steps, self.incident_steps >= 0, ">= 0")
-        _check_range(
-            "capsule_dir",
-            self.capsule_dir,
-            self.capsule_dir is None or bool(self.capsule_dir.strip()),
-            "a directory path, or None for no capsule",
-        )
-        _check_range(
-            "capsule_max_count", self.capsule_max_count, self.capsule_max_count >= 1, ">= 1"
-        )
-        _check_range(
-            "capsule_max_bytes", self.capsule_max_bytes, self.capsule_max_bytes >= 0, ">= 0"
-        )
-        _check_range(
-            "max_skipped_steps", self.max_skipped_steps, self.max_skipped_steps >= 0, ">= 0"
-        )
-        _check_range(
-            "exploding_grad_norm",
-            self.exploding_grad_norm,
-            0 < self.exploding_grad_norm < math.inf,
-            "a finite number > 0",
-        )  # nan too
-        _check_range(
-            "vanishing_grad_norm",
-            self.vanishing_grad_norm,
-            0 <= self.vanishing_grad_norm < self.exploding_grad_norm,
-            ">= 0 and below exploding_grad_norm",
-        )
-        _check_range("stall_factor", self.stall_factor, self.stall_factor >= 1, ">= 1")
-        _check_range("stall_min_s", self.stall_min_s, self.stall_min_s > 0, "> 0")
-        _check_range(
-            "stall_max_s",
-            self.stall_max_s,
-            self.stall_max_s >= self.stall_min_s,
-            f">= stall_min_s ({self.stall_min_s})",
-        )
-        _check_range(
-            "stall_warmup_steps", self.stall_warmup_steps, self.stall_warmup_steps >= 0, ">= 0"
-        )
-        _check_range(
-            "peak_flops",
-            self.peak_flops,
-            self.peak_flops is None or self.peak_flops > 0,
-            "> 0 or None",
-        )
-        _check_range(
-            "update_norm_interval_s",
-            self.update_norm_interval_s,
-            self.update_norm_interval_s >= 0,
-            ">= 0",
-        )
-        _check_range(
-            "update_norm_max_bytes",
-            self.update_norm_max_bytes,
-            self.update_norm_max_bytes >= 0,
-            ">= 0",
-        )
-        for name in ("rank", "local_rank"):
-            value = getattr(self, name)
-            _check_range(name, value, value is None or value >= 0, ">= 0 or None")
+        # one loop: each field's type and rules (beside the field: `_ruled`), then the rules
+        # that relate two fields; the first that fails is raised, naming the field to change
+        for name, problem in _CHECKS:
+            expected = problem(self)
+            if expected is not None:
+                raise ConfigError(name, getattr(self, name), expected)
         if self.local_rank is not None:
             self.check_local_rank(self.local_rank)
 
@@ -404,28 +348,6 @@ class Config:
 
 _FIELD_TYPES: dict[str, Any] = typing.get_type_hints(Config)
 _warned: set[str] = set()  # misspelt variables already warned about
-
-_DAY = 86400.0
-# the highest value of every interval and threshold in seconds, and of the other floats
-# that nothing else bounds (each field's own rule says its lowest). docs/configuration.md
-# lists them.
-# the shortest interval of a thread that wakes on a clock (the publisher, the system sampler)
-MIN_THREAD_INTERVAL_S = 0.05
-
-_BOUNDS: dict[str, float] = {
-    "publish_interval_s": 3600.0,
-    "system_interval_s": 3600.0,
-    "min_sample_interval_s": _DAY,
-    "activation_interval_s": _DAY,
-    "update_norm_interval_s": _DAY,
-    "http_header_timeout_s": _DAY,
-    "http_idle_timeout_s": _DAY,
-    "http_write_timeout_s": _DAY,
-    "stall_min_s": 7 * _DAY,
-    "stall_max_s": 7 * _DAY,
-    "stall_factor": 1e6,
-    "peak_flops": 1e21,  # a zettaFLOP/s per device
-}
 
 # a host name: dot-separated labels of letters, digits and hyphens (RFC 1123), the last one
 # not all digits (so that 999.1.1.1 is a bad IPv4 address, not a host name). No DNS lookup.
@@ -538,56 +460,85 @@ def _parse(field: str, source: str, raw: str, hint: Any) -> Any:
 _WORDS = {int: "an integer", float: "a number", str: "a string"}
 
 
-def _check_type(field: str, value: Any, hint: Any) -> None:
+def _type_problem(value: Any, hint: Any) -> str | None:
+    """None when `value` is of the field's type `hint`; else what it must be."""
     if typing.get_origin(hint) is Literal:
-        hint = str  # the words themselves are checked by Config.__post_init__
+        hint = str  # the words themselves: _field_checks
     allowed = typing.get_args(hint) or (hint,)
     for kind in allowed:
         if kind is type(None) and value is None:
-            return
+            return None
         if kind is bool and isinstance(value, bool):
-            return
+            return None
         if kind is int and isinstance(value, int) and not isinstance(value, bool):
-            return
+            return None
         if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return
+            return None
         if kind is str and isinstance(value, str):
-            return
+            return None
     names = " or ".join("None" if k is type(None) else k.__name__ for k in allowed)
-    raise ConfigError(field, value, f"of type {names}")
+    return f"of type {names}"
 
 
-def _check_tls(config: Config) -> None:
-    if (config.tls_certfile is None) != (config.tls_keyfile is None):
-        missing = "tls_keyfile" if config.tls_keyfile is None else "tls_certfile"
-        present = "tls_certfile" if missing == "tls_keyfile" else "tls_keyfile"
-        raise ConfigError(missing, None, f"a PEM file path (set together with {present})")
-    if config.tls_client_cafile is not None and config.tls_certfile is None:
-        raise ConfigError(
-            "tls_certfile",
-            None,
-            "a PEM file path: tls_client_cafile needs TLS (tls_certfile, tls_keyfile)",
-        )
-    for name in ("tls_certfile", "tls_keyfile", "tls_client_cafile"):
-        path = getattr(config, name)
-        _check_range(name, path, path is None or os.path.isfile(path), "a path to an existing file")
-
-
-def _check_http(config: Config) -> None:
-    _check_range(
-        "http_max_requests", config.http_max_requests, config.http_max_requests >= 1, ">= 1"
-    )
-    _check_range(
+# the rules that relate two fields, after every field's own: (the field named, a test of the
+# whole config, what that field must be)
+_RELATIONS: tuple[tuple[str, Callable[[Config], bool], Callable[[Config], str]], ...] = (
+    (
+        "tls_keyfile",
+        lambda c: c.tls_certfile is None or c.tls_keyfile is not None,
+        lambda c: "a PEM file path (set together with tls_certfile)",
+    ),
+    (
+        "tls_certfile",
+        lambda c: c.tls_keyfile is None or c.tls_certfile is not None,
+        lambda c: "a PEM file path (set together with tls_keyfile)",
+    ),
+    (
+        "tls_certfile",
+        lambda c: c.tls_client_cafile is None or c.tls_certfile is not None,
+        lambda c: "a PEM file path: tls_client_cafile needs TLS (tls_certfile, tls_keyfile)",
+    ),
+    (
         "http_max_connections",
-        config.http_max_connections,
-        config.http_max_connections > config.http_max_requests,
-        f"above http_max_requests ({config.http_max_requests})",
-    )
-    for name in ("http_header_timeout_s", "http_idle_timeout_s", "http_write_timeout_s"):
-        value = getattr(config, name)
-        _check_range(name, value, value > 0, "> 0")
+        lambda c: c.http_max_connections > c.http_max_requests,
+        lambda c: f"above http_max_requests ({c.http_max_requests})",
+    ),
+    (
+        "vanishing_grad_norm",
+        lambda c: 0 <= c.vanishing_grad_norm < c.exploding_grad_norm,
+        lambda c: ">= 0 and below exploding_grad_norm",
+    ),
+    (
+        "stall_max_s",
+        lambda c: c.stall_max_s >= c.stall_min_s,
+        lambda c: f">= stall_min_s ({c.stall_min_s})",
+    ),
+)
 
 
-def _check_range(field: str, value: Any, ok: bool, expected: str) -> None:
-    if not ok:
-        raise ConfigError(field, value, expected)
+def _field_checks(name: str, hint: Any, rules: tuple[Rule, ...]) -> list[tuple[str, Any]]:
+    nullable = type(None) in typing.get_args(hint)
+    choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+    checks: list[tuple[str, Any]] = [(name, lambda c: _type_problem(getattr(c, name), hint))]
+    if choices:  # the words of a Literal field
+        checks.append(
+            (name, lambda c: None if getattr(c, name) in choices else f"one of {choices}")
+        )
+    for rule in rules:
+        checks.append((name, lambda c, rule=rule: rule.expected(getattr(c, name), nullable)))
+    return checks
+
+
+def _relation_check(holds: Callable[[Config], bool], words: Callable[[Config], str]) -> Any:
+    return lambda c: None if holds(c) else words(c)
+
+
+# every check Config.__post_init__ runs, in order: (field, config -> what it must be, or None)
+_CHECKS: tuple[tuple[str, Callable[[Config], str | None]], ...] = tuple(
+    [
+        check
+        for f in dataclasses.fields(Config)
+        for check in _field_checks(f.name, _FIELD_TYPES[f.name], f.metadata.get("rules", ()))
+    ]
+    + [(name, _relation_check(holds, words)) for name, holds, words in _RELATIONS]
+)

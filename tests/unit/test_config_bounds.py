@@ -164,3 +164,23 @@ def test_a_bad_exploding_grad_norm_names_itself_not_vanishing_grad_norm(value):
         Config(exploding_grad_norm=value)
     assert info.value.field == "exploding_grad_norm"
     assert str(info.value).startswith("exploding_grad_norm must be")
+
+
+def test_every_float_field_refuses_an_infinity_naming_itself():
+    """Issue 40, item 4: the bounds live beside their fields now (Config's `_ruled`), not in a
+    list kept apart; a float field added without one fails here (it took an inf, which kills
+    the thread that waits on it)."""
+    import dataclasses
+    import typing
+
+    floats = [
+        f.name
+        for f in dataclasses.fields(Config)
+        if float in typing.get_args(typing.get_type_hints(Config)[f.name])
+        or typing.get_type_hints(Config)[f.name] is float
+    ]
+    assert len(floats) >= 12, floats
+    for name in floats:
+        with pytest.raises(ConfigError) as info:
+            Config(**{name: math.inf})
+        assert info.value.field == name, name

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from types import MappingProxyType
 from typing import Any
 
@@ -60,22 +61,33 @@ class LayerStats:
     below Config.vanishing_grad_norm / above Config.exploding_grad_norm."""
 
 
-FOUND_BY_SAMPLED = "sampled step"
-FOUND_BY_REPLAY = "replay"
-FOUND_BY_WEIGHTS = "non-finite weights"
-FOUND_BY_INPUT = "input"
-FOUND_BY_BACKWARD = "backward check"
-FOUND_BY_LOSS = "loss check"
-FOUND_BY = (
-    FOUND_BY_SAMPLED,
-    FOUND_BY_REPLAY,
-    FOUND_BY_WEIGHTS,
-    FOUND_BY_INPUT,
-    FOUND_BY_BACKWARD,
-    FOUND_BY_LOSS,
-)
-REPRODUCIBLE, TRANSIENT, NOT_REPLAYED = "reproducible", "transient", "not replayed"
-REPLAY_OUTCOMES = (REPRODUCIBLE, TRANSIENT, NOT_REPLAYED)
+class _StrEnum(str, Enum):
+    """A name for each of a few fixed words (enum.StrEnum from Python 3.11): equal to its
+    word, and written as it (str(), f-strings, JSON, metric labels)."""
+
+    __str__ = str.__str__
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self.value, spec)
+
+
+class FoundBy(_StrEnum):
+    """How an incident's first layer was found (NonFiniteEvent.found_by)."""
+
+    SAMPLED = "sampled step"
+    REPLAY = "replay"
+    WEIGHTS = "non-finite weights"
+    INPUT = "input"
+    BACKWARD = "backward check"
+    LOSS = "loss check"
+
+
+class ReplayOutcome(_StrEnum):
+    """What the replay of a forward NaN's step said (NonFiniteEvent.replay)."""
+
+    REPRODUCIBLE = "reproducible"
+    TRANSIENT = "transient"
+    NOT_REPLAYED = "not replayed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,15 +108,15 @@ class NonFiniteEvent:
     last_finite_child: str | None = None
     """For a producer that is a container module (its own code made the value between its
     children's calls): the last of its children whose output was still finite."""
-    found_by: str | None = None
-    """How `layer` was found (FOUND_BY): "sampled step" (that step's per-layer checks saw a
+    found_by: FoundBy | None = None
+    """How `layer` was found (FoundBy): "sampled step" (that step's per-layer checks saw a
     finite input and a non-finite output), "replay" (the step's forward run again with the
     same inputs, weights and RNG did), "non-finite weights" (the layer's own weights were
     non-finite before any non-finite update was applied: the cause), "input" (the batch
     already held it), "backward check" (the first gradient to go non-finite), "loss check".
     None while no layer is named."""
-    replay: str | None = None
-    """What the replay of a forward NaN's step said (REPLAY_OUTCOMES): "reproducible" (it made
+    replay: ReplayOutcome | None = None
+    """What the replay of a forward NaN's step said (ReplayOutcome): "reproducible" (it made
     the NaN again: the data or the model), "transient" (with the same inputs, weights and RNG
     it was finite: a non-deterministic kernel, a race, or the hardware), "not replayed" (see
     `replay_note`). None: not replayed yet, or not a forward NaN."""

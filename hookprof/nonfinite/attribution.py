@@ -37,16 +37,9 @@ from hookprof.layers import INPUT_NAME
 from hookprof.nonfinite.detector import PHASE_INDEX
 from hookprof.nonfinite.replay import LATER_WEIGHTS
 from hookprof.snapshot import (
-    FOUND_BY_BACKWARD,
-    FOUND_BY_INPUT,
-    FOUND_BY_LOSS,
-    FOUND_BY_REPLAY,
-    FOUND_BY_SAMPLED,
-    FOUND_BY_WEIGHTS,
-    NOT_REPLAYED,
-    REPRODUCIBLE,
-    TRANSIENT,
+    FoundBy,
     NonFiniteEvent,
+    ReplayOutcome,
 )
 from hookprof.step.record import ROOT_INPUT, StepRecord
 
@@ -242,7 +235,7 @@ class Attribution:
             event = self._forward(first, c["phase_first"][PHASE_INDEX["backward"]])
         elif phase == "loss":
             event = NonFiniteEvent(
-                LOSS_LAYER, phase, first, found_by=FOUND_BY_LOSS, device=self._device
+                LOSS_LAYER, phase, first, found_by=FoundBy.LOSS, device=self._device
             )
         else:
             event = self._backward_first(first, c["layer_first"])
@@ -271,11 +264,11 @@ class Attribution:
                 layer, propagators = finding.producers[0], tuple(finding.propagators)
                 last_child = finding.last_finite_child
                 found_by = (
-                    FOUND_BY_INPUT
+                    FoundBy.INPUT
                     if layer == INPUT_NAME
-                    else FOUND_BY_REPLAY
+                    else FoundBy.REPLAY
                     if replay
-                    else FOUND_BY_SAMPLED
+                    else FoundBy.SAMPLED
                 )
                 break
             if finding.weight_producers and clean_before(step):
@@ -283,32 +276,32 @@ class Attribution:
                     unproven = unproven or WEIGHTS_UNPROVEN
                     continue
                 layer, propagators = finding.weight_producers[0], tuple(finding.propagators)
-                found_by = FOUND_BY_WEIGHTS
+                found_by = FoundBy.WEIGHTS
                 break
         outcome, note = self._replay_of(first)
-        if layer is None and outcome == REPRODUCIBLE and unproven:
+        if layer is None and outcome == ReplayOutcome.REPRODUCIBLE and unproven:
             note = unproven
         return NonFiniteEvent(
             layer, "forward", first, propagators, last_child, found_by, outcome, note, self._device
         )
 
-    def _replay_of(self, first: int) -> tuple[str | None, str | None]:
+    def _replay_of(self, first: int) -> tuple[ReplayOutcome | None, str | None]:
         """What replaying `first` said: reproducible, transient, not replayed (and why), or
         nothing yet."""
         replayed = self._replayed.get(first)
         if replayed is not None:
             finding, moved = replayed
             if finding.saw_nonfinite:
-                return REPRODUCIBLE, None
+                return ReplayOutcome.REPRODUCIBLE, None
             if moved:  # finite on other weights proves nothing of the step's own
-                return NOT_REPLAYED, LATER_WEIGHTS
+                return ReplayOutcome.NOT_REPLAYED, LATER_WEIGHTS
             if first in self._not_replayed:  # a finite replay with a caveat (replay.COMPILED_RNG)
-                return NOT_REPLAYED, self._not_replayed[first]
-            return TRANSIENT, None
+                return ReplayOutcome.NOT_REPLAYED, self._not_replayed[first]
+            return ReplayOutcome.TRANSIENT, None
         if first in self._not_replayed:
-            return NOT_REPLAYED, self._not_replayed[first]
+            return ReplayOutcome.NOT_REPLAYED, self._not_replayed[first]
         if self._unavailable is not None:
-            return NOT_REPLAYED, self._unavailable
+            return ReplayOutcome.NOT_REPLAYED, self._unavailable
         return None, None
 
     def _backward_first(self, first: int, layer_first: list[int]) -> NonFiniteEvent:
@@ -324,6 +317,6 @@ class Attribution:
             "backward",
             first,
             tuple(self._names[i] for i in bad if i != chosen),
-            found_by=FOUND_BY_BACKWARD,
+            found_by=FoundBy.BACKWARD,
             device=self._device,
         )

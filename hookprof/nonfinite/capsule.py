@@ -541,7 +541,9 @@ class Capsules:
                 left_out.append("no producer: the batch already held the NaN/Inf")
         cuda = draft.cuda_rng is not None
         view = {
-            "event": {**dataclasses.asdict(event), "capsule": path},
+            # plain types only: a capsule loads with torch.load(weights_only=True), which
+            # refuses hookprof's own classes (FoundBy, ReplayOutcome: str() is their word)
+            "event": {**_plain(dataclasses.asdict(event)), "capsule": path},
             "summary": summary,
             "step": draft.step,
             "model": model,
@@ -603,3 +605,8 @@ def _saved(value: Any) -> bytes:
 
 def describe_capsule(path: str | None) -> str:
     return f"; capsule written to {path} (hookprof replay {path})" if path else ""
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with every str subclass (an enum's member) as a plain str."""
+    return {k: str(v) if isinstance(v, str) else v for k, v in values.items()}

@@ -24,16 +24,9 @@ from hookprof.files import safe_label, write_atomic
 from hookprof.nonfinite.capsule import Capsules, describe_capsule
 from hookprof.nonfinite.detector import Detector
 from hookprof.snapshot import (
-    FOUND_BY_BACKWARD,
-    FOUND_BY_INPUT,
-    FOUND_BY_LOSS,
-    FOUND_BY_REPLAY,
-    FOUND_BY_SAMPLED,
-    FOUND_BY_WEIGHTS,
-    NOT_REPLAYED,
-    REPRODUCIBLE,
-    TRANSIENT,
+    FoundBy,
     NonFiniteEvent,
+    ReplayOutcome,
     Snapshot,
 )
 
@@ -310,41 +303,43 @@ def describe(event: NonFiniteEvent, rank: int) -> str:
 def origin(event: NonFiniteEvent) -> str:
     """Where the NaN was made, and how hookprof knows."""
     if event.layer is None:
-        if event.replay == TRANSIENT:
+        if event.replay == ReplayOutcome.TRANSIENT:
             return "no layer: it did not happen again when the step was replayed"
-        if event.replay == NOT_REPLAYED:
+        if event.replay == ReplayOutcome.NOT_REPLAYED:
             return "a layer that cannot be named: the step was not replayed"
-        if event.replay == REPRODUCIBLE:
+        if event.replay == ReplayOutcome.REPRODUCIBLE:
             return f"a layer that cannot be named: {event.replay_note}"
         return "a layer not yet localised"
-    if event.found_by == FOUND_BY_WEIGHTS:
+    if event.found_by == FoundBy.WEIGHTS:
         return f"{event.layer}: its weights are non-finite (before any non-finite update)"
-    if event.found_by == FOUND_BY_INPUT:
+    if event.found_by == FoundBy.INPUT:
         return f"{event.layer}: the batch already held it"
     how = {
-        FOUND_BY_SAMPLED: "seen on that sampled step",
-        FOUND_BY_REPLAY: "seen when the step was replayed",
-        FOUND_BY_BACKWARD: "its gradient went non-finite first",
-        FOUND_BY_LOSS: "the loss alone",
+        FoundBy.SAMPLED: "seen on that sampled step",
+        FoundBy.REPLAY: "seen when the step was replayed",
+        FoundBy.BACKWARD: "its gradient went non-finite first",
+        FoundBy.LOSS: "the loss alone",
     }
     return f"layer {event.layer}" + (f" ({how[event.found_by]})" if event.found_by in how else "")
 
 
 def replay_words(event: NonFiniteEvent, rank: int) -> str:
     """What the replay of the step said, when it said something."""
-    if event.replay == REPRODUCIBLE:
-        cause = {FOUND_BY_WEIGHTS: "its weights", FOUND_BY_INPUT: "the data"}.get(
-            event.found_by or "", "the data or the model"
-        )
+    if event.replay == ReplayOutcome.REPRODUCIBLE:
+        causes: dict[FoundBy | None, str] = {
+            FoundBy.WEIGHTS: "its weights",
+            FoundBy.INPUT: "the data",
+        }
+        cause = causes.get(event.found_by, "the data or the model")
         return f"; reproducible: a replay with the same inputs, weights and RNG made it again ({cause})"
-    if event.replay == TRANSIENT:
+    if event.replay == ReplayOutcome.TRANSIENT:
         where = f"rank {rank} on {socket.gethostname()}, device {event.device}"
         named = " the sampled step's checks saw it, but" if event.layer is not None else ""
         return (
             f";{named} transient: a replay with the same inputs, weights and RNG was finite "
             f"(a non-deterministic kernel, a race, or the hardware: suspect {where})"
         )
-    if event.replay == NOT_REPLAYED:
+    if event.replay == ReplayOutcome.NOT_REPLAYED:
         return f"; not replayed: {event.replay_note}"
     return ""
 

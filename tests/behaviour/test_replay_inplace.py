@@ -17,7 +17,7 @@ from torch import nn
 
 import hookprof
 from hookprof.nonfinite.replay import INPUTS_CHANGED
-from hookprof.snapshot import NOT_REPLAYED, REPRODUCIBLE
+from hookprof.snapshot import ReplayOutcome
 from support.compare import same_bits
 from support.settings import RARELY
 
@@ -102,11 +102,11 @@ def test_the_replay_leaves_training_as_it_was_and_says_why_it_did_not_run(edit, 
     event = snap.first_nonfinite
     assert (event.phase, event.step) == ("forward", BAD_STEP)
     if EDITS[edit] is None:  # the inputs are the step's: the replay names the producer
-        assert (event.layer, event.replay) == ("exp", REPRODUCIBLE)
+        assert (event.layer, event.replay) == ("exp", ReplayOutcome.REPRODUCIBLE)
     else:  # never "transient": the replay would have run on an input edited twice
         assert (event.layer, event.replay, event.replay_note) == (
             None,
-            NOT_REPLAYED,
+            ReplayOutcome.NOT_REPLAYED,
             INPUTS_CHANGED,
         )
 
@@ -134,6 +134,6 @@ def test_the_replay_runs_on_copies_of_the_inputs():
             assert x._version == version
         prof.flush()
         event = prof.snapshot().first_nonfinite
-    assert (event.layer, event.step, event.replay) == ("2", BAD_STEP, REPRODUCIBLE)
+    assert (event.layer, event.step, event.replay) == ("2", BAD_STEP, ReplayOutcome.REPRODUCIBLE)
     replayed = seen[BAD_STEP]  # the call after the bad step's own: the replay's
     assert replayed is not seen[BAD_STEP - 1] and torch.equal(replayed, seen[BAD_STEP - 1])

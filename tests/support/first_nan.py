@@ -32,13 +32,8 @@ from torch import nn
 import hookprof
 from hookprof.nonfinite.replay import BEHIND, LATER_WEIGHTS
 from hookprof.snapshot import (
-    FOUND_BY_BACKWARD,
-    FOUND_BY_REPLAY,
-    FOUND_BY_SAMPLED,
-    FOUND_BY_WEIGHTS,
-    NOT_REPLAYED,
-    REPRODUCIBLE,
-    TRANSIENT,
+    FoundBy,
+    ReplayOutcome,
 )
 from support.lagging_device import lagging_device
 
@@ -203,10 +198,13 @@ def _not_replayed(
 ) -> tuple[str, str] | None:
     """What a device `lag` steps behind under `policy` makes of a forward NaN of an unsampled
     step, with the loop's fused optimizer: None when the replay runs (lag 0: at once; skip
-    and raise hold the fused update back and replay late), else (NOT_REPLAYED, why)."""
+    and raise hold the fused update back and replay late), else (ReplayOutcome.NOT_REPLAYED, why)."""
     if lag == 0 or policy in ("skip", "raise"):
         return None
-    return NOT_REPLAYED, BEHIND  # record: the update reached the weights before the flag came
+    return (
+        ReplayOutcome.NOT_REPLAYED,
+        BEHIND,
+    )  # record: the update reached the weights before the flag came
 
 
 def _finite_replay(lag: int, policy: str) -> tuple[str, str | None]:
@@ -214,10 +212,10 @@ def _finite_replay(lag: int, policy: str) -> tuple[str, str | None]:
     (lag 0: replayed before the update); a late replay (skip/raise, held back) ran after
     later updates, so no verdict; under record on a device behind, no replay at all."""
     if lag == 0:
-        return TRANSIENT, None
+        return ReplayOutcome.TRANSIENT, None
     if policy in ("skip", "raise"):
-        return NOT_REPLAYED, LATER_WEIGHTS
-    return NOT_REPLAYED, BEHIND
+        return ReplayOutcome.NOT_REPLAYED, LATER_WEIGHTS
+    return ReplayOutcome.NOT_REPLAYED, BEHIND
 
 
 class WeightNaN(Scenario):
@@ -239,8 +237,8 @@ class WeightNaN(Scenario):
 
     def expected(self, lag, policy):
         if _not_replayed(None, lag, policy):
-            return Outcome(None, "forward", self.at, None, NOT_REPLAYED, BEHIND)
-        return Outcome(self.layer, "forward", self.at, FOUND_BY_WEIGHTS, REPRODUCIBLE)
+            return Outcome(None, "forward", self.at, None, ReplayOutcome.NOT_REPLAYED, BEHIND)
+        return Outcome(self.layer, "forward", self.at, FoundBy.WEIGHTS, ReplayOutcome.REPRODUCIBLE)
 
 
 class SampledPoison(Scenario):
@@ -262,7 +260,7 @@ class SampledPoison(Scenario):
         # a verdict only on the step's own weights (lag 0); a late replay runs after other
         # updates (skip, raise), and under record on a device behind there is none
         return Outcome(
-            self.layer, "forward", self.at, FOUND_BY_SAMPLED, *_finite_replay(lag, policy)
+            self.layer, "forward", self.at, FoundBy.SAMPLED, *_finite_replay(lag, policy)
         )
 
 
@@ -304,8 +302,8 @@ class Overflow(Scenario):
 
     def expected(self, lag, policy):
         if _not_replayed(None, lag, policy):
-            return Outcome(None, "forward", self.at, None, NOT_REPLAYED, BEHIND)
-        return Outcome(self.layer, "forward", self.at, FOUND_BY_REPLAY, REPRODUCIBLE)
+            return Outcome(None, "forward", self.at, None, ReplayOutcome.NOT_REPLAYED, BEHIND)
+        return Outcome(self.layer, "forward", self.at, FoundBy.REPLAY, ReplayOutcome.REPRODUCIBLE)
 
 
 class BackwardNaN(Scenario):
@@ -328,7 +326,7 @@ class BackwardNaN(Scenario):
         return inputs
 
     def expected(self, lag, policy):
-        return Outcome(self.layer, "backward", self.at, FOUND_BY_BACKWARD, None)
+        return Outcome(self.layer, "backward", self.at, FoundBy.BACKWARD, None)
 
     def steps(self, lag):
         return self.at + 10  # training goes on: ten more sampled steps after the first NaN

@@ -146,6 +146,12 @@ def _plain(status: str, text: str) -> bytes:
 TOO_MANY_REQUESTS = _plain("503 Service Unavailable", "too many concurrent requests\n")
 BAD_REQUEST = _plain("400 Bad Request", "bad request\n")
 HEAD_TOO_LARGE = _plain("431 Request Header Fields Too Large", "request head too large\n")
+# a TLS ClientHello on a plain-HTTP endpoint (`https://` to it): answered at once, in plain
+# HTTP, which the client's TLS reads as a wrong record (an immediate SSL error) where it
+# waited for the head's timeout before (13.8 s, issue 41)
+TLS_ON_PLAIN = _plain("400 Bad Request", "this endpoint speaks plain HTTP, not TLS: use http://\n")
+# a TLS record's first bytes: handshake (22), version 3.x
+_TLS_HANDSHAKE = b"\x16\x03"
 
 
 _WAKE = object()
@@ -340,6 +346,8 @@ class Server:
                     return self._wait(conn, selectors.EVENT_WRITE)
                 if not data:
                     return self._close(conn)  # the client is done
+                if not conn.buf and self._context is None and data.startswith(_TLS_HANDSHAKE):
+                    return self._reject(conn, "bad_request", TLS_ON_PLAIN)
                 if conn.idle:  # a new request on a kept-alive connection: its head's deadline
                     conn.idle = False
                     self._set_deadline(conn, time.monotonic() + self._limits.header_timeout_s)

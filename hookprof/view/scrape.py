@@ -11,6 +11,7 @@ import http.client
 import io
 import math
 import os
+import re
 import socket
 import ssl
 import time
@@ -32,6 +33,9 @@ class ScrapeError(Exception):
         self.reason = reason
 
 
+_PORT_ALONE = re.compile(r":?\d{1,5}")
+
+
 def normalize(url: str, tls: bool = False, path: str | None = None) -> str:
     """ "host:port" -> "http://host:port/metrics" ("https" when TLS options were given); a
     host alone gets hookprof's default port (not http's 80), a URL without a path /metrics. `path`:
@@ -39,6 +43,8 @@ def normalize(url: str, tls: bool = False, path: str | None = None) -> str:
     (`hookprof report` takes the /metrics URL and reads /history.json beside it).
     ValueError for what is not an http(s) endpoint, or an http:// URL given with TLS options."""
     given = url
+    if _PORT_ALONE.fullmatch(url):  # `hookprof top 8479`: a port on this machine, not a host
+        url = "127.0.0.1:" + url.lstrip(":")
     if "://" not in url:
         url = ("https://" if tls else "http://") + url
     parts = urlsplit(url)
@@ -290,12 +296,18 @@ def _unusable(exc: OSError, expected: str) -> str:
     return f"cannot read it ({exc.strerror or exc})"
 
 
+# what OpenSSL says when the other side answers a ClientHello in plain text
+_PLAIN_HTTP_REASONS = frozenset({"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "HTTP_REQUEST"})
+
+
 def _why(reason: object, url: str, timeout: float) -> str:
     if isinstance(reason, ssl.SSLCertVerificationError):
         return (
             f"its TLS certificate is not trusted ({reason.verify_message}): pass --cacert "
             "with the CA that signed the endpoint's certificate"
         )
+    if isinstance(reason, ssl.SSLError) and reason.reason in _PLAIN_HTTP_REASONS:
+        return "it answers in plain HTTP, not TLS: use http:// (and no --cacert, --cert or --key)"
     if isinstance(reason, ssl.SSLError):
         return (
             f"TLS failed ({reason.reason or reason}): if the endpoint asks for client "

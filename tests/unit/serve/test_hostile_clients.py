@@ -151,7 +151,7 @@ def serving(pki, tls: bool, **tls_fields):
         context = ssl.create_default_context(cafile=pki["ca"])
         if "tls_client_cafile" in tls_fields:
             context.load_cert_chain(*pki["client"])
-    prof = hookprof.attach(model, port=0, **LIMITS, **tls_fields)
+    prof = hookprof.attach(model, port=0, **{**LIMITS, **tls_fields})
     trainer = None
     try:
         trainer = Trainer(model, prof)
@@ -294,6 +294,32 @@ def test_non_http_bytes(endpoint):
         counts = endpoint.wait_rejected(reason, len(opened))
     assert counts[reason] == len(opened)
     endpoint.finish()
+
+
+def test_tls_spoken_to_a_plain_endpoint_is_told_so_at_once(pki):
+    """Issue 41: `https://` to a plain-HTTP endpoint waited for the head's timeout (13.8 s)
+    and then suggested TLS certificates. The ClientHello is answered at once, in plain HTTP
+    (the client's TLS fails on it right away: well inside a socket timeout far below the
+    endpoint's head timeout), and the CLI says to use http://."""
+    from hookprof.view.scrape import _why
+
+    # a head timeout ten times the client's socket timeout: an answer that waited for it
+    # would time the client out
+    with serving(pki, tls=False, http_header_timeout_s=30.0) as ep:
+        context = ssl.create_default_context(cafile=pki["ca"])
+        raw = socket.create_connection(("127.0.0.1", ep.port), timeout=3)
+        try:
+            with pytest.raises(ssl.SSLError) as info:
+                context.wrap_socket(raw, server_hostname="127.0.0.1")
+        finally:
+            raw.close()
+        assert "plain HTTP" in _why(info.value, f"https://127.0.0.1:{ep.port}", 3.0)
+        with socket.create_connection(("127.0.0.1", ep.port), timeout=3) as s:
+            s.sendall(b"\x16\x03\x01\x00\x05hello")  # a hello's first bytes, read plainly
+            reply = s.recv(200)
+        assert reply.startswith(b"HTTP/1.1 400 ") and b"plain HTTP" in reply
+        assert ep.wait_rejected("bad_request", 2)["bad_request"] == 2
+        ep.finish()
 
 
 def test_oversized_request_heads(endpoint):

@@ -34,3 +34,15 @@ def test_a_host_alone_gets_hookprofs_default_port(given, metrics, history):
 
 def test_a_host_alone_with_tls_options_is_https_on_the_default_port():
     assert normalize("trainer-0", tls=True) == f"https://trainer-0:{DEFAULT_PORT}/metrics"
+
+
+# issue 41: `hookprof top --once 8479` read the port as a host name (http://8479:8479)
+@pytest.mark.parametrize("given", ["8479", ":8479"])
+def test_a_port_alone_is_that_port_on_this_machine(given):
+    assert normalize(given) == "http://127.0.0.1:8479/metrics"
+    assert normalize(given, tls=True) == "https://127.0.0.1:8479/metrics"
+
+
+def test_a_port_out_of_range_alone_is_refused():
+    with pytest.raises(ValueError, match="not an http"):
+        normalize("99999")

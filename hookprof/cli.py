@@ -4,18 +4,52 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
+import re
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from hookprof._version import __version__
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors add the nearest right word (`hookprof tpo`: did you
+    mean 'top'?; `--oce`: did you mean --once?). Subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(message + _did_you_mean(self, message))
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
+    """ " (did you mean X?)" for an invalid choice or an unknown option in `message`, else ""."""
+    choice = re.search(r"invalid choice: '?([^' ]+)'? \(choose from (.*)\)", message)
+    if choice:
+        words = [w.strip(" '") for w in choice.group(2).split(",")]
+        close = difflib.get_close_matches(choice.group(1), words, n=1)
+        return f" (did you mean '{close[0]}'?)" if close else ""
+    unknown = re.search(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        options = set(parser._option_string_actions)
+        for action in parser._actions:  # the subcommands' options too
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    options.update(sub._option_string_actions)
+        hints = []
+        for given in unknown.group(1).split():
+            if given.startswith("-"):
+                close = difflib.get_close_matches(given.split("=")[0], sorted(options), n=1)
+                if close:
+                    hints.append(f"{given}: did you mean {close[0]}?")
+        return f" ({'; '.join(hints)})" if hints else ""
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hookprof", description=__doc__)
+    parser = _Parser(prog="hookprof", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hookprof {__version__}")
     sub = parser.add_subparsers(dest="command")
     demo = sub.add_parser("demo", help="train a small model on CPU and serve its metrics")
@@ -49,6 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         "--step-delay", type=float, default=0.0, help="sleep this long per step (seconds)"
     )
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--table",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="print the per-layer table every SECONDS of training, so one terminal shows it "
+        "(default 10; 0: only at the end)",
+    )
     demo.add_argument(
         "--exit",
         action="store_true",
@@ -237,6 +279,11 @@ def run_demo(args: argparse.Namespace) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(args.seed)
     step = 0
+    if not (math.isfinite(args.table) and args.table >= 0):
+        print(f"hookprof demo: --table {args.table}: not a number of seconds >= 0", file=sys.stderr)
+        prof.detach()
+        return 2
+    next_table = time.monotonic() + args.table
     try:
         try:
             while not stop and (args.steps <= 0 or step < args.steps):
@@ -258,6 +305,9 @@ def run_demo(args: argparse.Namespace) -> int:
                 if step % 100 == 0:
                     # note: a CPU-GPU sync point, the demo's own progress line every 100 steps
                     print(f"hookprof demo: step {step} loss {loss.item():.4f}", flush=True)
+                if args.table and time.monotonic() >= next_table:
+                    print(prof.report(), flush=True)  # up to now (a flush: one wait, every few s)
+                    next_table = time.monotonic() + args.table
                 if args.step_delay:
                     time.sleep(args.step_delay)
         except KeyboardInterrupt:

@@ -74,7 +74,10 @@ class DeviceCounters:
         # where a slot goes bad for the first time this step (written in place each step)
         self._fresh = torch.zeros(m, dtype=torch.bool, device=device)
         self._fresh_dropped = self._fresh[n + p]
-        self.dropped_values = torch.zeros(n, dtype=torch.float32, device=device)
+        # float64, whatever the readings' dtype: `where` promotes into it (no op more), a
+        # float64 square is never cast down to an inf, and the counters it travels with in
+        # one batch (ScalarBatch: cat) stay int64-exact past 2^24 (float32 promoted them: review)
+        self.dropped_values = torch.zeros(n, dtype=torch.float64, device=device)
         self._noted = False  # anything pending (a host bool: an unchecked step costs no op)
 
     def note(self, phase: str, bad: torch.Tensor) -> None:
@@ -113,10 +116,6 @@ class DeviceCounters:
             self._first.add_(fresh, alpha=step + 1)
             self._bad.add_(pending)
             if dropped is not None:  # the first dropped step's layers, kept to be named
-                if (
-                    dropped.backward.dtype != self.dropped_values.dtype
-                ):  # (float64 on a CPU's exact path)
-                    self.dropped_values = self.dropped_values.to(dropped.backward.dtype)
                 torch.where(
                     self._fresh_dropped,
                     dropped.backward,

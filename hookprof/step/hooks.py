@@ -239,9 +239,11 @@ class LayerHooks:
             yield
         finally:
             self._group = self._installs
-            added.remove()
-            self.replaying = False
-            self._activation_stats = stats_were_on
+            try:
+                added.remove()
+            finally:  # (a wrapper that would not come out must not leave replaying set)
+                self.replaying = False
+                self._activation_stats = stats_were_on
             if installed:
                 self.end()  # the replay's record: its parameter hooks go
                 # the sampled step goes on recording (its own hooks are removed at its end)

@@ -145,3 +145,41 @@ def test_dropped_steps_fold_across_devices_to_the_earliest_ones_layers():
         [b.dropped_values.tolist(), c.dropped_values.tolist()],
     )
     assert (both["dropped_first"], both["dropped_layers"]) == ([3], [0, 1, 1])
+
+
+def test_counters_past_2_24_fold_exactly_beside_the_kept_dropped_values():
+    """Review of issue 38's dropped count: the kept values rode in the counters' batch as
+    float32, and cat() promoted the int64 counters to float32 with them: a first step or a
+    count past 2^24 came back rounded (16777217 -> 16777216), and merge_counters kept it."""
+    from hookprof.nonfinite.detector import Detector, fold_counters
+    from hookprof.step.record import pack_step
+
+    det = Detector(3)
+    step = 2**24 + 1
+    det.end_step([torch.tensor([1.0, float("nan"), 2.0])], [], step)
+    det.by_device[torch.device("cpu")].layer_bad[1] = 2**24 + 3
+    packet = pack_step(step, None, det.blocks(), sampled=False, dropped_values=det.dropped_blocks())
+    folded = fold_counters(
+        [packet.batch.get(("counters", k)) for k in range(packet.counter_parts)],
+        3,
+        [packet.batch.get(("dropped", k)) for k in range(packet.dropped_parts)],
+    )
+    assert folded["layer_first"] == [-1, 2**24 + 1, -1]
+    assert folded["layer_bad"] == [0, 2**24 + 3, 0]
+
+
+def test_kept_dropped_values_are_never_cast_down_by_a_later_reading():
+    """A first dropped step read in float64 (a square of 1e300: finite) stays finite when a
+    later step's reading is float32: the layer is not named for an inf the cast made."""
+    from hookprof.nonfinite.detector import DeviceCounters, fold_counters
+    from hookprof.step.gradients import DroppedCheck
+
+    c = DeviceCounters(2, torch.device("cpu"))
+    for step, values in (
+        (1, torch.tensor([1e300, float("nan")], dtype=torch.float64)),
+        (2, torch.tensor([1.0, 1.0])),
+    ):
+        flags = torch.tensor([step == 1, False])
+        c.end_step(torch.zeros(2), None, step, DroppedCheck(flags[:1], flags[1:], values))
+    folded = fold_counters([c.flat.tolist()], 2, [c.dropped_values.tolist()])
+    assert folded["dropped_layers"] == [0, 1] and folded["dropped_first"] == [1]

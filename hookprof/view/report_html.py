@@ -16,7 +16,7 @@ from typing import Any
 
 from hookprof.files import write_atomic
 from hookprof.view.report_axes import step_axis
-from hookprof.view.report_charts import heatmap, line_chart, num, point_spans, timeline
+from hookprof.view.report_charts import heat_rows, heatmap, line_chart, num, point_spans, timeline
 from hookprof.view.report_script import CSS, SCRIPT
 from hookprof.view.table import COLUMNS, TITLES, LayerRow, cells, choose, from_document, sort_rows
 
@@ -240,7 +240,8 @@ def model_section(doc: dict[str, Any], index: int = 0) -> str:
             ms,
             at,
         ),
-        f'<h2>Gradient norm per layer <span class="muted">({len(hist["layers"])} tracked layers)</span></h2>',
+        f'<h2>Gradient norm per layer <span class="muted">({heat_rows(hist["layers"])} layers with a '
+        f"gradient norm, of {len(hist['layers'])} tracked)</span></h2>",
         heatmap(xs, steps, spans, hist["layers"], at, f"hatch{index}"),
         f'<h2>Layers <span class="muted">({len(doc["layer_totals"])} of {doc["layers_total"]} exported; '
         f"times per call over the sampled steps, share of the mean step; as <code>hookprof top</code> shows them)"

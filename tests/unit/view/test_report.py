@@ -280,6 +280,49 @@ def _with(doc: dict, **changes) -> dict:
     return out
 
 
+def test_a_gap_never_says_more_non_finite_steps_than_there_were(small_document):
+    """Issue 41: the events' counts add up the phases (a step bad in forward, backward and
+    loss counts three), so a gap's count could pass the steps it spans ("4,412 events not
+    kept (13,236 non-finite steps)" in 4,775 steps). It says "up to" the smaller bound."""
+
+    def event(step, new, total):
+        return {
+            "step": step,
+            "wall_time": None,
+            "new_nonfinite_steps": new,
+            "nonfinite_steps": total,
+            "layers": ["mlp.0"],
+            "more_layers": 0,
+        }
+
+    events = [event(3, 3, 3), event(10, 3, 30)]  # 24 phase counts lost between steps 3 and 10
+    hist = _with(small_document["history"], events=events, events_dropped=8)
+    doc = _with(
+        small_document,
+        history=hist,
+        steps=10,
+        first_nonfinite={"layer": "mlp.0", "phase": "forward", "step": 3, "summary": "NaN at 3"},
+    )
+    page = render([doc])
+    (gap,) = Elements(page).find("rect", **{"class": "dropped"})
+    assert gap["data-steps"] == "6"  # steps 4..9
+    assert "8 events not kept (up to 6 non-finite steps)" in page
+
+
+def test_the_heat_maps_heading_counts_the_rows_it_draws(small_document):
+    """Issue 41: "8 tracked layers" above 7 rows (a layer without parameters has no
+    gradient norm, so no row)."""
+    layers = small_document["history"]["layers"]
+    assert layers, "the fixture tracks layers"
+    silent = dict(layers[0], name="no.params", grad_norm=[None] * len(layers[0]["grad_norm"]))
+    hist = _with(small_document["history"], layers=[*layers, silent])
+    page = render([_with(small_document, history=hist)])
+    drawn = [g["data-layer"] for g in Elements(page).find("g", **{"class": "row"})]
+    heading = f"({len(drawn)} layers with a gradient norm, of {len(layers) + 1} tracked)"
+    assert heading in page, re.findall(r"\(\d+ layers with a gradient norm[^)]*\)", page)
+    assert "no.params" not in drawn and 0 < len(drawn) < len(layers) + 1
+
+
 def test_dropped_events_are_a_labelled_gap_not_a_clean_line(small_document):
     """The history keeps the first and the latest events: where it dropped some, the
     timeline draws a hatched, labelled stretch, with the steps the counts say were lost."""
@@ -322,7 +365,10 @@ def test_dropped_events_are_a_labelled_gap_not_a_clean_line(small_document):
         abs(float(gap["x"]) - x_of(4)) < 0.06
         and abs(float(gap["x"]) + float(gap["width"]) - x_of(700)) < 0.2
     )
-    assert gap["fill"].startswith("url(#") and "704 events not kept (297 non-finite steps)" in page
+    assert (
+        gap["fill"].startswith("url(#")
+        and "704 events not kept (up to 297 non-finite steps)" in page
+    )
     assert [a["data-step"] for a in el.find("circle", **{"class": "event"})] == [
         "3",
         "4",

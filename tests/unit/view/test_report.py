@@ -280,22 +280,24 @@ def _with(doc: dict, **changes) -> dict:
     return out
 
 
+def _event(step, new, total):
+    """One kept event of the history's NaN timeline."""
+    return {
+        "step": step,
+        "wall_time": None,
+        "new_nonfinite_steps": new,
+        "nonfinite_steps": total,
+        "layers": ["mlp.0"],
+        "more_layers": 0,
+    }
+
+
 def test_a_gap_never_says_more_non_finite_steps_than_there_were(small_document):
     """Issue 41: the events' counts add up the phases (a step bad in forward, backward and
     loss counts three), so a gap's count could pass the steps it spans ("4,412 events not
     kept (13,236 non-finite steps)" in 4,775 steps). It says "up to" the smaller bound."""
 
-    def event(step, new, total):
-        return {
-            "step": step,
-            "wall_time": None,
-            "new_nonfinite_steps": new,
-            "nonfinite_steps": total,
-            "layers": ["mlp.0"],
-            "more_layers": 0,
-        }
-
-    events = [event(3, 3, 3), event(10, 3, 30)]  # 24 phase counts lost between steps 3 and 10
+    events = [_event(3, 3, 3), _event(10, 3, 30)]  # 24 phase counts lost between steps 3 and 10
     hist = _with(small_document["history"], events=events, events_dropped=8)
     doc = _with(
         small_document,
@@ -327,21 +329,11 @@ def test_dropped_events_are_a_labelled_gap_not_a_clean_line(small_document):
     """The history keeps the first and the latest events: where it dropped some, the
     timeline draws a hatched, labelled stretch, with the steps the counts say were lost."""
 
-    def event(step, new, total):
-        return {
-            "step": step,
-            "wall_time": None,
-            "new_nonfinite_steps": new,
-            "nonfinite_steps": total,
-            "layers": ["mlp.0"],
-            "more_layers": 0,
-        }
-
     events = [
-        event(3, 1, 1),
-        event(4, 1, 2),
-        event(700, 1, 300),
-        event(800, 2, 302),
+        _event(3, 1, 1),
+        _event(4, 1, 2),
+        _event(700, 1, 300),
+        _event(800, 2, 302),
     ]  # 297 steps lost
     hist = _with(small_document["history"], events=events, events_dropped=704)
     doc = _with(

@@ -206,8 +206,7 @@ class Packet:
     (record, not sampled) or a drain of the non-finite counters alone (neither)."""
 
     step: int  # 1-based number of the step
-    # set when the device-to-host copy is started (pack_step: every packet has one)
-    batch: HostBatch = field(default_factory=lambda: HostBatch({}, {}))
+    batch: HostBatch  # the step's one device-to-host copy, started (pack_step)
     record: StepRecord | None = None
     sampled: bool = True
     grad_parts: int = 0  # how many per-device gradient vectors the batch holds
@@ -304,8 +303,17 @@ def pack_step(
         count_parts[name] = len(blocks)
     for key, values in extra:  # other device scalars of the step (weight and update norms)
         batch.add(key, values)
-    packet = Packet(
+    loss_in_batch, host_loss = False, None
+    if isinstance(loss, torch.Tensor) and not transfer.on_host(loss):
+        batch.add("loss", loss.detach().reshape(-1)[:1])  # rides the step's one copy
+        loss_in_batch = True
+    elif loss is not None:  # a number, or a tensor readable without a wait (transfer.on_host)
+        host_loss = (
+            float(loss.detach().reshape(-1)[0]) if isinstance(loss, torch.Tensor) else float(loss)
+        )
+    return Packet(
         step=step,
+        batch=batch.send(),
         record=record,
         sampled=sampled,
         grad_parts=len(parts),
@@ -320,16 +328,9 @@ def pack_step(
         not_replayed=not_replayed,
         replay_moved=replay_moved,
         capsule=capsule,
+        loss=host_loss,
+        loss_in_batch=loss_in_batch,
     )
-    if isinstance(loss, torch.Tensor) and not transfer.on_host(loss):
-        batch.add("loss", loss.detach().reshape(-1)[:1])  # rides the step's one copy
-        packet.loss_in_batch = True
-    elif loss is not None:  # a number, or a tensor readable without a wait (transfer.on_host)
-        packet.loss = (
-            float(loss.detach().reshape(-1)[0]) if isinstance(loss, torch.Tensor) else float(loss)
-        )
-    packet.batch = batch.send()
-    return packet
 
 
 def _add_statistics(batch: ScalarBatch, record: StepRecord) -> tuple[list[tuple[int, int]], int]:

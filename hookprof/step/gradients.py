@@ -555,7 +555,9 @@ class StepGradients:
         backward, update = self.backward, self.squares
         if backward is None or update is None:
             return update, None
-        by_device = {p.device: p for p in backward[0]}
+        by_device = {}
+        for p in backward[0]:  # (a loop, not a comprehension: no Python call each step)
+            by_device[p.device] = p
         parts = []
         dropped: dict[torch.device, DroppedCheck] = {}
         for u in update[0]:

@@ -139,7 +139,6 @@ class LayerHooks:
         # compiled call: see _wrap); a replay's additions go in a group of their own
         self._installs = HandleGroup()
         self._group = self._installs  # where an install goes now
-        self._wrappers = 0  # wrappers in place
         self._skipped: list[int] = []  # layers left out: their calls run inside a compiled graph
         # the compiled regions with children (see _install_regions): row -> every parameter
         # of the module, where its backward ends when its inputs need no gradient; and
@@ -369,16 +368,12 @@ class LayerHooks:
             setattr(target, attribute, wrapper)
         except Exception:
             return False
-        self._wrappers += 1
         self._group.add(Handle(partial(self._unwrap, target, attribute, wrapper, prior)))
         return True
 
     def _unwrap(self, target: Any, attribute: str, wrapper: ForwardWrapper, prior: Any) -> None:
         """Take one wrapper out: restore only our own attribute (one set over ours since is
         left alone; our wrapper inside it then just calls through)."""
-        self._wrappers -= 1
-        if not self._wrappers:
-            self._region_params, self._hides = {}, False
         if target.__dict__.get(attribute) is wrapper:
             if prior is _NO_ATTRIBUTE:
                 delattr(target, attribute)

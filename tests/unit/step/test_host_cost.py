@@ -35,7 +35,7 @@ from support.settings import RARELY
 # "Host cost per unsampled step"
 MAX_OPS = 38
 MAX_TENSORS = 36
-MAX_CALLS = 88
+MAX_CALLS = 87
 
 
 @pytest.fixture

@@ -49,8 +49,8 @@ class DisabledProfiler:
         if self._detached:
             raise DetachedError("Profiler.step() called after detach(); attach the model again")
 
-    def report_document(self) -> dict[str, Any]:
-        return document(self.name, Snapshot(), History([]))
+    def report_document(self, recent: int | None = None) -> dict[str, Any]:
+        return document(self.name, Snapshot(), History([]), recent)
 
     def expect_slow(self, what: str = "slow section") -> contextlib.nullcontext:
         return contextlib.nullcontext()

@@ -51,6 +51,7 @@ from hookprof.step.gradients import GradientNorms, StepGradients, no_gradients_n
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import StepCounters, StepRecord, loss_notice, pack_step, real_loss
 from hookprof.step.sampled import SampledStep
+from hookprof.step.series import StepSeries
 from hookprof.view import summary
 
 detach_all = live.detach_all
@@ -134,9 +135,10 @@ class Profiler:
         self._faults = Faults()
         self._notices = Notices()
         self._counters = StepCounters(config.max_skipped_steps)
-        self._grads = StepGradients(
-            GradientNorms(self.table), every_step=config.nonfinite_check == "all"
-        )
+        self._series = StepSeries()  # every step's loss and gradient norm (step/series.py)
+        norms = GradientNorms(self.table)
+        norms.series = self._series
+        self._grads = StepGradients(norms, every_step=config.nonfinite_check == "all")
         # the gradients as each backward left them (before a clip or a user's guard rewrites them)
         self._backward_end = BackwardEnd(
             self._grads.backward_ended if config.capsule_dir is None else self._backward_ended,
@@ -296,9 +298,10 @@ class Profiler:
             self._drain_counters()
         return self._incidents.flushed(self._publisher.flush(timeout), self.detached, timeout)
 
-    def report_document(self) -> dict[str, Any]:
-        """The run report's data for this model (what /history.json serves; publish/document.py)."""
-        return document(self.name, self._publisher.latest, self._publisher.history)  # type: ignore[arg-type]
+    def report_document(self, recent: int | None = None) -> dict[str, Any]:
+        """The run report's data for this model (what /history.json serves; publish/document.py);
+        with `recent`, only the last `recent` steps' loss and gradient norm."""
+        return document(self.name, self._publisher.latest, self._publisher.history, recent)  # type: ignore[arg-type]
 
     def step(self, loss: Any = None) -> None:
         """Mark a step boundary; `loss` (tensor or number) is exported on sampled steps.
@@ -389,6 +392,7 @@ class Profiler:
         # an open incident samples every step (its window's end read first: one call less)
         incident = number <= self._incidents.open_until and self._incidents.open(number)
         self._nan.step_began()
+        self._series.begin(number)
         record = self._sampled.begin(
             number,
             now_ns,
@@ -494,11 +498,15 @@ class Profiler:
 
     def _on_loss(self, loss: Any) -> None:  # prof.step(loss), before the step ends
         self._nan.check_loss(loss, self._counters.steps + 1)
+        if loss is not None:
+            self._series.loss(loss)
 
     def _on_late_loss(self, loss: Any) -> None:
         """prof.step(loss) after the optimizer hook ended the step: this adds its loss."""
         number = self._counters.steps
         self._nan.check_loss(loss, number, late=True)
+        if loss is not None:
+            self._series.loss(loss, number)
         if loss is not None and self._sampled.last_sent == number:  # it was a sampled step
             # sent on its own (a copy of one value on an accelerator): this happens once,
             # when prof.step() takes over after optimizer steps ended them
@@ -548,6 +556,7 @@ class Profiler:
                 loss=loss,
                 efficiency=efficiency,
                 extra=extra,
+                series=self._series.take(number),
             )
             packet.steps_at_end = self._counters.totals()
             return packet
@@ -562,6 +571,8 @@ class Profiler:
         if self._sampled.plan.sampled or now >= self._supervisor.due_ns:  # not every step
             self._supervisor.check(now)
         self._incidents.at_step_end(number)
+        if number >= self._series.due:  # the ring would be written over before a drain
+            self._drain_counters()
         self._begin_step(number + 1, now)
 
     def _on_no_step_signal(self) -> None:
@@ -585,7 +596,8 @@ class Profiler:
 
     def _drain_counters(self) -> None:
         """Send the non-finite counters alone (no sampled step to carry them)."""
-        self._nan.drain(self._counters.steps)
+        steps = self._counters.steps
+        self._nan.drain(steps, series=self._series.take(steps))
 
     def _release_step(self) -> None:
         """At detach: layer hooks out; a sampled step that never ended gives its events back."""

@@ -326,9 +326,10 @@ class NonfiniteChecks:
             **kwargs,
         )
 
-    def drain(self, steps: int) -> None:
-        """Send the non-finite counters alone (no sampled step to carry them)."""
-        self._publisher.submit(self.pack(steps, None, sampled=False))
+    def drain(self, steps: int, **kwargs: Any) -> None:
+        """Send the non-finite counters alone (no sampled step to carry them), and whatever
+        `kwargs` add (the every-step series)."""
+        self._publisher.submit(self.pack(steps, None, sampled=False, **kwargs))
 
     def _take_compiled(self, step: int) -> bool:
         """The compiled forwards' output check since the last take, handed to the same

@@ -330,6 +330,12 @@ class Aggregator:
                 fresh[k][layer] = value
         self.statistic_values = fresh
 
+    @property
+    def first_nonfinite_step(self) -> int | None:
+        """The step of the run's first NaN/Inf as the counters say, once known."""
+        event = self._attribution.event
+        return None if event is None else event.step
+
     @staticmethod
     def loss_of(packet: Packet) -> float | None:
         """The loss a packet carries (in its batch, or as a Python number); the history

@@ -23,9 +23,21 @@ from hookprof.snapshot import Snapshot
 NONFINITE = "NaN/Inf"  # how a non-finite number is written in the JSON (JSON has none)
 
 
-def document(name: str, snapshot: Snapshot, history: History) -> dict[str, Any]:
+def document(
+    name: str, snapshot: Snapshot, history: History, recent: int | None = None
+) -> dict[str, Any]:
     """One model's report: the history's series and the snapshot's per-layer totals (mean
-    forward and backward seconds per sampled step, for the layers the exporter shows)."""
+    forward and backward seconds per sampled step, for the layers the exporter shows). With
+    `recent`, only who it is and its last `recent` steps' loss and gradient norm (what
+    `hookprof top` reads every second: /history.json?recent, a few KB, not the whole)."""
+    if recent is not None:
+        return {
+            "model": name,
+            "rank": snapshot.rank,
+            "steps": snapshot.step,
+            "recent": history.every_step.tail(recent),
+            "lead_up": history.every_step.tail(recent, lead_up=True),
+        }
     sampled = max(snapshot.sampled_steps, 1)
     layers = []
     for layer_name in snapshot.exported_layers:

@@ -34,6 +34,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from hookprof.publish.every_step import EveryStep, stored
+from hookprof.step.series import decode
+
+__all__ = ["History", "stored"]
+
 if TYPE_CHECKING:
     from hookprof.publish.aggregate import Aggregator
     from hookprof.step.record import Packet, StepCounters
@@ -56,14 +61,6 @@ COLUMNS = {
     "steps": "sum",  # sampled steps / steps a point covers (the weights)
 }
 LAYER_COLUMNS = {"forward_seconds": "mean", "backward_seconds": "mean", "grad_norm": "max"}
-
-
-def stored(value: float | None) -> float:
-    """How a number is kept: NaN for none, +inf for a non-finite one."""
-    if value is None:
-        return _MISSING
-    value = float(value)
-    return value if math.isfinite(value) else math.inf
 
 
 def _merge(rule: str, a: float, b: float, wa: float, wb: float) -> float:
@@ -126,6 +123,8 @@ class History:
         self._regions_seen = 0  # timed compiled-region rows when slots were last looked at
         self._opened = 0  # points opened so far
         self._ranked_bad = 0  # non-finite steps when the slots were last assigned
+        # every step's loss and gradient norm, not only the sampled steps' (publish/every_step.py)
+        self.every_step = EveryStep()
 
     # ---------------- feeding (publisher thread) ----------------
 
@@ -137,6 +136,11 @@ class History:
             steps, total = packet.steps_at_end
         bad = int(sum(aggregator.counters["phase_bad"]))
         loss = aggregator.loss_of(packet)
+        if packet.series is not None:
+            blocks = [packet.batch.get(("series", k)) for k in range(len(packet.series.devices))]
+            self.every_step.observe(
+                decode(packet.series, blocks, packet.step), aggregator.first_nonfinite_step
+            )
         with self._lock:
             if packet.sampled:
                 self._add_point(packet.step, steps, total, wall, aggregator, bad, loss)
@@ -352,6 +356,7 @@ class History:
                 "layers": layers,
                 "events": events,
                 "events_dropped": self.events_dropped,
+                "every_step": self.every_step.view(),
             }
 
     def nbytes(self) -> int:

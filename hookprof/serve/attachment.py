@@ -75,7 +75,9 @@ class Serving:
                 registered=self._registered if registry is not None else None,
             )
 
-    def join(self, document: Callable[[], dict[str, Any]], supervisor: ThreadSupervisor) -> Handle:
+    def join(
+        self, document: Callable[[int | None], dict[str, Any]], supervisor: ThreadSupervisor
+    ) -> Handle:
         """Serving: join the process's endpoint on the configured port (base_port +
         LOCAL_RANK; it starts on the first member), its page re-rendered when this model's
         snapshot changes. Returns what leaves it (and takes out collectors put in a caller's

@@ -54,7 +54,7 @@ class Member:
         name: str,
         collector: SnapshotCollector,
         version: Callable[[], tuple[Any, ...]],
-        document: Callable[[], dict[str, Any]],
+        document: Callable[[int | None], dict[str, Any]],
     ):
         self.name = name
         self.collector = collector
@@ -212,11 +212,12 @@ class Endpoint:
                 self.system.stop()
             self.server.close()
 
-    def _history_json(self) -> bytes:
-        """/history.json: every member's report document (report.py)."""
+    def _history_json(self, recent: int | None = None) -> bytes:
+        """/history.json: every member's report document (report.py); with `recent`, their
+        last steps only (/history.json?recent: `hookprof top`)."""
         from hookprof.publish.document import to_json
 
-        return to_json([m.document() for m in self.members()])
+        return to_json([m.document(recent) for m in self.members()])
 
     def _page_version(self) -> tuple[Any, ...]:
         """What the page is made from: it is re-rendered when any of these changes."""

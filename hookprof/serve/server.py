@@ -65,7 +65,9 @@ class CachedPage:
             return body
 
 
-def make_app(page: CachedPage, history: CachedHistory | None = None) -> Callable:
+def make_app(
+    page: CachedPage, history: CachedHistory | None = None, recent: CachedHistory | None = None
+) -> Callable:
     def app(environ: dict, start_response: Callable) -> list[bytes]:
         if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
             start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
@@ -75,7 +77,8 @@ def make_app(page: CachedPage, history: CachedHistory | None = None) -> Callable
             return [b""]
         if history is not None and environ.get("PATH_INFO") == HISTORY_PATH:
             start_response("200 OK", [("Content-Type", "application/json")])
-            return [history.get()]
+            wanted = recent if environ.get("QUERY_STRING") == RECENT_QUERY else None
+            return [(wanted or history).get()]
         open_metrics = "application/openmetrics-text" in environ.get("HTTP_ACCEPT", "")
         compressed = "gzip" in environ.get("HTTP_ACCEPT_ENCODING", "")
         body = page.get(open_metrics, compressed)
@@ -94,6 +97,8 @@ def make_app(page: CachedPage, history: CachedHistory | None = None) -> Callable
 
 
 HISTORY_PATH = "/history.json"  # the run report's data (hookprof/report.py)
+RECENT_QUERY = "recent"  # /history.json?recent: the last RECENT_STEPS steps only (`top`)
+RECENT_STEPS = 120
 
 
 class CachedHistory:
@@ -168,12 +173,18 @@ class MetricsServer:
         keyfile: str | None = None,
         client_cafile: str | None = None,
         limits: Limits | None = None,
-        history: Callable[[], bytes] | None = None,
+        history: Callable[[int | None], bytes] | None = None,
     ):
         from hookprof.config import Config
 
         self.page = CachedPage(registry, version)
-        self.history = CachedHistory(history) if history is not None else None
+        self.history = CachedHistory(lambda: history(None)) if history is not None else None
+        # small and asked for every second by `top`: made again at most once a second
+        self.recent = (
+            CachedHistory(lambda: history(RECENT_STEPS), max_age_s=1.0)
+            if history is not None
+            else None
+        )
         self.limits = limits if limits is not None else Limits.from_config(Config())
         self.connections = ConnectionCounters()
         self._context = (
@@ -191,7 +202,7 @@ class MetricsServer:
             self._server = Server(
                 self.addr,
                 port,
-                make_app(self.page, self.history),
+                make_app(self.page, self.history, self.recent),
                 self.limits,
                 context=self._context,
                 on_reject=self.connections.add,

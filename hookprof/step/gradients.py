@@ -49,6 +49,7 @@ import torch
 from hookprof.device import transfer
 from hookprof.device.transfer import index_to_device
 from hookprof.layers import LayerTable
+from hookprof.step.series import StepSeries, norm_into
 
 
 def local_tensor(grad: torch.Tensor) -> torch.Tensor:
@@ -161,8 +162,11 @@ class GradientNorms:
         self._distributed = table.has_dtensor_params or any(p.is_complex() for p in self._params)
         self._check_plans: dict[tuple[int, ...], _CheckPlan] = {}
         self._n = len(table)
+        # where the update reading writes each step's global norm (step/series.py); None:
+        # not kept (a GradientNorms of the update norms, or of a test)
+        self.series: StepSeries | None = None
 
-    def layer_checks(self) -> tuple[list[torch.Tensor], frozenset[int]]:
+    def layer_checks(self, norm: bool = False) -> tuple[list[torch.Tensor], frozenset[int]]:
         """Per device: per layer, a float32 value that is non-finite exactly when the layer's
         gradients hold a NaN or Inf (the sum of its gradients, or its squared norm for
         strided ones; a finite value or sum past float32's range, ~3.4e38, also reads as
@@ -170,9 +174,10 @@ class GradientNorms:
         any gradient. Same shape as `layer_squares`, fewer ops: see the module's docstring.
         Falls back to `layer_squares` where the fused check does not apply (a CPU with
         `cpu_dot_per_tensor`, a device other than CUDA, gradients on several devices,
-        sparse or DTensor ones)."""
+        sparse or DTensor ones). With `norm`, the global gradient norm is also written into
+        the step's slot of `series` (step/series.py), from the values already read."""
         if self._distributed:
-            return self._grouped()
+            return self.normed(self._grouped(), norm)
         grads = list(map(_GRAD, self._params))  # C-level: no Python call per gradient
         missing: tuple[int, ...] = ()
         if not all(map(operator.is_not, grads, repeat(None))):
@@ -187,31 +192,43 @@ class GradientNorms:
         ):
             plan = self._make_check_plan(grads, missing)  # new, or the model was moved or cast
         if plan.chunks is None:
-            return self.layer_squares()
+            return self.normed(self.layer_squares(), norm)
         try:
-            return [self._checked(plan, grads)], plan.seen
+            return [self._checked(plan, grads, norm)], plan.seen
         except (RuntimeError, UserWarning):  # a gradient changed shape alone: plan again, once
             plan = self._make_check_plan(grads, missing)
             if plan.chunks is None:
-                return self.layer_squares()
+                return self.normed(self.layer_squares(), norm)
             try:
-                return [self._checked(plan, grads)], plan.seen
+                return [self._checked(plan, grads, norm)], plan.seen
             except (RuntimeError, UserWarning):
-                return self.layer_squares()  # (exact, and per gradient: never no check)
+                # (exact, and per gradient: never no check)
+                return self.normed(self.layer_squares(), norm)
 
-    def _checked(self, plan: _CheckPlan, grads: list[Any]) -> torch.Tensor:
+    def normed(
+        self, squares: tuple[list[torch.Tensor], frozenset[int]], norm: bool = True
+    ) -> tuple[list[torch.Tensor], frozenset[int]]:
+        if norm and self.series is not None:
+            self.series.write_norm_of_squares(squares[0])
+        return squares
+
+    def _checked(self, plan: _CheckPlan, grads: list[Any], norm: bool = False) -> torch.Tensor:
         ordered = list(map(grads.__getitem__, plan.order))
         out = torch.zeros(self._n, dtype=torch.float32, device=plan.device)
+        read: list[torch.Tensor] = []  # what the norm is taken over (norm)
         for chunk in plan.chunks or ():  # one "cat" chunk: the usual model
             part = ordered[chunk.start : chunk.stop]
             kind = chunk.kind
             if kind == "scalar":
                 values = torch.stack(part)
+                read.append(values)
             elif kind == "strided":
                 values = torch.stack(torch._foreach_norm(part, 2, dtype=torch.float32))
+                read.append(values)  # (their norms: the norm of norms is theirs)
             else:
                 if kind == "view":
                     flat = part[0].view(-1)  # the user's gradient: read, never written
+                    read.append(flat)
                     if chunk.narrow_range:
                         flat = flat.sub(flat)
                 else:
@@ -221,7 +238,11 @@ class GradientNorms:
                         else torch.cat([g.reshape(-1) for g in part])
                     )
                     if chunk.narrow_range:
+                        if norm:  # before the copy becomes 0 or NaN
+                            read.append(torch.linalg.vector_norm(flat, dtype=torch.float64))
                         flat.sub_(flat)  # our own copy: 0 where finite, NaN where not
+                    else:
+                        read.append(flat)
                 if flat.numel() != chunk.numel:  # a gradient changed shape: its pieces with it
                     raise RuntimeError("the gradients' sizes changed since the plan")
                 # unsafe: the lengths are ours, and their total is checked above; the safe
@@ -230,6 +251,12 @@ class GradientNorms:
             out.index_add_(
                 0, chunk.layer_index, values if values.dtype == torch.float32 else values.float()
             )
+        if norm and self.series is not None and read and plan.device is not None:
+            slot = self.series.norm_slot(plan.device)
+            if len(read) == 1:  # the usual: one op, inline
+                torch.linalg.vector_norm(read[0], dtype=torch.float64, out=slot)
+            else:
+                norm_into(slot, read)
         return out
 
     def _make_check_plan(self, grads: list[Any], missing: tuple[int, ...]) -> _CheckPlan:
@@ -526,7 +553,10 @@ class StepGradients:
         ):  # (an optimizer's pre-hook: the step's end need not look at late replays again)
             self.read_at_update = True
         if self.squares is None and (sampled or self._every_step):
-            self.squares = self._norms.layer_squares() if sampled else self._norms.layer_checks()
+            norms = self._norms  # with the step's global norm (step/series.py)
+            self.squares = (
+                norms.normed(norms.layer_squares()) if sampled else norms.layer_checks(norm=True)
+            )
             self.exact = sampled
 
     def at_step_end(
@@ -592,7 +622,11 @@ class StepGradients:
     def unscale(self, view: Any) -> None:
         """A fused optimizer's GradScaler step (guard.ScalerView): norms of the unscaled
         gradients, as the update sees them."""
-        if view is not None and self.squares is not None and self.exact:
+        if view is None or self.squares is None:
+            return
+        if view.scale is not None and self._norms.series is not None:
+            self._norms.series.unscale_norm(view.scale)  # the step's global norm too
+        if self.exact:
             self.squares = (view.unscale(self.squares[0]), self.squares[1])
 
 

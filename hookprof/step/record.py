@@ -24,6 +24,7 @@ import torch
 from hookprof.device import transfer
 from hookprof.device.transfer import HostBatch, ScalarBatch
 from hookprof.snapshot import STEP_DURATION_BUCKETS
+from hookprof.step.series import SeriesDrain
 
 
 class Call:
@@ -231,6 +232,9 @@ class Packet:
     not_replayed: str | None = None
     replay_moved: int = 0  # a replay's packet: updates applied between its forward and the replay
     capsule: str | None = None  # the incident capsule written for `step` (nonfinite/capsule.py)
+    # every step's loss and gradient norm since the last drain: the batch's ("series", k)
+    # blocks are the rings of `series.devices` (step/series.py)
+    series: SeriesDrain | None = None
 
 
 def real_loss(loss: Any) -> tuple[Any, str | None]:
@@ -281,6 +285,7 @@ def pack_step(
     replay_moved: int = 0,
     capsule: str | None = None,
     dropped_values: Sequence[torch.Tensor] = (),
+    series: tuple[list[torch.Tensor], SeriesDrain] | None = None,
 ) -> Packet:
     """Gather one step's device scalars (per-device gradient squares, the record's activation
     reductions, the non-finite counter blocks, the loss) and start their one device-to-host
@@ -303,6 +308,8 @@ def pack_step(
         count_parts[name] = len(blocks)
     for key, values in extra:  # other device scalars of the step (weight and update norms)
         batch.add(key, values)
+    for k, ring in enumerate(series[0] if series is not None else ()):
+        batch.add(("series", k), ring)  # (cat copies it: the next steps' writes come after)
     loss_in_batch, host_loss = False, None
     if isinstance(loss, torch.Tensor) and not transfer.on_host(loss):
         batch.add("loss", loss.detach().reshape(-1)[:1])  # rides the step's one copy
@@ -328,6 +335,7 @@ def pack_step(
         not_replayed=not_replayed,
         replay_moved=replay_moved,
         capsule=capsule,
+        series=series[1] if series is not None else None,
         loss=host_loss,
         loss_in_batch=loss_in_batch,
     )

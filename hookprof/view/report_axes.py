@@ -54,12 +54,14 @@ def linear_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
 
 
 def log_ticks(lo: float, hi: float) -> list[float]:
-    """Powers of ten covering [lo, hi] (lo > 0), every other one when there are many."""
+    """Powers of ten covering [lo, hi] (lo > 0), at most ~9 of them: every k-th power when
+    there are many (a divergence's gradient norm spans 40 decades: labels one above the
+    other would overlap)."""
     a, b = (
         math.floor(math.log10(lo)),
         max(math.ceil(math.log10(hi)), math.floor(math.log10(lo)) + 1),
     )
-    every = 1 if b - a <= 8 else 2
+    every = max(1, math.ceil((b - a) / 8))
     b = a + math.ceil((b - a) / every) * every
     return [10.0**k for k in range(a, b + 1, every)]
 

@@ -45,7 +45,7 @@ def step_label(s: float) -> str:
     return f"{s:,.0f}"
 
 
-def _svg(cls: str, height: float, xs: Scale, extra: str = "") -> str:
+def svg_open(cls: str, height: float, xs: Scale, extra: str = "") -> str:
     """An SVG that scales to the page's width; its step axis (s0..s1 at x0..x1 in the
     viewBox) is in its data-* for the hover script."""
     s0, s1 = xs.domain
@@ -109,18 +109,46 @@ def line_chart(
     or not finite), a red band over the steps of a non-finite one, the incident's step.
     `spans[i]` is the first step point i covers. Drawn on a log axis when `log_allowed`
     and the values span more than 1000x."""
-    head = f'<div class="chart-box"><h3>{html.escape(title)}</h3>'
-    finite = [v for v in values if v is not None and math.isfinite(v)]
     if not any(v is not None for v in values):
+        head = f'<div class="chart-box"><h3>{html.escape(title)}</h3>'
         return head + '<p class="muted">no values yet</p></div>'
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    ys, frame = chart_frame(kind, title, unit, xs, finite, log_allowed)
+    bottom = HEIGHT - PAD_B
+    out = [frame]
+    segments: list[list[str]] = [[]]
+    for s, first, v in zip(steps, spans, values):
+        if v is None or math.isinf(v):
+            if segments[-1]:
+                segments.append([])
+            if v is not None:  # over the steps the point covers, none before the first NaN
+                x0, x1 = xs(_from(first, incident)), xs(s)
+                out.append(
+                    f'<rect class="nonfinite" data-step="{s:g}" x="{x0:.1f}" y="{PAD_T}" '
+                    f'width="{max(x1 - x0, 2):.1f}" height="{bottom - PAD_T:g}" fill="{BAD}" '
+                    f'fill-opacity="0.16"/><rect class="nonfinite-top" x="{x0:.1f}" y="{PAD_T}" '
+                    f'width="{max(x1 - x0, 2):.1f}" height="5" fill="{BAD}"/>'
+                )
+            continue
+        segments[-1].append(f"{xs(s):.1f},{ys(v):.1f}")
+    out.append(line_marks(xs, segments, steps, spans, [num(v) for v in values], incident))
+    return "".join(out) + "</div>"
+
+
+def chart_frame(
+    kind: str, title: str, unit: str, xs: Scale, finite: list[float], log_allowed: bool
+) -> tuple[Scale, str]:
+    """A line chart's heading, its opened SVG, y grid and ticks over the `finite` values (a
+    log axis when `log_allowed` and they span more than 1000x) and both axes; and its y
+    scale."""
     lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
     log = log_allowed and lo > 0 and hi / lo > 1e3
     ticks = log_ticks(lo, hi) if log else linear_ticks(lo, hi)
     ys = Scale(ticks[0], ticks[-1], HEIGHT - PAD_B, PAD_T, log=log)
     bottom = HEIGHT - PAD_B
     out = [
-        head,
-        _svg(
+        f'<div class="chart-box"><h3>{html.escape(title)}</h3>',
+        svg_open(
             "chart",
             HEIGHT,
             xs,
@@ -137,34 +165,34 @@ def line_chart(
         )
     out.append(step_axis_marks(xs, bottom, PAD_T))
     out.append(f'<line class="axis" x1="{xs.a:g}" y1="{PAD_T}" x2="{xs.a:g}" y2="{bottom:g}"/>')
-    segments: list[list[str]] = [[]]
-    for s, first, v in zip(steps, spans, values):
-        if v is None or math.isinf(v):
-            if segments[-1]:
-                segments.append([])
-            if v is not None:  # over the steps the point covers, none before the first NaN
-                x0, x1 = xs(_from(first, incident)), xs(s)
-                out.append(
-                    f'<rect class="nonfinite" data-step="{s:g}" x="{x0:.1f}" y="{PAD_T}" '
-                    f'width="{max(x1 - x0, 2):.1f}" height="{bottom - PAD_T:g}" fill="{BAD}" '
-                    f'fill-opacity="0.16"/><rect class="nonfinite-top" x="{x0:.1f}" y="{PAD_T}" '
-                    f'width="{max(x1 - x0, 2):.1f}" height="5" fill="{BAD}"/>'
-                )
-            continue
-        segments[-1].append(f"{xs(s):.1f},{ys(v):.1f}")
+    return ys, "".join(out)
+
+
+def line_marks(
+    xs: Scale,
+    segments: list[list[str]],
+    steps: list[float],
+    firsts: list[float],
+    values: list[str],
+    incident: int | None,
+) -> str:
+    """A chart's line through `segments` (its pieces of "x,y" points), carrying every
+    point's steps and value (as the hover shows them), a dot for a point alone between two
+    gaps, the incident's mark, the hover's crosshair; closes the SVG."""
+    bottom = HEIGHT - PAD_B
     d = " ".join("M" + " L".join(seg) for seg in segments if len(seg) > 1)
-    out.append(
+    out = [
         f'<path class="line" data-steps="{" ".join(f"{s:g}" for s in steps)}" '
-        f'data-first="{" ".join(f"{s:g}" for s in spans)}" '
-        f'data-values="{" ".join(num(v) for v in values)}" d="{d}"/>'
-    )
-    for seg in segments:  # a finite point between two gaps has no line: a dot
+        f'data-first="{" ".join(f"{s:g}" for s in firsts)}" '
+        f'data-values="{" ".join(values)}" d="{d}"/>'
+    ]
+    for seg in segments:
         if len(seg) == 1:
             cx, cy = seg[0].split(",")
             out.append(f'<circle class="dot" cx="{cx}" cy="{cy}" r="2.5"/>')
     out.append(incident_mark(xs, incident, PAD_T, bottom))
     out.append(
-        f'<line class="cross" x1="0" x2="0" y1="{PAD_T}" y2="{bottom:g}" display="none"/></svg></div>'
+        f'<line class="cross" x1="0" x2="0" y1="{PAD_T}" y2="{bottom:g}" display="none"/></svg>'
     )
     return "".join(out)
 
@@ -254,7 +282,7 @@ def heatmap(
     bottom = top + HEAT_ROW * len(binned)
     height = bottom + 40
     out = [
-        _svg("heatmap", height, xs, f'data-lo="{10**lo:.6g}" data-hi="{10**hi:.6g}"'),
+        svg_open("heatmap", height, xs, f'data-lo="{10**lo:.6g}" data-hi="{10**hi:.6g}"'),
         f'<defs><pattern id="{hatch_id}" width="6" height="6" patternUnits="userSpaceOnUse" '
         f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#f4f4f4"/>'
         f'<line x1="0" y1="0" x2="0" y2="6" stroke="#bbb" stroke-width="2"/></pattern></defs>',
@@ -334,7 +362,7 @@ def timeline(
     height = 74
     y = 30
     out = [
-        _svg("timeline", height, xs),
+        svg_open("timeline", height, xs),
         f'<defs><pattern id="{hatch_id}" width="6" height="6" patternUnits="userSpaceOnUse" '
         f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#fbe9e9"/>'
         f'<line x1="0" y1="0" x2="0" y2="6" stroke="{BAD}" stroke-opacity="0.45" stroke-width="2"/></pattern></defs>',

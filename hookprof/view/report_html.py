@@ -18,6 +18,7 @@ from hookprof.files import write_atomic
 from hookprof.view.report_axes import step_axis
 from hookprof.view.report_charts import heat_rows, heatmap, line_chart, num, point_spans, timeline
 from hookprof.view.report_script import CSS, SCRIPT
+from hookprof.view.report_steps import has_values, step_chart
 from hookprof.view.table import COLUMNS, TITLES, LayerRow, cells, choose, from_document, sort_rows
 
 TABLE_ROWS = 200  # the busiest layers in the table, plus every one that went non-finite
@@ -39,6 +40,7 @@ def last_step(doc: dict[str, Any]) -> float:
         [
             float(doc["steps"]),
             *doc["history"]["points"]["step"],
+            *(doc["history"].get("every_step") or {"full": {"step": []}})["full"]["step"][-1:],
             *(e["step"] for e in doc["history"]["events"]),
             *([first["step"]] if first else []),
         ]
@@ -186,6 +188,25 @@ def _table_row(row: LayerRow) -> str:
     return f'<tr data-layer="{html.escape(row.layer)}"{" class=bad-row" if bad else ""}>{"".join(out)}</tr>'
 
 
+def _loss_or_norm(doc: dict[str, Any], xs: Any, col: str, at: int | None) -> str:
+    """The loss or global gradient norm chart: every step (report_steps.py) where the
+    history has them, else the sampled steps' points (a document from before they were kept,
+    or a run that gave no loss)."""
+    hist = doc["history"]
+    every = hist.get("every_step")
+    if has_values(every, col):
+        title = "Loss, every step" if col == "loss" else "Global gradient norm, every step"
+        return step_chart(col, title, xs, every, col, at, doc["nonfinite_steps"], log_allowed=True)
+    pts = hist["points"]
+    title = (
+        "Loss (mean over the sampled steps a point covers)"
+        if col == "loss"
+        else "Global gradient norm (maximum over a point)"
+    )
+    spans = point_spans(pts["step"], pts.get("steps", []))
+    return line_chart(col, title, "", xs, pts["step"], spans, pts[col], at, col != "loss")
+
+
 def model_section(doc: dict[str, Any], index: int = 0) -> str:
     hist = doc["history"]
     pts = hist["points"]
@@ -209,27 +230,8 @@ def model_section(doc: dict[str, Any], index: int = 0) -> str:
         parts.append(timeline(xs, events, hist["events_dropped"], at, f"dropped{index}"))
     parts += [
         "<h2>Over the run</h2>",
-        line_chart(
-            "loss",
-            "Loss (mean over the sampled steps a point covers)",
-            "",
-            xs,
-            steps,
-            spans,
-            pts["loss"],
-            at,
-        ),
-        line_chart(
-            "grad_norm",
-            "Global gradient norm (maximum over a point)",
-            "",
-            xs,
-            steps,
-            spans,
-            pts["grad_norm"],
-            at,
-            log_allowed=True,
-        ),
+        _loss_or_norm(doc, xs, "loss", at),
+        _loss_or_norm(doc, xs, "grad_norm", at),
         line_chart(
             "step_seconds",
             "Step time, ms (mean over the steps a point covers)",

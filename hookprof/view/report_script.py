@@ -16,7 +16,8 @@ table.kv th{text-align:left;font-weight:normal;color:#666;padding:1px 14px 1px 0
 svg{width:100%;height:auto;display:block;overflow:visible}
 svg text{font-size:12px;fill:#444}svg .axis{stroke:#888}svg .grid{stroke:#eee}
 svg .axis-title{fill:#777;font-style:italic}svg .line{fill:none;stroke:#1f77b4;stroke-width:1.8}
-svg .dot{fill:#1f77b4}svg .cross{stroke:#333;stroke-width:1;stroke-dasharray:2 2}
+svg .dot{fill:#1f77b4}svg .band-mean{fill:none;stroke:#1f77b4;stroke-width:1;opacity:.7}
+.chart-note{margin:0 0 8px;font-size:12px}svg .cross{stroke:#333;stroke-width:1;stroke-dasharray:2 2}
 svg text.incident-label,svg text.dropped-label{fill:#d62728;font-weight:600;paint-order:stroke;stroke:#fff;stroke-width:3px}
 svg.heatmap rect{shape-rendering:crispEdges}
 .chart-box{margin-bottom:4px}
@@ -40,7 +41,7 @@ function show(e,text){tip.textContent=text;tip.style.display='block';
 var x=e.pageX+14;if(x+tip.offsetWidth>document.documentElement.clientWidth+window.scrollX-8){x=e.pageX-tip.offsetWidth-14;}
 tip.style.left=x+'px';tip.style.top=(e.pageY+16)+'px';}
 function hide(){tip.style.display='none';}
-function fmt(v){if(v==='-'||v==='NaN/Inf'){return v==='-'?'no value':v;}var n=Number(v);return Math.abs(n)>=1e5||(n!==0&&Math.abs(n)<1e-3)?n.toPrecision(4):String(Number(n.toPrecision(5)));}
+function fmt(v){if(v.indexOf('~')>0){var m=v.split('~');return fmt(m[0])+' mean, '+fmt(m[1])+' to '+fmt(m[2]);}if(v==='-'||v==='NaN/Inf'){return v==='-'?'no value':v;}var n=Number(v);return Math.abs(n)>=1e5||(n!==0&&Math.abs(n)<1e-3)?n.toPrecision(4):String(Number(n.toPrecision(5)));}
 function step(svg,e){var p=svg.createSVGPoint();p.x=e.clientX;p.y=e.clientY;p=p.matrixTransform(svg.getScreenCTM().inverse());
 var d=svg.dataset,s0=+d.s0,s1=+d.s1,x0=+d.x0,x1=+d.x1;return {x:p.x,s:s0+(p.x-x0)/(x1-x0)*(s1-s0),at:function(s){return x0+(s-s0)/(s1-s0)*(x1-x0);}};}
 function steps(a,b){return a===b?'step '+a:'steps '+a+'-'+b;}

@@ -85,6 +85,9 @@ class RunHeader:
     """Where the training thread is: "step 12, forward for 0.4 s" (docs/stalls.md)."""
     stall: str | None = None
     """The stall going on now, in words; None while the run moves."""
+    recent: str | None = None
+    """The last steps' loss and gradient norm, one character each (view/recent.py); None
+    where the endpoint was not asked for them (`top` asks /history.json?recent)."""
 
     @property
     def mean_step_seconds(self) -> float | None:
@@ -684,6 +687,8 @@ def header_lines(headers: Sequence[RunHeader]) -> list[str]:
         lines += [header_line(h), "  " + nonfinite_line(h)]
         if h.stall is not None:  # only while a rank is stuck (docs/stalls.md)
             lines.append("  " + h.stall)
+        if h.recent is not None:
+            lines.append("  " + h.recent)
     return lines
 
 

@@ -7,6 +7,7 @@ never holds up the keys."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import select
 import sys
@@ -16,6 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hookprof.serve.server import RECENT_QUERY
+from hookprof.view.recent import recent_lines
+from hookprof.view.report import history_url, read_history
 from hookprof.view.scrape import ScrapeError, fetch, one_line
 from hookprof.view.table import (
     COLUMNS,
@@ -80,7 +84,13 @@ class Scraper:
                 continue
             if not found:
                 errors[url] = "no hookprof series on this page (is it a hookprof endpoint?)"
+            recent = self._recent(url) if found else {}
             for table in found:
+                line = recent_lines(recent.get((table.header.model, table.header.rank), {}))
+                if line is not None:
+                    table = dataclasses.replace(
+                        table, header=dataclasses.replace(table.header, recent=line)
+                    )
                 key = (url, table.header.model, table.header.rank)
                 before = self._before.get(key)
                 tables.append(
@@ -90,6 +100,19 @@ class Scraper:
                 )
                 self._before[key] = (now, table)
         return tables, errors
+
+    def _recent(self, url: str) -> dict[tuple[str, int], dict[str, Any]]:
+        """Each run's last steps, by (model, rank), from the endpoint's /history.json?recent
+        (a few KB); none from an endpoint that cannot say (an older hookprof: no line)."""
+        try:
+            docs = read_history(history_url(url) + "?" + RECENT_QUERY, self.context, self.timeout)
+        except (ScrapeError, ValueError):
+            return {}
+        return {
+            (str(d.get("model", "")), int(d.get("rank", 0))): d
+            for d in docs
+            if isinstance(d.get("recent"), dict)
+        }
 
 
 def run_once(
@@ -169,6 +192,8 @@ def view(state: ViewState, height: int) -> Any:
         lines.append(Text("  " + nonfinite_line(h), style="bold red" if bad else "green"))
         if h.stall is not None:  # a rank stuck where it is (docs/stalls.md)
             lines.append(Text("  " + h.stall, style="bold red"))
+        if h.recent is not None:  # the last steps, one character each (view/recent.py)
+            lines.append(Text("  " + h.recent, style="bold red" if "!" in h.recent else ""))
     for url, reason in state.errors.items():
         lines.append(Text(f"cannot read {url}: {reason}", style="bold red"))
     if state.looked_at is None:

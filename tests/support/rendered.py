@@ -51,6 +51,19 @@ def line_of(el: Elements, svg: dict) -> dict:
     raise AssertionError("chart without a line")
 
 
+def inside(el: Elements, svg: dict, tag: str, cls: str) -> list[dict]:
+    """The `tag` elements of class `cls` inside one chart (`svg`, one of el.find("svg"))."""
+    seen, found = False, []
+    for t, attrs in el.tags:
+        if attrs is svg:
+            seen = True
+        elif seen and t == "svg":
+            break
+        elif seen and t == tag and attrs.get("class") == cls:
+            found.append(attrs)
+    return found
+
+
 def number(text: str) -> float | None:
     """A number as hookprof renders it: "-" is none, "NaN/Inf" a non-finite value (inf), a
     trailing % is dropped (top's shares)."""

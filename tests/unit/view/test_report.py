@@ -31,7 +31,7 @@ from hookprof.view.report_charts import BAD, HEIGHT, PAD_B, PAD_T
 from hookprof.view.report_html import render
 from support.binaries import require_binaries
 from support.processes import hookprof_cmd, read_until
-from support.rendered import NAN_STEP, STEPS, Elements, demo_run, line_of, number
+from support.rendered import NAN_STEP, STEPS, Elements, demo_run, inside, line_of, number
 
 
 def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
@@ -61,7 +61,8 @@ def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
         float(s) for s in range(1, STEPS + 1)
     ]  # every step sampled: a point each
 
-    # the loss chart: the values the loop computed; NaN from the incident on drawn as red bands
+    # the loss chart: every step's value as the loop computed it; NaN from the incident on
+    # drawn as red ticks on the top edge (the axis stays on the finite values: issue 41)
     (loss_chart,) = el.find("svg", **{"data-kind": "loss"})
     drawn = [number(v) for v in line_of(el, loss_chart)["data-values"].split()]
     for step, (seen, want) in enumerate(zip(drawn, losses), start=1):
@@ -69,17 +70,16 @@ def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
             assert math.isclose(seen, want, rel_tol=1e-6), (step, seen, want)
         else:
             assert math.isnan(want) and seen == math.inf
-    marks = [float(a["data-step"]) for a in el.find("rect", **{"class": "nonfinite"})]
-    assert (
-        marks
-        and min(marks) == NAN_STEP
-        and all(a["fill"] == BAD for a in el.find("rect", **{"class": "nonfinite"}))
-    )
+    ticks = el.find("rect", **{"class": "nonfinite-tick"})
+    marks = [float(a["data-step"]) for a in ticks]
+    assert marks and min(marks) == NAN_STEP and all(a["fill"] == BAD for a in ticks)
+    # one per non-finite step drawn, loss and gradient norm charts together
+    assert len(marks) == doc["nonfinite_steps"]["loss"] + doc["nonfinite_steps"]["backward"]
 
     for svg in el.find("svg", **{"class": "chart"}) + el.find("svg", **{"class": "heatmap"}):
         x_of = _step_axis(page, svg)
         # the incident on every chart, at its step on the axis the chart labels
-        (incident,) = _inside(el, svg, "line", "incident")
+        (incident,) = inside(el, svg, "line", "incident")
         assert (
             incident["data-step"] == str(NAN_STEP)
             and abs(float(incident["x1"]) - x_of(NAN_STEP)) < 0.06
@@ -123,8 +123,8 @@ def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
         covered = []
         for cell in cells_:
             first, last = (float(v) for v in cell["data-s"].split("-"))
-            inside = [v for s, v in history[name].items() if first <= s <= last and v is not None]
-            want = max(inside)
+            in_cell = [v for s, v in history[name].items() if first <= s <= last and v is not None]
+            want = max(in_cell)
             assert number(cell["data-v"]) == (
                 math.inf if math.isinf(want) else float(f"{want:.6g}")
             ), (name, cell)
@@ -173,19 +173,6 @@ def test_the_page_draws_the_history_and_the_snapshot(tmp_path):
 def scrape(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as response:
         return response.read().decode()
-
-
-def _inside(el: Elements, svg: dict, tag: str, cls: str) -> list[dict]:
-    """The `tag` elements of class `cls` inside one chart."""
-    seen, found = False, []
-    for t, attrs in el.tags:
-        if attrs is svg:
-            seen = True
-        elif seen and t == "svg":
-            break
-        elif seen and t == tag and attrs.get("class") == cls:
-            found.append(attrs)
-    return found
 
 
 def _chart_source(page: str, svg: dict) -> str:
@@ -259,7 +246,7 @@ def test_under_raise_every_chart_reaches_the_incident_step(tmp_path):
     for svg in charts:
         x_of = _step_axis(page, svg)
         assert float(svg["data-s1"]) > 23
-        (mark,) = _inside(el, svg, "line", "incident")
+        (mark,) = inside(el, svg, "line", "incident")
         assert abs(float(mark["x1"]) - x_of(23)) < 0.06 and float(mark["x1"]) < float(
             svg["data-x1"]
         )
@@ -402,11 +389,13 @@ def test_the_incident_says_how_it_was_found_its_replay_and_its_capsule(small_doc
 
 
 def test_narrow_ranges_get_distinct_ticks_and_missing_values_break_the_line(small_document):
-    pts = small_document["history"]["points"]
-    n = len(pts["step"])
+    every = small_document["history"]["every_step"]
+    n = len(every["full"]["step"])
     loss = [2.3012 + 0.001 * (k % 3) for k in range(n)]
-    loss[3] = None  # no loss given at that point: a gap, not a line across it
-    hist = _with(small_document["history"], points={**pts, "loss": loss})
+    loss[3] = None  # no loss given at that step: a gap, not a line across it
+    hist = _with(
+        small_document["history"], every_step={**every, "full": {**every["full"], "loss": loss}}
+    )
     page = render([_with(small_document, history=hist)])
     el = Elements(page)
     (svg,) = el.find("svg", **{"data-kind": "loss"})
@@ -532,11 +521,9 @@ def test_the_cli_reports_a_running_demo(tmp_path):
     assert (first["data-layer"], first["data-step"]) == ("mlp.0", "25")
     (loss_chart,) = el.find("svg", **{"data-kind": "loss"})
     steps = [float(s) for s in line_of(el, loss_chart)["data-steps"].split()]
-    # every step sampled, from the first: a point per step, or per `stride` steps once the
-    # demo ran past the history's size (it keeps the later step of two merged points)
-    stride = int(steps[0])
-    assert stride & (stride - 1) == 0
-    assert steps[:12] == [float(stride * k) for k in range(1, 13)]
+    # every step's loss (issue 41): the latest ones one by one, up to the last step served
+    assert steps == sorted(steps) and steps[-1] >= 25
+    assert steps[-12:] == [steps[-1] - k for k in range(11, -1, -1)]
     assert {a["data-layer"] for a in el.find("tr") if "data-layer" in a} >= {
         "embed",
         "attn",
@@ -731,14 +718,12 @@ def test_a_real_browser_renders_the_page_without_errors(tmp_path):
     assert probe["label_fill"] == probe["nan_colour"] == "rgb(214, 39, 40)", (
         probe
     )  # red text is red
-    steps = doc["history"]["points"]["step"]
-    k = min(
-        range(len(steps)), key=lambda i: abs(steps[i] - probe_step)
-    )  # the point nearest the pointer
-    tip = re.fullmatch(r"steps (\d+)-(\d+): ([\d.]+)", probe["loss_tip"])
+    # the loss of every step, not only of the sampled ones (issue 41): the step under the pointer
+    full = doc["history"]["every_step"]["full"]
+    tip = re.fullmatch(r"step (\d+): ([\d.]+)", probe["loss_tip"])
     assert tip, probe["loss_tip"]
-    assert (int(tip[1]), int(tip[2])) == (steps[k - 1] + 1, steps[k])
-    assert float(tip[3]) == pytest.approx(doc["history"]["points"]["loss"][k], rel=1e-4)
+    assert int(tip[1]) == probe_step
+    assert float(tip[2]) == pytest.approx(full["loss"][full["step"].index(probe_step)], rel=1e-4)
     assert "gradient norm NaN/Inf" in probe["heat_tip"] and probe["heat_tip"].startswith(
         "embed, steps"
     )

@@ -285,7 +285,7 @@ def pack_step(
     replay_moved: int = 0,
     capsule: str | None = None,
     dropped_values: Sequence[torch.Tensor] = (),
-    series: tuple[list[torch.Tensor], SeriesDrain] | None = None,
+    series: tuple[list[list[torch.Tensor]], SeriesDrain] | None = None,
 ) -> Packet:
     """Gather one step's device scalars (per-device gradient squares, the record's activation
     reductions, the non-finite counter blocks, the loss) and start their one device-to-host
@@ -308,8 +308,9 @@ def pack_step(
         count_parts[name] = len(blocks)
     for key, values in extra:  # other device scalars of the step (weight and update norms)
         batch.add(key, values)
-    for k, ring in enumerate(series[0] if series is not None else ()):
-        batch.add(("series", k), ring)  # (cat copies it: the next steps' writes come after)
+    for k, rows in enumerate(series[0] if series is not None else ()):
+        for part in rows:  # (cat copies them: the next steps' writes come after)
+            batch.add(("series", k), part)
     loss_in_batch, host_loss = False, None
     if isinstance(loss, torch.Tensor) and not transfer.on_host(loss):
         batch.add("loss", loss.detach().reshape(-1)[:1])  # rides the step's one copy

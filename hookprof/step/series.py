@@ -62,10 +62,12 @@ class StepValue(NamedTuple):
 
 class SeriesDrain(NamedTuple):
     """What a packet carries of the series: the devices in the order of the batch's
-    ("series", k) blocks, and the slots' meta as the blocks were copied."""
+    ("series", k) blocks, each the rows of steps `first`, `first` + 1, ... of its ring; the
+    meta of those steps' slots as the blocks were copied."""
 
     devices: tuple[torch.device, ...]
-    meta: tuple[SlotMeta | None, ...]
+    meta: tuple[SlotMeta, ...]
+    first: int
 
 
 class StepSeries:
@@ -134,18 +136,22 @@ class StepSeries:
         for device in meta.norm if meta is not None else ():
             self._rings[device].norm[self._slot].div_(scale.to(device).reshape(()))
 
-    def take(self, step: int) -> tuple[list[torch.Tensor], SeriesDrain]:
+    def take(self, step: int) -> tuple[list[list[torch.Tensor]], SeriesDrain]:
         """For a drain after step `step` ended: the rings (to copy) and the meta of the steps
         since the last drain's last one (again: its loss may have come late, after the
         optimizer ended it), so that the publisher's work is per new step, not per slot."""
-        first, self._taken = max(self._taken, step - RING + 1), step
+        first, self._taken = min(max(self._taken, step - RING + 1), step), step
         self.due = step + DRAIN_EVERY
         meta = self._meta
         held = tuple(
             m for s in range(first, step + 1) if (m := meta[s % RING]) is not None and m.step == s
         )
         devices = tuple(self._rings)
-        return [self._rings[d].values for d in devices], SeriesDrain(devices, held)
+        a, b = first % RING, step % RING + 1  # only those rows are copied: views, one or two
+        rows = [
+            [v[a:b]] if a < b else [v[a:], v[:b]] for v in (self._rings[d].values for d in devices)
+        ]
+        return rows, SeriesDrain(devices, held, first)
 
 
 def norm_into(slot: torch.Tensor, sources: list[torch.Tensor]) -> None:
@@ -165,18 +171,16 @@ def decode(drain: SeriesDrain, blocks: list[list[float]], up_to: int) -> list[St
     out = []
     where = {d: k for k, d in enumerate(drain.devices)}
     for meta in drain.meta:
-        if meta is None or meta.step > up_to:
+        if meta.step > up_to:
             continue
-        slot = meta.step % RING
+        row = meta.step - drain.first  # in the blocks
         loss = meta.loss
         if isinstance(loss, torch.device):
             k = where.get(loss)
-            loss = blocks[k][2 * slot + _LOSS] if k is not None else None
+            loss = blocks[k][2 * row + _LOSS] if k is not None else None
         grad_norm = None
         if meta.norm:
-            squares = [
-                blocks[where[d]][2 * slot + _NORM] ** 2 for d in set(meta.norm) if d in where
-            ]
+            squares = [blocks[where[d]][2 * row + _NORM] ** 2 for d in set(meta.norm) if d in where]
             grad_norm = math.sqrt(sum(squares)) if squares else None
         out.append(StepValue(meta.step, loss, grad_norm))
     out.sort()

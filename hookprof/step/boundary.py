@@ -24,6 +24,7 @@ import operator
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -122,6 +123,20 @@ class StepEvents(Protocol):
     def _on_step_ended(self, number: int, now: int) -> None: ...
 
 
+@dataclass(slots=True)
+class StepState:
+    """What the step in progress has seen, as the boundary's hooks found it. One object,
+    replaced whole when the step ends (StepBoundary._end_step), so that nothing of a step
+    outlives it by a reset forgotten in one place."""
+
+    start_ns: int | None = None  # when it began (the previous step's end); None: the first
+    closed_by_optimizer: bool = False  # the optimizer hook ended the previous step (a late loss)
+    forward_seen: bool = False  # a training forward of the model ran
+    forwards: int = 0  # training forwards of the root (LBFGS: thousands in one step)
+    stepped: bool = False  # an optimizer owning our parameters stepped
+    scaler_skipped: bool = False  # a GradScaler skipped such an optimizer
+
+
 class StepBoundary:
     """The step boundaries of one profiled model (training thread and autograd threads)."""
 
@@ -165,12 +180,7 @@ class StepBoundary:
         self._lock = threading.RLock()
         self.manual = False  # prof.step() has been called: only it ends steps
         self._root_seen = False  # the root module's forward has run at least once
-        self._forward_seen = False  # ... in this step
-        self._forwards = 0  # training forwards of the root in this step
-        self._stepped = False  # an optimizer owning our parameters stepped in this step
-        self._scaler_skipped = False  # a GradScaler skipped such an optimizer in this step
-        self._closed_by_optimizer = False  # this step was ended by the optimizer hook
-        self._step_start_ns: int | None = None
+        self._step = StepState()  # what this step has seen: replaced whole at its end
         # training in eval mode (frozen BatchNorm): a grad-enabled forward of the model in
         # eval mode is a training forward when the run trains that way. Told apart from a
         # validation pass that forgot no_grad by what follows: an owned optimizer stepping
@@ -261,7 +271,7 @@ class StepBoundary:
     def in_step(self) -> bool:
         # the root forward pre-hook tells a new step from a second optimizer of the same
         # step; a model driven without calling its root falls back to "every step ends one"
-        return self._forward_seen or not self._root_seen
+        return self._step.forward_seen or not self._root_seen
 
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
         groups = optimizer.param_groups
@@ -371,17 +381,17 @@ class StepBoundary:
         now = self._clock()
         self._root_seen = True
         first_step = False
-        if not self._forward_seen:
-            self._forward_seen = True
-            self._closed_by_optimizer = False
-            if self._step_start_ns is None:  # the first step begins
-                self._step_start_ns = now
+        if not self._step.forward_seen:
+            self._step.forward_seen = True
+            self._step.closed_by_optimizer = False
+            if self._step.start_ns is None:  # the first step begins
+                self._step.start_ns = now
                 first_step = True
         self._events._on_forward(
             module, args, kwargs, entry=entry, own_layer=own_layer, now=now, first_step=first_step
         )
-        self._forwards += 1
-        if self._forwards == MAX_FORWARDS_PER_STEP:
+        self._step.forwards += 1
+        if self._step.forwards == MAX_FORWARDS_PER_STEP:
             self._events._on_no_step_signal()
 
     def _on_root_output(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -441,10 +451,10 @@ class StepBoundary:
             self._train_mode_seen = self._eval_grad_seen = False
         elif self._train_mode_seen or self._eval_grad_seen:  # (else it has nothing to judge)
             self._judge_eval_mode()
-        if self._forward_seen or not self._root_seen:  # in_step(), inline: every step
-            self._stepped = True
+        if self._step.forward_seen or not self._root_seen:  # in_step(), inline: every step
+            self._step.stepped = True
             self._events._on_before_update(optimizer)
-        elif self._closed_by_optimizer:  # a later optimizer of the step an earlier one ended
+        elif self._step.closed_by_optimizer:  # a later optimizer of the step an earlier one ended
             self._events._on_later_update(optimizer)
         return None
 
@@ -456,7 +466,7 @@ class StepBoundary:
         def closure_then_read() -> Any:
             if self.detached:  # detached (from another thread) during this optimizer step
                 return closure()
-            self._forwards = 0  # LBFGS calls it thousands of times in one step
+            self._step.forwards = 0  # LBFGS calls it thousands of times in one step
             self._closure_called(judged)
             result = closure()  # the user's: what it raises is theirs
             self._closure_returned(optimizer, judged)  # (nothing once detached: guarded, locked)
@@ -474,7 +484,7 @@ class StepBoundary:
         self._events._on_back_in_optimizer()
         self._judge_eval_mode()
         if self.in_step():
-            self._stepped = True
+            self._step.stepped = True
             self._events._on_closure_returned(optimizer, judged)
 
     def _judge_eval_mode(self) -> None:
@@ -486,9 +496,9 @@ class StepBoundary:
             self._trains_in_eval = False
         elif self._eval_grad_seen and not self._trains_in_eval:
             self._trains_in_eval = True
-            if not self._forward_seen:  # this window is a step (its forward went unrecorded)
-                self._forward_seen = True
-                self._closed_by_optimizer = False
+            if not self._step.forward_seen:  # this window is a step (its forward went unrecorded)
+                self._step.forward_seen = True
+                self._step.closed_by_optimizer = False
                 self._root_seen = True
             if self._say is not None:
                 self._say("trains in eval mode", trains_in_eval_notice(self._model_type))
@@ -510,7 +520,9 @@ class StepBoundary:
         # only the post-hook of the step in progress: a subclass calling super().step()
         # runs the hooks twice when both classes were patched by torch, the outer one
         # after this hook ended the step
-        if not self.manual and (self._forward_seen or not self._root_seen):  # in_step(), inline
+        if not self.manual and (
+            self._step.forward_seen or not self._root_seen
+        ):  # in_step(), inline
             self._end_step(None, by_optimizer=True)  # the optimizer phase ends with it
         else:
             self._events._on_optimizer_returned()
@@ -527,7 +539,7 @@ class StepBoundary:
     def _scaler_skip(self, optimizer: torch.optim.Optimizer) -> None:
         if self.in_step() and self.owns(optimizer):
             if self.manual:
-                self._scaler_skipped = True  # prof.step() ends it
+                self._step.scaler_skipped = True  # prof.step() ends it
             else:
                 self._end_step(None, by_optimizer=True, skipped=True)
 
@@ -537,13 +549,15 @@ class StepBoundary:
     def step(self, loss: Any) -> None:
         """`prof.step(loss)`: from its first call on, only these calls end steps."""
         self.manual = True
-        if self._closed_by_optimizer and not self._forward_seen:
+        if self._step.closed_by_optimizer and not self._step.forward_seen:
             # the optimizer hook already ended this step: this call adds its loss
-            self._closed_by_optimizer = False
+            self._step.closed_by_optimizer = False
             self._events._on_late_loss(loss)
             return
         self._events._on_loss(loss)
-        self._end_step(loss, by_optimizer=False, skipped=self._scaler_skipped and not self._stepped)
+        self._end_step(
+            loss, by_optimizer=False, skipped=self._step.scaler_skipped and not self._step.stepped
+        )
 
     def _end_step(self, loss: Any, *, by_optimizer: bool, skipped: bool = False) -> None:
         if self.detached:  # detached (or a copy's inert boundary): nothing to end
@@ -554,14 +568,10 @@ class StepBoundary:
             number, now = self._events._on_step_end(
                 loss,
                 skipped=skipped,
-                started_ns=self._step_start_ns,
-                forward_seen=self._forward_seen,
+                started_ns=self._step.start_ns,
+                forward_seen=self._step.forward_seen,
             )
-            self._stepped = self._scaler_skipped = False
-            self._step_start_ns = now
-            self._forward_seen = False
-            self._forwards = 0
-            self._closed_by_optimizer = by_optimizer
+            self._step = StepState(start_ns=now, closed_by_optimizer=by_optimizer)
             if not self.detached:  # (detached by this thread meanwhile: nothing to plan)
                 self._events._on_step_ended(number, now)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from hookprof.errors import ConfigError
+from hookprof.snapshot import WordEnum
 
 ENV_PREFIX = "HOOKPROF_"
 
@@ -25,6 +26,20 @@ NonfiniteCheck = Literal["all", "loss"]
 NonfinitePolicy = Literal["record", "warn", "raise", "dump", "skip"]
 NONFINITE_CHECKS: tuple[str, ...] = typing.get_args(NonfiniteCheck)
 NONFINITE_POLICIES: tuple[str, ...] = typing.get_args(NonfinitePolicy)
+
+
+class Policy(WordEnum):
+    """The words of `on_nonfinite`, named where hookprof compares them (a user's "warn" is
+    equal to Policy.WARN: the field stays a plain word)."""
+
+    RECORD = "record"
+    WARN = "warn"
+    RAISE = "raise"
+    DUMP = "dump"
+    SKIP = "skip"
+
+
+assert tuple(Policy) == NONFINITE_POLICIES, "Policy and NonfinitePolicy name the same words"
 PortConflict = Literal["free", "off", "raise"]
 PORT_CONFLICTS: tuple[str, ...] = typing.get_args(PortConflict)
 

@@ -61,7 +61,7 @@ class LayerStats:
     below Config.vanishing_grad_norm / above Config.exploding_grad_norm."""
 
 
-class _StrEnum(str, Enum):
+class WordEnum(str, Enum):
     """A name for each of a few fixed words (enum.StrEnum from Python 3.11): equal to its
     word, and written as it (str(), f-strings, JSON, metric labels)."""
 
@@ -71,7 +71,7 @@ class _StrEnum(str, Enum):
         return str.__format__(self.value, spec)
 
 
-class FoundBy(_StrEnum):
+class FoundBy(WordEnum):
     """How an incident's first layer was found (NonFiniteEvent.found_by)."""
 
     SAMPLED = "sampled step"
@@ -82,7 +82,7 @@ class FoundBy(_StrEnum):
     LOSS = "loss check"
 
 
-class ReplayOutcome(_StrEnum):
+class ReplayOutcome(WordEnum):
     """What the replay of a forward NaN's step said (NonFiniteEvent.replay)."""
 
     REPRODUCIBLE = "reproducible"

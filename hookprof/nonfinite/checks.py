@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookprof.config import Config
+from hookprof.config import Config, Policy
 from hookprof.device import transfer
 from hookprof.faults import Faults
 from hookprof.layers import LayerTable
@@ -80,7 +80,7 @@ class NonfiniteChecks:
         self._held_back = SkipCounters(config.max_skipped_steps)
         self.guard = (
             UpdateGuard(config.nonfinite_sync, say)
-            if config.on_nonfinite in ("skip", "raise")
+            if config.on_nonfinite in (Policy.SKIP, Policy.RAISE)
             else None
         )
         # FSDP2 / tensor parallel: re-running the forward on one rank would start all-gathers

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hookprof.config import Config
+from hookprof.config import Config, Policy
 from hookprof.device import transfer
 from hookprof.errors import NonFiniteError
 from hookprof.faults import Faults, log
@@ -101,7 +101,7 @@ class IncidentResponse:
     def at_step_end(self, step: int) -> None:
         """Notice new non-finite steps and act on them (may raise NonFiniteError)."""
         policy = self._config.on_nonfinite
-        if policy != "record":
+        if policy != Policy.RECORD:
             self._poll_flag()
             if self._act_by is not None or self._drained_at > self._known_bad:
                 # a drain or a replay this policy waits for: folded now if the device has
@@ -118,7 +118,7 @@ class IncidentResponse:
         self._known_bad = bad
         self.open_until = step + self._config.incident_steps
         if (
-            policy != "record"
+            policy != Policy.RECORD
             and snap.first_nonfinite is not None
             and not self._acted
             and self._act_by is None
@@ -147,7 +147,7 @@ class IncidentResponse:
         event = self._with_capsule(event)
         self._act_by = None
         self._acted = True
-        if policy == "dump":
+        if policy == Policy.DUMP:
             self._dump(event, snap)
         else:
             apply(policy, event, snap, self._config, self._rank, model=self._model)
@@ -163,7 +163,7 @@ class IncidentResponse:
         # only an incident already known on the host: detach never waits on the device to
         # find one (a flag still on its way stays there)
         policy_open = (
-            self._config.on_nonfinite != "record"
+            self._config.on_nonfinite != Policy.RECORD
             and not self._acted
             and (self._act_by is not None or self._publisher.latest.first_nonfinite is not None)
         )
@@ -176,7 +176,7 @@ class IncidentResponse:
             # held for the replay, or seen by a flush() after the last step end (a device
             # behind the host: the last steps' flags arrived after it)
             policy = self._config.on_nonfinite
-            self._act(snap.first_nonfinite, snap, "warn" if policy == "raise" else policy)
+            self._act(snap.first_nonfinite, snap, Policy.WARN if policy == Policy.RAISE else policy)
         if self._capsule_when_settled(self._publisher.latest):
             self._publisher.flush()  # the snapshot carries its path
 
@@ -208,7 +208,7 @@ class IncidentResponse:
             and capsules.draft.kind == "forward"
         ):
             return False  # the replay's packet is not folded yet
-        if self._config.on_nonfinite != "record" and not self._acted:
+        if self._config.on_nonfinite != Policy.RECORD and not self._acted:
             return False  # the policy writes it as it acts
         path = capsules.write(
             event, model=self._model, rank=self._rank, summary=describe(event, self._rank)
@@ -238,7 +238,7 @@ class IncidentResponse:
         again, up to MAX_DUMP_TRIES writes in all."""
         self._dump_tries += 1
         try:
-            apply("dump", event, snap, self._config, self._rank, model=self._model)
+            apply(Policy.DUMP, event, snap, self._config, self._rank, model=self._model)
         except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C in a notebook loop that goes on
             self._acted, self._act_by = False, 0  # written again at the next step end, or detach()
             self._dump_tries -= 1  # (no failure of the disk: not one of MAX_DUMP_TRIES)
@@ -355,15 +355,15 @@ def apply(
 ) -> str | None:
     """Act on the first incident of a run. Returns the report's path under "dump" (raises
     OSError when it cannot be written: IncidentResponse contains that)."""
-    if policy == "warn":
+    if policy == Policy.WARN:
         log.warning("hookprof: %s", describe(event, rank))
-    elif policy == "skip":
+    elif policy == Policy.SKIP:
         log.warning(
             "hookprof: %s; the update of every non-finite step is held back "
             "(hookprof_held_back_updates_total counts them)",
             describe(event, rank),
         )
-    elif policy == "raise":
+    elif policy == Policy.RAISE:
         raise NonFiniteError(
             event.layer,
             event.phase,
@@ -373,7 +373,7 @@ def apply(
             replay=event.replay,
             message=describe(event, rank),
         )
-    elif policy == "dump":
+    elif policy == Policy.DUMP:
         path = write_report(event, snap, config.dump_dir, rank, model=model)
         log.warning("hookprof: %s; report written to %s", describe(event, rank), path)
         return path

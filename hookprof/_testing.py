@@ -43,7 +43,7 @@ def replaying(prof: Profiler) -> bool:
 
 def counter_drain_seam(prof: Profiler) -> tuple[Any, str]:
     """What flush() calls to bring the device's NaN counters over to the host."""
-    return prof, "_drain_counters"
+    return prof, "_drain"
 
 
 def live_profilers() -> list[Any]:

@@ -1,15 +1,15 @@
 """`attach()` and the Profiler: hookprof's parts composed for one model.
 
 Read top to bottom: `attach`; the construction (each part takes its slice of the config and
-its collaborators; what each start returns goes on one teardown stack); the public methods;
-the life of a step as calls to its parts, in the order `StepBoundary` (step/boundary.py)
-tells its events; detach. Which part owns what: docs/architecture.md, "One owner per state".
+its collaborators; what each start returns goes on one teardown stack), ending with the
+step's events (step_events.py: the life of a step as calls to the parts, in the order
+`StepBoundary` tells them); the public methods; detach. Which part owns what:
+docs/architecture.md, "One owner per state".
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -22,7 +22,6 @@ from torch import nn
 from hookprof import live
 from hookprof.compiled import (
     explain_attached_after_compile,
-    explain_compiled_forward,
     unwrap_compiled,
 )
 from hookprof.config import Config, env_disabled
@@ -31,12 +30,11 @@ from hookprof.disabled import DisabledProfiler, InertProfiler
 from hookprof.distributed import detect_local_rank, detect_rank
 from hookprof.efficiency.figures import EfficiencyTotals, StepEfficiency
 from hookprof.errors import DetachedError, MetaDeviceError
-from hookprof.faults import Faults, ThreadSupervisor, guarded
+from hookprof.faults import Faults, ThreadSupervisor
 from hookprof.layers import LayerTable
 from hookprof.nonfinite.checks import NonfiniteChecks
 from hookprof.nonfinite.incident import IncidentResponse
 from hookprof.notices import Notices
-from hookprof.phases.clock import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, OUTSIDE
 from hookprof.phases.recorder import PhaseClock
 from hookprof.phases.stall import StallWatch, cuda_busy
 from hookprof.publish.document import document
@@ -46,12 +44,13 @@ from hookprof.serve.attachment import Serving
 from hookprof.snapshot import Snapshot
 from hookprof.step import statistics
 from hookprof.step.backward_end import BackwardEnd
-from hookprof.step.boundary import StepBoundary, no_step_notice
-from hookprof.step.gradients import GradientNorms, StepGradients, no_gradients_notice
+from hookprof.step.boundary import StepBoundary
+from hookprof.step.gradients import GradientNorms, StepGradients
 from hookprof.step.hooks import LayerHooks
-from hookprof.step.record import StepCounters, StepRecord, loss_notice, pack_step, real_loss
+from hookprof.step.record import StepCounters, loss_notice, real_loss
 from hookprof.step.sampled import SampledStep
 from hookprof.step.series import StepSeries
+from hookprof.step_events import CounterDrain, StepEvents
 from hookprof.view import summary
 
 detach_all = live.detach_all
@@ -141,7 +140,7 @@ class Profiler:
         self._grads = StepGradients(norms, every_step=config.nonfinite_check == "all")
         # the gradients as each backward left them (before a clip or a user's guard rewrites them)
         self._backward_end = BackwardEnd(
-            self._grads.backward_ended if config.capsule_dir is None else self._backward_ended,
+            self._grads.backward_ended,  # (with capsule_dir: the step's events, set below)
             self._faults,
             keep_output_grads=config.capsule_dir is not None
             and (config.nonfinite_sync or all(d.type == "cpu" for d in self.table.param_devices())),
@@ -162,7 +161,6 @@ class Profiler:
             model,
             self.table.params,
             root_layer,
-            self,
             self._hooks,
             self._faults,
             clock,
@@ -214,18 +212,45 @@ class Profiler:
                 faults=self._faults,
                 say=self._notices.say,
             )
+            # the counters (and the every-step series) brought over without a sampled step
+            self._drain = CounterDrain(self._counters, self._nan, self._series)
             self._incidents = IncidentResponse(
                 config,
                 self.rank,
                 self._nan.detector,
                 self._publisher,
-                self._drain_counters,
+                self._drain,
                 self._nan.replay_pending,
                 model=self.name,
                 faults=self._faults,
                 capsules=self._nan.capsules,
             )
             self._supervisor = ThreadSupervisor(self._faults, say=self._notices.say)
+            self._events = StepEvents(
+                model_type=self.model_type,
+                params=self.table.params,
+                clock=clock,
+                wall_clock=wall_clock,
+                faults=self._faults,
+                notices=self._notices,
+                counters=self._counters,
+                series=self._series,
+                grads=self._grads,
+                backward_end=self._backward_end,
+                hooks=self._hooks,
+                boundary=self._boundary,
+                phases=self._phases,
+                watch=self._watch,
+                efficiency=self._efficiency,
+                publisher=self._publisher,
+                sampled=self._sampled,
+                nan=self._nan,
+                incidents=self._incidents,
+                supervisor=self._supervisor,
+                drain=self._drain,
+            )
+            if config.capsule_dir is not None:  # a backward NaN's capsule is drafted there
+                self._backward_end.on_end = self._events.backward_ended
             self._supervisor.watch("publisher", self._publisher)
             if config.stall_detection:
                 self._supervisor.watch("stall watch", self._watch)
@@ -250,9 +275,9 @@ class Profiler:
             if compiled:  # a hook added now would force a recompile, and do nothing in the graph
                 explain_attached_after_compile(self._notices)
                 self._backward_end.watch_params(self.table.params)
-            undo.enter_context(self._boundary.install(model, self._nan.traced))
-            undo.callback(self._release_step)
-            self._begin_step(1, clock())
+            undo.enter_context(self._boundary.install(model, self._events, self._nan.traced))
+            undo.callback(self._events.release)
+            self._events.begin_step(1, clock())
             live.add(self, self._boundary.module_ids, summary_at_exit=config.summary_at_exit)
             self._undo = undo.pop_all()
 
@@ -295,7 +320,7 @@ class Profiler:
         publisher has folded in everything up to now (on a GPU this waits for the device)."""
         if not self.detached:  # flags a replay waits for are waited for too: answered now
             self._nan.settle(self._counters.steps + 1)
-            self._drain_counters()
+            self._drain()
         return self._incidents.flushed(self._publisher.flush(timeout), self.detached, timeout)
 
     def report_document(self, recent: int | None = None) -> dict[str, Any]:
@@ -342,7 +367,7 @@ class Profiler:
         self._boundary.close()
         self._backward_end.remove()  # (a graph built before detach() calls nothing)
         with self._faults.contain("detach", disable=False):
-            self._drain_counters()  # counters of the steps since the last sample
+            self._drain()  # counters of the steps since the last sample
             self._incidents.at_detach()  # a capsule still waiting for its incident: written now
         self._undo.close()
         if self.config.summary_at_exit:
@@ -381,230 +406,6 @@ class Profiler:
         return (_inert_copy, ())
 
     # ---------------- the life of one step: StepBoundary's events ----------------
-
-    def _begin_step(self, number: int, now_ns: int) -> None:
-        """Plan step `number`: sampled or not, with output checks or not; hooks in or out."""
-        if self._boundary.latch_compiled():  # Dynamo traced the root: hooks stay out
-            explain_compiled_forward(self._notices)
-            self._backward_end.watch_params(
-                self.table.params
-            )  # (its output's node is in the graph)
-        # an open incident samples every step (its window's end read first: one call less)
-        incident = number <= self._incidents.open_until and self._incidents.open(number)
-        self._nan.step_began()
-        self._series.begin(number)
-        record = self._sampled.begin(
-            number,
-            now_ns,
-            incident=incident,
-            compiled=self._boundary.compiled,
-            broken=self._faults.layers_off(number),
-        )
-        self._grads.new_step(self._sampled.plan.sampled)
-        if (
-            record is not None or self._phases.bound
-        ):  # a sampled step's phases are marked on the device too
-            self._phases.bind(record)
-
-    def _on_eval_forward(self) -> None:
-        if self._phases.where[1] in (DATA, OTHER):  # an evaluation between steps
-            self._phases.enter(OUTSIDE, self._clock(), "eval")
-
-    def _on_forward(
-        self,
-        module: nn.Module,
-        args: Any,
-        kwargs: Any,
-        *,
-        entry: bool,
-        own_layer: int | None,
-        now: int,
-        first_step: bool,
-    ) -> None:
-        """A training forward of the root (or an entry call) begins."""
-        if self._sampled.record is not None:  # a sampled step (step 1's hooks go in now)
-            self._sampled.install_late(module, args, own_layer, entry)
-        self._nan.capture(args, kwargs, module if entry else None, rerun=self._sampled.rerun_wanted)
-        if self._sampled.plan.checked:
-            self._hooks.note_root_inputs(args, kwargs)  # a NaN in the batch is the input's
-        if first_step:
-            self._phases.restart(now)
-            self._watch.follow(threading.get_ident())
-        self._phases.enter(FORWARD, now)
-
-    def _on_output(self, output: Any) -> None:
-        """The root's forward returned: check its output (every step)."""
-        self._phases.enter(BACKWARD, self._clock())
-        self._nan.check_output(output, step=self._counters.steps + 1)
-        self._backward_end.watch(output)
-        if self._sampled.unfolded:  # (a sampled step's, to fold)
-            self._sampled.nudge()
-
-    def _backward_ended(self) -> None:
-        """capsule_dir set: the gradients checked, then a backward NaN's capsule drafted."""
-        self._grads.backward_ended()
-        end = self._backward_end
-        grads, end.output_grads = end.output_grads, []  # (drafted on the CPU, or not needed)
-        self._nan.backward_ended(self._grads.backward, grads, self._counters.steps + 1)
-
-    def _on_update_began(self, optimizer: torch.optim.Optimizer) -> None:
-        self._nan.update_began(self._counters.steps + 1)
-        if self._sampled.rerun_wanted:
-            self._sampled.record_by(self._nan.rerun)
-        now = self._clock()
-        self._phases.enter(OPTIMIZER, now)
-        # the parameters before the update (a second optimizer of the step finds them taken)
-        if self._sampled.plan.sampled:
-            self._efficiency.before_update(now, optimizer)
-
-    def _on_before_update(self, optimizer: torch.optim.Optimizer) -> None:
-        """This step's gradients are final and its parameters not updated yet."""
-        self._grads.read_once(self._sampled.plan.sampled, at_update=True)
-        if (view := self._nan.scaler_of(optimizer)) is not None:
-            self._grads.unscale(view)
-        self._nan.before_update(optimizer, self._grads.squares, self._counters.steps + 1)
-
-    def _on_later_update(self, optimizer: torch.optim.Optimizer) -> None:
-        """An optimizer of the step an earlier optimizer ended (two optimizers, no prof.step())."""
-        self._nan.later_update(optimizer)
-
-    def _closure_judged(self, optimizer: torch.optim.Optimizer) -> bool:
-        return self._nan.judges_closure(optimizer)
-
-    def _on_closure_call(self, judged: bool) -> None:
-        self._nan.closure_call(judged)
-
-    def _on_back_in_optimizer(self) -> None:
-        self._phases.enter(OPTIMIZER, self._clock())  # the closure returned
-        self._sampled.record_by(
-            self._nan.rerun
-        )  # its forward ran in the closure, the update comes next
-
-    def _on_closure_returned(self, optimizer: torch.optim.Optimizer, judged: bool) -> None:
-        if not judged:
-            self._grads.forget()  # read once, at the step's end (.grad untouched)
-            self._nan.replay_if_waiting(self._counters.steps + 1)
-            return
-        if not self._nan.holding:  # (a held step keeps its bad evaluation's squares)
-            self._grads.forget()
-        self._on_before_update(optimizer)
-
-    def _on_any_update_done(self, owned: bool) -> None:
-        self._nan.update_done(owned)
-
-    def _on_optimizer_returned(self) -> None:
-        if self._phases.progress.where[1] == OPTIMIZER:
-            self._phases.enter(OTHER, self._clock())
-
-    def _on_loss(self, loss: Any) -> None:  # prof.step(loss), before the step ends
-        self._nan.check_loss(loss, self._counters.steps + 1)
-        if loss is not None:
-            self._series.loss(loss)
-
-    def _on_late_loss(self, loss: Any) -> None:
-        """prof.step(loss) after the optimizer hook ended the step: this adds its loss."""
-        number = self._counters.steps
-        self._nan.check_loss(loss, number, late=True)
-        if loss is not None:
-            self._series.loss(loss, number)
-        if loss is not None and self._sampled.last_sent == number:  # it was a sampled step
-            # sent on its own (a copy of one value on an accelerator): this happens once,
-            # when prof.step() takes over after optimizer steps ended them
-            self._publisher.submit(pack_step(number, None, [], loss=loss, sampled=False))
-        self._incidents.at_step_end(number)
-
-    def _on_step_end(
-        self, loss: Any, *, skipped: bool, started_ns: int | None, forward_seen: bool
-    ) -> tuple[int, int]:
-        """The step boundary: count the step and pack a sampled one. Returns (number, now)."""
-        nan, grads = self._nan, self._grads
-        replay = nan.replay
-        if (
-            replay.flag is not None or (replay.kept and not self._grads.read_at_update)
-        ) and not skipped:
-            nan.replay_forward(self._counters.steps + 1)  # no optimizer hook ran: still this step's
-        now = self._clock()
-        if started_ns is None:  # a first step without a forward: no phases to tell
-            self._phases.restart(now)
-        start = started_ns if started_ns is not None else now
-        checked = dropped = None
-        if not skipped:
-            checked, dropped = grads.at_step_end(
-                self._sampled.plan.sampled
-            )  # (read, if no optimizer hook did)
-            if grads.squares is not None and not grads.squares[1] and forward_seen:  # read: none
-                self._notices.say(
-                    "no gradients", no_gradients_notice(self.model_type, grads.backward)
-                )
-        nan.at_step_end(checked, self._counters.steps + 1, dropped)
-        duration_s = (now - start) * 1e-9
-        number = self._counters.observe(duration_s, self._wall_clock(), skipped)
-        # an update held back on the host changed no weight: like a GradScaler skip, no update
-        # norm and no throughput (a fused kernel's skip on the device measures 0: efficiency.md)
-        guard = nan.guard  # (nan.holding, inline)
-        no_update = skipped or (guard is not None and guard.holding)
-        if guard is not None:
-            self._counters.set_held_back(nan.end_update(number) or 0)  # (with a guard: an int)
-        self._phases.end_step(number, now)
-
-        def pack(record: StepRecord | None) -> Any:
-            efficiency, extra = self._efficiency_of(number, now, duration_s, no_update)
-            packet = nan.pack(
-                number,
-                record,
-                grad_squares=grads.squares,
-                loss=loss,
-                efficiency=efficiency,
-                extra=extra,
-                series=self._series.take(number),
-            )
-            packet.steps_at_end = self._counters.totals()
-            return packet
-
-        if self._sampled.plan.sampled and self._sampled.end(
-            number, broken=self._faults.broken, pack=pack
-        ):
-            self._efficiency.drop()  # what a skipped or unsent step noted and copied goes
-        return number, now
-
-    def _on_step_ended(self, number: int, now: int) -> None:
-        if self._sampled.plan.sampled or now >= self._supervisor.due_ns:  # not every step
-            self._supervisor.check(now)
-        self._incidents.at_step_end(number)
-        if number >= self._series.due:  # the ring would be written over before a drain
-            self._drain_counters()
-        self._begin_step(number + 1, now)
-
-    def _on_no_step_signal(self) -> None:
-        """So many forwards without a step boundary: per-layer work stops (the record would
-        grow with every call) until one comes; said once."""
-        if self._sampled.stop():
-            self._phases.bind(None)
-        self._notices.say("no steps", no_step_notice(self.model_type))
-
-    # ---------------- what the step's events call on ----------------
-
-    @guarded("efficiency figures", disable=False, default=(None, ()))
-    def _efficiency_of(
-        self, number: int, now_ns: int, duration_s: float, skipped: bool
-    ) -> tuple[Any, list[tuple[Any, torch.Tensor]]]:
-        """A sampled step's FLOPs and norms (none when off, or skipped: no update, no
-        throughput). A fault here costs only these figures: the step's others still go out."""
-        if not self._efficiency.enabled or skipped:
-            return None, []
-        return self._efficiency.end_step(number, now_ns, duration_s)
-
-    def _drain_counters(self) -> None:
-        """Send the non-finite counters alone (no sampled step to carry them)."""
-        steps = self._counters.steps
-        self._nan.drain(steps, series=self._series.take(steps))
-
-    def _release_step(self) -> None:
-        """At detach: layer hooks out; a sampled step that never ended gives its events back."""
-        self._supervisor.close()  # runs before the threads stop: none restarts after detach
-        self._hooks.remove()
-        self._efficiency.drop()
-        self._sampled.release()
 
 
 def _inert_copy() -> InertProfiler:

@@ -62,7 +62,7 @@ class BackwardEnd:
     `faults` (training goes on; the step's gradients are then read at the optimizer)."""
 
     __slots__ = (
-        "_on_end",
+        "on_end",
         "_faults",
         "_queued",
         "closed",
@@ -80,7 +80,7 @@ class BackwardEnd:
         keep_output_grads: bool = False,
         params: Sequence[torch.Tensor] = (),
     ):
-        self._on_end = on_end
+        self.on_end = on_end  # what a backward's end calls (the profiler may set it later)
         self._faults = faults
         # one trainable parameter's AccumulateGrad node: tells backward() from autograd.grad
         trained = [p for p in params if p.requires_grad and p.is_leaf]
@@ -183,6 +183,6 @@ class BackwardEnd:
         self._queued = False
         if not self.closed:
             try:
-                self._on_end()
+                self.on_end()
             except Exception as exc:  # never into the user's backward()
                 self._faults.report("backward end", exc, disable=False)

@@ -7,8 +7,9 @@ whether `prof.step()` took
 over, whether the root ever ran, what this step has seen (a forward, an owned optimizer's
 update, a GradScaler skip), when it started, whether the optimizer already ended it.
 
-It decides *which* event happened and tells the profiler through `StepEvents`, in the order
-the profiler's parts need; it does none of their work. Fault containment: every hook is
+It decides *which* event happened and tells the profiler's `StepEvents` (step_events.py),
+through the `StepListener` protocol, in the order the profiler's parts need; it does none of
+their work. Fault containment: every hook is
 `guarded`, so an exception in a part is counted and never reaches the training loop.
 
 Called by: torch (the hooks), and the `Profiler` (`install`, `step`, `close`).
@@ -87,13 +88,12 @@ class TracedForward(Protocol):
     def note_output(self, output: Any) -> None: ...
 
 
-class StepEvents(Protocol):
-    """What the profiler does at each event the boundary tells apart (profiler.py). The
-    names are underscored: they are the profiler's insides, called by its boundary only,
-    never part of its public surface."""
+class StepListener(Protocol):
+    """What is done at each event the boundary tells apart: the profiler's StepEvents
+    (step_events.py), given to `install`."""
 
-    def _on_eval_forward(self) -> None: ...
-    def _on_forward(
+    def on_eval_forward(self) -> None: ...
+    def on_forward(
         self,
         module: nn.Module,
         args: Any,
@@ -104,23 +104,23 @@ class StepEvents(Protocol):
         now: int,
         first_step: bool,
     ) -> None: ...
-    def _on_output(self, output: Any) -> None: ...
-    def _on_update_began(self, optimizer: torch.optim.Optimizer) -> None: ...
-    def _on_before_update(self, optimizer: torch.optim.Optimizer) -> None: ...
-    def _on_later_update(self, optimizer: torch.optim.Optimizer) -> None: ...
-    def _closure_judged(self, optimizer: torch.optim.Optimizer) -> bool: ...
-    def _on_closure_call(self, judged: bool) -> None: ...
-    def _on_back_in_optimizer(self) -> None: ...
-    def _on_closure_returned(self, optimizer: torch.optim.Optimizer, judged: bool) -> None: ...
-    def _on_any_update_done(self, owned: bool) -> None: ...
-    def _on_optimizer_returned(self) -> None: ...
-    def _on_no_step_signal(self) -> None: ...
-    def _on_loss(self, loss: Any) -> None: ...
-    def _on_late_loss(self, loss: Any) -> None: ...
-    def _on_step_end(
+    def on_output(self, output: Any) -> None: ...
+    def on_update_began(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_before_update(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_later_update(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def closure_judged(self, optimizer: torch.optim.Optimizer) -> bool: ...
+    def on_closure_call(self, judged: bool) -> None: ...
+    def on_back_in_optimizer(self) -> None: ...
+    def on_closure_returned(self, optimizer: torch.optim.Optimizer, judged: bool) -> None: ...
+    def on_any_update_done(self, owned: bool) -> None: ...
+    def on_optimizer_returned(self) -> None: ...
+    def on_no_step_signal(self) -> None: ...
+    def on_loss(self, loss: Any) -> None: ...
+    def on_late_loss(self, loss: Any) -> None: ...
+    def on_step_end(
         self, loss: Any, *, skipped: bool, started_ns: int | None, forward_seen: bool
     ) -> tuple[int, int]: ...
-    def _on_step_ended(self, number: int, now: int) -> None: ...
+    def on_step_ended(self, number: int, now: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -145,7 +145,6 @@ class StepBoundary:
         model: nn.Module,
         params: Sequence[torch.Tensor],
         root_layer: int | None,
-        events: StepEvents,
         hooks: LayerHooks,
         faults: Faults,
         clock: Callable[[], int],
@@ -155,7 +154,7 @@ class StepBoundary:
         self.module_ids = frozenset(id(m) for m in model.modules())
         self._param_ids = frozenset(id(p) for p in params)
         self._root_layer = root_layer  # the root's own layer, when it owns parameters directly
-        self._events = events
+        self._events: StepListener  # what is told of each event: given by install
         self._hooks = hooks  # the per-layer hooks: told of the root's calls, and replaying
         self._faults = faults
         self._clock = clock
@@ -197,11 +196,15 @@ class StepBoundary:
 
     # ---------------- installing and removing ----------------
 
-    def install(self, model: nn.Module, traced: TracedForward | None = None) -> Handle:
+    def install(
+        self, model: nn.Module, events: StepListener, traced: TracedForward | None = None
+    ) -> Handle:
         """Hook the root, its children (unless compiled before attach: their entry hooks
         serve eager loops only), the optimizers and GradScaler; returns what removes them
-        all. A registration that fails takes the others out before it raises.
-        `traced`: what the root's hooks do inside a compiled graph."""
+        all. A registration that fails takes the others out before it raises. `events`:
+        what is told of each event; `traced`: what the root's hooks do inside a compiled
+        graph."""
+        self._events = events
         self._traced = traced
         try:
             self._register(model)
@@ -370,7 +373,7 @@ class StepBoundary:
         training = grad and (module.training or self._trains_in_eval)
         self._hooks.root_forward_began(training)
         if not training:
-            self._events._on_eval_forward()
+            self._events.on_eval_forward()
             return
         self._training_forward(module, args, kwargs, own_layer, entry)
 
@@ -387,12 +390,12 @@ class StepBoundary:
             if self._step.start_ns is None:  # the first step begins
                 self._step.start_ns = now
                 first_step = True
-        self._events._on_forward(
+        self._events.on_forward(
             module, args, kwargs, entry=entry, own_layer=own_layer, now=now, first_step=first_step
         )
         self._step.forwards += 1
         if self._step.forwards == MAX_FORWARDS_PER_STEP:
-            self._events._on_no_step_signal()
+            self._events.on_no_step_signal()
 
     def _on_root_output(self, module: nn.Module, args: Any, output: Any) -> None:
         """The root module's forward returned: its output is checked (every step), inside
@@ -415,7 +418,7 @@ class StepBoundary:
 
     @guarded("root forward hook", locked=True)
     def _output(self, output: Any) -> None:
-        self._events._on_output(output)
+        self._events.on_output(output)
 
     # ---------------- the update ----------------
 
@@ -437,7 +440,7 @@ class StepBoundary:
         self._last_owned = (optimizer, owned)  # the post-hook's answer too (no second lookup)
         if not owned:
             return None
-        self._events._on_update_began(optimizer)
+        self._events.on_update_began(optimizer)
         # args are those of the unbound step: (optimizer, closure?, ...)
         closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
         if callable(closure):  # (its forwards run inside: judged as the closure returns)
@@ -453,15 +456,15 @@ class StepBoundary:
             self._judge_eval_mode()
         if self._step.forward_seen or not self._root_seen:  # in_step(), inline: every step
             self._step.stepped = True
-            self._events._on_before_update(optimizer)
+            self._events.on_before_update(optimizer)
         elif self._step.closed_by_optimizer:  # a later optimizer of the step an earlier one ended
-            self._events._on_later_update(optimizer)
+            self._events.on_later_update(optimizer)
         return None
 
     def _wrap_closure(
         self, closure: Callable[[], Any], optimizer: torch.optim.Optimizer
     ) -> Callable[[], Any]:
-        judged = self._events._closure_judged(optimizer)
+        judged = self._events.closure_judged(optimizer)
 
         def closure_then_read() -> Any:
             if self.detached:  # detached (from another thread) during this optimizer step
@@ -476,16 +479,16 @@ class StepBoundary:
 
     @guarded("optimizer closure", locked=True)
     def _closure_called(self, judged: bool) -> None:
-        self._events._on_closure_call(judged)
+        self._events.on_closure_call(judged)
 
     @guarded("optimizer closure", locked=True)
     def _closure_returned(self, optimizer: torch.optim.Optimizer, judged: bool) -> None:
         # called once or several times (LBFGS); the parameters are still this step's
-        self._events._on_back_in_optimizer()
+        self._events.on_back_in_optimizer()
         self._judge_eval_mode()
         if self.in_step():
             self._step.stepped = True
-            self._events._on_closure_returned(optimizer, judged)
+            self._events.on_closure_returned(optimizer, judged)
 
     def _judge_eval_mode(self) -> None:
         """An owned update: do the forwards since the last one say the run trains in eval
@@ -514,7 +517,7 @@ class StepBoundary:
         last = self._last_owned
         owned = last[1] if last[0] is optimizer else self.owns(optimizer)
         self._last_owned = (None, False)  # (never holds an optimizer past its step)
-        self._events._on_any_update_done(owned)  # (the guard's, for any optimizer)
+        self._events.on_any_update_done(owned)  # (the guard's, for any optimizer)
         if not owned:
             return
         # only the post-hook of the step in progress: a subclass calling super().step()
@@ -525,7 +528,7 @@ class StepBoundary:
         ):  # in_step(), inline
             self._end_step(None, by_optimizer=True)  # the optimizer phase ends with it
         else:
-            self._events._on_optimizer_returned()
+            self._events.on_optimizer_returned()
 
     def _on_scaler_decision(self, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
         """A GradScaler decided an optimizer's step: a skip (its gradients overflowed) ends
@@ -552,9 +555,9 @@ class StepBoundary:
         if self._step.closed_by_optimizer and not self._step.forward_seen:
             # the optimizer hook already ended this step: this call adds its loss
             self._step.closed_by_optimizer = False
-            self._events._on_late_loss(loss)
+            self._events.on_late_loss(loss)
             return
-        self._events._on_loss(loss)
+        self._events.on_loss(loss)
         self._end_step(
             loss, by_optimizer=False, skipped=self._step.scaler_skipped and not self._step.stepped
         )
@@ -565,7 +568,7 @@ class StepBoundary:
         with self._lock:
             if self.detached:  # detach() on another thread since the check above
                 return
-            number, now = self._events._on_step_end(
+            number, now = self._events.on_step_end(
                 loss,
                 skipped=skipped,
                 started_ns=self._step.start_ns,
@@ -573,7 +576,7 @@ class StepBoundary:
             )
             self._step = StepState(start_ns=now, closed_by_optimizer=by_optimizer)
             if not self.detached:  # (detached by this thread meanwhile: nothing to plan)
-                self._events._on_step_ended(number, now)
+                self._events.on_step_ended(number, now)
 
 
 def _inert() -> StepBoundary:

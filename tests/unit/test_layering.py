@@ -66,6 +66,7 @@ LAYERS = (
         (
             "__init__",
             "profiler",
+            "step_events",  # the life of a step as calls to the parts (issue 40)
             "live",
             "disabled",
             "cli",

@@ -279,7 +279,7 @@ def test_after_detach_a_graph_built_before_calls_nothing():
     prof.detach()
     calls = []
     end = prof._backward_end
-    end._on_end = lambda: calls.append(1)  # what would run at the backward's end
+    end.on_end = lambda: calls.append(1)  # what would run at the backward's end
     loss.backward()
     assert calls == [] and prof.snapshot().internal_errors == 0
 
@@ -295,7 +295,7 @@ def test_a_fault_in_the_check_is_counted_and_the_update_reads_them_instead(monke
     def broken():
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(prof._backward_end, "_on_end", broken)
+    monkeypatch.setattr(prof._backward_end, "on_end", broken)
     try:
         for x, y in batches[:5]:
             opt.zero_grad()

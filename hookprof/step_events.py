@@ -1,0 +1,305 @@
+"""The life of a step as calls to the profiler's parts, in the order `StepBoundary`
+(step/boundary.py) tells its events: `StepEvents` is the object whose job they are. Its
+methods are the boundary's public protocol (`StepListener`); each one says, for one event
+(a training forward begins, the output arrives, an update begins, the step ends, ...), what
+every part does then. It holds the parts and owns no state of its own: what a step has seen
+is the boundary's (`StepState`), the rest is the parts'.
+
+Built by the Profiler once every part exists (profiler.py), and handed to the boundary's
+`install`. Which part owns what: docs/architecture.md, "One owner per state".
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookprof.compiled import explain_compiled_forward
+from hookprof.efficiency.figures import StepEfficiency
+from hookprof.faults import Faults, ThreadSupervisor, guarded
+from hookprof.nonfinite.checks import NonfiniteChecks
+from hookprof.nonfinite.incident import IncidentResponse
+from hookprof.notices import Notices
+from hookprof.phases.clock import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, OUTSIDE
+from hookprof.phases.recorder import PhaseClock
+from hookprof.phases.stall import StallWatch
+from hookprof.publish.publisher import Publisher
+from hookprof.step.backward_end import BackwardEnd
+from hookprof.step.boundary import StepBoundary, no_step_notice
+from hookprof.step.gradients import StepGradients, no_gradients_notice
+from hookprof.step.hooks import LayerHooks
+from hookprof.step.record import StepCounters, StepRecord, pack_step
+from hookprof.step.sampled import SampledStep
+from hookprof.step.series import StepSeries
+
+
+class CounterDrain:
+    """Sends the device's non-finite counters, and the every-step series' rows since the
+    last drain, alone (no sampled step to carry them): at flush(), detach(), a NaN the
+    incident response wants named now, and every DRAIN_EVERY steps (step/series.py)."""
+
+    def __init__(self, counters: StepCounters, nan: NonfiniteChecks, series: StepSeries):
+        self._counters, self._nan, self._series = counters, nan, series
+
+    def __call__(self) -> None:
+        steps = self._counters.steps
+        self._nan.drain(steps, series=self._series.take(steps))
+
+
+class StepEvents:
+    """What each step event does to the parts (see the module's docstring)."""
+
+    def __init__(
+        self,
+        *,
+        model_type: str,
+        params: Sequence[torch.Tensor],
+        clock: Callable[[], int],
+        wall_clock: Callable[[], float],
+        faults: Faults,
+        notices: Notices,
+        counters: StepCounters,
+        series: StepSeries,
+        grads: StepGradients,
+        backward_end: BackwardEnd,
+        hooks: LayerHooks,
+        boundary: StepBoundary,
+        phases: PhaseClock,
+        watch: StallWatch,
+        efficiency: StepEfficiency,
+        publisher: Publisher,
+        sampled: SampledStep,
+        nan: NonfiniteChecks,
+        incidents: IncidentResponse,
+        supervisor: ThreadSupervisor,
+        drain: CounterDrain,
+    ):
+        self._model_type, self._params = model_type, params
+        self._clock, self._wall_clock = clock, wall_clock
+        self._faults, self._notices = faults, notices
+        self._counters, self._series, self._grads = counters, series, grads
+        self._backward_end, self._hooks, self._boundary = backward_end, hooks, boundary
+        self._phases, self._watch, self._efficiency = phases, watch, efficiency
+        self._publisher, self._sampled, self._nan = publisher, sampled, nan
+        self._incidents, self._supervisor, self._drain = incidents, supervisor, drain
+
+    def begin_step(self, number: int, now_ns: int) -> None:
+        """Plan step `number`: sampled or not, with output checks or not; hooks in or out."""
+        if self._boundary.latch_compiled():  # Dynamo traced the root: hooks stay out
+            explain_compiled_forward(self._notices)
+            self._backward_end.watch_params(self._params)  # (its output's node is in the graph)
+        # an open incident samples every step (its window's end read first: one call less)
+        incident = number <= self._incidents.open_until and self._incidents.open(number)
+        self._nan.step_began()
+        self._series.begin(number)
+        record = self._sampled.begin(
+            number,
+            now_ns,
+            incident=incident,
+            compiled=self._boundary.compiled,
+            broken=self._faults.layers_off(number),
+        )
+        self._grads.new_step(self._sampled.plan.sampled)
+        if (
+            record is not None or self._phases.bound
+        ):  # a sampled step's phases are marked on the device too
+            self._phases.bind(record)
+
+    def on_eval_forward(self) -> None:
+        if self._phases.where[1] in (DATA, OTHER):  # an evaluation between steps
+            self._phases.enter(OUTSIDE, self._clock(), "eval")
+
+    def on_forward(
+        self,
+        module: nn.Module,
+        args: Any,
+        kwargs: Any,
+        *,
+        entry: bool,
+        own_layer: int | None,
+        now: int,
+        first_step: bool,
+    ) -> None:
+        """A training forward of the root (or an entry call) begins."""
+        if self._sampled.record is not None:  # a sampled step (step 1's hooks go in now)
+            self._sampled.install_late(module, args, own_layer, entry)
+        self._nan.capture(args, kwargs, module if entry else None, rerun=self._sampled.rerun_wanted)
+        if self._sampled.plan.checked:
+            self._hooks.note_root_inputs(args, kwargs)  # a NaN in the batch is the input's
+        if first_step:
+            self._phases.restart(now)
+            self._watch.follow(threading.get_ident())
+        self._phases.enter(FORWARD, now)
+
+    def on_output(self, output: Any) -> None:
+        """The root's forward returned: check its output (every step)."""
+        self._phases.enter(BACKWARD, self._clock())
+        self._nan.check_output(output, step=self._counters.steps + 1)
+        self._backward_end.watch(output)
+        if self._sampled.unfolded:  # (a sampled step's, to fold)
+            self._sampled.nudge()
+
+    def backward_ended(self) -> None:
+        """capsule_dir set: the gradients checked, then a backward NaN's capsule drafted."""
+        self._grads.backward_ended()
+        end = self._backward_end
+        grads, end.output_grads = end.output_grads, []  # (drafted on the CPU, or not needed)
+        self._nan.backward_ended(self._grads.backward, grads, self._counters.steps + 1)
+
+    def on_update_began(self, optimizer: torch.optim.Optimizer) -> None:
+        self._nan.update_began(self._counters.steps + 1)
+        if self._sampled.rerun_wanted:
+            self._sampled.record_by(self._nan.rerun)
+        now = self._clock()
+        self._phases.enter(OPTIMIZER, now)
+        # the parameters before the update (a second optimizer of the step finds them taken)
+        if self._sampled.plan.sampled:
+            self._efficiency.before_update(now, optimizer)
+
+    def on_before_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """This step's gradients are final and its parameters not updated yet."""
+        self._grads.read_once(self._sampled.plan.sampled, at_update=True)
+        if (view := self._nan.scaler_of(optimizer)) is not None:
+            self._grads.unscale(view)
+        self._nan.before_update(optimizer, self._grads.squares, self._counters.steps + 1)
+
+    def on_later_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer of the step an earlier optimizer ended (two optimizers, no prof.step())."""
+        self._nan.later_update(optimizer)
+
+    def closure_judged(self, optimizer: torch.optim.Optimizer) -> bool:
+        return self._nan.judges_closure(optimizer)
+
+    def on_closure_call(self, judged: bool) -> None:
+        self._nan.closure_call(judged)
+
+    def on_back_in_optimizer(self) -> None:
+        self._phases.enter(OPTIMIZER, self._clock())  # the closure returned
+        self._sampled.record_by(
+            self._nan.rerun
+        )  # its forward ran in the closure, the update comes next
+
+    def on_closure_returned(self, optimizer: torch.optim.Optimizer, judged: bool) -> None:
+        if not judged:
+            self._grads.forget()  # read once, at the step's end (.grad untouched)
+            self._nan.replay_if_waiting(self._counters.steps + 1)
+            return
+        if not self._nan.holding:  # (a held step keeps its bad evaluation's squares)
+            self._grads.forget()
+        self.on_before_update(optimizer)
+
+    def on_any_update_done(self, owned: bool) -> None:
+        self._nan.update_done(owned)
+
+    def on_optimizer_returned(self) -> None:
+        if self._phases.progress.where[1] == OPTIMIZER:
+            self._phases.enter(OTHER, self._clock())
+
+    def on_loss(self, loss: Any) -> None:  # prof.step(loss), before the step ends
+        self._nan.check_loss(loss, self._counters.steps + 1)
+        if loss is not None:
+            self._series.loss(loss)
+
+    def on_late_loss(self, loss: Any) -> None:
+        """prof.step(loss) after the optimizer hook ended the step: this adds its loss."""
+        number = self._counters.steps
+        self._nan.check_loss(loss, number, late=True)
+        if loss is not None:
+            self._series.loss(loss, number)
+        if loss is not None and self._sampled.last_sent == number:  # it was a sampled step
+            # sent on its own (a copy of one value on an accelerator): this happens once,
+            # when prof.step() takes over after optimizer steps ended them
+            self._publisher.submit(pack_step(number, None, [], loss=loss, sampled=False))
+        self._incidents.at_step_end(number)
+
+    def on_step_end(
+        self, loss: Any, *, skipped: bool, started_ns: int | None, forward_seen: bool
+    ) -> tuple[int, int]:
+        """The step boundary: count the step and pack a sampled one. Returns (number, now)."""
+        nan, grads = self._nan, self._grads
+        replay = nan.replay
+        if (
+            replay.flag is not None or (replay.kept and not self._grads.read_at_update)
+        ) and not skipped:
+            nan.replay_forward(self._counters.steps + 1)  # no optimizer hook ran: still this step's
+        now = self._clock()
+        if started_ns is None:  # a first step without a forward: no phases to tell
+            self._phases.restart(now)
+        start = started_ns if started_ns is not None else now
+        checked = dropped = None
+        if not skipped:
+            checked, dropped = grads.at_step_end(
+                self._sampled.plan.sampled
+            )  # (read, if no optimizer hook did)
+            if grads.squares is not None and not grads.squares[1] and forward_seen:  # read: none
+                self._notices.say(
+                    "no gradients", no_gradients_notice(self._model_type, grads.backward)
+                )
+        nan.at_step_end(checked, self._counters.steps + 1, dropped)
+        duration_s = (now - start) * 1e-9
+        number = self._counters.observe(duration_s, self._wall_clock(), skipped)
+        # an update held back on the host changed no weight: like a GradScaler skip, no update
+        # norm and no throughput (a fused kernel's skip on the device measures 0: efficiency.md)
+        guard = nan.guard  # (nan.holding, inline)
+        no_update = skipped or (guard is not None and guard.holding)
+        if guard is not None:
+            self._counters.set_held_back(nan.end_update(number) or 0)  # (with a guard: an int)
+        self._phases.end_step(number, now)
+
+        def pack(record: StepRecord | None) -> Any:
+            efficiency, extra = self._efficiency_of(number, now, duration_s, no_update)
+            packet = nan.pack(
+                number,
+                record,
+                grad_squares=grads.squares,
+                loss=loss,
+                efficiency=efficiency,
+                extra=extra,
+                series=self._series.take(number),
+            )
+            packet.steps_at_end = self._counters.totals()
+            return packet
+
+        if self._sampled.plan.sampled and self._sampled.end(
+            number, broken=self._faults.broken, pack=pack
+        ):
+            self._efficiency.drop()  # what a skipped or unsent step noted and copied goes
+        return number, now
+
+    def on_step_ended(self, number: int, now: int) -> None:
+        if self._sampled.plan.sampled or now >= self._supervisor.due_ns:  # not every step
+            self._supervisor.check(now)
+        self._incidents.at_step_end(number)
+        if number >= self._series.due:  # the ring would be written over before a drain
+            self._drain()
+        self.begin_step(number + 1, now)
+
+    def on_no_step_signal(self) -> None:
+        """So many forwards without a step boundary: per-layer work stops (the record would
+        grow with every call) until one comes; said once."""
+        if self._sampled.stop():
+            self._phases.bind(None)
+        self._notices.say("no steps", no_step_notice(self._model_type))
+
+    # ---------------- what the step's events call on ----------------
+
+    @guarded("efficiency figures", disable=False, default=(None, ()))
+    def _efficiency_of(
+        self, number: int, now_ns: int, duration_s: float, skipped: bool
+    ) -> tuple[Any, list[tuple[Any, torch.Tensor]]]:
+        """A sampled step's FLOPs and norms (none when off, or skipped: no update, no
+        throughput). A fault here costs only these figures: the step's others still go out."""
+        if not self._efficiency.enabled or skipped:
+            return None, []
+        return self._efficiency.end_step(number, now_ns, duration_s)
+
+    def release(self) -> None:
+        """At detach: layer hooks out; a sampled step that never ended gives its events back."""
+        self._supervisor.close()  # runs before the threads stop: none restarts after detach
+        self._hooks.remove()
+        self._efficiency.drop()
+        self._sampled.release()

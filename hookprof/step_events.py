@@ -235,7 +235,7 @@ class StepEvents:
             checked, dropped = grads.at_step_end(
                 self._sampled.plan.sampled
             )  # (read, if no optimizer hook did)
-            if grads.squares is not None and not grads.squares[1] and forward_seen:  # read: none
+            if grads.squares is not None and not grads.squares.seen and forward_seen:  # read: none
                 self._notices.say(
                     "no gradients", no_gradients_notice(self._model_type, grads.backward)
                 )

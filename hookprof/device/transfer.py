@@ -10,7 +10,7 @@ too, each without a sync on the training thread.
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -92,12 +92,21 @@ def is_ready(ready: Any) -> bool:
     return ready is None or ready.query()
 
 
-def peek(flag: torch.Tensor) -> tuple[torch.Tensor, Any]:
+class Copy(NamedTuple):
+    """A value on its way to the host: `host`, readable once `ready` (the copy's event)
+    says so, or at once when `ready` is None (a CPU tensor, or a value known on the host)."""
+
+    host: Any
+    ready: Any
+
+
+def peek(flag: torch.Tensor) -> Copy:
     """Start reading one small device value without waiting: on the CPU the tensor itself
     (readable at once), on CUDA a non-blocking copy to pinned memory plus its event. Used for
     the per-step forward check, so a NaN can be localised before the optimizer step, and by
     the on_nonfinite policies; not counted with the per-sampled-step batches."""
-    return _start_copy(flag)
+    host, ready = _start_copy(flag)  # (the seam tests replace may return a plain pair)
+    return Copy(host, ready)
 
 
 class ScalarBatch:

@@ -40,7 +40,7 @@ from hookprof.nonfinite.replay import (
     own_weights_nonfinite,
 )
 from hookprof.nonfinite.traced import TracedOutputCheck
-from hookprof.step.gradients import DroppedCheck
+from hookprof.step.gradients import DroppedCheck, Reading
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import Packet, StepRecord, pack_step
 
@@ -184,7 +184,7 @@ class NonfiniteChecks:
 
     def backward_ended(
         self,
-        checked: tuple[list[torch.Tensor], frozenset[int]] | None,
+        checked: Reading | None,
         output_grads: list[torch.Tensor | None],
         step: int,
     ) -> None:
@@ -200,7 +200,7 @@ class NonfiniteChecks:
             or capsules.path is not None
         ):
             return
-        parts = checked[0]
+        parts = checked.parts
         if not all(transfer.on_host(p) for p in parts) and not self._wait:
             return  # (a wait per step on a device: only where asked for)
         if all(bool(torch.isfinite(p).all()) for p in parts):
@@ -213,7 +213,7 @@ class NonfiniteChecks:
     def before_update(
         self,
         optimizer: torch.optim.Optimizer,
-        squares: tuple[list[torch.Tensor], frozenset[int]] | None,
+        squares: Reading | None,
         step: int,
     ) -> None:
         """This step's gradients are final and its parameters not updated yet: the guard
@@ -221,7 +221,7 @@ class NonfiniteChecks:
         nonfinite_sync the guard's wait, for a flag copied after the output's, leaves that
         one on the host, so the training thread waits once per step, not twice)."""
         if self.guard is not None:
-            parts = squares[0] if squares is not None else []
+            parts = squares.parts if squares is not None else []
             flags = self.output.step_flags() + host_flags_of_squares(self._checked_squares(parts))
             self.guard.before_update(optimizer, self._table.params, flags)
         if self.replay.flag is not None or self.replay.kept:
@@ -268,7 +268,7 @@ class NonfiniteChecks:
 
     def at_step_end(
         self,
-        squares: tuple[list[torch.Tensor], frozenset[int]] | None,
+        squares: Reading | None,
         step: int,
         dropped: dict[torch.device, DroppedCheck] | None = None,
     ) -> None:
@@ -282,7 +282,9 @@ class NonfiniteChecks:
         layers = (
             []
             if squares is None
-            else (squares[0] if self._scaler_view is None else self._checked_squares(squares[0]))
+            else (
+                squares.parts if self._scaler_view is None else self._checked_squares(squares.parts)
+            )
         )
         capsules = self.capsules
         if (

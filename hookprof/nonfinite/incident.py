@@ -83,7 +83,7 @@ class IncidentResponse:
         self._known_bad = 0  # non-finite steps already reacted to
         self.open_until = 0  # sample every step up to this step number (read at every step's start)
         self._acted = False  # the policy acts once per run: the first incident matters
-        self._flags: list[tuple[torch.device, tuple[Any, Any]]] = []  # device flags in flight
+        self._flags: list[tuple[torch.device, transfer.Copy]] = []  # device flags in flight
         self._device_bad: dict[torch.device, int] = {}  # last flag read back per device
         self._drained_at = 0  # the count of bad steps seen when the counters were last drained
         # can the forward replay still name the producer of this bad step (its flag or its
@@ -266,7 +266,7 @@ class IncidentResponse:
     def _poll_flag(self) -> None:
         for device, c in self._detector.by_device.items():
             self._flags.append((device, transfer.peek(c.phase_bad.sum().reshape(1))))
-        while self._flags and transfer.is_ready(self._flags[0][1][1]):
+        while self._flags and transfer.is_ready(self._flags[0][1].ready):
             device, (host, _) = self._flags.pop(0)
             # a host tensor whose copy has completed: no sync; counts are cumulative
             self._device_bad[device] = int(host.sum())

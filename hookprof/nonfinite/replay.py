@@ -28,12 +28,13 @@ import operator
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from hookprof.device import transfer
+from hookprof.device.transfer import Copy
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import StepRecord
 from hookprof.tensors import iter_tensors, map_tensors
@@ -130,13 +131,23 @@ def _drew_random_numbers(captured: CapturedForward) -> bool:
     return False
 
 
-def _ready(flag: tuple[Any, Any], earlier: tuple[Any, Any] | None) -> bool:
+class KeptStep(NamedTuple):
+    """A step whose output flag was still on its way at its update (ForwardReplay.kept):
+    its flag and its earlier forwards', and its inputs when a late replay may need them."""
+
+    step: int
+    flag: Copy
+    captured: CapturedForward | None
+    earlier: Copy | None
+
+
+def _ready(flag: Copy, earlier: Copy | None) -> bool:
     """Have the copies of a forward's flag and of its earlier forwards' completed? Never
     waits (transfer.is_ready, inline: this is asked at every step on a device)."""
-    ready = flag[1]
+    ready = flag.ready
     if ready is not None and not ready.query():
         return False
-    return earlier is None or earlier[1] is None or earlier[1].query()
+    return earlier is None or earlier.ready is None or earlier.ready.query()
 
 
 def own_weights_nonfinite(layers: list[Any]) -> list[torch.Tensor]:
@@ -243,9 +254,9 @@ class ForwardReplay:
         self.captured: CapturedForward | None = None  # this step's last training forward
         self.done = not enabled
         # (host flag, ready event) of this step's output check, not looked at yet
-        self.flag: tuple[Any, Any] | None = None
+        self.flag: Copy | None = None
         # ... and of the step's earlier forwards (gradient accumulation, a model called twice)
-        self._earlier: tuple[Any, Any] | None = None
+        self._earlier: Copy | None = None
         self.updates = 0  # updates applied to the weights so far (`updated`)
         self.moved = 0  # updates applied between the last replayed forward and its replay
         self.keep_late = keep_late
@@ -253,9 +264,7 @@ class ForwardReplay:
         # their way (forward None: it cannot be replayed, see `unheld` and `run_if_bad`);
         # `flag`, `kept` and `refused` are read by NonfiniteChecks at every step, as
         # attributes (a property is one more Python call each time)
-        self.kept: deque[tuple[int, tuple[Any, Any], CapturedForward | None, Any]] = deque(
-            maxlen=MAX_LATE
-        )
+        self.kept: deque[KeptStep] = deque(maxlen=MAX_LATE)
         self._say = say
         # (step, why) of non-finite steps that could not be replayed, for the publisher
         # (the first NaN is then "not replayed", with the reason, never "not yet localised")
@@ -276,9 +285,8 @@ class ForwardReplay:
     def unheld(self, step: int) -> None:
         """`step`'s update was not held back (guard.UpdateGuard.unguarded): if its flag says
         non-finite, the weights have taken that update, so its forward is not replayed."""
-        if self.kept and self.kept[-1][0] == step:
-            step_, flag, _, earlier = self.kept[-1]
-            self.kept[-1] = (step_, flag, None, earlier)
+        if self.kept and self.kept[-1].step == step:
+            self.kept[-1] = self.kept[-1]._replace(captured=None)
 
     def updated(self) -> None:
         """An update reached the weights (not held back, not skipped): a forward captured
@@ -344,12 +352,12 @@ class ForwardReplay:
         self._earlier = (
             None
             if earlier is None or earlier is False
-            else (True, None)
+            else Copy(True, None)
             if earlier is True
             else transfer.peek(earlier)
         )
         if flag is True:
-            self.flag = (True, None)
+            self.flag = Copy(True, None)
             return True
         if isinstance(flag, torch.Tensor):
             self.flag = transfer.peek(flag)
@@ -373,15 +381,17 @@ class ForwardReplay:
         if wait and not self.done:
             for f in (flag, earlier):
                 if f is not None and not transfer.is_ready(f[1]):
-                    transfer.wait_ready(f[1])  # the opt-in wait (unless the guard's did it)
+                    transfer.wait_ready(f.ready)  # the opt-in wait (unless the guard's did it)
         if not _ready(flag, earlier):
             if not self.done:
                 # kept until the flags arrive: replayed then when its update is held back
                 # (keep_late), else only said to be beyond a replay if it turns out bad
-                self.kept.append((step, flag, self.captured if self.keep_late else None, earlier))
+                self.kept.append(
+                    KeptStep(step, flag, self.captured if self.keep_late else None, earlier)
+                )
             return None
-        if not bool(flag[0]):  # a host value (or a completed copy)
-            if earlier is not None and bool(earlier[0]) and not self.done:
+        if not bool(flag.host):  # a host value (or a completed copy)
+            if earlier is not None and bool(earlier.host) and not self.done:
                 self._refuse(step, EARLIER_FORWARD)
             return None
         if self.captured is None:
@@ -401,12 +411,12 @@ class ForwardReplay:
             if not _ready(flag, earlier):
                 return None
             self.kept.popleft()
-            if bool(flag[0]) and captured is None:
+            if bool(flag.host) and captured is None:
                 self._refuse(step, UNHELD if self.keep_late else BEHIND)
-            elif bool(flag[0]) and captured is not None:
+            elif bool(flag.host) and captured is not None:
                 rec = new_record()
                 return (step, rec) if self._run(hooks, rec, captured, step) else None
-            elif earlier is not None and bool(earlier[0]):
+            elif earlier is not None and bool(earlier.host):
                 self._refuse(step, EARLIER_FORWARD)
         if self.done:
             self.kept.clear()
@@ -418,7 +428,7 @@ class ForwardReplay:
         pending = [f for _, flag, _, earlier in self.kept for f in (flag, earlier) if f is not None]
         pending += [f for f in (self.flag, self._earlier) if f is not None]
         for flag in pending:
-            transfer.wait_ready(flag[1])  # note: a CPU-GPU sync point, inside flush() only
+            transfer.wait_ready(flag.ready)  # note: a CPU-GPU sync point, inside flush() only
         return bool(pending)
 
     def take_refused(self) -> list[tuple[int, str]]:

@@ -65,6 +65,15 @@ def local_tensor(grad: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else grad
 
 
+class Reading(NamedTuple):
+    """One reading of a step's gradients: per device, one tensor of per-layer values
+    (squared L2 norms, or values only checked for NaN/Inf: StepGradients.exact), and the
+    layers that had any gradient."""
+
+    parts: list[torch.Tensor]
+    seen: frozenset[int]
+
+
 class DroppedCheck(NamedTuple):
     """One device's two readings of a step's gradients (StepGradients.joined):
     `backward_bad` and `update_bad`, 1-element bools (views of one buffer, so comparing
@@ -166,7 +175,7 @@ class GradientNorms:
         # not kept (a GradientNorms of the update norms, or of a test)
         self.series: StepSeries | None = None
 
-    def layer_checks(self, norm: bool = False) -> tuple[list[torch.Tensor], frozenset[int]]:
+    def layer_checks(self, norm: bool = False) -> Reading:
         """Per device: per layer, a float32 value that is non-finite exactly when the layer's
         gradients hold a NaN or Inf (the sum of its gradients, or its squared norm for
         strided ones; a finite value or sum past float32's range, ~3.4e38, also reads as
@@ -194,22 +203,20 @@ class GradientNorms:
         if plan.chunks is None:
             return self.normed(self.layer_squares(), norm)
         try:
-            return [self._checked(plan, grads, norm)], plan.seen
+            return Reading([self._checked(plan, grads, norm)], plan.seen)
         except (RuntimeError, UserWarning):  # a gradient changed shape alone: plan again, once
             plan = self._make_check_plan(grads, missing)
             if plan.chunks is None:
                 return self.normed(self.layer_squares(), norm)
             try:
-                return [self._checked(plan, grads, norm)], plan.seen
+                return Reading([self._checked(plan, grads, norm)], plan.seen)
             except (RuntimeError, UserWarning):
                 # (exact, and per gradient: never no check)
                 return self.normed(self.layer_squares(), norm)
 
-    def normed(
-        self, squares: tuple[list[torch.Tensor], frozenset[int]], norm: bool = True
-    ) -> tuple[list[torch.Tensor], frozenset[int]]:
+    def normed(self, squares: Reading, norm: bool = True) -> Reading:
         if norm and self.series is not None:
-            self.series.write_norm_of_squares(squares[0])
+            self.series.write_norm_of_squares(squares.parts)
         return squares
 
     def _checked(self, plan: _CheckPlan, grads: list[Any], norm: bool = False) -> torch.Tensor:
@@ -337,7 +344,7 @@ class GradientNorms:
                 add("scalar", scalar)
         return chunks, order
 
-    def layer_squares(self) -> tuple[list[torch.Tensor], frozenset[int]]:
+    def layer_squares(self) -> Reading:
         """Per device: (squared L2 norm of each layer's gradients over that device's
         parameters, float64 of length len(table)); and the layers that had any gradient."""
         if self._distributed:
@@ -347,7 +354,7 @@ class GradientNorms:
         if missing:
             grads = [g for g in grads if g is not None]
             if not grads:
-                return [], frozenset()
+                return Reading([], frozenset())
         plan = self._plans.get(missing)
         # one device check per step: a model moved with .to() after attach gets a new plan
         if plan is None or (plan.device is not None and grads[0].device != plan.device):
@@ -358,8 +365,8 @@ class GradientNorms:
         if plan.device.type == "cpu" and self.cpu_dot_per_tensor:
             squares = _cpu_squared_norms(grads)
             per_layer = torch.zeros(len(self._table), dtype=torch.float64)
-            return [per_layer.index_add_(0, index, squares)], plan.seen
-        return [fused_layer_squares(grads, index, len(self._table))], plan.seen
+            return Reading([per_layer.index_add_(0, index, squares)], plan.seen)
+        return Reading([fused_layer_squares(grads, index, len(self._table))], plan.seen)
 
     def _make_plan(self, grads: list[torch.Tensor], missing: tuple[int, ...]) -> _Plan:
         absent = set(missing)
@@ -384,7 +391,7 @@ class GradientNorms:
             index = self._index_cache[key] = index_to_device(layers, device)
         return index
 
-    def _grouped(self) -> tuple[list[torch.Tensor], frozenset[int]]:
+    def _grouped(self) -> Reading:
         """The general path: gradients on several devices, sparse ones, DTensor shards.
         Grouped per device on every step (Python per parameter)."""
         groups: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
@@ -457,7 +464,7 @@ def layer_squares(
     index_cache: dict | Callable[[torch.device, list[int]], torch.Tensor],
     *,
     cpu_dot: bool = True,
-) -> tuple[list[torch.Tensor], frozenset[int]]:
+) -> Reading:
     """Tensors grouped by device with the layer of each: per device, the squared L2 norms
     summed per layer (float64, length n, on the device); and the layers seen. Nothing is
     read back. `index_cache` keeps the host-to-device layer indices between calls (a dict,
@@ -480,7 +487,7 @@ def layer_squares(
         else:
             out.append(fused_layer_squares(tensors, index, n))
         seen.update(layers)
-    return out, frozenset(seen)
+    return Reading(out, frozenset(seen))
 
 
 class StepGradients:
@@ -520,10 +527,10 @@ class StepGradients:
         self._every_step = every_step
         # (per-device squares, the layers that had a gradient), or None: not read this step;
         # not `exact`: per-layer values to check for NaN/Inf only, not norms
-        self.squares: tuple[list[torch.Tensor], frozenset[int]] | None = None
+        self.squares: Reading | None = None
         self.exact = True
         # (per-device check values, layers seen) at the end of this step's backwards, or None
-        self.backward: tuple[list[torch.Tensor], frozenset[int]] | None = None
+        self.backward: Reading | None = None
         # per device: a 2-bool buffer of the two readings' flags, and its halves (joined)
         self._join_flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._wanted = every_step  # this step checks its gradients (new_step)
@@ -534,15 +541,15 @@ class StepGradients:
         of ops: GradientNorms.layer_checks), added to this step's earlier backwards' values."""
         if not self._wanted:
             return
-        parts, seen = self._norms.layer_checks()
+        reading = self._norms.layer_checks()
         if self.backward is None:
-            self.backward = (parts, seen)
+            self.backward = reading
             return
-        earlier = {p.device: p for p in self.backward[0]}
-        for part in parts:  # (one device: one add)
+        earlier = {p.device: p for p in self.backward.parts}
+        for part in reading.parts:  # (one device: one add)
             before = earlier.get(part.device)
             earlier[part.device] = part if before is None else before + part
-        self.backward = (list(earlier.values()), self.backward[1] | seen)
+        self.backward = Reading(list(earlier.values()), self.backward.seen | reading.seen)
 
     def read_once(self, sampled: bool, *, at_update: bool = False) -> None:
         """Read them now if this step wants them and they were not read yet: on a sampled
@@ -561,9 +568,7 @@ class StepGradients:
 
     def at_step_end(
         self, sampled: bool
-    ) -> tuple[
-        tuple[list[torch.Tensor], frozenset[int]] | None, dict[torch.device, DroppedCheck] | None
-    ]:
+    ) -> tuple[Reading | None, dict[torch.device, DroppedCheck] | None]:
         """The step ends (no optimizer hook may have read them: prof.step() alone): read
         once if still wanted, then what the step's check counts (`joined`)."""
         if self.squares is None:
@@ -572,9 +577,7 @@ class StepGradients:
 
     def joined(
         self,
-    ) -> tuple[
-        tuple[list[torch.Tensor], frozenset[int]] | None, dict[torch.device, DroppedCheck] | None
-    ]:
+    ) -> tuple[Reading | None, dict[torch.device, DroppedCheck] | None]:
         """What the step's non-finite check counts: the update's reading, with its layers
         taken from the backwards' reading on a device where both are non-finite (a NaN
         backward made, then spread to every layer by a clip). A NaN made after backward() (an
@@ -586,11 +589,11 @@ class StepGradients:
         if backward is None or update is None:
             return update, None
         by_device = {}
-        for p in backward[0]:  # (a loop, not a comprehension: no Python call each step)
+        for p in backward.parts:  # (a loop, not a comprehension: no Python call each step)
             by_device[p.device] = p
         parts = []
         dropped: dict[torch.device, DroppedCheck] = {}
-        for u in update[0]:
+        for u in update.parts:
             b = by_device.get(u.device)
             if b is None:
                 parts.append(u)
@@ -607,7 +610,7 @@ class StepGradients:
             torch.ne(sums.sub(sums), 0, out=flags[0])
             parts.append(torch.where(flags[0].all(), b, u))
             dropped[u.device] = DroppedCheck(flags[1], flags[2], b)
-        return (parts, update[1]), dropped
+        return Reading(parts, update.seen), dropped
 
     def forget(self) -> None:
         """A closure ran another backward: read again at the update when next needed."""
@@ -627,7 +630,7 @@ class StepGradients:
         if view.scale is not None and self._norms.series is not None:
             self._norms.series.unscale_norm(view.scale)  # the step's global norm too
         if self.exact:
-            self.squares = (view.unscale(self.squares[0]), self.squares[1])
+            self.squares = Reading(view.unscale(self.squares.parts), self.squares.seen)
 
 
 def no_gradients_notice(model_type: str, backward: Any = None) -> str:
@@ -635,7 +638,7 @@ def no_gradients_notice(model_type: str, backward: Any = None) -> str:
     what its backwards' ends checked, when they were seen)."""
     checks = (
         "gradient norms have nothing to read (the NaN/Inf check read them as the backward ended)"
-        if backward is not None and backward[1]
+        if backward is not None and backward.seen
         else "gradient norms and the per-layer backward check have nothing to read"
     )
     return (

@@ -24,6 +24,7 @@ import torch
 from hookprof.device import transfer
 from hookprof.device.transfer import HostBatch, ScalarBatch
 from hookprof.snapshot import STEP_DURATION_BUCKETS
+from hookprof.step.gradients import Reading
 from hookprof.step.series import SeriesDrain
 
 
@@ -275,7 +276,7 @@ def pack_step(
     record: StepRecord | None,
     counter_blocks: list[torch.Tensor],
     *,
-    grad_squares: tuple[list[torch.Tensor], frozenset[int]] | None = None,
+    grad_squares: Reading | None = None,
     loss: Any = None,
     sampled: bool = True,
     counts: dict[str, list[torch.Tensor]] | None = None,

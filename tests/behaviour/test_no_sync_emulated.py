@@ -445,8 +445,8 @@ def test_nonfinite_sync_with_a_fused_optimizer_needs_no_guard_wait():
 def test_the_watch_catches_a_flag_read_before_its_copy_completed(monkeypatch):
     """A bug put into hookprof: the one-value peek hands back the device flag itself, as a
     copy already complete, so the replay decision at the optimizer hook reads the device
-    value (replay.py's bool(flag[0])): a wait on every step of a GPU run."""
-    monkeypatch.setattr(transfer, "peek", lambda flag: (flag, None))
+    value (replay.py's bool(flag.host)): a wait on every step of a GPU run."""
+    monkeypatch.setattr(transfer, "peek", lambda flag: transfer.Copy(flag, None))
     model = seeded(DeepNet)
     opt = OPTIMIZERS["sgd"](model.parameters())
     watch, _, _ = watched(

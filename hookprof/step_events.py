@@ -95,7 +95,7 @@ class StepEvents:
         # an open incident samples every step (its window's end read first: one call less)
         incident = number <= self._incidents.open_until and self._incidents.open(number)
         self._nan.step_began()
-        self._series.begin(number)
+        self._series.begin(number, self._counters.last_seconds)
         record = self._sampled.begin(
             number,
             now_ns,

@@ -44,7 +44,13 @@ _BAND_COLUMNS = (
     "grad_norm_mean",
     "grad_norm_n",
     "grad_norm_bad",
+    "step_seconds_min",
+    "step_seconds_max",
+    "step_seconds_mean",
+    "step_seconds_n",
+    "step_seconds_bad",
 )
+_VALUES = ("loss", "grad_norm", "step_seconds")  # a row: [step, *_VALUES]
 
 
 def stored(value: float | None) -> float:
@@ -62,7 +68,7 @@ class EveryStep:
         if max_bands < 2 or max_bands % 2:
             raise ValueError(f"max_bands must be an even number >= 2, got {max_bands}")
         self._lock = threading.Lock()
-        self.recent: deque[list[float]] = deque()  # [step, loss, grad_norm]
+        self.recent: deque[list[float]] = deque()  # [step, loss, grad_norm, step_seconds]
         self._full = full
         self._lead_up_steps = lead_up
         self.lead_up: list[list[float]] = []
@@ -79,7 +85,7 @@ class EveryStep:
         loss is one), when known."""
         with self._lock:
             for v in values:
-                row = [float(v.step), stored(v.loss), stored(v.grad_norm)]
+                row = [float(v.step), stored(v.loss), stored(v.grad_norm), stored(v.step_seconds)]
                 if not self._update(row):
                     self._append(row)
                 bad = math.isinf(row[1]) or math.isinf(row[2])
@@ -94,7 +100,7 @@ class EveryStep:
             return False
         for old in reversed(self.recent):  # (the newest first: where a repeated step is)
             if old[0] == row[0]:
-                for k in (1, 2):
+                for k in (1, 2, 3):
                     if row[k] == row[k]:
                         old[k] = row[k]
                 self._lead(old)
@@ -142,7 +148,7 @@ class EveryStep:
             i = len(b["first"]) - 1
             b["first"][i] = row[0]
         b["last"][i] = row[0]
-        for k, col in ((1, "loss"), (2, "grad_norm")):
+        for k, col in enumerate(_VALUES, start=1):
             v = row[k]
             if v != v:
                 continue
@@ -163,7 +169,7 @@ class EveryStep:
         for j in range(0, n - 1, 2):
             merged["first"].append(b["first"][j])
             merged["last"].append(b["last"][j + 1])
-            for col in ("loss", "grad_norm"):
+            for col in _VALUES:
                 na, nb = b[f"{col}_n"][j], b[f"{col}_n"][j + 1]
                 pick = [k for k, m in ((j, na), (j + 1, nb)) if m]
                 merged[f"{col}_n"].append(na + nb)
@@ -192,11 +198,7 @@ class EveryStep:
                 rows = [r for r in self.lead_up if r[0] <= (self.incident or 0)][-n:]
             else:
                 rows = list(self.recent)[-n:] if n > 0 else []
-            return {
-                "step": [r[0] for r in rows],
-                "loss": [None if r[1] != r[1] else r[1] for r in rows],
-                "grad_norm": [None if r[2] != r[2] else r[2] for r in rows],
-            }
+            return _columns(rows)
 
     def view(self) -> dict[str, Any]:
         """A copy in plain Python: None for no value, math.inf for a non-finite one. `full`:
@@ -209,12 +211,16 @@ class EveryStep:
             oldest = self.recent[0][0] if self.recent else math.inf
             rows = [r for r in self.lead_up if r[0] < oldest] + list(self.recent)
             return {
-                "full": {
-                    "step": [r[0] for r in rows],
-                    "loss": [plain(r[1]) for r in rows],
-                    "grad_norm": [plain(r[2]) for r in rows],
-                },
+                "full": _columns(rows),
                 "bands": {name: [plain(v) for v in col] for name, col in self._bands.items()},
                 "stride": self.stride,
                 "incident": self.incident,
             }
+
+
+def _columns(rows: list[list[float]]) -> dict[str, list[Any]]:
+    """Rows as columns in plain Python: None for no value."""
+    out: dict[str, list[Any]] = {"step": [r[0] for r in rows]}
+    for k, name in enumerate(_VALUES, start=1):
+        out[name] = [None if r[k] != r[k] else r[k] for r in rows]
+    return out

@@ -152,6 +152,7 @@ class StepCounters:
     def __init__(self, max_skipped_steps: int = 10) -> None:
         self._lock = threading.Lock()  # uncontended: ~0.1 us per step
         self.steps = 0
+        self.last_seconds: float | None = None  # the last step's time
         self._counts = [0] * (len(STEP_DURATION_BUCKETS) + 1)
         self._sum = 0.0
         self._last_ts: float | None = None
@@ -166,6 +167,7 @@ class StepCounters:
             self.steps += 1
             self._counts[bisect.bisect_left(STEP_DURATION_BUCKETS, seconds)] += 1
             self._sum += seconds
+            self.last_seconds = seconds  # (the every-step series takes it: step/series.py)
             self._last_ts = wall_time
             if skipped:
                 self.skipped += 1

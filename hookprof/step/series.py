@@ -45,11 +45,13 @@ class _Ring(NamedTuple):
 
 class SlotMeta(NamedTuple):
     """What a slot holds: `step`'s values; `loss` is None (none given), a float (a loss read
-    on the host) or the device whose ring holds it; `norm` the devices that wrote a norm."""
+    on the host) or the device whose ring holds it; `norm` the devices that wrote a norm;
+    `seconds` the step's time, measured on the host (StepCounters), once it ended."""
 
     step: int
     loss: float | torch.device | None
     norm: tuple[torch.device, ...]
+    seconds: float | None = None
 
 
 class StepValue(NamedTuple):
@@ -58,6 +60,7 @@ class StepValue(NamedTuple):
     step: int
     loss: float | None
     grad_norm: float | None
+    step_seconds: float | None = None
 
 
 class SeriesDrain(NamedTuple):
@@ -91,9 +94,14 @@ class StepSeries:
             )
         return ring
 
-    def begin(self, step: int) -> None:
-        """Step `step` begins: its slot is cleared (on the host: the ring keeps old values,
-        which the meta no longer points at)."""
+    def begin(self, step: int, previous_seconds: float | None = None) -> None:
+        """Step `step` begins (and the one before it took `previous_seconds`, on the host):
+        its slot is cleared (on the host: the ring keeps old values, which the meta no longer
+        points at). A drain made as the previous step ended holds it without its time: the
+        next drain holds it again (`take`)."""
+        before = self._meta[self._slot]
+        if previous_seconds is not None and before is not None and before.step == step - 1:
+            self._meta[self._slot] = before._replace(seconds=previous_seconds)
         self._slot = step % RING
         self._meta[self._slot] = SlotMeta(step, None, ())
 
@@ -182,6 +190,6 @@ def decode(drain: SeriesDrain, blocks: list[list[float]], up_to: int) -> list[St
         if meta.norm:
             squares = [blocks[where[d]][2 * row + _NORM] ** 2 for d in set(meta.norm) if d in where]
             grad_norm = math.sqrt(sum(squares)) if squares else None
-        out.append(StepValue(meta.step, loss, grad_norm))
+        out.append(StepValue(meta.step, loss, grad_norm, meta.seconds))
     out.sort()
     return out

@@ -64,7 +64,7 @@ def summary(doc: dict[str, Any]) -> str:
         ("steps", f"{doc['steps']:,}"),
         ("sampled steps", f"{doc['sampled_steps']:,}"),
         (
-            "mean step time",
+            f"mean step time, all {doc['steps']:,} steps",
             num(doc["step_seconds_mean"] and doc["step_seconds_mean"] * 1e3, 4, " ms"),
         ),
         ("loss, last sampled", num(doc["loss"], 4) + _after(doc)),
@@ -188,23 +188,49 @@ def _table_row(row: LayerRow) -> str:
     return f'<tr data-layer="{html.escape(row.layer)}"{" class=bad-row" if bad else ""}>{"".join(out)}</tr>'
 
 
-def _loss_or_norm(doc: dict[str, Any], xs: Any, col: str, at: int | None) -> str:
-    """The loss or global gradient norm chart: every step (report_steps.py) where the
-    history has them, else the sampled steps' points (a document from before they were kept,
-    or a run that gave no loss)."""
+# per column of the history: the every-step chart's title, the sampled points' title, unit
+_OVER_THE_RUN = {
+    "loss": ("Loss, every step", "Loss (mean over the sampled steps a point covers)", ""),
+    "grad_norm": (
+        "Global gradient norm, every step",
+        "Global gradient norm (maximum over a point)",
+        "",
+    ),
+    "step_seconds": (
+        "Step time, ms, every step",
+        "Step time, ms (mean over the steps a point covers)",
+        "ms",
+    ),
+}
+
+
+def _over_the_run(doc: dict[str, Any], xs: Any, col: str, at: int | None) -> str:
+    """The loss, global gradient norm or step time chart: every step (report_steps.py)
+    where the history has them, else the sampled steps' points (a document from before they
+    were kept, or a run that gave no loss)."""
     hist = doc["history"]
     every = hist.get("every_step")
+    every_title, points_title, unit = _OVER_THE_RUN[col]
+    scale = 1e3 if unit == "ms" else 1.0
     if has_values(every, col):
-        title = "Loss, every step" if col == "loss" else "Global gradient norm, every step"
-        return step_chart(col, title, xs, every, col, at, doc["nonfinite_steps"], log_allowed=True)
+        return step_chart(
+            col,
+            every_title,
+            xs,
+            every,
+            col,
+            at,
+            doc["nonfinite_steps"],
+            log_allowed=col != "step_seconds",
+            unit=unit,
+            scale=scale,
+        )
     pts = hist["points"]
-    title = (
-        "Loss (mean over the sampled steps a point covers)"
-        if col == "loss"
-        else "Global gradient norm (maximum over a point)"
-    )
+    values = [v if v is None or math.isinf(v) else v * scale for v in pts[col]]
     spans = point_spans(pts["step"], pts.get("steps", []))
-    return line_chart(col, title, "", xs, pts["step"], spans, pts[col], at, col != "loss")
+    return line_chart(
+        col, points_title, unit, xs, pts["step"], spans, values, at, col == "grad_norm"
+    )
 
 
 def model_section(doc: dict[str, Any], index: int = 0) -> str:
@@ -215,7 +241,6 @@ def model_section(doc: dict[str, Any], index: int = 0) -> str:
     xs = step_axis(last_step(doc))
     first = doc["first_nonfinite"]
     at = int(first["step"]) if first else None
-    ms = [None if v is None else (v if math.isinf(v) else v * 1e3) for v in pts["step_seconds"]]
     events = hist["events"]
     parts = [
         f'<section class="model" data-model="{html.escape(doc["model"])}">',
@@ -230,23 +255,15 @@ def model_section(doc: dict[str, Any], index: int = 0) -> str:
         parts.append(timeline(xs, events, hist["events_dropped"], at, f"dropped{index}"))
     parts += [
         "<h2>Over the run</h2>",
-        _loss_or_norm(doc, xs, "loss", at),
-        _loss_or_norm(doc, xs, "grad_norm", at),
-        line_chart(
-            "step_seconds",
-            "Step time, ms (mean over the steps a point covers)",
-            "ms",
-            xs,
-            steps,
-            spans,
-            ms,
-            at,
-        ),
+        _over_the_run(doc, xs, "loss", at),
+        _over_the_run(doc, xs, "grad_norm", at),
+        _over_the_run(doc, xs, "step_seconds", at),
         f'<h2>Gradient norm per layer <span class="muted">({heat_rows(hist["layers"])} layers with a '
         f"gradient norm, of {len(hist['layers'])} tracked)</span></h2>",
         heatmap(xs, steps, spans, hist["layers"], at, f"hatch{index}"),
         f'<h2>Layers <span class="muted">({len(doc["layer_totals"])} of {doc["layers_total"]} exported; '
-        f"times per call over the sampled steps, share of the mean step; as <code>hookprof top</code> shows them)"
+        f"times per call over the {doc['sampled_steps']:,} sampled steps, when the per-layer hooks are in; "
+        f"share: of the mean step over all {doc['steps']:,} steps; as <code>hookprof top</code> shows them)"
         f"</span></h2>",
         layer_table(doc),
         "</section>",

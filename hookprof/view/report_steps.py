@@ -46,15 +46,23 @@ def step_chart(
     incident: int | None,
     nonfinite_by_phase: dict[str, int],
     log_allowed: bool = False,
+    unit: str = "",
+    scale: float = 1.0,
 ) -> str:
-    """One column (`loss` or `grad_norm`) of the every-step series over the run."""
+    """One column (`loss`, `grad_norm`, `step_seconds`) of the every-step series over the
+    run, its values times `scale` (seconds drawn as ms: 1e3), in `unit`."""
+
+    def scaled(values: list[Any]) -> list[Any]:
+        return values if scale == 1.0 else [v if v is None else v * scale for v in values]
+
     full, bands = every["full"], every["bands"]
-    steps, values = full["step"], full[col]
+    steps, values = full["step"], scaled(full[col])
     firsts, lasts = bands["first"], bands["last"]
-    lows, highs, means = bands[f"{col}_min"], bands[f"{col}_max"], bands[f"{col}_mean"]
+    lows, highs = scaled(bands[f"{col}_min"]), scaled(bands[f"{col}_max"])
+    means = scaled(bands[f"{col}_mean"])
     band_bad = bands[f"{col}_bad"]
     finite = [v for v in values if _finite(v)] + [v for v in lows + highs if _finite(v)]
-    ys, frame = chart_frame(kind, title, "", xs, finite, log_allowed)
+    ys, frame = chart_frame(kind, title, unit, xs, finite, log_allowed)
     out = [frame]
 
     # the bands: min to max, a mean line through them (hover: mean~min~max)

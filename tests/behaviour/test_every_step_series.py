@@ -46,6 +46,7 @@ def _run(model, steps, *, lr=0.05, grow_from=None, loss_every=1):
             seen[step] = (float(loss) if given else None, norm)
         prof.flush()
         view = prof.report_document()["history"]["every_step"]
+        view["duration_sum"] = prof.snapshot().step_duration_sum  # (the counters' own sum)
     return seen, view
 
 
@@ -99,10 +100,18 @@ def test_every_step_of_a_long_run_is_in_the_history(monkeypatch, path):
         monkeypatch.setattr(GradientNorms, "cpu_dot_per_tensor", False)
         with lagging_device(3):
             seen, view = _run(model, steps)
+    duration_sum = view["duration_sum"]
     kept = range(steps - every_step.FULL + 1, steps + 1)
     _check_rows(view["full"], seen, kept)
     _check_bands(view["bands"], seen, kept[0] - 1)
     assert view["incident"] is None
+    # every step's time (the host's, as the step counters took it): none missing, and the
+    # bands' and the full rows' add up to the counters' sum of all steps
+    full, bands = view["full"], view["bands"]
+    assert all(t is not None and t > 0 for t in full["step_seconds"])
+    assert sum(bands["step_seconds_n"]) + len(full["step_seconds"]) == steps
+    banded = sum(m * n for m, n in zip(bands["step_seconds_mean"], bands["step_seconds_n"]))
+    assert banded + sum(full["step_seconds"]) == pytest.approx(duration_sum, rel=1e-9)
 
 
 def test_steps_without_a_loss_have_none_and_still_a_norm():

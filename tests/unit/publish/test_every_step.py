@@ -20,7 +20,7 @@ def _values(n, seed=0, bad=()):
         norm = rng.uniform(0.1, 5.0)
         if s in bad:
             loss, norm = math.nan, math.inf
-        out.append(StepValue(s, loss, norm))
+        out.append(StepValue(s, loss, norm, None if s % 11 == 0 else rng.uniform(0.01, 0.02)))
     return out
 
 
@@ -46,7 +46,7 @@ def test_bands_hold_every_step_that_left_the_recent_window(n):
     assert covered == list(range(1, n - 16 + 1))
     assert all(la - f + 1 <= view["stride"] for f, la in zip(bands["first"], bands["last"]))
     for i, (f, la) in enumerate(zip(bands["first"], bands["last"])):
-        for k in ("loss", "grad_norm"):
+        for k in ("loss", "grad_norm", "step_seconds"):
             finite, bad = _expect(values, f, la, k)
             assert bands[f"{k}_n"][i] == len(finite) and bands[f"{k}_bad"][i] == bad
             if finite:
@@ -68,13 +68,15 @@ def test_bands_hold_every_step_that_left_the_recent_window(n):
 
 def test_a_repeated_step_fills_what_it_lacked():
     store = EveryStep(full=8)
-    store.observe([StepValue(1, None, 2.0), StepValue(2, None, 3.0)])
-    store.observe([StepValue(2, 0.5, 3.0), StepValue(3, 0.25, 1.0)])  # step 2's late loss
+    store.observe([StepValue(1, None, 2.0, 0.1), StepValue(2, None, 3.0)])
+    # step 2's late loss, and its time (it came as step 3 began)
+    store.observe([StepValue(2, 0.5, 3.0, 0.2), StepValue(3, 0.25, 1.0)])
     store.observe([StepValue(3, None, 1.0)])  # nothing new: the loss stays
     assert store.view()["full"] == {
         "step": [1.0, 2.0, 3.0],
         "loss": [None, 0.5, 0.25],
         "grad_norm": [2.0, 3.0, 1.0],
+        "step_seconds": [0.1, 0.2, None],
     }
 
 

@@ -31,6 +31,8 @@ from grafana_foundation_sdk.models import common as common_models
 from grafana_foundation_sdk.models.dashboard import (
     DataSourceRef,
     DataTransformerConfig,
+    Threshold,
+    ThresholdsMode,
     VariableRefresh,
     VariableSort,
 )
@@ -772,7 +774,85 @@ def efficiency_and_stragglers(board, rate: str):
             width=12,
         )
     )
-    return board
+    return layer_stragglers(board)
+
+
+LAYER_RATIO = "hookprof:layer_seconds_per_call:ratio_to_median_of_ranks2m"
+
+
+def layer_stragglers(board):
+    """Issue 42: which rank is slow in which layer and phase. Needs the recording rules of
+    deploy/prometheus/hookprof-rules.yml (hookprof.layer_stragglers), as the alert does."""
+    ratio = f'{LAYER_RATIO}{{{MODELS}, layer=~"$layer"}}'
+    board = board.with_panel(
+        table.Panel()
+        .title("Layer time per rank over the median of ranks")
+        .description(
+            "Each rank's mean time per call in each layer's forward and backward over the median of "
+            "the job's ranks (2 minutes of sampled steps, three ranks or more): a row per layer and "
+            "phase, a column per rank, the rows with the worst cell first. 1 is the median; "
+            "HookprofStragglerLayer fires at 1.3 (and 0.1 ms per call above it) for 2 minutes. Under "
+            "DDP the ranks waiting for a bucket's all-reduce inside a layer's backward are the median, "
+            "the straggler's own layer stands out."
+        )
+        .datasource(DS)
+        .span(12)
+        .height(10)
+        .unit("none")
+        .decimals(2)
+        .with_target(
+            q(
+                f'sort_desc(label_join({ratio}, "cell", " ", "model", "layer", "phase"))',
+                instant=True,
+                table_format=True,
+            )
+        )
+        .with_transformation(
+            DataTransformerConfig(
+                id_val="groupingToMatrix",
+                options={
+                    "columnField": "rank",
+                    "rowField": "cell",
+                    "valueField": "Value",
+                    "emptyValue": "null",
+                },
+            )
+        )
+        .cell_options(
+            common_models.TableColoredBackgroundCellOptions(
+                mode=common_models.TableCellBackgroundDisplayMode.BASIC
+            )
+        )
+        .thresholds(
+            dashboard.ThresholdsConfig()
+            .mode(ThresholdsMode.ABSOLUTE)
+            .steps(
+                [
+                    Threshold(color="green", value=None),
+                    Threshold(color="yellow", value=1.15),
+                    Threshold(color="red", value=1.3),
+                ]
+            )
+        )
+    )
+    return board.with_panel(
+        bargauge.Panel()
+        .title("Slowest rank, layer and phase")
+        .description(
+            "The highest ratios ($topk) of a rank's time per call in a layer and phase to the median "
+            "of ranks (the worst cells of the table beside it)."
+        )
+        .datasource(DS)
+        .span(12)
+        .height(10)
+        .with_target(
+            q(f"topk($topk, {ratio})", "{{model}} rank {{rank}} {{layer}} {{phase}}", instant=True)
+        )
+        .orientation(common_models.VizOrientation.HORIZONTAL)
+        .display_mode(common_models.BarGaugeDisplayMode.GRADIENT)
+        .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .min(1)
+    )
 
 
 def render() -> str:

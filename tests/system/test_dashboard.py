@@ -104,6 +104,7 @@ PER_MODEL = re.compile(
     r"|gradient_norm|nonfinite_steps|skipped_steps|gradient_flagged_steps|layer_\w+"
     r"|first_nonfinite_info|layers|layers_exported|internal_errors|publisher_thread_up"
     r"|model_flops_\w+|update_ratio|step_phase_seconds|step_phase_device_seconds|progress_\w+|stalled|stalls|stall_info)"
+    r"|\bhookprof:layer_\w+:\w+"  # the layer stragglers' recording rules keep `model` (issue 42)
 )
 PER_PROCESS = re.compile(
     r"\b(?:up|process_\w+|hookprof_(?:host|gpu|cuda_memory)_\w+"
@@ -127,7 +128,7 @@ def test_model_variable_selects_every_per_model_query_and_keeps_models_apart(boa
             if PER_MODEL.search(expr):
                 per_model += 1
                 # every selector of a per-model metric filters on the variable
-                for selector in re.findall(r"\bhookprof_\w+(\{[^}]*\})?", expr):
+                for selector in re.findall(r"\bhookprof[_:][\w:]+(\{[^}]*\})?", expr):
                     assert 'model=~"$model"' in selector, (panel["title"], expr)
                 # aggregations keep the model, and legends name it, so G and D stay apart
                 for by in re.findall(r"\bby \(([^)]*)\)", expr):

@@ -783,13 +783,18 @@ LAYER_RATIO = "hookprof:layer_seconds_per_call:ratio_to_median_of_ranks2m"
 def layer_stragglers(board):
     """Issue 42: which rank is slow in which layer and phase. Needs the recording rules of
     deploy/prometheus/hookprof-rules.yml (hookprof.layer_stragglers), as the alert does."""
-    ratio = f'{LAYER_RATIO}{{{MODELS}, layer=~"$layer"}}'
+    # layers of at least 0.1 ms per call (the alert's floor): the ratio of a 20 us layer is
+    # mostly noise, and would sort itself first
+    ratio = (
+        f'{LAYER_RATIO}{{{MODELS}, layer=~"$layer"}}\n  and on (job, model, layer, phase) '
+        'hookprof:layer_seconds_per_call:median_of_ranks2m{job=~"$job", model=~"$model"} > 0.0001'
+    )
     board = board.with_panel(
         table.Panel()
         .title("Layer time per rank over the median of ranks")
         .description(
             "Each rank's mean time per call in each layer's forward and backward over the median of "
-            "the job's ranks (2 minutes of sampled steps, three ranks or more): a row per layer and "
+            "the job's ranks (2 minutes of sampled steps; layers of 0.1 ms per call or more): a row per layer and "
             "phase, a column per rank, the rows with the worst cell first. 1 is the median; "
             "HookprofStragglerLayer fires at 1.3 (and 0.1 ms per call above it) for 2 minutes. Under "
             "DDP the ranks waiting for a bucket's all-reduce inside a layer's backward are the median, "
@@ -802,7 +807,7 @@ def layer_stragglers(board):
         .decimals(2)
         .with_target(
             q(
-                f'sort_desc(label_join({ratio}, "cell", " ", "model", "layer", "phase"))',
+                f'sort_desc(label_join(\n  {ratio},\n  "cell", " ", "model", "layer", "phase"))',
                 instant=True,
                 table_format=True,
             )

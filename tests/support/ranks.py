@@ -58,3 +58,19 @@ def run_two(target, steps):
         join_or_kill(procs)
     assert [p.exitcode for p in procs] == [0, 0]
     return results, texts, base_port
+
+
+def train_in_step(rank: int, go_home, stop_at, one_step, *, deadline_s: float = 120.0) -> None:
+    """Run `one_step()` until the parent says go home (`go_home`, an Event), every rank
+    stopping after the same step, or one would wait forever in a collective: rank 0 names
+    that step in `stop_at` (a shared int, 0 until then) a few steps ahead, which the others, at
+    most one step off, read in time. Bounded by `deadline_s` whatever the parent does."""
+    import time
+
+    deadline = time.monotonic() + deadline_s
+    step = 1
+    while stop_at.value == 0 or step < stop_at.value:
+        if rank == 0 and stop_at.value == 0 and (go_home.is_set() or time.monotonic() > deadline):
+            stop_at.value = step + 3
+        one_step()
+        step += 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from support.ranks import torchrun_environment
+from support.ranks import torchrun_environment, train_in_step
 
 # name -> what differs; "ddp" is the plain case the test runs
 SETUPS = {
@@ -80,15 +80,8 @@ def run_rank(
         mse_step(train, opt, *model.batch(g))
         prof.step()
         out.put((rank, prof.url))
-        deadline = time.monotonic() + 120  # bounded, whatever the parent does
-        step = 1
-        while stop_at.value == 0 or step < stop_at.value:
-            if (
-                rank == 0
-                and stop_at.value == 0
-                and (go_home.is_set() or time.monotonic() > deadline)
-            ):
-                stop_at.value = step + 3
+
+        def one_step():
             batch = model.batch(g)
             if slow_phase == "data":
                 time.sleep(delays[rank])  # the slowed rank's data loader
@@ -96,7 +89,8 @@ def run_rank(
             if slow_phase == "other":
                 time.sleep(delays[rank])  # the slowed rank's logging after the update
             prof.step()  # the step ends here: the time since the update is `other`
-            step += 1
+
+        train_in_step(rank, go_home, stop_at, one_step)
         prof.detach()
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,109 @@
+"""Issue 42: a straggler named at layer resolution, against a real Prometheus scraping a real
+3-rank DDP job over gloo on the CPU. One rank's `blocks.2.fc` takes ~40% longer per call,
+in its forward only, then in its backward only (a custom autograd function: the time falls
+inside the layer's backward span); a balanced run of the same length fires nothing.
+
+The all-reduce evens out the ranks' steps and phases (test_ddp_stragglers.py), not a layer's
+own time per call: HookprofStragglerLayer names rank, layer and phase, where the phase rule
+has no layer to name."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from support.dashboard import JOB, alert_rules, dashboard, panel_queries, substitute
+from support.servers import binaries, get_json, query, ranks_scraped
+from support.waiting import wait_for
+
+EXTRA = 0.0008  # seconds more per call on rank 1: 2.8 ms against 2 ms (workers' LAYER_SECONDS)
+SCENARIOS = {
+    "forward": {1: (EXTRA, 0.0)},
+    "backward": {1: (0.0, EXTRA)},
+    "balanced": {},
+}
+LAYER = "blocks.2.fc"
+
+
+@pytest.fixture(scope="module", params=list(SCENARIOS))
+def three_ranks_scraped(request, tmp_path_factory):
+    binaries()  # skips where Prometheus is not installed
+    import torch.multiprocessing as mp
+
+    from workers.layer_straggler_worker import run_rank
+
+    extra = [SCENARIOS[request.param].get(r, (0.0, 0.0)) for r in range(3)]
+    stop_at = mp.get_context("spawn").Value("i", 0)
+    tmp = str(tmp_path_factory.mktemp("layer_straggler"))
+    with ranks_scraped(
+        run_rank, lambda r, out, go_home: (extra, out, go_home, stop_at), 3, tmp, JOB, scrapes=3
+    ) as (prom, workers):
+        wait_for(
+            "every rank's layer time in the recording rule",
+            lambda: (
+                len(query(prom, f'hookprof:layer_seconds_per_call:mean2m{{layer="{LAYER}"}}')) == 6
+            ),  # 3 ranks x forward, backward
+            timeout=40,
+        )
+        yield prom, request.param
+    assert [w.exitcode for w in workers] == [0, 0, 0]
+
+
+def _layer_alerts(prom: int) -> list[dict]:
+    return [
+        a
+        for a in get_json(f"http://127.0.0.1:{prom}/api/v1/alerts")["data"]["alerts"]
+        if a["labels"]["alertname"] == "HookprofStragglerLayer"
+    ]
+
+
+def test_the_layer_rule_names_rank_layer_and_phase(three_ranks_scraped):
+    prom, scenario = three_ranks_scraped
+    ratios = {
+        (r["metric"]["rank"], r["metric"]["phase"]): float(r["value"][1])
+        for r in query(
+            prom, f'hookprof:layer_seconds_per_call:ratio_to_median_of_ranks2m{{layer="{LAYER}"}}'
+        )
+    }
+    if scenario == "balanced":
+        time.sleep(10)  # as long again as the slowed runs take to fire: still nothing
+        assert _layer_alerts(prom) == [], json.dumps(_layer_alerts(prom))
+        assert all(v < 1.3 for v in ratios.values()), ratios
+        return
+    alerts = wait_for("the layer straggler alert pending", lambda: _layer_alerts(prom), timeout=30)
+    named = [(a["labels"]["rank"], a["labels"]["layer"], a["labels"]["phase"]) for a in alerts]
+    assert named == [("1", LAYER, scenario)], json.dumps(alerts)
+    assert float(alerts[0]["value"]) == pytest.approx(2.8 / 2.0, rel=0.15)
+    # the other phase of the same layer, and the other ranks, stay below the alert's 1.3 (3
+    # ranks and Prometheus on 2 cores: a mean per call moves by 20% and more with the load)
+    other = "backward" if scenario == "forward" else "forward"
+    assert ratios["1", other] < 1.3 and all(ratios[r, p] < 1.3 for r, p in ratios if r != "1"), (
+        ratios
+    )
+
+
+def test_the_phase_rule_alone_cannot_name_the_layer(three_ranks_scraped):
+    prom, scenario = three_ranks_scraped
+    (phase_rule,) = [r for r in alert_rules() if r.get("alert") == "HookprofStragglerPhase"]
+    found = query(prom, phase_rule["expr"])
+    assert all("layer" not in r["metric"] for r in found), found
+
+
+def test_the_dashboard_puts_the_worst_cell_first(three_ranks_scraped):
+    prom, scenario = three_ranks_scraped
+    (expr,) = [
+        e
+        for t, e in panel_queries(dashboard())
+        if t == "Layer time per rank over the median of ranks"
+    ]
+    rows = query(prom, substitute(expr))
+    # layers of 0.1 ms per call or more only (a tiny layer's ratio is noise): blocks.2.fc's
+    # forward and backward on each of the 3 ranks at least
+    cells = {(r["metric"]["rank"], r["metric"]["layer"], r["metric"]["phase"]) for r in rows}
+    assert {(str(r), LAYER, p) for r in range(3) for p in ("forward", "backward")} <= cells
+    if scenario != "balanced":
+        top = rows[0]["metric"]
+        assert (top["rank"], top["layer"], top["phase"]) == ("1", LAYER, scenario)
+        assert top["cell"] == f"DeepNet {LAYER} {scenario}"

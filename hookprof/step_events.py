@@ -273,10 +273,12 @@ class StepEvents:
     def on_step_ended(self, number: int, now: int) -> None:
         if self._sampled.plan.sampled or now >= self._supervisor.due_ns:  # not every step
             self._supervisor.check(now)
-        self._incidents.at_step_end(number)
-        if number >= self._series.due:  # the ring would be written over before a drain
-            self._drain()
-        self.begin_step(number + 1, now)
+        try:
+            self._incidents.at_step_end(number)  # (raises NonFiniteError under "raise")
+        finally:  # a loop that catches it and trains on: the next step is still planned
+            if number >= self._series.due:  # the ring would be written over before a drain
+                self._drain()
+            self.begin_step(number + 1, now)
 
     def on_no_step_signal(self) -> None:
         """So many forwards without a step boundary: per-layer work stops (the record would

@@ -518,6 +518,7 @@ class StepGradients:
         "backward",
         "read_at_update",
         "_join_flags",
+        "_unscaled",
     )
 
     def __init__(self, norms: GradientNorms, *, every_step: bool = True):
@@ -534,6 +535,7 @@ class StepGradients:
         # per device: a 2-bool buffer of the two readings' flags, and its halves (joined)
         self._join_flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._wanted = every_step  # this step checks its gradients (new_step)
+        self._unscaled = False  # a fused GradScaler step has unscaled this reading (unscale)
         self.read_at_update = False  # an optimizer's pre-hook asked this step (read_once)
 
     def backward_ended(self) -> None:
@@ -564,6 +566,7 @@ class StepGradients:
             self.squares = (
                 norms.normed(norms.layer_squares()) if sampled else norms.layer_checks(norm=True)
             )
+            self._unscaled = False
             self.exact = sampled
 
     def at_step_end(
@@ -618,6 +621,7 @@ class StepGradients:
 
     def new_step(self, sampled: bool) -> None:
         self.squares = None
+        self._unscaled = False
         self.backward = None
         self.read_at_update = False
         self._wanted = sampled or self._every_step
@@ -625,10 +629,11 @@ class StepGradients:
     def unscale(self, view: Any) -> None:
         """A fused optimizer's GradScaler step (guard.ScalerView): norms of the unscaled
         gradients, as the update sees them."""
-        if view is None or self.squares is None:
-            return
-        if view.scale is not None and self._norms.series is not None:
-            self._norms.series.unscale_norm(view.scale)  # the step's global norm too
+        if view is None or self.squares is None or self._unscaled:
+            return  # (two fused optimizers under one scaler: one reading, unscaled once)
+        self._unscaled = True
+        if self._norms.series is not None:  # the step's global norm too
+            self._norms.series.unscale_norm(view.scale, view.found_inf)
         if self.exact:
             self.squares = Reading(view.unscale(self.squares.parts), self.squares.seen)
 

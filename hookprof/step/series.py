@@ -35,6 +35,9 @@ RING = 512  # steps kept on the device between drains
 DRAIN_EVERY = RING // 2  # a drain at least this often: a late loss is still in its slot
 
 _LOSS, _NORM = 0, 1  # the ring's columns
+# a norm written as "no value" on the device (a NaN there is a NaN gradient's norm): a step
+# a fused optimizer's GradScaler skipped for an overflow
+NO_NORM = -1.0
 
 
 class _Ring(NamedTuple):
@@ -101,7 +104,9 @@ class StepSeries:
         next drain holds it again (`take`)."""
         before = self._meta[self._slot]
         if previous_seconds is not None and before is not None and before.step == step - 1:
-            self._meta[self._slot] = before._replace(seconds=previous_seconds)
+            self._meta[self._slot] = SlotMeta(
+                before.step, before.loss, before.norm, previous_seconds
+            )
         self._slot = step % RING
         self._meta[self._slot] = SlotMeta(step, None, ())
 
@@ -112,24 +117,27 @@ class StepSeries:
         meta = self._meta[slot]
         if meta is None or (step is not None and meta.step != step):
             return  # written over already: a late loss of a step RING steps back
+        # (SlotMeta(...) whole, not _replace: one Python frame per step, not four)
         if not isinstance(loss, torch.Tensor):
-            self._meta[slot] = meta._replace(loss=float(loss))
+            self._meta[slot] = SlotMeta(meta.step, float(loss), meta.norm, meta.seconds)
             return
         if transfer.on_host(loss):
             # readable without waiting (a CPU model's): kept on the host, as Packet.loss is
-            self._meta[slot] = meta._replace(loss=loss.item())
+            self._meta[slot] = SlotMeta(meta.step, loss.item(), meta.norm, meta.seconds)
             return
         ring = self._rings.get(loss.device) or self._ring(loss.device)  # (no call: made once)
         view = ring.loss[slot]
         with torch.no_grad():  # the ring never joins the graph
             view.copy_(loss if loss.dim() == 0 else loss.reshape(()))
-        self._meta[slot] = meta._replace(loss=loss.device)
+        self._meta[slot] = SlotMeta(meta.step, loss.device, meta.norm, meta.seconds)
 
     def norm_slot(self, device: torch.device) -> torch.Tensor:
         """The 0-d view the current step's gradient norm on `device` is written into."""
         meta = self._meta[self._slot]
         if meta is not None and device not in meta.norm:
-            self._meta[self._slot] = meta._replace(norm=(*meta.norm, device))
+            self._meta[self._slot] = SlotMeta(
+                meta.step, meta.loss, (*meta.norm, device), meta.seconds
+            )
         return (self._rings.get(device) or self._ring(device)).norm[self._slot]
 
     def write_norm_of_squares(self, parts: list[torch.Tensor]) -> None:
@@ -138,11 +146,18 @@ class StepSeries:
         for part in parts:
             torch.sqrt(part.sum(), out=self.norm_slot(part.device))
 
-    def unscale_norm(self, scale: torch.Tensor) -> None:
-        """A fused optimizer's GradScaler step: the gradients read still carried its scale."""
+    def unscale_norm(self, scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """A fused optimizer's GradScaler step: the gradients read still carried its scale
+        (divided out), and on a step it skips for an overflow (`found_inf`) the norm is no
+        value (NO_NORM), as a skipped step's is without a fused optimizer: an overflow the
+        scaler handles is no divergence. Once per reading (StepGradients.unscale)."""
         meta = self._meta[self._slot]
         for device in meta.norm if meta is not None else ():
-            self._rings[device].norm[self._slot].div_(scale.to(device).reshape(()))
+            slot = self._rings[device].norm[self._slot]
+            if scale is not None:
+                slot.div_(scale.to(device).reshape(()))
+            if found_inf is not None:
+                slot.masked_fill_(found_inf.to(device).reshape(()) > 0, NO_NORM)
 
     def take(self, step: int) -> tuple[list[list[torch.Tensor]], SeriesDrain]:
         """For a drain after step `step` ended: the rings (to copy) and the meta of the steps
@@ -188,8 +203,9 @@ def decode(drain: SeriesDrain, blocks: list[list[float]], up_to: int) -> list[St
             loss = blocks[k][2 * row + _LOSS] if k is not None else None
         grad_norm = None
         if meta.norm:
-            squares = [blocks[where[d]][2 * row + _NORM] ** 2 for d in set(meta.norm) if d in where]
-            grad_norm = math.sqrt(sum(squares)) if squares else None
+            norms = [blocks[where[d]][2 * row + _NORM] for d in set(meta.norm) if d in where]
+            if norms and NO_NORM not in norms:
+                grad_norm = math.sqrt(sum(n * n for n in norms))
         out.append(StepValue(meta.step, loss, grad_norm, meta.seconds))
     out.sort()
     return out

@@ -70,7 +70,8 @@ def recent_lines(doc: dict[str, Any], width: int = WIDTH) -> str | None:
     lines = [recent_line(doc.get("recent"), width)]
     lead_up = doc.get("lead_up")
     recent_steps = (doc.get("recent") or {}).get("step") or [math.inf]
-    if lead_up and lead_up.get("step") and lead_up["step"][-1] < recent_steps[0]:
+    first_drawn = recent_steps[-width:][0]  # (the line draws the last `width` of them)
+    if lead_up and lead_up.get("step") and lead_up["step"][-1] < first_drawn:
         lines.append(recent_line(lead_up, width, label="up to the first NaN/Inf: steps"))
     shown = [line for line in lines if line is not None]
     return "\n  ".join(shown) if shown else None

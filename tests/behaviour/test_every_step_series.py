@@ -146,3 +146,84 @@ def test_a_drain_is_forced_before_the_ring_wraps():
     assert series.DRAIN_EVERY < series.RING
     seen, view = _run(seeded(DeepNet), series.RING + 100)
     _check_rows(view["full"], seen, range(101, series.RING + 101))
+
+
+def _fused_scaler_run(optimizers, model, steps, overflow_at=()):
+    """fused Adam under one CPU GradScaler; the scaled loss overflows at `overflow_at` (the
+    scaler skips those steps). Returns (the loop's own unscaled norms, every_step's view)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    own = {}
+    g = torch.Generator().manual_seed(0)
+    with hookprof.attach(model, **RARELY) as prof:
+        for step in range(1, steps + 1):
+            for opt in optimizers:
+                opt.zero_grad()
+            loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
+            scaler.scale(loss * (1e35 if step in overflow_at else 1)).backward()
+            scale = float(scaler.get_scale())
+            own[step] = math.sqrt(
+                sum(float((p.grad.double() / scale).pow(2).sum()) for p in model.parameters())
+            )
+            for opt in optimizers:
+                scaler.step(opt)
+            scaler.update()
+            prof.step(loss.detach())
+        prof.flush()
+        return own, prof.report_document()["history"]["every_step"]
+
+
+def _small_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+def test_a_fused_gradscaler_skip_is_no_value_and_no_incident():
+    """A fused optimizer reads the gradients still scaled: the norm is unscaled, and the step
+    the scaler skips for an overflow is no value, not a divergence (review of issue 41)."""
+    model = _small_model()
+    own, view = _fused_scaler_run(
+        [torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)], model, 8, overflow_at={5}
+    )
+    norms = dict(zip(view["full"]["step"], view["full"]["grad_norm"]))
+    assert norms[5.0] is None and view["incident"] is None
+    for s in (1, 2, 3, 4, 6, 7, 8):
+        assert norms[float(s)] == pytest.approx(own[s], rel=1e-5), s
+
+
+def test_two_fused_optimizers_under_one_scaler_unscale_the_norm_once():
+    model = _small_model()
+    optimizers = [
+        torch.optim.Adam(model[0].parameters(), lr=1e-3, fused=True),
+        torch.optim.Adam(model[2].parameters(), lr=1e-3, fused=True),
+    ]
+    own, view = _fused_scaler_run(optimizers, model, 5)
+    for s, norm in zip(view["full"]["step"], view["full"]["grad_norm"]):
+        assert norm == pytest.approx(own[int(s)], rel=1e-5), s
+
+
+def test_a_loop_that_catches_nonfinite_error_keeps_each_steps_values_its_own():
+    """Under on_nonfinite="raise" a loop may catch the error and train on: the next steps'
+    values stay theirs (the next step is planned although the step's end raised)."""
+    model = seeded(DeepNet)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(0)
+    losses = {}
+    with hookprof.attach(model, on_nonfinite="raise", **RARELY) as prof:
+        for step in range(1, 13):
+            opt.zero_grad()
+            loss = loss_of(model, model.batch(g)) * (math.nan if step == 5 else 1.0)
+            loss.backward()
+            opt.step()
+            losses[step] = float(loss)
+            try:
+                prof.step(loss)
+            except hookprof.NonFiniteError:
+                pass
+        prof.flush()
+        full = prof.report_document()["history"]["every_step"]["full"]
+    assert full["step"] == [float(s) for s in range(1, 13)]
+    for s, loss in zip(range(1, 13), full["loss"]):
+        if s == 5:
+            assert loss == math.inf
+        else:
+            assert loss == pytest.approx(losses[s], rel=1e-6), s

@@ -10,7 +10,7 @@ import subprocess
 import urllib.request
 
 from hookprof.serve.server import RECENT_STEPS
-from hookprof.view.recent import LEVELS, NONFINITE, WIDTH, spark
+from hookprof.view.recent import LEVELS, NONFINITE, WIDTH, recent_lines, spark
 from hookprof.view.report import from_json, history_url
 from hookprof.view.top import Scraper
 from support.processes import hookprof_cmd
@@ -62,3 +62,16 @@ def test_top_shows_each_recent_step_and_the_lead_up(tmp_path):
     assert drawn[max(finite)[1]] == LEVELS[-1] and drawn[min(finite)[1]] == LEVELS[0]
     assert once.returncode == 0, once.stderr
     assert "up to the first NaN/Inf: steps" in once.stdout
+
+
+def test_the_lead_up_line_shows_when_the_incident_is_off_the_drawn_steps():
+    """An incident 100 steps back is in the 120 fetched but not in the 60 drawn: the steps up
+    to it get their own line (review of issue 41: it was hidden for up to 60 steps)."""
+    steps = [float(s) for s in range(981, 1101)]  # the 120 steps /history.json?recent sends
+    recent = {"step": steps, "loss": [1.0] * 120, "grad_norm": [1.0] * 120}
+    lead_up = {"step": [991.0, 992.0, 1000.0], "loss": [1.0, 2.0, math.inf], "grad_norm": [1.0] * 3}
+    line = recent_lines({"recent": recent, "lead_up": lead_up})
+    assert line is not None and "up to the first NaN/Inf: steps 991-1,000" in line
+    # an incident among the drawn steps shows there: no second line
+    lead_up_drawn = {**lead_up, "step": [1050.0, 1051.0, 1060.0]}
+    assert "up to the first" not in recent_lines({"recent": recent, "lead_up": lead_up_drawn})

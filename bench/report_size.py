@@ -54,6 +54,36 @@ def at_the_limits(doc: dict, points: int = 512, layers: int = 64, table: int = 5
         }
         for k in range(layers)
     ]
+    # every step's series at its limits (publish/every_step.py): the 512 latest steps and a
+    # lead-up of 289 elsewhere at full resolution, 512 bands
+    full_steps = [float(s) for s in (*range(20_000, 20_289), *range(65_024, 65_536))]
+    band_cols = {}
+    for col in ("loss", "grad_norm", "step_seconds"):
+        values = walk()  # (512: one per point)
+        band_cols.update(
+            {
+                f"{col}_min": [v * 0.5 for v in values],
+                f"{col}_max": [v * 2 for v in values],
+                f"{col}_mean": values,
+                f"{col}_n": [127.0] * 512,
+                f"{col}_bad": [0.0] * 512,
+            }
+        )
+    hist["every_step"] = {
+        "full": {
+            "step": full_steps,
+            "loss": [math.exp(rng.gauss(0, 1)) for _ in full_steps],
+            "grad_norm": [math.exp(rng.gauss(0, 1)) for _ in full_steps],
+            "step_seconds": [0.1 + rng.random() / 10 for _ in full_steps],
+        },
+        "bands": {
+            "first": [float(127 * k + 1) for k in range(512)],
+            "last": [float(127 * (k + 1)) for k in range(512)],
+            **band_cols,
+        },
+        "stride": 128,
+        "incident": 20_256,
+    }
     base = doc["layer_totals"][0]
     totals = [
         dict(
@@ -73,7 +103,7 @@ def main() -> None:
         rows.append((title, render([doc]).encode()))
     rows.append(
         (
-            "at the limits: 512 points, 64 layers' series, 500 table rows",
+            "at the limits: 512 points, 801 steps + 512 bands, 64 layers' series, 500 rows",
             render([at_the_limits(doc)]).encode(),
         )
     )

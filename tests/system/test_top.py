@@ -139,10 +139,16 @@ def test_once_reads_several_ranks_sorts_and_filters(demos):
     out = top("--once", "--interval", "0.2", "--sort", "layer", "--filter", "mlp", *demos)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].startswith("rank 0  model DemoNet") and lines[2].startswith(
-        "rank 1  model DemoNet"
-    )
-    assert "non-finite steps: none" in lines[3]
+    heads = [i for i, line in enumerate(lines) if line.startswith("rank ") and "model" in line]
+    assert [lines[i][:21] for i in heads] == ["rank 0  model DemoNet", "rank 1  model DemoNet"]
+    # under each rank's header: its non-finite steps, then its last steps one character
+    # each (issue 41), as many characters as steps were taken up to 60
+    for i in heads:
+        assert lines[i + 1].startswith("  non-finite steps")
+        first, last = map(int, re.match(r"  steps ([\d,]+)-([\d,]+):", lines[i + 2]).groups())
+        drawn = re.search(r"loss \[(.*?)\]", lines[i + 2])[1]
+        assert len(drawn) == last - first + 1 <= 60
+    assert "non-finite steps: none" in lines[heads[1] + 1]
     rows = table_rows(out.stdout)
     # a rank column, then the layers a-z (ties keep the ranks' order)
     assert [(r[0], r[1]) for r in rows] == [

@@ -343,11 +343,10 @@ class NonfiniteChecks:
         self.output.add_compiled(last, any_forward)
         self._thread = threading.get_ident()
         if inputs is not None:
-            self.replay.capture(inputs[0], inputs[1], rng=self.traced.rng)
+            args, kwargs = inputs
+            self.replay.capture(args, kwargs, rng=self.traced.rng)
             # kept for this step's re-run (statistics of a sampled step), whatever the replay's state
-            self._rerun_forward = CapturedForward(
-                None, inputs[0], inputs[1], *(self.traced.rng or ())
-            )
+            self._rerun_forward = CapturedForward(None, args, kwargs, *(self.traced.rng or ()))
         if self.replay.note_output(self.output.last, self.output.earlier):
             self.replay_forward(step)
         return True

@@ -75,7 +75,11 @@ EARLIER_FORWARD = (
 )
 
 
-RngState = tuple[torch.Tensor, "list[torch.Tensor] | None"]
+class RngState(NamedTuple):
+    """The CPU generator's state, and every CUDA device's (None: CUDA not in use)."""
+
+    cpu: torch.Tensor
+    cuda: list[torch.Tensor] | None
 
 
 def rng_state(cuda: bool | None = None) -> RngState:
@@ -83,13 +87,13 @@ def rng_state(cuda: bool | None = None) -> RngState:
     every CUDA device's: what a replay starts its forward from."""
     if cuda is None:
         cuda = torch.cuda.is_initialized()
-    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
+    return RngState(torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None)
 
 
 def set_rng(state: RngState) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
+    torch.set_rng_state(state.cpu)
+    if state.cuda is not None:
+        torch.cuda.set_rng_state_all(state.cuda)
 
 
 def forward_modes() -> dict[str, Any]:
@@ -298,7 +302,7 @@ class ForwardReplay:
         args: tuple,
         kwargs: dict,
         module: nn.Module | None = None,
-        rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None,
+        rng: RngState | None = None,
         *,
         also_when_done: bool = False,
     ) -> CapturedForward | None:
@@ -311,7 +315,7 @@ class ForwardReplay:
             return None
         compiled = rng is not None  # a compiled forward's, taken at the step's start
         if rng is None:  # rng_state(), inline: every training forward
-            rng = (
+            rng = RngState(
                 torch.get_rng_state(),
                 torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
             )
@@ -329,7 +333,7 @@ class ForwardReplay:
                     torch.get_autocast_dtype(device_type)
                 ).removeprefix("torch.")
         captured = CapturedForward(
-            module, args, kwargs, rng[0], rng[1], self.updates, modes, versions
+            module, args, kwargs, rng.cpu, rng.cuda, self.updates, modes, versions
         )
         captured.compiled = compiled
         if not self.done:
@@ -525,7 +529,7 @@ def forward_again(
             # step's tensors again, and autograd, which saved them, would raise in the user's
             # backward; the replay's edits go to its own copies
             args, kwargs = map_tensors((captured.args, captured.kwargs or {}), torch.Tensor.clone)
-        set_rng((captured.cpu_rng, captured.cuda_rng))
+        set_rng(RngState(captured.cpu_rng, captured.cuda_rng))
         with (
             hooks.replaying_into(rec),
             torch.no_grad(),

@@ -178,19 +178,17 @@ class StepSeries:
 
 
 def norm_into(slot: torch.Tensor, sources: list[torch.Tensor]) -> None:
-    """Write the L2 norm over all of `sources` into the 0-d float64 `slot`, accumulated in
-    float64 (a float32 sum of squares overflows at a norm of ~1.8e19): one op for one source,
-    else each one's norm, stacked, normed."""
-    if len(sources) == 1:
-        torch.linalg.vector_norm(sources[0], dtype=torch.float64, out=slot)
-        return
+    """Write the L2 norm over all of several `sources` into the 0-d float64 `slot`,
+    accumulated in float64 (a float32 sum of squares overflows at a norm of ~1.8e19): each
+    one's norm, stacked, normed. (One source, the usual case, is one op that
+    GradientNorms._checked writes inline: a Python call less per step.)"""
     norms = [torch.linalg.vector_norm(s, dtype=torch.float64) for s in sources]
     torch.linalg.vector_norm(torch.stack(norms), out=slot)
 
 
 def decode(drain: SeriesDrain, blocks: list[list[float]], up_to: int) -> list[StepValue]:
-    """The steps a drain holds, in order, up to step `up_to` (the last that ended when it was
-    packed: the current step's slot may hold half its values)."""
+    """The steps a drain holds, in order (take() gathers them so), up to step `up_to` (the
+    last that ended when it was packed: the current step's slot may hold half its values)."""
     out = []
     where = {d: k for k, d in enumerate(drain.devices)}
     for meta in drain.meta:
@@ -207,5 +205,4 @@ def decode(drain: SeriesDrain, blocks: list[list[float]], up_to: int) -> list[St
             if norms and NO_NORM not in norms:
                 grad_norm = math.sqrt(sum(n * n for n in norms))
         out.append(StepValue(meta.step, loss, grad_norm, meta.seconds))
-    out.sort()
     return out

@@ -160,7 +160,7 @@ class NonfiniteChecks:
         if late:
             self.detector.add_flag("loss", loss_flag(loss), step)
         else:
-            self.detector.note("loss", loss_flag(loss), step)
+            self.detector.note_loss(loss, step)
 
     def update_began(self, step: int) -> None:
         if (

@@ -26,6 +26,9 @@ PHASE_INDEX = {"forward": 0, "backward": 1, "loss": 2}
 # updates every layer and the backward phase together (the layout fold_counters reads)
 _STORED_PHASES = ("backward", "forward", "loss")
 
+# the groups of a device's pending slots that one check writes whole (DeviceCounters)
+_LAYERS, _FORWARD, _LOSS, _DROPPED = "layers", "forward", "loss", "dropped"
+
 
 # the dtype a check's sum is taken in, where the tensor's own would overflow before the values do
 _SUM_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
@@ -41,10 +44,11 @@ def nonfinite_mask(t: torch.Tensor) -> torch.Tensor:
 class DeviceCounters:
     """One device's counters. All updates are in-place device ops with Python-int operands:
     no host-to-device copy, no sync. They live in one flat tensor (the layout fold_counters
-    reads), so draining them is a single block. A step's findings are first noted in a
+    reads), so draining them is a single block. A step's findings are first written into a
     `pending` vector of the same layout (three ops for the layers and the backward phase,
-    one per other check) and folded into the counters once, at the step's end (`end_step`:
-    four ops), whatever the model's size and however many checks the step made.
+    one per other check, each written in place: no clearing per step) and folded into the
+    counters once, at the step's end (`end_step`: three ops), whatever the model's size and
+    however many checks the step made.
 
     Beside the phases, one slot counts the steps whose backward made non-finite gradients
     that the loop dropped before any update (a loss scaler's overflow, a guard: no incident,
@@ -64,13 +68,25 @@ class DeviceCounters:
         # views made once: indexing per step would be one more op each time
         self._phase = {name: (bad[n + k], first[n + k]) for k, name in enumerate(_STORED_PHASES)}
         self._bad, self._first = bad, first
-        # this step's findings, [layers | phases | dropped] as in `bad`, until `end_step`
+        # this step's findings, [layers | phases | dropped] as in `bad`, until `end_step`.
+        # Each group of slots is *assigned* by the op that checks it (an `out=`, a copy), not
+        # or-ed into a cleared vector: no clearing op per step. A group that held a finding
+        # of an earlier step and was not written in this one (a step without a loss, without
+        # gradients) is cleared before the fold, once (`_dirty`)
         self.pending = torch.zeros(m, dtype=torch.bool, device=device)
         self._pending_layers, self._pending_backward = self.pending[:n], self.pending[n : n + 1]
-        self._pending_phase = {
-            name: self.pending[n + k : n + k + 1] for k, name in enumerate(_STORED_PHASES)
-        }
+        # 0-d views: a 0-d flag or check is written into them without a reshape
+        self._pending_forward = self.pending[n + _STORED_PHASES.index("forward")]
+        self._pending_loss = self.pending[n + _STORED_PHASES.index("loss")]
         self._pending_dropped = self.pending[n + p :]
+        self._groups = {
+            _LAYERS: self.pending[: n + 1],  # the layers and the backward phase, written together
+            _FORWARD: self._pending_forward,
+            _LOSS: self._pending_loss,
+            _DROPPED: self._pending_dropped,
+        }
+        self._written: set[str] = set()  # the groups this step wrote (host-side: no op)
+        self._dirty: set[str] = set()  # the groups that may hold an earlier step's finding
         # where a slot goes bad for the first time this step (written in place each step)
         self._fresh = torch.zeros(m, dtype=torch.bool, device=device)
         self._fresh_dropped = self._fresh[n + p]
@@ -78,12 +94,19 @@ class DeviceCounters:
         # float64 square is never cast down to an inf, and the counters it travels with in
         # one batch (ScalarBatch: cat) stay int64-exact past 2^24 (float32 promoted them: review)
         self.dropped_values = torch.zeros(n, dtype=torch.float64, device=device)
-        self._noted = False  # anything pending (a host bool: an unchecked step costs no op)
 
-    def note(self, phase: str, bad: torch.Tensor) -> None:
-        """A 0-d bool of this step's `phase` check (the model's output, the loss)."""
-        self._pending_phase[phase].logical_or_(bad)
-        self._noted = True
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """This step's loss (a tensor on this device), checked into its slot: two ops for
+        the usual 0-d loss (x - x, then != 0 written in place), none to fold it later."""
+        loss = loss.detach()
+        diff = loss.sub(loss)  # nonfinite_mask, written in place
+        if _LOSS in self._written:  # a second loss of the step (prof.step() twice): or-ed
+            self._pending_loss.logical_or_(diff.ne(0).any())
+        elif diff.dim() == 0:
+            torch.ne(diff, 0, out=self._pending_loss)
+        else:
+            torch.any(diff.ne(0), out=self._pending_loss)
+        self._written.add(_LOSS)
 
     def end_step(
         self,
@@ -98,17 +121,22 @@ class DeviceCounters:
         were non-finite where the update's were not (`dropped`; any may be None): with what
         it noted before (the loss), counted, and the first step of each layer and phase
         that went bad set where it was not yet."""
+        written = self._written
         if values is not None:
             torch.ne(values.sub(values), 0, out=self._pending_layers)  # x - x: nonfinite_mask
             torch.any(self._pending_layers, 0, keepdim=True, out=self._pending_backward)
-            self._noted = True
+            written.add(_LAYERS)
         if forward is not None:
-            self._pending_phase["forward"].logical_or_(forward)
-            self._noted = True
+            self._pending_forward.copy_(forward if forward.dim() == 0 else forward.reshape(()))
+            written.add(_FORWARD)
         if dropped is not None:  # the backward's bad and the update's finite: pending > update
             torch.gt(dropped.backward_bad, dropped.update_bad, out=self._pending_dropped)
-            self._noted = True
-        if self._noted:
+            written.add(_DROPPED)
+        stale = self._dirty - written
+        for group in stale:  # (none on a step that checks what the last one did)
+            self._groups[group].zero_()
+        self._dirty, self._written = written, set()
+        if written:
             pending = self.pending
             # first = step where pending and no earlier bad step: -1 + (step + 1); two ops
             # (pending > bad: pending and bad == 0), where lt/and/masked_fill were three
@@ -122,8 +150,6 @@ class DeviceCounters:
                     self.dropped_values,
                     out=self.dropped_values,
                 )
-            pending.zero_()
-            self._noted = False
 
     def add_phase(self, phase: str, bad: torch.Tensor, step: int) -> None:
         count, first = self._phase[phase]
@@ -192,14 +218,14 @@ class Detector:
             c = self.by_device[device] = DeviceCounters(self.n_layers, device)
         return c
 
-    def note(self, phase: str, flag: bool | torch.Tensor, step: int) -> None:
-        """A check of this step (`step`): a device flag is counted at the step's end
-        (`end_step`), a host bool at once."""
-        if isinstance(flag, torch.Tensor):
-            counters = self.by_device.get(flag.device) or self.counters(flag.device)
-            counters.note(phase, flag)
-        elif flag:
-            self.add_flag(phase, flag, step)
+    def note_loss(self, loss: Any, step: int) -> None:
+        """The loss of this step (`step`): on a device, checked there and counted at the
+        step's end (`end_step`); a value on the host, counted at once."""
+        if isinstance(loss, torch.Tensor) and not (transfer.on_host(loss) and loss.numel() == 1):
+            counters = self.by_device.get(loss.device) or self.counters(loss.device)
+            counters.note_loss(loss)
+        else:
+            self.add_flag("loss", loss_flag(loss), step)
 
     def end_step(
         self,

@@ -20,7 +20,8 @@ all-reduce and after the last micro-batch of gradient accumulation), or at an ex
   copied in their own dtype, which is why the copy keeps their dtype), cut into pieces of at
   most `_PIECE` elements (so a GPU reduces them in balanced blocks, not one block per
   gradient), summed per piece by one `segment_reduce`, and the pieces folded into layers by
-  one `index_add_`. The copy is made `_CHUNK_BYTES` at a time, and a gradient that large is
+  a second one (their lengths: each layer's count of pieces; an `index_add_` per chunk when
+  a plan has several). The copy is made `_CHUNK_BYTES` at a time, and a gradient that large is
   summed where it lies, so the copy's memory is bounded whatever the model. Float16 copies
   become `x - x` first (0 or NaN: their sum would overflow at 65504). Gradients that are not
   contiguous (channels_last convolutions) would cost the copy one launch each: they get one
@@ -131,6 +132,10 @@ class _Chunk(NamedTuple):
     lengths: torch.Tensor | None  # elements of each summed piece, in order (on the device)
     layer_index: torch.Tensor  # the layer of each piece (on the device)
     narrow_range: bool  # float16: a finite sum overflows at 65504, so x - x (0 or NaN) first
+    # pieces per layer, for every layer of the table (0 where it has none), when the pieces
+    # come in layer order: the only chunk of a plan folds into layers by a second
+    # `segment_reduce` (one op) instead of `zeros` and `index_add_` (two); None otherwise
+    layer_pieces: torch.Tensor | None = None
 
 
 class _CheckPlan(NamedTuple):
@@ -145,6 +150,14 @@ class _CheckPlan(NamedTuple):
     order: tuple[int, ...]
     chunks: tuple[_Chunk, ...] | None
     seen: frozenset[int]
+
+
+def _per_layer(owners: list[int], n: int) -> list[int]:
+    """How many of `owners` (a layer each) each of `n` layers has."""
+    counts = [0] * n
+    for layer in owners:
+        counts[layer] += 1
+    return counts
 
 
 def _pieces(n: int) -> list[int]:
@@ -221,9 +234,15 @@ class GradientNorms:
 
     def _checked(self, plan: _CheckPlan, grads: list[Any], norm: bool = False) -> torch.Tensor:
         ordered = list(map(grads.__getitem__, plan.order))
-        out = torch.zeros(self._n, dtype=torch.float32, device=plan.device)
+        chunks = plan.chunks or ()
+        # one chunk in layer order (the usual model): its pieces fold into layers by one
+        # segment_reduce; else zeros, and one index_add_ per chunk
+        fold = chunks[0].layer_pieces if len(chunks) == 1 else None
+        out = (
+            torch.zeros(self._n, dtype=torch.float32, device=plan.device) if fold is None else None
+        )
         read: list[torch.Tensor] = []  # what the norm is taken over (norm)
-        for chunk in plan.chunks or ():  # one "cat" chunk: the usual model
+        for chunk in chunks:  # one "cat" chunk: the usual model
             part = ordered[chunk.start : chunk.stop]
             kind = chunk.kind
             if kind == "scalar":
@@ -255,15 +274,24 @@ class GradientNorms:
                 # unsafe: the lengths are ours, and their total is checked above; the safe
                 # mode reads their sum and minimum back to the host, two waits for the device
                 values = torch.segment_reduce(flat, "sum", lengths=chunk.lengths, unsafe=True)
-            out.index_add_(
-                0, chunk.layer_index, values if values.dtype == torch.float32 else values.float()
-            )
+            if fold is not None:
+                out = torch.segment_reduce(values, "sum", lengths=fold, unsafe=True)
+                if out.dtype != torch.float32:
+                    out = out.float()
+            else:
+                assert out is not None
+                out.index_add_(
+                    0,
+                    chunk.layer_index,
+                    values if values.dtype == torch.float32 else values.float(),
+                )
         if norm and self.series is not None and read and plan.device is not None:
             slot = self.series.norm_slot(plan.device)
             if len(read) == 1:  # the usual: one op, inline
                 torch.linalg.vector_norm(read[0], dtype=torch.float64, out=slot)
             else:
                 norm_into(slot, read)
+        assert out is not None  # (chunks: at least one when fold is set)
         return out
 
     def _make_check_plan(self, grads: list[Any], missing: tuple[int, ...]) -> _CheckPlan:
@@ -316,6 +344,7 @@ class GradientNorms:
                 owners = [layer[i] for i, c in zip(run, cut) for _ in c]
             start = len(order)
             order.extend(run)
+            in_order = lengths is not None and all(map(operator.le, owners, owners[1:]))
             chunks.append(
                 _Chunk(
                     start,
@@ -325,6 +354,7 @@ class GradientNorms:
                     lengths,
                     self._index(device, owners),
                     grads[run[0]].dtype == torch.float16,
+                    index_to_device(_per_layer(owners, self._n), device) if in_order else None,
                 )
             )
 

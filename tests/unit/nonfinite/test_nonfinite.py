@@ -183,3 +183,65 @@ def test_kept_dropped_values_are_never_cast_down_by_a_later_reading():
         c.end_step(torch.zeros(2), None, step, DroppedCheck(flags[:1], flags[1:], values))
     folded = fold_counters([c.flat.tolist()], 2, [c.dropped_values.tolist()])
     assert folded["dropped_layers"] == [0, 1] and folded["dropped_first"] == [1]
+
+
+def test_pending_slots_written_in_place_count_each_step_once_whatever_the_next_checks():
+    """A device's pending findings are assigned by the checks that make them, not or-ed into
+    a vector cleared every step: a finding of one step must not be counted again by a later
+    step that did not make that check (no loss passed, no gradients read, no second
+    reading). Driven through a random schedule of checks and values, against a tally kept
+    here step by step."""
+    import random
+
+    from hookprof.nonfinite.detector import PHASE_INDEX, DeviceCounters, fold_counters
+    from hookprof.step.gradients import DroppedCheck
+
+    rng = random.Random(7)
+    n = 3
+    counters = DeviceCounters(n, torch.device("cpu"))
+    layer_bad, layer_first = [0] * n, [-1] * n
+    phase_bad, phase_first = [0] * 3, [-1] * 3
+    dropped_bad, dropped_first = 0, -1
+
+    def bump(bad, first, i, step):
+        bad[i] += 1
+        if first[i] < 0:
+            first[i] = step
+
+    for step in range(1, 200):
+        nan = float("nan")
+        loss = None
+        if rng.random() < 0.6:  # a loss passed this step
+            bad_loss = rng.random() < 0.2
+            loss = torch.tensor(nan if bad_loss else 1.5)
+            counters.note_loss(loss)
+            if bad_loss:
+                bump(phase_bad, phase_first, PHASE_INDEX["loss"], step)
+        values = None
+        if rng.random() < 0.7:  # gradients read
+            bad_layers = [i for i in range(n) if rng.random() < 0.15]
+            values = torch.tensor([nan if i in bad_layers else 1.0 for i in range(n)])
+            for i in bad_layers:
+                bump(layer_bad, layer_first, i, step)
+            if bad_layers:
+                bump(phase_bad, phase_first, PHASE_INDEX["backward"], step)
+        forward = None
+        if rng.random() < 0.7:  # the output checked
+            bad_out = rng.random() < 0.2
+            forward = torch.tensor(bad_out)
+            if bad_out:
+                bump(phase_bad, phase_first, PHASE_INDEX["forward"], step)
+        dropped = None
+        if rng.random() < 0.5:  # read twice, the backward's bad and the update's not
+            was_dropped = rng.random() < 0.2
+            flags = torch.tensor([was_dropped, False])
+            dropped = DroppedCheck(flags[:1], flags[1:], torch.ones(n, dtype=torch.float64))
+            if was_dropped:
+                dropped_bad += 1
+                dropped_first = step if dropped_first < 0 else dropped_first
+        counters.end_step(values, forward, step, dropped)
+    folded = fold_counters([counters.flat.tolist()], n, [counters.dropped_values.tolist()])
+    assert sum(phase_bad) > 10 and dropped_bad > 3  # the schedule made findings of each kind
+    assert folded["layer_bad"] == layer_bad and folded["layer_first"] == layer_first
+    assert folded["phase_bad"] == phase_bad and folded["phase_first"] == phase_first
+    assert (folded["dropped_bad"], folded["dropped_first"]) == ([dropped_bad], [dropped_first])

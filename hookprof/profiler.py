@@ -248,6 +248,13 @@ class Profiler:
                 incidents=self._incidents,
                 supervisor=self._supervisor,
                 drain=self._drain,
+                parameter_statistics=statistics.ParameterStatistics(
+                    layer_statistics,
+                    [
+                        (layer.index, [self.table.params[i] for i in layer.param_indices])
+                        for layer in self.table.layers
+                    ],
+                ),
             )
             if config.capsule_dir is not None:  # a backward NaN's capsule is drafted there
                 self._backward_end.on_end = self._events.backward_ended

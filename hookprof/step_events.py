@@ -35,6 +35,7 @@ from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import StepCounters, StepRecord, pack_step
 from hookprof.step.sampled import SampledStep
 from hookprof.step.series import StepSeries
+from hookprof.step.statistics import ParameterStatistics
 
 
 class CounterDrain:
@@ -77,6 +78,7 @@ class StepEvents:
         incidents: IncidentResponse,
         supervisor: ThreadSupervisor,
         drain: CounterDrain,
+        parameter_statistics: ParameterStatistics | None = None,
     ):
         self._model_type, self._params = model_type, params
         self._clock, self._wall_clock = clock, wall_clock
@@ -86,6 +88,7 @@ class StepEvents:
         self._phases, self._watch, self._efficiency = phases, watch, efficiency
         self._publisher, self._sampled, self._nan = publisher, sampled, nan
         self._incidents, self._supervisor, self._drain = incidents, supervisor, drain
+        self._parameter_statistics = parameter_statistics or None  # (None: there are none)
 
     def begin_step(self, number: int, now_ns: int) -> None:
         """Plan step `number`: sampled or not, with output checks or not; hooks in or out."""
@@ -252,6 +255,8 @@ class StepEvents:
 
         def pack(record: StepRecord | None) -> Any:
             efficiency, extra = self._efficiency_of(number, now, duration_s, no_update)
+            statistics = self._parameter_statistics  # (the parameters after the update)
+            parameter_stats = () if statistics is None else statistics.take(self._report)
             packet = nan.pack(
                 number,
                 record,
@@ -260,6 +265,7 @@ class StepEvents:
                 efficiency=efficiency,
                 extra=extra,
                 series=self._series.take(number),
+                parameter_stats=parameter_stats,
             )
             packet.steps_at_end = self._counters.totals()
             return packet
@@ -298,6 +304,10 @@ class StepEvents:
         if not self._efficiency.enabled or skipped:
             return None, []
         return self._efficiency.end_step(number, now_ns, duration_s)
+
+    def _report(self, part: str, exc: BaseException) -> None:
+        """A statistic of the user's failed: counted and logged; nothing switches off."""
+        self._faults.report(part, exc, disable=False)
 
     def release(self) -> None:
         """At detach: layer hooks out; a sampled step that never ended gives its events back."""

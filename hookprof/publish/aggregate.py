@@ -28,6 +28,7 @@ from hookprof.snapshot import (
     layer_series,
 )
 from hookprof.step.record import Packet, StepCounters, StepRecord
+from hookprof.step.statistics import OUTPUT, PARAMETERS, source_of
 
 REPLAY_UNAVAILABLE_DTENSOR = (
     "the model has FSDP2 / tensor-parallel (DTensor) parameters: a replay on one rank "
@@ -94,7 +95,7 @@ class Aggregator:
             max_series=config.max_layer_series,
             efficiency=efficiency,
             device_phases=device_phases,
-            statistics=tuple((s.name, s.help) for s in statistics),
+            statistics=tuple((s.name, s.help, source_of(s)) for s in statistics),
             device=device_name(table.param_devices()),
             # FSDP2 / tensor parallel: a replay on one rank would start collectives
             # the other ranks never join (nonfinite/checks.py never runs one)
@@ -115,7 +116,7 @@ class Aggregator:
         max_series: int | None = None,
         efficiency: EfficiencyTotals | None = None,
         device_phases: DevicePhaseTotals | None = None,
-        statistics: tuple[tuple[str, str], ...] = (),
+        statistics: tuple[tuple[str, str, str], ...] = (),
         device: str = "cpu",
         replay_unavailable: str | None = None,
         gradients_every_step: bool = True,
@@ -164,8 +165,9 @@ class Aggregator:
         self._dirty = True
         self.efficiency = efficiency  # when its figures are measured
         self.device_phases = device_phases  # with a device timer
-        # the user's per-layer statistics (step/statistics.py): (name, help), and the value of
-        # each layer's last call on the last sampled step that had activation statistics
+        # the per-layer statistics (step/statistics.py): (name, help, source), and per layer
+        # the value of its last call on the last sampled step that had activation statistics
+        # (an output's), or at the last sampled step's end (a parameter statistic's)
         self.statistics = statistics
         self.statistic_values: list[list[float | None]] = [[None] * n for _ in statistics]
 
@@ -318,17 +320,30 @@ class Aggregator:
         self.last_sampled_step = packet.step
 
     def _fold_statistics(self, packet: Packet) -> None:
-        """The per-layer statistics of a sampled step: each layer's last call's value. A
-        step without activation statistics keeps the last ones, as for the abs max."""
-        if not packet.stat_parts:
-            return
-        values = [v for k in range(packet.stat_parts) for v in packet.batch.get(("stat", k))]
-        fresh: list[list[float | None]] = [[None] * len(self.names) for _ in self.statistics]
-        for (k, call), value in zip(packet.stat_order, values):
-            layer = packet.record.calls[call].layer  # type: ignore[union-attr]  # stats: a record
+        """The per-layer statistics of a sampled step: of outputs, each layer's last call's
+        value (a step without activation statistics keeps the last ones, as for the abs
+        max); of parameters, the values taken at the step's end."""
+        if packet.stat_parts:
+            self._fold_source(OUTPUT, packet, "stat", packet.stat_parts, packet.stat_order)
+        if packet.param_stat_parts:
+            self._fold_source(
+                PARAMETERS, packet, "param_stat", packet.param_stat_parts, packet.param_stat_order
+            )
+
+    def _fold_source(
+        self, source: str, packet: Packet, key: str, parts: int, order: list[tuple[int, int]]
+    ) -> None:
+        """The rows of the statistics of `source`, replaced by this packet's values (a
+        statistic that failed on this step: no value, no gauge)."""
+        values = [v for k in range(parts) for v in packet.batch.get((key, k))]
+        for k, (_, _, of) in enumerate(self.statistics):
+            if of == source:
+                self.statistic_values[k] = [None] * len(self.names)
+        for (k, where), value in zip(order, values):
+            # an output's value comes with its call, a parameter statistic's with its layer
+            layer = packet.record.calls[where].layer if source == OUTPUT else where  # type: ignore[union-attr]
             if layer < len(self.names):  # (container modules are hooked by the replay only)
-                fresh[k][layer] = value
-        self.statistic_values = fresh
+                self.statistic_values[k][layer] = value
 
     @property
     def first_nonfinite_step(self) -> int | None:
@@ -597,7 +612,7 @@ class Aggregator:
                         }
                     ),
                 )
-                for (name, help), values in zip(self.statistics, self.statistic_values)
+                for (name, help, _), values in zip(self.statistics, self.statistic_values)
             }
         )
 

@@ -38,6 +38,7 @@ from hookprof.faults import Faults
 from hookprof.handles import Handle, HandleGroup
 from hookprof.layers import LayerTable
 from hookprof.step.record import ROOT_INPUT, Activation, Call, StepRecord
+from hookprof.step.statistics import OUTPUT, one_value, source_of
 from hookprof.tensors import iter_tensors
 
 ZERO_SAMPLE = 4096  # values per output the zero ratio is computed from
@@ -127,7 +128,10 @@ class LayerHooks:
         # weakly, like the layer table: the model's life is its owner's business
         self._root_ref = weakref.ref(root) if root is not None else None
         self._activation_stats = activation_stats  # per step: begin(activation_stats=...)
-        self._statistics = statistics  # the user's per-layer statistics (step/statistics.py)
+        # the per-layer statistics of outputs, with their index among all (step/statistics.py)
+        self._statistics = [
+            (k, stat) for k, stat in enumerate(statistics) if source_of(stat) == OUTPUT
+        ]
         # dead units are a property of activation outputs: the zero ratio is taken for layers
         # without parameters of their own (ReLU, GELU, Dropout, pooling), not for Linear/Conv
         # outputs, which are almost never exactly zero
@@ -550,15 +554,9 @@ class LayerHooks:
         """Each per-layer statistic of this output, a 0-d float32 on its device. A statistic
         that fails is reported (once in the log, every time in the count) and skipped for this
         call alone: the layer's other figures, and the other statistics, go on."""
-        for k, stat in enumerate(self._statistics):
+        for k, stat in self._statistics:
             try:
-                value = stat.reduce(output)
-                if not isinstance(value, _Tensor) or value.numel() != 1:
-                    raise TypeError(
-                        f"layer statistic {stat.name!r}: reduce() must return a "
-                        f"one-value tensor, got {type(value).__qualname__}"
-                    )
-                rec.stats.append((k, call, value.detach().reshape(()).to(torch.float32)))
+                rec.stats.append((k, call, one_value(stat, stat.reduce(output))))
             except Exception as exc:
                 self._faults.report(f"layer statistic {stat.name}", exc, disable=False)
 

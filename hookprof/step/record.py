@@ -231,6 +231,10 @@ class Packet:
     # ("stat", 0), ("stat", 1), ... stacks (one per device): step/statistics.py
     stat_order: list[tuple[int, int]] = field(default_factory=list)
     stat_parts: int = 0
+    # (statistic, layer) of each parameter statistic's value, in the order of the batch's
+    # ("param_stat", 0), ... stacks: taken at a sampled step's end (step/statistics.py)
+    param_stat_order: list[tuple[int, int]] = field(default_factory=list)
+    param_stat_parts: int = 0
     # the forward of `step` went non-finite and could not be replayed: why (nonfinite/replay.py)
     not_replayed: str | None = None
     replay_moved: int = 0  # a replay's packet: updates applied between its forward and the replay
@@ -289,9 +293,11 @@ def pack_step(
     capsule: str | None = None,
     dropped_values: Sequence[torch.Tensor] = (),
     series: tuple[list[list[torch.Tensor]], SeriesDrain] | None = None,
+    parameter_stats: Sequence[tuple[int, int, torch.Tensor]] = (),
 ) -> Packet:
     """Gather one step's device scalars (per-device gradient squares, the record's activation
-    reductions, the non-finite counter blocks, the loss) and start their one device-to-host
+    reductions and statistics, the parameter statistics taken at its end, the non-finite
+    counter blocks, the loss) and start their one device-to-host
     copy; the returned packet is the publisher's. Also for a replayed forward (`sampled=False`
     with a record) and a drain of the counters alone (neither)."""
     batch = ScalarBatch()
@@ -299,7 +305,10 @@ def pack_step(
     for k, part in enumerate(parts):
         batch.add(("grad_sq", k), part)
     act_order = _add_activations(batch, record) if record is not None else []
-    stat_order, stat_parts = _add_statistics(batch, record) if record is not None else ([], 0)
+    stat_order, stat_parts = (
+        _add_statistics(batch, "stat", record.stats) if record is not None else ([], 0)
+    )
+    param_stat_order, param_stat_parts = _add_statistics(batch, "param_stat", parameter_stats)
     for k, block in enumerate(counter_blocks):
         batch.add(("counters", k), block)
     for k, block in enumerate(dropped_values):
@@ -336,6 +345,8 @@ def pack_step(
         efficiency=efficiency,
         stat_order=stat_order,
         stat_parts=stat_parts,
+        param_stat_order=param_stat_order,
+        param_stat_parts=param_stat_parts,
         not_replayed=not_replayed,
         replay_moved=replay_moved,
         capsule=capsule,
@@ -345,16 +356,19 @@ def pack_step(
     )
 
 
-def _add_statistics(batch: ScalarBatch, record: StepRecord) -> tuple[list[tuple[int, int]], int]:
-    """Stack the record's per-layer statistics, one stack per device (keys ("stat", k));
-    returns the (statistic, call) of each stacked value in order, and the number of stacks."""
+def _add_statistics(
+    batch: ScalarBatch, key: str, values: Sequence[tuple[int, int, torch.Tensor]]
+) -> tuple[list[tuple[int, int]], int]:
+    """Stack per-layer statistic values ((statistic, call or layer, 0-d value)), one stack
+    per device (keys (key, k)); returns the (statistic, call or layer) of each stacked value
+    in order, and the number of stacks."""
     order: list[tuple[int, int]] = []
     by_device: dict[torch.device, list[int]] = {}
-    for i, (_, _, value) in enumerate(record.stats):
+    for i, (_, _, value) in enumerate(values):
         by_device.setdefault(value.device, []).append(i)
     for k, indices in enumerate(by_device.values()):
-        order.extend(record.stats[i][:2] for i in indices)
-        batch.add(("stat", k), torch.stack([record.stats[i][2] for i in indices]))
+        order.extend(values[i][:2] for i in indices)
+        batch.add((key, k), torch.stack([values[i][2] for i in indices]))
     return order, len(by_device)
 
 

@@ -57,6 +57,31 @@ class NotAScalar:
         return output.flatten()[:3]
 
 
+class WeightRMS:
+    """The docs' recipe for a statistic of a layer's parameters (step/statistics.py)."""
+
+    name = "weight_rms"
+    help = "Root mean square of the layer's parameters after the last sampled update"
+    source = "parameters"
+
+    def reduce(self, parameters: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        squares = sum(p.float().pow(2).sum() for p in parameters)
+        return (squares / sum(p.numel() for p in parameters)).sqrt()
+
+
+class FailsOnBias:
+    """A parameter statistic that fails on layers with a bias (every layer of net())."""
+
+    name = "fails_on_bias"
+    help = "A parameter statistic whose reduce raises for some layers"
+    source = "parameters"
+
+    def reduce(self, parameters: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if len(parameters) > 1:
+            raise RuntimeError("no biases here")
+        return parameters[0].float().abs().max()
+
+
 def net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
@@ -139,6 +164,45 @@ def test_a_failing_statistic_is_counted_and_switches_nothing_else_off():
     assert snap.layers["3"].activation_abs_max == pytest.approx(outputs["3"].abs().max().item())
 
 
+def test_a_parameter_statistic_is_one_part_exported_per_layer_after_the_update():
+    """docs/architecture.md's recipe, tried: a statistic of each layer's own parameters,
+    given to attach() beside an output one, scraped from /metrics and compared with the
+    parameters as the test reads them after the last (sampled) update. Layers without
+    parameters (the ReLU) get none; a failing parameter statistic is counted, has no gauge,
+    and leaves the rest on."""
+    model = net()
+    prof = hookprof.attach(
+        model, layer_statistics=(WeightRMS(), OutputMean(), FailsOnBias()), **EVERY_STEP
+    )
+    try:
+        outputs = train_recording(model, 4)
+        prof.flush()
+        rms, page = scraped(prof.url, "hookprof_layer_weight_rms")
+        means, _ = scraped(prof.url, "hookprof_layer_activation_mean")
+        snap = prof.snapshot()
+    finally:
+        prof.detach()
+    expected = {}
+    for name, module in model.named_children():
+        params = list(module.parameters())
+        if params:
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            expected[name] = flat.pow(2).mean().sqrt().item()
+    assert set(rms) == set(expected) == {"0", "1", "3"}
+    for layer, value in expected.items():
+        assert rms[layer] == pytest.approx(value, rel=1e-5)
+    assert set(means) == set(outputs)  # the output statistic beside it, as before
+    assert "# HELP hookprof_layer_weight_rms Root mean square of the layer's parameters" in page
+    assert not any(line.startswith("hookprof_layer_fails_on_bias{") for line in page.splitlines())
+    assert dict(snap.layer_statistics["fails_on_bias"].values) == {}
+    assert snap.internal_errors == 4  # once per sampled step: skipped for the rest of it
+    if shutil.which("promtool"):
+        lint = subprocess.run(
+            ["promtool", "check", "metrics"], input=page, text=True, capture_output=True, timeout=60
+        )
+        assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
 @pytest.mark.parametrize(
     "statistics, wrong",
     [
@@ -149,6 +213,7 @@ def test_a_failing_statistic_is_counted_and_switches_nothing_else_off():
         ((type("Bad", (OutputMean,), {"name": "Mean-Value"})(),), "lowercase letters"),
         ((type("NoHelp", (OutputMean,), {"help": " "})(),), "a help text"),
         ((object(),), "objects with name, help and reduce"),
+        ((type("Where", (OutputMean,), {"source": "gradients"})(),), "a source of"),
     ],
 )
 def test_statistics_are_checked_at_attach(statistics, wrong):

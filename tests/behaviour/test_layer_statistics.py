@@ -119,6 +119,14 @@ def scraped(url: str, metric: str) -> dict[str, float]:
     return values, page
 
 
+def promtool_clean(page: str) -> None:
+    if shutil.which("promtool"):
+        lint = subprocess.run(
+            ["promtool", "check", "metrics"], input=page, text=True, capture_output=True, timeout=60
+        )
+        assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
 def test_a_statistic_part_is_exported_per_layer_with_the_last_steps_values():
     model = net()
     prof = hookprof.attach(model, layer_statistics=(OutputMean(), OutputL2()), **EVERY_STEP)
@@ -134,11 +142,7 @@ def test_a_statistic_part_is_exported_per_layer_with_the_last_steps_values():
         assert means[layer] == pytest.approx(out.mean().item(), rel=1e-5, abs=1e-7)
         assert norms[layer] == pytest.approx(torch.linalg.vector_norm(out).item(), rel=1e-5)
     assert "# HELP hookprof_layer_activation_mean Mean of the layer's output" in page
-    if shutil.which("promtool"):
-        lint = subprocess.run(
-            ["promtool", "check", "metrics"], input=page, text=True, capture_output=True, timeout=60
-        )
-        assert lint.returncode == 0, lint.stdout + lint.stderr
+    promtool_clean(page)
 
 
 def test_a_failing_statistic_is_counted_and_switches_nothing_else_off():
@@ -196,11 +200,7 @@ def test_a_parameter_statistic_is_one_part_exported_per_layer_after_the_update()
     assert not any(line.startswith("hookprof_layer_fails_on_bias{") for line in page.splitlines())
     assert dict(snap.layer_statistics["fails_on_bias"].values) == {}
     assert snap.internal_errors == 4  # once per sampled step: skipped for the rest of it
-    if shutil.which("promtool"):
-        lint = subprocess.run(
-            ["promtool", "check", "metrics"], input=page, text=True, capture_output=True, timeout=60
-        )
-        assert lint.returncode == 0, lint.stdout + lint.stderr
+    promtool_clean(page)
 
 
 @pytest.mark.parametrize(

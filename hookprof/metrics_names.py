@@ -89,6 +89,12 @@ STEPS_TOTAL = Metric("hookprof_steps_total", "counter", _RANK, "Training steps c
 SAMPLED_STEPS_TOTAL = Metric(
     "hookprof_sampled_steps_total", "counter", _RANK, "Steps with per-layer hooks installed"
 )
+SAMPLED_STEP_SECONDS_TOTAL = Metric(
+    "hookprof_sampled_step_seconds_total",
+    "counter",
+    _RANK,
+    "Wall time of the sampled steps: the steps the per-layer times are measured over",
+)
 STEP_DURATION_SECONDS = Metric(
     "hookprof_step_duration_seconds",
     "histogram",

@@ -187,6 +187,9 @@ class Snapshot:
     step: int = 0
     """Steps completed."""
     sampled_steps: int = 0
+    sampled_step_seconds: float = 0.0
+    """Wall time summed over the sampled steps: what a layer's share of the step is of (its
+    times come from the same steps)."""
     last_sampled_step: int | None = None
     step_duration_buckets: tuple[tuple[float, int], ...] = ()
     """(upper bound in seconds, cumulative count), ending with (inf, step)."""

@@ -268,6 +268,7 @@ class StepEvents:
                 parameter_stats=parameter_stats,
             )
             packet.steps_at_end = self._counters.totals()
+            packet.seconds = duration_s
             return packet
 
         if self._sampled.plan.sampled and self._sampled.end(

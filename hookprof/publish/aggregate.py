@@ -140,6 +140,7 @@ class Aggregator:
         self.max_layers = max_layers
         self.max_series = max_series  # per-layer series on the page (None: layers only)
         self.sampled_steps = 0
+        self.sampled_step_seconds = 0.0  # their wall time, summed (the layers' window)
         self.last_sampled_step: int | None = None
         self.loss: float | None = None
         self.grad_norm: float | None = None
@@ -317,6 +318,7 @@ class Aggregator:
         if loss is not None:
             self.loss = loss
         self.sampled_steps += 1
+        self.sampled_step_seconds += packet.seconds or 0.0
         self.last_sampled_step = packet.step
 
     def _fold_statistics(self, packet: Packet) -> None:
@@ -571,6 +573,7 @@ class Aggregator:
             rank=self.rank,
             step=steps,
             sampled_steps=self.sampled_steps,
+            sampled_step_seconds=self.sampled_step_seconds,
             last_sampled_step=self.last_sampled_step,
             step_duration_buckets=buckets,
             step_duration_sum=total,

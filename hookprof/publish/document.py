@@ -67,6 +67,7 @@ def document(
         "generated_at": time.time(),
         "steps": snapshot.step,
         "sampled_steps": snapshot.sampled_steps,
+        "sampled_step_seconds_sum": snapshot.sampled_step_seconds,
         "step_seconds_mean": snapshot.step_duration_sum / snapshot.step if snapshot.step else None,
         "step_seconds_sum": snapshot.step_duration_sum,
         "held_back_updates": snapshot.held_back_updates,

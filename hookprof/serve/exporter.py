@@ -132,6 +132,7 @@ class SnapshotCollector(Collector):
         )
         yield next(live)  # hookprof_steps_total
         yield _one(names.SAMPLED_STEPS_TOTAL, rank, snap.sampled_steps)
+        yield _one(names.SAMPLED_STEP_SECONDS_TOTAL, rank, snap.sampled_step_seconds)
 
         duration = family(names.STEP_DURATION_SECONDS)
         buckets = [(_le(b), c) for b, c in snap.step_duration_buckets] or [("+Inf", 0)]

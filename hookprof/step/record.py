@@ -226,6 +226,7 @@ class Packet:
     # the step counters as this packet's step ended (steps, seconds summed): the publisher
     # may fold it a few steps later, when the live counters have moved on
     steps_at_end: tuple[int, float] | None = None
+    seconds: float | None = None  # a sampled step's wall time (the layers' times' window)
     efficiency: Any = None  # an efficiency.EfficiencyPart on sampled steps with those figures
     # (statistic, call) of each per-layer statistic value, in the order of the batch's
     # ("stat", 0), ("stat", 1), ... stacks (one per device): step/statistics.py

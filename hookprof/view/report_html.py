@@ -56,6 +56,12 @@ def _after(doc: dict[str, Any]) -> str:
     return f" at step {int(steps[-1]):,}; NaN/Inf from step {first['step']:,}"
 
 
+def _sampled_step_ms(doc: dict[str, Any]) -> float | None:
+    """The sampled steps' mean wall time in ms (None from an endpoint that did not keep it)."""
+    seconds = doc.get("sampled_step_seconds_sum")
+    return seconds / doc["sampled_steps"] * 1e3 if seconds and doc["sampled_steps"] else None
+
+
 def summary(doc: dict[str, Any]) -> str:
     hist = doc["history"]
     counts = doc["nonfinite_steps"]
@@ -67,6 +73,16 @@ def summary(doc: dict[str, Any]) -> str:
             f"mean step time, all {doc['steps']:,} steps",
             num(doc["step_seconds_mean"] and doc["step_seconds_mean"] * 1e3, 4, " ms"),
         ),
+    ]
+    sampled_mean = _sampled_step_ms(doc)
+    if sampled_mean is not None:  # the window of the layers' times and shares
+        figures.append(
+            (
+                f"mean sampled step, the layers' {doc['sampled_steps']:,}",
+                num(sampled_mean, 4, " ms"),
+            )
+        )
+    figures += [
         ("loss, last sampled", num(doc["loss"], 4) + _after(doc)),
         ("gradient norm, last sampled", num(doc["grad_norm"], 4) + _after(doc)),
         ("non-finite steps", ", ".join(f"{p} {c:,}" for p, c in counts.items()) if bad else "none"),
@@ -263,12 +279,19 @@ def model_section(doc: dict[str, Any], index: int = 0) -> str:
         heatmap(xs, steps, spans, hist["layers"], at, f"hatch{index}"),
         f'<h2>Layers <span class="muted">({len(doc["layer_totals"])} of {doc["layers_total"]} exported; '
         f"times per call over the {doc['sampled_steps']:,} sampled steps, when the per-layer hooks are in; "
-        f"share: of the mean step over all {doc['steps']:,} steps; as <code>hookprof top</code> shows them)"
+        f"share: {_share_window(doc)}; as <code>hookprof top</code> shows them)"
         f"</span></h2>",
         layer_table(doc),
         "</section>",
     ]
     return "".join(parts)
+
+
+def _share_window(doc: dict[str, Any]) -> str:
+    """What the table's shares are of (view/table.py's _step_seconds), said in its heading."""
+    if _sampled_step_ms(doc) is not None:
+        return f"of the mean time of the same {doc['sampled_steps']:,} sampled steps"
+    return f"of the mean step over all {doc['steps']:,} steps"
 
 
 def render(documents: list[dict[str, Any]], source: str = "") -> str:

@@ -5,9 +5,11 @@ process: `print(prof.snapshot())`, `prof.report()`) or from scraped /metrics pag
 Both sources give the same figures, since the page is rendered from the snapshot: times
 per call are the run's totals over sampled steps divided by their calls (the summaries'
 `_sum / _count`), and a layer's share of the step is its forward plus backward time per
-sampled step over the mean step time (the step histogram's `_sum / _count`), or over the
-layers' own total when that is larger (see _step_seconds). Sampled steps carry the hooks'
-own cost, so a share can be a little above the layer's true part.
+sampled step over the mean time of those same sampled steps
+(`hookprof_sampled_step_seconds_total / hookprof_sampled_steps_total`), or over the layers'
+own total when that is larger (see _step_seconds). One window for both: a share is never a
+sampled step's layer time over a mean that unsampled steps (no hooks, often faster) pulled
+down. Sampled steps carry the hooks' own cost, and so do their step times.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class RunHeader:
     model: str = ""
     steps: int = 0
     sampled_steps: int = 0
+    sampled_step_seconds: float | None = None
+    """Wall time summed over the sampled steps (None: an endpoint from before it was kept)."""
     step_buckets: tuple[tuple[float, float], ...] = ()
     """(upper bound in seconds, cumulative count), the last bound +inf."""
     step_seconds_sum: float = 0.0
@@ -92,6 +96,13 @@ class RunHeader:
     @property
     def mean_step_seconds(self) -> float | None:
         return self.step_seconds_sum / self.steps if self.steps else None
+
+    @property
+    def mean_sampled_step_seconds(self) -> float | None:
+        """The sampled steps' mean wall time: the window of the per-layer times."""
+        if not self.sampled_steps or not self.sampled_step_seconds:
+            return None
+        return self.sampled_step_seconds / self.sampled_steps
 
     def step_quantile(self, q: float) -> float | None:
         return quantile(q, self.window_buckets or self.step_buckets)
@@ -142,10 +153,11 @@ def _per_call_ms(seconds: float, calls: int | float) -> float | None:
 
 
 def _step_seconds(header: RunHeader, layer_seconds: Iterable[float]) -> float | None:
-    """What shares are of: the mean step time, or, when the layers alone took longer per
-    sampled step (few samples yet, the first step's warm-up among them), the layers' total,
-    so that shares never add up to more than 100%."""
-    mean = header.mean_step_seconds
+    """What shares are of: the mean time of the sampled steps, the steps the layers' times
+    come from (the mean of all steps from an endpoint that did not keep it); or, when the
+    layers alone took longer per sampled step, the layers' total, so that shares never add
+    up to more than 100%."""
+    mean = header.mean_sampled_step_seconds or header.mean_step_seconds
     if not header.sampled_steps or not mean:
         return None
     return max(mean, sum(layer_seconds) / header.sampled_steps)
@@ -169,6 +181,7 @@ def from_snapshot(snap: Snapshot, model: str = "") -> RunTable:
         model=model,
         steps=snap.step,
         sampled_steps=snap.sampled_steps,
+        sampled_step_seconds=snap.sampled_step_seconds,
         step_buckets=tuple((float(b), float(c)) for b, c in snap.step_duration_buckets),
         step_seconds_sum=snap.step_duration_sum,
         loss=snap.loss,
@@ -248,6 +261,7 @@ class _Run:
 _RUN_SAMPLES = {
     names.STEPS_TOTAL.name: "steps",
     names.SAMPLED_STEPS_TOTAL.name: "sampled_steps",
+    names.SAMPLED_STEP_SECONDS_TOTAL.name: "sampled_step_seconds",
     names.STEP_DURATION_SECONDS.sample("sum"): "step_seconds_sum",
     names.LOSS.name: "loss",
     names.GRADIENT_NORM.name: "grad_norm",
@@ -367,6 +381,7 @@ def _table(model: str, rank: int, run: _Run) -> RunTable:
         model=model,
         steps=int(v.get("steps", 0)),
         sampled_steps=int(v.get("sampled_steps", 0)),
+        sampled_step_seconds=v.get("sampled_step_seconds"),
         step_buckets=tuple(sorted(run.buckets)),
         step_seconds_sum=v.get("step_seconds_sum", 0.0),
         loss=v.get("loss"),
@@ -431,6 +446,7 @@ def from_document(doc: Mapping[str, Any]) -> RunTable:
         model=str(doc["model"]),
         steps=steps,
         sampled_steps=int(doc["sampled_steps"]),
+        sampled_step_seconds=doc.get("sampled_step_seconds_sum"),
         step_seconds_sum=doc.get("step_seconds_sum", (mean or 0.0) * steps),
         loss=doc.get("loss"),
         grad_norm=doc.get("grad_norm"),

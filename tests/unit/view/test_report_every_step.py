@@ -74,10 +74,10 @@ def test_the_lead_up_bands_and_ticks_of_a_divergence():
     said = re.search(r"([\d,]+) of these steps had a non-finite value", page_text)
     assert said and int(said[1].replace(",", "")) == counted
     # every figure says its window: the mean step time over all steps, the table's times
-    # over the sampled steps, whose count the heading gives
+    # and shares over the sampled steps, whose count the heading gives (test_report_one_window)
     assert f"mean step time, all {STEPS:,} steps" in page_text
     assert f"over the {doc['sampled_steps']:,} sampled steps" in page_text
-    assert f"of the mean step over all {STEPS:,} steps" in page_text
+    assert f"of the mean time of the same {doc['sampled_steps']:,} sampled steps" in page_text
     # the axis is the finite values' (a log axis: the loss grew by many powers of ten)
     assert svg["data-log"] == "1"
     ytick_values = [float(t["data-value"]) for t in inside(el, svg, "text", "ytick")]

@@ -27,7 +27,7 @@ from hookprof.compiled import (
 from hookprof.config import Config, env_disabled
 from hookprof.device.timing import Timer, timer_for
 from hookprof.disabled import DisabledProfiler, InertProfiler
-from hookprof.distributed import detect_local_rank, detect_rank
+from hookprof.distributed import detect_local_rank, detect_rank, with_other_ranks
 from hookprof.efficiency.figures import EfficiencyTotals, StepEfficiency
 from hookprof.errors import DetachedError, MetaDeviceError
 from hookprof.faults import Faults, ThreadSupervisor
@@ -201,7 +201,10 @@ class Profiler:
                 statistics=layer_statistics,
                 efficiency=EfficiencyTotals(self.table.names) if self._efficiency.enabled else None,
             )
-            self._sampled = SampledStep(config, self._hooks, self.timer, self._publisher)
+            # ranks of one job sample the same step numbers, to compare the same steps
+            self._sampled = SampledStep(
+                config, self._hooks, self.timer, self._publisher, aligned=with_other_ranks()
+            )
             self._nan = NonfiniteChecks(
                 model,
                 self.table,

@@ -30,14 +30,24 @@ from hookprof.step.record import Packet, StepRecord
 class SampledStep:
     """One profiler's sampled steps, one at a time (training thread only)."""
 
-    def __init__(self, config: Any, hooks: LayerHooks, timer: Timer, publisher: Any):
+    def __init__(
+        self,
+        config: Any,
+        hooks: LayerHooks,
+        timer: Timer,
+        publisher: Any,
+        *,
+        aligned: bool = False,
+    ):
         # its slice of the config: sample_every, min_sample_interval_s, activation_stats,
-        # activation_interval_s
+        # activation_interval_s; `aligned`: one rank of several samples the same step numbers
+        # as the others (plan.Sampler)
         self._planner = StepPlanner(
             config.sample_every,
             config.min_sample_interval_s,
             config.activation_stats,
             config.activation_interval_s,
+            aligned=aligned,
         )
         self._hooks = hooks
         self._timer = timer

@@ -101,6 +101,28 @@ def test_the_layer_rule_names_rank_layer_and_phase(three_ranks_scraped):
     )
 
 
+def test_the_ranks_sample_the_same_step_numbers(three_ranks_scraped):
+    """Ranks of one job sample aligned steps (plan.Sampler, aligned): each rank's /history.json
+    lists the same sampled step numbers, up to the last one all three have reached, so the
+    layer times compared are the same steps'. (Before: each rank sampled on its own clock, and
+    two ranks shared a sampled step by chance.)"""
+    prom, _ = three_ranks_scraped
+    instances = sorted({r["metric"]["instance"] for r in query(prom, "hookprof_steps_total")})
+    assert len(instances) == 3
+    sampled = []
+    for instance in instances:
+        (doc,) = get_json(f"http://{instance}/history.json")["models"]
+        sampled.append([int(s) for s in doc["history"]["points"]["step"]])
+    common = min(steps[-1] for steps in sampled)
+    upto = [{s for s in steps if s <= common} for steps in sampled]
+    shared = upto[0] & upto[1] & upto[2]
+    assert len(shared) >= 10, sampled
+    # the same steps, but for the samples around a change of period where one rank's
+    # estimate of the step time fell on the other side of a boundary than another's (then
+    # they still share every other sample: the periods are powers of two of each other)
+    assert len(shared) >= 0.9 * len(upto[0] | upto[1] | upto[2]), sampled
+
+
 def test_the_phase_rule_alone_cannot_name_the_layer(three_ranks_scraped):
     prom, scenario = three_ranks_scraped
     (phase_rule,) = [r for r in alert_rules() if r.get("alert") == "HookprofStragglerPhase"]

@@ -52,3 +52,48 @@ def test_min_interval_limits_sampling_of_fast_loops():
         prof.flush()
         snap = prof.snapshot()
     assert (snap.step, snap.sampled_steps, snap.last_sampled_step) == (20, 1, 1)
+
+
+def test_aligned_ranks_sample_the_same_step_numbers_on_their_own_clocks():
+    """Ranks of one job (aligned): the sampled steps are the multiples of `every` times a
+    power of two that keeps the interval, so two ranks whose clocks and step times differ a
+    little sample the same step numbers; where their estimates straddle a power of two, they
+    still share every other sample."""
+    every, interval = 3, 1.0
+    step_ns = [0.05 * SECOND, 0.0502 * SECOND]  # rank 1 a little slower, its clock later
+    offset = [0, 7_000_000]
+    samplers = [Sampler(every, interval, aligned=True) for _ in range(2)]
+    sampled: list[list[int]] = [[], []]
+    for step in range(1, 2001):
+        for r, s in enumerate(samplers):
+            if s.should_sample(step, offset[r] + int(step * step_ns[r])):
+                sampled[r].append(step)
+    assert sampled[0] == sampled[1]
+    assert sampled[0][:2] == [1, 3]  # the first step, then `every` before any step time is known
+    # then a period of 3 x 8 = 24 steps (1.2 s at 50 ms: the least power of two above 1 s)
+    assert all(b - a == 24 for a, b in zip(sampled[0][2:], sampled[0][3:]))
+    assert all(s % 24 == 0 for s in sampled[0][3:])
+    # the interval is kept on average: no two samples closer than it after the first period
+    gaps = [(b - a) * 0.05 for a, b in zip(sampled[0][2:], sampled[0][3:])]
+    assert min(gaps) >= interval
+
+
+def test_aligned_ranks_whose_estimates_straddle_a_power_of_two_share_every_other_sample():
+    a = Sampler(1, 1.0, aligned=True)
+    b = Sampler(1, 1.0, aligned=True)
+    seen: dict[str, set[int]] = {"a": set(), "b": set()}
+    for step in range(1, 4001):
+        if a.should_sample(step, int(step * 0.0157 * SECOND)):  # 1 s is 63.7 steps: period 64
+            seen["a"].add(step)
+        if b.should_sample(step, int(step * 0.0156 * SECOND)):  # 64.1 steps: period 128
+            seen["b"].add(step)
+    later_a = {s for s in seen["a"] if s > 200}
+    later_b = {s for s in seen["b"] if s > 200}
+    assert all(s % 64 == 0 for s in later_a) and all(s % 128 == 0 for s in later_b)
+    assert later_b <= later_a and len(later_a) >= 2 * len(later_b) - 1
+
+
+def test_unaligned_sampling_is_unchanged_by_the_aligned_mode():
+    """A single process keeps `every` steps and the interval from its last sample."""
+    s = Sampler(every=3, min_interval_s=0.0)
+    assert [step for step in range(1, 12) if s.should_sample(step, 0)] == [1, 4, 7, 10]

@@ -17,6 +17,7 @@ DEBIAN_PACKAGE = {
     "docker-compose": "docker-compose",
     "chromium": "chromium",
     "tmux": "tmux",  # a real terminal for hookprof top's live view
+    "victoria-metrics": "victoria-metrics",  # the long-term store of the scale test
 }
 
 

@@ -171,6 +171,7 @@ class Aggregator:
         # (an output's), or at the last sampled step's end (a parameter statistic's)
         self.statistics = statistics
         self.statistic_values: list[list[float | None]] = [[None] * n for _ in statistics]
+        self._has_parameter_statistics = any(s[2] == PARAMETERS for s in statistics)
 
     # ---- folding one packet ----
 
@@ -327,7 +328,9 @@ class Aggregator:
         max); of parameters, the values taken at the step's end."""
         if packet.stat_parts:
             self._fold_source(OUTPUT, packet, "stat", packet.stat_parts, packet.stat_order)
-        if packet.param_stat_parts:
+        # every sampled step takes the parameter statistics (StepEvents' pack): none in the
+        # packet means each failed, and its rows go (no gauge keeps an earlier step's value)
+        if self._has_parameter_statistics:
             self._fold_source(
                 PARAMETERS, packet, "param_stat", packet.param_stat_parts, packet.param_stat_order
             )

@@ -21,8 +21,10 @@ Nothing else is written: no change to the profiler, the record, the publisher or
 exporter (docs/architecture.md, "Adding to it").
 
 A statistic of a layer's **parameters** says so with `source = "parameters"`; its `reduce`
-gets the layer's own parameters (a tuple of detached tensors, in `named_parameters` order) at
-each sampled step's end, after the update, for every layer that owns parameters:
+gets the layer's own parameters (a tuple of detached tensors, in `named_parameters` order; of a
+DTensor parameter, FSDP2's or tensor parallel's, this rank's local shard, so the value is the
+rank's, as the gradient norms are) at each sampled step's end, after the update, for every
+layer that owns parameters:
 
     class WeightRMS:
         name = "weight_rms"
@@ -123,7 +125,20 @@ def one_value(statistic: Any, value: Any) -> torch.Tensor:
             f"layer statistic {statistic.name!r}: reduce() must return a "
             f"one-value tensor, got {type(value).__qualname__}"
         )
+    if hasattr(value, "to_local"):  # a DTensor: it cannot ride the step's copy of plain ones
+        raise TypeError(
+            f"layer statistic {statistic.name!r}: reduce() returned a DTensor; reduce this "
+            "rank's local tensor (dtensor.to_local()) and return a plain one"
+        )
     return value.detach().reshape(()).to(torch.float32)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A parameter as a statistic reads it: detached, and a DTensor's (FSDP2, tensor
+    parallel) local shard, so that its value is this rank's, as the gradient norms are."""
+    param = param.detach()
+    to_local = getattr(param, "to_local", None)
+    return to_local() if to_local is not None else param
 
 
 class ParameterStatistics:
@@ -148,7 +163,7 @@ class ParameterStatistics:
         for k, stat in self._statistics:
             try:
                 values = [
-                    (k, index, one_value(stat, stat.reduce(tuple(p.detach() for p in params))))
+                    (k, index, one_value(stat, stat.reduce(tuple(map(_local, params)))))
                     for index, params in self._layers
                 ]
             except Exception as exc:

@@ -4,8 +4,11 @@ sampled step, never switching anything else off when it fails."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -15,6 +18,8 @@ from torch import nn
 
 import hookprof
 from hookprof.errors import ConfigError
+from support.paths import ROOT, TESTS, worker
+from support.ports import free_port
 
 EVERY_STEP = dict(
     port=0,
@@ -201,6 +206,66 @@ def test_a_parameter_statistic_is_one_part_exported_per_layer_after_the_update()
     assert dict(snap.layer_statistics["fails_on_bias"].values) == {}
     assert snap.internal_errors == 4  # once per sampled step: skipped for the rest of it
     promtool_clean(page)
+
+
+class BreaksLater:
+    """A parameter statistic that works, then fails on every layer (from `broken` on)."""
+
+    name = "breaks_later"
+    help = "A parameter statistic that stops working"
+    source = "parameters"
+    broken = False
+
+    def reduce(self, parameters: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if self.broken:
+            raise RuntimeError("broken from now on")
+        return parameters[0].float().abs().max()
+
+
+def test_a_parameter_statistic_that_fails_keeps_no_earlier_value():
+    """Review of issue 40's parameter statistics: a step on which the statistic failed on
+    every layer sent none of its values, and the rows kept the earlier step's: a gauge of
+    weights that had moved on since. Now it has no value, so no gauge."""
+    model = net()
+    stat = BreaksLater()
+    prof = hookprof.attach(model, layer_statistics=(stat,), **EVERY_STEP)
+    try:
+        train_recording(model, 2)
+        prof.flush()
+        assert set(prof.snapshot().layer_statistics["breaks_later"].values) == {"0", "1", "3"}
+        stat.broken = True
+        train_recording(model, 2)
+        prof.flush()
+        snap = prof.snapshot()
+    finally:
+        prof.detach()
+    assert dict(snap.layer_statistics["breaks_later"].values) == {}
+    assert snap.internal_errors == 2 and snap.sampled_steps == 4
+
+
+def test_statistics_of_fsdp2_parameters_read_the_ranks_shards():
+    """Review of issue 40's parameter statistics: on FSDP2's DTensor parameters the docs'
+    recipe returned a DTensor, which the step's one copy could not take; the whole sampled
+    packet (layer times, gradient norms, NaN counters) was lost on every sampled step. Now a
+    parameter statistic reads each parameter's local shard, and a statistic that returns a
+    DTensor anyway is reported and skipped alone. (A process of its own: one rank of a gloo
+    group.)"""
+    done = subprocess.run(
+        [sys.executable, worker("dtensor_statistics_worker.py"), str(free_port())],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS])},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["param_type"] == "DTensor"
+    assert got["sampled_steps"] == 3 and got["grad_norms"] == ["0", "2"]
+    assert set(got["weight_rms"]) == set(got["expected"]) == {"0", "2"}
+    for layer, value in got["expected"].items():
+        assert got["weight_rms"][layer] == pytest.approx(value, rel=1e-6)
+    # the DTensor-returning statistic: 3 layer outputs x 3 steps reported, no value
+    assert got["returns_dtensor"] == {} and got["errors"] == 9
 
 
 @pytest.mark.parametrize(

@@ -254,6 +254,25 @@ class Config:
     """GradScaler skips (fp16 overflow) are normal; more than this many in a row count as a
     non-finite incident (phase "backward")."""
 
+    spike_detection: bool = True
+    """Judge every step's loss and global gradient norm for spikes on the publisher thread
+    (issue 43, hookprof/publish/spikes.py): hookprof_spikes_total, HookprofTrainingSpike."""
+
+    spike_window: int = _ruled(200, Rule(low=10, high=100_000))
+    """... against this many finite values of the steps before each one."""
+
+    loss_spike_z: float = _ruled(
+        8.0, Rule(holds=lambda v: 0 < v < math.inf, words="a finite number > 0")
+    )
+    """A step's loss is a spike when its robust z-score against the window is above this (and
+    it stands 10% of the median above it) ..."""
+
+    grad_norm_spike_z: float = _ruled(
+        12.0, Rule(holds=lambda v: 0 < v < math.inf, words="a finite number > 0")
+    )
+    """... and the global gradient norm when its z-score is above this and it is at least
+    twice the window's median."""
+
     vanishing_grad_norm: float = 1e-6
     """On sampled steps a layer whose gradient norm is below this is flagged "vanishing" ..."""
 

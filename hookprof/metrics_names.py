@@ -149,6 +149,20 @@ GRADIENT_FLAGGED_STEPS_TOTAL = Metric(
     "Sampled steps on which some layer's gradient norm was vanishing (below "
     "Config.vanishing_grad_norm) or exploding (above Config.exploding_grad_norm)",
 )
+SPIKES_TOTAL = Metric(
+    "hookprof_spikes_total",
+    "counter",
+    ("rank", "kind"),
+    "Loss and global gradient-norm spikes in the every-step series (kind loss_spike or "
+    "grad_norm_spike): a robust z-score against the recent steps above Config.loss_spike_z or "
+    "Config.grad_norm_spike_z; one per event, however many steps it lasts",
+)
+SPIKE_LAST_STEP = Metric(
+    "hookprof_spike_last_step",
+    "gauge",
+    ("rank", "kind"),
+    "First step of the latest spike event of each kind; only kinds that had one",
+)
 INTERNAL_ERRORS_TOTAL = Metric(
     "hookprof_internal_errors_total",
     "counter",

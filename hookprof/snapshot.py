@@ -181,6 +181,31 @@ class EfficiencyStats:
     latest measurement."""
 
 
+# the kinds of spike in the every-step series (publish/spikes.py), as metric labels
+SPIKE_KINDS = ("loss_spike", "grad_norm_spike")
+
+
+@dataclass(frozen=True, slots=True)
+class SpikeEvent:
+    """One spike of the loss or the global gradient norm (publish/spikes.py): its first
+    step, the value there, the median of the window it was judged against, and its robust
+    z-score."""
+
+    step: int
+    value: float
+    median: float
+    z: float
+
+
+@dataclass(frozen=True, slots=True)
+class SpikeCount:
+    """The events of one kind so far: how many, the first and the latest."""
+
+    count: int = 0
+    first: SpikeEvent | None = None
+    last: SpikeEvent | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     rank: int = 0
@@ -216,6 +241,9 @@ class Snapshot:
     dropped_nonfinite: DroppedNonFinite | None = None
     """Non-finite gradients the loop dropped before any update (no incident); None: none."""
     gradient_flagged_steps: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    spikes: Mapping[str, SpikeCount] = field(default_factory=lambda: _EMPTY)
+    """"loss_spike" / "grad_norm_spike" -> the spike events of the every-step series so far
+    (publish/spikes.py): anomalies that are no NaN."""
     notices: tuple[str, ...] = ()
     """What hookprof could not see in this set-up (each also logged once): a figure it
     names is missing for that reason, not measured as None or zero."""

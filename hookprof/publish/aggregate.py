@@ -18,6 +18,7 @@ from hookprof.nonfinite.attribution import Attribution, ForwardFinding, forward_
 from hookprof.nonfinite.detector import PHASE_INDEX, fold_counters, merge_counters
 from hookprof.nonfinite.guard import fold_skips
 from hookprof.phases.device import DevicePhaseTotals, device_phase_seconds
+from hookprof.publish.spikes import DEFAULT_THRESHOLDS, GRAD_NORM_SPIKE, LOSS_SPIKE, SpikeWatch
 from hookprof.snapshot import (
     PHASES,
     DroppedNonFinite,
@@ -28,6 +29,7 @@ from hookprof.snapshot import (
     layer_series,
 )
 from hookprof.step.record import Packet, StepCounters, StepRecord
+from hookprof.step.series import decode
 from hookprof.step.statistics import OUTPUT, PARAMETERS, source_of
 
 REPLAY_UNAVAILABLE_DTENSOR = (
@@ -101,6 +103,12 @@ class Aggregator:
             # the other ranks never join (nonfinite/checks.py never runs one)
             replay_unavailable=REPLAY_UNAVAILABLE_DTENSOR if table.has_dtensor_params else None,
             gradients_every_step=config.nonfinite_check == "all",
+            spikes=SpikeWatch(
+                config.spike_window,
+                {LOSS_SPIKE: config.loss_spike_z, GRAD_NORM_SPIKE: config.grad_norm_spike_z}
+                if config.spike_detection
+                else dict.fromkeys((LOSS_SPIKE, GRAD_NORM_SPIKE), math.inf),  # never above
+            ),
         )
 
     def __init__(
@@ -120,6 +128,7 @@ class Aggregator:
         device: str = "cpu",
         replay_unavailable: str | None = None,
         gradients_every_step: bool = True,
+        spikes: SpikeWatch | None = None,
     ):
         n = len(names)
         # names of recorded calls: layers, then container modules (hooked by the replay, and
@@ -169,6 +178,8 @@ class Aggregator:
         # the per-layer statistics (step/statistics.py): (name, help, source), and per layer
         # the value of its last call on the last sampled step that had activation statistics
         # (an output's), or at the last sampled step's end (a parameter statistic's)
+        # loss and gradient-norm spikes in the every-step series (publish/spikes.py)
+        self.spikes = spikes if spikes is not None else SpikeWatch(200, DEFAULT_THRESHOLDS)
         self.statistics = statistics
         self.statistic_values: list[list[float | None]] = [[None] * n for _ in statistics]
         self._has_parameter_statistics = any(s[2] == PARAMETERS for s in statistics)
@@ -178,6 +189,9 @@ class Aggregator:
     def fold(self, packet: Packet, timer: Timer) -> None:
         """Fold one packet in: a drain of the non-finite counters alone, a replayed forward
         (its checks count, its timings do not) or a sampled step."""
+        if packet.series is not None:  # every step's loss and norm since the last drain
+            blocks = [packet.batch.get(("series", k)) for k in range(len(packet.series.devices))]
+            self.spikes.observe(decode(packet.series, blocks, packet.step))
         # the counters are cumulative: a drain folded after a newer one takes nothing back
         if packet.counter_parts:
             parts = [packet.batch.get(("counters", k)) for k in range(packet.counter_parts)]
@@ -600,6 +614,7 @@ class Aggregator:
             else None,
             device_phase_steps=self.device_phases.steps if self.device_phases is not None else 0,
             layer_statistics=self._statistics_view(),
+            spikes=self.spikes.counts(),
         )
 
     def _statistics_view(self) -> Mapping[str, LayerStatisticValues]:

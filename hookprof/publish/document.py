@@ -73,6 +73,14 @@ def document(
         "held_back_updates": snapshot.held_back_updates,
         "loss": stored(snapshot.loss),
         "grad_norm": stored(snapshot.grad_norm),
+        "spikes": {
+            kind: {
+                "count": count.count,
+                "first": _spike(count.first),
+                "last": _spike(count.last),
+            }
+            for kind, count in snapshot.spikes.items()
+        },
         "nonfinite_steps": dict(snapshot.nonfinite_steps),
         "skipped_steps": snapshot.skipped_steps,
         "dropped_nonfinite": None
@@ -116,3 +124,10 @@ def to_json(documents: list[dict[str, Any]]) -> bytes:
 
 def from_json(body: bytes) -> list[dict[str, Any]]:
     return _decode(json.loads(body)["models"])
+
+
+def _spike(event: Any) -> dict[str, float] | None:
+    """A spike event (snapshot.SpikeEvent) as the document keeps it."""
+    if event is None:
+        return None
+    return {"step": event.step, "value": event.value, "median": event.median, "z": event.z}

@@ -20,7 +20,7 @@ from hookprof.faults import PARTS, Faults, log
 from hookprof.metrics_names import family
 from hookprof.phases.families import progress_families
 from hookprof.serve.system import PsutilProcessCollector, has_proc_fs
-from hookprof.snapshot import LAYER_PHASES, PHASES, Snapshot
+from hookprof.snapshot import LAYER_PHASES, PHASES, SPIKE_KINDS, Snapshot
 from hookprof.step.record import StepCounters
 
 _HOST = socket.gethostname()  # the hookprof_first_nonfinite_origin_info `host` label
@@ -169,6 +169,16 @@ class SnapshotCollector(Collector):
         for kind in ("vanishing", "exploding"):  # pre-initialised for increase()
             flagged.add_metric([rank, kind], snap.gradient_flagged_steps.get(kind, 0))
         yield flagged
+
+        spikes = family(names.SPIKES_TOTAL)
+        last_spike = family(names.SPIKE_LAST_STEP)
+        for kind in SPIKE_KINDS:  # pre-initialised for increase()
+            count = snap.spikes.get(kind)
+            spikes.add_metric([rank, kind], count.count if count is not None else 0)
+            if count is not None and count.last is not None:
+                last_spike.add_metric([rank, kind], count.last.step)
+        yield spikes
+        yield last_spike
 
         yield from live  # hookprof_internal_errors_total
         yield _one(names.LAYERS, rank, len(snap.layers))

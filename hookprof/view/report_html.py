@@ -87,6 +87,17 @@ def summary(doc: dict[str, Any]) -> str:
         ("gradient norm, last sampled", num(doc["grad_norm"], 4) + _after(doc)),
         ("non-finite steps", ", ".join(f"{p} {c:,}" for p, c in counts.items()) if bad else "none"),
     ]
+    for kind, spike in (doc.get("spikes") or {}).items():
+        if spike["count"]:  # (publish/spikes.py: a loss or gradient-norm spike, no NaN)
+            first = spike["first"]
+            figures.append(
+                (
+                    f"{kind.replace('_', ' ')}s",
+                    f"{spike['count']:,}; first at step {first['step']:,}: "
+                    f"{num(first['value'], 4)} against a median of {num(first['median'], 4)} "
+                    f"(robust z {num(first['z'], 3)})",
+                )
+            )
     if doc["skipped_steps"]:
         figures.append(("GradScaler skipped", f"{doc['skipped_steps']:,} steps"))
     if doc.get("held_back_updates"):

@@ -19,7 +19,14 @@ TOP_LAYERS = 5
 
 def summary_text(snap: Snapshot, model: str = "") -> str:
     # the table's code loads here, at detach or exit, not with `import hookprof`
-    from hookprof.view.table import fmt_seconds, fmt_share, from_snapshot, nonfinite_line, sort_rows
+    from hookprof.view.table import (
+        fmt_seconds,
+        fmt_share,
+        from_snapshot,
+        nonfinite_line,
+        sort_rows,
+        spike_line,
+    )
 
     table = from_snapshot(snap, model)
     h = table.header
@@ -29,6 +36,7 @@ def summary_text(snap: Snapshot, model: str = "") -> str:
         f"hookprof summary ({who}): {h.steps} steps, {h.sampled_steps} sampled; step time "
         f"p50 {fmt_seconds(h.step_quantile(0.5))}, p95 {fmt_seconds(h.step_quantile(0.95))}",
         "  " + nonfinite_line(h),
+        *(["  " + spikes] if (spikes := spike_line(h)) is not None else []),
         "  top layers by share of step time: "
         + (", ".join(f"{r.layer} {fmt_share(r.share)}" for r in top) if top else "none timed"),
     ]

@@ -90,6 +90,8 @@ class RunHeader:
     stall: str | None = None
     """The stall going on now, in words; None while the run moves."""
     recent: str | None = None
+    spikes: Mapping[str, tuple[int, int | None]] = field(default_factory=dict)
+    """Kind -> (spike events, the latest's first step): publish/spikes.py."""
     """The last steps' loss and gradient norm, one character each (view/recent.py); None
     where the endpoint was not asked for them (`top` asks /history.json?recent)."""
 
@@ -206,6 +208,10 @@ def from_snapshot(snap: Snapshot, model: str = "") -> RunTable:
         stall=_stall(snap.stall.step, snap.stall.phase, snap.stall.layer, snap.stall.waiting_on)
         if snap.stall is not None
         else None,
+        spikes={
+            kind: (count.count, count.last.step if count.last is not None else None)
+            for kind, count in snap.spikes.items()
+        },
     )
     rows = []
     step_seconds = _step_seconds(
@@ -352,6 +358,10 @@ def _read_sample(run: _Run, name: str, labels: Mapping[str, str], value: float) 
         run.values["dropped_first"] = (_whole(labels["step"], "the step label"), labels["layer"])
     elif name == names.FIRST_NONFINITE_CAPSULE_INFO.name:
         run.values["first_capsule"] = labels["path"]
+    elif name == names.SPIKES_TOTAL.name:
+        run.values.setdefault("spikes", {})[labels["kind"]] = _whole(value, "the count")
+    elif name == names.SPIKE_LAST_STEP.name:
+        run.values.setdefault("spike_last", {})[labels["kind"]] = _whole(value, "the step")
     elif name in _LAYER_SAMPLES:
         layer = run.layer(labels["layer"])
         layer[_LAYER_SAMPLES[name]] = value
@@ -398,6 +408,10 @@ def _table(model: str, rank: int, run: _Run) -> RunTable:
         if "progress_step" in v
         else None,
         stall=v.get("stall"),
+        spikes={
+            kind: (count, v.get("spike_last", {}).get(kind))
+            for kind, count in v.get("spikes", {}).items()
+        },
     )
     first = header.first_nonfinite
     rows = []
@@ -453,6 +467,10 @@ def from_document(doc: Mapping[str, Any]) -> RunTable:
         nonfinite_steps=dict(doc["nonfinite_steps"]),
         skipped_steps=int(doc.get("skipped_steps", 0)),
         dropped=_dropped_of(doc.get("dropped_nonfinite")),
+        spikes={
+            kind: (int(s["count"]), int(s["last"]["step"]) if s.get("last") else None)
+            for kind, s in (doc.get("spikes") or {}).items()
+        },
         first_nonfinite=FirstNonFinite(
             first["layer"],
             first["phase"],
@@ -697,10 +715,24 @@ def nonfinite_line(h: RunHeader) -> str:
     return text
 
 
+def spike_line(h: RunHeader) -> str | None:
+    """The loss and gradient-norm spikes so far, when there were any (publish/spikes.py)."""
+    seen = [(kind, count, last) for kind, (count, last) in h.spikes.items() if count]
+    if not seen:
+        return None
+    return "spikes (no NaN): " + ", ".join(
+        f"{kind.replace('_', ' ')} {count}" + (f" (latest from step {last})" if last else "")
+        for kind, count, last in seen
+    )
+
+
 def header_lines(headers: Sequence[RunHeader]) -> list[str]:
     lines = []
     for h in headers:
         lines += [header_line(h), "  " + nonfinite_line(h)]
+        spikes = spike_line(h)
+        if spikes is not None:
+            lines.append("  " + spikes)
         if h.stall is not None:  # only while a rank is stuck (docs/stalls.md)
             lines.append("  " + h.stall)
         if h.recent is not None:

@@ -24,6 +24,7 @@ from support.processes import Processes
 from support.waiting import wait_for
 
 CONFIG = os.path.join(ROOT, "deploy", "scale", "prometheus.yml")
+STORE_FLAGS = os.path.join(ROOT, "deploy", "scale", "victoria-metrics.args")
 JOB = "hookprof"
 
 
@@ -98,6 +99,17 @@ class ScaleRun:
         ]
 
 
+def store_flags(port: int, path: str) -> list[str]:
+    """deploy/scale/victoria-metrics.args, its address and storage path this run's."""
+    with open(STORE_FLAGS) as f:
+        flags = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    where = {"-httpListenAddr": f"127.0.0.1:{port}", "-storageDataPath": path}
+    return [
+        f"{flag.split('=')[0]}={where[flag.split('=')[0]]}" if flag.split("=")[0] in where else flag
+        for flag in flags
+    ]
+
+
 def prometheus_config(targets_file: str, store_url: str, interval: str) -> str:
     """deploy/scale/prometheus.yml, its two REPLACE places filled (and the rules file's path
     made absolute: the config is written elsewhere), at `interval`."""
@@ -140,15 +152,7 @@ def scale_run(
         with open(targets, "w") as f:
             json.dump(farm.scrape_configs(farm_port, JOB), f)
         vm_port = free_port()
-        procs.start(
-            [
-                vm,
-                f"-httpListenAddr=127.0.0.1:{vm_port}",
-                f"-storageDataPath={os.path.join(tmp, 'vm')}",
-                "-retentionPeriod=1d",
-                "-search.latencyOffset=1s",  # what was written is readable a second later
-            ]
-        )
+        procs.start([vm, *store_flags(vm_port, os.path.join(tmp, "vm"))])
         _wait_ready("victoria-metrics", f"http://127.0.0.1:{vm_port}/health")
         config = os.path.join(tmp, "prometheus.yml")
         with open(config, "w") as f:

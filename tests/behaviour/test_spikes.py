@@ -1,0 +1,169 @@
+"""Loss and gradient-norm spikes that nobody injected (issue 43 item 1): a learning rate that
+jumps for one step, and one that diverges into NaN. hookprof's spikes (publish/spikes.py, read
+on the publisher from the every-step series) are checked against this test's own record of
+every step's loss and gradient norm, judged here with numpy by the documented rule, and
+against a real scrape of /metrics."""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from torch import nn
+
+import hookprof
+from hookprof.demo import DemoNet
+from hookprof.view.report_html import render
+from hookprof.view.summary import summary_text
+from hookprof.view.table import from_metrics, header_lines
+from support.rendered import Elements
+
+BUMP_AT = 800
+RULES = {"loss_spike": (8.0, 0.1), "grad_norm_spike": (12.0, 1.0)}  # (z, margin): the defaults
+
+
+def train(model: DemoNet, bump: float, steps: int, on_loss=None):
+    """SGD whose learning rate is `bump` times larger at step BUMP_AT; returns each step's
+    loss and global gradient norm as this test reads them. `on_loss`: prof.step."""
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses, norms = [], []
+    for step in range(1, steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = 0.05 * (bump if step == BUMP_AT else 1.0)
+        x, y = model.batch(g)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+        opt.step()
+        losses.append(float(loss.detach()))
+        if on_loss is not None:
+            on_loss(loss)
+    return losses, norms
+
+
+def first_spikes(values: list[float], kind: str, window: int = 200) -> list[int]:
+    """The first step of each spike event, by the rule docs/nonfinite.md gives."""
+    threshold, margin = RULES[kind]
+    seen: list[float] = []
+    events, inside = [], False
+    for step, x in enumerate(values, 1):
+        if not math.isfinite(x):
+            continue
+        if len(seen) >= 50:
+            w = np.array(seen[-window:])
+            median = float(np.median(w))
+            mad = float(np.median(np.abs(w - median)))
+            z = (x - median) / (1.4826 * mad) if mad else (math.inf if x > median else 0.0)
+            spike = z > threshold and x > median + margin * max(abs(median), 1.4826 * mad)
+            if spike and not inside:
+                events.append(step)
+            inside = spike or (inside and z > threshold / 2)
+        seen.append(x)
+    return events
+
+
+def run(bump: float, steps: int, **config):
+    torch.manual_seed(0)
+    model = DemoNet()
+    prof = hookprof.attach(model, port=0, summary_at_exit=False, **config)
+    try:
+        losses, norms = train(model, bump, steps, on_loss=prof.step)
+        prof.flush()
+        page = urllib.request.urlopen(prof.url, timeout=10).read().decode()
+        run.document = prof.report_document()
+        return prof.snapshot(), page, losses, norms
+    finally:
+        prof.detach()
+
+
+def scraped(page: str) -> dict[tuple[str, str], float]:
+    out = {}
+    for fam in text_string_to_metric_families(page):
+        for s in fam.samples:
+            if s.name in ("hookprof_spikes_total", "hookprof_spike_last_step"):
+                out[s.name, s.labels["kind"]] = s.value
+    return out
+
+
+def test_a_one_step_learning_rate_jump_is_a_loss_and_a_gradient_norm_spike():
+    snap, page, losses, norms = run(150.0, 1000)
+    expected = {
+        "loss_spike": first_spikes(losses, "loss_spike"),
+        "grad_norm_spike": first_spikes(norms, "grad_norm_spike"),
+    }
+    assert expected["loss_spike"][:1] == [BUMP_AT + 1] == expected["grad_norm_spike"][:1]
+    got = scraped(page)
+    for kind, steps in expected.items():
+        count = snap.spikes[kind]
+        assert count.count == len(steps) and count.first.step == steps[0], (kind, steps, count)
+        assert count.first.value == pytest.approx(
+            (losses if kind == "loss_spike" else norms)[steps[0] - 1], rel=1e-5
+        )
+        assert got["hookprof_spikes_total", kind] == len(steps)
+        assert got["hookprof_spike_last_step", kind] == steps[-1]
+    assert snap.first_nonfinite is None  # a spike, not a NaN incident
+    # where a person sees them: the report's figures, `hookprof top`'s header, the summary
+    first = snap.spikes["loss_spike"].first
+    text = "".join(Elements(render([run.document])).text)
+    assert (
+        f"first at step {first.step:,}: {first.value:.4g} against a median of "
+        f"{first.median:.4g} (robust z {first.z:.3g})"
+    ) in text
+    (table,) = from_metrics(page)
+    (line,) = [x for x in header_lines([table.header]) if "spikes" in x]
+    assert line.strip() == (
+        f"spikes (no NaN): loss spike {len(expected['loss_spike'])} (latest from step "
+        f"{expected['loss_spike'][-1]}), grad norm spike {len(expected['grad_norm_spike'])} "
+        f"(latest from step {expected['grad_norm_spike'][-1]})"
+    )
+    assert line.strip() in summary_text(snap, "DemoNet")
+
+
+def test_a_divergence_spikes_steps_before_it_goes_non_finite():
+    """A learning rate 2,000x too large for one step: the loss climbs for a few steps, then
+    overflows. The spike is named at the first step the loss jumped, steps before the NaN
+    incident, which stays the NaN checks' (its own step and phase)."""
+    snap, page, losses, norms = run(2000.0, 820)
+    first_bad = min(s for s, v in enumerate(losses, 1) if not math.isfinite(v))
+    spike = snap.spikes["loss_spike"]
+    assert spike.first.step == first_spikes(losses, "loss_spike")[0] == BUMP_AT + 1
+    assert spike.first.step < first_bad
+    assert snap.first_nonfinite is not None and snap.first_nonfinite.step <= first_bad
+    assert snap.first_nonfinite.step > spike.first.step
+    # the non-finite steps are never spikes: the count is the finite steps' events only
+    assert spike.count == len(first_spikes(losses, "loss_spike"))
+
+
+def test_spikes_off():
+    snap, page, _, _ = run(150.0, 900, spike_detection=False)
+    assert all(c.count == 0 for c in snap.spikes.values())
+    assert scraped(page)["hookprof_spikes_total", "loss_spike"] == 0
+
+
+@pytest.mark.slow
+def test_a_healthy_run_of_ten_thousand_steps_raises_none():
+    """The defaults on the demo's own loop (AdamW, its synthetic task): no spike in 10^4
+    steps."""
+    torch.manual_seed(0)
+    model = DemoNet()
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with hookprof.attach(model, port=0, summary_at_exit=False) as prof:
+        for _ in range(10_000):
+            x, y = model.batch(g)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            prof.step(loss)
+        prof.flush()
+        snap = prof.snapshot()
+    assert snap.step == 10_000
+    assert {k: c.count for k, c in snap.spikes.items()} == {"loss_spike": 0, "grad_norm_spike": 0}

@@ -1,0 +1,76 @@
+"""The spike judge of the every-step series (publish/spikes.py), against a robust z-score
+computed here with numpy from the same windows."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hookprof.publish.spikes import GRAD_NORM_SPIKE, LOSS_SPIKE, MIN_HISTORY, SpikeWatch
+from hookprof.step.series import StepValue
+
+WINDOW = 200
+
+
+def noisy(n: int, level: float, seed: int) -> list[float]:
+    rng = np.random.default_rng(seed)
+    return list(level + 0.05 * rng.standard_normal(n))
+
+
+def z_here(value: float, before: list[float]) -> tuple[float, float]:
+    window = np.array(before[-WINDOW:])
+    median = float(np.median(window))
+    mad = float(np.median(np.abs(window - median)))
+    return (value - median) / (1.4826 * mad), median
+
+
+def test_spike_events_are_counted_once_each_with_their_first_step_and_z():
+    losses = noisy(1000, 2.0, 0)
+    for step in (300, 301, 302):  # one event of three steps
+        losses[step - 1] = 5.0
+    losses[600 - 1] = 4.0  # a second, one step
+    norms = noisy(1000, 1.0, 1)
+    norms[450 - 1] = 40.0
+    watch = SpikeWatch(WINDOW, {LOSS_SPIKE: 8.0, GRAD_NORM_SPIKE: 12.0})
+    watch.observe(StepValue(s, losses[s - 1], norms[s - 1]) for s in range(1, 1001))
+    counts = watch.counts()
+    loss = counts[LOSS_SPIKE]
+    assert (loss.count, loss.first.step, loss.last.step) == (2, 300, 600)
+    z, median = z_here(losses[299], losses[:299])
+    assert loss.first.z == pytest.approx(z, rel=1e-9) and loss.first.median == pytest.approx(median)
+    assert loss.first.value == 5.0 and z > 8
+    norm = counts[GRAD_NORM_SPIKE]
+    assert (norm.count, norm.first.step) == (1, 450)
+
+
+def test_no_judgement_before_the_history_and_none_for_a_falling_or_noisy_run():
+    watch = SpikeWatch(WINDOW, {LOSS_SPIKE: 8.0, GRAD_NORM_SPIKE: 12.0})
+    falling = [10.0 * math.exp(-s / 300) + 0.01 * math.sin(s) for s in range(1, 3001)]
+    # a huge value among the first steps, before any baseline: not judged
+    falling[MIN_HISTORY // 2] = 1e6
+    watch.observe(StepValue(s, falling[s - 1], 1.0 + 0.1 * math.cos(s)) for s in range(1, 3001))
+    assert all(c.count == 0 for c in watch.counts().values())
+
+
+def test_non_finite_values_are_the_nan_checks_and_a_repeated_step_is_not_judged_again():
+    losses = noisy(400, 2.0, 2)
+    watch = SpikeWatch(WINDOW, {LOSS_SPIKE: 8.0, GRAD_NORM_SPIKE: 12.0})
+    values = [StepValue(s, losses[s - 1], None) for s in range(1, 301)]
+    values[250] = StepValue(251, math.inf, None)
+    values[251] = StepValue(252, math.nan, None)
+    watch.observe(values)
+    watch.observe([StepValue(300, 1e9, None)])  # a late loss of step 300, already judged
+    assert watch.counts()[LOSS_SPIKE].count == 0
+    watch.observe([StepValue(301, 1e9, None)])
+    assert watch.counts()[LOSS_SPIKE].last.step == 301
+
+
+def test_never_above_an_infinite_threshold():
+    """What Config.spike_detection=False gives the judge."""
+    losses = noisy(400, 2.0, 3)
+    losses[350] = 1e6
+    watch = SpikeWatch(WINDOW, {LOSS_SPIKE: math.inf, GRAD_NORM_SPIKE: math.inf})
+    watch.observe(StepValue(s, losses[s - 1], losses[s - 1]) for s in range(1, 401))
+    assert all(c.count == 0 for c in watch.counts().values())

@@ -23,8 +23,10 @@ from support.servers import binaries, get_json, query, start_prometheus
 from support.waiting import wait_for
 
 # exported only while a rank is stalled (the demo never stalls:
-# tests/system/test_stall_distributed.py runs those rules against real stalls)
-ONLY_WHILE_STALLED = {"hookprof_stall_info"}
+# tests/system/test_stall_distributed.py runs those rules against real stalls), or after a
+# loss or gradient-norm spike (the demo has none: tests/behaviour/test_spikes.py scrapes it
+# after real ones, and promtool's tests run HookprofTrainingSpike on it)
+EXPORTED_ONLY_SOMETIMES = {"hookprof_stall_info", "hookprof_spike_last_step"}
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +172,9 @@ def test_every_alert_rule_evaluates_and_its_series_exist(prometheus_on_demo):
     # an alert's expression is empty while it does not fire: check the series it reads
     missing = []
     for name, rule in rules.items():
-        for metric in set(re.findall(r"\b(hookprof_\w+|up)\b", rule["expr"])) - ONLY_WHILE_STALLED:
+        for metric in (
+            set(re.findall(r"\b(hookprof_\w+|up)\b", rule["expr"])) - EXPORTED_ONLY_SOMETIMES
+        ):
             if not query(prometheus_on_demo, f'{metric}{{job="{JOB}"}}'):
                 missing.append(f"{name}: {metric}")
     assert not missing, "alert rules read series that do not exist:\n" + "\n".join(missing)

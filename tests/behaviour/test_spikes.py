@@ -59,9 +59,9 @@ def first_spikes(values: list[float], kind: str, window: int = 200) -> list[int]
         if len(seen) >= 50:
             w = np.array(seen[-window:])
             median = float(np.median(w))
-            mad = float(np.median(np.abs(w - median)))
-            z = (x - median) / (1.4826 * mad) if mad else (math.inf if x > median else 0.0)
-            spike = z > threshold and x > median + margin * max(abs(median), 1.4826 * mad)
+            scale = float(np.percentile(w, 75) - np.percentile(w, 25)) / 1.349
+            z = (x - median) / scale if scale else (math.inf if x > median else 0.0)
+            spike = z > threshold and x > median + margin * max(abs(median), scale)
             if spike and not inside:
                 events.append(step)
             inside = spike or (inside and z > threshold / 2)

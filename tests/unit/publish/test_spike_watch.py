@@ -22,8 +22,8 @@ def noisy(n: int, level: float, seed: int) -> list[float]:
 def z_here(value: float, before: list[float]) -> tuple[float, float]:
     window = np.array(before[-WINDOW:])
     median = float(np.median(window))
-    mad = float(np.median(np.abs(window - median)))
-    return (value - median) / (1.4826 * mad), median
+    scale = float(np.percentile(window, 75) - np.percentile(window, 25)) / 1.349
+    return (value - median) / scale, median
 
 
 def test_spike_events_are_counted_once_each_with_their_first_step_and_z():

@@ -11,8 +11,8 @@ A step is a spike of its kind when its z-score is above the kind's threshold *an
 above the median by a margin of the median's own size (`_MARGIN`: a loss 1e-4 above a
 flat median of noise-free steps is no spike, however small the spread); only upward moves count
 (a loss that falls is no anomaly). A spike lasts while its steps stay above half the
-threshold, and counts once: an *event*, with its first step, its value, the median it stood
-against and its z-score. Non-finite values are the NaN checks' (never a spike) and are left
+threshold and half the margin, and counts once: an *event*, with its first step, its value,
+the median it stood against and its z-score. Non-finite values are the NaN checks' (never a spike) and are left
 out of the window.
 
 No judgement before `MIN_HISTORY` finite values: the first steps of a run (warm-up, a loss
@@ -92,20 +92,23 @@ class SpikeWatch:
         self._window = {kind: _Window(window) for kind in KINDS}
         self._thresholds = dict(thresholds)
         self._in_event = dict.fromkeys(KINDS, False)
-        self._last_step = 0  # steps at or before it were judged (a drain may repeat one)
+        # per kind, the last step whose value was judged: a drain repeats the previous one's
+        # last step (step/series.py take), which may bring a loss given after the optimizer
+        # ended that step (a late prof.step(loss)): judged then, once
+        self._judged = dict.fromkeys(KINDS, 0)
         self._lock = threading.Lock()
         self._counts = {kind: SpikeCount() for kind in KINDS}
 
     def observe(self, values: Iterable[StepValue]) -> None:
         for v in values:
-            if v.step <= self._last_step:
-                continue  # (a late loss fills a step already judged: not judged again)
-            self._last_step = v.step
             self._judge(LOSS_SPIKE, v.step, v.loss)
             self._judge(GRAD_NORM_SPIKE, v.step, v.grad_norm)
 
     def _judge(self, kind: str, step: int, value: float | None) -> None:
-        if value is None or not math.isfinite(value):
+        if value is None or step <= self._judged[kind]:
+            return  # not given (yet), or judged already
+        self._judged[kind] = step
+        if not math.isfinite(value):
             return
         window = self._window[kind]
         if len(window) >= MIN_HISTORY:
@@ -115,8 +118,11 @@ class SpikeWatch:
             spike = z > threshold and value > median + margin
             if spike and not self._in_event[kind]:
                 self._count(kind, SpikeEvent(step, value, median, z))
-            # an event goes on while its steps stay well above the window, and ends below
-            self._in_event[kind] = spike or (self._in_event[kind] and z > threshold / 2)
+            # an event goes on while its steps stay well above the window (half the threshold
+            # and half the margin: a flat window's z is infinite a hair above its median)
+            self._in_event[kind] = spike or (
+                self._in_event[kind] and z > threshold / 2 and value > median + margin / 2
+            )
         window.add(value)
 
     def _count(self, kind: str, event: SpikeEvent) -> None:

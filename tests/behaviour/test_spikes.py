@@ -64,7 +64,9 @@ def first_spikes(values: list[float], kind: str, window: int = 200) -> list[int]
             spike = z > threshold and x > median + margin * max(abs(median), scale)
             if spike and not inside:
                 events.append(step)
-            inside = spike or (inside and z > threshold / 2)
+            inside = spike or (
+                inside and z > threshold / 2 and x > median + margin / 2 * max(abs(median), scale)
+            )
         seen.append(x)
     return events
 

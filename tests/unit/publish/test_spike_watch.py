@@ -74,3 +74,32 @@ def test_never_above_an_infinite_threshold():
     watch = SpikeWatch(WINDOW, {LOSS_SPIKE: math.inf, GRAD_NORM_SPIKE: math.inf})
     watch.observe(StepValue(s, losses[s - 1], losses[s - 1]) for s in range(1, 401))
     assert all(c.count == 0 for c in watch.counts().values())
+
+
+def test_a_loss_given_after_the_step_ended_is_judged_when_its_step_comes_again():
+    """Review: a drain repeats the previous drain's last step (step/series.py take), which
+    carries a loss given by prof.step(loss) after the optimizer ended the step. It was
+    dropped as a step already seen: neither judged nor in the window."""
+    losses = noisy(100, 2.0, 4)
+    watch = SpikeWatch(WINDOW, {LOSS_SPIKE: 8.0, GRAD_NORM_SPIKE: 12.0})
+    watch.observe(StepValue(s, losses[s - 1], 1.0) for s in range(1, 100))
+    watch.observe([StepValue(100, None, 1.0)])  # its loss not given yet
+    watch.observe([StepValue(100, 50.0, 1.0), StepValue(101, 2.0, 1.0)])  # the late loss
+    loss = watch.counts()[LOSS_SPIKE]
+    assert (loss.count, loss.first.step, loss.first.value) == (1, 100, 50.0)
+    watch.observe([StepValue(100, 60.0, 1.0)])  # judged once
+    assert watch.counts()[LOSS_SPIKE].count == 1
+
+
+def test_a_flat_window_does_not_keep_an_event_open_a_hair_above_its_median():
+    """Review: with a window that does not vary (a loss stuck at one value), z is infinite
+    a hair above the median, and the event went on past its spike, swallowing the next."""
+    values = [1.0] * 300
+    values[200 - 1] = 10.0
+    for step in range(201, 231):
+        values[step - 1] = 1.0001
+    values[231 - 1] = 10.0
+    watch = SpikeWatch(WINDOW, {LOSS_SPIKE: 8.0, GRAD_NORM_SPIKE: 12.0})
+    watch.observe(StepValue(s, values[s - 1], None) for s in range(1, 301))
+    loss = watch.counts()[LOSS_SPIKE]
+    assert (loss.count, loss.first.step, loss.last.step) == (2, 200, 231)

@@ -12,8 +12,8 @@ above the median by a margin of the median's own size (`_MARGIN`: a loss 1e-4 ab
 flat median of noise-free steps is no spike, however small the spread); only upward moves count
 (a loss that falls is no anomaly). A spike lasts while its steps stay above half the
 threshold and half the margin, and counts once: an *event*, with its first step, its value,
-the median it stood against and its z-score. Non-finite values are the NaN checks' (never a spike) and are left
-out of the window.
+the median it stood against and its z-score. Non-finite values are the NaN checks' (never a
+spike) and are left out of the window.
 
 No judgement before `MIN_HISTORY` finite values: the first steps of a run (warm-up, a loss
 falling fast) have no baseline.

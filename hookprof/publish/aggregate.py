@@ -29,7 +29,7 @@ from hookprof.snapshot import (
     layer_series,
 )
 from hookprof.step.record import Packet, StepCounters, StepRecord
-from hookprof.step.series import decode
+from hookprof.step.series import StepValue, decode
 from hookprof.step.statistics import OUTPUT, PARAMETERS, source_of
 
 REPLAY_UNAVAILABLE_DTENSOR = (
@@ -180,6 +180,8 @@ class Aggregator:
         # (an output's), or at the last sampled step's end (a parameter statistic's)
         # loss and gradient-norm spikes in the every-step series (publish/spikes.py)
         self.spikes = spikes if spikes is not None else SpikeWatch(200, DEFAULT_THRESHOLDS)
+        # the last packet's every-step values, decoded once for the spikes and the history
+        self._series: tuple[Packet | None, list[StepValue]] = (None, [])
         self.statistics = statistics
         self.statistic_values: list[list[float | None]] = [[None] * n for _ in statistics]
         self._has_parameter_statistics = any(s[2] == PARAMETERS for s in statistics)
@@ -190,8 +192,7 @@ class Aggregator:
         """Fold one packet in: a drain of the non-finite counters alone, a replayed forward
         (its checks count, its timings do not) or a sampled step."""
         if packet.series is not None:  # every step's loss and norm since the last drain
-            blocks = [packet.batch.get(("series", k)) for k in range(len(packet.series.devices))]
-            self.spikes.observe(decode(packet.series, blocks, packet.step))
+            self.spikes.observe(self.series_of(packet))
         # the counters are cumulative: a drain folded after a newer one takes nothing back
         if packet.counter_parts:
             parts = [packet.batch.get(("counters", k)) for k in range(packet.counter_parts)]
@@ -335,6 +336,19 @@ class Aggregator:
         self.sampled_steps += 1
         self.sampled_step_seconds += packet.seconds or 0.0
         self.last_sampled_step = packet.step
+
+    def series_of(self, packet: Packet) -> list[StepValue]:
+        """The every-step values `packet` carries (step/series.py decode), decoded once per
+        packet: `fold` reads them first, the history (History.observe) after it."""
+        if self._series[0] is not packet:
+            values = []
+            if packet.series is not None:
+                blocks = [
+                    packet.batch.get(("series", k)) for k in range(len(packet.series.devices))
+                ]
+                values = decode(packet.series, blocks, packet.step)
+            self._series = (packet, values)
+        return self._series[1]
 
     def _fold_statistics(self, packet: Packet) -> None:
         """The per-layer statistics of a sampled step: of outputs, each layer's last call's

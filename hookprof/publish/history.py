@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hookprof.publish.every_step import EveryStep, stored
-from hookprof.step.series import decode
 
 __all__ = ["History", "stored"]
 
@@ -136,11 +135,8 @@ class History:
             steps, total = packet.steps_at_end
         bad = int(sum(aggregator.counters["phase_bad"]))
         loss = aggregator.loss_of(packet)
-        if packet.series is not None:
-            blocks = [packet.batch.get(("series", k)) for k in range(len(packet.series.devices))]
-            self.every_step.observe(
-                decode(packet.series, blocks, packet.step), aggregator.first_nonfinite_step
-            )
+        if packet.series is not None:  # (decoded once, by the aggregator's fold)
+            self.every_step.observe(aggregator.series_of(packet), aggregator.first_nonfinite_step)
         with self._lock:
             if packet.sampled:
                 self._add_point(packet.step, steps, total, wall, aggregator, bad, loss)

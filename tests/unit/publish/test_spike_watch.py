@@ -103,3 +103,12 @@ def test_a_flat_window_does_not_keep_an_event_open_a_hair_above_its_median():
     watch.observe(StepValue(s, values[s - 1], None) for s in range(1, 301))
     loss = watch.counts()[LOSS_SPIKE]
     assert (loss.count, loss.first.step, loss.last.step) == (2, 200, 231)
+
+
+def test_the_judge_defaults_are_configs():
+    """An Aggregator built without a config (tests, tools) judges as Config's defaults do."""
+    from hookprof.config import Config
+    from hookprof.publish.spikes import DEFAULT_THRESHOLDS
+
+    c = Config()
+    assert DEFAULT_THRESHOLDS == {LOSS_SPIKE: c.loss_spike_z, GRAD_NORM_SPIKE: c.grad_norm_spike_z}

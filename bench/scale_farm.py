@@ -33,15 +33,18 @@ from support.scale import scale_run
 SLOW_LAYER = layer_name(2)
 
 
-def measure(ranks: int, layers: int, interval: str, settle_s: float) -> dict:
+def measure(
+    ranks: int, layers: int, interval: str, settle_s: float, detailed: int | None = None
+) -> dict:
     with (
         tempfile.TemporaryDirectory() as tmp,
-        scale_run(tmp, ranks, layers, interval=interval) as run,
+        scale_run(tmp, ranks, layers, interval=interval, detailed=detailed) as run,
     ):
         time.sleep(settle_s)  # windows filled: the 3-minute rules see a minute at least
         figures = {
             "ranks": ranks,
             "layers": layers,
+            "detailed": detailed,
             "head_series": run.own("prometheus_tsdb_head_series"),
             "rss_mb": run.prometheus_rss_bytes() / 1e6,
             "heap_inuse_mb": run.own("go_memstats_heap_inuse_bytes") / 1e6,
@@ -55,11 +58,18 @@ def measure(ranks: int, layers: int, interval: str, settle_s: float) -> dict:
     return figures
 
 
-def latency(ranks: int, layers: int, interval: str, slow_after_s: float, limit_s: float) -> dict:
+def latency(
+    ranks: int,
+    layers: int,
+    interval: str,
+    slow_after_s: float,
+    limit_s: float,
+    detailed: int | None = None,
+) -> dict:
     slow = Slowdown(ranks // 2, SLOW_LAYER, 1.4, "forward", slow_after_s)
     with (
         tempfile.TemporaryDirectory() as tmp,
-        scale_run(tmp, ranks, layers, interval=interval, slowdown=slow) as run,
+        scale_run(tmp, ranks, layers, interval=interval, slowdown=slow, detailed=detailed) as run,
     ):
         started = run.farm.started_at + slow_after_s  # (the farm's clock: time.monotonic)
         deadline = started + limit_s
@@ -86,6 +96,12 @@ def main() -> None:
         "--sizes", default="64,128,256,512", help="simulated ranks, comma-separated"
     )
     parser.add_argument("--layers", type=int, default=50, help="layers per rank")
+    parser.add_argument(
+        "--detailed",
+        type=int,
+        default=None,
+        help="layers with every figure (Config.detailed_layers); the rest timed alone",
+    )
     parser.add_argument("--interval", default="5s", help="scrape and evaluation interval")
     parser.add_argument("--settle", type=float, default=75.0, help="seconds before reading")
     parser.add_argument("--latency-ranks", type=int, default=512, help="0: no latency run")
@@ -100,7 +116,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for ranks in [int(s) for s in args.sizes.split(",") if s]:
-        f = measure(ranks, args.layers, args.interval, args.settle)
+        f = measure(ranks, args.layers, args.interval, args.settle, args.detailed)
         results["sizes"].append(f)
         print(
             f"| {ranks} | {args.layers} | {f['head_series']:,.0f} | {f['rss_mb']:.0f} | "
@@ -111,7 +127,14 @@ def main() -> None:
     if results["sizes"]:
         print("names in the store:", ", ".join(results["sizes"][-1]["store_names"]))
     if args.latency_ranks:
-        lat = latency(args.latency_ranks, args.layers, args.interval, args.slow_after, args.limit)
+        lat = latency(
+            args.latency_ranks,
+            args.layers,
+            args.interval,
+            args.slow_after,
+            args.limit,
+            args.detailed,
+        )
         results["latency"] = lat
         print(
             f"one of {lat['ranks']} ranks slowed 40% in {lat['slowed'][1]} ({lat['slowed'][2]}): "

@@ -185,6 +185,12 @@ class Config:
     fit. `max_layers` still bounds the number of layers; the default (500 x 18, the most a
     layer exports) leaves `max_layers` the binding one."""
 
+    detailed_layers: int | None = _ruled(None, Rule(low=0))
+    """At scale (docs/scale.md): how many layers, beyond those that went non-finite (always
+    detailed), export every per-layer figure: the ones with the most forward+backward time.
+    The other exported layers export their forward, backward and recompute time alone, the
+    series the layer straggler rule reads. None: every exported layer is detailed."""
+
     activation_stats: bool = True
     """On sampled steps, compute each layer output's zero ratio and absolute maximum
     (which also detects non-finite outputs)."""
@@ -253,6 +259,13 @@ class Config:
     max_skipped_steps: int = _ruled(10, Rule(low=0))
     """GradScaler skips (fp16 overflow) are normal; more than this many in a row count as a
     non-finite incident (phase "backward")."""
+
+    sdc_check_interval_s: float | None = _ruled(None, Rule(above=0, high=_DAY))
+    """Silent data corruption (docs/integrity.md): every this many seconds (up to twice it:
+    a power of two of steps, the same steps on every rank), the parameters' fingerprint after
+    the update is taken on the device and exported, for Prometheus to compare data-parallel
+    replicas, which must hold identical bits. Only for replicas: ranks holding shards
+    (FSDP, tensor parallel) or pipeline stages differ by design. None: off."""
 
     spike_detection: bool = True
     """Judge every step's loss and global gradient norm for spikes on the publisher thread

@@ -30,6 +30,7 @@ PARTS = (
     "step boundary",
     "nonfinite",
     "efficiency",
+    "integrity",
     "stall watch",
     "publisher",
     "metrics server",
@@ -53,6 +54,7 @@ _PART_OF_WHERE = (
     ("incident", "nonfinite"),
     ("backward end", "nonfinite"),  # the every-step gradient check (step/backward_end.py)
     ("efficiency", "efficiency"),
+    ("replica check", "integrity"),  # the parameters' fingerprint (hookprof/integrity/)
     ("stall watch", "stall watch"),
     ("publisher", "publisher"),
     ("snapshot", "publisher"),

@@ -163,6 +163,20 @@ SPIKE_LAST_STEP = Metric(
     ("rank", "kind"),
     "First step of the latest spike event of each kind; only kinds that had one",
 )
+PARAMETER_FINGERPRINT = Metric(
+    "hookprof_parameter_fingerprint",
+    "gauge",
+    ("rank", "layout"),
+    "52 bits of a bitwise fingerprint of the parameters after the update of the step in "
+    "hookprof_parameter_fingerprint_step (Config.sdc_check_interval_s): data-parallel replicas "
+    "of the same layout hold the same value at the same step",
+)
+PARAMETER_FINGERPRINT_STEP = Metric(
+    "hookprof_parameter_fingerprint_step",
+    "gauge",
+    ("rank", "layout"),
+    "Step after whose update hookprof_parameter_fingerprint was taken",
+)
 INTERNAL_ERRORS_TOTAL = Metric(
     "hookprof_internal_errors_total",
     "counter",
@@ -180,7 +194,7 @@ LAYERS_EXPORTED = Metric(
     "hookprof_layers_exported",
     "gauge",
     _RANK,
-    "Layers with per-layer series in this exposition (Config.max_layers)",
+    "Layers with per-layer series in this exposition (Config.max_layers, max_layer_series)",
 )
 FIRST_NONFINITE_INFO = Metric(
     "hookprof_first_nonfinite_info",

@@ -31,6 +31,7 @@ from hookprof.distributed import detect_local_rank, detect_rank, with_other_rank
 from hookprof.efficiency.figures import EfficiencyTotals, StepEfficiency
 from hookprof.errors import DetachedError, MetaDeviceError
 from hookprof.faults import Faults, ThreadSupervisor
+from hookprof.integrity.replicas import SHARDED_REPLICA_NOTICE, ReplicaCheck
 from hookprof.layers import LayerTable
 from hookprof.nonfinite.checks import NonfiniteChecks
 from hookprof.nonfinite.incident import IncidentResponse
@@ -187,6 +188,14 @@ class Profiler:
             )
             if self._efficiency.flops is not None:
                 self._efficiency.listen(self._hooks)
+            # silent data corruption: the replicas' fingerprints (None: off, the default)
+            self._replicas = (
+                ReplicaCheck(list(model.named_parameters()), config.sdc_check_interval_s)
+                if config.sdc_check_interval_s is not None
+                else None
+            )
+            if self._replicas is not None and self.table.has_dtensor_params:
+                self._notices.say("replica check", SHARDED_REPLICA_NOTICE)
             self._publisher = publisher_for_model(
                 publisher,
                 self.table,
@@ -197,6 +206,7 @@ class Profiler:
                 self.timer,
                 self._notices,
                 decorate=self._watch.decorate,
+                replica_layout=self._replicas.layout if self._replicas is not None else "",
                 device_phases=self._phases.device_totals(),
                 statistics=layer_statistics,
                 efficiency=EfficiencyTotals(self.table.names) if self._efficiency.enabled else None,
@@ -251,6 +261,7 @@ class Profiler:
                 incidents=self._incidents,
                 supervisor=self._supervisor,
                 drain=self._drain,
+                replicas=self._replicas,
                 parameter_statistics=statistics.ParameterStatistics(
                     layer_statistics,
                     [

@@ -198,6 +198,19 @@ class SpikeEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class ParameterFingerprint:
+    """The parameters' fingerprint after one step's update (hookprof/integrity/): replicas of
+    one data-parallel job hold the same `value` at the same `step`."""
+
+    step: int
+    value: int
+    """52 bits of a wrapping integer sum of the parameters' bits (integrity/fingerprint.py)."""
+    layout: str
+    """A hash of the parameters' names, shapes and dtypes: only ranks with the same layout
+    are compared."""
+
+
+@dataclass(frozen=True, slots=True)
 class SpikeCount:
     """The events of one kind so far: how many, the first and the latest."""
 
@@ -235,12 +248,17 @@ class Snapshot:
     layers: Mapping[str, LayerStats] = field(default_factory=lambda: _EMPTY)
     """Every instrumented layer by qualified name, in named_modules() order."""
     exported_layers: tuple[str, ...] = ()
-    """The layers the exporter shows (all of them up to Config.max_layers)."""
+    """The layers the exporter shows with every figure (all of them up to Config.max_layers
+    and Config.max_layer_series, or Config.detailed_layers of them at scale)."""
+    timed_layers: tuple[str, ...] = ()
+    """The layers the exporter shows with their time alone (Config.detailed_layers)."""
     first_nonfinite: NonFiniteEvent | None = None
     """The first non-finite value seen: layer, phase and step."""
     dropped_nonfinite: DroppedNonFinite | None = None
     """Non-finite gradients the loop dropped before any update (no incident); None: none."""
     gradient_flagged_steps: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    parameter_fingerprint: ParameterFingerprint | None = None
+    """The replica check's last fingerprint of the parameters (Config.sdc_check_interval_s)."""
     spikes: Mapping[str, SpikeCount] = field(default_factory=lambda: _EMPTY)
     """"loss_spike" / "grad_norm_spike" -> the spike events of the every-step series so far
     (publish/spikes.py): anomalies that are no NaN."""
@@ -341,13 +359,11 @@ class StallReport:
     """The rank's last collectives from torch's flight recorder, when it is on."""
 
 
-def layer_series(layer: LayerStats, efficiency: LayerEfficiency | None, statistics: int = 0) -> int:
-    """The series one exported layer puts on a /metrics page, by the exporter's own rules
-    (serve/exporter.py: a timing summary's _sum and _count where it was called, a gauge where
-    its value is known, a counter where it is not 0; efficiency/families.py: one per known
-    figure), plus `statistics` of the user's per-layer statistics with a value for it. What
-    the series budget (Config.max_layer_series) counts; docs/metrics.md has the totals."""
-    n = 2 * sum(
+def timing_series(layer: LayerStats) -> int:
+    """The series of a layer on the page with its time alone (Config.detailed_layers): a
+    timing summary's _sum and _count for each of forward, backward and recompute where it was
+    called. Part of `layer_series`."""
+    return 2 * sum(
         1
         for calls in (
             layer.forward_calls_total,
@@ -356,6 +372,15 @@ def layer_series(layer: LayerStats, efficiency: LayerEfficiency | None, statisti
         )
         if calls
     )
+
+
+def layer_series(layer: LayerStats, efficiency: LayerEfficiency | None, statistics: int = 0) -> int:
+    """The series one exported layer puts on a /metrics page, by the exporter's own rules
+    (serve/exporter.py: a timing summary's _sum and _count where it was called, a gauge where
+    its value is known, a counter where it is not 0; efficiency/families.py: one per known
+    figure), plus `statistics` of the user's per-layer statistics with a value for it. What
+    the series budget (Config.max_layer_series) counts; docs/metrics.md has the totals."""
+    n = timing_series(layer)
     n += sum(
         1
         for v in (layer.grad_norm, layer.activation_zero_ratio, layer.activation_abs_max)

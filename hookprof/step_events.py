@@ -21,6 +21,7 @@ from torch import nn
 from hookprof.compiled import explain_compiled_forward
 from hookprof.efficiency.figures import StepEfficiency
 from hookprof.faults import Faults, ThreadSupervisor, guarded
+from hookprof.integrity.replicas import ReplicaCheck
 from hookprof.nonfinite.checks import NonfiniteChecks
 from hookprof.nonfinite.incident import IncidentResponse
 from hookprof.notices import Notices
@@ -79,6 +80,7 @@ class StepEvents:
         supervisor: ThreadSupervisor,
         drain: CounterDrain,
         parameter_statistics: ParameterStatistics | None = None,
+        replicas: ReplicaCheck | None = None,
     ):
         self._model_type, self._params = model_type, params
         self._clock, self._wall_clock = clock, wall_clock
@@ -89,6 +91,7 @@ class StepEvents:
         self._publisher, self._sampled, self._nan = publisher, sampled, nan
         self._incidents, self._supervisor, self._drain = incidents, supervisor, drain
         self._parameter_statistics = parameter_statistics or None  # (None: there are none)
+        self._replicas = replicas  # Config.sdc_check_interval_s (None: off)
 
     def begin_step(self, number: int, now_ns: int) -> None:
         """Plan step `number`: sampled or not, with output checks or not; hooks in or out."""
@@ -252,6 +255,8 @@ class StepEvents:
         if guard is not None:
             self._counters.set_held_back(nan.end_update(number) or 0)  # (with a guard: an int)
         self._phases.end_step(number, now)
+        if self._replicas is not None and self._replicas.due(number, now):
+            self._check_replicas(number)
 
         def pack(record: StepRecord | None) -> Any:
             efficiency, extra = self._efficiency_of(number, now, duration_s, no_update)
@@ -305,6 +310,14 @@ class StepEvents:
         if not self._efficiency.enabled or skipped:
             return None, []
         return self._efficiency.end_step(number, now_ns, duration_s)
+
+    @guarded("replica check", disable=False)
+    def _check_replicas(self, number: int) -> None:
+        """A check step (integrity/replicas.py): the parameters' fingerprint after this
+        step's update, sent on its own (a drain's packet, nothing read back)."""
+        assert self._replicas is not None
+        fingerprint = self._replicas.take()
+        self._publisher.submit(pack_step(number, None, [], sampled=False, fingerprint=fingerprint))
 
     def _report(self, part: str, exc: BaseException) -> None:
         """A statistic of the user's failed: counted and logged; nothing switches off."""

@@ -14,6 +14,7 @@ from typing import Any
 from hookprof.device.identity import device_name
 from hookprof.device.timing import Timer
 from hookprof.efficiency.figures import EfficiencyTotals
+from hookprof.integrity.fingerprint import combine
 from hookprof.nonfinite.attribution import Attribution, ForwardFinding, forward_roles
 from hookprof.nonfinite.detector import PHASE_INDEX, fold_counters, merge_counters
 from hookprof.nonfinite.guard import fold_skips
@@ -25,8 +26,10 @@ from hookprof.snapshot import (
     LayerStatisticValues,
     LayerStats,
     NonFiniteEvent,
+    ParameterFingerprint,
     Snapshot,
     layer_series,
+    timing_series,
 )
 from hookprof.step.record import Packet, StepCounters, StepRecord
 from hookprof.step.series import StepValue, decode
@@ -81,6 +84,7 @@ class Aggregator:
         efficiency: EfficiencyTotals | None,
         device_phases: DevicePhaseTotals | None,
         statistics: tuple[Any, ...] = (),
+        replica_layout: str = "",
     ) -> Aggregator:
         """The totals of a model's layer table, with their slice of the config (max_layers,
         max_layer_series, vanishing_grad_norm, exploding_grad_norm)."""
@@ -95,6 +99,7 @@ class Aggregator:
                 type(m).__name__ if m is not None else "" for _, m in table.containers
             ],
             max_series=config.max_layer_series,
+            detailed=config.detailed_layers,
             efficiency=efficiency,
             device_phases=device_phases,
             statistics=tuple((s.name, s.help, source_of(s)) for s in statistics),
@@ -109,6 +114,7 @@ class Aggregator:
                 if config.spike_detection
                 else dict.fromkeys((LOSS_SPIKE, GRAD_NORM_SPIKE), math.inf),  # never above
             ),
+            replica_layout=replica_layout,
         )
 
     def __init__(
@@ -122,6 +128,7 @@ class Aggregator:
         *,
         container_types: Sequence[str] = (),
         max_series: int | None = None,
+        detailed: int | None = None,
         efficiency: EfficiencyTotals | None = None,
         device_phases: DevicePhaseTotals | None = None,
         statistics: tuple[tuple[str, str, str], ...] = (),
@@ -129,6 +136,7 @@ class Aggregator:
         replay_unavailable: str | None = None,
         gradients_every_step: bool = True,
         spikes: SpikeWatch | None = None,
+        replica_layout: str = "",
     ):
         n = len(names)
         # names of recorded calls: layers, then container modules (hooked by the replay, and
@@ -148,6 +156,12 @@ class Aggregator:
         self.rank = rank
         self.max_layers = max_layers
         self.max_series = max_series  # per-layer series on the page (None: layers only)
+        # the replica check's last fingerprint, and the parameters' layout it is of
+        self.fingerprint: ParameterFingerprint | None = None
+        self.layout = replica_layout
+        # layers with every figure, beyond the non-finite ones (None: all); the others on the
+        # page have their time alone (Config.detailed_layers)
+        self.detailed = detailed
         self.sampled_steps = 0
         self.sampled_step_seconds = 0.0  # their wall time, summed (the layers' window)
         self.last_sampled_step: int | None = None
@@ -172,6 +186,7 @@ class Aggregator:
         self._last: dict[str, list[Any]] = {}
         self._layers: MappingProxyType = MappingProxyType({})
         self._exported: tuple[str, ...] = ()
+        self._timed: tuple[str, ...] = ()  # on the page with their time alone
         self._dirty = True
         self.efficiency = efficiency  # when its figures are measured
         self.device_phases = device_phases  # with a device timer
@@ -209,6 +224,14 @@ class Aggregator:
             self._attribution.not_replayed(packet.step, packet.not_replayed)
         if packet.capsule is not None:
             self._attribution.capsule_written(packet.capsule)
+        if packet.fingerprint_parts:  # (integrity/replicas.py)
+            halves = [
+                v
+                for k in range(packet.fingerprint_parts)
+                for v in packet.batch.get(("fingerprint", k))
+            ]
+            self.fingerprint = ParameterFingerprint(packet.step, combine(halves), self.layout)
+            self._dirty = True
         if packet.record is None and not packet.sampled:  # a drain of the counters alone
             loss = self.loss_of(packet)
             if loss is not None and packet.step == self.last_sampled_step:
@@ -482,7 +505,7 @@ class Aggregator:
             # its graph untimed; no gradients or activations of its own
             layers[self._call_names[i]] = self._row_stats(i)
         self._layers = MappingProxyType(layers)
-        self._exported = self._select_exported()
+        self._exported, self._timed = self._select_exported()
 
     def _row_stats(self, i: int) -> LayerStats:
         last = self._last
@@ -509,13 +532,16 @@ class Aggregator:
             ),
         )
 
-    def _select_exported(self) -> tuple[str, ...]:
-        """The layers on the page: all of them within both budgets (max_layers layers,
-        max_series series, counted as the exporter writes them: snapshot.layer_series);
-        beyond, every layer that went non-finite first (in layer order: the earliest is the
-        producer), then the layers with the most forward+backward time, while they fit. The
-        rows of compiled regions (a few blocks, each standing for its layers) are not layers
-        for max_layers: they go on the page first, while the series fit."""
+    def _select_exported(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The layers on the page, as (detailed, timed alone): all of them, detailed, within
+        both budgets (max_layers layers, max_series series, counted as the exporter writes
+        them: snapshot.layer_series); beyond, every layer that went non-finite first (in
+        layer order: the earliest is the producer), then the layers with the most
+        forward+backward time, while they fit. With `detailed` set, only that many of the
+        latter are detailed, and the rest of the layers that fit go on with their time alone
+        (snapshot.timing_series: what the straggler rule reads), slowest first. The rows of
+        compiled regions (a few blocks, each standing for its layers) are not layers for
+        max_layers: they go on the page first, detailed, while the series fit."""
         names = self._call_names
         n = len(self.names)
         cost = self._series_per_layer()
@@ -526,8 +552,8 @@ class Aggregator:
             if used + cost[i] <= budget:
                 keep.append(i)
                 used += cost[i]
-        if n <= self.max_layers and used + sum(cost[:n]) <= budget:
-            return tuple(names[i] for i in range(n)) + tuple(names[i] for i in keep)
+        if self.detailed is None and n <= self.max_layers and used + sum(cost[:n]) <= budget:
+            return tuple(names[i] for i in range(n)) + tuple(names[i] for i in keep), ()
         bad = [i for i in range(n) if any(self._layer_nonfinite(i).values())]
         bad_set = set(bad)
         by_time = sorted(
@@ -541,12 +567,28 @@ class Aggregator:
                 layers.append(i)
                 used += cost[i]
         room = max(self.max_layers - len(layers), 0)
+        detailed_left = room if self.detailed is None else self.detailed
+        timing = self._timing_series_per_layer() if self.detailed is not None else None
+        timed: list[int] = []
         for i in by_time[:room]:  # the top layers by time, down to the first that does not fit
-            if used + cost[i] > budget:
+            if detailed_left and used + cost[i] <= budget:
+                layers.append(i)
+                used += cost[i]
+                detailed_left -= 1
+            elif timing is not None and used + timing[i] <= budget:
+                detailed_left = 0  # the slower ones are detailed, the rest timed alone
+                timed.append(i)
+                used += timing[i]
+            else:
                 break
-            layers.append(i)
-            used += cost[i]
-        return tuple(names[i] for i in sorted(layers + keep))
+        return (
+            tuple(names[i] for i in sorted(layers + keep)),
+            tuple(names[i] for i in sorted(timed)),
+        )
+
+    def _timing_series_per_layer(self) -> list[int]:
+        """Series each layer writes when on the page with its time alone."""
+        return [timing_series(self._layers[name]) for name in self.names]
 
     def _series_per_layer(self) -> list[int]:
         """Series each row writes (0 for a container that is not a compiled region)."""
@@ -618,6 +660,7 @@ class Aggregator:
             internal_errors=internal_errors,
             layers=self._layers,
             exported_layers=self._exported,
+            timed_layers=self._timed,
             first_nonfinite=first,
             dropped_nonfinite=self._dropped(),
             gradient_flagged_steps=MappingProxyType(dict(self.flagged_steps)),
@@ -629,6 +672,7 @@ class Aggregator:
             device_phase_steps=self.device_phases.steps if self.device_phases is not None else 0,
             layer_statistics=self._statistics_view(),
             spikes=self.spikes.counts(),
+            parameter_fingerprint=self.fingerprint,
         )
 
     def _statistics_view(self) -> Mapping[str, LayerStatisticValues]:

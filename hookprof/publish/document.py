@@ -40,7 +40,7 @@ def document(
         }
     sampled = max(snapshot.sampled_steps, 1)
     layers = []
-    for layer_name in snapshot.exported_layers:
+    for layer_name in snapshot.exported_layers + snapshot.timed_layers:
         stats = snapshot.layers[layer_name]
         layers.append(
             {

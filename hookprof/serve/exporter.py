@@ -179,10 +179,19 @@ class SnapshotCollector(Collector):
                 last_spike.add_metric([rank, kind], count.last.step)
         yield spikes
         yield last_spike
+        if snap.parameter_fingerprint is not None:  # Config.sdc_check_interval_s
+            fp = snap.parameter_fingerprint
+            for metric, value in (
+                (names.PARAMETER_FINGERPRINT, fp.value),
+                (names.PARAMETER_FINGERPRINT_STEP, fp.step),
+            ):
+                made = family(metric)
+                made.add_metric([rank, fp.layout], value)
+                yield made
 
         yield from live  # hookprof_internal_errors_total
         yield _one(names.LAYERS, rank, len(snap.layers))
-        yield _one(names.LAYERS_EXPORTED, rank, len(snap.exported_layers))
+        yield _one(names.LAYERS_EXPORTED, rank, len(snap.exported_layers) + len(snap.timed_layers))
 
         if snap.first_nonfinite is not None and snap.first_nonfinite.layer is not None:
             first = family(names.FIRST_NONFINITE_INFO)
@@ -219,7 +228,8 @@ class SnapshotCollector(Collector):
         layer_flagged = family(names.LAYER_GRADIENT_FLAGGED_STEPS_TOTAL)
         zero = family(names.LAYER_ACTIVATION_ZERO_RATIO)
         absmax = family(names.LAYER_ACTIVATION_ABS_MAX)
-        for name in snap.exported_layers:
+        detailed = len(snap.exported_layers)
+        for k, name in enumerate(snap.exported_layers + snap.timed_layers):
             layer = snap.layers[name]
             if layer.forward_calls_total:
                 fwd.add_metric(
@@ -239,6 +249,8 @@ class SnapshotCollector(Collector):
                     layer.recompute_calls_total,
                     layer.recompute_seconds_total,
                 )
+            if k >= detailed:  # on the page with its time alone (Config.detailed_layers)
+                continue
             if layer.grad_norm is not None:
                 grad.add_metric([rank, name], layer.grad_norm)
             for phase in LAYER_PHASES:

@@ -240,6 +240,7 @@ class Packet:
     not_replayed: str | None = None
     replay_moved: int = 0  # a replay's packet: updates applied between its forward and the replay
     capsule: str | None = None  # the incident capsule written for `step` (nonfinite/capsule.py)
+    fingerprint_parts: int = 0  # the parameters' fingerprint after `step`'s update, per device
     # every step's loss and gradient norm since the last drain: the batch's ("series", k)
     # blocks are the rings of `series.devices` (step/series.py)
     series: SeriesDrain | None = None
@@ -295,6 +296,7 @@ def pack_step(
     dropped_values: Sequence[torch.Tensor] = (),
     series: tuple[list[list[torch.Tensor]], SeriesDrain] | None = None,
     parameter_stats: Sequence[tuple[int, int, torch.Tensor]] = (),
+    fingerprint: Sequence[torch.Tensor] = (),
 ) -> Packet:
     """Gather one step's device scalars (per-device gradient squares, the record's activation
     reductions and statistics, the parameter statistics taken at its end, the non-finite
@@ -312,6 +314,8 @@ def pack_step(
     param_stat_order, param_stat_parts = _add_statistics(batch, "param_stat", parameter_stats)
     for k, block in enumerate(counter_blocks):
         batch.add(("counters", k), block)
+    for k, halves in enumerate(fingerprint):  # the parameters' (integrity/replicas.py)
+        batch.add(("fingerprint", k), halves)
     for k, block in enumerate(dropped_values):
         batch.add(("dropped", k), block)
     count_parts = {}
@@ -351,6 +355,7 @@ def pack_step(
         not_replayed=not_replayed,
         replay_moved=replay_moved,
         capsule=capsule,
+        fingerprint_parts=len(fingerprint),
         series=series[1] if series is not None else None,
         loss=host_loss,
         loss_in_batch=loss_in_batch,

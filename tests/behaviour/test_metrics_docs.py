@@ -49,6 +49,7 @@ DEMO_ENV = {
     "HOOKPROF_EXPLODING_GRAD_NORM": "1e-3",
     "HOOKPROF_SYSTEM_INTERVAL_S": "0.2",
     "HOOKPROF_STALL_MIN_S": "0.5",
+    "HOOKPROF_SDC_CHECK_INTERVAL_S": "0.05",  # the replica check's two gauges
     "HOOKPROF_SUMMARY_AT_EXIT": "0",
 }
 DEMO_ARGS = (

@@ -3,6 +3,8 @@ figures are what a real scrape holds (docs/metrics.md, Cardinality; docs/scale.m
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -37,9 +39,11 @@ def per_layer_series(text: str) -> dict[str, int]:
     return out
 
 
-def train_and_scrape(**config) -> tuple[dict[str, int], dict[str, str], float]:
+def train_and_scrape(model: nn.Module | None = None, **config) -> tuple[dict, dict, float, Any]:
+    """Three sampled steps of `model` (Wide() by default) with `config`; returns the page's
+    per-layer series, the layers' module types, hookprof_layers_exported and the snapshot."""
     torch.manual_seed(0)
-    model = Wide()
+    model = model if model is not None else Wide()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)
     with hookprof.attach(
@@ -57,6 +61,7 @@ def train_and_scrape(**config) -> tuple[dict[str, int], dict[str, str], float]:
             opt.step()
         prof.flush()
         text = scrape(prof.url, timeout=60)
+        snap = prof.snapshot()
     kinds = {name: type(m).__name__ for name, m in model.named_modules() if name}
     exported = next(
         s.value
@@ -64,11 +69,11 @@ def train_and_scrape(**config) -> tuple[dict[str, int], dict[str, str], float]:
         for s in f.samples
         if s.name == "hookprof_layers_exported"
     )
-    return per_layer_series(text), kinds, exported
+    return per_layer_series(text), kinds, exported, snap
 
 
 def test_the_docs_per_layer_figures_are_what_a_scrape_holds():
-    series, kinds, exported = train_and_scrape()
+    series, kinds, exported, _ = train_and_scrape()
     assert exported == 300 and len(series) == 300
     for layer, count in series.items():
         assert count == DOCS_SERIES[kinds[layer]], (layer, kinds[layer])
@@ -78,9 +83,65 @@ def test_the_docs_per_layer_figures_are_what_a_scrape_holds():
 def test_the_budget_counts_series_not_layers():
     """max_layer_series=1000 on 300 layers (3,100 series unbounded): at most 1,000 per-layer
     series, the layers with the most time, whole (a layer's series all or none)."""
-    series, kinds, exported = train_and_scrape(max_layer_series=1000)
+    series, kinds, exported, _ = train_and_scrape(max_layer_series=1000)
     assert sum(series.values()) <= 1000
     assert sum(series.values()) > 1000 - 12  # filled up to the last layer that fits
     assert exported == len(series)
     for layer, count in series.items():
         assert count == DOCS_SERIES[kinds[layer]], layer
+
+
+def test_detailed_layers_keeps_time_for_every_layer_and_the_rest_for_the_slowest():
+    """Issue 42 item 3, at scale: detailed_layers=10 on 300 layers. Every layer keeps its
+    forward and backward time (4 series: what the straggler rule reads), and exactly the 10
+    layers with the most forward+backward time, by the snapshot's own totals, keep all of
+    their figures."""
+    series, kinds, exported, _ = train_and_scrape(detailed_layers=10)
+    assert exported == 300 and len(series) == 300
+    detailed = {layer for layer, count in series.items() if count > 4}
+    assert len(detailed) == 10
+    for layer, count in series.items():
+        assert count == (DOCS_SERIES[kinds[layer]] if layer in detailed else 4), layer
+    assert sum(series.values()) == 4 * 290 + sum(DOCS_SERIES[kinds[x]] for x in detailed)
+
+
+class OneBranchNonfinite(Wide):
+    """Wide, with branch 17's output non-finite and kept out of the loss (detached, then
+    zeroed): three layers go non-finite in the forward, every gradient stays finite."""
+
+    def forward(self, x):
+        return sum(
+            torch.nan_to_num(block(x).detach(), nan=0.0) if i == 17 else block(x)
+            for i, block in enumerate(self.blocks)
+        )
+
+
+def test_detailed_layers_are_the_slowest_and_every_nonfinite_one():
+    torch.manual_seed(0)
+    model = OneBranchNonfinite(blocks=30)
+    model.blocks[17][0].bias.data[0] = float("nan")  # this Linear's output goes NaN
+    series, _, _, snap = train_and_scrape(model, detailed_layers=3)
+    bad = {name for name, s in snap.layers.items() if any(s.nonfinite.values())}
+    assert bad == {"blocks.17.0", "blocks.17.1", "blocks.17.2"}
+    by_time = sorted(
+        (n for n in snap.layers if n not in bad),
+        key=lambda n: snap.layers[n].forward_seconds_total + snap.layers[n].backward_seconds_total,
+        reverse=True,
+    )
+    assert set(snap.exported_layers) == bad | set(by_time[:3])
+    assert set(snap.timed_layers) == set(by_time[3:])
+    for layer in snap.timed_layers:
+        assert series[layer] == 4, layer
+    for layer in snap.exported_layers:  # the non-finite counters are theirs
+        assert series[layer] > 4, layer
+
+
+def test_detailed_layers_within_a_series_budget():
+    """detailed_layers=10 and max_layer_series=600: the 10 slowest whole, then the next
+    slowest with their time alone (4 series) until the budget is full."""
+    series, kinds, exported, _ = train_and_scrape(detailed_layers=10, max_layer_series=600)
+    detailed = {layer for layer, count in series.items() if count > 4}
+    assert len(detailed) == 10
+    full = sum(DOCS_SERIES[kinds[x]] for x in detailed)
+    assert exported == len(series) == 10 + (600 - full) // 4
+    assert sum(series.values()) <= 600

@@ -58,8 +58,12 @@ class Farm:
         slowdown: Slowdown | None = None,
         calls_per_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        detailed: int | None = None,
     ):
+        """`detailed`: as Config.detailed_layers, the layers (the first ones) on each page
+        with every figure; the others with their time alone (None: all detailed)."""
         self.ranks, self.layers = ranks, layers
+        self._detailed = layers if detailed is None else min(detailed, layers)
         self._names = [layer_name(i) for i in range(layers)]
         self._slowdown = slowdown
         self._calls_per_s = calls_per_s
@@ -126,7 +130,8 @@ class Farm:
             loss=2.0,
             grad_norm=1.0,
             layers=MappingProxyType(layers),
-            exported_layers=tuple(self._names),
+            exported_layers=tuple(self._names[: self._detailed]),
+            timed_layers=tuple(self._names[self._detailed :]),
         )
 
     def page(self, rank: int) -> bytes:

@@ -140,11 +140,13 @@ def scale_run(
     interval: str = "5s",
     slowdown: Slowdown | None = None,
     calls_per_s: float = 0.5,
+    detailed: int | None = None,
 ) -> Iterator[ScaleRun]:
     """`ranks` simulated ranks of `layers` layers scraped every `interval` (see the module's
-    docstring); yields once Prometheus has scraped every rank."""
+    docstring), `detailed` of them with every figure (Farm); yields once Prometheus has
+    scraped every rank."""
     prometheus, vm = require_binaries("prometheus", "victoria-metrics")
-    farm = Farm(ranks, layers, slowdown=slowdown, calls_per_s=calls_per_s)
+    farm = Farm(ranks, layers, slowdown=slowdown, calls_per_s=calls_per_s, detailed=detailed)
     procs = Processes()
     try:
         farm_port = farm.serve()

@@ -57,7 +57,7 @@ LAYERS = (
     ),
     Layer("device", ("device",)),  # the only host<->device seam
     Layer("step", ("step",)),  # hooks, the sampled step's record, plan, gradients
-    Layer("features", ("nonfinite", "efficiency", "phases"), independent=True),
+    Layer("features", ("nonfinite", "efficiency", "phases", "integrity"), independent=True),
     Layer("publish", ("publish",)),  # the publisher thread: aggregate, history, the document
     Layer("serve", ("serve",)),  # the endpoint: httpd, exporter, server
     Layer("view", ("view",)),  # what a person reads: table, summary, top, report

@@ -1,0 +1,62 @@
+"""The scheduled replica check (Config.sdc_check_interval_s, off by default): every so often,
+at a step number every data-parallel replica chooses alike, the fingerprint of the parameters
+after the update (integrity/fingerprint.py) is taken on the device and sent with the step's
+own copy; each rank exports it with the step (`hookprof_parameter_fingerprint`,
+`hookprof_parameter_fingerprint_step`), and Prometheus compares the replicas
+(deploy/prometheus/hookprof-alerts.yml, HookprofReplicaParametersDiffer: the rank whose
+fingerprint differs from the others', by majority; HookprofReplicasDisagree: the replicas hold
+more than one fingerprint at one step, which two replicas can tell but not whose is wrong).
+Nothing is exchanged between ranks in the training process: no collective that could hang.
+
+Which steps: the multiples of a power of two of steps that lasts the interval at the run's
+mean step time (step/plan.py `aligned_period`, as aligned sampling chooses its period), so
+ranks of one synchronous job check the same steps, and two ranks whose estimates straddle a
+power of two still share every other check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hookprof.integrity.fingerprint import device_fingerprints, halves, layout_of
+from hookprof.step.plan import aligned_period
+
+SHARDED_REPLICA_NOTICE = (
+    "sdc_check_interval_s is set on a model whose parameters are DTensors (FSDP2, tensor "
+    "parallel): each rank fingerprints its own shard, and shards differ by design, so "
+    "HookprofReplicasDisagree will fire; the replica check is for data-parallel replicas "
+    "(docs/integrity.md)"
+)
+
+
+class ReplicaCheck:
+    """What the check reads and when (see the module's docstring)."""
+
+    def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], interval_s: float):
+        named = list(named_params)
+        self._params = [p for _, p in named]
+        self.layout = layout_of(named)
+        self._interval_ns = int(interval_s * 1e9)
+        self.period = 1  # the check steps are its multiples
+        self._origin: tuple[int, int] | None = None  # (step, ns) the mean step time counts from
+        self._weights: dict[torch.device, torch.Tensor] = {}
+
+    def due(self, number: int, now_ns: int) -> bool:
+        """Is step `number`, ended at `now_ns`, a check step? (The first step only starts the
+        clock: its time holds the warm-up.)"""
+        if self._origin is None:
+            self._origin = (number, now_ns)
+            return False
+        first, first_ns = self._origin
+        if number <= first:
+            return False
+        step_ns = (now_ns - first_ns) / (number - first)
+        self.period = aligned_period(1, self._interval_ns, step_ns, self.period)
+        return number % self.period == 0
+
+    def take(self) -> list[torch.Tensor]:
+        """The parameters' fingerprint now, as each device's two halves (float64, on its
+        device: nothing is read back)."""
+        return [halves(f) for f in device_fingerprints(self._params, self._weights)]

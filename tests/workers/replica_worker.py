@@ -1,0 +1,51 @@
+"""Body of one rank for test_replica_check_ranks (a module of its own so spawn can import it): a
+rank of a 3-rank DDP job over gloo on the CPU with the replica check on
+(Config.sdc_check_interval_s). With `flip_rank` set, that rank flips one bit of one weight
+once, between two steps (the test's own fault: a bit gone wrong in a device's memory);
+DDP's identical updates keep the difference from then on. The ranks train until told to
+stop, and stop after the same step."""
+
+from __future__ import annotations
+
+from support.ranks import torchrun_environment, train_in_step
+
+FLIP_STEP = 20  # the flip comes after this step's update (before the first check)
+FLIPPED = ("blocks.1.fc.weight", (3, 5), 22)  # parameter, element, bit of its float32
+
+
+def run_rank(rank, world, master_port, base_port, flip_rank, out, go_home, stop_at):
+    torchrun_environment(rank, world, master_port)
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hookprof
+    from support.models import DeepNet, mse_step, seeded
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = seeded(DeepNet)
+        ddp = DDP(model)
+        prof = hookprof.attach(
+            model, port=base_port, sdc_check_interval_s=2.0, system_metrics=False
+        )
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(100 + rank)  # each replica its own batches
+        steps = [0]
+
+        def one_step():
+            mse_step(ddp, opt, *model.batch(g))
+            prof.step()
+            steps[0] += 1
+            if rank == flip_rank and steps[0] == FLIP_STEP:
+                name, element, bit = FLIPPED
+                weight = dict(model.named_parameters())[name]
+                with torch.no_grad():
+                    weight.view(torch.int32)[element] ^= 1 << bit
+
+        one_step()
+        out.put((rank, prof.url))
+        train_in_step(rank, go_home, stop_at, one_step, deadline_s=120)
+        prof.detach()
+    finally:
+        dist.destroy_process_group()

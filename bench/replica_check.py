@@ -1,8 +1,14 @@
-"""What the replica check (Config.sdc_check_interval_s, issue 43 item 4) costs: one check's
-fingerprint of the parameters (hookprof/integrity/fingerprint.py) on the full-size GPT-2 124M
-shape (148 parameter tensors, 124M parameters, fp32), timed on this machine's device, with
-the ATen ops it issues (each a kernel launch on a GPU) counted; then amortised per step for
-a step time and an interval.
+"""What the checks of Config.sdc_check_interval_s (issue 43 item 4) cost, on the full-size
+GPT-2 124M shape (148 parameter tensors, 124M parameters, fp32), timed on this machine's
+device:
+
+- the replica check: one fingerprint of the parameters (hookprof/integrity/fingerprint.py),
+  with the ATen ops it issues (each a kernel launch on a GPU) counted;
+- the replay check: a check step (sampled, its forward replayed before the update, every
+  layer's output summed in both forwards) against a sampled step without it and a bare step,
+  hookprof attached for each in turn, steps interleaved by rounds;
+
+then amortised per step for a step time and an interval.
 
     python bench/replica_check.py                 # CPU
     python bench/replica_check.py --device cuda   # on a GPU
@@ -21,6 +27,7 @@ import paths  # noqa: F401  (first: this checkout's hookprof and the test helper
 import torch
 from shapes import GPTShape
 
+import hookprof
 from hookprof.integrity.replicas import ReplicaCheck
 from support.op_counter import OpCounter
 
@@ -64,6 +71,29 @@ def main() -> None:
     whole = timed(check.take, args.device, args.rounds)
     step_s = timed(step, args.device, max(3, args.rounds // 2))
     steps_per_check = max(1, int(args.interval / step_s))
+    # the replay check: a check step against a sampled one and a bare one, in rounds
+    sampled = {"sample_every": 1, "min_sample_interval_s": 0.0, "port": 0}
+    configs = {"bare": None, "sampled": sampled, "check": {**sampled, "sdc_check_interval_s": 1e-9}}
+    per_config: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(max(2, args.rounds // 2)):
+        for name, config in configs.items():
+            prof = hookprof.attach(model, **config) if config is not None else None
+            try:
+                for _ in range(2):  # warm: the first sampled step installs the hooks
+                    step()
+                    if prof is not None:
+                        prof.step()
+
+                def checked_step() -> None:
+                    step()
+                    if prof is not None:
+                        prof.step()
+
+                per_config[name].append(timed(checked_step, args.device, 3))
+            finally:
+                if prof is not None:
+                    prof.detach()
+    median = {name: sorted(v)[len(v) // 2] for name, v in per_config.items()}
     out = {
         "device": args.device,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -74,6 +104,12 @@ def main() -> None:
         "check_over_step": whole / step_s,
         "interval_s": args.interval,
         "amortised_per_step": whole / step_s / steps_per_check,
+        "replay_step_ms": {name: v * 1e3 for name, v in median.items()},
+        "replay_check_over_bare": median["check"] / median["bare"],
+        "replay_check_over_sampled": median["check"] / median["sampled"],
+        "replay_amortised_per_step": (median["check"] - median["bare"])
+        / median["bare"]
+        / max(1, int(args.interval / median["bare"])),
     }
     print(json.dumps(out))
     print(
@@ -82,6 +118,15 @@ def main() -> None:
         f"| {args.device} | {out['parameters'] / 1e6:.0f}M ({out['tensors']}) | "
         f"{out['ops_per_check']} | {out['check_ms']:.1f} ms | {out['step_ms']:.0f} ms | "
         f"{out['check_over_step']:.3f} | {out['amortised_per_step']:.1e} |"
+    )
+    ms = out["replay_step_ms"]
+    print(
+        f"\n| device | bare step | sampled step | check step (replayed) | check / sampled "
+        f"| check / bare | amortised per step at {args.interval:g} s |\n"
+        f"|---|---|---|---|---|---|---|\n"
+        f"| {args.device} | {ms['bare']:.0f} ms | {ms['sampled']:.0f} ms | {ms['check']:.0f} ms | "
+        f"{out['replay_check_over_sampled']:.2f} | {out['replay_check_over_bare']:.2f} | "
+        f"{out['replay_amortised_per_step']:.1e} |"
     )
 
 

@@ -264,8 +264,10 @@ class Config:
     """Silent data corruption (docs/integrity.md): every this many seconds (up to twice it:
     a power of two of steps, the same steps on every rank), the parameters' fingerprint after
     the update is taken on the device and exported, for Prometheus to compare data-parallel
-    replicas, which must hold identical bits. Only for replicas: ranks holding shards
-    (FSDP, tensor parallel) or pipeline stages differ by design. None: off."""
+    replicas, which must hold identical bits (only for replicas: ranks holding shards or
+    pipeline stages differ by design); and, in a single-rank process, the step's forward is
+    replayed before its update and every layer's output compared bitwise with the step's
+    own, naming the first layer that differs. None: off."""
 
     spike_detection: bool = True
     """Judge every step's loss and global gradient norm for spikes on the publisher thread

@@ -55,6 +55,7 @@ _PART_OF_WHERE = (
     ("backward end", "nonfinite"),  # the every-step gradient check (step/backward_end.py)
     ("efficiency", "efficiency"),
     ("replica check", "integrity"),  # the parameters' fingerprint (hookprof/integrity/)
+    ("replay check", "integrity"),  # a check step's forward replayed and compared
     ("stall watch", "stall watch"),
     ("publisher", "publisher"),
     ("snapshot", "publisher"),

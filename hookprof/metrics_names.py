@@ -177,6 +177,22 @@ PARAMETER_FINGERPRINT_STEP = Metric(
     ("rank", "layout"),
     "Step after whose update hookprof_parameter_fingerprint was taken",
 )
+REPLAY_CHECKS_TOTAL = Metric(
+    "hookprof_replay_checks_total",
+    "counter",
+    ("rank", "result"),
+    "Check steps whose forward was replayed before the update and its layers' outputs compared "
+    "bitwise with the step's own (Config.sdc_check_interval_s), by result: reproduced, "
+    "not_reproduced (a layer's output differed), not_compared (the step could not be replayed "
+    "as it ran)",
+)
+REPLAY_MISMATCH_INFO = Metric(
+    "hookprof_replay_mismatch_info",
+    "gauge",
+    ("rank", "layer", "step", "deterministic"),
+    "The last check step whose replay did not reproduce its forward: the first layer whose "
+    "output differed, and whether torch's deterministic algorithms were on (always 1)",
+)
 INTERNAL_ERRORS_TOTAL = Metric(
     "hookprof_internal_errors_total",
     "counter",

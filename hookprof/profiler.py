@@ -31,6 +31,7 @@ from hookprof.distributed import detect_local_rank, detect_rank, with_other_rank
 from hookprof.efficiency.figures import EfficiencyTotals, StepEfficiency
 from hookprof.errors import DetachedError, MetaDeviceError
 from hookprof.faults import Faults, ThreadSupervisor
+from hookprof.integrity.replay_check import ReplayCheck
 from hookprof.integrity.replicas import SHARDED_REPLICA_NOTICE, ReplicaCheck
 from hookprof.layers import LayerTable
 from hookprof.nonfinite.checks import NonfiniteChecks
@@ -262,6 +263,8 @@ class Profiler:
                 supervisor=self._supervisor,
                 drain=self._drain,
                 replicas=self._replicas,
+                replay_check=ReplayCheck(len(self.table)) if self._replicas is not None else None,
+                sharded=self.table.has_dtensor_params,
                 parameter_statistics=statistics.ParameterStatistics(
                     layer_statistics,
                     [

@@ -211,6 +211,19 @@ class ParameterFingerprint:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplayMismatch:
+    """A check step whose replay did not reproduce its forward: the first layer, in call
+    order, whose output differed (or, when the two forwards called different layers before
+    any output differed, the layer called where they parted)."""
+
+    step: int
+    layer: str
+    deterministic: bool
+    """Were torch's deterministic algorithms on? Off, a nondeterministic kernel is a suspect
+    beside the device."""
+
+
+@dataclass(frozen=True, slots=True)
 class SpikeCount:
     """The events of one kind so far: how many, the first and the latest."""
 
@@ -259,6 +272,11 @@ class Snapshot:
     gradient_flagged_steps: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     parameter_fingerprint: ParameterFingerprint | None = None
     """The replica check's last fingerprint of the parameters (Config.sdc_check_interval_s)."""
+    replay_checks: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    """The replay check's steps by result ("reproduced", "not_reproduced", "not_compared");
+    empty while the check is off (Config.sdc_check_interval_s)."""
+    replay_mismatch: ReplayMismatch | None = None
+    """The last check step whose replay did not reproduce its forward."""
     spikes: Mapping[str, SpikeCount] = field(default_factory=lambda: _EMPTY)
     """"loss_spike" / "grad_norm_spike" -> the spike events of the every-step series so far
     (publish/spikes.py): anomalies that are no NaN."""

@@ -19,11 +19,23 @@ import torch
 from torch import nn
 
 from hookprof.compiled import explain_compiled_forward
+from hookprof.distributed import with_other_ranks
 from hookprof.efficiency.figures import StepEfficiency
 from hookprof.faults import Faults, ThreadSupervisor, guarded
+from hookprof.integrity.replay_check import (
+    INPUTS_EDITED,
+    NO_RECORD,
+    NO_UPDATE_HOOK,
+    REPLAY_FAILED,
+    SEVERAL_RANKS,
+    SHARDED,
+    Comparison,
+    ReplayCheck,
+)
 from hookprof.integrity.replicas import ReplicaCheck
 from hookprof.nonfinite.checks import NonfiniteChecks
 from hookprof.nonfinite.incident import IncidentResponse
+from hookprof.nonfinite.replay import forward_again
 from hookprof.notices import Notices
 from hookprof.phases.clock import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, OUTSIDE
 from hookprof.phases.recorder import PhaseClock
@@ -81,6 +93,8 @@ class StepEvents:
         drain: CounterDrain,
         parameter_statistics: ParameterStatistics | None = None,
         replicas: ReplicaCheck | None = None,
+        replay_check: ReplayCheck | None = None,
+        sharded: bool = False,
     ):
         self._model_type, self._params = model_type, params
         self._clock, self._wall_clock = clock, wall_clock
@@ -91,7 +105,9 @@ class StepEvents:
         self._publisher, self._sampled, self._nan = publisher, sampled, nan
         self._incidents, self._supervisor, self._drain = incidents, supervisor, drain
         self._parameter_statistics = parameter_statistics or None  # (None: there are none)
-        self._replicas = replicas  # Config.sdc_check_interval_s (None: off)
+        # Config.sdc_check_interval_s (None: off): its schedule and the parameters'
+        # fingerprint, and the replay of a check step's forward (hookprof/integrity/)
+        self._replicas, self._replay_check, self._sharded = replicas, replay_check, sharded
 
     def begin_step(self, number: int, now_ns: int) -> None:
         """Plan step `number`: sampled or not, with output checks or not; hooks in or out."""
@@ -100,16 +116,20 @@ class StepEvents:
             self._backward_end.watch_params(self._params)  # (its output's node is in the graph)
         # an open incident samples every step (its window's end read first: one call less)
         incident = number <= self._incidents.open_until and self._incidents.open(number)
+        # a check step (hookprof/integrity/) is sampled: its layers' outputs are summed
+        check = self._replicas is not None and self._replicas.due(number, now_ns)
         self._nan.step_began()
         self._series.begin(number, self._counters.last_seconds)
         record = self._sampled.begin(
             number,
             now_ns,
-            incident=incident,
+            incident=incident or check,
             compiled=self._boundary.compiled,
             broken=self._faults.layers_off(number),
         )
         self._grads.new_step(self._sampled.plan.sampled)
+        if self._replay_check is not None:
+            self._begin_replay_check(number, record) if check else self._no_replay_check()
         if (
             record is not None or self._phases.bound
         ):  # a sampled step's phases are marked on the device too
@@ -136,6 +156,12 @@ class StepEvents:
         self._nan.capture(args, kwargs, module if entry else None, rerun=self._sampled.rerun_wanted)
         if self._sampled.plan.checked:
             self._hooks.note_root_inputs(args, kwargs)  # a NaN in the batch is the input's
+        if self._hooks.fingerprint_outputs and self._replay_check is not None:
+            self._replay_check.note_forward(  # (a check step's: replayed before its update)
+                self._nan.replay.capture(
+                    args, kwargs, module if entry else None, also_when_done=True
+                )
+            )
         if first_step:
             self._phases.restart(now)
             self._watch.follow(threading.get_ident())
@@ -157,6 +183,8 @@ class StepEvents:
         self._nan.backward_ended(self._grads.backward, grads, self._counters.steps + 1)
 
     def on_update_began(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._replay_check is not None and self._replay_check.armed:
+            self._run_replay_check()  # the step's own weights, for the last time
         self._nan.update_began(self._counters.steps + 1)
         if self._sampled.rerun_wanted:
             self._sampled.record_by(self._nan.rerun)
@@ -255,8 +283,10 @@ class StepEvents:
         if guard is not None:
             self._counters.set_held_back(nan.end_update(number) or 0)  # (with a guard: an int)
         self._phases.end_step(number, now)
-        if self._replicas is not None and self._replicas.due(number, now):
+        if self._replicas is not None and self._replicas.step == number:
             self._check_replicas(number)
+        if self._replay_check is not None and self._replay_check.armed:  # no update began
+            self._submit_replay(self._replay_check.refusal(number, NO_UPDATE_HOOK), ())
 
         def pack(record: StepRecord | None) -> Any:
             efficiency, extra = self._efficiency_of(number, now, duration_s, no_update)
@@ -310,6 +340,55 @@ class StepEvents:
         if not self._efficiency.enabled or skipped:
             return None, []
         return self._efficiency.end_step(number, now_ns, duration_s)
+
+    def _begin_replay_check(self, number: int, record: StepRecord | None) -> None:
+        """A check step: its layers' outputs summed, to be compared with a replay's."""
+        refused = (
+            NO_RECORD
+            if record is None
+            else SEVERAL_RANKS
+            if with_other_ranks()
+            else SHARDED
+            if self._sharded
+            else None
+        )
+        assert self._replay_check is not None
+        self._replay_check.begin(number, refused)
+        self._hooks.fingerprint_outputs = refused is None
+
+    def _no_replay_check(self) -> None:
+        self._hooks.fingerprint_outputs = False
+
+    @guarded("replay check", disable=False)
+    def _run_replay_check(self) -> None:
+        """The check step's forward once more, before its update, eagerly and under no_grad
+        (nonfinite/replay.py `forward_again`: its inputs, RNG state and autocast; the model's
+        buffers put back), its layers' outputs compared with the step's own on the device."""
+        check = self._replay_check
+        assert check is not None
+        step, captured = check.take()
+        record, model = self._sampled.record, self._nan.replay.model
+        if check.refused is not None or record is None or model is None:
+            self._submit_replay(check.refusal(step, check.refused or NO_RECORD), ())
+            return
+        if captured.changed_in_place():
+            self._submit_replay(check.refusal(step, INPUTS_EDITED), ())
+            return
+        own = self._sampled.new_record()
+        try:
+            forward_again(model, self._hooks, own, captured)
+            comparison, parts = check.compare(step, record, own)
+        except Exception:
+            self._submit_replay(check.refusal(step, REPLAY_FAILED), ())
+            raise  # (counted by the guard; training goes on)
+        finally:
+            self._sampled.discard(own)
+        self._submit_replay(comparison, parts)
+
+    def _submit_replay(self, comparison: Comparison, parts: Any) -> None:
+        self._publisher.submit(
+            pack_step(comparison.step, None, [], sampled=False, replay_check=(comparison, parts))
+        )
 
     @guarded("replica check", disable=False)
     def _check_replicas(self, number: int) -> None:

@@ -1,4 +1,6 @@
-"""Finding the tensors in a module's inputs and outputs (tensors, sequences, mappings)."""
+"""Finding the tensors in a module's inputs and outputs (tensors, sequences, mappings), and
+reading a tensor's bits as integers (the parameters' fingerprint, hookprof/integrity/, and the
+output checksums of a replay check)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,28 @@ from typing import Any
 import torch
 
 _MAX_TENSORS_PER_CALL = 8  # outputs/inputs looked at per call; a tuple of 1,000 is not a layer
+
+# the integer of each element width a tensor's bits are read as
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def local_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor, detached, as integers of its elements' width (a complex
+    one as its real view; a DTensor as its local shard): a view, no copy."""
+    t = tensor.detach()
+    to_local = getattr(t, "to_local", None)
+    if to_local is not None:
+        t = to_local()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def bits_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The wrapping int64 sum of a tensor's bits read as integers (`local_bits`), 0-d on its
+    device: exact and independent of the order a kernel reduces in, so equal bits give equal
+    sums everywhere, and any one flipped bit changes it (by +-2^k modulo 2^64)."""
+    return local_bits(tensor).sum(dtype=torch.int64)
 
 
 def iter_tensors(value: Any, limit: int = _MAX_TENSORS_PER_CALL) -> Iterable[torch.Tensor]:

@@ -24,22 +24,10 @@ from collections.abc import Sequence
 
 import torch
 
-# the integer of each element width a parameter's bits are read as
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+from hookprof.tensors import bits_sum
+
 # a fingerprint as exported: 52 bits, exact in a float64 sample value
 EXPORTED_BITS = 52
-
-
-def local_bits(param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter, as integers of its elements' width (a complex one as
-    its real view; a DTensor as its local shard)."""
-    t = param.detach()
-    to_local = getattr(t, "to_local", None)
-    if to_local is not None:
-        t = to_local()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.view(_INT_OF_SIZE[t.element_size()])
 
 
 def device_fingerprints(
@@ -51,9 +39,9 @@ def device_fingerprints(
     by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
     with torch.no_grad():
         for i, p in enumerate(params):
-            bits = local_bits(p)
-            sums, where = by_device.setdefault(bits.device, ([], []))
-            sums.append(bits.sum(dtype=torch.int64))
+            total = bits_sum(p)
+            sums, where = by_device.setdefault(total.device, ([], []))
+            sums.append(total)
             where.append(2 * i + 1)
         out = []
         for device, (sums, where) in by_device.items():

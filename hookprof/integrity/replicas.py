@@ -40,21 +40,26 @@ class ReplicaCheck:
         self.layout = layout_of(named)
         self._interval_ns = int(interval_s * 1e9)
         self.period = 1  # the check steps are its multiples
+        self.step: int | None = None  # the check step planned (due), until the next is
         self._origin: tuple[int, int] | None = None  # (step, ns) the mean step time counts from
         self._weights: dict[torch.device, torch.Tensor] = {}
 
     def due(self, number: int, now_ns: int) -> bool:
-        """Is step `number`, ended at `now_ns`, a check step? (The first step only starts the
-        clock: its time holds the warm-up.)"""
+        """Is step `number`, about to begin at `now_ns`, a check step? (Kept in `step`. The
+        first call only starts the clock: its step holds the warm-up.)"""
+        self.step = None
         if self._origin is None:
             self._origin = (number, now_ns)
             return False
         first, first_ns = self._origin
         if number <= first:
             return False
-        step_ns = (now_ns - first_ns) / (number - first)
+        step_ns = (now_ns - first_ns) / (number - first)  # the mean of the steps since
         self.period = aligned_period(1, self._interval_ns, step_ns, self.period)
-        return number % self.period == 0
+        if number % self.period:
+            return False
+        self.step = number
+        return True
 
     def take(self) -> list[torch.Tensor]:
         """The parameters' fingerprint now, as each device's two halves (float64, on its

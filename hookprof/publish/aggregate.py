@@ -15,6 +15,7 @@ from hookprof.device.identity import device_name
 from hookprof.device.timing import Timer
 from hookprof.efficiency.figures import EfficiencyTotals
 from hookprof.integrity.fingerprint import combine
+from hookprof.integrity.replay_check import ReplayVerdicts
 from hookprof.nonfinite.attribution import Attribution, ForwardFinding, forward_roles
 from hookprof.nonfinite.detector import PHASE_INDEX, fold_counters, merge_counters
 from hookprof.nonfinite.guard import fold_skips
@@ -159,6 +160,8 @@ class Aggregator:
         # the replica check's last fingerprint, and the parameters' layout it is of
         self.fingerprint: ParameterFingerprint | None = None
         self.layout = replica_layout
+        # the replay check's verdicts, when the checks are on (a layout is given)
+        self.replay = ReplayVerdicts(names) if replica_layout else None
         # layers with every figure, beyond the non-finite ones (None: all); the others on the
         # page have their time alone (Config.detailed_layers)
         self.detailed = detailed
@@ -224,6 +227,10 @@ class Aggregator:
             self._attribution.not_replayed(packet.step, packet.not_replayed)
         if packet.capsule is not None:
             self._attribution.capsule_written(packet.capsule)
+        if packet.replay_check is not None and self.replay is not None:
+            flags = [v for k in range(packet.replay_parts) for v in packet.batch.get(("replay", k))]
+            self.replay.judge(packet.replay_check, flags)
+            self._dirty = True
         if packet.fingerprint_parts:  # (integrity/replicas.py)
             halves = [
                 v
@@ -673,6 +680,8 @@ class Aggregator:
             layer_statistics=self._statistics_view(),
             spikes=self.spikes.counts(),
             parameter_fingerprint=self.fingerprint,
+            replay_checks=self.replay.view() if self.replay is not None else MappingProxyType({}),
+            replay_mismatch=self.replay.last_mismatch if self.replay is not None else None,
         )
 
     def _statistics_view(self) -> Mapping[str, LayerStatisticValues]:

@@ -179,6 +179,18 @@ class SnapshotCollector(Collector):
                 last_spike.add_metric([rank, kind], count.last.step)
         yield spikes
         yield last_spike
+        if snap.replay_checks:  # Config.sdc_check_interval_s (each result from 0)
+            checks = family(names.REPLAY_CHECKS_TOTAL)
+            for result, steps in snap.replay_checks.items():
+                checks.add_metric([rank, result], steps)
+            yield checks
+        if snap.replay_mismatch is not None:
+            mismatch = snap.replay_mismatch
+            info = family(names.REPLAY_MISMATCH_INFO)
+            info.add_metric(
+                [rank, mismatch.layer, str(mismatch.step), str(mismatch.deterministic).lower()], 1
+            )
+            yield info
         if snap.parameter_fingerprint is not None:  # Config.sdc_check_interval_s
             fp = snap.parameter_fingerprint
             for metric, value in (

@@ -39,7 +39,7 @@ from hookprof.handles import Handle, HandleGroup
 from hookprof.layers import LayerTable
 from hookprof.step.record import ROOT_INPUT, Activation, Call, StepRecord
 from hookprof.step.statistics import OUTPUT, one_value, source_of
-from hookprof.tensors import iter_tensors
+from hookprof.tensors import bits_sum, iter_tensors
 
 ZERO_SAMPLE = 4096  # values per output the zero ratio is computed from
 
@@ -154,6 +154,9 @@ class LayerHooks:
         # the three states below change only through the methods that say what happened:
         # a forward replayed under no_grad to find a NaN's producer (replaying_into)
         self.replaying = False
+        # a replay check's step (hookprof/integrity/replay_check.py): each output's bits are
+        # summed into the record, the step's own and its replay's, to compare
+        self.fingerprint_outputs = False
         self._paused = False  # inside an evaluation pass of the root module
         # inside the root module's training forward: a region run under no_grad there is a
         # reentrant activation checkpoint's first pass, part of the step
@@ -518,8 +521,11 @@ class LayerHooks:
                 rec.ended.append(call)
             pending = rec.pending_marks
             role = call << 1 | 1  # an output: the call's backward starts when its gradient is ready
+            fingerprints = self.fingerprint_outputs and not recompute
             for t in (output,) if isinstance(output, _Tensor) else iter_tensors(output):
                 node = t.grad_fn
+                if fingerprints and (t.is_floating_point() or t.is_complex()) and t.numel():
+                    rec.fingerprints.append((call, bits_sum(t)))  # a replay check's step
                 if stats and (t.is_floating_point() or t.is_complex()) and t.numel():
                     d = _real(t.detach())
                     # device-side reductions, kept on the device. aminmax gives max |x| over

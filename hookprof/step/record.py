@@ -83,6 +83,7 @@ class StepRecord:
         "phase_marks",
         "stats",
         "untimed",
+        "fingerprints",
     )
 
     def __init__(self, ref: Any):
@@ -118,6 +119,9 @@ class StepRecord:
         # calls whose times are not the step's: an eager no_grad re-run's (nonfinite/checks.py),
         # a compiled region's call during which Dynamo compiled (a first call, a recompile)
         self.untimed: set[int] = set()
+        # (call, 0-d int64 on the device): each instrumented output's bits summed
+        # (tensors.bits_sum), on a replay check's step and in its replay (hookprof/integrity/)
+        self.fingerprints: list[tuple[int, torch.Tensor]] = []
 
     def absorb_rerun(self, other: StepRecord) -> None:
         """A re-run's own record joins this step's: its calls after this one's (numbered on,
@@ -241,6 +245,8 @@ class Packet:
     replay_moved: int = 0  # a replay's packet: updates applied between its forward and the replay
     capsule: str | None = None  # the incident capsule written for `step` (nonfinite/capsule.py)
     fingerprint_parts: int = 0  # the parameters' fingerprint after `step`'s update, per device
+    replay_check: Any = None  # a replay check's comparison (integrity/replay_check.py)
+    replay_parts: int = 0  # its device flags, one stack per device
     # every step's loss and gradient norm since the last drain: the batch's ("series", k)
     # blocks are the rings of `series.devices` (step/series.py)
     series: SeriesDrain | None = None
@@ -297,6 +303,7 @@ def pack_step(
     series: tuple[list[list[torch.Tensor]], SeriesDrain] | None = None,
     parameter_stats: Sequence[tuple[int, int, torch.Tensor]] = (),
     fingerprint: Sequence[torch.Tensor] = (),
+    replay_check: tuple[Any, Sequence[torch.Tensor]] | None = None,
 ) -> Packet:
     """Gather one step's device scalars (per-device gradient squares, the record's activation
     reductions and statistics, the parameter statistics taken at its end, the non-finite
@@ -316,6 +323,9 @@ def pack_step(
         batch.add(("counters", k), block)
     for k, halves in enumerate(fingerprint):  # the parameters' (integrity/replicas.py)
         batch.add(("fingerprint", k), halves)
+    comparison, replay_parts = replay_check if replay_check is not None else (None, ())
+    for k, flags in enumerate(replay_parts):  # integrity/replay_check.py
+        batch.add(("replay", k), flags)
     for k, block in enumerate(dropped_values):
         batch.add(("dropped", k), block)
     count_parts = {}
@@ -356,6 +366,8 @@ def pack_step(
         replay_moved=replay_moved,
         capsule=capsule,
         fingerprint_parts=len(fingerprint),
+        replay_check=comparison,
+        replay_parts=len(replay_parts),
         series=series[1] if series is not None else None,
         loss=host_loss,
         loss_in_batch=loss_in_batch,

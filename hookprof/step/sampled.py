@@ -158,6 +158,10 @@ class SampledStep:
         self.plan = UNSAMPLED
         return True
 
+    def discard(self, record: StepRecord) -> None:
+        """A record of its own (new_record) not sent: its timer events go back to the pool."""
+        self._timer.release(record.tokens())
+
     def release(self) -> None:
         """The record's timer events go back to the pool (a step that is no sample, detach)."""
         if self.record is not None:

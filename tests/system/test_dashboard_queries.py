@@ -25,8 +25,13 @@ from support.waiting import wait_for
 # exported only while a rank is stalled (the demo never stalls:
 # tests/system/test_stall_distributed.py runs those rules against real stalls), or after a
 # loss or gradient-norm spike (the demo has none: tests/behaviour/test_spikes.py scrapes it
-# after real ones, and promtool's tests run HookprofTrainingSpike on it)
-EXPORTED_ONLY_SOMETIMES = {"hookprof_stall_info", "hookprof_spike_last_step"}
+# after real ones, and promtool's tests run HookprofTrainingSpike on it), or after a replay
+# check that did not reproduce (tests/behaviour/test_replay_check.py makes one)
+EXPORTED_ONLY_SOMETIMES = {
+    "hookprof_stall_info",
+    "hookprof_spike_last_step",
+    "hookprof_replay_mismatch_info",
+}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +65,8 @@ def prometheus_on_demo(tmp_path_factory):
                 "HOOKPROF_MIN_SAMPLE_INTERVAL_S": "0.5",
                 # a CPU has no default peak: a set one makes the MFU panel's series exist
                 "HOOKPROF_PEAK_FLOPS": "1e12",
+                # the replica and replay checks' series (their rules read them)
+                "HOOKPROF_SDC_CHECK_INTERVAL_S": "1",
             },
         )
         read_until(demo.stdout, "serving metrics")

@@ -1,0 +1,174 @@
+"""The scheduled replay check (Config.sdc_check_interval_s, issue 43 items 3 and 4): on a check
+step, its forward is replayed before the update (the step's own inputs, weights, RNG state and
+autocast; step_events.py runs nonfinite/replay.py's `forward_again`), and every layer's output
+is compared bitwise with the step's own, on the device: each output's bits summed as integers
+(tensors.bits_sum) by the layer hooks, in both forwards, then compared pairwise.
+
+The verdict, on the publisher thread (`ReplayVerdicts`): *reproduced* when every output is
+the same bits, which is what a deterministic forward on a sound device gives; *not
+reproduced* when one differs, naming the first layer, in call order, whose output differs:
+the layer where a wrong value entered the forward (a device that computed wrongly, or
+nondeterminism: a verdict also says whether torch's deterministic algorithms were on);
+*not compared* when the step could not be replayed as it ran (several forwards in the step,
+inputs edited in place, no optimizer hook before the update, ...), with the reason.
+
+A replay runs no collective: in a process that is one of several ranks, where a model's code
+may hold one (SyncBatchNorm), it is not run; the replica check (integrity/replicas.py)
+compares the ranks instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from hookprof.snapshot import ReplayMismatch
+
+REPRODUCED, NOT_REPRODUCED, NOT_COMPARED = "reproduced", "not_reproduced", "not_compared"
+RESULTS = (REPRODUCED, NOT_REPRODUCED, NOT_COMPARED)
+
+# why a check step was not compared
+SEVERAL_FORWARDS = "several training forwards in the step"
+NO_UPDATE_HOOK = "the step ended before an optimizer hook saw its update begin"
+SEVERAL_RANKS = "one rank of several (a replay could start a collective the others never join)"
+SHARDED = "the parameters are DTensors (FSDP2, tensor parallel)"
+NO_RECORD = "no layer hooks on the step (a compiled model, or hooks switched off by a fault)"
+NOT_CAPTURED = "no forward of the step was captured"
+REPLAY_FAILED = "the replay raised"
+INPUTS_EDITED = "an input of the forward was edited in place since it began"
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """One check step's comparison as it leaves the training thread: for each output of the
+    step's forward in call order, its layer (`layers`); the device flags "this output
+    differs", one stack per device, hold the outputs at `order` (positions in `layers`).
+    `diverged`: the first position at which the two forwards' calls differ on the host
+    (another layer, or another number of outputs); `refused`: why nothing was compared."""
+
+    step: int
+    layers: tuple[int, ...] = ()
+    order: tuple[int, ...] = ()
+    diverged: int | None = None
+    diverged_layer: int | None = None  # the layer called there (the step's, else the replay's)
+    refused: str | None = None
+    deterministic: bool = False  # torch.are_deterministic_algorithms_enabled() at the replay
+
+
+class ReplayCheck:
+    """The training thread's side: what a check step's forward was, and the comparison."""
+
+    def __init__(self, n_layers: int):
+        self._n_layers = n_layers  # calls of rows past the layers (containers) are not compared
+        self.step: int | None = None  # the check step in progress
+        self._captured: Any = None
+        self._forwards = 0
+        self.refused: str | None = None
+
+    @property
+    def armed(self) -> bool:
+        """A check step whose comparison has not been made yet."""
+        return self.step is not None
+
+    def begin(self, number: int, refused: str | None = None) -> None:
+        self.step, self._captured, self._forwards, self.refused = number, None, 0, refused
+
+    def note_forward(self, captured: Any) -> None:
+        """A training forward of the check step began; `captured`: its inputs and RNG state
+        (nonfinite/replay.py CapturedForward). A second forward (micro-batches) makes the
+        step one a single replay cannot match."""
+        self._forwards += 1
+        if self._forwards == 1:
+            self._captured = captured
+        else:
+            self._captured, self.refused = None, SEVERAL_FORWARDS
+
+    def take(self) -> tuple[int, Any]:
+        """(the check step, its captured forward or None); the step is no longer armed."""
+        assert self.step is not None
+        step, captured = self.step, self._captured
+        if captured is None and self.refused is None:
+            self.refused = NOT_CAPTURED
+        self.step, self._captured = None, None
+        return step, captured
+
+    def refusal(self, step: int, reason: str) -> Comparison:
+        self.step, self._captured = None, None
+        return Comparison(step, refused=reason)
+
+    def compare(
+        self, step: int, original: Any, replayed: Any
+    ) -> tuple[Comparison, list[torch.Tensor]]:
+        """The two forwards' output sums (StepRecord.fingerprints) compared: the comparison
+        and its device flags, one stack per device (nothing is read back)."""
+        ours = self._outputs(original)
+        theirs = self._outputs(replayed)
+        layers = tuple(layer for layer, _ in ours)
+        diverged = next(
+            (k for k, (a, b) in enumerate(zip(ours, theirs)) if a[0] != b[0]),
+            None if len(ours) == len(theirs) else min(len(ours), len(theirs)),
+        )
+        compared = len(ours) if diverged is None else diverged
+        diverged_layer = (
+            None if diverged is None else (ours if diverged < len(ours) else theirs)[diverged][0]
+        )
+        by_device: dict[torch.device, list[int]] = {}
+        for k in range(compared):
+            by_device.setdefault(ours[k][1].device, []).append(k)
+        parts = [
+            torch.stack([ours[k][1] != theirs[k][1] for k in positions]).to(torch.float64)
+            for positions in by_device.values()
+        ]
+        order = tuple(k for positions in by_device.values() for k in positions)
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        original.fingerprints = []  # (compared: freed now, not with the step's record)
+        return Comparison(step, layers, order, diverged, diverged_layer, None, deterministic), parts
+
+    def _outputs(self, record: Any) -> list[tuple[int, torch.Tensor]]:
+        """(layer, output sum) of a record's layer calls, in call order (containers' left out:
+        only a replay hooks them)."""
+        calls = record.calls
+        return [
+            (calls[call].layer, total)
+            for call, total in record.fingerprints
+            if calls[call].layer < self._n_layers
+        ]
+
+
+@dataclass
+class ReplayVerdicts:
+    """The publisher's side: each comparison judged, counted by result, the last mismatch
+    kept (see the module's docstring)."""
+
+    names: Sequence[str]
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
+    last_mismatch: ReplayMismatch | None = None
+    last_refusal: str | None = None
+
+    def judge(self, comparison: Comparison, flags: Sequence[float]) -> str:
+        """`flags`: the comparison's device flags as read on the host, stacks in order."""
+        if comparison.refused is not None:
+            self.counts[NOT_COMPARED] += 1
+            self.last_refusal = comparison.refused
+            return NOT_COMPARED
+        differs = dict(zip(comparison.order, flags))
+        first = next((k for k in sorted(differs) if differs[k]), None)
+        if first is not None:
+            layer = comparison.layers[first]
+        elif comparison.diverged_layer is not None:
+            layer = comparison.diverged_layer
+        else:
+            self.counts[REPRODUCED] += 1
+            return REPRODUCED
+        self.counts[NOT_REPRODUCED] += 1
+        self.last_mismatch = ReplayMismatch(
+            comparison.step, self.names[layer], comparison.deterministic
+        )
+        return NOT_REPRODUCED
+
+    def view(self) -> Mapping[str, int]:
+        return MappingProxyType(dict(self.counts))

@@ -1,0 +1,156 @@
+"""Issue 43 items 3-5 on the CPU: the scheduled replay check. Each check step's forward is
+replayed before its update and every layer's output compared bitwise with the step's own.
+A bit flipped inside one layer's computation on one step (the test's own fault, in that
+layer's forward, where a failing device would put it) is caught: not reproduced, that layer
+and step named. The same flip in the input batch is reproduced (the data, not the machine).
+A healthy run reproduces every check and trains to the same bits as without hookprof."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hookprof
+from hookprof.integrity.replay_check import SEVERAL_FORWARDS
+from support.metrics import parse, scrape
+
+EVERY_STEP = 1e-9  # sdc_check_interval_s: a period of one step, every step a check step
+FAULT_STEP = 7
+
+
+class Net(nn.Module):
+    """Dropout (RNG), BatchNorm (buffers a replay must put back), and plain layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.act = nn.GELU()
+        self.drop = nn.Dropout(0.2)
+        self.fc2 = nn.Linear(32, 16)
+        self.fc3 = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(self.drop(self.act(self.bn(self.fc1(x)))))))
+
+
+def flip_bit(t: torch.Tensor, index: tuple[int, ...] = (1, 3), bit: int = 12) -> torch.Tensor:
+    """`t` with one bit of one float32 flipped (a copy: the fault is the value it holds)."""
+    out = t.clone()
+    out.view(torch.int32)[index] ^= 1 << bit
+    return out
+
+
+def train(steps: int, prof_config: dict | None, fault=None) -> tuple[list[float], object]:
+    """Train Net for `steps` (with hookprof when `prof_config` is given, else bare); `fault(
+    model, step, x) -> x` may change things on a step. Returns the losses and the profiler's
+    final snapshot (or None)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    if fault is not None:
+        fault(model, 1, None)  # (its hooks go in before hookprof's)
+    prof = hookprof.attach(model, port=0, **prof_config) if prof_config is not None else None
+    losses = []
+    try:
+        for step in range(1, steps + 1):
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+            if fault is not None:
+                x = fault(model, step, x)
+            opt.zero_grad(set_to_none=True)
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            opt.step()
+            if prof is not None:
+                prof.step(loss)
+            losses.append(loss.item())
+        if prof is None:
+            return losses, None
+        prof.flush()
+        return losses, (prof.snapshot(), parse(scrape(prof.url)))
+    finally:
+        if prof is not None:
+            prof.detach()
+
+
+def flip_in_layer(layer: str):
+    """A fault in `layer`'s output on FAULT_STEP's forward: one bit flipped by a forward hook
+    of the test's own, registered before hookprof's (so every hook after it, hookprof's
+    included, sees the wrong value, as they would a failing device's); the replay, under
+    no_grad, computes it right."""
+    armed = {"step": False}
+
+    def flip_once(module, args, output):
+        if armed["step"] and torch.is_grad_enabled():  # the step's own forward, not the replay
+            armed["step"] = False
+            return flip_bit(output)
+        return None
+
+    def fault(model, step, x):
+        if x is None:  # before attach
+            dict(model.named_modules())[layer].register_forward_hook(flip_once)
+        armed["step"] = step == FAULT_STEP
+        return x
+
+    return fault
+
+
+def checks(page) -> dict[str, float]:
+    return {
+        s.labels["result"]: s.value
+        for s in page["hookprof_replay_checks"].samples
+        if s.name == "hookprof_replay_checks_total"
+    }
+
+
+def test_a_healthy_run_reproduces_every_check_and_trains_to_the_same_bits():
+    bare, _ = train(30, None)
+    watched, (snap, page) = train(30, {"sdc_check_interval_s": EVERY_STEP})
+    assert watched == bare  # the replays left the RNG, BatchNorm's buffers and weights alone
+    assert snap.replay_checks["reproduced"] >= 25
+    assert snap.replay_checks["not_reproduced"] == 0 and snap.replay_mismatch is None
+    assert snap.replay_checks["not_compared"] == 0
+    assert checks(page) == {k: float(v) for k, v in snap.replay_checks.items()}
+    assert "hookprof_replay_mismatch_info" not in page
+
+
+@pytest.mark.parametrize("layer", ["fc1", "act", "fc2"])
+def test_a_bit_flipped_inside_a_layer_is_not_reproduced_and_that_layer_named(layer):
+    _, (snap, page) = train(15, {"sdc_check_interval_s": EVERY_STEP}, flip_in_layer(layer))
+    assert snap.replay_checks["not_reproduced"] == 1
+    mismatch = snap.replay_mismatch
+    assert (mismatch.layer, mismatch.step) == (layer, FAULT_STEP)
+    [info] = page["hookprof_replay_mismatch_info"].samples
+    assert (info.labels["layer"], info.labels["step"]) == (layer, str(FAULT_STEP))
+    assert snap.replay_checks["reproduced"] >= 10  # every other check step
+
+
+def test_the_same_flip_in_the_input_batch_is_reproduced():
+    """The data, not the machine: the replay runs on the same (wrong) batch."""
+
+    def flip_input(model, step, x):
+        return flip_bit(x, (2, 5), 30) if x is not None and step == FAULT_STEP else x
+
+    _, (snap, _) = train(15, {"sdc_check_interval_s": EVERY_STEP}, flip_input)
+    assert snap.replay_checks["not_reproduced"] == 0 and snap.replay_mismatch is None
+    assert snap.replay_checks["reproduced"] >= 12
+
+
+def test_a_step_of_two_forwards_is_not_compared_with_its_reason():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with hookprof.attach(model, port=0, sdc_check_interval_s=EVERY_STEP) as prof:
+        for _ in range(6):
+            opt.zero_grad()
+            for _ in range(2):  # gradient accumulation: two micro-batches
+                model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            prof.step()
+        prof.flush()
+        snap = prof.snapshot()
+        last = prof._publisher._aggregator.replay.last_refusal
+    assert snap.replay_checks["not_compared"] >= 4 and snap.replay_checks["reproduced"] == 0
+    assert last == SEVERAL_FORWARDS

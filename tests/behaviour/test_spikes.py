@@ -152,12 +152,12 @@ def test_spikes_off():
 @pytest.mark.slow
 def test_a_healthy_run_of_ten_thousand_steps_raises_none():
     """The defaults on the demo's own loop (AdamW, its synthetic task): no spike in 10^4
-    steps."""
+    steps; with the replay check on (issue 43 item 5), every scheduled check reproduced."""
     torch.manual_seed(0)
     model = DemoNet()
     g = torch.Generator().manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with hookprof.attach(model, port=0, summary_at_exit=False) as prof:
+    with hookprof.attach(model, port=0, summary_at_exit=False, sdc_check_interval_s=0.05) as prof:
         for _ in range(10_000):
             x, y = model.batch(g)
             opt.zero_grad()
@@ -169,3 +169,5 @@ def test_a_healthy_run_of_ten_thousand_steps_raises_none():
         snap = prof.snapshot()
     assert snap.step == 10_000
     assert {k: c.count for k, c in snap.spikes.items()} == {"loss_spike": 0, "grad_norm_spike": 0}
+    assert snap.replay_checks["not_reproduced"] == 0 and snap.replay_checks["not_compared"] == 0
+    assert snap.replay_checks["reproduced"] >= 20

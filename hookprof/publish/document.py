@@ -81,6 +81,10 @@ def document(
             }
             for kind, count in snapshot.spikes.items()
         },
+        "replay_checks": dict(snapshot.replay_checks),
+        "replay_mismatch": None
+        if snapshot.replay_mismatch is None
+        else dataclasses.asdict(snapshot.replay_mismatch),
         "nonfinite_steps": dict(snapshot.nonfinite_steps),
         "skipped_steps": snapshot.skipped_steps,
         "dropped_nonfinite": None

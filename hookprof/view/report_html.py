@@ -98,6 +98,27 @@ def summary(doc: dict[str, Any]) -> str:
                     f"(robust z {num(first['z'], 3)})",
                 )
             )
+    checks = doc.get("replay_checks") or {}
+    if checks:  # (hookprof/integrity/replay_check.py)
+        mismatch = doc.get("replay_mismatch")
+        figures.append(
+            (
+                "replay checks",
+                f"{checks.get('reproduced', 0):,} reproduced, "
+                f"{checks.get('not_reproduced', 0):,} not reproduced"
+                + (
+                    f" (latest: {mismatch['layer']}'s output differed at step "
+                    f"{mismatch['step']:,}: the machine, not the data)"
+                    if mismatch
+                    else ""
+                )
+                + (
+                    f", {checks['not_compared']:,} not compared"
+                    if checks.get("not_compared")
+                    else ""
+                ),
+            )
+        )
     if doc["skipped_steps"]:
         figures.append(("GradScaler skipped", f"{doc['skipped_steps']:,} steps"))
     if doc.get("held_back_updates"):

@@ -24,6 +24,7 @@ def summary_text(snap: Snapshot, model: str = "") -> str:
         fmt_share,
         from_snapshot,
         nonfinite_line,
+        replay_line,
         sort_rows,
         spike_line,
     )
@@ -37,6 +38,7 @@ def summary_text(snap: Snapshot, model: str = "") -> str:
         f"p50 {fmt_seconds(h.step_quantile(0.5))}, p95 {fmt_seconds(h.step_quantile(0.95))}",
         "  " + nonfinite_line(h),
         *(["  " + spikes] if (spikes := spike_line(h)) is not None else []),
+        *(["  " + replays] if (replays := replay_line(h)) is not None else []),
         "  top layers by share of step time: "
         + (", ".join(f"{r.layer} {fmt_share(r.share)}" for r in top) if top else "none timed"),
     ]

@@ -92,6 +92,10 @@ class RunHeader:
     recent: str | None = None
     spikes: Mapping[str, tuple[int, int | None]] = field(default_factory=dict)
     """Kind -> (spike events, the latest's first step): publish/spikes.py."""
+    replay_checks: Mapping[str, int] = field(default_factory=dict)
+    """The replay check's steps by result (hookprof/integrity/); empty while it is off."""
+    replay_mismatch: tuple[str, int] | None = None
+    """(layer, step) of the last check whose replay did not reproduce its forward."""
     """The last steps' loss and gradient norm, one character each (view/recent.py); None
     where the endpoint was not asked for them (`top` asks /history.json?recent)."""
 
@@ -212,6 +216,10 @@ def from_snapshot(snap: Snapshot, model: str = "") -> RunTable:
             kind: (count.count, count.last.step if count.last is not None else None)
             for kind, count in snap.spikes.items()
         },
+        replay_checks=dict(snap.replay_checks),
+        replay_mismatch=(snap.replay_mismatch.layer, snap.replay_mismatch.step)
+        if snap.replay_mismatch is not None
+        else None,
     )
     rows = []
     step_seconds = _step_seconds(
@@ -362,6 +370,10 @@ def _read_sample(run: _Run, name: str, labels: Mapping[str, str], value: float) 
         run.values.setdefault("spikes", {})[labels["kind"]] = _whole(value, "the count")
     elif name == names.SPIKE_LAST_STEP.name:
         run.values.setdefault("spike_last", {})[labels["kind"]] = _whole(value, "the step")
+    elif name == names.REPLAY_CHECKS_TOTAL.name:
+        run.values.setdefault("replay_checks", {})[labels["result"]] = _whole(value, "the count")
+    elif name == names.REPLAY_MISMATCH_INFO.name:
+        run.values["replay_mismatch"] = (labels["layer"], _whole(labels["step"], "the step"))
     elif name in _LAYER_SAMPLES:
         layer = run.layer(labels["layer"])
         layer[_LAYER_SAMPLES[name]] = value
@@ -412,6 +424,8 @@ def _table(model: str, rank: int, run: _Run) -> RunTable:
             kind: (count, v.get("spike_last", {}).get(kind))
             for kind, count in v.get("spikes", {}).items()
         },
+        replay_checks=v.get("replay_checks", {}),
+        replay_mismatch=v.get("replay_mismatch"),
     )
     first = header.first_nonfinite
     rows = []
@@ -471,6 +485,10 @@ def from_document(doc: Mapping[str, Any]) -> RunTable:
             kind: (int(s["count"]), int(s["last"]["step"]) if s.get("last") else None)
             for kind, s in (doc.get("spikes") or {}).items()
         },
+        replay_checks=dict(doc.get("replay_checks") or {}),
+        replay_mismatch=(doc["replay_mismatch"]["layer"], int(doc["replay_mismatch"]["step"]))
+        if doc.get("replay_mismatch")
+        else None,
         first_nonfinite=FirstNonFinite(
             first["layer"],
             first["phase"],
@@ -726,6 +744,23 @@ def spike_line(h: RunHeader) -> str | None:
     )
 
 
+def replay_line(h: RunHeader) -> str | None:
+    """The replay check's verdicts so far, when it is on (hookprof/integrity/replay_check.py)."""
+    if not h.replay_checks:
+        return None
+    counts = h.replay_checks
+    text = (
+        f"replay checks: {counts.get('reproduced', 0)} reproduced, "
+        f"{counts.get('not_reproduced', 0)} not reproduced"
+    )
+    if h.replay_mismatch is not None:
+        layer, step = h.replay_mismatch
+        text += f" (latest: {layer}'s output differed at step {step}: the machine, not the data)"
+    if counts.get("not_compared"):
+        text += f", {counts['not_compared']} not compared"
+    return text
+
+
 def header_lines(headers: Sequence[RunHeader]) -> list[str]:
     lines = []
     for h in headers:
@@ -733,6 +768,9 @@ def header_lines(headers: Sequence[RunHeader]) -> list[str]:
         spikes = spike_line(h)
         if spikes is not None:
             lines.append("  " + spikes)
+        replays = replay_line(h)
+        if replays is not None:
+            lines.append("  " + replays)
         if h.stall is not None:  # only while a rank is stuck (docs/stalls.md)
             lines.append("  " + h.stall)
         if h.recent is not None:

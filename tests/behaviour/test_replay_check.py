@@ -13,7 +13,11 @@ from torch import nn
 
 import hookprof
 from hookprof.integrity.replay_check import SEVERAL_FORWARDS
+from hookprof.view.report_html import render
+from hookprof.view.summary import summary_text
+from hookprof.view.table import from_metrics, header_lines
 from support.metrics import parse, scrape
+from support.rendered import Elements
 
 EVERY_STEP = 1e-9  # sdc_check_interval_s: a period of one step, every step a check step
 FAULT_STEP = 7
@@ -69,7 +73,9 @@ def train(steps: int, prof_config: dict | None, fault=None) -> tuple[list[float]
         if prof is None:
             return losses, None
         prof.flush()
-        return losses, (prof.snapshot(), parse(scrape(prof.url)))
+        text = scrape(prof.url)
+        train.seen = (text, prof.report_document())  # what a person reads, for the views' test
+        return losses, (prof.snapshot(), parse(text))
     finally:
         if prof is not None:
             prof.detach()
@@ -154,3 +160,21 @@ def test_a_step_of_two_forwards_is_not_compared_with_its_reason():
         last = prof._publisher._aggregator.replay.last_refusal
     assert snap.replay_checks["not_compared"] >= 4 and snap.replay_checks["reproduced"] == 0
     assert last == SEVERAL_FORWARDS
+
+
+def test_a_person_sees_the_mismatch_in_top_the_summary_and_the_report():
+    _, (snap, _) = train(12, {"sdc_check_interval_s": EVERY_STEP}, flip_in_layer("fc2"))
+    page, document = train.seen
+    counts = snap.replay_checks
+    expected = (
+        f"replay checks: {counts['reproduced']} reproduced, 1 not reproduced (latest: fc2's "
+        f"output differed at step {FAULT_STEP}: the machine, not the data)"
+    )
+    (table,) = from_metrics(page)  # hookprof top reads the page
+    assert [x.strip() for x in header_lines([table.header]) if "replay" in x] == [expected]
+    assert expected in summary_text(snap, "Net")
+    report = "".join(Elements(render([document])).text)
+    assert (
+        f"{counts['reproduced']:,} reproduced, 1 not reproduced (latest: fc2's output differed "
+        f"at step {FAULT_STEP:,}: the machine, not the data)"
+    ) in report

@@ -269,6 +269,12 @@ class Config:
     replayed before its update and every layer's output compared bitwise with the step's
     own, naming the first layer that differs. None: off."""
 
+    sdc_replica_group: str = ""
+    """The replica check's group within a run (docs/integrity.md): ranks of one run with the
+    same parameter names, shapes and dtypes are compared unless they give different groups
+    here. Set it where ranks of one run hold different values under the same names and
+    shapes: a pipeline stage's index, a tensor-parallel rank's coordinate."""
+
     spike_detection: bool = True
     """Judge every step's loss and global gradient norm for spikes on the publisher thread
     (issue 43, hookprof/publish/spikes.py): hookprof_spikes_total, HookprofTrainingSpike."""

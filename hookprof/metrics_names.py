@@ -166,15 +166,16 @@ SPIKE_LAST_STEP = Metric(
 PARAMETER_FINGERPRINT = Metric(
     "hookprof_parameter_fingerprint",
     "gauge",
-    ("rank", "layout"),
+    ("rank", "replica_group"),
     "52 bits of a bitwise fingerprint of the parameters after the update of the step in "
     "hookprof_parameter_fingerprint_step (Config.sdc_check_interval_s): data-parallel replicas "
-    "of the same layout hold the same value at the same step",
+    "of the same replica_group (a run, its parameters' names, shapes and dtypes, and "
+    "Config.sdc_replica_group) hold the same value at the same step",
 )
 PARAMETER_FINGERPRINT_STEP = Metric(
     "hookprof_parameter_fingerprint_step",
     "gauge",
-    ("rank", "layout"),
+    ("rank", "replica_group"),
     "Step after whose update hookprof_parameter_fingerprint was taken",
 )
 REPLAY_CHECKS_TOTAL = Metric(

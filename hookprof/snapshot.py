@@ -205,9 +205,9 @@ class ParameterFingerprint:
     step: int
     value: int
     """52 bits of a wrapping integer sum of the parameters' bits (integrity/fingerprint.py)."""
-    layout: str
-    """A hash of the parameters' names, shapes and dtypes: only ranks with the same layout
-    are compared."""
+    replica_group: str
+    """A hash of the run, the parameters' names, shapes and dtypes and Config.sdc_replica_group
+    (integrity/fingerprint.py replica_group): only ranks of the same group are compared."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,11 +29,22 @@ def local_bits(tensor: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_SIZE[t.element_size()])
 
 
+# elements summed per reduction: a sum to int64 of narrower integers converts them first, a
+# transient of 8 bytes an element (8x a bfloat16 tensor), so large tensors go in chunks of at
+# most 32 MiB of int64
+BITS_SUM_CHUNK = 1 << 22
+
+
 def bits_sum(tensor: torch.Tensor) -> torch.Tensor:
     """The wrapping int64 sum of a tensor's bits read as integers (`local_bits`), 0-d on its
     device: exact and independent of the order a kernel reduces in, so equal bits give equal
-    sums everywhere, and any one flipped bit changes it (by +-2^k modulo 2^64)."""
-    return local_bits(tensor).sum(dtype=torch.int64)
+    sums everywhere (chunked or not), and any one flipped bit changes it (by +-2^k modulo
+    2^64)."""
+    bits = local_bits(tensor)
+    if bits.numel() <= BITS_SUM_CHUNK:
+        return bits.sum(dtype=torch.int64)
+    chunks = bits.reshape(-1).split(BITS_SUM_CHUNK)  # (a copy only of a non-contiguous one)
+    return torch.stack([c.sum(dtype=torch.int64) for c in chunks]).sum()
 
 
 def iter_tensors(value: Any, limit: int = _MAX_TENSORS_PER_CALL) -> Iterable[torch.Tensor]:

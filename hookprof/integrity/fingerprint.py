@@ -20,10 +20,12 @@ float64 values, which hold them exactly.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
+from hookprof.device.transfer import index_to_device
 from hookprof.tensors import bits_sum
 
 # a fingerprint as exported: 52 bits, exact in a float64 sample value
@@ -31,7 +33,7 @@ EXPORTED_BITS = 52
 
 
 def device_fingerprints(
-    params: Sequence[torch.Tensor], weights: dict[torch.device, torch.Tensor]
+    params: Sequence[torch.Tensor], weights: dict[Any, torch.Tensor]
 ) -> list[torch.Tensor]:
     """One int64 0-d tensor per device: the weighted wrapping sum of the bits of the
     parameters on it (see the module's docstring). `weights` caches each device's position
@@ -45,9 +47,10 @@ def device_fingerprints(
             where.append(2 * i + 1)
         out = []
         for device, (sums, where) in by_device.items():
-            w = weights.get(device)
-            if w is None or w.numel() != len(where):
-                w = weights[device] = torch.tensor(where, dtype=torch.int64, device=device)
+            key = (device, tuple(where))  # (the same positions: made once, kept)
+            w = weights.get(key)
+            if w is None:
+                w = weights[key] = index_to_device(where, device)  # (no sync on CUDA)
             out.append((torch.stack(sums) * w).sum())
     return out
 
@@ -70,8 +73,21 @@ def combine(values: Sequence[float]) -> int:
     return (total ^ (total >> EXPORTED_BITS)) & mask
 
 
-def layout_of(named_params: Sequence[tuple[str, torch.Tensor]]) -> str:
-    """A short hash of the parameters' names, shapes and dtypes: only ranks with the same
-    layout are replicas of each other (a pipeline stage, or a different model, is not)."""
+def replica_group(named_params: Sequence[tuple[str, torch.Tensor]], run: str, group: str) -> str:
+    """A short hash naming the ranks that must hold the same parameters: the same run
+    (`run`: run_identity()), the same parameters' names, shapes and dtypes, and the same
+    `group` the user gives (Config.sdc_replica_group: a pipeline stage's or a tensor-parallel
+    rank's coordinate, where those hold different values under the same names and shapes)."""
     text = ";".join(f"{name}:{tuple(p.shape)}:{p.dtype}" for name, p in named_params)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    return hashlib.sha256(f"{run}|{group}|{text}".encode()).hexdigest()[:12]
+
+
+def run_identity(environ: Mapping[str, str], process: str) -> str:
+    """What the ranks of one run share and another run does not: torchrun's run id, else the
+    rendezvous address and port every rank was given; else `process` (a process of its own,
+    never another's replica)."""
+    if environ.get("TORCHELASTIC_RUN_ID"):
+        return "run:" + environ["TORCHELASTIC_RUN_ID"]
+    if environ.get("MASTER_ADDR") and environ.get("MASTER_PORT"):
+        return f"rendezvous:{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
+    return "process:" + process

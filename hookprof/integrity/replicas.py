@@ -16,11 +16,13 @@ power of two still share every other check.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from typing import Any
 
 import torch
+from torch import nn
 
-from hookprof.integrity.fingerprint import device_fingerprints, halves, layout_of
+from hookprof.integrity.fingerprint import device_fingerprints, halves, replica_group
 from hookprof.step.plan import aligned_period
 
 SHARDED_REPLICA_NOTICE = (
@@ -30,19 +32,28 @@ SHARDED_REPLICA_NOTICE = (
     "(docs/integrity.md)"
 )
 
+# on_nonfinite "skip"/"raise" decide per rank: a NaN one rank's loss never reads (an output
+# it drops) holds back that rank's update alone, and the replicas then differ by design
+HELD_BACK_REPLICA_NOTICE = (
+    "sdc_check_interval_s is set with on_nonfinite 'skip' or 'raise' on one rank of several: "
+    "an update held back on one rank alone (a NaN that never reached the all-reduced "
+    "gradients) makes its parameters differ from its replicas', and the replica check will "
+    "say so (hookprof_held_back_updates_total tells such a rank; docs/integrity.md)"
+)
+
 
 class ReplicaCheck:
     """What the check reads and when (see the module's docstring)."""
 
-    def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], interval_s: float):
-        named = list(named_params)
-        self._params = [p for _, p in named]
-        self.layout = layout_of(named)
+    def __init__(self, model: nn.Module, interval_s: float, run: str, group: str = ""):
+        """`run`: fingerprint.run_identity(); `group`: Config.sdc_replica_group."""
+        self._model = weakref.ref(model)
+        self.group = replica_group(list(model.named_parameters()), run, group)
         self._interval_ns = int(interval_s * 1e9)
         self.period = 1  # the check steps are its multiples
         self.step: int | None = None  # the check step planned (due), until the next is
         self._origin: tuple[int, int] | None = None  # (step, ns) the mean step time counts from
-        self._weights: dict[torch.device, torch.Tensor] = {}
+        self._weights: dict[Any, torch.Tensor] = {}
 
     def due(self, number: int, now_ns: int) -> bool:
         """Is step `number`, about to begin at `now_ns`, a check step? (Kept in `step`. The
@@ -63,5 +74,8 @@ class ReplicaCheck:
 
     def take(self) -> list[torch.Tensor]:
         """The parameters' fingerprint now, as each device's two halves (float64, on its
-        device: nothing is read back)."""
-        return [halves(f) for f in device_fingerprints(self._params, self._weights)]
+        device: nothing is read back). The parameters are the model's as of now: a
+        checkpoint loaded with `load_state_dict(assign=True)` replaces them."""
+        model = self._model()
+        params = [p for _, p in model.named_parameters()] if model is not None else []
+        return [halves(f) for f in device_fingerprints(params, self._weights)]

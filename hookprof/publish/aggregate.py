@@ -85,7 +85,7 @@ class Aggregator:
         efficiency: EfficiencyTotals | None,
         device_phases: DevicePhaseTotals | None,
         statistics: tuple[Any, ...] = (),
-        replica_layout: str = "",
+        replica_group: str = "",
     ) -> Aggregator:
         """The totals of a model's layer table, with their slice of the config (max_layers,
         max_layer_series, vanishing_grad_norm, exploding_grad_norm)."""
@@ -115,7 +115,7 @@ class Aggregator:
                 if config.spike_detection
                 else dict.fromkeys((LOSS_SPIKE, GRAD_NORM_SPIKE), math.inf),  # never above
             ),
-            replica_layout=replica_layout,
+            replica_group=replica_group,
         )
 
     def __init__(
@@ -137,7 +137,7 @@ class Aggregator:
         replay_unavailable: str | None = None,
         gradients_every_step: bool = True,
         spikes: SpikeWatch | None = None,
-        replica_layout: str = "",
+        replica_group: str = "",
     ):
         n = len(names)
         # names of recorded calls: layers, then container modules (hooked by the replay, and
@@ -157,11 +157,11 @@ class Aggregator:
         self.rank = rank
         self.max_layers = max_layers
         self.max_series = max_series  # per-layer series on the page (None: layers only)
-        # the replica check's last fingerprint, and the parameters' layout it is of
+        # the replica check's last fingerprint, and the replica group it is of
         self.fingerprint: ParameterFingerprint | None = None
-        self.layout = replica_layout
-        # the replay check's verdicts, when the checks are on (a layout is given)
-        self.replay = ReplayVerdicts(names) if replica_layout else None
+        self.replica_group = replica_group
+        # the replay check's verdicts, when the checks are on (a group is given)
+        self.replay = ReplayVerdicts(names) if replica_group else None
         # layers with every figure, beyond the non-finite ones (None: all); the others on the
         # page have their time alone (Config.detailed_layers)
         self.detailed = detailed
@@ -237,7 +237,9 @@ class Aggregator:
                 for k in range(packet.fingerprint_parts)
                 for v in packet.batch.get(("fingerprint", k))
             ]
-            self.fingerprint = ParameterFingerprint(packet.step, combine(halves), self.layout)
+            self.fingerprint = ParameterFingerprint(
+                packet.step, combine(halves), self.replica_group
+            )
             self._dirty = True
         if packet.record is None and not packet.sampled:  # a drain of the counters alone
             loss = self.loss_of(packet)
@@ -544,9 +546,11 @@ class Aggregator:
         both budgets (max_layers layers, max_series series, counted as the exporter writes
         them: snapshot.layer_series); beyond, every layer that went non-finite first (in
         layer order: the earliest is the producer), then the layers with the most
-        forward+backward time, while they fit. With `detailed` set, only that many of the
-        latter are detailed, and the rest of the layers that fit go on with their time alone
-        (snapshot.timing_series: what the straggler rule reads), slowest first. The rows of
+        forward+backward time, while they fit. With `detailed` set, the layers whose gradients
+        were flagged (vanishing, exploding) join the non-finite ones, only `detailed` of the
+        slowest are detailed, and the rest of the layers go on with their time alone
+        (snapshot.timing_series: what the straggler rule reads), slowest first, while the
+        series budget allows (max_layers bounds the detailed ones only). The rows of
         compiled regions (a few blocks, each standing for its layers) are not layers for
         max_layers: they go on the page first, detailed, while the series fit."""
         names = self._call_names
@@ -562,6 +566,13 @@ class Aggregator:
         if self.detailed is None and n <= self.max_layers and used + sum(cost[:n]) <= budget:
             return tuple(names[i] for i in range(n)) + tuple(names[i] for i in keep), ()
         bad = [i for i in range(n) if any(self._layer_nonfinite(i).values())]
+        if self.detailed is not None:  # a flagged layer's series are what its alert points to
+            nonfinite = set(bad)
+            bad += [
+                i
+                for i in range(n)
+                if i not in nonfinite and any(self.flagged[k][i] for k in FLAG_KINDS)
+            ]
         bad_set = set(bad)
         by_time = sorted(
             (i for i in range(n) if i not in bad_set),
@@ -574,10 +585,13 @@ class Aggregator:
                 layers.append(i)
                 used += cost[i]
         room = max(self.max_layers - len(layers), 0)
-        detailed_left = room if self.detailed is None else self.detailed
+        detailed_left = room if self.detailed is None else min(self.detailed, room)
         timing = self._timing_series_per_layer() if self.detailed is not None else None
         timed: list[int] = []
-        for i in by_time[:room]:  # the top layers by time, down to the first that does not fit
+        # the top layers by time, down to the first that does not fit; with `detailed`, the
+        # timed-alone ones are bounded by the series budget only (max_layers bounds the
+        # detailed ones): every layer's time is what the straggler rule compares
+        for i in by_time if timing is not None else by_time[:room]:
             if detailed_left and used + cost[i] <= budget:
                 layers.append(i)
                 used += cost[i]

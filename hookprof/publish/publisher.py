@@ -231,7 +231,7 @@ def for_model(
     device_phases: Any,
     decorate: Callable[[Snapshot], Snapshot],
     statistics: tuple[Any, ...] = (),
-    replica_layout: str = "",
+    replica_group: str = "",
 ) -> Publisher:
     """A model's publisher (`make`: Publisher, or a test's subclass) over its own totals and
     the report's bounded history, with its slice of the config (publish_interval_s, and the
@@ -244,7 +244,7 @@ def for_model(
             efficiency=efficiency,
             device_phases=device_phases,
             statistics=statistics,
-            replica_layout=replica_layout,
+            replica_group=replica_group,
         ),
         counters,
         faults,

@@ -198,7 +198,7 @@ class SnapshotCollector(Collector):
                 (names.PARAMETER_FINGERPRINT_STEP, fp.step),
             ):
                 made = family(metric)
-                made.add_metric([rank, fp.layout], value)
+                made.add_metric([rank, fp.replica_group], value)
                 yield made
 
         yield from live  # hookprof_internal_errors_total

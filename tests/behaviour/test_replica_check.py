@@ -60,21 +60,21 @@ def test_the_fingerprint_is_the_parameters_after_the_check_steps_update():
     [(labels, value)] = [
         (dict(s.labels), s.value) for s in page["hookprof_parameter_fingerprint"].samples
     ]
-    assert value == fp.value and labels["layout"] == fp.layout
+    assert value == fp.value and labels["replica_group"] == fp.replica_group
     [step] = [s.value for s in page["hookprof_parameter_fingerprint_step"].samples]
     assert step == fp.step
 
 
 def test_check_steps_are_multiples_of_a_power_of_two_lasting_the_interval():
-    check = ReplicaCheck([("w", torch.zeros(3))], interval_s=1.0)
+    check = ReplicaCheck(nn.Linear(2, 2), 1.0, "run:test")
     step_ns = 30_000_000  # 30 ms steps: 1 s is 33.3 steps, so every 64th step
     due = [n for n in range(1, 400) if check.due(n, n * step_ns)]
     assert due == [64, 128, 192, 256, 320, 384]
     # a rank whose steps seem 3% longer agrees (the same power of two); one whose steps
     # seem 10% longer takes every 32nd step, and still checks every step the first one does
-    near = ReplicaCheck([("w", torch.zeros(3))], interval_s=1.0)
+    near = ReplicaCheck(nn.Linear(2, 2), 1.0, "run:test")
     assert [n for n in range(1, 400) if near.due(n, int(n * step_ns * 1.03))] == due
-    far = ReplicaCheck([("w", torch.zeros(3))], interval_s=1.0)
+    far = ReplicaCheck(nn.Linear(2, 2), 1.0, "run:test")
     far_due = [n for n in range(1, 400) if far.due(n, int(n * step_ns * 1.1))]
     assert far_due == list(range(32, 400, 32)) and set(due) <= set(far_due)
 
@@ -113,3 +113,35 @@ def test_off_by_default():
 def test_a_bad_interval_is_named(bad):
     with pytest.raises(hookprof.ConfigError, match="sdc_check_interval_s"):
         hookprof.attach(small_model(), port=0, sdc_check_interval_s=bad)
+
+
+def test_parameters_replaced_after_attach_are_the_ones_checked():
+    """A checkpoint loaded with load_state_dict(assign=True) replaces the parameter objects:
+    the check reads the model's parameters at each check, so it follows them, and a bit
+    flipped in a live weight changes the fingerprint."""
+    model = small_model()
+    with hookprof.attach(model, port=0, sdc_check_interval_s=0.01) as prof:
+        train(prof, model, 15)
+        state = {k: v.clone() + 1.0 for k, v in model.state_dict().items()}
+        model.load_state_dict(state, assign=True)
+        fresh = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the weights stay put
+
+        def steps(n: int) -> None:
+            for _ in range(n):
+                fresh.zero_grad()
+                model(torch.randn(4, 8)).sum().backward()
+                fresh.step()
+                prof.step()
+                time.sleep(0.002)
+
+        steps(15)
+        prof.flush()
+        loaded = prof.snapshot().parameter_fingerprint
+        assert loaded.value == numpy_fingerprint(list(model.parameters()))
+        with torch.no_grad():
+            model[0].weight.view(torch.int32)[0, 0] ^= 1 << 20
+        steps(15)
+        prof.flush()
+        flipped = prof.snapshot().parameter_fingerprint
+    assert flipped.step > loaded.step and flipped.value != loaded.value
+    assert flipped.value == numpy_fingerprint(list(model.parameters()))

@@ -145,3 +145,24 @@ def test_detailed_layers_within_a_series_budget():
     full = sum(DOCS_SERIES[kinds[x]] for x in detailed)
     assert exported == len(series) == 10 + (600 - full) // 4
     assert sum(series.values()) <= 600
+
+
+def test_detailed_layers_time_every_layer_beyond_max_layers():
+    """max_layers bounds the detailed layers only: with detailed_layers set, every layer keeps
+    its time series (what the straggler rule compares) while the series budget allows."""
+    series, _, exported, snap = train_and_scrape(detailed_layers=5, max_layers=100)
+    assert exported == 300 and len(series) == 300
+    assert len(snap.exported_layers) == 5 and len(snap.timed_layers) == 295
+
+
+def test_flagged_layers_keep_the_series_their_alert_points_to():
+    """HookprofLayerGradientsExploding says hookprof_layer_gradient_flagged_steps_total names
+    the layers: a layer whose gradients were flagged is detailed, like a non-finite one."""
+    series, _, _, snap = train_and_scrape(
+        Wide(blocks=10), detailed_layers=1, vanishing_grad_norm=0.0, exploding_grad_norm=1e-9
+    )
+    flagged = {n for n, s in snap.layers.items() if any(s.gradient_flags.values())}
+    assert len(flagged) >= 20  # every Linear and LayerNorm
+    assert flagged <= set(snap.exported_layers)
+    for layer in flagged:
+        assert series[layer] > 4, layer

@@ -48,7 +48,7 @@ def test_the_rank_with_a_flipped_bit_is_named_and_a_clean_job_is_quiet(three_rep
         for _ in range(3):  # three evaluations at which every rank stood at the newest check
             sharing = wait_for("every rank at the newest check step", lambda: _all_three(prom), 20)
             assert [float(s["value"][1]) for s in sharing] == [3.0, 3.0, 3.0]
-            assert len({s["metric"]["layout"] for s in sharing}) == 1
+            assert len({s["metric"]["replica_group"] for s in sharing}) == 1
             seen_steps.add(_newest(prom))
             wait_for("a newer check step", lambda: _newest(prom) > max(seen_steps), 20)
         assert _alerts(prom, "HookprofReplicaParametersDiffer") == []

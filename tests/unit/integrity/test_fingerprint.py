@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+from hookprof import tensors
 from hookprof.integrity.fingerprint import (
     EXPORTED_BITS,
     combine,
     device_fingerprints,
     halves,
-    layout_of,
+    replica_group,
+    run_identity,
 )
 from support.fingerprints import numpy_fingerprint
 
@@ -72,8 +75,42 @@ def test_a_flip_of_the_highest_bits_is_not_multiplied_away():
             assert fingerprint(flipped) != clean, (which, bit)
 
 
-def test_layout_names_shapes_and_dtypes():
+def test_the_replica_group_is_the_run_the_layout_and_the_users_group():
     x = [("w", torch.zeros(3, 4)), ("b", torch.zeros(4))]
-    assert layout_of(x) == layout_of([("w", torch.ones(3, 4)), ("b", torch.ones(4))])
-    assert layout_of(x) != layout_of([("w", torch.zeros(4, 3)), ("b", torch.zeros(4))])
-    assert layout_of(x) != layout_of([("w", torch.zeros(3, 4).half()), ("b", torch.zeros(4))])
+
+    def group(params, run="run:a", user=""):
+        return replica_group(params, run, user)
+
+    assert group(x) == group([("w", torch.ones(3, 4)), ("b", torch.ones(4))])  # values apart
+    assert group(x) != group([("w", torch.zeros(4, 3)), ("b", torch.zeros(4))])
+    assert group(x) != group([("w", torch.zeros(3, 4).half()), ("b", torch.zeros(4))])
+    assert group(x) != group(x, run="run:b")  # another run of the same model, same job
+    assert group(x) != group(x, user="stage1")  # pipeline stages with the same shapes
+
+
+def test_the_run_is_torchruns_id_else_the_rendezvous_else_the_process_alone():
+    assert run_identity({"TORCHELASTIC_RUN_ID": "abc", "MASTER_PORT": "1"}, "p") == "run:abc"
+    assert run_identity({"MASTER_ADDR": "n0", "MASTER_PORT": "29500"}, "p") == "rendezvous:n0:29500"
+    assert run_identity({}, "host:12:34") == "process:host:12:34"
+
+
+def test_a_large_tensor_is_summed_in_chunks_to_the_same_value(monkeypatch):
+    """A sum to int64 converts its input first, inside the kernel (8 bytes an element: 4x a
+    bfloat16 tensor): a tensor of more than BITS_SUM_CHUNK elements goes in chunks, so no
+    allocation is larger than a chunk's int64, and the value is the same."""
+    big = torch.randn(7, 1001, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    whole = tensors.bits_sum(big).item()
+    assert largest_allocation(lambda: tensors.bits_sum(big)) >= big.numel() * 8  # unchunked
+    monkeypatch.setattr(tensors, "BITS_SUM_CHUNK", 1000)
+    assert largest_allocation(lambda: tensors.bits_sum(big)) <= 1000 * 8
+    assert tensors.bits_sum(big).item() == whole
+    assert fingerprint([big]) == numpy_fingerprint([big])
+    transposed = big.t()  # not contiguous: chunked through a copy of its own width
+    assert fingerprint([transposed]) == numpy_fingerprint([transposed])
+
+
+def largest_allocation(fn) -> int:
+    """The largest host allocation (bytes) any op makes while `fn` runs (torch.profiler)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max((e.cpu_memory_usage for e in prof.events()), default=0)

@@ -524,7 +524,12 @@ class LayerHooks:
             fingerprints = self.fingerprint_outputs and not recompute
             for t in (output,) if isinstance(output, _Tensor) else iter_tensors(output):
                 node = t.grad_fn
-                if fingerprints and (t.is_floating_point() or t.is_complex()) and t.numel():
+                if (
+                    fingerprints
+                    and (t.is_floating_point() or t.is_complex())
+                    and t.layout is torch.strided  # (a sparse output has no bits to view)
+                    and t.numel()
+                ):
                     rec.fingerprints.append((call, bits_sum(t)))  # a replay check's step
                 if stats and (t.is_floating_point() or t.is_complex()) and t.numel():
                     d = _real(t.detach())

@@ -23,6 +23,7 @@ from hookprof.distributed import with_other_ranks
 from hookprof.efficiency.figures import StepEfficiency
 from hookprof.faults import Faults, ThreadSupervisor, guarded
 from hookprof.integrity.replay_check import (
+    COMPILED_REGIONS,
     INPUTS_EDITED,
     NO_RECORD,
     NO_UPDATE_HOOK,
@@ -35,7 +36,7 @@ from hookprof.integrity.replay_check import (
 from hookprof.integrity.replicas import ReplicaCheck
 from hookprof.nonfinite.checks import NonfiniteChecks
 from hookprof.nonfinite.incident import IncidentResponse
-from hookprof.nonfinite.replay import forward_again
+from hookprof.nonfinite.replay import forward_again, state_at_forward_start
 from hookprof.notices import Notices
 from hookprof.phases.clock import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, OUTSIDE
 from hookprof.phases.recorder import PhaseClock
@@ -157,11 +158,7 @@ class StepEvents:
         if self._sampled.plan.checked:
             self._hooks.note_root_inputs(args, kwargs)  # a NaN in the batch is the input's
         if self._hooks.fingerprint_outputs and self._replay_check is not None:
-            self._replay_check.note_forward(  # (a check step's: replayed before its update)
-                self._nan.replay.capture(
-                    args, kwargs, module if entry else None, also_when_done=True
-                )
-            )
+            self._note_check_forward(args, kwargs, module if entry else None)
         if first_step:
             self._phases.restart(now)
             self._watch.follow(threading.get_ident())
@@ -287,6 +284,7 @@ class StepEvents:
             self._check_replicas(number)
         if self._replay_check is not None and self._replay_check.armed:  # no update began
             self._submit_replay(self._replay_check.refusal(number, NO_UPDATE_HOOK), ())
+            self._hooks.fingerprint_outputs = False
 
         def pack(record: StepRecord | None) -> Any:
             efficiency, extra = self._efficiency_of(number, now, duration_s, no_update)
@@ -350,6 +348,8 @@ class StepEvents:
             if with_other_ranks()
             else SHARDED
             if self._sharded
+            else COMPILED_REGIONS
+            if self._hooks.hides_compiled_layers
             else None
         )
         assert self._replay_check is not None
@@ -360,30 +360,49 @@ class StepEvents:
         self._hooks.fingerprint_outputs = False
 
     @guarded("replay check", disable=False)
+    def _note_check_forward(self, args: Any, kwargs: Any, entry: nn.Module | None) -> None:
+        """A training forward of a check step begins: the first is kept to be replayed, with
+        the modules' state as it begins; a second refuses the step, and no more is summed."""
+        check, model = self._replay_check, self._nan.replay.model
+        assert check is not None
+        if check.wants_forward and model is not None:
+            captured = self._nan.replay.capture(args, kwargs, entry, also_when_done=True)
+            check.note_forward(captured, state_at_forward_start(model))
+        else:
+            check.note_forward(None, None)
+        if check.refused is not None or not check.armed:
+            self._hooks.fingerprint_outputs = False
+
+    @guarded("replay check", disable=False)
     def _run_replay_check(self) -> None:
         """The check step's forward once more, before its update, eagerly and under no_grad
         (nonfinite/replay.py `forward_again`: its inputs, RNG state and autocast; the model's
         buffers put back), its layers' outputs compared with the step's own on the device."""
         check = self._replay_check
         assert check is not None
-        step, captured = check.take()
+        step, captured, start = check.take()
         record, model = self._sampled.record, self._nan.replay.model
-        if check.refused is not None or record is None or model is None:
-            self._submit_replay(check.refusal(step, check.refused or NO_RECORD), ())
-            return
-        if captured.changed_in_place():
-            self._submit_replay(check.refusal(step, INPUTS_EDITED), ())
-            return
-        own = self._sampled.new_record()
         try:
-            forward_again(model, self._hooks, own, captured)
-            comparison, parts = check.compare(step, record, own)
-        except Exception:
-            self._submit_replay(check.refusal(step, REPLAY_FAILED), ())
-            raise  # (counted by the guard; training goes on)
-        finally:
-            self._sampled.discard(own)
-        self._submit_replay(comparison, parts)
+            if check.refused is not None or record is None or model is None:
+                self._submit_replay(check.refusal(step, check.refused or NO_RECORD), ())
+                return
+            if captured.changed_in_place():
+                self._submit_replay(check.refusal(step, INPUTS_EDITED), ())
+                return
+            own = self._sampled.new_record()
+            try:
+                forward_again(model, self._hooks, own, captured, start=start)
+                comparison, parts = check.compare(step, record, own)
+            except Exception:
+                self._submit_replay(check.refusal(step, REPLAY_FAILED), ())
+                raise  # (counted by the guard; training goes on)
+            finally:
+                self._sampled.discard(own)
+            self._submit_replay(comparison, parts)
+        finally:  # the step's later forwards (a GAN's other model, a closure's) are not summed
+            self._hooks.fingerprint_outputs = False
+            if record is not None:
+                record.fingerprints = []
 
     def _submit_replay(self, comparison: Comparison, parts: Any) -> None:
         self._publisher.submit(

@@ -37,7 +37,12 @@ NO_UPDATE_HOOK = "the step ended before an optimizer hook saw its update begin"
 SEVERAL_RANKS = "one rank of several (a replay could start a collective the others never join)"
 SHARDED = "the parameters are DTensors (FSDP2, tensor parallel)"
 NO_RECORD = "no layer hooks on the step (a compiled model, or hooks switched off by a fault)"
-NOT_CAPTURED = "no forward of the step was captured"
+NOT_CAPTURED = (
+    "no training forward of the step had run when its update began (a closure optimizer "
+    "runs it inside its step)"
+)
+COMPILED_REGIONS = "layers inside compiled regions (their eager replay is not what ran)"
+CALLS_DIFFER = "the replay called other layers than the step (state the forward kept in Python)"
 REPLAY_FAILED = "the replay raised"
 INPUTS_EDITED = "an input of the forward was edited in place since it began"
 
@@ -66,6 +71,7 @@ class ReplayCheck:
         self._n_layers = n_layers  # calls of rows past the layers (containers) are not compared
         self.step: int | None = None  # the check step in progress
         self._captured: Any = None
+        self._start: Any = None  # the modules' state as the forward began
         self._forwards = 0
         self.refused: str | None = None
 
@@ -75,29 +81,40 @@ class ReplayCheck:
         return self.step is not None
 
     def begin(self, number: int, refused: str | None = None) -> None:
-        self.step, self._captured, self._forwards, self.refused = number, None, 0, refused
+        self.step, self._forwards, self.refused = number, 0, refused
+        self._captured = self._start = None
 
-    def note_forward(self, captured: Any) -> None:
-        """A training forward of the check step began; `captured`: its inputs and RNG state
-        (nonfinite/replay.py CapturedForward). A second forward (micro-batches) makes the
-        step one a single replay cannot match."""
+    @property
+    def wants_forward(self) -> bool:
+        """Is the next training forward one to capture (the check step's first)?"""
+        return self.step is not None and self.refused is None and self._forwards == 0
+
+    def note_forward(self, captured: Any, start: Any) -> None:
+        """A training forward of the armed check step began; `captured`: its inputs and RNG
+        state (nonfinite/replay.py CapturedForward), `start`: the modules' state then
+        (state_at_forward_start). A second forward (micro-batches) makes the step one a
+        single replay cannot match: nothing is kept."""
+        if self.step is None:
+            return  # (a forward after the comparison, a closure's: not the check's)
         self._forwards += 1
         if self._forwards == 1:
-            self._captured = captured
+            self._captured, self._start = captured, start
         else:
-            self._captured, self.refused = None, SEVERAL_FORWARDS
+            self._captured = self._start = None
+            self.refused = SEVERAL_FORWARDS
 
-    def take(self) -> tuple[int, Any]:
-        """(the check step, its captured forward or None); the step is no longer armed."""
+    def take(self) -> tuple[int, Any, Any]:
+        """(the check step, its captured forward or None, the state it began from); the step
+        is no longer armed, and nothing of its forward is kept here."""
         assert self.step is not None
-        step, captured = self.step, self._captured
+        step, captured, start = self.step, self._captured, self._start
         if captured is None and self.refused is None:
             self.refused = NOT_CAPTURED
-        self.step, self._captured = None, None
-        return step, captured
+        self.step, self._captured, self._start = None, None, None
+        return step, captured, start
 
     def refusal(self, step: int, reason: str) -> Comparison:
-        self.step, self._captured = None, None
+        self.step, self._captured, self._start = None, None, None
         return Comparison(step, refused=reason)
 
     def compare(
@@ -157,13 +174,16 @@ class ReplayVerdicts:
             return NOT_COMPARED
         differs = dict(zip(comparison.order, flags))
         first = next((k for k in sorted(differs) if differs[k]), None)
-        if first is not None:
-            layer = comparison.layers[first]
-        elif comparison.diverged_layer is not None:
-            layer = comparison.diverged_layer
-        else:
+        if first is None and comparison.diverged is not None:
+            # the calls parted with every output before alike: a difference of the host's
+            # (Python state the replay did not see as it was), not a device's value
+            self.counts[NOT_COMPARED] += 1
+            self.last_refusal = CALLS_DIFFER
+            return NOT_COMPARED
+        if first is None:
             self.counts[REPRODUCED] += 1
             return REPRODUCED
+        layer = comparison.layers[first]
         self.counts[NOT_REPRODUCED] += 1
         self.last_mismatch = ReplayMismatch(
             comparison.step, self.names[layer], comparison.deterministic

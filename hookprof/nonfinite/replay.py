@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import random
+import sys
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -492,39 +494,96 @@ class ForwardReplay:
         return True
 
 
+class ModuleState(NamedTuple):
+    """What a forward may read and change besides its inputs and weights: the modules'
+    buffers, the tensors and numbers they keep as plain attributes (a counter, a cache,
+    spectral norm's power-iteration vectors), and Python's and NumPy's random generators.
+    (State kept in lists or dicts is not in it.)"""
+
+    buffers: list[tuple[nn.Module, str, torch.Tensor]]
+    attributes: list[tuple[nn.Module, str, Any]]
+    python_rng: Any
+    numpy_rng: Any
+
+
+def _module_state(model: nn.Module) -> ModuleState:
+    """The model's state as it is now (the tensors themselves, not copies)."""
+    buffers, attributes = [], []
+    for m in model.modules():
+        buffers += [(m, name, b) for name, b in m._buffers.items() if b is not None]
+        attributes += [
+            (m, name, v)
+            for name, v in vars(m).items()
+            if not name.startswith("__") and isinstance(v, (torch.Tensor, int, float))
+        ]
+    return ModuleState(buffers, attributes, random.getstate(), _numpy_rng())
+
+
+def state_at_forward_start(model: nn.Module) -> ModuleState:
+    """A copy of the model's state as a forward begins, for a replay to start from
+    (`forward_again(start=...)`): a forward that updates what it reads (spectral norm's
+    vectors, a counter) then replays as it ran."""
+    now = _module_state(model)
+    with torch.no_grad():
+        return now._replace(
+            buffers=[(m, name, b.clone()) for m, name, b in now.buffers],
+            attributes=[
+                (m, name, v.clone() if isinstance(v, torch.Tensor) else v)
+                for m, name, v in now.attributes
+            ],
+        )
+
+
+def _numpy_rng() -> Any:
+    numpy = sys.modules.get("numpy")  # (only where the program uses it)
+    return numpy.random.get_state() if numpy is not None else None
+
+
+def _set_python_rngs(state: ModuleState) -> None:
+    random.setstate(state.python_rng)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and state.numpy_rng is not None:
+        numpy.random.set_state(state.numpy_rng)
+
+
 def forward_again(
     model: nn.Module,
     hooks: LayerHooks,
     rec: StepRecord,
     captured: CapturedForward,
     watch: Any = None,
+    start: ModuleState | None = None,
 ) -> tuple[Any, bool]:
     """Run `captured` once more, eagerly (a compiled model too), under no_grad, with the
     layer checks recording into `rec`, on the model's current weights, from the RNG state
-    of its start; the model's buffers, its modules' plain tensor and number attributes and
-    the RNG are as they were afterwards, whatever happens. Returns (what `watch` yielded, whether
-    the forward drew random numbers: asked
-    of a compiled forward's only, whose RNG state hookprof took itself)."""
+    of its start and, given `start` (state_at_forward_start), from the modules' state and
+    Python's generators as they were then; the model's buffers, its modules' plain tensor and
+    number attributes and every generator are as they were afterwards, whatever happens.
+    Returns (what `watch` yielded, whether the forward drew random numbers: asked of a
+    compiled forward's only, whose RNG state hookprof took itself)."""
     target = captured.module if captured.module is not None else model
     outside = rng_state(cuda=captured.cuda_rng is not None)
     # the buffers, and state a module keeps outside them (a tensor or a number set as a plain
     # attribute: a counter, a cache), are put back: the re-run of sampled steps runs the
     # forward's Python again on every checked step of a compiled model
-    originals, attributes = [], []
-    for m in model.modules():
-        originals += [(m, name, b) for name, b in m._buffers.items() if b is not None]
-        attributes += [
-            (m, name, v)
-            for name, v in vars(m).items()
-            if not name.startswith("_") and isinstance(v, (torch.Tensor, int, float))
-        ]
+    now = _module_state(model)
+    originals, attributes = now.buffers, now.attributes
     try:
         with torch.no_grad():
-            for module, name, buffer in originals:
-                module._buffers[name] = buffer.clone()  # the replay writes here, if anywhere
-            for module, name, value in attributes:
-                if isinstance(value, torch.Tensor):
-                    module.__dict__[name] = value.clone()
+            if start is None:
+                for module, name, buffer in originals:
+                    module._buffers[name] = buffer.clone()  # the replay writes here, if anywhere
+                for module, name, value in attributes:
+                    if isinstance(value, torch.Tensor):
+                        module.__dict__[name] = value.clone()
+            else:  # the state the forward began from (copies again: `start` stays as it is)
+                for module, name, buffer in start.buffers:
+                    module._buffers[name] = buffer.clone()
+                for module, name, value in start.attributes:
+                    module.__dict__[name] = (
+                        value.clone() if isinstance(value, torch.Tensor) else value
+                    )
+                _set_python_rngs(start)
             # the inputs too: a forward that edits its input in place (`x /= 2`) would edit the
             # step's tensors again, and autograd, which saved them, would raise in the user's
             # backward; the replay's edits go to its own copies
@@ -546,3 +605,4 @@ def forward_again(
         for module, name, value in attributes:
             module.__dict__[name] = value
         set_rng(outside)
+        _set_python_rngs(now)

@@ -521,7 +521,13 @@ class LayerHooks:
                 rec.ended.append(call)
             pending = rec.pending_marks
             role = call << 1 | 1  # an output: the call's backward starts when its gradient is ready
-            fingerprints = self.fingerprint_outputs and not recompute
+            # (the check step's training forward, or its replay: not a layer the loop calls
+            # outside the root's forward, which a replay of that forward never calls)
+            fingerprints = (
+                self.fingerprint_outputs
+                and not recompute
+                and (self._in_training_forward or self.replaying)
+            )
             for t in (output,) if isinstance(output, _Tensor) else iter_tensors(output):
                 node = t.grad_fn
                 if (

@@ -7,12 +7,15 @@ A healthy run reproduces every check and trains to the same bits as without hook
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from torch import nn
 
 import hookprof
-from hookprof.integrity.replay_check import SEVERAL_FORWARDS
+import hookprof.step.hooks as hooks_module
+from hookprof.integrity.replay_check import COMPILED_REGIONS, NOT_CAPTURED, SEVERAL_FORWARDS
 from hookprof.view.report_html import render
 from hookprof.view.summary import summary_text
 from hookprof.view.table import from_metrics, header_lines
@@ -178,3 +181,152 @@ def test_a_person_sees_the_mismatch_in_top_the_summary_and_the_report():
         f"{counts['reproduced']:,} reproduced, 1 not reproduced (latest: fc2's output differed "
         f"at step {FAULT_STEP:,}: the machine, not the data)"
     ) in report
+
+
+# ---------------- forwards that keep state (review of the replay check) ----------------
+
+
+class Counted(nn.Module):
+    """A layer that counts its calls in a private attribute and scales by it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self._calls = 0
+
+    def forward(self, x):
+        self._calls += 1
+        return self.fc(x) * (1 + 0.01 * self._calls)
+
+
+class StochasticDepth(nn.Module):
+    """Skips its block at random with Python's own generator (timm's drop path, written with
+    `random`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x if random.random() < 0.5 else x + self.b(x)
+
+
+def spectral() -> nn.Module:
+    """Spectral norm's power iteration updates its vectors in place at every training
+    forward, and reads them: the replay must start from them as they were."""
+    return nn.Sequential(
+        nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8)), nn.ReLU(), nn.Linear(8, 8)
+    )
+
+
+def train_any(make_model, steps: int = 12, config: dict | None = None, aux: bool = False):
+    """`make_model()` trained with SGD on a fixed stream (with hookprof and `config` when
+    given); `aux`: a layer of the model is also called outside its forward, into the loss.
+    Returns the losses and the profiler's snapshot (or None)."""
+    torch.manual_seed(0)
+    random.seed(0)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    prof = hookprof.attach(model, port=0, **config) if config is not None else None
+    losses = []
+    try:
+        for _ in range(steps):
+            x = torch.randn(4, 8, generator=g)
+            opt.zero_grad(set_to_none=True)
+            loss = model(x).square().mean()
+            if aux:
+                loss = loss + model[-1](x).mean()  # a layer called outside the root's forward
+            loss.backward()
+            opt.step()
+            if prof is not None:
+                prof.step()
+            losses.append(loss.item())
+        if prof is not None:
+            prof.flush()
+            train_any.last_refusal = prof._publisher._aggregator.replay.last_refusal
+            return losses, prof.snapshot()
+        return losses, None
+    finally:
+        if prof is not None:
+            prof.detach()
+
+
+@pytest.mark.parametrize(
+    "make_model",
+    [
+        lambda: nn.Sequential(Counted(), nn.ReLU(), nn.Linear(8, 8)),
+        lambda: nn.Sequential(StochasticDepth(), StochasticDepth(), nn.Linear(8, 8)),
+        spectral,
+    ],
+    ids=["private counter", "python random", "spectral norm"],
+)
+def test_a_forward_that_keeps_state_replays_as_it_ran_and_trains_the_same(make_model):
+    bare, _ = train_any(make_model)
+    watched, snap = train_any(make_model, config={"sdc_check_interval_s": EVERY_STEP})
+    assert watched == bare  # the replays put every kind of state back
+    assert snap.replay_checks["not_reproduced"] == 0
+    assert snap.replay_checks["reproduced"] >= 10
+
+
+def test_a_layer_called_outside_the_roots_forward_is_not_compared_with_the_replay():
+    make = lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))  # noqa: E731
+    bare, _ = train_any(make, aux=True)
+    watched, snap = train_any(make, aux=True, config={"sdc_check_interval_s": EVERY_STEP})
+    assert watched == bare
+    assert snap.replay_checks["not_reproduced"] == 0 and snap.replay_checks["reproduced"] >= 10
+
+
+def test_compiled_regions_are_not_compared_with_their_reason():
+    def make():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.GELU()))
+        model[1].compile(backend="aot_eager")
+        return model
+
+    _, snap = train_any(make, steps=6, config={"sdc_check_interval_s": EVERY_STEP})
+    assert snap.replay_checks["not_reproduced"] == 0
+    assert snap.replay_checks["not_compared"] >= 4 and snap.replay_checks["reproduced"] == 0
+    assert train_any.last_refusal == COMPILED_REGIONS
+
+
+def test_a_closure_optimizer_keeps_no_batch_and_says_why():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(2, 4)
+    with hookprof.attach(model, port=0, sdc_check_interval_s=EVERY_STEP) as prof:
+        for _ in range(8):
+
+            def closure():
+                opt.zero_grad()
+                loss = model(x).sum()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            prof.step()
+            check = prof._events._replay_check  # nothing of a step's forward is held after it
+            assert check._captured is None and check._start is None
+        prof.flush()
+        snap = prof.snapshot()
+        reason = prof._publisher._aggregator.replay.last_refusal
+    assert snap.replay_checks["not_compared"] >= 6 and reason == NOT_CAPTURED
+
+
+def test_a_refused_step_sums_no_more_outputs(monkeypatch):
+    """16 micro-batches: the step is refused at the second forward, and its outputs are no
+    longer summed from there."""
+    sums = []
+    real = hooks_module.bits_sum
+    monkeypatch.setattr(hooks_module, "bits_sum", lambda t: sums.append(1) or real(t))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with hookprof.attach(model, port=0, sdc_check_interval_s=EVERY_STEP) as prof:
+        for _ in range(4):
+            opt.zero_grad()
+            for _ in range(16):
+                model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            prof.step()
+    assert 0 < len(sums) <= 4 * 3  # (at most the first forward's 3 outputs, each step)

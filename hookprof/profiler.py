@@ -10,8 +10,6 @@ docs/architecture.md, "One owner per state".
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import time
 import weakref
 from collections.abc import Callable
@@ -33,13 +31,8 @@ from hookprof.distributed import detect_local_rank, detect_rank, with_other_rank
 from hookprof.efficiency.figures import EfficiencyTotals, StepEfficiency
 from hookprof.errors import DetachedError, MetaDeviceError
 from hookprof.faults import Faults, ThreadSupervisor
-from hookprof.integrity.fingerprint import run_identity
 from hookprof.integrity.replay_check import ReplayCheck
-from hookprof.integrity.replicas import (
-    HELD_BACK_REPLICA_NOTICE,
-    SHARDED_REPLICA_NOTICE,
-    ReplicaCheck,
-)
+from hookprof.integrity.replicas import ReplicaCheck
 from hookprof.layers import LayerTable
 from hookprof.nonfinite.checks import NonfiniteChecks
 from hookprof.nonfinite.incident import IncidentResponse
@@ -197,24 +190,9 @@ class Profiler:
             if self._efficiency.flops is not None:
                 self._efficiency.listen(self._hooks)
             # silent data corruption: the replicas' fingerprints (None: off, the default)
-            self._replicas = (
-                ReplicaCheck(
-                    model,
-                    config.sdc_check_interval_s,
-                    run_identity(os.environ, f"{socket.gethostname()}:{os.getpid()}:{id(self)}"),
-                    config.sdc_replica_group,
-                )
-                if config.sdc_check_interval_s is not None
-                else None
+            self._replicas = ReplicaCheck.for_model(
+                model, config, self.table.has_dtensor_params, self._notices.say
             )
-            if self._replicas is not None and self.table.has_dtensor_params:
-                self._notices.say("replica check", SHARDED_REPLICA_NOTICE)
-            elif (
-                self._replicas is not None
-                and config.on_nonfinite in ("skip", "raise")
-                and with_other_ranks()
-            ):
-                self._notices.say("replica check", HELD_BACK_REPLICA_NOTICE)
             self._publisher = publisher_for_model(
                 publisher,
                 self.table,

@@ -16,13 +16,23 @@ power of two still share every other check.
 
 from __future__ import annotations
 
+import os
+import socket
+import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from hookprof.integrity.fingerprint import device_fingerprints, halves, replica_group
+from hookprof.distributed import with_other_ranks
+from hookprof.integrity.fingerprint import (
+    device_fingerprints,
+    halves,
+    replica_group,
+    run_identity,
+)
 from hookprof.step.plan import aligned_period
 
 SHARDED_REPLICA_NOTICE = (
@@ -44,6 +54,27 @@ HELD_BACK_REPLICA_NOTICE = (
 
 class ReplicaCheck:
     """What the check reads and when (see the module's docstring)."""
+
+    @classmethod
+    def for_model(
+        cls, model: nn.Module, config: Any, sharded: bool, say: Callable[[str, str], None]
+    ) -> ReplicaCheck | None:
+        """The check of Config.sdc_check_interval_s for `model` (None: off), in the run this
+        process is a rank of; says where the replicas will differ by design."""
+        if config.sdc_check_interval_s is None:
+            return None
+        process = f"{socket.gethostname()}:{os.getpid()}:{id(model)}:{time.time_ns()}"
+        check = cls(
+            model,
+            config.sdc_check_interval_s,
+            run_identity(os.environ, process),
+            config.sdc_replica_group,
+        )
+        if sharded:
+            say("replica check", SHARDED_REPLICA_NOTICE)
+        elif config.on_nonfinite in ("skip", "raise") and with_other_ranks():
+            say("replica check", HELD_BACK_REPLICA_NOTICE)
+        return check
 
     def __init__(self, model: nn.Module, interval_s: float, run: str, group: str = ""):
         """`run`: fingerprint.run_identity(); `group`: Config.sdc_replica_group."""

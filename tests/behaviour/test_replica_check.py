@@ -145,3 +145,21 @@ def test_parameters_replaced_after_attach_are_the_ones_checked():
         flipped = prof.snapshot().parameter_fingerprint
     assert flipped.step > loaded.step and flipped.value != loaded.value
     assert flipped.value == numpy_fingerprint(list(model.parameters()))
+
+
+def test_it_says_where_replicas_differ_by_design(monkeypatch):
+    """Sharded parameters, or skip/raise on one rank of several (a hold decided per rank):
+    said once at attach, with the reason."""
+    said: list[tuple[str, str]] = []
+
+    def check(sharded: bool, **config):
+        cfg = hookprof.Config(sdc_check_interval_s=60.0, **config)
+        return ReplicaCheck.for_model(nn.Linear(2, 2), cfg, sharded, lambda k, t: said.append(t))
+
+    assert check(False) is not None and said == []
+    check(True)
+    assert "shard" in said[-1]
+    monkeypatch.setattr(replicas, "with_other_ranks", lambda: True)
+    check(False, on_nonfinite="skip")
+    assert "held back on one rank alone" in said[-1]
+    assert ReplicaCheck.for_model(nn.Linear(2, 2), hookprof.Config(), False, print) is None

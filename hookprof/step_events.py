@@ -130,7 +130,9 @@ class StepEvents:
         )
         self._grads.new_step(self._sampled.plan.sampled)
         if self._replay_check is not None:
-            self._begin_replay_check(number, record) if check else self._no_replay_check()
+            self._hooks.fingerprint_outputs = False  # (on again below for a check step)
+            if check:
+                self._begin_replay_check(number, record)
         if (
             record is not None or self._phases.bound
         ):  # a sampled step's phases are marked on the device too
@@ -355,9 +357,6 @@ class StepEvents:
         assert self._replay_check is not None
         self._replay_check.begin(number, refused)
         self._hooks.fingerprint_outputs = refused is None
-
-    def _no_replay_check(self) -> None:
-        self._hooks.fingerprint_outputs = False
 
     @guarded("replay check", disable=False)
     def _note_check_forward(self, args: Any, kwargs: Any, entry: nn.Module | None) -> None:

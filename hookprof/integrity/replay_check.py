@@ -59,7 +59,6 @@ class Comparison:
     layers: tuple[int, ...] = ()
     order: tuple[int, ...] = ()
     diverged: int | None = None
-    diverged_layer: int | None = None  # the layer called there (the step's, else the replay's)
     refused: str | None = None
     deterministic: bool = False  # torch.are_deterministic_algorithms_enabled() at the replay
 
@@ -130,9 +129,6 @@ class ReplayCheck:
             None if len(ours) == len(theirs) else min(len(ours), len(theirs)),
         )
         compared = len(ours) if diverged is None else diverged
-        diverged_layer = (
-            None if diverged is None else (ours if diverged < len(ours) else theirs)[diverged][0]
-        )
         by_device: dict[torch.device, list[int]] = {}
         for k in range(compared):
             by_device.setdefault(ours[k][1].device, []).append(k)
@@ -142,8 +138,7 @@ class ReplayCheck:
         ]
         order = tuple(k for positions in by_device.values() for k in positions)
         deterministic = torch.are_deterministic_algorithms_enabled()
-        original.fingerprints = []  # (compared: freed now, not with the step's record)
-        return Comparison(step, layers, order, diverged, diverged_layer, None, deterministic), parts
+        return Comparison(step, layers, order, diverged, None, deterministic), parts
 
     def _outputs(self, record: Any) -> list[tuple[int, torch.Tensor]]:
         """(layer, output sum) of a record's layer calls, in call order (containers' left out:

@@ -3,7 +3,7 @@ at a step number every data-parallel replica chooses alike, the fingerprint of t
 after the update (integrity/fingerprint.py) is taken on the device and sent with the step's
 own copy; each rank exports it with the step (`hookprof_parameter_fingerprint`,
 `hookprof_parameter_fingerprint_step`), and Prometheus compares the replicas
-(deploy/prometheus/hookprof-alerts.yml, HookprofReplicaParametersDiffer: the rank whose
+(deploy/prometheus/hookprof-rules.yml, HookprofReplicaParametersDiffer: the rank whose
 fingerprint differs from the others', by majority; HookprofReplicasDisagree: the replicas hold
 more than one fingerprint at one step, which two replicas can tell but not whose is wrong).
 Nothing is exchanged between ranks in the training process: no collective that could hang.

@@ -147,20 +147,25 @@ def test_the_same_flip_in_the_input_batch_is_reproduced():
     assert snap.replay_checks["reproduced"] >= 12
 
 
-def test_a_step_of_two_forwards_is_not_compared_with_its_reason():
+def micro_batch_steps(steps: int, micro_batches: int) -> tuple[object, str | None]:
+    """A small model trained with gradient accumulation, a check on every step; returns the
+    snapshot and the last reason a check was not compared."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with hookprof.attach(model, port=0, sdc_check_interval_s=EVERY_STEP) as prof:
-        for _ in range(6):
+        for _ in range(steps):
             opt.zero_grad()
-            for _ in range(2):  # gradient accumulation: two micro-batches
+            for _ in range(micro_batches):
                 model(torch.randn(2, 4)).sum().backward()
             opt.step()
             prof.step()
         prof.flush()
-        snap = prof.snapshot()
-        last = prof._publisher._aggregator.replay.last_refusal
+        return prof.snapshot(), prof._publisher._aggregator.replay.last_refusal
+
+
+def test_a_step_of_two_forwards_is_not_compared_with_its_reason():
+    snap, last = micro_batch_steps(6, 2)
     assert snap.replay_checks["not_compared"] >= 4 and snap.replay_checks["reproduced"] == 0
     assert last == SEVERAL_FORWARDS
 
@@ -319,14 +324,5 @@ def test_a_refused_step_sums_no_more_outputs(monkeypatch):
     sums = []
     real = hooks_module.bits_sum
     monkeypatch.setattr(hooks_module, "bits_sum", lambda t: sums.append(1) or real(t))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with hookprof.attach(model, port=0, sdc_check_interval_s=EVERY_STEP) as prof:
-        for _ in range(4):
-            opt.zero_grad()
-            for _ in range(16):
-                model(torch.randn(2, 4)).sum().backward()
-            opt.step()
-            prof.step()
+    micro_batch_steps(4, 16)
     assert 0 < len(sums) <= 4 * 3  # (at most the first forward's 3 outputs, each step)

@@ -3,7 +3,9 @@ GPT-2 124M shape (148 parameter tensors, 124M parameters, fp32), timed on this m
 device:
 
 - the replica check: one fingerprint of the parameters (hookprof/integrity/fingerprint.py),
-  with the ATen ops it issues (each a kernel launch on a GPU) counted;
+  with the ATen ops it issues (each a kernel launch on a GPU) counted, and the watch of a
+  check step's parameters from its forward to its update (two sums of each parameter's bits
+  and their comparison: ReplicaCheck.hold and .release);
 - the replay check: a check step (sampled, its forward replayed before the update, every
   layer's output summed in both forwards) against a sampled step without it and a bare step,
   hookprof attached for each in turn, steps interleaved by rounds;
@@ -12,6 +14,7 @@ then amortised per step for a step time and an interval.
 
     python bench/replica_check.py                 # CPU
     python bench/replica_check.py --device cuda   # on a GPU
+    python bench/replica_check.py --small         # a 2-block model: CI's smoke run
 
 Side by side in the same run: one training step of the same model on a batch of 1 x 128
 tokens, so the check's cost reads against a step of its own size on this device.
@@ -51,12 +54,18 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--interval", type=float, default=600.0, help="sdc_check_interval_s")
+    parser.add_argument("--small", action="store_true", help="2 blocks of 64: a smoke run")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = GPTShape().to(args.device)
+    shape = {"dim": 64, "heads": 2, "layers": 2, "vocab": 512, "block": 128} if args.small else {}
+    model = GPTShape(**shape).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    idx = torch.randint(0, 50304, (1, 128), device=args.device)
-    check = ReplicaCheck(list(model.named_parameters()), args.interval)
+    idx = torch.randint(0, shape.get("vocab", 50304), (1, 128), device=args.device)
+    check = ReplicaCheck(model, args.interval, "run:bench")
+
+    def watch() -> None:  # a check step's watch: its parameters' sums at forward and update
+        check.hold()
+        check.release()
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -69,6 +78,10 @@ def main() -> None:
     with OpCounter() as ops:
         check.take()
     whole = timed(check.take, args.device, args.rounds)
+    watch()
+    with OpCounter() as watch_ops:
+        watch()
+    watched = timed(watch, args.device, args.rounds)
     step_s = timed(step, args.device, max(3, args.rounds // 2))
     steps_per_check = max(1, int(args.interval / step_s))
     # the replay check: a check step against a sampled one and a bare one, in rounds
@@ -102,6 +115,9 @@ def main() -> None:
         "check_ms": whole * 1e3,
         "step_ms": step_s * 1e3,
         "check_over_step": whole / step_s,
+        "ops_per_watch": sum(watch_ops.ops.values()),
+        "watch_ms": watched * 1e3,
+        "watch_over_step": watched / step_s,
         "interval_s": args.interval,
         "amortised_per_step": whole / step_s / steps_per_check,
         "replay_step_ms": {name: v * 1e3 for name, v in median.items()},
@@ -118,6 +134,11 @@ def main() -> None:
         f"| {args.device} | {out['parameters'] / 1e6:.0f}M ({out['tensors']}) | "
         f"{out['ops_per_check']} | {out['check_ms']:.1f} ms | {out['step_ms']:.0f} ms | "
         f"{out['check_over_step']:.3f} | {out['amortised_per_step']:.1e} |"
+    )
+    print(
+        f"\n| device | ATen ops per watch | one watch (hold + release) | watch / step |\n"
+        f"|---|---|---|---|\n| {args.device} | {out['ops_per_watch']} | "
+        f"{out['watch_ms']:.1f} ms | {out['watch_over_step']:.3f} |"
     )
     ms = out["replay_step_ms"]
     print(

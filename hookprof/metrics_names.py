@@ -178,6 +178,22 @@ PARAMETER_FINGERPRINT_STEP = Metric(
     ("rank", "replica_group"),
     "Step after whose update hookprof_parameter_fingerprint was taken",
 )
+PARAMETER_CHANGES_OUTSIDE_UPDATE_TOTAL = Metric(
+    "hookprof_parameter_changes_outside_update_total",
+    "counter",
+    ("rank",),
+    "Check steps (Config.sdc_check_interval_s) on which this rank's parameters changed between "
+    "the step's first forward and its update, when only the forward and backward ran: a write "
+    "outside the optimizer, by this rank's memory or device (silent data corruption) or by the "
+    "loop's own code",
+)
+PARAMETER_CHANGE_INFO = Metric(
+    "hookprof_parameter_change_info",
+    "gauge",
+    ("rank", "parameter", "step", "changed"),
+    "The last check step counted by hookprof_parameter_changes_outside_update_total: the first "
+    "parameter, in the model's order, whose bits changed, and how many parameters changed",
+)
 REPLAY_CHECKS_TOTAL = Metric(
     "hookprof_replay_checks_total",
     "counter",

@@ -211,6 +211,20 @@ class ParameterFingerprint:
 
 
 @dataclass(frozen=True, slots=True)
+class ParameterChange:
+    """A check step on which this rank's parameters changed between its forward and its
+    update (integrity/replicas.py): written outside the optimizer, by the rank's memory or
+    device, or by the loop's own code."""
+
+    step: int
+    parameter: str
+    """The first parameter, in the model's `named_parameters` order, whose bits changed."""
+    changed: int
+    """How many parameters changed: one or a few is what a flipped bit does; all of them, a
+    write of the loop's own (a sharpness-aware optimizer's perturbation)."""
+
+
+@dataclass(frozen=True, slots=True)
 class ReplayMismatch:
     """A check step whose replay did not reproduce its forward: the first layer, in call
     order, whose output differed (or, when the two forwards called different layers before
@@ -272,6 +286,11 @@ class Snapshot:
     gradient_flagged_steps: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     parameter_fingerprint: ParameterFingerprint | None = None
     """The replica check's last fingerprint of the parameters (Config.sdc_check_interval_s)."""
+    parameter_changes: int | None = None
+    """Check steps on which the parameters changed between the forward and the update (None:
+    the check is off)."""
+    parameter_change: ParameterChange | None = None
+    """The last of those."""
     replay_checks: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     """The replay check's steps by result ("reproduced", "not_reproduced", "not_compared");
     empty while the check is off (Config.sdc_check_interval_s)."""

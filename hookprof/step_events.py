@@ -109,6 +109,7 @@ class StepEvents:
         # Config.sdc_check_interval_s (None: off): its schedule and the parameters'
         # fingerprint, and the replay of a check step's forward (hookprof/integrity/)
         self._replicas, self._replay_check, self._sharded = replicas, replay_check, sharded
+        self._hold_on_forward = False  # a check step whose first forward has not begun
 
     def begin_step(self, number: int, now_ns: int) -> None:
         """Plan step `number`: sampled or not, with output checks or not; hooks in or out."""
@@ -119,6 +120,7 @@ class StepEvents:
         incident = number <= self._incidents.open_until and self._incidents.open(number)
         # a check step (hookprof/integrity/) is sampled: its layers' outputs are summed
         check = self._replicas is not None and self._replicas.due(number, now_ns)
+        self._hold_on_forward = check
         self._nan.step_began()
         self._series.begin(number, self._counters.last_seconds)
         record = self._sampled.begin(
@@ -161,6 +163,8 @@ class StepEvents:
             self._hooks.note_root_inputs(args, kwargs)  # a NaN in the batch is the input's
         if self._hooks.fingerprint_outputs and self._replay_check is not None:
             self._note_check_forward(args, kwargs, module if entry else None)
+        if self._hold_on_forward:
+            self._hold_parameters()
         if first_step:
             self._phases.restart(now)
             self._watch.follow(threading.get_ident())
@@ -184,6 +188,8 @@ class StepEvents:
     def on_update_began(self, optimizer: torch.optim.Optimizer) -> None:
         if self._replay_check is not None and self._replay_check.armed:
             self._run_replay_check()  # the step's own weights, for the last time
+        if self._replicas is not None and self._replicas.holding:
+            self._release_parameters()  # (before any optimizer of the step writes them)
         self._nan.update_began(self._counters.steps + 1)
         if self._sampled.rerun_wanted:
             self._sampled.record_by(self._nan.rerun)
@@ -409,12 +415,29 @@ class StepEvents:
         )
 
     @guarded("replica check", disable=False)
+    def _hold_parameters(self) -> None:
+        """A check step's first training forward begins: its parameters must stand still
+        until its update (integrity/replicas.py)."""
+        self._hold_on_forward = False
+        assert self._replicas is not None
+        self._replicas.hold()
+
+    @guarded("replica check", disable=False)
+    def _release_parameters(self) -> None:
+        assert self._replicas is not None
+        self._replicas.release()
+
+    @guarded("replica check", disable=False)
     def _check_replicas(self, number: int) -> None:
         """A check step (integrity/replicas.py): the parameters' fingerprint after this
-        step's update, sent on its own (a drain's packet, nothing read back)."""
+        step's update, with what changed between its forward and its update, sent on its own
+        (a drain's packet, nothing read back)."""
         assert self._replicas is not None
         fingerprint = self._replicas.take()
-        self._publisher.submit(pack_step(number, None, [], sampled=False, fingerprint=fingerprint))
+        changes = self._replicas.changes
+        self._publisher.submit(
+            pack_step(number, None, [], sampled=False, fingerprint=fingerprint, changes=changes)
+        )
 
     def _report(self, part: str, exc: BaseException) -> None:
         """A statistic of the user's failed: counted and logged; nothing switches off."""

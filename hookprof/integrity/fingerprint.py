@@ -26,10 +26,26 @@ from typing import Any
 import torch
 
 from hookprof.device.transfer import index_to_device
+from hookprof.snapshot import ParameterChange
 from hookprof.tensors import bits_sum
 
 # a fingerprint as exported: 52 bits, exact in a float64 sample value
 EXPORTED_BITS = 52
+# changed_parameters' position when no parameter changed (exact in float64)
+NONE_CHANGED = 1 << 62
+
+
+def parameter_sums(params: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """Per device: the positions (in `params`) of the parameters on it, and a 1-d int64 tensor
+    of each one's wrapping bits sum (tensors.bits_sum), on that device (nothing read back)."""
+    by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            total = bits_sum(p)
+            where, sums = by_device.setdefault(total.device, ([], []))
+            where.append(i)
+            sums.append(total)
+        return [(where, torch.stack(sums)) for where, sums in by_device.values()]
 
 
 def device_fingerprints(
@@ -38,20 +54,31 @@ def device_fingerprints(
     """One int64 0-d tensor per device: the weighted wrapping sum of the bits of the
     parameters on it (see the module's docstring). `weights` caches each device's position
     weights (2 x the parameter's index + 1), made at the first call."""
-    by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
+    out = []
     with torch.no_grad():
-        for i, p in enumerate(params):
-            total = bits_sum(p)
-            sums, where = by_device.setdefault(total.device, ([], []))
-            sums.append(total)
-            where.append(2 * i + 1)
-        out = []
-        for device, (sums, where) in by_device.items():
-            key = (device, tuple(where))  # (the same positions: made once, kept)
+        for where, sums in parameter_sums(params):
+            key = (sums.device, tuple(where))  # (the same positions: made once, kept)
             w = weights.get(key)
             if w is None:
-                w = weights[key] = index_to_device(where, device)  # (no sync on CUDA)
-            out.append((torch.stack(sums) * w).sum())
+                odd = [2 * i + 1 for i in where]
+                w = weights[key] = index_to_device(odd, sums.device)  # (no sync on CUDA)
+            out.append((sums * w).sum())
+    return out
+
+
+def changed_parameters(
+    before: list[tuple[list[int], torch.Tensor]], after: list[tuple[list[int], torch.Tensor]]
+) -> list[torch.Tensor]:
+    """Per device, from two `parameter_sums` of the same parameters: (how many changed, the
+    position in `params` of the first that did; with none, a position past them all), as
+    float64 on the device (exact), nothing read back."""
+    out = []
+    with torch.no_grad():
+        for (where, old), (_, new) in zip(before, after, strict=True):
+            changed = old != new
+            positions = index_to_device(where, old.device)  # (no sync on CUDA)
+            first = torch.where(changed, positions, NONE_CHANGED).min()
+            out.append(torch.stack([changed.sum(), first]).to(torch.float64))
     return out
 
 
@@ -71,6 +98,19 @@ def combine(values: Sequence[float]) -> int:
     total &= (1 << 64) - 1
     mask = (1 << EXPORTED_BITS) - 1
     return (total ^ (total >> EXPORTED_BITS)) & mask
+
+
+def parameter_change(
+    step: int, values: Sequence[float], names: Sequence[str]
+) -> ParameterChange | None:
+    """The host's reading of `changed_parameters` ([count, first, count, first, ...], one pair
+    per device; `names`: the parameters the positions are of): the change, or None."""
+    pairs = [(int(values[k]), int(values[k + 1])) for k in range(0, len(values), 2)]
+    changed = sum(count for count, _ in pairs)
+    if not changed:
+        return None
+    first = min(position for count, position in pairs if count)
+    return ParameterChange(step, names[first], changed)
 
 
 def replica_group(named_params: Sequence[tuple[str, torch.Tensor]], run: str, group: str) -> str:

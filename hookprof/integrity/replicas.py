@@ -8,6 +8,21 @@ fingerprint differs from the others', by majority; HookprofReplicasDisagree: the
 more than one fingerprint at one step, which two replicas can tell but not whose is wrong).
 Nothing is exchanged between ranks in the training process: no collective that could hang.
 
+Two replicas that disagree cannot tell, from two values, whose parameters are wrong. So each
+rank also watches its own parameters while they must stand still: each one's bits are summed
+as the check step's first training forward begins (`hold`) and again as its first optimizer
+update begins (`release`); between the two only the forward and backward ran, which read the
+parameters and never write them. A parameter whose sum changed was written outside the
+optimizer: by this rank's memory or device (silent data corruption), or by the loop's own
+code (a sharpness-aware optimizer's perturbation undone inexactly, a clamp put between the
+backward and the update). The rank names itself, whatever the number of replicas, and the
+first parameter that changed (exported as `hookprof_parameter_changes_outside_update_total`
+and `hookprof_parameter_change_info`; alert HookprofParametersChangedOutsideUpdate). What
+this window cannot see: a write between an update and the next forward (the loop's clamps
+and loads belong there, so it is not watched) or one inside the update itself; of two
+replicas, those are told only as a disagreement. Parameters that a forward renormalises in
+place by design (`nn.Embedding(max_norm=...)`) are left out of the watch.
+
 Which steps: the multiples of a power of two of steps that lasts the interval at the run's
 mean step time (step/plan.py `aligned_period`, as aligned sampling chooses its period), so
 ranks of one synchronous job check the same steps, and two ranks whose estimates straddle a
@@ -28,12 +43,17 @@ from torch import nn
 
 from hookprof.distributed import with_other_ranks
 from hookprof.integrity.fingerprint import (
+    changed_parameters,
     device_fingerprints,
     halves,
+    parameter_sums,
     replica_group,
     run_identity,
 )
 from hookprof.step.plan import aligned_period
+
+# parameter_sums' per device: the parameters' positions, and their bits sums on the device
+DeviceSums = tuple[list[int], torch.Tensor]
 
 SHARDED_REPLICA_NOTICE = (
     "sdc_check_interval_s is set on a model whose parameters are DTensors (FSDP2, tensor "
@@ -85,11 +105,18 @@ class ReplicaCheck:
         self.step: int | None = None  # the check step planned (due), until the next is
         self._origin: tuple[int, int] | None = None  # (step, ns) the mean step time counts from
         self._weights: dict[Any, torch.Tensor] = {}
+        # the parameters watched from the check step's forward to its update: their names and
+        # identities, and their sums at the forward's start (None: not watching)
+        self._held: tuple[list[tuple[str, int]], list[DeviceSums]] | None = None
+        # per device, (how many changed, the first's position) once released, and the names
+        # the positions are of; packed with the step's fingerprint
+        self.changes: tuple[list[torch.Tensor], list[str]] | None = None
 
     def due(self, number: int, now_ns: int) -> bool:
         """Is step `number`, about to begin at `now_ns`, a check step? (Kept in `step`. The
         first call only starts the clock: its step holds the warm-up.)"""
         self.step = None
+        self._held = self.changes = None  # (a step that ended without an update compares none)
         if self._origin is None:
             self._origin = (number, now_ns)
             return False
@@ -110,3 +137,40 @@ class ReplicaCheck:
         model = self._model()
         params = [p for _, p in model.named_parameters()] if model is not None else []
         return [halves(f) for f in device_fingerprints(params, self._weights)]
+
+    @property
+    def holding(self) -> bool:
+        return self._held is not None
+
+    def hold(self) -> None:
+        """The check step's first training forward begins: the watched parameters' bits summed
+        (on the device), to be compared as its update begins."""
+        names, params = self._watched()
+        self._held = (list(zip(names, map(id, params))), parameter_sums(params))
+
+    def release(self) -> None:
+        """The check step's first update begins: which watched parameters changed since its
+        forward began (`changes`, on the device; nothing read back). A parameter replaced
+        meanwhile (another tensor under the same names) is not compared."""
+        assert self._held is not None
+        held, before = self._held
+        self._held = None
+        names, params = self._watched()
+        if list(zip(names, map(id, params))) != held:
+            return
+        self.changes = (changed_parameters(before, parameter_sums(params)), names)
+
+    def _watched(self) -> tuple[list[str], list[torch.Tensor]]:
+        """The parameters a forward and backward must leave as they are: the model's, less
+        those of embeddings that renormalise their rows in place (max_norm)."""
+        model = self._model()
+        if model is None:
+            return [], []
+        renormed = {
+            id(p)
+            for m in model.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
+            for p in m.parameters(recurse=False)
+        }
+        kept = [(n, p) for n, p in model.named_parameters() if id(p) not in renormed]
+        return [n for n, _ in kept], [p for _, p in kept]

@@ -14,7 +14,7 @@ from typing import Any
 from hookprof.device.identity import device_name
 from hookprof.device.timing import Timer
 from hookprof.efficiency.figures import EfficiencyTotals
-from hookprof.integrity.fingerprint import combine
+from hookprof.integrity.fingerprint import combine, parameter_change
 from hookprof.integrity.replay_check import ReplayVerdicts
 from hookprof.nonfinite.attribution import Attribution, ForwardFinding, forward_roles
 from hookprof.nonfinite.detector import PHASE_INDEX, fold_counters, merge_counters
@@ -27,6 +27,7 @@ from hookprof.snapshot import (
     LayerStatisticValues,
     LayerStats,
     NonFiniteEvent,
+    ParameterChange,
     ParameterFingerprint,
     Snapshot,
     layer_series,
@@ -160,6 +161,10 @@ class Aggregator:
         # the replica check's last fingerprint, and the replica group it is of
         self.fingerprint: ParameterFingerprint | None = None
         self.replica_group = replica_group
+        # check steps whose parameters changed between the forward and the update, and the
+        # last (counted from 0 when the checks are on: a group is given)
+        self.parameter_changes: int | None = 0 if replica_group else None
+        self.parameter_change: ParameterChange | None = None
         # the replay check's verdicts, when the checks are on (a group is given)
         self.replay = ReplayVerdicts(names) if replica_group else None
         # layers with every figure, beyond the non-finite ones (None: all); the others on the
@@ -240,6 +245,7 @@ class Aggregator:
             self.fingerprint = ParameterFingerprint(
                 packet.step, combine(halves), self.replica_group
             )
+            self._judge_changes(packet)
             self._dirty = True
         if packet.record is None and not packet.sampled:  # a drain of the counters alone
             loss = self.loss_of(packet)
@@ -266,6 +272,16 @@ class Aggregator:
         self._dirty = True
         if packet.sampled:
             self._add_sampled_step(packet, figures)
+
+    def _judge_changes(self, packet: Packet) -> None:
+        """A check step's parameters changed between its forward and its update? (counted)"""
+        if not packet.changed_parts or self.parameter_changes is None:
+            return
+        values = [v for k in range(packet.changed_parts) for v in packet.batch.get(("changed", k))]
+        change = parameter_change(packet.step, values, packet.changed_names)
+        if change is not None:
+            self.parameter_changes += 1
+            self.parameter_change = change
 
     def _read_record(self, packet: Packet, timer: Timer) -> StepFigures:
         """Per-layer figures of the packet's record: times resolved from the timer's tokens
@@ -694,6 +710,8 @@ class Aggregator:
             layer_statistics=self._statistics_view(),
             spikes=self.spikes.counts(),
             parameter_fingerprint=self.fingerprint,
+            parameter_changes=self.parameter_changes,
+            parameter_change=self.parameter_change,
             replay_checks=self.replay.view() if self.replay is not None else MappingProxyType({}),
             replay_mismatch=self.replay.last_mismatch if self.replay is not None else None,
         )

@@ -201,6 +201,13 @@ class SnapshotCollector(Collector):
                 made.add_metric([rank, fp.replica_group], value)
                 yield made
 
+        if snap.parameter_changes is not None:  # (counted from 0 while the check is on)
+            yield _one(names.PARAMETER_CHANGES_OUTSIDE_UPDATE_TOTAL, rank, snap.parameter_changes)
+        if snap.parameter_change is not None:
+            change = snap.parameter_change
+            info = family(names.PARAMETER_CHANGE_INFO)
+            info.add_metric([rank, change.parameter, str(change.step), str(change.changed)], 1)
+            yield info
         yield from live  # hookprof_internal_errors_total
         yield _one(names.LAYERS, rank, len(snap.layers))
         yield _one(names.LAYERS_EXPORTED, rank, len(snap.exported_layers) + len(snap.timed_layers))

@@ -245,6 +245,10 @@ class Packet:
     replay_moved: int = 0  # a replay's packet: updates applied between its forward and the replay
     capsule: str | None = None  # the incident capsule written for `step` (nonfinite/capsule.py)
     fingerprint_parts: int = 0  # the parameters' fingerprint after `step`'s update, per device
+    # the parameters changed between `step`'s forward and its update: per device (how many,
+    # the first's position in `changed_names`) (integrity/replicas.py)
+    changed_parts: int = 0
+    changed_names: Sequence[str] = ()
     replay_check: Any = None  # a replay check's comparison (integrity/replay_check.py)
     replay_parts: int = 0  # its device flags, one stack per device
     # every step's loss and gradient norm since the last drain: the batch's ("series", k)
@@ -303,6 +307,7 @@ def pack_step(
     series: tuple[list[list[torch.Tensor]], SeriesDrain] | None = None,
     parameter_stats: Sequence[tuple[int, int, torch.Tensor]] = (),
     fingerprint: Sequence[torch.Tensor] = (),
+    changes: tuple[Sequence[torch.Tensor], Sequence[str]] | None = None,
     replay_check: tuple[Any, Sequence[torch.Tensor]] | None = None,
 ) -> Packet:
     """Gather one step's device scalars (per-device gradient squares, the record's activation
@@ -323,6 +328,9 @@ def pack_step(
         batch.add(("counters", k), block)
     for k, halves in enumerate(fingerprint):  # the parameters' (integrity/replicas.py)
         batch.add(("fingerprint", k), halves)
+    changed, changed_names = changes if changes is not None else ((), ())
+    for k, counted in enumerate(changed):  # (integrity/replicas.py ReplicaCheck.release)
+        batch.add(("changed", k), counted)
     comparison, replay_parts = replay_check if replay_check is not None else (None, ())
     for k, flags in enumerate(replay_parts):  # integrity/replay_check.py
         batch.add(("replay", k), flags)
@@ -366,6 +374,8 @@ def pack_step(
         replay_moved=replay_moved,
         capsule=capsule,
         fingerprint_parts=len(fingerprint),
+        changed_parts=len(changed),
+        changed_names=changed_names,
         replay_check=comparison,
         replay_parts=len(replay_parts),
         series=series[1] if series is not None else None,

@@ -39,6 +39,9 @@ DROPPED_ONLY = "**a dropped step only**"
 # ... that it needs a replay check that did not reproduce (a fault the demo has not); scraped
 # and checked in tests/behaviour/test_replay_check.py
 MISMATCH_ONLY = "**a replay mismatch only**"
+# ... that it needs parameters changed between a check step's forward and its update (a fault
+# the demo has not); scraped and checked in tests/behaviour/test_parameter_watch.py
+CHANGE_ONLY = "**a change only**"
 EXPOSITION_LABELS = {"le", "quantile"}
 
 # the demo with every family on: sampled every step, activation statistics and update norms on
@@ -109,7 +112,13 @@ def documented(text: str) -> dict[str, Row]:
                 frozenset(re.findall(r"`([^`]+)`", cells[2])),
                 any(
                     only in cells[3]
-                    for only in (GPU_ONLY, PORT_CONFLICT_ONLY, DROPPED_ONLY, MISMATCH_ONLY)
+                    for only in (
+                        GPU_ONLY,
+                        PORT_CONFLICT_ONLY,
+                        DROPPED_ONLY,
+                        MISMATCH_ONLY,
+                        CHANGE_ONLY,
+                    )
                 ),
             )
     return rows

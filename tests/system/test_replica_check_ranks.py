@@ -1,8 +1,11 @@
-"""Issue 43 item 4: the scheduled replica check against a real Prometheus scraping a real
-3-rank DDP job over gloo on the CPU. Data-parallel replicas hold bit-identical parameters
-after every update; one bit flipped in one rank's weight (the test's own fault, between two
-steps) makes HookprofReplicaParametersDiffer name that rank, and that rank only; a clean run
-of the same length fires nothing, and every rank's fingerprint agrees at the same step."""
+"""Issue 43 items 4 and 5: the scheduled replica check against a real Prometheus scraping a
+real DDP job over gloo on the CPU. Data-parallel replicas hold bit-identical parameters after
+every update; of three ranks, one bit flipped in one rank's weight (the test's own fault,
+between two steps) makes HookprofReplicaParametersDiffer name that rank, and that rank only;
+a clean run of the same length fires nothing, and every rank's fingerprint agrees at the
+same step. Of two ranks, which no majority can tell apart, the flip inside a check step's
+forward makes the rank name itself (HookprofParametersChangedOutsideUpdate) while the job
+disagrees."""
 
 from __future__ import annotations
 
@@ -26,7 +29,12 @@ def three_replicas(request, tmp_path_factory):
     stop_at = mp.get_context("spawn").Value("i", 0)
     tmp = str(tmp_path_factory.mktemp("replicas"))
     with ranks_scraped(
-        run_rank, lambda r, out, go_home: (flip_rank, out, go_home, stop_at), 3, tmp, JOB, scrapes=3
+        run_rank,
+        lambda r, out, go_home: (flip_rank, False, out, go_home, stop_at),
+        3,
+        tmp,
+        JOB,
+        scrapes=3,
     ) as (prom, workers):
         wait_for("three ranks at the newest check step", lambda: _all_three(prom), timeout=40)
         yield prom, flip_rank
@@ -76,3 +84,39 @@ def _newest(prom: int) -> float:
 def _all_three(prom: int) -> list[dict]:
     sharing = query(prom, "hookprof:parameter_fingerprint:ranks_sharing")
     return sharing if len(sharing) == 3 else []
+
+
+def test_of_two_replicas_the_rank_whose_parameters_changed_in_a_step_names_itself(
+    tmp_path_factory,
+):
+    binaries()
+    import torch.multiprocessing as mp
+
+    from workers.replica_worker import FLIP_STEP, FLIPPED, run_rank
+
+    stop_at = mp.get_context("spawn").Value("i", 0)
+    tmp = str(tmp_path_factory.mktemp("two_replicas"))
+    with ranks_scraped(
+        run_rank, lambda r, out, go_home: (1, True, out, go_home, stop_at), 2, tmp, JOB, scrapes=2
+    ) as (prom, workers):
+        named = wait_for(
+            "HookprofParametersChangedOutsideUpdate",
+            lambda: _alerts(prom, "HookprofParametersChangedOutsideUpdate"),
+            timeout=30,
+        )
+        assert [a["labels"]["rank"] for a in named] == ["1"]
+        labels = named[0]["labels"]
+        assert (labels["parameter"], labels["step"], labels["changed"]) == (
+            FLIPPED[0],
+            str(FLIP_STEP),
+            "1",
+        )
+        # the replicas disagree from then on; no majority names a rank
+        wait_for("HookprofReplicasDisagree", lambda: _alerts(prom, "HookprofReplicasDisagree"), 30)
+        assert _alerts(prom, "HookprofReplicaParametersDiffer") == []
+        counted = {
+            s["metric"]["rank"]: float(s["value"][1])
+            for s in query(prom, "hookprof_parameter_changes_outside_update_total")
+        }
+        assert counted == {"0": 0.0, "1": 1.0}
+    assert [w.exitcode for w in workers] == [0, 0]

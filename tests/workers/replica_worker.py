@@ -1,19 +1,22 @@
 """Body of one rank for test_replica_check_ranks (a module of its own so spawn can import it): a
-rank of a 3-rank DDP job over gloo on the CPU with the replica check on
+rank of a DDP job over gloo on the CPU with the replica check on
 (Config.sdc_check_interval_s). With `flip_rank` set, that rank flips one bit of one weight
-once, between two steps (the test's own fault: a bit gone wrong in a device's memory);
-DDP's identical updates keep the difference from then on. The ranks train until told to
-stop, and stop after the same step."""
+once (the test's own fault: a bit gone wrong in a device's memory), after FLIP_STEP's update
+(`in_forward` false) or inside step FLIP_STEP's forward (true: then every step is a check
+step, so the flip falls between a check step's forward and its update, the window each rank
+watches itself); DDP's identical updates keep the difference from then on. The ranks train
+until told to stop, and stop after the same step."""
 
 from __future__ import annotations
 
 from support.ranks import torchrun_environment, train_in_step
 
-FLIP_STEP = 20  # the flip comes after this step's update (before the first check)
+FLIP_STEP = 20  # the flip comes after this step's update (before the first check), or in it
 FLIPPED = ("blocks.1.fc.weight", (3, 5), 22)  # parameter, element, bit of its float32
+EVERY_STEP = 1e-9  # sdc_check_interval_s that makes every step after the first a check step
 
 
-def run_rank(rank, world, master_port, base_port, flip_rank, out, go_home, stop_at):
+def run_rank(rank, world, master_port, base_port, flip_rank, in_forward, out, go_home, stop_at):
     torchrun_environment(rank, world, master_port)
     import torch
     import torch.distributed as dist
@@ -27,21 +30,35 @@ def run_rank(rank, world, master_port, base_port, flip_rank, out, go_home, stop_
         model = seeded(DeepNet)
         ddp = DDP(model)
         prof = hookprof.attach(
-            model, port=base_port, sdc_check_interval_s=2.0, system_metrics=False
+            model,
+            port=base_port,
+            sdc_check_interval_s=EVERY_STEP if in_forward else 2.0,
+            system_metrics=False,
         )
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
         g = torch.Generator().manual_seed(100 + rank)  # each replica its own batches
         steps = [0]
+        name, element, bit = FLIPPED
+        weight = dict(model.named_parameters())[name]
+
+        flipped: list[bool] = []
+
+        def flip() -> None:  # (.data: as memory would, leaving autograd's version counter alone)
+            if rank == flip_rank and not flipped:
+                weight.data.view(torch.int32)[element] ^= 1 << bit
+                flipped.append(True)
+
+        if in_forward:  # inside step FLIP_STEP's forward, after blocks.2 returns
+            model.blocks[2].register_forward_hook(
+                lambda *_: flip() if steps[0] + 1 == FLIP_STEP else None
+            )
 
         def one_step():
             mse_step(ddp, opt, *model.batch(g))
             prof.step()
             steps[0] += 1
-            if rank == flip_rank and steps[0] == FLIP_STEP:
-                name, element, bit = FLIPPED
-                weight = dict(model.named_parameters())[name]
-                with torch.no_grad():
-                    weight.view(torch.int32)[element] ^= 1 << bit
+            if not in_forward and steps[0] == FLIP_STEP:
+                flip()  # after step FLIP_STEP's update
 
         one_step()
         out.put((rank, prof.url))

@@ -10,9 +10,12 @@ from torch.profiler import ProfilerActivity, profile
 from hookprof import tensors
 from hookprof.integrity.fingerprint import (
     EXPORTED_BITS,
+    changed_parameters,
     combine,
     device_fingerprints,
     halves,
+    parameter_change,
+    parameter_sums,
     replica_group,
     run_identity,
 )
@@ -114,3 +117,26 @@ def largest_allocation(fn) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return max((e.cpu_memory_usage for e in prof.events()), default=0)
+
+
+def test_the_watch_names_the_first_changed_parameter_and_counts_them_all():
+    """parameter_sums before and after, compared on the device and read as the publisher
+    does: every dtype's single flips found, the first position in the parameters' order."""
+    names = [f"p{i}" for i in range(len(model_params()))]
+    for flipped in ([], [3], [1, 4], [0, 2, 3]):
+        params = model_params()
+        before = parameter_sums(params)
+        for i in flipped:
+            p = params[i]
+            bits = p.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[p.element_size()])
+            bits.view(-1)[-1] ^= 1  # the lowest bit of the last element
+        values = [v for pair in changed_parameters(before, parameter_sums(params)) for v in pair]
+        change = parameter_change(9, [float(v) for v in values], names)
+        if not flipped:
+            assert change is None
+        else:
+            assert (change.step, change.parameter, change.changed) == (
+                9,
+                names[flipped[0]],
+                len(flipped),
+            )

@@ -420,6 +420,40 @@ def build() -> dict:
         )
     )
 
+    board = board.with_panel(
+        series(
+            "Spikes (no NaN)",
+            "Loss and global gradient-norm spikes, and jumps of a layer's update-to-weight "
+            "ratio, by kind (events: docs/nonfinite.md). No NaN yet; a divergence often starts so.",
+            q(
+                f"sum by (model, rank, kind) (increase(hookprof_spikes_total{{{MODELS}}}[{rate}]))",
+                "{{model}} {{kind}} rank {{rank}}",
+            ),
+            width=12,
+        )
+    )
+    board = board.with_panel(
+        series(
+            "Silent data corruption checks",
+            "With sdc_check_interval_s (docs/integrity.md): check steps whose parameters changed "
+            "between the forward and the update on that rank, and replays that did not reproduce "
+            "the step or could not be compared. Replicas that disagree page through "
+            "HookprofReplicaParametersDiffer / HookprofReplicasDisagree.",
+            q(
+                "sum by (model, rank) (increase("
+                f"hookprof_parameter_changes_outside_update_total{{{MODELS}}}[{rate}]))",
+                "{{model}} parameters changed outside the update, rank {{rank}}",
+            ),
+            q(
+                "sum by (model, rank, result) (increase("
+                f'hookprof_replay_checks_total{{{MODELS}, result!="reproduced"}}[{rate}]))',
+                "{{model}} replay {{result}} rank {{rank}}",
+                "B",
+            ),
+            width=12,
+        )
+    )
+
     board = board.with_row(dashboard.Row("System"))
     board = board.with_panel(
         series(

@@ -294,6 +294,13 @@ class Config:
     """... and the global gradient norm when its z-score is above this and it is at least
     twice the window's median."""
 
+    update_ratio_jump_z: float = _ruled(
+        12.0, Rule(holds=lambda v: 0 < v < math.inf, words="a finite number > 0")
+    )
+    """... and a layer's update-to-weight ratio, on the sampled steps that measure it
+    (update_norms), when its z-score against that layer's recent ratios is above this and it
+    is at least 3x their median (kind update_ratio_jump)."""
+
     vanishing_grad_norm: float = 1e-6
     """On sampled steps a layer whose gradient norm is below this is flagged "vanishing" ..."""
 

@@ -154,8 +154,10 @@ SPIKES_TOTAL = Metric(
     "counter",
     ("rank", "kind"),
     "Loss and global gradient-norm spikes in the every-step series (kind loss_spike or "
-    "grad_norm_spike): a robust z-score against the recent steps above Config.loss_spike_z or "
-    "Config.grad_norm_spike_z; one per event, however many steps it lasts",
+    "grad_norm_spike), and jumps of a layer's update-to-weight ratio on the steps that measure "
+    "it (update_ratio_jump): a robust z-score against the recent values above "
+    "Config.loss_spike_z, Config.grad_norm_spike_z or Config.update_ratio_jump_z; one per "
+    "event, however many steps it lasts",
 )
 SPIKE_LAST_STEP = Metric(
     "hookprof_spike_last_step",

@@ -181,20 +181,23 @@ class EfficiencyStats:
     latest measurement."""
 
 
-# the kinds of spike in the every-step series (publish/spikes.py), as metric labels
-SPIKE_KINDS = ("loss_spike", "grad_norm_spike")
+# the kinds of spike (publish/spikes.py), as metric labels: the every-step series' two, and
+# a layer's update-to-weight ratio on the steps that measure it
+SPIKE_KINDS = ("loss_spike", "grad_norm_spike", "update_ratio_jump")
 
 
 @dataclass(frozen=True, slots=True)
 class SpikeEvent:
-    """One spike of the loss or the global gradient norm (publish/spikes.py): its first
-    step, the value there, the median of the window it was judged against, and its robust
-    z-score."""
+    """One spike of the loss, the global gradient norm or a layer's update-to-weight ratio
+    (publish/spikes.py): its first step, the value there, the median of the window it was
+    judged against, and its robust z-score."""
 
     step: int
     value: float
     median: float
     z: float
+    layer: str | None = None
+    """An update ratio jump's layer (the one whose z-score was highest at that step)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -218,6 +218,9 @@ class EfficiencyTotals:
         ] * n  # (update², weight²) when measured
         self._model: tuple[float | None, float | None, float | None] = (None, None, None)
         self._stats: EfficiencyStats | None = None
+        # the update-to-weight ratios of the layers the last folded step measured (its turn
+        # of layers: updates.py), for the update ratio jumps (publish/spikes.py)
+        self.step_ratios: dict[str, float] = {}
 
     def fold(self, packet: Any, fwd_seconds: list[float], bwd_seconds: list[float]) -> None:
         part: EfficiencyPart = packet.efficiency
@@ -242,10 +245,14 @@ class EfficiencyTotals:
             self._model = (float(model) if model else None, per_second, utilization)
         weight_sq = _sum_parts(packet, "weight_sq", part.weight_parts, n)
         update_sq = _sum_parts(packet, "update_sq", part.update_parts, n)
+        self.step_ratios = {}
         if weight_sq is not None:
             self._weight_sq = [w if i in part.weighted else None for i, w in enumerate(weight_sq)]
             for i in part.updated:
-                self._update[i] = (update_sq[i] if update_sq is not None else 0.0, weight_sq[i])
+                update = update_sq[i] if update_sq is not None else 0.0
+                self._update[i] = (update, weight_sq[i])
+                if weight_sq[i] > 0:  # (NaN weights: not above 0, left to the NaN checks)
+                    self.step_ratios[self._names[i]] = math.sqrt(update / weight_sq[i])
         self._stats = None
 
     def stats(self) -> EfficiencyStats:

@@ -20,7 +20,13 @@ from hookprof.nonfinite.attribution import Attribution, ForwardFinding, forward_
 from hookprof.nonfinite.detector import PHASE_INDEX, fold_counters, merge_counters
 from hookprof.nonfinite.guard import fold_skips
 from hookprof.phases.device import DevicePhaseTotals, device_phase_seconds
-from hookprof.publish.spikes import DEFAULT_THRESHOLDS, GRAD_NORM_SPIKE, LOSS_SPIKE, SpikeWatch
+from hookprof.publish.spikes import (
+    DEFAULT_THRESHOLDS,
+    GRAD_NORM_SPIKE,
+    LOSS_SPIKE,
+    UPDATE_RATIO_JUMP,
+    SpikeWatch,
+)
 from hookprof.snapshot import (
     PHASES,
     DroppedNonFinite,
@@ -112,9 +118,13 @@ class Aggregator:
             gradients_every_step=config.nonfinite_check == "all",
             spikes=SpikeWatch(
                 config.spike_window,
-                {LOSS_SPIKE: config.loss_spike_z, GRAD_NORM_SPIKE: config.grad_norm_spike_z}
+                {
+                    LOSS_SPIKE: config.loss_spike_z,
+                    GRAD_NORM_SPIKE: config.grad_norm_spike_z,
+                    UPDATE_RATIO_JUMP: config.update_ratio_jump_z,
+                }
                 if config.spike_detection
-                else dict.fromkeys((LOSS_SPIKE, GRAD_NORM_SPIKE), math.inf),  # never above
+                else dict.fromkeys(DEFAULT_THRESHOLDS, math.inf),  # never above
             ),
             replica_group=replica_group,
         )
@@ -376,6 +386,7 @@ class Aggregator:
             self._flag_gradients(squares, packet.has_grad)
         if packet.efficiency is not None and self.efficiency is not None:
             self.efficiency.fold(packet, figures.fwd, figures.bwd)
+            self.spikes.observe_update_ratios(packet.step, self.efficiency.step_ratios)
         if self.device_phases is not None:
             self.device_phases.add(figures.device_phases)
         loss = self.loss_of(packet)

@@ -130,8 +130,10 @@ def from_json(body: bytes) -> list[dict[str, Any]]:
     return _decode(json.loads(body)["models"])
 
 
-def _spike(event: Any) -> dict[str, float] | None:
-    """A spike event (snapshot.SpikeEvent) as the document keeps it."""
+def _spike(event: Any) -> dict[str, Any] | None:
+    """A spike event (snapshot.SpikeEvent) as the document keeps it (an update ratio jump's
+    with its layer)."""
     if event is None:
         return None
-    return {"step": event.step, "value": event.value, "median": event.median, "z": event.z}
+    kept = {"step": event.step, "value": event.value, "median": event.median, "z": event.z}
+    return kept if event.layer is None else {**kept, "layer": event.layer}

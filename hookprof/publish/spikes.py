@@ -17,6 +17,16 @@ spike) and are left out of the window.
 
 No judgement before `MIN_HISTORY` finite values: the first steps of a run (warm-up, a loss
 falling fast) have no baseline.
+
+The update-to-weight ratio jumps (`update_ratio_jump`) by the same rule, per layer: each
+layer's ratio, on the sampled steps that measure its update (efficiency/updates.py: layers
+take turns), is judged against the last `min(window, LAYER_WINDOW)` of its own, from
+`MIN_LAYER_HISTORY` of them on, and must stand 3x its median (a margin of twice the median);
+a learning rate's warm-up, which raises every ratio steadily, stays well under that. One
+event per step however many layers jump, naming the one whose z-score is highest; it lasts
+while any layer that jumped stays above half the threshold and half the margin when next
+measured. Its values arrive once per measurement (about every `update_norm_interval_s`), so
+its baseline takes longer to build than the every-step series'.
 """
 
 from __future__ import annotations
@@ -32,13 +42,16 @@ from hookprof.snapshot import SPIKE_KINDS, SpikeCount, SpikeEvent
 from hookprof.step.series import StepValue
 
 KINDS = SPIKE_KINDS
-LOSS_SPIKE, GRAD_NORM_SPIKE = KINDS
+LOSS_SPIKE, GRAD_NORM_SPIKE, UPDATE_RATIO_JUMP = KINDS
 MIN_HISTORY = 50  # finite values of a kind before any of its steps is judged
+MIN_LAYER_HISTORY = 20  # ... of a layer's update ratio (measured on some sampled steps only)
+LAYER_WINDOW = 64  # the most of a layer's ratios kept (a window per layer: bounded memory)
 # a spike also stands above the median by this fraction of |median| (or of the scale, if more)
-_MARGIN = {LOSS_SPIKE: 0.1, GRAD_NORM_SPIKE: 1.0}
-# Config's defaults (loss_spike_z, grad_norm_spike_z): healthy runs of 10^4 steps (the demo's
-# AdamW, and an MLP with warm-up and a cosine schedule) reached 4.5 and 8.2 at most
-DEFAULT_THRESHOLDS = {LOSS_SPIKE: 8.0, GRAD_NORM_SPIKE: 12.0}
+_MARGIN = {LOSS_SPIKE: 0.1, GRAD_NORM_SPIKE: 1.0, UPDATE_RATIO_JUMP: 2.0}
+# Config's defaults (loss_spike_z, grad_norm_spike_z, update_ratio_jump_z): healthy runs of
+# 10^4 steps (the demo's AdamW, and an MLP with warm-up and a cosine schedule) reached 4.5 and
+# 8.2 at most for the first two (tests/behaviour/test_spikes.py for the third)
+DEFAULT_THRESHOLDS = {LOSS_SPIKE: 8.0, GRAD_NORM_SPIKE: 12.0, UPDATE_RATIO_JUMP: 12.0}
 
 
 _IQR_SCALE = 1.349  # the interquartile range of a normal distribution, in standard deviations
@@ -89,7 +102,10 @@ class SpikeWatch:
     read from any thread."""
 
     def __init__(self, window: int, thresholds: Mapping[str, float]):
-        self._window = {kind: _Window(window) for kind in KINDS}
+        self._window = {kind: _Window(window) for kind in (LOSS_SPIKE, GRAD_NORM_SPIKE)}
+        self._layer_window_size = min(window, LAYER_WINDOW)
+        self._layer_windows: dict[str, _Window] = {}  # update ratios, per layer
+        self._layer_in_event: dict[str, bool] = {}
         self._thresholds = dict(thresholds)
         self._in_event = dict.fromkeys(KINDS, False)
         # per kind, the last step whose value was judged: a drain repeats the previous one's
@@ -112,18 +128,48 @@ class SpikeWatch:
             return
         window = self._window[kind]
         if len(window) >= MIN_HISTORY:
-            z, median, scale = robust_z(value, window.ordered)
-            threshold = self._thresholds[kind]
-            margin = _MARGIN[kind] * max(abs(median), scale)
-            spike = z > threshold and value > median + margin
+            z, median, spike, going = self._rule(kind, value, window)
             if spike and not self._in_event[kind]:
                 self._count(kind, SpikeEvent(step, value, median, z))
-            # an event goes on while its steps stay well above the window (half the threshold
-            # and half the margin: a flat window's z is infinite a hair above its median)
-            self._in_event[kind] = spike or (
-                self._in_event[kind] and z > threshold / 2 and value > median + margin / 2
-            )
+            self._in_event[kind] = spike or (self._in_event[kind] and going)
         window.add(value)
+
+    def observe_update_ratios(self, step: int, ratios: Mapping[str, float]) -> None:
+        """The layers' update-to-weight ratios measured at `step`, each against its own
+        layer's window (see the module's docstring)."""
+        kind = UPDATE_RATIO_JUMP
+        if not ratios or step <= self._judged[kind]:
+            return
+        self._judged[kind] = step
+        worst: SpikeEvent | None = None
+        for layer, value in ratios.items():
+            if not math.isfinite(value):
+                continue  # (a NaN update is the NaN checks')
+            window = self._layer_windows.get(layer)
+            if window is None:
+                window = self._layer_windows[layer] = _Window(self._layer_window_size)
+            if len(window) >= MIN_LAYER_HISTORY:
+                z, median, spike, going = self._rule(kind, value, window)
+                self._layer_in_event[layer] = spike or (
+                    self._layer_in_event.get(layer, False) and going
+                )
+                if spike and (worst is None or z > worst.z):
+                    worst = SpikeEvent(step, value, median, z, layer)
+            window.add(value)
+        if worst is not None and not self._in_event[kind]:
+            self._count(kind, worst)
+        self._in_event[kind] = any(self._layer_in_event.values())
+
+    def _rule(self, kind: str, value: float, window: _Window) -> tuple[float, float, bool, bool]:
+        """(z, median, a spike?, an event going on?) of `value` against `window`."""
+        z, median, scale = robust_z(value, window.ordered)
+        threshold = self._thresholds[kind]
+        margin = _MARGIN[kind] * max(abs(median), scale)
+        spike = z > threshold and value > median + margin
+        # an event goes on while its steps stay well above the window (half the threshold
+        # and half the margin: a flat window's z is infinite a hair above its median)
+        going = z > threshold / 2 and value > median + margin / 2
+        return z, median, spike, going
 
     def _count(self, kind: str, event: SpikeEvent) -> None:
         with self._lock:

@@ -93,7 +93,9 @@ def summary(doc: dict[str, Any]) -> str:
             figures.append(
                 (
                     f"{kind.replace('_', ' ')}s",
-                    f"{spike['count']:,}; first at step {first['step']:,}: "
+                    f"{spike['count']:,}; first at step {first['step']:,}"
+                    + (f" in {first['layer']}" if first.get("layer") else "")
+                    + ": "
                     f"{num(first['value'], 4)} against a median of {num(first['median'], 4)} "
                     f"(robust z {num(first['z'], 3)})",
                 )

@@ -143,6 +143,148 @@ def test_a_divergence_spikes_steps_before_it_goes_non_finite():
     assert spike.count == len(first_spikes(losses, "loss_spike"))
 
 
+@pytest.mark.slow
+def test_a_healthy_run_with_warm_up_and_a_cosine_schedule_raises_none():
+    """An MLP under AdamW with 500 steps of linear warm-up and a cosine decay over 10^4 steps,
+    every 4th step sampled and measuring every layer's update: no spike of any kind (the
+    warm-up raises every update ratio steadily, never 3x its layer's recent median)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 128),
+        nn.GELU(),
+        nn.LayerNorm(128),
+        nn.Linear(128, 128),
+        nn.GELU(),
+        nn.Linear(128, 10),
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    steps, warm = 10_000, 500
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)),
+    )
+    g = torch.Generator().manual_seed(0)
+    target = torch.randn(32, 10, generator=g)
+    config = dict(
+        sample_every=4,
+        min_sample_interval_s=0.0,
+        update_norm_interval_s=0.0,
+        update_norm_max_bytes=2**30,
+        summary_at_exit=False,
+    )
+    with hookprof.attach(model, port=0, **config) as prof:
+        for _ in range(steps):
+            x = torch.randn(64, 32, generator=g)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), (x @ target).argmax(1))
+            loss.backward()
+            opt.step()
+            schedule.step()
+            prof.step(loss)
+        prof.flush()
+        snap = prof.snapshot()
+    assert snap.step == steps and snap.sampled_steps >= steps // 4 - 1
+    assert snap.efficiency.layers["5"].update_ratio is not None  # (ratios measured and judged)
+    assert {k: c.count for k, c in snap.spikes.items()} == dict.fromkeys(snap.spikes, 0)
+    assert set(snap.spikes) == {"loss_spike", "grad_norm_spike", "update_ratio_jump"}
+
+
+def update_ratio_jumps(ratios: list[dict[str, float]], threshold: float = 12.0):
+    """(first step, layer) of each update ratio jump event, by the rule docs/nonfinite.md
+    gives: each layer against its own last 64 ratios, from 20 of them on, 3x the median; one
+    event per step, the layer of the highest z named."""
+    seen: dict[str, list[float]] = {}
+    inside: dict[str, bool] = {}
+    events, in_event = [], False
+    for step, by_layer in enumerate(ratios, 1):
+        worst = None
+        for layer, x in by_layer.items():
+            history = seen.setdefault(layer, [])
+            if len(history) >= 20:
+                w = np.array(history[-64:])
+                median = float(np.median(w))
+                scale = float(np.percentile(w, 75) - np.percentile(w, 25)) / 1.349
+                z = (x - median) / scale if scale else (math.inf if x > median else 0.0)
+                margin = 2.0 * max(abs(median), scale)
+                spike = z > threshold and x > median + margin
+                going = z > threshold / 2 and x > median + margin / 2
+                inside[layer] = spike or (inside.get(layer, False) and going)
+                if spike and (worst is None or z > worst[1]):
+                    worst = (layer, z)
+            history.append(x)
+        if worst is not None and not in_event:
+            events.append((step, worst[0]))
+        in_event = any(inside.values())
+    return events
+
+
+def test_a_one_step_learning_rate_jump_is_an_update_ratio_jump_named_by_layer():
+    """Every sampled step measuring every layer's update (no turns): hookprof's jumps against
+    the test's own per-layer ratios, ||after - before|| / ||after|| around each update."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)
+    )
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    ratios: list[dict[str, float]] = []
+    bump_at = 300
+    config = dict(
+        sample_every=1,
+        min_sample_interval_s=0.0,
+        update_norm_interval_s=0.0,
+        update_norm_max_bytes=2**30,
+        summary_at_exit=False,
+    )
+    with hookprof.attach(model, port=0, **config) as prof:
+        for step in range(1, 341):
+            for group in opt.param_groups:
+                group["lr"] = 0.01 * (40.0 if step == bump_at else 1.0)
+            x = torch.randn(32, 16, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), x[:, :4]).backward()
+            before = {n: [p.detach().clone() for p in m.parameters()] for n, m in layers.items()}
+            opt.step()
+            ratios.append(
+                {
+                    n: math.sqrt(
+                        sum(
+                            float((p - b).double().square().sum())
+                            for p, b in zip(m.parameters(), before[n])
+                        )
+                        / sum(float(p.double().square().sum()) for p in m.parameters())
+                    )
+                    for n, m in layers.items()
+                }
+            )
+            prof.step()
+        prof.flush()
+        snap = prof.snapshot()
+        page = urllib.request.urlopen(prof.url, timeout=10).read().decode()
+        document = prof.report_document()
+    expected = update_ratio_jumps(ratios)
+    assert expected and expected[0][0] == bump_at, expected
+    jump = snap.spikes["update_ratio_jump"]
+    assert jump.count == len(expected)
+    assert (jump.first.step, jump.first.layer) == expected[0]
+    assert jump.first.value == pytest.approx(ratios[bump_at - 1][expected[0][1]], rel=1e-4)
+    got = scraped(page)
+    assert got["hookprof_spikes_total", "update_ratio_jump"] == len(expected)
+    assert got["hookprof_spike_last_step", "update_ratio_jump"] == expected[-1][0]
+    assert snap.first_nonfinite is None
+    # the report names the layer; `hookprof top` and the summary count the events
+    first = jump.first
+    assert (
+        f"first at step {first.step:,} in {first.layer}: {first.value:.4g} against a median of "
+        f"{first.median:.4g}"
+    ) in "".join(Elements(render([document])).text)
+    (table,) = from_metrics(page)
+    (line,) = [x for x in header_lines([table.header]) if "spikes" in x]
+    assert f"update ratio jump {len(expected)} (latest from step {expected[-1][0]})" in line
+    assert line.strip() in summary_text(snap, "Sequential")
+
+
 def test_spikes_off():
     snap, page, _, _ = run(150.0, 900, spike_detection=False)
     assert all(c.count == 0 for c in snap.spikes.values())
@@ -168,6 +310,10 @@ def test_a_healthy_run_of_ten_thousand_steps_raises_none():
         prof.flush()
         snap = prof.snapshot()
     assert snap.step == 10_000
-    assert {k: c.count for k, c in snap.spikes.items()} == {"loss_spike": 0, "grad_norm_spike": 0}
+    assert {k: c.count for k, c in snap.spikes.items()} == {
+        "loss_spike": 0,
+        "grad_norm_spike": 0,
+        "update_ratio_jump": 0,
+    }
     assert snap.replay_checks["not_reproduced"] == 0 and snap.replay_checks["not_compared"] == 0
     assert snap.replay_checks["reproduced"] >= 20

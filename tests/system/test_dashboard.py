@@ -103,7 +103,8 @@ PER_MODEL = re.compile(
     r"\bhookprof_(?:steps|sampled_steps|step_duration_seconds|last_step_timestamp_seconds|loss"
     r"|gradient_norm|nonfinite_steps|skipped_steps|gradient_flagged_steps|layer_\w+"
     r"|first_nonfinite_info|layers|layers_exported|internal_errors|publisher_thread_up"
-    r"|model_flops_\w+|update_ratio|step_phase_seconds|step_phase_device_seconds|progress_\w+|stalled|stalls|stall_info)"
+    r"|model_flops_\w+|update_ratio|step_phase_seconds|step_phase_device_seconds|progress_\w+|stalled|stalls|stall_info"
+    r"|spikes|parameter_changes_outside_update|replay_checks)"
     r"|\bhookprof:layer_\w+:\w+"  # the layer stragglers' recording rules keep `model` (issue 42)
 )
 PER_PROCESS = re.compile(

@@ -31,6 +31,7 @@ EXPORTED_ONLY_SOMETIMES = {
     "hookprof_stall_info",
     "hookprof_spike_last_step",
     "hookprof_replay_mismatch_info",
+    "hookprof_parameter_change_info",  # (a change only: tests/system/test_replica_check_ranks.py)
 }
 
 

@@ -133,6 +133,7 @@ def test_environment_variables_fill_every_field():
         "HOOKPROF_SPIKE_WINDOW": "500",
         "HOOKPROF_LOSS_SPIKE_Z": "6.5",
         "HOOKPROF_GRAD_NORM_SPIKE_Z": "20",
+        "HOOKPROF_UPDATE_RATIO_JUMP_Z": "15",
         "UNRELATED": "x",
     }
     c = Config.from_env(env)
@@ -192,6 +193,7 @@ def test_environment_variables_fill_every_field():
         spike_window=500,
         loss_spike_z=6.5,
         grad_norm_spike_z=20.0,
+        update_ratio_jump_z=15.0,
     )
     # every field has a variable: a new field without one fails here
     assert {f.name for f in dataclasses.fields(Config)} == {

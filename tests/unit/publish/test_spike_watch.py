@@ -8,7 +8,13 @@ import math
 import numpy as np
 import pytest
 
-from hookprof.publish.spikes import GRAD_NORM_SPIKE, LOSS_SPIKE, MIN_HISTORY, SpikeWatch
+from hookprof.publish.spikes import (
+    GRAD_NORM_SPIKE,
+    LOSS_SPIKE,
+    MIN_HISTORY,
+    UPDATE_RATIO_JUMP,
+    SpikeWatch,
+)
 from hookprof.step.series import StepValue
 
 WINDOW = 200
@@ -111,4 +117,8 @@ def test_the_judge_defaults_are_configs():
     from hookprof.publish.spikes import DEFAULT_THRESHOLDS
 
     c = Config()
-    assert DEFAULT_THRESHOLDS == {LOSS_SPIKE: c.loss_spike_z, GRAD_NORM_SPIKE: c.grad_norm_spike_z}
+    assert DEFAULT_THRESHOLDS == {
+        LOSS_SPIKE: c.loss_spike_z,
+        GRAD_NORM_SPIKE: c.grad_norm_spike_z,
+        UPDATE_RATIO_JUMP: c.update_ratio_jump_z,
+    }

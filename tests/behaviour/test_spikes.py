@@ -23,6 +23,13 @@ from hookprof.view.table import from_metrics, header_lines
 from support.rendered import Elements
 
 BUMP_AT = 800
+# every sampled step measures every layer's update (no turns: the cap above the model)
+EVERY_UPDATE = dict(
+    min_sample_interval_s=0.0,
+    update_norm_interval_s=0.0,
+    update_norm_max_bytes=2**30,
+    summary_at_exit=False,
+)
 RULES = {"loss_spike": (8.0, 0.1), "grad_norm_spike": (12.0, 1.0)}  # (z, margin): the defaults
 
 
@@ -165,14 +172,7 @@ def test_a_healthy_run_with_warm_up_and_a_cosine_schedule_raises_none():
     )
     g = torch.Generator().manual_seed(0)
     target = torch.randn(32, 10, generator=g)
-    config = dict(
-        sample_every=4,
-        min_sample_interval_s=0.0,
-        update_norm_interval_s=0.0,
-        update_norm_max_bytes=2**30,
-        summary_at_exit=False,
-    )
-    with hookprof.attach(model, port=0, **config) as prof:
+    with hookprof.attach(model, port=0, sample_every=4, **EVERY_UPDATE) as prof:
         for _ in range(steps):
             x = torch.randn(64, 32, generator=g)
             opt.zero_grad()
@@ -230,14 +230,7 @@ def test_a_one_step_learning_rate_jump_is_an_update_ratio_jump_named_by_layer():
     g = torch.Generator().manual_seed(0)
     ratios: list[dict[str, float]] = []
     bump_at = 300
-    config = dict(
-        sample_every=1,
-        min_sample_interval_s=0.0,
-        update_norm_interval_s=0.0,
-        update_norm_max_bytes=2**30,
-        summary_at_exit=False,
-    )
-    with hookprof.attach(model, port=0, **config) as prof:
+    with hookprof.attach(model, port=0, sample_every=1, **EVERY_UPDATE) as prof:
         for step in range(1, 341):
             for group in opt.param_groups:
                 group["lr"] = 0.01 * (40.0 if step == bump_at else 1.0)

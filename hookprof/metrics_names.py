@@ -196,6 +196,21 @@ PARAMETER_CHANGE_INFO = Metric(
     "The last check step counted by hookprof_parameter_changes_outside_update_total: the first "
     "parameter, in the model's order, whose bits changed, and how many parameters changed",
 )
+PARAMETER_CHANGE_TIMESTAMP = Metric(
+    "hookprof_parameter_change_timestamp_seconds",
+    "gauge",
+    ("rank",),
+    "Unix time at which the change in hookprof_parameter_change_info was judged (the alert "
+    "fires for 30 minutes from it, whatever the scrapes missed)",
+)
+PARAMETER_WATCHES_TOTAL = Metric(
+    "hookprof_parameter_watches_total",
+    "counter",
+    ("rank", "result"),
+    "Check steps whose parameters were watched from the first forward to the update, by "
+    "result: compared, or not_compared (no optimizer hook, a forward inside a closure, a "
+    "compiled model's forward, a parameter replaced meanwhile)",
+)
 REPLAY_CHECKS_TOTAL = Metric(
     "hookprof_replay_checks_total",
     "counter",
@@ -211,6 +226,13 @@ REPLAY_MISMATCH_INFO = Metric(
     ("rank", "layer", "step", "deterministic"),
     "The last check step whose replay did not reproduce its forward: the first layer whose "
     "output differed, and whether torch's deterministic algorithms were on (always 1)",
+)
+REPLAY_MISMATCH_TIMESTAMP = Metric(
+    "hookprof_replay_mismatch_timestamp_seconds",
+    "gauge",
+    ("rank",),
+    "Unix time at which the mismatch in hookprof_replay_mismatch_info was judged (the alert "
+    "fires for 30 minutes from it, whatever the scrapes missed)",
 )
 INTERNAL_ERRORS_TOTAL = Metric(
     "hookprof_internal_errors_total",

@@ -223,8 +223,10 @@ class ParameterChange:
     parameter: str
     """The first parameter, in the model's `named_parameters` order, whose bits changed."""
     changed: int
-    """How many parameters changed: one or a few is what a flipped bit does; all of them, a
-    write of the loop's own (a sharpness-aware optimizer's perturbation)."""
+    """How many parameters changed: one or a few is what a flipped bit does; many, a write of
+    the loop's own that torch did not see (through `.data`)."""
+    time: float = 0.0
+    """When the publisher judged it (Unix seconds): the alert's 30 minutes count from it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +240,8 @@ class ReplayMismatch:
     deterministic: bool
     """Were torch's deterministic algorithms on? Off, a nondeterministic kernel is a suspect
     beside the device."""
+    time: float = 0.0
+    """When the publisher judged it (Unix seconds): the alert's 30 minutes count from it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +298,10 @@ class Snapshot:
     the check is off)."""
     parameter_change: ParameterChange | None = None
     """The last of those."""
+    parameter_watches: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    """Check steps whose parameters were watched from the forward to the update, by result
+    ("compared", "not_compared": no update hook, a closure's forward, a compiled model's,
+    a parameter replaced); empty while the check is off."""
     replay_checks: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     """The replay check's steps by result ("reproduced", "not_reproduced", "not_compared");
     empty while the check is off (Config.sdc_check_interval_s)."""

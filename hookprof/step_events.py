@@ -22,11 +22,13 @@ from hookprof.compiled import explain_compiled_forward
 from hookprof.distributed import with_other_ranks
 from hookprof.efficiency.figures import StepEfficiency
 from hookprof.faults import Faults, ThreadSupervisor, guarded
+from hookprof.integrity.fingerprint import write_marks
 from hookprof.integrity.replay_check import (
     COMPILED_REGIONS,
     INPUTS_EDITED,
     NO_RECORD,
     NO_UPDATE_HOOK,
+    PARAMETERS_WRITTEN,
     REPLAY_FAILED,
     SEVERAL_RANKS,
     SHARDED,
@@ -233,6 +235,11 @@ class StepEvents:
 
     def on_any_update_done(self, owned: bool) -> None:
         self._nan.update_done(owned)
+        if not owned and self._replicas is not None and self._replicas.holding:
+            # another model's update inside the parameter watch's window: what came before
+            # it (a GAN's clamp of this model) is another step's; the window starts again
+            self._replicas.restart()
+            self._hold_on_forward = True
 
     def on_optimizer_returned(self) -> None:
         if self._phases.progress.where[1] == OPTIMIZER:
@@ -372,7 +379,8 @@ class StepEvents:
         assert check is not None
         if check.wants_forward and model is not None:
             captured = self._nan.replay.capture(args, kwargs, entry, also_when_done=True)
-            check.note_forward(captured, state_at_forward_start(model))
+            marks = write_marks(list(model.parameters()))
+            check.note_forward(captured, state_at_forward_start(model), marks)
         else:
             check.note_forward(None, None)
         if check.refused is not None or not check.armed:
@@ -385,6 +393,7 @@ class StepEvents:
         buffers put back), its layers' outputs compared with the step's own on the device."""
         check = self._replay_check
         assert check is not None
+        marks = check.marks
         step, captured, start = check.take()
         record, model = self._sampled.record, self._nan.replay.model
         try:
@@ -393,6 +402,9 @@ class StepEvents:
                 return
             if captured.changed_in_place():
                 self._submit_replay(check.refusal(step, INPUTS_EDITED), ())
+                return
+            if marks != write_marks(list(model.parameters())):
+                self._submit_replay(check.refusal(step, PARAMETERS_WRITTEN), ())
                 return
             own = self._sampled.new_record()
             try:

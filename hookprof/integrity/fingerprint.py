@@ -66,16 +66,38 @@ def device_fingerprints(
     return out
 
 
+# a parameter's marks of a write the program made (write_marks)
+Mark = tuple[int, int]
+
+
+def write_marks(params: Sequence[torch.Tensor]) -> list[Mark]:
+    """What changes, on the host, when a program writes a parameter where torch sees it: its
+    version counter (any in-place op on it) and its data's address (new data assigned, as
+    MoCo's `param.data = ...`). A flipped bit in a device's memory changes neither; a write
+    through `.data` neither (its version counter is another's)."""
+    marks = []
+    for p in params:
+        t = getattr(p, "_local_tensor", p)  # (a DTensor's shard)
+        marks.append((t._version, t.data_ptr()))
+    return marks
+
+
 def changed_parameters(
-    before: list[tuple[list[int], torch.Tensor]], after: list[tuple[list[int], torch.Tensor]]
+    before: list[tuple[list[int], torch.Tensor]],
+    after: list[tuple[list[int], torch.Tensor]],
+    compared: Sequence[bool] | None = None,
 ) -> list[torch.Tensor]:
     """Per device, from two `parameter_sums` of the same parameters: (how many changed, the
     position in `params` of the first that did; with none, a position past them all), as
-    float64 on the device (exact), nothing read back."""
+    float64 on the device (exact), nothing read back. `compared`: per position in `params`,
+    whether it counts (None: all do)."""
     out = []
     with torch.no_grad():
         for (where, old), (_, new) in zip(before, after, strict=True):
             changed = old != new
+            if compared is not None and not all(compared[i] for i in where):
+                kept = index_to_device([int(compared[i]) for i in where], old.device)
+                changed = changed & kept.bool()
             positions = index_to_device(where, old.device)  # (no sync on CUDA)
             first = torch.where(changed, positions, NONE_CHANGED).min()
             out.append(torch.stack([changed.sum(), first]).to(torch.float64))
@@ -101,16 +123,17 @@ def combine(values: Sequence[float]) -> int:
 
 
 def parameter_change(
-    step: int, values: Sequence[float], names: Sequence[str]
+    step: int, values: Sequence[float], names: Sequence[str], now: float = 0.0
 ) -> ParameterChange | None:
     """The host's reading of `changed_parameters` ([count, first, count, first, ...], one pair
-    per device; `names`: the parameters the positions are of): the change, or None."""
+    per device; `names`: the parameters the positions are of), judged at `now` (Unix
+    seconds): the change, or None."""
     pairs = [(int(values[k]), int(values[k + 1])) for k in range(0, len(values), 2)]
     changed = sum(count for count, _ in pairs)
     if not changed:
         return None
     first = min(position for count, position in pairs if count)
-    return ParameterChange(step, names[first], changed)
+    return ParameterChange(step, names[first], changed, now)
 
 
 def replica_group(named_params: Sequence[tuple[str, torch.Tensor]], run: str, group: str) -> str:

@@ -19,6 +19,7 @@ compares the ranks instead.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -45,6 +46,8 @@ COMPILED_REGIONS = "layers inside compiled regions (their eager replay is not wh
 CALLS_DIFFER = "the replay called other layers than the step (state the forward kept in Python)"
 REPLAY_FAILED = "the replay raised"
 INPUTS_EDITED = "an input of the forward was edited in place since it began"
+# (a momentum encoder MoCo's forward updates: a replay would update it twice)
+PARAMETERS_WRITTEN = "the forward wrote parameters (a replay would write them again)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,7 @@ class ReplayCheck:
         self.step: int | None = None  # the check step in progress
         self._captured: Any = None
         self._start: Any = None  # the modules' state as the forward began
+        self.marks: Any = None  # the parameters' write marks then (fingerprint.write_marks)
         self._forwards = 0
         self.refused: str | None = None
 
@@ -81,25 +85,25 @@ class ReplayCheck:
 
     def begin(self, number: int, refused: str | None = None) -> None:
         self.step, self._forwards, self.refused = number, 0, refused
-        self._captured = self._start = None
+        self._captured = self._start = self.marks = None
 
     @property
     def wants_forward(self) -> bool:
         """Is the next training forward one to capture (the check step's first)?"""
         return self.step is not None and self.refused is None and self._forwards == 0
 
-    def note_forward(self, captured: Any, start: Any) -> None:
+    def note_forward(self, captured: Any, start: Any, marks: Any = None) -> None:
         """A training forward of the armed check step began; `captured`: its inputs and RNG
         state (nonfinite/replay.py CapturedForward), `start`: the modules' state then
-        (state_at_forward_start). A second forward (micro-batches) makes the step one a
-        single replay cannot match: nothing is kept."""
+        (state_at_forward_start), `marks`: its parameters' write marks then. A second forward
+        (micro-batches) makes the step one a single replay cannot match: nothing is kept."""
         if self.step is None:
             return  # (a forward after the comparison, a closure's: not the check's)
         self._forwards += 1
         if self._forwards == 1:
-            self._captured, self._start = captured, start
+            self._captured, self._start, self.marks = captured, start, marks
         else:
-            self._captured = self._start = None
+            self._captured = self._start = self.marks = None
             self.refused = SEVERAL_FORWARDS
 
     def take(self) -> tuple[int, Any, Any]:
@@ -113,7 +117,7 @@ class ReplayCheck:
         return step, captured, start
 
     def refusal(self, step: int, reason: str) -> Comparison:
-        self.step, self._captured, self._start = None, None, None
+        self.step, self._captured, self._start, self.marks = None, None, None, None
         return Comparison(step, refused=reason)
 
     def compare(
@@ -181,7 +185,7 @@ class ReplayVerdicts:
         layer = comparison.layers[first]
         self.counts[NOT_REPRODUCED] += 1
         self.last_mismatch = ReplayMismatch(
-            comparison.step, self.names[layer], comparison.deterministic
+            comparison.step, self.names[layer], comparison.deterministic, time.time()
         )
         return NOT_REPRODUCED
 

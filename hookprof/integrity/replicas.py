@@ -43,12 +43,14 @@ from torch import nn
 
 from hookprof.distributed import with_other_ranks
 from hookprof.integrity.fingerprint import (
+    Mark,
     changed_parameters,
     device_fingerprints,
     halves,
     parameter_sums,
     replica_group,
     run_identity,
+    write_marks,
 )
 from hookprof.step.plan import aligned_period
 
@@ -107,7 +109,7 @@ class ReplicaCheck:
         self._weights: dict[Any, torch.Tensor] = {}
         # the parameters watched from the check step's forward to its update: their names and
         # identities, and their sums at the forward's start (None: not watching)
-        self._held: tuple[list[tuple[str, int]], list[DeviceSums]] | None = None
+        self._held: tuple[list[tuple[str, int]], list[Mark], list[DeviceSums]] | None = None
         # per device, (how many changed, the first's position) once released, and the names
         # the positions are of; packed with the step's fingerprint
         self.changes: tuple[list[torch.Tensor], list[str]] | None = None
@@ -146,23 +148,38 @@ class ReplicaCheck:
         """The check step's first training forward begins: the watched parameters' bits summed
         (on the device), to be compared as its update begins."""
         names, params = self._watched()
-        self._held = (list(zip(names, map(id, params))), parameter_sums(params))
+        self._held = (
+            list(zip(names, map(id, params))),
+            write_marks(params),
+            parameter_sums(params),
+        )
+
+    def restart(self) -> None:
+        """An optimizer that does not own the model stepped inside the window (a GAN's other
+        model, steps ended by optimizers): what came before its update is another step's
+        (the caller holds again at the next training forward)."""
+        self._held = None
 
     def release(self) -> None:
         """The check step's first update begins: which watched parameters changed since its
-        forward began (`changes`, on the device; nothing read back). A parameter replaced
-        meanwhile (another tensor under the same names) is not compared."""
+        forward began (`changes`, on the device; nothing read back). Not compared (`changes`
+        stays None): a parameter replaced meanwhile (another tensor under the same names).
+        A parameter the program wrote where torch sees it (an in-place op, which moves its
+        version counter, or new data assigned) is the program's, never counted: a device's
+        memory moves no counter."""
         assert self._held is not None
-        held, before = self._held
+        held, marks, before = self._held
         self._held = None
         names, params = self._watched()
         if list(zip(names, map(id, params))) != held:
             return
-        self.changes = (changed_parameters(before, parameter_sums(params)), names)
+        untouched = [old == new for old, new in zip(marks, write_marks(params))]
+        self.changes = (changed_parameters(before, parameter_sums(params), untouched), names)
 
     def _watched(self) -> tuple[list[str], list[torch.Tensor]]:
-        """The parameters a forward and backward must leave as they are: the model's, less
-        those of embeddings that renormalise their rows in place (max_norm)."""
+        """The parameters a forward and backward must leave as they are: the model's that
+        train (a momentum encoder's, which MoCo's forward updates, do not), less those of
+        embeddings that renormalise their rows in place (max_norm)."""
         model = self._model()
         if model is None:
             return [], []
@@ -172,5 +189,7 @@ class ReplicaCheck:
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
             for p in m.parameters(recurse=False)
         }
-        kept = [(n, p) for n, p in model.named_parameters() if id(p) not in renormed]
+        kept = [
+            (n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in renormed
+        ]
         return [n for n, _ in kept], [p for _, p in kept]

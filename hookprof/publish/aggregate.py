@@ -7,6 +7,7 @@ updates StepCounters, nothing else.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -175,6 +176,7 @@ class Aggregator:
         # last (counted from 0 when the checks are on: a group is given)
         self.parameter_changes: int | None = 0 if replica_group else None
         self.parameter_change: ParameterChange | None = None
+        self.parameter_watches = {"compared": 0, "not_compared": 0} if replica_group else {}
         # the replay check's verdicts, when the checks are on (a group is given)
         self.replay = ReplayVerdicts(names) if replica_group else None
         # layers with every figure, beyond the non-finite ones (None: all); the others on the
@@ -285,10 +287,14 @@ class Aggregator:
 
     def _judge_changes(self, packet: Packet) -> None:
         """A check step's parameters changed between its forward and its update? (counted)"""
-        if not packet.changed_parts or self.parameter_changes is None:
+        if self.parameter_changes is None:
+            return
+        result = "compared" if packet.changed_parts else "not_compared"
+        self.parameter_watches[result] += 1
+        if not packet.changed_parts:
             return
         values = [v for k in range(packet.changed_parts) for v in packet.batch.get(("changed", k))]
-        change = parameter_change(packet.step, values, packet.changed_names)
+        change = parameter_change(packet.step, values, packet.changed_names, time.time())
         if change is not None:
             self.parameter_changes += 1
             self.parameter_change = change
@@ -723,6 +729,7 @@ class Aggregator:
             parameter_fingerprint=self.fingerprint,
             parameter_changes=self.parameter_changes,
             parameter_change=self.parameter_change,
+            parameter_watches=MappingProxyType(dict(self.parameter_watches)),
             replay_checks=self.replay.view() if self.replay is not None else MappingProxyType({}),
             replay_mismatch=self.replay.last_mismatch if self.replay is not None else None,
         )

@@ -26,7 +26,10 @@ a learning rate's warm-up, which raises every ratio steadily, stays well under t
 event per step however many layers jump, naming the one whose z-score is highest; it lasts
 while any layer that jumped stays above half the threshold and half the margin when next
 measured. Its values arrive once per measurement (about every `update_norm_interval_s`), so
-its baseline takes longer to build than the every-step series'.
+its baseline takes longer to build than the every-step series'. A ratio of exactly 0 (no
+update at all: a multi-task head whose task was not in the step, a learning rate of 0, an
+expert that got no tokens) is neither judged nor kept: a layer updated on some steps only is
+judged against its updates alone, and one unfrozen mid-run from 20 of its updates on.
 """
 
 from __future__ import annotations
@@ -143,8 +146,10 @@ class SpikeWatch:
         self._judged[kind] = step
         worst: SpikeEvent | None = None
         for layer, value in ratios.items():
-            if not math.isfinite(value):
-                continue  # (a NaN update is the NaN checks')
+            if not math.isfinite(value) or value == 0:
+                # a NaN update is the NaN checks'; no update at all (a head without its task
+                # this step, lr 0, an expert without tokens) is no baseline and no jump
+                continue
             window = self._layer_windows.get(layer)
             if window is None:
                 window = self._layer_windows[layer] = _Window(self._layer_window_size)

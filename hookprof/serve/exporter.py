@@ -191,6 +191,7 @@ class SnapshotCollector(Collector):
                 [rank, mismatch.layer, str(mismatch.step), str(mismatch.deterministic).lower()], 1
             )
             yield info
+            yield _one(names.REPLAY_MISMATCH_TIMESTAMP, rank, mismatch.time)
         if snap.parameter_fingerprint is not None:  # Config.sdc_check_interval_s
             fp = snap.parameter_fingerprint
             for metric, value in (
@@ -203,11 +204,17 @@ class SnapshotCollector(Collector):
 
         if snap.parameter_changes is not None:  # (counted from 0 while the check is on)
             yield _one(names.PARAMETER_CHANGES_OUTSIDE_UPDATE_TOTAL, rank, snap.parameter_changes)
+        if snap.parameter_watches:
+            watches = family(names.PARAMETER_WATCHES_TOTAL)
+            for result, steps in snap.parameter_watches.items():
+                watches.add_metric([rank, result], steps)
+            yield watches
         if snap.parameter_change is not None:
             change = snap.parameter_change
             info = family(names.PARAMETER_CHANGE_INFO)
             info.add_metric([rank, change.parameter, str(change.step), str(change.changed)], 1)
             yield info
+            yield _one(names.PARAMETER_CHANGE_TIMESTAMP, rank, change.time)
         yield from live  # hookprof_internal_errors_total
         yield _one(names.LAYERS, rank, len(snap.layers))
         yield _one(names.LAYERS_EXPORTED, rank, len(snap.exported_layers) + len(snap.timed_layers))

@@ -64,6 +64,22 @@ def train(model, prof, steps: int, during=None, between=None, in_backward=False)
             handle.remove()
 
 
+def lbfgs_steps(model, prof, steps: int) -> None:
+    """A closure optimizer's steps: the forward runs inside optimizer.step()."""
+    lbfgs = torch.optim.LBFGS(model.parameters(), max_iter=2)
+    x = torch.randn(4, 8)
+
+    def closure():
+        lbfgs.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    for _ in range(steps):
+        lbfgs.step(closure)
+        prof.step()
+
+
 def watched(model, steps: int = 12, **kwargs):
     with hookprof.attach(model, port=0, sdc_check_interval_s=EVERY_STEP) as prof:
         train(model, prof, steps, **kwargs)
@@ -124,10 +140,13 @@ def test_a_flip_between_an_update_and_the_next_forward_is_outside_the_window():
     assert "hookprof_parameter_change_info" not in page
 
 
-def test_a_perturbation_undone_inexactly_counts_every_parameter_it_touched():
+@pytest.mark.parametrize("through", ["in-place", ".data"])
+def test_a_perturbation_undone_inexactly_is_the_programs_where_torch_sees_it(through):
     """A sharpness-aware step's perturbation, added after the backward and taken off before
-    the update, does not always give the same bits back: a write of the loop's own, which the
-    `changed` count tells from a flipped bit."""
+    the update, does not always give the same bits back. Written with in-place ops (which
+    move the parameters' version counters) it is the program's, never counted; written
+    through `.data` (which torch does not see) it is counted, and `changed` says it touched
+    many parameters, not one."""
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     params = list(model.parameters())
@@ -140,7 +159,8 @@ def test_a_perturbation_undone_inexactly_counts_every_parameter_it_touched():
             before = [p.detach().clone() for p in params]
             with torch.no_grad():  # the perturbation, then taken off, before the update
                 for p in params:
-                    p.add_(torch.full_like(p, 1e-3 / 3)).sub_(torch.full_like(p, 1e-3 / 3))
+                    t = p if through == "in-place" else p.data
+                    t.add_(torch.full_like(p, 1e-3 / 3)).sub_(torch.full_like(p, 1e-3 / 3))
             inexact.append(sum(not torch.equal(b, p) for b, p in zip(before, params)))
             opt.step()
             prof.step()
@@ -148,6 +168,9 @@ def test_a_perturbation_undone_inexactly_counts_every_parameter_it_touched():
         snap = prof.snapshot()
     checked = inexact[1:]  # (the first step only starts the check's clock)
     assert any(checked)  # (else the test tells nothing)
+    if through == "in-place":
+        assert snap.parameter_changes == 0 and snap.parameter_change is None
+        return
     assert snap.parameter_changes == sum(1 for n in checked if n)
     last = [n for n in checked if n][-1]  # (the last change is the one kept)
     assert snap.parameter_change is not None and snap.parameter_change.changed == last
@@ -208,18 +231,7 @@ def test_loops_that_leave_parameters_alone_count_nothing():
             first.zero_grad()
             second.zero_grad()
             prof.step()
-        lbfgs = torch.optim.LBFGS(gan.parameters(), max_iter=3)
-        x = torch.randn(4, 8)
-
-        def closure():
-            lbfgs.zero_grad()
-            loss = gan(x).square().mean()
-            loss.backward()
-            return loss
-
-        for _ in range(5):
-            lbfgs.step(closure)
-            prof.step()
+        lbfgs_steps(gan, prof, 5)
         prof.flush()
         snap = prof.snapshot()
     assert snap.parameter_changes == 0
@@ -237,3 +249,139 @@ def test_a_fault_in_the_watch_costs_the_check_alone(monkeypatch):
     errors = errors_by_part(page)
     assert errors["integrity"] >= 1
     assert all(n == 0 for part, n in errors.items() if part != "integrity")
+
+
+class MomentumEncoder(nn.Module):
+    """MoCo's pattern: a key encoder, updated inside the forward (`param.data = ...`, under
+    no_grad) as a moving average of the query encoder; it never trains. `in_place`: the
+    same update written into `.data` in place (no new data, no version counter moved)."""
+
+    def __init__(self, in_place: bool = False):
+        super().__init__()
+        self.in_place = in_place
+        self.q = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.k = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.k.load_state_dict(self.q.state_dict())
+        for p in self.k.parameters():
+            p.requires_grad = False
+
+    def forward(self, x):
+        with torch.no_grad():
+            for pq, pk in zip(self.q.parameters(), self.k.parameters()):
+                if self.in_place:
+                    pk.data.mul_(0.99).add_(pq.data * 0.01)
+                else:
+                    pk.data = pk.data * 0.99 + pq.data * 0.01
+            keys = self.k(x)
+        return (self.q(x) * keys).sum(1)
+
+
+def test_a_momentum_encoder_updated_in_the_forward_is_neither_a_change_nor_replayed():
+    """Found in review: MoCo's key encoder is written by the forward itself. It never trains,
+    so the watch leaves it out; the replay check would update it a second time, so it is not
+    run (not_compared, with the reason), and training is the same, bit for bit, as without
+    hookprof."""
+
+    def losses(attach: bool):
+        torch.manual_seed(0)
+        model = MomentumEncoder()
+        opt = torch.optim.SGD(model.q.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(3)
+        out = []
+        prof = hookprof.attach(model, port=0, sdc_check_interval_s=EVERY_STEP) if attach else None
+        try:
+            for _ in range(12):
+                opt.zero_grad()
+                loss = model(torch.randn(4, 8, generator=g)).square().mean()
+                loss.backward()
+                opt.step()
+                out.append(loss.detach().clone())
+                if prof is not None:
+                    prof.step()
+            if prof is None:
+                return out, None
+            prof.flush()
+            return out, prof.snapshot()
+        finally:
+            if prof is not None:
+                prof.detach()
+
+    bare, _ = losses(False)
+    watched_losses, snap = losses(True)
+    assert all(torch.equal(a, b) for a, b in zip(bare, watched_losses))
+    assert snap.parameter_changes == 0 and snap.parameter_watches["compared"] == 11
+    assert snap.replay_checks["not_reproduced"] == 0
+    assert snap.replay_checks["not_compared"] == 11
+
+
+def test_a_momentum_encoder_written_in_place_through_data_is_not_watched():
+    """The same update written into `.data` in place moves nothing torch sees: the watch
+    leaves the encoder out as it never trains (the replay check cannot tell: docs/integrity.md)."""
+    torch.manual_seed(0)
+    model = MomentumEncoder(in_place=True)
+    opt = torch.optim.SGD(model.q.parameters(), lr=0.05)
+    with hookprof.attach(model, port=0, sdc_check_interval_s=EVERY_STEP) as prof:
+        for _ in range(8):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            prof.step()
+        prof.flush()
+        snap = prof.snapshot()
+    assert snap.parameter_changes == 0 and snap.parameter_watches["compared"] == 7
+
+
+def test_a_gan_whose_steps_end_at_the_optimizers_clamps_outside_the_window():
+    """Found in review: WGAN's loop with the critic attached and no prof.step(). The critic's
+    forward in the generator's phase begins hookprof's next step; the next critic iteration
+    clamps the critic's weights before its own forward. The generator's update (an optimizer
+    that does not own the critic) starts the window again, so the clamp is outside it."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    generator = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt_c = torch.optim.RMSprop(critic.parameters(), lr=5e-3)
+    opt_g = torch.optim.RMSprop(generator.parameters(), lr=5e-3)
+    g = torch.Generator().manual_seed(0)
+    with hookprof.attach(critic, port=0, sdc_check_interval_s=EVERY_STEP) as prof:
+        for _ in range(8):
+            for _ in range(3):  # critic iterations, weights clipped first
+                with torch.no_grad():
+                    for p in critic.parameters():
+                        p.data.clamp_(-0.05, 0.05)
+                real = torch.randn(8, 4, generator=g)
+                fake = generator(torch.randn(8, 2, generator=g)).detach()
+                opt_c.zero_grad()
+                (critic(fake).mean() - critic(real).mean()).backward()
+                opt_c.step()
+            opt_g.zero_grad()
+            (-critic(generator(torch.randn(8, 2, generator=g))).mean()).backward()
+            opt_g.step()
+        prof.flush()
+        snap = prof.snapshot()
+    assert snap.parameter_watches["compared"] >= 10
+    assert snap.parameter_changes == 0, snap.parameter_change
+
+
+def test_where_nothing_can_be_watched_it_says_so():
+    """A compiled model's forward (the root hooks run while Dynamo traces only) and a closure
+    optimizer's (its forward runs inside its step): counted not_compared, never a silent 0."""
+    torch.manual_seed(0)
+    model = small_model()
+    with hookprof.attach(model, port=0, sdc_check_interval_s=EVERY_STEP) as prof:
+        compiled = torch.compile(model, backend="aot_eager")
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        for _ in range(6):
+            opt.zero_grad()
+            compiled(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            prof.step()
+        lbfgs_steps(model, prof, 4)
+        prof.flush()
+        snap = prof.snapshot()
+        page = parse(scrape(prof.url))
+    watches = snap.parameter_watches
+    assert watches["compared"] == 0 and watches["not_compared"] == snap.step - 1
+    assert {s.labels["result"]: s.value for s in page["hookprof_parameter_watches"].samples} == {
+        "compared": 0.0,
+        "not_compared": float(snap.step - 1),
+    }

@@ -189,16 +189,29 @@ def test_a_healthy_run_with_warm_up_and_a_cosine_schedule_raises_none():
     assert set(snap.spikes) == {"loss_spike", "grad_norm_spike", "update_ratio_jump"}
 
 
+def layer_ratios(layers: dict[str, nn.Module], before: dict[str, list[torch.Tensor]]):
+    """Each layer's ||after - before|| / ||after|| over its parameters, in float64."""
+    return {
+        n: math.sqrt(
+            sum(float((p - b).double().square().sum()) for p, b in zip(m.parameters(), before[n]))
+            / sum(float(p.double().square().sum()) for p in m.parameters())
+        )
+        for n, m in layers.items()
+    }
+
+
 def update_ratio_jumps(ratios: list[dict[str, float]], threshold: float = 12.0):
     """(first step, layer) of each update ratio jump event, by the rule docs/nonfinite.md
-    gives: each layer against its own last 64 ratios, from 20 of them on, 3x the median; one
-    event per step, the layer of the highest z named."""
+    gives: each layer against its own last 64 nonzero ratios, from 20 of them on, 3x the
+    median; one event per step, the layer of the highest z named."""
     seen: dict[str, list[float]] = {}
     inside: dict[str, bool] = {}
     events, in_event = [], False
     for step, by_layer in enumerate(ratios, 1):
         worst = None
         for layer, x in by_layer.items():
+            if x == 0:
+                continue  # no update at all: neither judged nor kept
             history = seen.setdefault(layer, [])
             if len(history) >= 20:
                 w = np.array(history[-64:])
@@ -239,18 +252,7 @@ def test_a_one_step_learning_rate_jump_is_an_update_ratio_jump_named_by_layer():
             nn.functional.mse_loss(model(x), x[:, :4]).backward()
             before = {n: [p.detach().clone() for p in m.parameters()] for n, m in layers.items()}
             opt.step()
-            ratios.append(
-                {
-                    n: math.sqrt(
-                        sum(
-                            float((p - b).double().square().sum())
-                            for p, b in zip(m.parameters(), before[n])
-                        )
-                        / sum(float(p.double().square().sum()) for p in m.parameters())
-                    )
-                    for n, m in layers.items()
-                }
-            )
+            ratios.append(layer_ratios(layers, before))
             prof.step()
         prof.flush()
         snap = prof.snapshot()
@@ -276,6 +278,52 @@ def test_a_one_step_learning_rate_jump_is_an_update_ratio_jump_named_by_layer():
     (line,) = [x for x in header_lines([table.header]) if "spikes" in x]
     assert f"update ratio jump {len(expected)} (latest from step {expected[-1][0]})" in line
     assert line.strip() in summary_text(snap, "Sequential")
+
+
+class MultiTask(nn.Module):
+    """A trunk and one head per task; each step trains one task, so the other heads get no
+    gradient and, under AdamW, no update at all (a ratio of exactly 0)."""
+
+    def __init__(self, tasks: int = 5):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.heads = nn.ModuleList(nn.Linear(32, 1) for _ in range(tasks))
+        self.task = 0
+
+    def forward(self, x):
+        return self.heads[self.task](self.trunk(x))
+
+
+def test_heads_updated_on_some_steps_only_raise_no_jump_and_hide_none():
+    """Found in review: a head without its task this step updates by exactly 0; such zeros in
+    a layer's window made a median of 0 and an infinite z the next time it trained, an event
+    from step 21 that never ended, and a real jump went uncounted. Zeros are left out: the
+    healthy steps raise nothing and a learning rate 40x too large for one step is a jump."""
+    torch.manual_seed(0)
+    model = MultiTask()
+    leaves = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    ratios: list[dict[str, float]] = []
+    bump_at = 300
+    with hookprof.attach(model, port=0, sample_every=1, **EVERY_UPDATE) as prof:
+        for step in range(1, 331):
+            model.task = step % len(model.heads)
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 * (40.0 if step == bump_at else 1.0)
+            x = torch.randn(16, 16, generator=g)
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), x[:, :1]).backward()
+            before = {n: [p.detach().clone() for p in m.parameters()] for n, m in leaves.items()}
+            opt.step()
+            ratios.append(layer_ratios(leaves, before))
+            prof.step()
+        prof.flush()
+        snap = prof.snapshot()
+    expected = update_ratio_jumps(ratios)
+    assert [step for step, _ in expected] == [bump_at], expected
+    jump = snap.spikes["update_ratio_jump"]
+    assert jump.count == 1 and (jump.first.step, jump.first.layer) == expected[0]
 
 
 def test_spikes_off():

@@ -32,6 +32,8 @@ EXPORTED_ONLY_SOMETIMES = {
     "hookprof_spike_last_step",
     "hookprof_replay_mismatch_info",
     "hookprof_parameter_change_info",  # (a change only: tests/system/test_replica_check_ranks.py)
+    "hookprof_parameter_change_timestamp_seconds",
+    "hookprof_replay_mismatch_timestamp_seconds",
 }
 
 

@@ -9,6 +9,8 @@ until told to stop, and stop after the same step."""
 
 from __future__ import annotations
 
+import time
+
 from support.ranks import torchrun_environment, train_in_step
 
 FLIP_STEP = 20  # the flip comes after this step's update (before the first check), or in it
@@ -59,6 +61,10 @@ def run_rank(rank, world, master_port, base_port, flip_rank, in_forward, out, go
             steps[0] += 1
             if not in_forward and steps[0] == FLIP_STEP:
                 flip()  # after step FLIP_STEP's update
+            if in_forward and steps[0] > FLIP_STEP:
+                # every step is a check step: both ranks sit on one for a second, so that
+                # scrapes of the two find them at the same step (the replicas' comparison)
+                time.sleep(1.0)
 
         one_step()
         out.put((rank, prof.url))

@@ -14,14 +14,18 @@ as the check step's first training forward begins (`hold`) and again as its firs
 update begins (`release`); between the two only the forward and backward ran, which read the
 parameters and never write them. A parameter whose sum changed was written outside the
 optimizer: by this rank's memory or device (silent data corruption), or by the loop's own
-code (a sharpness-aware optimizer's perturbation undone inexactly, a clamp put between the
-backward and the update). The rank names itself, whatever the number of replicas, and the
-first parameter that changed (exported as `hookprof_parameter_changes_outside_update_total`
-and `hookprof_parameter_change_info`; alert HookprofParametersChangedOutsideUpdate). What
-this window cannot see: a write between an update and the next forward (the loop's clamps
-and loads belong there, so it is not watched) or one inside the update itself; of two
-replicas, those are told only as a disagreement. Parameters that a forward renormalises in
-place by design (`nn.Embedding(max_norm=...)`) are left out of the watch.
+code through `.data`, which torch does not see. The rank names itself, whatever the number
+of replicas, and the first parameter that changed (exported as
+`hookprof_parameter_changes_outside_update_total` and `hookprof_parameter_change_info`;
+alert HookprofParametersChangedOutsideUpdate). Left out: parameters that do not train (a
+momentum encoder MoCo's forward updates), those a forward renormalises in place by design
+(`nn.Embedding(max_norm=...)`), and any parameter the program wrote where torch sees it (its
+version counter or its data's address moved, read on the host: an in-place op,
+`param.data = ...`), which is the program's; a device's memory moves neither. Another model's
+optimizer stepping inside the window (a GAN's) starts it again at the next forward. What the
+window cannot see: a write between an update and the next forward (the loop's clamps and
+loads belong there, so it is not watched) or one inside the update itself; of two replicas,
+those are told only as a disagreement.
 
 Which steps: the multiples of a power of two of steps that lasts the interval at the run's
 mean step time (step/plan.py `aligned_period`, as aligned sampling chooses its period), so

@@ -179,42 +179,7 @@ class SnapshotCollector(Collector):
                 last_spike.add_metric([rank, kind], count.last.step)
         yield spikes
         yield last_spike
-        if snap.replay_checks:  # Config.sdc_check_interval_s (each result from 0)
-            checks = family(names.REPLAY_CHECKS_TOTAL)
-            for result, steps in snap.replay_checks.items():
-                checks.add_metric([rank, result], steps)
-            yield checks
-        if snap.replay_mismatch is not None:
-            mismatch = snap.replay_mismatch
-            info = family(names.REPLAY_MISMATCH_INFO)
-            info.add_metric(
-                [rank, mismatch.layer, str(mismatch.step), str(mismatch.deterministic).lower()], 1
-            )
-            yield info
-            yield _one(names.REPLAY_MISMATCH_TIMESTAMP, rank, mismatch.time)
-        if snap.parameter_fingerprint is not None:  # Config.sdc_check_interval_s
-            fp = snap.parameter_fingerprint
-            for metric, value in (
-                (names.PARAMETER_FINGERPRINT, fp.value),
-                (names.PARAMETER_FINGERPRINT_STEP, fp.step),
-            ):
-                made = family(metric)
-                made.add_metric([rank, fp.replica_group], value)
-                yield made
-
-        if snap.parameter_changes is not None:  # (counted from 0 while the check is on)
-            yield _one(names.PARAMETER_CHANGES_OUTSIDE_UPDATE_TOTAL, rank, snap.parameter_changes)
-        if snap.parameter_watches:
-            watches = family(names.PARAMETER_WATCHES_TOTAL)
-            for result, steps in snap.parameter_watches.items():
-                watches.add_metric([rank, result], steps)
-            yield watches
-        if snap.parameter_change is not None:
-            change = snap.parameter_change
-            info = family(names.PARAMETER_CHANGE_INFO)
-            info.add_metric([rank, change.parameter, str(change.step), str(change.changed)], 1)
-            yield info
-            yield _one(names.PARAMETER_CHANGE_TIMESTAMP, rank, change.time)
+        yield from _integrity(snap, rank)  # Config.sdc_check_interval_s
         yield from live  # hookprof_internal_errors_total
         yield _one(names.LAYERS, rank, len(snap.layers))
         yield _one(names.LAYERS_EXPORTED, rank, len(snap.exported_layers) + len(snap.timed_layers))
@@ -296,6 +261,45 @@ class SnapshotCollector(Collector):
             for name, value in stat.values.items():
                 made.add_metric([rank, name], value)
             yield made
+
+
+def _integrity(snap: Snapshot, rank: str) -> Iterator[Metric]:
+    """The silent-corruption checks' families (hookprof/integrity/; Config.sdc_check_interval_s):
+    the replay check's results, the replicas' fingerprint and each rank's parameter watch."""
+    for metric, counts in (
+        (names.REPLAY_CHECKS_TOTAL, snap.replay_checks),  # (each result from 0 while on)
+        (names.PARAMETER_WATCHES_TOTAL, snap.parameter_watches),
+    ):
+        if counts:
+            made = family(metric)
+            for result, steps in counts.items():
+                made.add_metric([rank, result], steps)
+            yield made
+    if snap.replay_mismatch is not None:
+        mismatch = snap.replay_mismatch
+        info = family(names.REPLAY_MISMATCH_INFO)
+        info.add_metric(
+            [rank, mismatch.layer, str(mismatch.step), str(mismatch.deterministic).lower()], 1
+        )
+        yield info
+        yield _one(names.REPLAY_MISMATCH_TIMESTAMP, rank, mismatch.time)
+    if snap.parameter_fingerprint is not None:
+        fp = snap.parameter_fingerprint
+        for metric, value in (
+            (names.PARAMETER_FINGERPRINT, fp.value),
+            (names.PARAMETER_FINGERPRINT_STEP, fp.step),
+        ):
+            made = family(metric)
+            made.add_metric([rank, fp.replica_group], value)
+            yield made
+    if snap.parameter_changes is not None:  # (counted from 0 while the check is on)
+        yield _one(names.PARAMETER_CHANGES_OUTSIDE_UPDATE_TOTAL, rank, snap.parameter_changes)
+    if snap.parameter_change is not None:
+        change = snap.parameter_change
+        info = family(names.PARAMETER_CHANGE_INFO)
+        info.add_metric([rank, change.parameter, str(change.step), str(change.changed)], 1)
+        yield info
+        yield _one(names.PARAMETER_CHANGE_TIMESTAMP, rank, change.time)
 
 
 def _one(metric: names.Metric, rank: str, value: float) -> Metric:

@@ -196,7 +196,7 @@ PARAMETER_CHANGE_INFO = Metric(
     "The last check step counted by hookprof_parameter_changes_outside_update_total: the first "
     "parameter, in the model's order, whose bits changed, and how many parameters changed",
 )
-PARAMETER_CHANGE_TIMESTAMP = Metric(
+PARAMETER_CHANGE_TIMESTAMP_SECONDS = Metric(
     "hookprof_parameter_change_timestamp_seconds",
     "gauge",
     ("rank",),
@@ -227,7 +227,7 @@ REPLAY_MISMATCH_INFO = Metric(
     "The last check step whose replay did not reproduce its forward: the first layer whose "
     "output differed, and whether torch's deterministic algorithms were on (always 1)",
 )
-REPLAY_MISMATCH_TIMESTAMP = Metric(
+REPLAY_MISMATCH_TIMESTAMP_SECONDS = Metric(
     "hookprof_replay_mismatch_timestamp_seconds",
     "gauge",
     ("rank",),

@@ -282,7 +282,7 @@ def _integrity(snap: Snapshot, rank: str) -> Iterator[Metric]:
             [rank, mismatch.layer, str(mismatch.step), str(mismatch.deterministic).lower()], 1
         )
         yield info
-        yield _one(names.REPLAY_MISMATCH_TIMESTAMP, rank, mismatch.time)
+        yield _one(names.REPLAY_MISMATCH_TIMESTAMP_SECONDS, rank, mismatch.time)
     if snap.parameter_fingerprint is not None:
         fp = snap.parameter_fingerprint
         for metric, value in (
@@ -299,7 +299,7 @@ def _integrity(snap: Snapshot, rank: str) -> Iterator[Metric]:
         info = family(names.PARAMETER_CHANGE_INFO)
         info.add_metric([rank, change.parameter, str(change.step), str(change.changed)], 1)
         yield info
-        yield _one(names.PARAMETER_CHANGE_TIMESTAMP, rank, change.time)
+        yield _one(names.PARAMETER_CHANGE_TIMESTAMP_SECONDS, rank, change.time)
 
 
 def _one(metric: names.Metric, rank: str, value: float) -> Metric:

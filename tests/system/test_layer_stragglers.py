@@ -61,12 +61,17 @@ def _layer_alerts(prom: int) -> list[dict]:
 
 def test_the_layer_rule_names_rank_layer_and_phase(three_ranks_scraped):
     prom, scenario = three_ranks_scraped
-    ratios = {
-        (r["metric"]["rank"], r["metric"]["phase"]): float(r["value"][1])
-        for r in query(
-            prom, f'hookprof:layer_seconds_per_call:ratio_to_median_of_ranks3m{{layer="{LAYER}"}}'
-        )
-    }
+
+    def layer_ratios() -> dict[tuple[str, str], float]:
+        return {
+            (r["metric"]["rank"], r["metric"]["phase"]): float(r["value"][1])
+            for r in query(
+                prom,
+                f'hookprof:layer_seconds_per_call:ratio_to_median_of_ranks3m{{layer="{LAYER}"}}',
+            )
+        }
+
+    ratios = layer_ratios()
 
     def named(alerts: list[dict]) -> list[tuple[str, str]]:
         """(rank, phase) of the pending or firing alerts on the slowed layer. Alerts on
@@ -85,6 +90,9 @@ def test_the_layer_rule_names_rank_layer_and_phase(three_ranks_scraped):
     if scenario == "balanced":
         time.sleep(10)  # as long again as the slowed runs take to fire: still nothing
         assert named(_layer_alerts(prom)) == [], json.dumps(_layer_alerts(prom))
+        # the ratios once the window holds those 10 s more (read at once, seconds into the
+        # run, one contended stretch of a rank's backward put one at 1.37 under CI load)
+        ratios = layer_ratios()
         assert all(v < 1.3 for v in ratios.values()), ratios
         return
     alerts = wait_for(

@@ -246,9 +246,12 @@ class StepEvents:
             self._phases.enter(OTHER, self._clock())
 
     def on_loss(self, loss: Any) -> None:  # prof.step(loss), before the step ends
-        self._nan.check_loss(loss, self._counters.steps + 1)
-        if loss is not None:
-            self._series.loss(loss)
+        if loss is None:
+            return
+        # a loss on a device is copied into its slot of the step series' ring first, and
+        # checked there (float64, no grad: the same NaN/Inf, no `detach`)
+        kept = self._series.loss(loss)
+        self._nan.check_loss(loss if kept is None else kept, self._counters.steps + 1)
 
     def on_late_loss(self, loss: Any) -> None:
         """prof.step(loss) after the optimizer hook ended the step: this adds its loss."""
@@ -276,16 +279,16 @@ class StepEvents:
         if started_ns is None:  # a first step without a forward: no phases to tell
             self._phases.restart(now)
         start = started_ns if started_ns is not None else now
-        checked = dropped = None
+        checked = backward = None
         if not skipped:
-            checked, dropped = grads.at_step_end(
+            checked, backward = grads.at_step_end(
                 self._sampled.plan.sampled
             )  # (read, if no optimizer hook did)
             if grads.squares is not None and not grads.squares.seen and forward_seen:  # read: none
                 self._notices.say(
                     "no gradients", no_gradients_notice(self._model_type, grads.backward)
                 )
-        nan.at_step_end(checked, self._counters.steps + 1, dropped)
+        nan.at_step_end(checked, self._counters.steps + 1, backward)
         duration_s = (now - start) * 1e-9
         number = self._counters.observe(duration_s, self._wall_clock(), skipped)
         # an update held back on the host changed no weight: like a GradScaler skip, no update

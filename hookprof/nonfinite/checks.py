@@ -40,7 +40,7 @@ from hookprof.nonfinite.replay import (
     own_weights_nonfinite,
 )
 from hookprof.nonfinite.traced import TracedOutputCheck
-from hookprof.step.gradients import DroppedCheck, Reading
+from hookprof.step.gradients import Reading
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import Packet, StepRecord, pack_step
 
@@ -143,7 +143,10 @@ class NonfiniteChecks:
         """A training forward returned: one reduction of the model's output, every step,
         counted once at the step's end; a known-bad output is replayed at once (the
         parameters are still this step's)."""
-        self.output.add(nonfinite_flags(output))
+        flags = self.output
+        # the step's first check writes its device flag into the detector's pending slot
+        # (no copy at the step's end); a second forward's is or-ed with it (OutputFlags)
+        flags.add(nonfinite_flags(output, self.detector.forward_slots if flags.first else None))
         if self.traced.compiled:  # (an eager forward after compiled ones)
             self.traced.eager_forward()
         self._thread = threading.get_ident()
@@ -270,12 +273,13 @@ class NonfiniteChecks:
         self,
         squares: Reading | None,
         step: int,
-        dropped: dict[torch.device, DroppedCheck] | None = None,
+        backward: dict[torch.device, torch.Tensor] | None = None,
     ) -> None:
-        """The step's backward check (once per step, however often the gradients were read)
-        and its forward check: a step is non-finite in its forward once, however many
-        forwards (siamese nets, a discriminator on real and fake, entry calls) and output
-        tensors it had: one flag per device, one host bool."""
+        """The step's backward check (once per step, however often the gradients were read:
+        `squares` where the update read them, `backward` as the backwards ended, per device,
+        joined by the detector) and its forward check: a step is non-finite in its forward
+        once, however many forwards (siamese nets, a discriminator on real and fake, entry
+        calls) and output tensors it had: one flag per device, one host bool."""
         if self.traced.called and self._take_compiled(step) and self.replay.flag is not None:
             # no optimizer hook took the compiled forwards' check
             self.replay_forward(step)
@@ -286,6 +290,9 @@ class NonfiniteChecks:
                 squares.parts if self._scaler_view is None else self._checked_squares(squares.parts)
             )
         )
+        if backward is not None and self._scaler_view is not None:
+            # a step the scaler skips counts neither reading (ScalerView.mask)
+            backward = dict(zip(backward, self._scaler_view.mask(list(backward.values()))))
         capsules = self.capsules
         if (
             capsules is not None
@@ -295,11 +302,12 @@ class NonfiniteChecks:
             and all(bool(torch.isfinite(p).all()) for p in layers)
         ):
             # its gradients were dropped before any update (a GradScaler's skip, a loop's own
-            # loss scaler): no incident, and the capsule's place is kept for one (a backward
-            # draft exists only where these values are read without waiting)
+            # loss scaler): no incident (the update's reading is finite exactly then: the
+            # detector's join), and the capsule's place is kept for one (a backward draft
+            # exists only where these values are read without waiting)
             capsules.draft = None
         # the output's flags combined as they came (OutputFlags)
-        self.detector.end_step(layers, self.output.take(), step, dropped)
+        self.detector.end_step(layers, self.output.take(), step, backward)
 
     def end_update(self, number: int) -> int | None:
         """Step `number` is counted: an update held back is counted once per step, however

@@ -16,14 +16,13 @@ from typing import Any
 import torch
 
 from hookprof.device import transfer
-from hookprof.step.gradients import DroppedCheck
 from hookprof.tensors import iter_tensors
 
 PHASE_INDEX = {"forward": 0, "backward": 1, "loss": 2}
 
 
-# phases as stored on the device: "backward" first, next to the layers, so that one op
-# updates every layer and the backward phase together (the layout fold_counters reads)
+# phases as stored on the device: "backward" first, after the layers and the dropped slot,
+# so that the ops of the gradients' check write them together (the layout fold_counters reads)
 _STORED_PHASES = ("backward", "forward", "loss")
 
 # the groups of a device's pending slots that one check writes whole (DeviceCounters)
@@ -45,42 +44,55 @@ class DeviceCounters:
     """One device's counters. All updates are in-place device ops with Python-int operands:
     no host-to-device copy, no sync. They live in one flat tensor (the layout fold_counters
     reads), so draining them is a single block. A step's findings are first written into a
-    `pending` vector of the same layout (three ops for the layers and the backward phase,
-    one per other check, each written in place: no clearing per step) and folded into the
-    counters once, at the step's end (`end_step`: three ops), whatever the model's size and
-    however many checks the step made.
+    `pending` vector of the same layout (each written in place by the op that checks it: no
+    clearing per step) and folded into the counters once, at the step's end (`end_step`:
+    three ops), whatever the model's size and however many checks the step made.
 
     Beside the phases, one slot counts the steps whose backward made non-finite gradients
     that the loop dropped before any update (a loss scaler's overflow, a guard: no incident,
     issue 38), and `dropped_values` keeps the backward's per-layer values of the first such
-    step, which name its layers (two ops on a step whose gradients were read twice)."""
+    step, which name its layers.
+
+    The layout, per half: [layers | dropped | backward, forward, loss]. The dropped slot sits
+    just before the backward phase so that, where the gradients were read twice, one `any`
+    over the two readings' masks writes both readings' flags at once (the backward's into
+    the dropped slot, compared there; the update's into the backward phase's: issue 37)."""
 
     def __init__(self, n_layers: int, device: torch.device):
-        n, p = n_layers, len(PHASE_INDEX)
-        m = n + p + 1  # layers | phases | dropped
+        n, p = n_layers, len(_STORED_PHASES)
+        m = n + 1 + p  # layers | dropped | phases
         self.flat = torch.zeros(2 * m, dtype=torch.int64, device=device)
-        # [layer_bad | phase_bad | dropped_bad | layer_first | phase_first | dropped_first],
+        # [layer_bad | dropped_bad | phase_bad | layer_first | dropped_first | phase_first],
         # phases in _STORED_PHASES order
         bad, first = self.flat.split([m, m])
         first.fill_(-1)
-        self.layer_bad, self.phase_bad, self.dropped_bad = bad.split([n, p, 1])
-        self.layer_first, self.phase_first, self.dropped_first = first.split([n, p, 1])
+        self.layer_bad, self.dropped_bad, self.phase_bad = bad.split([n, 1, p])
+        self.layer_first, self.dropped_first, self.phase_first = first.split([n, 1, p])
         # views made once: indexing per step would be one more op each time
-        self._phase = {name: (bad[n + k], first[n + k]) for k, name in enumerate(_STORED_PHASES)}
+        self._phase = {
+            name: (bad[n + 1 + k], first[n + 1 + k]) for k, name in enumerate(_STORED_PHASES)
+        }
         self._bad, self._first = bad, first
-        # this step's findings, [layers | phases | dropped] as in `bad`, until `end_step`.
+        # this step's findings, [layers | dropped | phases] as in `bad`, until `end_step`.
         # Each group of slots is *assigned* by the op that checks it (an `out=`, a copy), not
         # or-ed into a cleared vector: no clearing op per step. A group that held a finding
         # of an earlier step and was not written in this one (a step without a loss, without
         # gradients) is cleared before the fold, once (`_dirty`)
         self.pending = torch.zeros(m, dtype=torch.bool, device=device)
-        self._pending_layers, self._pending_backward = self.pending[:n], self.pending[n : n + 1]
+        self._pending_layers = self.pending[:n]
+        self._pending_dropped = self.pending[n : n + 1]
+        self._pending_backward = self.pending[n + 1 : n + 2]
+        # the two readings' flags, [backward's, update's]: the dropped slot and the backward
+        # phase's, side by side (end_step)
+        self._two_readings = self.pending[n : n + 2]
         # 0-d views: a 0-d flag or check is written into them without a reshape
-        self._pending_forward = self.pending[n + _STORED_PHASES.index("forward")]
-        self._pending_loss = self.pending[n + _STORED_PHASES.index("loss")]
-        self._pending_dropped = self.pending[n + p :]
+        self._pending_forward = self.pending[n + 1 + _STORED_PHASES.index("forward")]
+        self.forward_slot = self._pending_forward  # (Detector.forward_slots)
+        self._pending_loss = self.pending[n + 1 + _STORED_PHASES.index("loss")]
         self._groups = {
-            _LAYERS: self.pending[: n + 1],  # the layers and the backward phase, written together
+            # the layers, the dropped slot and the backward phase: all written together by
+            # two readings, all but the dropped slot by one (then _DROPPED is stale, cleared)
+            _LAYERS: self.pending[: n + 2],
             _FORWARD: self._pending_forward,
             _LOSS: self._pending_loss,
             _DROPPED: self._pending_dropped,
@@ -89,16 +101,21 @@ class DeviceCounters:
         self._dirty: set[str] = set()  # the groups that may hold an earlier step's finding
         # where a slot goes bad for the first time this step (written in place each step)
         self._fresh = torch.zeros(m, dtype=torch.bool, device=device)
-        self._fresh_dropped = self._fresh[n + p]
+        self._fresh_dropped = self._fresh[n]
+        # the two readings' per-layer masks, [2, n], and its rows (views made once)
+        self._masks = torch.zeros(2, n, dtype=torch.bool, device=device)
+        self._backward_mask, self._update_mask = self._masks[0], self._masks[1]
         # float64, whatever the readings' dtype: `where` promotes into it (no op more), a
         # float64 square is never cast down to an inf, and the counters it travels with in
         # one batch (ScalarBatch: cat) stay int64-exact past 2^24 (float32 promoted them: review)
         self.dropped_values = torch.zeros(n, dtype=torch.float64, device=device)
 
     def note_loss(self, loss: torch.Tensor) -> None:
-        """This step's loss (a tensor on this device), checked into its slot: two ops for
-        the usual 0-d loss (x - x, then != 0 written in place), none to fold it later."""
-        loss = loss.detach()
+        """This step's loss (a tensor on this device that needs no grad: its slot in the
+        step series' ring, or a detached loss), checked into its slot: two ops for the usual
+        0-d loss (x - x, then != 0 written in place), none to fold it later."""
+        if loss.requires_grad:  # (an attribute read, no op)
+            loss = loss.detach()
         diff = loss.sub(loss)  # nonfinite_mask, written in place
         if _LOSS in self._written:  # a second loss of the step (prof.step() twice): or-ed
             self._pending_loss.logical_or_(diff.ne(0).any())
@@ -113,25 +130,42 @@ class DeviceCounters:
         values: torch.Tensor | None,
         forward: torch.Tensor | None,
         step: int,
-        dropped: DroppedCheck | None = None,
+        backward: torch.Tensor | None = None,
     ) -> None:
-        """Step `step` ends with its per-layer values (squared norms, or gradient sums:
-        non-finite exactly when the layer's gradients hold a NaN or Inf), its output flag
-        on this device and, where the gradients were read twice, whether the backward's
-        were non-finite where the update's were not (`dropped`; any may be None): with what
-        it noted before (the loss), counted, and the first step of each layer and phase
-        that went bad set where it was not yet."""
+        """Step `step` ends with its per-layer values where the update read the gradients
+        (squared norms, or gradient sums: non-finite exactly when the layer's gradients hold
+        a NaN or Inf), its output flag on this device and, where the gradients were also read
+        as the backward ended, that reading's values (`backward`; any may be None): with what
+        it noted before (the loss), counted, and the first step of each layer and phase that
+        went bad set where it was not yet.
+
+        Two readings are joined here: the layers counted are the backward's where both
+        readings are non-finite (a NaN the backward made, then spread to every layer by a
+        clip), else the update's (a NaN made after backward() keeps its own layers); the
+        backward phase is bad exactly when the update's reading is; a step whose backward
+        was non-finite and whose update was not was dropped by the loop (no incident, but
+        counted and its layers kept). Seven ops: the masks of both, stacked, in three; both
+        flags in one `any`; the layers by a `where`; the dropped slot by a compare in place."""
         written = self._written
-        if values is not None:
+        if values is not None and backward is not None:
+            both = torch.stack((backward, values))  # (float64 if either is: stack promotes)
+            torch.ne(both.sub(both), 0, out=self._masks)  # x - x: nonfinite_mask
+            flags = torch.any(self._masks, 1, out=self._two_readings)  # [backward's, update's]
+            torch.where(
+                flags.all(), self._backward_mask, self._update_mask, out=self._pending_layers
+            )
+            # dropped: the backward's bad where the update's is not (in its own slot)
+            torch.gt(self._pending_dropped, self._pending_backward, out=self._pending_dropped)
+            written.add(_LAYERS)
+            written.add(_DROPPED)
+        elif values is not None:
             torch.ne(values.sub(values), 0, out=self._pending_layers)  # x - x: nonfinite_mask
             torch.any(self._pending_layers, 0, keepdim=True, out=self._pending_backward)
             written.add(_LAYERS)
         if forward is not None:
-            self._pending_forward.copy_(forward if forward.dim() == 0 else forward.reshape(()))
+            if forward is not self._pending_forward:  # (the first check wrote itself there)
+                self._pending_forward.copy_(forward if forward.dim() == 0 else forward.reshape(()))
             written.add(_FORWARD)
-        if dropped is not None:  # the backward's bad and the update's finite: pending > update
-            torch.gt(dropped.backward_bad, dropped.update_bad, out=self._pending_dropped)
-            written.add(_DROPPED)
         stale = self._dirty - written
         for group in stale:  # (none on a step that checks what the last one did)
             self._groups[group].zero_()
@@ -143,10 +177,10 @@ class DeviceCounters:
             fresh = torch.gt(pending, self._bad, out=self._fresh)
             self._first.add_(fresh, alpha=step + 1)
             self._bad.add_(pending)
-            if dropped is not None:  # the first dropped step's layers, kept to be named
+            if backward is not None and values is not None:  # the first dropped step's layers
                 torch.where(
                     self._fresh_dropped,
-                    dropped.backward,
+                    backward,
                     self.dropped_values,
                     out=self.dropped_values,
                 )
@@ -157,14 +191,18 @@ class DeviceCounters:
         first.masked_fill_(bad & first.lt(0), step)
 
 
-def nonfinite_flags(value: Any) -> list[bool | torch.Tensor]:
+def nonfinite_flags(
+    value: Any, slots: dict[torch.device, torch.Tensor] | None = None
+) -> list[bool | torch.Tensor]:
     """Does any floating tensor in `value` (any output structure) hold a NaN or Inf? One flag
     per device, so a step counts once however many tensors it returns: a Python bool for the
     CPU tensors (reading it waits for nothing), a 0-d bool that stays on each accelerator.
     One reduction per tensor: a sum is non-finite when any element is. It is taken in float32
     at least: a float16 sum past 65504 is an overflow of the check, not of the output (a
     finite fp16 output read as non-finite, issue 38); a float32 output can read as
-    non-finite only when its values add up past ~3.4e38, values about to overflow."""
+    non-finite only when its values add up past ~3.4e38, values about to overflow. With
+    `slots` (Detector.forward_slots), the usual output's device flag is written into its
+    device's slot, where there is one, and that tensor returned."""
     if type(value) is torch.Tensor:  # the usual output: one tensor (no walk, no stack)
         if value.is_complex():  # its real view: the same NaN/Inf (issue 39)
             value = torch.view_as_real(value)
@@ -173,6 +211,10 @@ def nonfinite_flags(value: Any) -> list[bool | torch.Tensor]:
         total = value.detach().sum(dtype=_SUM_DTYPE.get(value.dtype))
         if transfer.on_host(total):
             return [not math.isfinite(float(total))]
+        into = None if slots is None else slots.get(total.device)
+        if into is not None:
+            torch.ne(total.sub(total), 0, out=into)  # nonfinite_mask, inline, in its slot
+            return [into]
         return [total.sub(total).ne(0)]  # nonfinite_mask, inline; a 0-d needs no any()
     host: bool | None = None
     on_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -209,6 +251,9 @@ class Detector:
     def __init__(self, n_layers: int):
         self.n_layers = n_layers
         self.by_device: dict[torch.device, DeviceCounters] = {}
+        # per device, the 0-d bool a step's first output check writes itself into (`out=`):
+        # the step's end then has no copy to make (issue 37; nonfinite_flags)
+        self.forward_slots: dict[torch.device, torch.Tensor] = {}
         self.host_phase_bad = [0] * len(PHASE_INDEX)
         self.host_phase_first = [-1] * len(PHASE_INDEX)
 
@@ -216,6 +261,7 @@ class Detector:
         c = self.by_device.get(device)
         if c is None:
             c = self.by_device[device] = DeviceCounters(self.n_layers, device)
+            self.forward_slots[device] = c.forward_slot
         return c
 
     def note_loss(self, loss: Any, step: int) -> None:
@@ -232,12 +278,13 @@ class Detector:
         layer_parts: list[torch.Tensor],
         forward_flags: list[bool | torch.Tensor],
         step: int,
-        dropped: dict[torch.device, DroppedCheck] | None = None,
+        backward: dict[torch.device, torch.Tensor] | None = None,
     ) -> None:
-        """Step `step` ends: its per-layer values (one part per device), its output flags
-        (the step's, combined: OutputFlags.step_flags, at most one per device and one host
-        bool), its two readings of the gradients where there were two (`dropped`) and what
-        it noted before (the loss) are counted, one call per device."""
+        """Step `step` ends: its per-layer values where the update read the gradients (one
+        part per device), its output flags (the step's, combined: OutputFlags.step_flags, at
+        most one per device and one host bool), the backward's reading of the gradients per
+        device where they were read twice (`backward`) and what it noted before (the loss)
+        are counted, one call per device."""
         values: dict[torch.device, torch.Tensor] = {}
         forward: dict[torch.device, torch.Tensor] = {}
         for part in layer_parts:  # (loops, not comprehensions: no Python call each step)
@@ -255,7 +302,7 @@ class Detector:
                 values.get(device),
                 forward.get(device),
                 step,
-                None if dropped is None else dropped.get(device),
+                None if backward is None else backward.get(device),
             )
 
     def add_flag(self, phase: str, flag: bool | torch.Tensor, step: int) -> None:
@@ -276,11 +323,11 @@ class Detector:
             stored = [PHASE_INDEX[p] for p in _STORED_PHASES]
             host = (
                 [0] * n
-                + [self.host_phase_bad[i] for i in stored]
                 + [0]
+                + [self.host_phase_bad[i] for i in stored]
                 + [-1] * n
-                + [self.host_phase_first[i] for i in stored]
                 + [-1]
+                + [self.host_phase_first[i] for i in stored]
             )
             out.append(torch.tensor(host, dtype=torch.int64))
         return out
@@ -298,7 +345,7 @@ def fold_counters(
     parts: list[list[float]], n_layers: int, dropped_values: Sequence[list[float]] = ()
 ) -> dict[str, list[int]]:
     """Host side: combine the drained counters of all devices. Each part is the flat
-    [layer_bad, phase_bad, dropped_bad, layer_first, phase_first, dropped_first] of one
+    [layer_bad, dropped_bad, phase_bad, layer_first, dropped_first, phase_first] of one
     device (phases stored in _STORED_PHASES order; returned in PHASE_INDEX order);
     `dropped_values`, the devices' kept backward values of their first dropped step, in
     the same device order (the host's block, last, has none), give "dropped_layers": 1 for
@@ -311,15 +358,15 @@ def fold_counters(
     dropped_bad, dropped_first = 0, -1
     dropped_layers = [0] * n_layers
 
-    half = n_layers + n_phases + 1
+    half = n_layers + 1 + n_phases
     for k, flat in enumerate(parts):
         values = [int(v) for v in flat]
         lb, lf = values[:n_layers], values[half : half + n_layers]
         pb = [0] * n_phases
         pf = [0] * n_phases
         for j, name in enumerate(_STORED_PHASES):
-            pb[PHASE_INDEX[name]] = values[n_layers + j]
-            pf[PHASE_INDEX[name]] = values[half + n_layers + j]
+            pb[PHASE_INDEX[name]] = values[n_layers + 1 + j]
+            pf[PHASE_INDEX[name]] = values[half + n_layers + 1 + j]
         for i in range(n_layers):
             layer_bad[i] += lb[i]
             layer_first[i] = first_step(layer_first[i], lf[i])
@@ -327,8 +374,8 @@ def fold_counters(
             # a step bad on two devices is one bad step: the larger count is the better bound
             phase_bad[i] = max(phase_bad[i], pb[i])
             phase_first[i] = first_step(phase_first[i], pf[i])
-        dropped_bad = max(dropped_bad, values[half - 1])
-        device_first = values[2 * half - 1]
+        dropped_bad = max(dropped_bad, values[n_layers])
+        device_first = values[half + n_layers]
         if (
             device_first >= 0
             and k < len(dropped_values)

@@ -32,9 +32,12 @@ class OutputFlags:
     forward's (the replay's), `step_flags` the whole step's so far (the guard's); `take`
     hands the step's to the detector at its end and clears them for the next step."""
 
-    __slots__ = ("_host", "_by_device", "last", "earlier")
+    __slots__ = ("_host", "_by_device", "last", "earlier", "first")
 
     def __init__(self) -> None:
+        # no forward of this step checked yet: its check may write its flag where the
+        # detector keeps it (Detector.forward_slots), as nothing else holds that slot
+        self.first = True
         self._host: bool | None = None  # None: no check on the host this step
         self._by_device: dict[torch.device, torch.Tensor] = {}
         # the last forward's output: True/False when known on the host, a 0-d device bool
@@ -46,6 +49,7 @@ class OutputFlags:
 
     def add(self, flags: list[bool | torch.Tensor]) -> None:
         """One forward's flags: at most one host bool and one flag per device."""
+        self.first = False
         if self.last is None and len(flags) == 1 and not self._by_device and self._host is None:
             flag = flags[0]  # the usual step: one forward, one device or the host (no lists, no op)
             if isinstance(flag, torch.Tensor):
@@ -86,6 +90,7 @@ class OutputFlags:
             self._by_device[any_forward.device] = any_forward
         else:
             self._host = any_forward
+        self.first = False
         self.last = last
         self.earlier = any_forward
 
@@ -95,6 +100,7 @@ class OutputFlags:
         out: list[bool | torch.Tensor] = [] if self._host is None else [self._host]
         out.extend(self._by_device.values())
         self._host, self._by_device, self.last, self.earlier = None, {}, None, None
+        self.first = True
         return out
 
     def step_flags(self) -> list[bool | torch.Tensor]:

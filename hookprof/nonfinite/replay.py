@@ -147,15 +147,6 @@ class KeptStep(NamedTuple):
     earlier: Copy | None
 
 
-def _ready(flag: Copy, earlier: Copy | None) -> bool:
-    """Have the copies of a forward's flag and of its earlier forwards' completed? Never
-    waits (transfer.is_ready, inline: this is asked at every step on a device)."""
-    ready = flag.ready
-    if ready is not None and not ready.query():
-        return False
-    return earlier is None or earlier.ready is None or earlier.ready.query()
-
-
 def own_weights_nonfinite(layers: list[Any]) -> list[torch.Tensor]:
     """One 0-d flag per layer (layers.Layer, in table order): do its own parameters hold a
     NaN/Inf now? Sent with the replay's record (no wait): a layer whose own weights are
@@ -388,7 +379,11 @@ class ForwardReplay:
             for f in (flag, earlier):
                 if f is not None and not transfer.is_ready(f[1]):
                     transfer.wait_ready(f.ready)  # the opt-in wait (unless the guard's did it)
-        if not _ready(flag, earlier):
+        ready, earlier_ready = flag.ready, None if earlier is None else earlier.ready
+        # (_ready, inline: asked at every step on a device)
+        if (ready is not None and not ready.query()) or (
+            earlier_ready is not None and not earlier_ready.query()
+        ):
             if not self.done:
                 # kept until the flags arrive: replayed then when its update is held back
                 # (keep_late), else only said to be beyond a replay if it turns out bad
@@ -414,12 +409,17 @@ class ForwardReplay:
         (its step, the record). Never waits: a flag still on its way stays queued."""
         while self.kept and not self.done:
             step, flag, captured, earlier = self.kept[0]
-            if not _ready(flag, earlier):
+            ready, earlier_ready = flag.ready, None if earlier is None else earlier.ready
+            # (_ready, inline: asked at every step on a device)
+            if (ready is not None and not ready.query()) or (
+                earlier_ready is not None and not earlier_ready.query()
+            ):
                 return None
             self.kept.popleft()
-            if bool(flag.host) and captured is None:
+            bad = bool(flag.host)  # (read once: a host read per step on a device)
+            if bad and captured is None:
                 self._refuse(step, UNHELD if self.keep_late else BEHIND)
-            elif bool(flag.host) and captured is not None:
+            elif bad and captured is not None:
                 rec = new_record()
                 return (step, rec) if self._run(hooks, rec, captured, step) else None
             elif earlier is not None and bool(earlier.host):

@@ -75,16 +75,6 @@ class Reading(NamedTuple):
     seen: frozenset[int]
 
 
-class DroppedCheck(NamedTuple):
-    """One device's two readings of a step's gradients (StepGradients.joined):
-    `backward_bad` and `update_bad`, 1-element bools (views of one buffer, so comparing
-    them is one op); `backward`, the backward's per-layer values."""
-
-    backward_bad: torch.Tensor
-    update_bad: torch.Tensor
-    backward: torch.Tensor
-
-
 class _Plan(NamedTuple):
     """How to reduce one set of present gradients: all on `device`, dense, so one fused
     pass serves (None: the general path, grouping by device per step)."""
@@ -547,7 +537,6 @@ class StepGradients:
         "exact",
         "backward",
         "read_at_update",
-        "_join_flags",
         "_unscaled",
     )
 
@@ -562,8 +551,6 @@ class StepGradients:
         self.exact = True
         # (per-device check values, layers seen) at the end of this step's backwards, or None
         self.backward: Reading | None = None
-        # per device: a 2-bool buffer of the two readings' flags, and its halves (joined)
-        self._join_flags: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._wanted = every_step  # this step checks its gradients (new_step)
         self._unscaled = False  # a fused GradScaler step has unscaled this reading (unscale)
         self.read_at_update = False  # an optimizer's pre-hook asked this step (read_once)
@@ -601,49 +588,29 @@ class StepGradients:
 
     def at_step_end(
         self, sampled: bool
-    ) -> tuple[Reading | None, dict[torch.device, DroppedCheck] | None]:
+    ) -> tuple[Reading | None, dict[torch.device, torch.Tensor] | None]:
         """The step ends (no optimizer hook may have read them: prof.step() alone): read
-        once if still wanted, then what the step's check counts (`joined`)."""
+        once if still wanted, then what the step's check counts (`readings`)."""
         if self.squares is None:
             self.read_once(sampled)
-        return self.joined()
+        return self.readings()
 
-    def joined(
-        self,
-    ) -> tuple[Reading | None, dict[torch.device, DroppedCheck] | None]:
-        """What the step's non-finite check counts: the update's reading, with its layers
-        taken from the backwards' reading on a device where both are non-finite (a NaN
-        backward made, then spread to every layer by a clip). A NaN made after backward() (an
-        edit through .data, an all-reduce that overflows) keeps the update's layers; one the
-        loop dropped before the update is no incident, and is said per device (the second
-        value: the two readings' flags, for Detector's count of dropped steps). A few ops on
-        the device; nothing read back."""
+    def readings(self) -> tuple[Reading | None, dict[torch.device, torch.Tensor] | None]:
+        """What the step's non-finite check counts: the update's reading and, where the
+        gradients were also read as the backwards ended, that reading's values per device
+        (None when there is no such pair). The detector joins them on the device
+        (DeviceCounters.end_step): the layers come from the backward's reading where both
+        are non-finite (a NaN backward made, then spread to every layer by a clip); a NaN
+        made after backward() (an edit through .data, an all-reduce that overflows) keeps
+        the update's layers; one the loop dropped before the update is no incident, and is
+        counted apart. Nothing here issues an op."""
         backward, update = self.backward, self.squares
         if backward is None or update is None:
             return update, None
         by_device = {}
         for p in backward.parts:  # (a loop, not a comprehension: no Python call each step)
             by_device[p.device] = p
-        parts = []
-        dropped: dict[torch.device, DroppedCheck] = {}
-        for u in update.parts:
-            b = by_device.get(u.device)
-            if b is None:
-                parts.append(u)
-                continue
-            # where(both non-finite, b, u); a float64 sum of float32 values cannot overflow,
-            # so it is non-finite exactly when one of them is (x - x: 0 or NaN); the two
-            # summed as one [2, n] block, their flags written into a buffer whose halves are
-            # views made once: 6 ops, not 8 (issue 37)
-            flags = self._join_flags.get(u.device)
-            if flags is None:
-                buffer = torch.zeros(2, dtype=torch.bool, device=u.device)
-                flags = self._join_flags[u.device] = (buffer, buffer[:1], buffer[1:])
-            sums = torch.stack((b, u)).sum(1, dtype=torch.float64)
-            torch.ne(sums.sub(sums), 0, out=flags[0])
-            parts.append(torch.where(flags[0].all(), b, u))
-            dropped[u.device] = DroppedCheck(flags[1], flags[2], b)
-        return Reading(parts, update.seen), dropped
+        return update, by_device
 
     def forget(self) -> None:
         """A closure ran another backward: read again at the update when next needed."""

@@ -110,26 +110,29 @@ class StepSeries:
         self._slot = step % RING
         self._meta[self._slot] = SlotMeta(step, None, ())
 
-    def loss(self, loss: Any, step: int | None = None) -> None:
+    def loss(self, loss: Any, step: int | None = None) -> torch.Tensor | None:
         """The loss of the current step (or of `step`, a late one, while its slot is still
-        its own): a one-element real tensor or a number (profiler.step has checked it)."""
+        its own): a one-element real tensor or a number (profiler.step has checked it).
+        Returns its slot when the copy went there (a loss on a device: the non-finite check
+        reads it there, a float64 with no grad, one `detach` less per step), else None."""
         slot = self._slot if step is None else step % RING
         meta = self._meta[slot]
         if meta is None or (step is not None and meta.step != step):
-            return  # written over already: a late loss of a step RING steps back
+            return None  # written over already: a late loss of a step RING steps back
         # (SlotMeta(...) whole, not _replace: one Python frame per step, not four)
         if not isinstance(loss, torch.Tensor):
             self._meta[slot] = SlotMeta(meta.step, float(loss), meta.norm, meta.seconds)
-            return
+            return None
         if transfer.on_host(loss):
             # readable without waiting (a CPU model's): kept on the host, as Packet.loss is
             self._meta[slot] = SlotMeta(meta.step, loss.item(), meta.norm, meta.seconds)
-            return
+            return None
         ring = self._rings.get(loss.device) or self._ring(loss.device)  # (no call: made once)
         view = ring.loss[slot]
         with torch.no_grad():  # the ring never joins the graph
             view.copy_(loss if loss.dim() == 0 else loss.reshape(()))
         self._meta[slot] = SlotMeta(meta.step, loss.device, meta.norm, meta.seconds)
+        return view
 
     def norm_slot(self, device: torch.device) -> torch.Tensor:
         """The 0-d view the current step's gradient norm on `device` is written into."""

@@ -152,17 +152,18 @@ def test_the_output_check_is_combined_once_per_step(policy, make_opt):
     it, the guard and the detector read it, none of them stacks it again. On a step with
     one forward: one reduction of the output (its sum), no stack of flags, and the
     gradients' fused check twice: at the backward's end (which layer) and where the update
-    reads them (whether the update got a NaN: StepGradients), joined by one `where`; the
-    count does not grow with the model."""
+    reads them (whether the update got a NaN: StepGradients), joined by the detector with
+    one stack and one `where` written in place; the count does not grow with the model."""
     ops = ops_per_unsampled_step_on_a_device(policy, make_opt)
     skip = policy == "skip"
     # the output check's one reduction is a sum; its flag, 0-d, needs no `any` (nor the loss's)
     assert ops["aten.any.default"] == 0, ops
     assert ops["aten._chunk_cat.default"] == 2, ops  # GradientNorms.layer_checks, twice
-    # StepGradients.checked: the two per-layer readings stacked into one block, one `where`;
-    # no other stack (of flags)
+    # DeviceCounters.end_step: the two per-layer readings stacked into one block, one `where`
+    # into the pending layers; no other stack (of flags)
     assert ops["aten.stack.default"] == 1, ops
-    assert ops["aten.where.self"] == 1, ops
+    assert ops["aten.where.self_out"] == 2, ops  # (and the first dropped step's values kept)
+    assert ops["aten.where.self"] == 0, ops
     # the guard folds the output's flag and the gradients' with one op
     assert ops["aten.bitwise_or.Tensor"] == (1 if skip else 0), ops
     assert ops["aten.clone.default"] == (2 if policy == "skip" else 1), (

@@ -105,25 +105,22 @@ def test_a_host_flag_is_counted_once_when_the_layers_are_on_another_device():
 
 
 def test_dropped_steps_fold_across_devices_to_the_earliest_ones_layers():
-    """Two devices' counters (DeviceCounters, driven as the step's end drives them): the
-    dropped count is a step count (the larger, as for phases), the first dropped step the
-    earlier device's, and its layers that device's kept backward values, not the later
-    one's; a step dropped on both devices names both's layers."""
+    """Two devices' counters (DeviceCounters, driven as the step's end drives them: the
+    update's reading finite, the backward's as given): the dropped count is a step count (the
+    larger, as for phases), the first dropped step the earlier device's, and its layers that
+    device's kept backward values, not the later one's; a step dropped on both devices names
+    both's layers."""
     from hookprof.nonfinite.detector import DeviceCounters, fold_counters
-    from hookprof.step.gradients import DroppedCheck
 
     nan = float("nan")
 
-    def drive(counters, backward, step, dropped):
-        flags = torch.tensor([dropped, False])
-        counters.end_step(
-            torch.zeros(3), None, step, DroppedCheck(flags[:1], flags[1:], torch.tensor(backward))
-        )
+    def drive(counters, backward, step):
+        counters.end_step(torch.zeros(3), None, step, backward=torch.tensor(backward))
 
     a, b = DeviceCounters(3, torch.device("cpu")), DeviceCounters(3, torch.device("cpu"))
     for step in range(1, 8):  # a drops steps 5 and 6, b step 3 only
-        drive(a, [nan, nan, 1.0] if step == 5 else [1.0, nan, 1.0], step, step in (5, 6))
-        drive(b, [1.0, 1.0, nan] if step == 3 else [nan, 1.0, 1.0], step, step == 3)
+        drive(a, {5: [nan, nan, 1.0], 6: [1.0, nan, 1.0]}.get(step, [1.0, 1.0, 1.0]), step)
+        drive(b, [1.0, 1.0, nan] if step == 3 else [1.0, 1.0, 1.0], step)
     folded = fold_counters(
         [a.flat.tolist(), b.flat.tolist()],
         3,
@@ -138,7 +135,7 @@ def test_dropped_steps_fold_across_devices_to_the_earliest_ones_layers():
     alone = fold_counters([a.flat.tolist()], 3, [a.dropped_values.tolist()])
     assert (alone["dropped_first"], alone["dropped_layers"]) == ([5], [1, 1, 0])
     c = DeviceCounters(3, torch.device("cpu"))
-    drive(c, [1.0, nan, 1.0], 3, True)
+    drive(c, [1.0, nan, 1.0], 3)
     both = fold_counters(
         [b.flat.tolist(), c.flat.tolist()],
         3,
@@ -172,15 +169,13 @@ def test_kept_dropped_values_are_never_cast_down_by_a_later_reading():
     """A first dropped step read in float64 (a square of 1e300: finite) stays finite when a
     later step's reading is float32: the layer is not named for an inf the cast made."""
     from hookprof.nonfinite.detector import DeviceCounters, fold_counters
-    from hookprof.step.gradients import DroppedCheck
 
     c = DeviceCounters(2, torch.device("cpu"))
-    for step, values in (
+    for step, backward in (
         (1, torch.tensor([1e300, float("nan")], dtype=torch.float64)),
         (2, torch.tensor([1.0, 1.0])),
     ):
-        flags = torch.tensor([step == 1, False])
-        c.end_step(torch.zeros(2), None, step, DroppedCheck(flags[:1], flags[1:], values))
+        c.end_step(torch.zeros(2), None, step, backward=backward)
     folded = fold_counters([c.flat.tolist()], 2, [c.dropped_values.tolist()])
     assert folded["dropped_layers"] == [0, 1] and folded["dropped_first"] == [1]
 
@@ -188,42 +183,59 @@ def test_kept_dropped_values_are_never_cast_down_by_a_later_reading():
 def test_pending_slots_written_in_place_count_each_step_once_whatever_the_next_checks():
     """A device's pending findings are assigned by the checks that make them, not or-ed into
     a vector cleared every step: a finding of one step must not be counted again by a later
-    step that did not make that check (no loss passed, no gradients read, no second
-    reading). Driven through a random schedule of checks and values, against a tally kept
-    here step by step."""
+    step that did not make that check (no loss passed, no gradients read, one reading where
+    the last step had two). And two readings are joined as StepGradients says: the layers
+    are the backward's where both are non-finite, else the update's; the backward phase is
+    bad when the update's reading is; a step non-finite at the backward's end and finite at
+    the update is dropped (no incident, its layers kept). Driven through a random schedule
+    of checks and values, against a tally kept here step by step."""
     import random
 
     from hookprof.nonfinite.detector import PHASE_INDEX, DeviceCounters, fold_counters
-    from hookprof.step.gradients import DroppedCheck
 
     rng = random.Random(7)
     n = 3
     counters = DeviceCounters(n, torch.device("cpu"))
     layer_bad, layer_first = [0] * n, [-1] * n
     phase_bad, phase_first = [0] * 3, [-1] * 3
-    dropped_bad, dropped_first = 0, -1
+    dropped_bad, dropped_first, dropped_layers = 0, -1, [0] * n
+    kinds = set()
 
     def bump(bad, first, i, step):
         bad[i] += 1
         if first[i] < 0:
             first[i] = step
 
-    for step in range(1, 200):
-        nan = float("nan")
-        loss = None
+    def reading(p_bad):
+        bad = [i for i in range(n) if rng.random() < p_bad]
+        return bad, torch.tensor([float("nan") if i in bad else 1.0 for i in range(n)])
+
+    for step in range(1, 300):
         if rng.random() < 0.6:  # a loss passed this step
             bad_loss = rng.random() < 0.2
-            loss = torch.tensor(nan if bad_loss else 1.5)
-            counters.note_loss(loss)
+            counters.note_loss(torch.tensor(float("nan") if bad_loss else 1.5))
             if bad_loss:
                 bump(phase_bad, phase_first, PHASE_INDEX["loss"], step)
-        values = None
-        if rng.random() < 0.7:  # gradients read
-            bad_layers = [i for i in range(n) if rng.random() < 0.15]
-            values = torch.tensor([nan if i in bad_layers else 1.0 for i in range(n)])
-            for i in bad_layers:
+        values = backward = None
+        if rng.random() < 0.7:  # gradients read where the update reads them
+            update_bad, values = reading(0.15)
+            counted = update_bad
+            if rng.random() < 0.6:  # and as the backward ended
+                backward_bad, backward = reading(0.2)
+                if backward_bad and update_bad:  # a clip spread it: the backward names them
+                    counted = backward_bad
+                    kinds.add("both")
+                elif backward_bad:  # dropped by the loop: no incident
+                    dropped_bad += 1
+                    if dropped_first < 0:
+                        dropped_first = step
+                        dropped_layers = [int(i in backward_bad) for i in range(n)]
+                    kinds.add("dropped")
+                elif update_bad:  # made after backward(): the update's own layers
+                    kinds.add("after")
+            for i in counted:
                 bump(layer_bad, layer_first, i, step)
-            if bad_layers:
+            if update_bad:
                 bump(phase_bad, phase_first, PHASE_INDEX["backward"], step)
         forward = None
         if rng.random() < 0.7:  # the output checked
@@ -231,17 +243,11 @@ def test_pending_slots_written_in_place_count_each_step_once_whatever_the_next_c
             forward = torch.tensor(bad_out)
             if bad_out:
                 bump(phase_bad, phase_first, PHASE_INDEX["forward"], step)
-        dropped = None
-        if rng.random() < 0.5:  # read twice, the backward's bad and the update's not
-            was_dropped = rng.random() < 0.2
-            flags = torch.tensor([was_dropped, False])
-            dropped = DroppedCheck(flags[:1], flags[1:], torch.ones(n, dtype=torch.float64))
-            if was_dropped:
-                dropped_bad += 1
-                dropped_first = step if dropped_first < 0 else dropped_first
-        counters.end_step(values, forward, step, dropped)
+        counters.end_step(values, forward, step, backward)
     folded = fold_counters([counters.flat.tolist()], n, [counters.dropped_values.tolist()])
-    assert sum(phase_bad) > 10 and dropped_bad > 3  # the schedule made findings of each kind
+    assert kinds == {"both", "dropped", "after"}  # the schedule made each kind of join
+    assert sum(phase_bad) > 10 and dropped_bad > 3
     assert folded["layer_bad"] == layer_bad and folded["layer_first"] == layer_first
     assert folded["phase_bad"] == phase_bad and folded["phase_first"] == phase_first
     assert (folded["dropped_bad"], folded["dropped_first"]) == ([dropped_bad], [dropped_first])
+    assert folded["dropped_layers"] == dropped_layers

@@ -291,7 +291,9 @@ class NonfiniteChecks:
             )
         )
         if backward is not None and self._scaler_view is not None:
-            # a step the scaler skips counts neither reading (ScalerView.mask)
+            # a step the scaler skips counts neither reading (ScalerView.mask): one whose
+            # backward's reading alone was non-finite is not counted as dropped either (the
+            # scaler's skip is the step's; the parent of this join masked the joined values only)
             backward = dict(zip(backward, self._scaler_view.mask(list(backward.values()))))
         capsules = self.capsules
         if (

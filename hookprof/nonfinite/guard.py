@@ -55,9 +55,12 @@ class ScalerView:
     """A GradScaler's state as a fused optimizer sees it during `GradScaler.step`: the
     scale its gradients still carry, and the device flag of a skip. Both None otherwise."""
 
-    __slots__ = ("scale", "found_inf")
+    __slots__ = ("scale", "found_inf", "_skipped")
 
     def __init__(self, optimizer: torch.optim.Optimizer):
+        # per device, the 0-d bool "the scaler skips this step" (`mask`: made once per step,
+        # for both readings of the gradients)
+        self._skipped: dict[torch.device, torch.Tensor] = {}
         self.scale = getattr(optimizer, "grad_scale", None)  # None after unscale_()
         # GradScaler sets grad_scale (to None after unscale_()) beside its found_inf; a
         # found_inf alone is the guard of another profiler sharing this optimizer, not a skip
@@ -76,9 +79,16 @@ class ScalerView:
     def mask(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         """The squares the backward check counts: none on a step the scaler skips (an
         overflow it handles is a skipped step, not an incident)."""
-        if self.found_inf is None:
+        found_inf = self.found_inf
+        if found_inf is None:
             return parts
-        return [p.masked_fill(self.found_inf.to(p.device).reshape(()) > 0, 0.0) for p in parts]
+        out = []
+        for p in parts:
+            skipped = self._skipped.get(p.device)
+            if skipped is None:
+                skipped = self._skipped[p.device] = found_inf.to(p.device).reshape(()) > 0
+            out.append(p.masked_fill(skipped, 0.0))
+        return out
 
 
 class DeviceSkips:
@@ -258,10 +268,14 @@ class UpdateGuard:
             return
         bad = any_flag(on_device)  # the output's (combined once, by its owner) and the gradients'
         if self._step_bad is not None:  # an earlier evaluation or optimizer of this step
-            bad = bad | self._step_bad.to(bad.device)
+            bad = bad | self._step_bad.to(bad.device, torch.bool)
         if is_fused(optimizer):
-            self._give_found_inf(optimizer, bad)
-            self._step_bad = bad
+            # kept as a float32 copy of the guard's own (the found_inf the kernel reads: no op
+            # more): `bad` may be the detector's pending forward slot itself (a step's first
+            # output check writes there), which a later forward of the step writes again
+            found = bad.to(torch.float32)
+            self._give_found_inf(optimizer, found)
+            self._step_bad = found
             return
         if self._wait:
             if bool(transfer.read_now(bad)):  # the opt-in wait (Config.nonfinite_sync)
@@ -292,7 +306,7 @@ class UpdateGuard:
             self._say_unfused(optimizer)
 
     def _give_found_inf(self, optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
-        found = bad.to(torch.float32)
+        found = bad.to(torch.float32)  # (itself when float32 already: no op)
         earlier = getattr(optimizer, "found_inf", None)
         if earlier is not None:  # GradScaler's, or another profiler's guard: skip on either
             found = torch.maximum(earlier.to(found.device).reshape(found.shape), found)

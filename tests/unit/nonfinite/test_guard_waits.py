@@ -262,3 +262,32 @@ def test_a_late_replay_that_fails_leaves_nothing_swapped_in(where, monkeypatch):
     assert snap.internal_errors == 1 and snap.step == 15
     assert snap.held_back_updates == 1  # the bad step's update stayed held back
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_a_forward_after_the_update_does_not_rewrite_the_flag_the_guard_judged():
+    """Review of issue 37's flag in its pending slot: the step's first output check writes
+    its flag into the detector's pending slot, and the guard kept that very tensor for the
+    step (a fused optimizer, nothing else on the device to combine it with). A training-mode
+    forward after the update, with a NaN output, then had the step's end write the combined
+    flag into the slot, and the guard counted an update held back that the kernel had let
+    through (its found_inf was False). Counted by the guard's own copy: none held back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    with lagging_device(2):
+        prof = hookprof.attach(model, nonfinite_check="loss", on_nonfinite="skip", **RARELY)
+        try:
+            for step in range(1, 9):
+                opt.zero_grad()
+                loss = model(torch.randn(16, 4)).pow(2).mean()
+                loss.backward()
+                opt.step()
+                if step == 4:  # a metric's forward in training mode, after the update: NaN
+                    model(torch.full((2, 4), float("nan")))
+                prof.step(loss)
+            prof.flush()
+            snap = prof.snapshot()
+        finally:
+            prof.detach()
+    assert snap.held_back_updates == 0
+    assert (snap.first_nonfinite.step, snap.first_nonfinite.phase) == (4, "forward")

@@ -40,7 +40,7 @@ def measure(
         tempfile.TemporaryDirectory() as tmp,
         scale_run(tmp, ranks, layers, interval=interval, detailed=detailed) as run,
     ):
-        time.sleep(settle_s)  # windows filled: the 3-minute rules see a minute at least
+        time.sleep(settle_s)  # every rank past its first five samples, the store written
         figures = {
             "ranks": ranks,
             "layers": layers,

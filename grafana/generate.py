@@ -811,7 +811,7 @@ def efficiency_and_stragglers(board, rate: str):
     return layer_stragglers(board)
 
 
-LAYER_RATIO = "hookprof:layer_seconds_per_call:ratio_to_median_of_ranks3m"
+LAYER_RATIO = "hookprof:layer_seconds_per_call:ratio_to_median_of_ranks"
 
 
 def layer_stragglers(board):
@@ -821,17 +821,17 @@ def layer_stragglers(board):
     # mostly noise, and would sort itself first
     ratio = (
         f'{LAYER_RATIO}{{{MODELS}, layer=~"$layer"}}\n  and on (job, model, layer, phase) '
-        'hookprof:layer_seconds_per_call:median_of_ranks3m{job=~"$job", model=~"$model"} > 0.0001'
+        'hookprof:layer_seconds_per_call:median_of_ranks{job=~"$job", model=~"$model"} > 0.0001'
     )
     board = board.with_panel(
         table.Panel()
         .title("Layer time per rank over the median of ranks")
         .description(
             "Each rank's time per call in each layer's forward and backward over the median of "
-            "the job's ranks (the low quartile of one-minute means over 3 minutes of sampled steps, so "
-            "that one preempted call does not count; layers of 0.1 ms per call or more): a row per layer and "
+            "the job's ranks (each rank's median over its last five sampled steps, so that one "
+            "preempted call does not count; layers of 0.1 ms per call or more): a row per layer and "
             "phase, a column per rank, the rows with the worst cell first. 1 is the median; "
-            "HookprofStragglerLayer fires at 1.3 (and 0.1 ms per call above it) for a minute. Under "
+            "HookprofStragglerLayer fires at 1.3 (and 0.1 ms per call above it) for 30 s. Under "
             "DDP the ranks waiting for a bucket's all-reduce inside a layer's backward are the median, "
             "the straggler's own layer stands out."
         )

@@ -178,18 +178,19 @@ class Config:
     """Most layers exported per rank. Beyond it: the layers with the most time, plus every
     layer that went non-finite. `hookprof_layers` / `hookprof_layers_exported` tell."""
 
-    max_layer_series: int = _ruled(9000, Rule(low=1))
+    max_layer_series: int = _ruled(10000, Rule(low=1))
     """Most per-layer series on a rank's /metrics page (the budget counts series, not layers:
-    a layer exports 4 to 12 with the defaults, docs/metrics.md). Beyond it: every layer that
+    a layer exports 4 to 14 with the defaults, docs/metrics.md). Beyond it: every layer that
     went non-finite first (in layer order), then the layers with the most time, while they
-    fit. `max_layers` still bounds the number of layers; the default (500 x 18, the most a
+    fit. `max_layers` still bounds the number of layers; the default (500 x 20, the most a
     layer exports) leaves `max_layers` the binding one."""
 
     detailed_layers: int | None = _ruled(None, Rule(low=0))
     """At scale (docs/scale.md): how many layers, beyond those that went non-finite (always
     detailed), export every per-layer figure: the ones with the most forward+backward time.
-    The other exported layers export their forward, backward and recompute time alone, the
-    series the layer straggler rule reads. None: every exported layer is detailed."""
+    The other exported layers export their forward, backward and recompute time alone (with
+    the forward's and backward's recent median), the series the layer straggler rule reads.
+    None: every exported layer is detailed."""
 
     activation_stats: bool = True
     """On sampled steps, compute each layer output's zero ratio and absolute maximum

@@ -48,6 +48,13 @@ class LayerStats:
     forward_calls_total: int = 0
     backward_seconds_total: float = 0.0
     backward_calls_total: int = 0
+    forward_seconds_per_call_median: float | None = None
+    """The median of the forward's mean time per call over the last 5 sampled steps that
+    called the layer (publish/recent.py) (None until there are that many): a rank's robust recent
+    figure, which the layer straggler rule compares across ranks (exported as the timing
+    summary's quantile="0.5")."""
+    backward_seconds_per_call_median: float | None = None
+    """The same for the backward."""
     recompute_seconds: float = 0.0
     """Forward recomputation in the last sampled step's backward (activation checkpointing);
     never counted in forward_seconds."""
@@ -410,7 +417,8 @@ class StallReport:
 def timing_series(layer: LayerStats) -> int:
     """The series of a layer on the page with its time alone (Config.detailed_layers): a
     timing summary's _sum and _count for each of forward, backward and recompute where it was
-    called. Part of `layer_series`."""
+    called, and the forward's and backward's recent median per call where known. Part of
+    `layer_series`."""
     return 2 * sum(
         1
         for calls in (
@@ -419,6 +427,13 @@ def timing_series(layer: LayerStats) -> int:
             layer.recompute_calls_total,
         )
         if calls
+    ) + sum(
+        1
+        for median in (
+            layer.forward_seconds_per_call_median,
+            layer.backward_seconds_per_call_median,
+        )
+        if median is not None
     )
 
 

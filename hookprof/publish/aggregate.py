@@ -21,6 +21,7 @@ from hookprof.nonfinite.attribution import Attribution, ForwardFinding, forward_
 from hookprof.nonfinite.detector import PHASE_INDEX, fold_counters, merge_counters
 from hookprof.nonfinite.guard import fold_skips
 from hookprof.phases.device import DevicePhaseTotals, device_phase_seconds
+from hookprof.publish.recent import RecentPerCall
 from hookprof.publish.spikes import (
     DEFAULT_THRESHOLDS,
     GRAD_NORM_SPIKE,
@@ -200,6 +201,9 @@ class Aggregator:
         self.fwd_calls_total = [0] * rows
         self.bwd_total = [0.0] * rows
         self.bwd_calls_total = [0] * rows
+        # each row's median time per call over its last few sampled steps (recent.py)
+        self.recent_fwd = RecentPerCall(rows)
+        self.recent_bwd = RecentPerCall(rows)
         self.recompute_total = [0.0] * rows  # activation checkpointing's forward recomputation
         self.recompute_calls_total = [0] * rows
         self.fwd_nonfinite = [0] * n  # per layer, from sampled and replayed steps
@@ -367,6 +371,8 @@ class Aggregator:
             self.bwd_calls_total[i] += figures.bwd_calls[i]
             self.recompute_total[i] += figures.recompute[i]
             self.recompute_calls_total[i] += figures.recompute_calls[i]
+        self.recent_fwd.add(figures.fwd, figures.calls)
+        self.recent_bwd.add(figures.bwd, figures.bwd_calls)
         previous = self._last
         # a sampled step without activation statistics (activation_interval_s) keeps the
         # last ones, so the gauges do not blink out between them
@@ -565,6 +571,8 @@ class Aggregator:
             forward_calls_total=self.fwd_calls_total[i],
             backward_seconds_total=self.bwd_total[i],
             backward_calls_total=self.bwd_calls_total[i],
+            forward_seconds_per_call_median=self.recent_fwd.median(i),
+            backward_seconds_per_call_median=self.recent_bwd.median(i),
             recompute_seconds=last["recompute"][i] if last else 0.0,
             recompute_seconds_total=self.recompute_total[i],
             recompute_calls_total=self.recompute_calls_total[i],

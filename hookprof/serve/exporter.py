@@ -223,12 +223,14 @@ class SnapshotCollector(Collector):
         for k, name in enumerate(snap.exported_layers + snap.timed_layers):
             layer = snap.layers[name]
             if layer.forward_calls_total:
+                _median(fwd, rank, name, layer.module, layer.forward_seconds_per_call_median)
                 fwd.add_metric(
                     [rank, name, layer.module],
                     layer.forward_calls_total,
                     layer.forward_seconds_total,
                 )
             if layer.backward_calls_total:
+                _median(bwd, rank, name, layer.module, layer.backward_seconds_per_call_median)
                 bwd.add_metric(
                     [rank, name, layer.module],
                     layer.backward_calls_total,
@@ -261,6 +263,16 @@ class SnapshotCollector(Collector):
             for name, value in stat.values.items():
                 made.add_metric([rank, name], value)
             yield made
+
+
+def _median(summary: Metric, rank: str, layer: str, module: str, value: float | None) -> None:
+    """A layer timing summary's quantile="0.5": the median time per call over the rank's last
+    sampled steps (publish/recent.py), what the layer straggler rule compares across ranks;
+    absent until known."""
+    if value is not None:
+        summary.add_sample(
+            summary.name, {"rank": rank, "layer": layer, "module": module, "quantile": "0.5"}, value
+        )
 
 
 def _integrity(snap: Snapshot, rank: str) -> Iterator[Metric]:

@@ -25,6 +25,7 @@ from types import MappingProxyType
 
 from prometheus_client import generate_latest
 
+from hookprof.publish.recent import RECENT_SAMPLES
 from hookprof.serve.exporter import SnapshotCollector, make_registry
 from hookprof.snapshot import LayerStats, Snapshot
 
@@ -101,6 +102,25 @@ class Farm:
         before = int(slow.after_s * self._calls_per_s)
         return before * per_call + (calls - before) * per_call * slow.factor
 
+    def _median(self, rank: int, layer: int, phase: str, calls: int) -> float | None:
+        """The median per call over the last five sampled steps (publish/recent.py), the
+        k-th of them at k / calls_per_s seconds; None before there are five."""
+        if calls < RECENT_SAMPLES:
+            return None
+        per_call = self.per_call(rank, layer, phase)
+        slow = self._slowdown
+        values = sorted(
+            per_call * slow.factor
+            if slow is not None
+            and slow.rank == rank
+            and slow.layer == self._names[layer]
+            and slow.phase == phase
+            and k / self._calls_per_s >= slow.after_s
+            else per_call
+            for k in range(calls - RECENT_SAMPLES + 1, calls + 1)
+        )
+        return values[RECENT_SAMPLES // 2]
+
     def snapshot(self, rank: int) -> Snapshot:
         """Rank `rank` as of now: its counters are those of a rank that has run since the farm
         started (so Prometheus's rate() over them is the per-call time)."""
@@ -115,6 +135,8 @@ class Farm:
                 forward_calls_total=calls,
                 backward_seconds_total=self._seconds(rank, i, "backward", calls, now),
                 backward_calls_total=calls,
+                forward_seconds_per_call_median=self._median(rank, i, "forward", calls),
+                backward_seconds_per_call_median=self._median(rank, i, "backward", calls),
                 grad_norm=0.1 + 0.01 * i,
                 activation_abs_max=1.0 + 0.1 * i,
             )

@@ -27,7 +27,7 @@ def run(tmp_path_factory):
         wait_for(
             "every rank's layers in the straggler rules",
             lambda: (
-                running.value("count(hookprof:layer_seconds_per_call:ratio_to_median_of_ranks3m)")
+                running.value("count(hookprof:layer_seconds_per_call:ratio_to_median_of_ranks)")
                 == RANKS * LAYERS * 2
             ),
             timeout=60,
@@ -43,7 +43,7 @@ def test_every_rank_is_scraped_and_its_layers_compared(run):
     assert run.value('sum(scrape_samples_scraped{job="hookprof"})') == RANKS * per_page
     ratios = {
         (r["metric"]["rank"], r["metric"]["layer"], r["metric"]["phase"]): float(r["value"][1])
-        for r in run.query("hookprof:layer_seconds_per_call:ratio_to_median_of_ranks3m")
+        for r in run.query("hookprof:layer_seconds_per_call:ratio_to_median_of_ranks")
     }
     slowed = (str(SLOW.rank), SLOW.layer, SLOW.phase)
     assert ratios[slowed] == pytest.approx(
@@ -74,7 +74,7 @@ def test_only_the_aggregates_reach_the_long_term_store(run):
     medians = wait_for(
         "the layers' median of ranks readable in VictoriaMetrics",
         lambda: run.query(
-            "count(hookprof:layer_seconds_per_call:median_of_ranks3m)", port=run.vm_port
+            "count(hookprof:layer_seconds_per_call:median_of_ranks)", port=run.vm_port
         ),
         timeout=60,
     )

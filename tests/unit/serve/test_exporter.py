@@ -225,6 +225,7 @@ def hand_built_snapshot() -> hookprof.Snapshot:
         forward_calls_total=40,
         backward_seconds_total=0.5,
         backward_calls_total=20,
+        forward_seconds_per_call_median=0.004,  # (the backward's not known yet: none)
         nonfinite=MappingProxyType({"forward": 0, "backward": 3}),
     )
     return hookprof.Snapshot(
@@ -277,6 +278,11 @@ def test_a_hand_built_snapshot_renders_to_exactly_its_values():
     assert samples(f, "hookprof_layer_backward_seconds", "hookprof_layer_backward_seconds_sum") == {
         key(layer): 0.5
     }
+    # the recent median per call, as the summary's quantile 0.5; none where not known yet
+    assert samples(f, "hookprof_layer_forward_seconds", "hookprof_layer_forward_seconds") == {
+        key({**layer, "quantile": "0.5"}): 0.004
+    }
+    assert samples(f, "hookprof_layer_backward_seconds", "hookprof_layer_backward_seconds") == {}
     assert samples(f, "hookprof_layer_gradient_norm") == {
         key({**rank, "layer": "blocks.0.fc"}): 1.5
     }

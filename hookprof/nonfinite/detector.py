@@ -86,14 +86,14 @@ class DeviceCounters:
         # phase's, side by side (end_step)
         self._two_readings = self.pending[n : n + 2]
         # 0-d views: a 0-d flag or check is written into them without a reshape
-        self._pending_forward = self.pending[n + 1 + _STORED_PHASES.index("forward")]
-        self.forward_slot = self._pending_forward  # (Detector.forward_slots)
+        # (public: a step's first output check writes itself there, Detector.forward_slots)
+        self.forward_slot = self.pending[n + 1 + _STORED_PHASES.index("forward")]
         self._pending_loss = self.pending[n + 1 + _STORED_PHASES.index("loss")]
         self._groups = {
             # the layers, the dropped slot and the backward phase: all written together by
             # two readings, all but the dropped slot by one (then _DROPPED is stale, cleared)
             _LAYERS: self.pending[: n + 2],
-            _FORWARD: self._pending_forward,
+            _FORWARD: self.forward_slot,
             _LOSS: self._pending_loss,
             _DROPPED: self._pending_dropped,
         }
@@ -163,8 +163,8 @@ class DeviceCounters:
             torch.any(self._pending_layers, 0, keepdim=True, out=self._pending_backward)
             written.add(_LAYERS)
         if forward is not None:
-            if forward is not self._pending_forward:  # (the first check wrote itself there)
-                self._pending_forward.copy_(forward if forward.dim() == 0 else forward.reshape(()))
+            if forward is not self.forward_slot:  # (the first check wrote itself there)
+                self.forward_slot.copy_(forward if forward.dim() == 0 else forward.reshape(()))
             written.add(_FORWARD)
         stale = self._dirty - written
         for group in stale:  # (none on a step that checks what the last one did)

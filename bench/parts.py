@@ -93,7 +93,9 @@ def leaf_models() -> dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]]:
     return {"mlp": mlp, "convnet": convnet}
 
 
-def leaf_per_model(name: str, steps: int, flop_counting: bool) -> tuple[int, float, float]:
+def leaf_per_model(
+    name: str, steps: int, flop_counting: bool, activation_stats: bool = False
+) -> tuple[int, float, float]:
     """(leaves, forward us per leaf, backward us per leaf) of one model, in this process."""
     import hookprof
 
@@ -104,13 +106,14 @@ def leaf_per_model(name: str, steps: int, flop_counting: bool) -> tuple[int, flo
     torch.manual_seed(0)
     hooked, _ = build()
     # sampled every step; the periodic extras (activation statistics, update norms) off, so
-    # that every step is the same and the figure is the hooks'
+    # that every step is the same and the figure is the hooks' (activation statistics on
+    # every step in their own variant: the output checks and the per-layer statistics)
     prof = hookprof.attach(
         hooked,
         port=0,
         sample_every=1,
         min_sample_interval_s=0.0,
-        activation_interval_s=1e9,
+        activation_interval_s=0.0 if activation_stats else 86400.0,  # (its bound: a day)
         update_norms=False,
         system_metrics=False,
         summary_at_exit=False,
@@ -146,11 +149,14 @@ def leaf_per_model(name: str, steps: int, flop_counting: bool) -> tuple[int, flo
     )
 
 
-def leaf_calls(calls: int = 400, reps: int = 30) -> tuple[float, float, float]:
+def leaf_calls(calls: int = 400, reps: int = 30) -> tuple[float, float, float, float]:
     """The hooks' own Python per layer call, without a model around it: LayerHooks' start and
     end of a call (what the forward wrapper calls) on a chain of tensors with distinct
     autograd nodes, then the registration of their backward marks (mark_pending); and
-    FlopCounter.note for forward(x). Best of `reps`, in microseconds per call."""
+    FlopCounter.note for forward(x); and start + end again with activation statistics on
+    (the output check and hookprof's built-in statistics), calls alternating between the
+    Linear and the ReLU (which alone takes the zero ratio). Best of `reps`, in microseconds
+    per call."""
     from hookprof._testing import layer_call
     from hookprof.device.timing import CpuTimer
     from hookprof.efficiency.flops import FlopCounter
@@ -165,7 +171,28 @@ def leaf_calls(calls: int = 400, reps: int = 30) -> tuple[float, float, float]:
     hooks = LayerHooks(table, CpuTimer(), Faults(), activation_stats=False)
     start, end = layer_call(hooks)
     clock = time.perf_counter_ns
-    best_calls = best_register = best_note = float("inf")
+    best_calls = best_register = best_note = best_stats = float("inf")
+    try:  # (a version whose built-in statistics are parts given to the hooks)
+        from hookprof.step.builtin_statistics import BUILT_IN as own_statistics
+    except ImportError:
+        own_statistics = ()
+    with_stats = LayerHooks(
+        table, CpuTimer(), Faults(), activation_stats=True, statistics=own_statistics
+    )
+    start_stats, end_stats = layer_call(with_stats)
+    for _ in range(reps):
+        chain = [torch.randn(2, 4, requires_grad=True) * 1.0]
+        for _ in range(calls):
+            chain.append(chain[-1] * 1.0)
+        with_stats.begin(StepRecord(0), install=False)
+        with_stats.root_forward_began(True)
+        t0 = clock()
+        for k in range(calls):
+            if start_stats(k % 2, (chain[k],), None):
+                end_stats(k % 2, chain[k + 1])
+        best_stats = min(best_stats, clock() - t0)
+        with_stats.root_output_arrived()
+        with_stats.end()
     for _ in range(reps):
         chain = [torch.randn(2, 4, requires_grad=True) * 1.0]
         for _ in range(calls):
@@ -190,7 +217,12 @@ def leaf_calls(calls: int = 400, reps: int = 30) -> tuple[float, float, float]:
             flops.note(0, (x,), None, False)
         best_note = min(best_note, clock() - t0)
         flops.drop()
-    return best_calls / calls / 1e3, best_register / calls / 1e3, best_note / calls / 1e3
+    return (
+        best_calls / calls / 1e3,
+        best_register / calls / 1e3,
+        best_note / calls / 1e3,
+        best_stats / calls / 1e3,
+    )
 
 
 def leaf(args: argparse.Namespace) -> list[Table]:
@@ -210,17 +242,23 @@ def leaf(args: argparse.Namespace) -> list[Table]:
         [("forward us/leaf", ".2f"), ("backward us/leaf", ".2f"), ("total", ".2f")],
     )
     for name in leaf_models():
-        for flops in (False, True):
-            leaves, fwd, bwd = leaf_per_model(name, args.steps, flops)
+        for flops, stats in ((False, False), (True, False), (False, True)):
+            leaves, fwd, bwd = leaf_per_model(name, args.steps, flops, stats)
             per_leaf.add(
-                f"{name} ({leaves} leaves), FLOP counting {'on' if flops else 'off'}",
+                f"{name} ({leaves} leaves), FLOP counting {'on' if flops else 'off'}"
+                + (", activation statistics on" if stats else ""),
                 fwd,
                 bwd,
                 fwd + bwd,
             )
     per_call = Table("per layer call, no model around it (best of 30)", [("us", ".2f")])
     for what, us in zip(
-        ("start + end of a call", "registering its backward mark", "FlopCounter.note, forward(x)"),
+        (
+            "start + end of a call",
+            "registering its backward mark",
+            "FlopCounter.note, forward(x)",
+            "start + end of a call, activation statistics on",
+        ),
         leaf_calls(),
     ):
         per_call.add(what, us)

@@ -47,6 +47,7 @@ from hookprof.snapshot import Snapshot
 from hookprof.step import statistics
 from hookprof.step.backward_end import BackwardEnd
 from hookprof.step.boundary import StepBoundary
+from hookprof.step.builtin_statistics import BUILT_IN
 from hookprof.step.gradients import GradientNorms, StepGradients
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import StepCounters, loss_notice, real_loss
@@ -116,7 +117,11 @@ class Profiler:
         self._model_ref = weakref.ref(model)
         self.model_type = type(model).__qualname__
         self.config, self._clock, self._wall_clock = config, clock, wall_clock
-        layer_statistics = statistics.checked(layer_statistics)
+        # hookprof's own per-layer statistics, then the user's: parts of one interface, one
+        # index space (step/statistics.py, step/builtin_statistics.py)
+        layer_statistics = statistics.checked(BUILT_IN, own=True) + statistics.checked(
+            layer_statistics
+        )
         live.release_orphans()
         live.refuse_overlap(frozenset(id(m) for m in model.modules()))
         self.table = LayerTable(model)
@@ -264,9 +269,14 @@ class Profiler:
                 parameter_statistics=statistics.ParameterStatistics(
                     layer_statistics,
                     [
-                        (layer.index, [self.table.params[i] for i in layer.param_indices])
+                        (
+                            layer.index,
+                            layer.module,
+                            [self.table.params[i] for i in layer.param_indices],
+                        )
                         for layer in self.table.layers
                     ],
+                    report=lambda part, exc: self._faults.report(part, exc, disable=False),
                 ),
             )
             if config.capsule_dir is not None:  # a backward NaN's capsule is drafted there

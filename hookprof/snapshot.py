@@ -361,8 +361,10 @@ class Snapshot:
     is a device timer (on the host clock it would repeat `phase_seconds`)."""
     device_phase_steps: int = 0
     layer_statistics: Mapping[str, LayerStatisticValues] = field(default_factory=lambda: _EMPTY)
-    """The per-layer statistics given to attach(layer_statistics=...): name -> its help and
-    each exported layer's value at the last sampled step with activation statistics."""
+    """The per-layer statistics, hookprof's own (step/builtin_statistics.py: activation_abs_max,
+    activation_zero_ratio) and those given to attach(layer_statistics=...): name -> its help
+    and each exported layer's value at the last sampled step with activation statistics (a
+    statistic of outputs) or at the last sampled step's end (of parameters)."""
     model: str = ""
     """The model's name (its `model` label: Config.name, by default its class name)."""
 
@@ -441,14 +443,11 @@ def layer_series(layer: LayerStats, efficiency: LayerEfficiency | None, statisti
     """The series one exported layer puts on a /metrics page, by the exporter's own rules
     (serve/exporter.py: a timing summary's _sum and _count where it was called, a gauge where
     its value is known, a counter where it is not 0; efficiency/families.py: one per known
-    figure), plus `statistics` of the user's per-layer statistics with a value for it. What
-    the series budget (Config.max_layer_series) counts; docs/metrics.md has the totals."""
+    figure), plus `statistics`: the per-layer statistics with a value for it (hookprof's
+    own activation abs max and zero ratio among them: step/builtin_statistics.py). What the
+    series budget (Config.max_layer_series) counts; docs/metrics.md has the totals."""
     n = timing_series(layer)
-    n += sum(
-        1
-        for v in (layer.grad_norm, layer.activation_zero_ratio, layer.activation_abs_max)
-        if v is not None
-    )
+    n += int(layer.grad_norm is not None)
     n += sum(1 for count in layer.nonfinite.values() if count)
     n += sum(1 for count in layer.gradient_flags.values() if count)
     if efficiency is not None:

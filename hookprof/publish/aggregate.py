@@ -41,9 +41,10 @@ from hookprof.snapshot import (
     layer_series,
     timing_series,
 )
+from hookprof.step.builtin_statistics import ABS_MAX, ZERO_RATIO
 from hookprof.step.record import Packet, StepCounters, StepRecord
 from hookprof.step.series import StepValue, decode
-from hookprof.step.statistics import OUTPUT, PARAMETERS, source_of
+from hookprof.step.statistics import OUTPUT, PARAMETERS, fold_calls, source_of
 
 REPLAY_UNAVAILABLE_DTENSOR = (
     "the model has FSDP2 / tensor-parallel (DTensor) parameters: a replay on one rank "
@@ -65,10 +66,7 @@ class StepFigures:
         self.bwd_calls = [0] * rows
         self.recompute = [0.0] * rows  # activation checkpointing's forward recomputation
         self.recompute_calls = [0] * rows
-        self.absmax: list[list[float]] = [[] for _ in range(n)]  # per output
-        self.zeros = [0.0] * n  # zeros and values in the zero samples
-        self.numel = [0] * n
-        self.checked = False  # the step had activation statistics
+        self.absmax: list[list[float]] = [[] for _ in range(n)]  # per output (its check)
         self.finding: ForwardFinding | None = None
         self.device_phases: tuple[float, ...] | None = None  # device seconds per step phase
 
@@ -95,6 +93,7 @@ class Aggregator:
         device_phases: DevicePhaseTotals | None,
         statistics: tuple[Any, ...] = (),
         replica_group: str = "",
+        report: Callable[[str, BaseException], None] | None = None,
     ) -> Aggregator:
         """The totals of a model's layer table, with their slice of the config (max_layers,
         max_layer_series, vanishing_grad_norm, exploding_grad_norm)."""
@@ -112,7 +111,8 @@ class Aggregator:
             detailed=config.detailed_layers,
             efficiency=efficiency,
             device_phases=device_phases,
-            statistics=tuple((s.name, s.help, source_of(s)) for s in statistics),
+            statistics=statistics,
+            report=report,
             device=device_name(table.param_devices()),
             # FSDP2 / tensor parallel: a replay on one rank would start collectives
             # the other ranks never join (nonfinite/checks.py never runs one)
@@ -145,12 +145,13 @@ class Aggregator:
         detailed: int | None = None,
         efficiency: EfficiencyTotals | None = None,
         device_phases: DevicePhaseTotals | None = None,
-        statistics: tuple[tuple[str, str, str], ...] = (),
+        statistics: tuple[Any, ...] = (),
         device: str = "cpu",
         replay_unavailable: str | None = None,
         gradients_every_step: bool = True,
         spikes: SpikeWatch | None = None,
         replica_group: str = "",
+        report: Callable[[str, BaseException], None] | None = None,
     ):
         n = len(names)
         # names of recorded calls: layers, then container modules (hooked by the replay, and
@@ -214,16 +215,21 @@ class Aggregator:
         self._dirty = True
         self.efficiency = efficiency  # when its figures are measured
         self.device_phases = device_phases  # with a device timer
-        # the per-layer statistics (step/statistics.py): (name, help, source), and per layer
-        # the value of its last call on the last sampled step that had activation statistics
-        # (an output's), or at the last sampled step's end (a parameter statistic's)
         # loss and gradient-norm spikes in the every-step series (publish/spikes.py)
         self.spikes = spikes if spikes is not None else SpikeWatch(200, DEFAULT_THRESHOLDS)
         # the last packet's every-step values, decoded once for the spikes and the history
         self._series: tuple[Packet | None, list[StepValue]] = (None, [])
-        self.statistics = statistics
+        # the per-layer statistics (step/statistics.py: hookprof's built-in ones, then the
+        # user's), and per layer its value folded from its calls on the last sampled step
+        # that had activation statistics (an output's), or at the last sampled step's end (a
+        # parameter statistic's). `report(part, exc)` hears of a fold that raised
+        self.statistics = tuple(statistics)
+        self._sources = [source_of(s) for s in statistics]
         self.statistic_values: list[list[float | None]] = [[None] * n for _ in statistics]
-        self._has_parameter_statistics = any(s[2] == PARAMETERS for s in statistics)
+        self._has_parameter_statistics = PARAMETERS in self._sources
+        index = {s.name: k for k, s in enumerate(statistics)}
+        self._abs_max, self._zero_ratio = index.get(ABS_MAX), index.get(ZERO_RATIO)
+        self._report = report
 
     # ---- folding one packet ----
 
@@ -331,9 +337,8 @@ class Aggregator:
             if call_id in call_bwd:
                 figures.bwd[layer] += call_bwd[call_id]
                 figures.bwd_calls[layer] += 1
-        # activation values back in record order: act index -> (abs max, non-zeros)
+        # the checks' values back in record order: act index -> abs max
         lows, highs = packet.batch.get("act_min"), packet.batch.get("act_max")
-        nonzero_values = iter(packet.batch.get("nonzero"))
         act_max: dict[int, float] = {}
         for position, i in enumerate(packet.act_order):
             act = rec.act[i]
@@ -344,10 +349,6 @@ class Aggregator:
             if layer >= n:
                 continue
             figures.absmax[layer].append(m)
-            if act.nonzero is not None:
-                figures.zeros[layer] += act.sample_size - next(nonzero_values)
-                figures.numel[layer] += act.sample_size
-        figures.checked = bool(rec.act)
         # a replay's layers whose own weights were non-finite (replay.own_weights_nonfinite)
         weights_bad = {i for i, v in enumerate(packet.batch.get("weights_bad")) if v}
         figures.finding = forward_roles(
@@ -373,24 +374,12 @@ class Aggregator:
             self.recompute_calls_total[i] += figures.recompute_calls[i]
         self.recent_fwd.add(figures.fwd, figures.calls)
         self.recent_bwd.add(figures.bwd, figures.bwd_calls)
-        previous = self._last
-        # a sampled step without activation statistics (activation_interval_s) keeps the
-        # last ones, so the gauges do not blink out between them
-        keep_activations = not figures.checked and previous
         self._last = {
             "calls": figures.calls,
             "fwd": figures.fwd,
             "recompute": figures.recompute,
             "bwd": figures.bwd,
             "grad": [math.sqrt(squares[i]) if i in packet.has_grad else None for i in range(n)],
-            "zero_ratio": previous["zero_ratio"]
-            if keep_activations
-            else [
-                figures.zeros[i] / figures.numel[i] if figures.numel[i] else None for i in range(n)
-            ],
-            "absmax": previous["absmax"]
-            if keep_activations
-            else [_nanmax(figures.absmax[i]) if figures.absmax[i] else None for i in range(n)],
         }
         self._fold_statistics(packet)
         if packet.has_grad:
@@ -422,10 +411,11 @@ class Aggregator:
         return self._series[1]
 
     def _fold_statistics(self, packet: Packet) -> None:
-        """The per-layer statistics of a sampled step: of outputs, each layer's last call's
-        value (a step without activation statistics keeps the last ones, as for the abs
-        max); of parameters, the values taken at the step's end."""
-        if packet.stat_parts:
+        """The per-layer statistics of a sampled step: of outputs, each layer's calls folded
+        (a step without activation statistics, activation_interval_s, keeps the last ones,
+        so the gauges do not blink out between them); of parameters, the values taken at the
+        step's end."""
+        if packet.stat_order:
             self._fold_source(OUTPUT, packet, "stat", packet.stat_parts, packet.stat_order)
         # every sampled step takes the parameter statistics (StepEvents' pack): none in the
         # packet means each failed, and its rows go (no gauge keeps an earlier step's value)
@@ -435,19 +425,38 @@ class Aggregator:
             )
 
     def _fold_source(
-        self, source: str, packet: Packet, key: str, parts: int, order: list[tuple[int, int]]
+        self,
+        source: str,
+        packet: Packet,
+        key: str,
+        parts: int,
+        order: list[tuple[int, int, tuple[float | None, ...]]],
     ) -> None:
-        """The rows of the statistics of `source`, replaced by this packet's values (a
-        statistic that failed on this step: no value, no gauge)."""
-        values = [v for k in range(parts) for v in packet.batch.get((key, k))]
-        for k, (_, _, of) in enumerate(self.statistics):
-            if of == source:
-                self.statistic_values[k] = [None] * len(self.names)
-        for (k, where), value in zip(order, values):
+        """The rows of the statistics of `source`, replaced by this packet's values, each
+        layer's calls folded by its statistic (a statistic that failed on this step, or whose
+        fold raised: no value, no gauge)."""
+        stacked = iter([v for k in range(parts) for v in packet.batch.get((key, k))])
+        n = len(self.names)
+        calls: dict[tuple[int, int], list[tuple[float, ...]]] = {}
+        for k, where, shape in order:
             # an output's value comes with its call, a parameter statistic's with its layer
             layer = packet.record.calls[where].layer if source == OUTPUT else where  # type: ignore[union-attr]
-            if layer < len(self.names):  # (container modules are hooked by the replay only)
-                self.statistic_values[k][layer] = value
+            values = tuple(next(stacked) if v is None else v for v in shape)
+            if layer < n:  # (container modules are hooked by the replay only)
+                calls.setdefault((k, layer), []).append(values)
+        for k, of in enumerate(self._sources):
+            if of == source:
+                self.statistic_values[k] = [None] * n
+        for (k, layer), layer_calls in calls.items():
+            try:
+                self.statistic_values[k][layer] = fold_calls(self.statistics[k], layer_calls)
+            except Exception as exc:
+                if self._report is not None:
+                    self._report(f"layer statistic {self.statistics[k].name}", exc)
+
+    def _statistic(self, k: int | None, i: int) -> float | None:
+        """Statistic k's value for row i (None for a compiled region's row, or no such k)."""
+        return self.statistic_values[k][i] if k is not None and i < len(self.names) else None
 
     @property
     def first_nonfinite_step(self) -> int | None:
@@ -565,8 +574,8 @@ class Aggregator:
             forward_seconds=last["fwd"][i] if last else 0.0,
             backward_seconds=last["bwd"][i] if last else 0.0,
             grad_norm=last["grad"][i] if last and layer else None,
-            activation_zero_ratio=last["zero_ratio"][i] if last and layer else None,
-            activation_abs_max=last["absmax"][i] if last and layer else None,
+            activation_zero_ratio=self._statistic(self._zero_ratio, i),
+            activation_abs_max=self._statistic(self._abs_max, i),
             forward_seconds_total=self.fwd_total[i],
             forward_calls_total=self.fwd_calls_total[i],
             backward_seconds_total=self.bwd_total[i],
@@ -758,7 +767,9 @@ class Aggregator:
                         }
                     ),
                 )
-                for (name, help, _), values in zip(self.statistics, self.statistic_values)
+                for (name, help), values in zip(
+                    ((s.name, s.help) for s in self.statistics), self.statistic_values
+                )
             }
         )
 

@@ -245,6 +245,8 @@ def for_model(
             device_phases=device_phases,
             statistics=statistics,
             replica_group=replica_group,
+            # a statistic's fold that raised: that value lost, nothing switched off
+            report=lambda part, exc: faults.report(part, exc, disable=False),
         ),
         counters,
         faults,

@@ -217,8 +217,6 @@ class SnapshotCollector(Collector):
         grad = family(names.LAYER_GRADIENT_NORM)
         nonfinite = family(names.LAYER_NONFINITE_TOTAL)
         layer_flagged = family(names.LAYER_GRADIENT_FLAGGED_STEPS_TOTAL)
-        zero = family(names.LAYER_ACTIVATION_ZERO_RATIO)
-        absmax = family(names.LAYER_ACTIVATION_ABS_MAX)
         detailed = len(snap.exported_layers)
         for k, name in enumerate(snap.exported_layers + snap.timed_layers):
             layer = snap.layers[name]
@@ -253,13 +251,12 @@ class SnapshotCollector(Collector):
             for kind, count in layer.gradient_flags.items():
                 if count:
                     layer_flagged.add_metric([rank, name, kind], count)
-            if layer.activation_zero_ratio is not None:
-                zero.add_metric([rank, name], layer.activation_zero_ratio)
-            if layer.activation_abs_max is not None:
-                absmax.add_metric([rank, name], layer.activation_abs_max)
-        yield from (fwd, bwd, recompute, grad, nonfinite, layer_flagged, zero, absmax)
-        for stat_name, stat in snap.layer_statistics.items():  # the user's (step/statistics.py)
-            made = family(names.layer_statistic(stat_name, stat.help))
+        yield from (fwd, bwd, recompute, grad, nonfinite, layer_flagged)
+        # the per-layer statistics (step/statistics.py), hookprof's built-in ones (their
+        # metrics declared in metrics_names) and the user's alike
+        for stat_name, stat in snap.layer_statistics.items():
+            metric = names.BY_NAME.get(names.LAYER_STATISTIC_PREFIX + stat_name)
+            made = family(metric or names.layer_statistic(stat_name, stat.help))
             for name, value in stat.values.items():
                 made.add_metric([rank, name], value)
             yield made

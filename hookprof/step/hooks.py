@@ -37,19 +37,10 @@ from hookprof.device.timing import Timer
 from hookprof.faults import Faults
 from hookprof.handles import Handle, HandleGroup
 from hookprof.layers import LayerTable
+from hookprof.step.builtin_statistics import BUILT_IN
 from hookprof.step.record import ROOT_INPUT, Activation, Call, StepRecord
-from hookprof.step.statistics import OUTPUT, one_value, source_of
+from hookprof.step.statistics import OUTPUT, applies, known_extremes, source_of, values_of
 from hookprof.tensors import bits_sum, iter_tensors
-
-ZERO_SAMPLE = 4096  # values per output the zero ratio is computed from
-
-
-def zero_sample(d: torch.Tensor) -> torch.Tensor:
-    """At most ZERO_SAMPLE evenly spaced values of `d` (a view: nothing is copied)."""
-    flat = d.reshape(-1)
-    stride = -(-flat.numel() // ZERO_SAMPLE)  # ceil division
-    return flat[::stride] if stride > 1 else flat
-
 
 _Tensor = torch.Tensor
 _NO_ATTRIBUTE = object()  # a module without an instance attribute `forward` of its own
@@ -128,16 +119,24 @@ class LayerHooks:
         # weakly, like the layer table: the model's life is its owner's business
         self._root_ref = weakref.ref(root) if root is not None else None
         self._activation_stats = activation_stats  # per step: begin(activation_stats=...)
-        # the per-layer statistics of outputs, with their index among all (step/statistics.py)
-        self._statistics = [
-            (k, stat) for k, stat in enumerate(statistics) if source_of(stat) == OUTPUT
-        ]
-        # dead units are a property of activation outputs: the zero ratio is taken for layers
-        # without parameters of their own (ReLU, GELU, Dropout, pooling), not for Linear/Conv
-        # outputs, which are almost never exactly zero
-        self._zero_ratio = [not layer.param_indices for layer in table.layers] + [False] * len(
-            table.containers
-        )
+        # per row, the per-layer statistics of outputs that reduce it (step/statistics.py:
+        # hookprof's built-in ones and the user's), with their index among all; none for a
+        # container's row (hooked by a replay, and not a row the aggregator keeps)
+        outputs = [(k, stat) for k, stat in enumerate(statistics) if source_of(stat) == OUTPUT]
+
+        def report(part: str, exc: BaseException) -> None:
+            faults.report(part, exc, disable=False)  # (that statistic's loss alone)
+
+        # (hookprof's own return what is sent as it is, tested: test_statistic_parts.py, and
+        # skip the user's results' checks, ~1 us an output)
+        self._statistics: list[list[tuple[int, Any, bool]]] = [
+            [
+                (k, stat, any(stat is own for own in BUILT_IN))
+                for k, stat in outputs
+                if applies(stat, layer.module, report)
+            ]
+            for layer in table.layers
+        ] + [[] for _ in table.containers]
         # what is installed, as handles: hook handles (the root layer, modules that refuse a
         # wrapper) and wrappers put in place (a layer's `forward`, a compiled region's
         # compiled call: see _wrap); a replay's additions go in a group of their own
@@ -269,7 +268,7 @@ class LayerHooks:
                     low, high = torch.aminmax(_real(t.detach()))
                     # known like a layer's output: a layer taking it reuses this reduction
                     rec.out_stats[id(t)] = (weakref.ref(t), t._version, len(rec.act))
-                    rec.act.append(Activation(ROOT_INPUT, low, high, None, 0))
+                    rec.act.append(Activation(ROOT_INPUT, low, high))
         except Exception as exc:
             self._faults.report("forward pre-hook", exc)
 
@@ -541,19 +540,26 @@ class LayerHooks:
                     d = _real(t.detach())
                     # device-side reductions, kept on the device. aminmax gives max |x| over
                     # the whole output in one pass, and NaN/Inf propagate, so it doubles as
-                    # the exact non-finite detector. Zeros are counted on an evenly strided
-                    # sample of at most ZERO_SAMPLE values: exact counts cost ~10x more.
+                    # the exact non-finite detector; the statistics read it (`extremes`)
                     low, high = torch.aminmax(d)
                     rec.out_stats[id(t)] = (weakref.ref(t), t._version, len(rec.act))
-                    if self._zero_ratio[layer_index]:
-                        sample = zero_sample(d)
-                        rec.act.append(
-                            Activation(call, low, high, torch.count_nonzero(sample), sample.numel())
-                        )
-                    else:
-                        rec.act.append(Activation(call, low, high, None, 0))
-                    if self._statistics:
-                        self._reduce_statistics(rec, call, d)
+                    rec.act.append(Activation(call, low, high))
+                    statistics = self._statistics[layer_index]
+                    if statistics:  # hookprof's and the user's (step/statistics.py), inline
+                        known_extremes[0], known_extremes[1] = d, (low, high)
+                        try:
+                            for k, stat, own in statistics:
+                                try:
+                                    values = stat.reduce(d)
+                                    if not own:
+                                        values = values_of(stat, values)
+                                    rec.stats.append((k, call, values))
+                                except Exception as exc:  # that statistic, that call, alone
+                                    self._faults.report(
+                                        f"layer statistic {stat.name}", exc, disable=False
+                                    )
+                        finally:  # (nothing of the output kept alive past its call)
+                            known_extremes[0] = known_extremes[1] = None
                 if node is not None:
                     roles = pending.get(node)
                     if roles is None:
@@ -567,16 +573,6 @@ class LayerHooks:
         except Exception as exc:
             self._faults.report("forward hook", exc)
 
-    def _reduce_statistics(self, rec: StepRecord, call: int, output: torch.Tensor) -> None:
-        """Each per-layer statistic of this output, a 0-d float32 on its device. A statistic
-        that fails is reported (once in the log, every time in the count) and skipped for this
-        call alone: the layer's other figures, and the other statistics, go on."""
-        for k, stat in self._statistics:
-            try:
-                rec.stats.append((k, call, one_value(stat, stat.reduce(output))))
-            except Exception as exc:
-                self._faults.report(f"layer statistic {stat.name}", exc, disable=False)
-
     def _note_input(self, rec: StepRecord, t: torch.Tensor, call: int) -> None:
         """Finiteness of a call's input, to tell the layer that produced a NaN (finite inputs,
         non-finite output) from the ones it flowed through. Reuses the reduction of the layer
@@ -587,7 +583,7 @@ class LayerHooks:
             return
         low, high = torch.aminmax(_real(t.detach()))
         rec.inputs.append((call, len(rec.act)))
-        rec.act.append(Activation(-1, low, high, None, 0))
+        rec.act.append(Activation(-1, low, high))
 
     def _hook_params(self, rec: StepRecord, layer_index: int) -> None:
         """The call's backward ends at its parameters' last gradient: a layer's own, or for a

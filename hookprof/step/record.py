@@ -59,8 +59,6 @@ class Activation(NamedTuple):
     # ROOT_INPUT for an input of the root module
     low: torch.Tensor  # min, 0-d, on the device
     high: torch.Tensor  # max
-    nonzero: torch.Tensor | None  # non-zeros in the zero sample (activation layers only)
-    sample_size: int  # values in that sample
 
 
 class StepRecord:
@@ -114,8 +112,9 @@ class StepRecord:
         # (phase entered, token) at each step-phase boundary, with a device timer only
         # (device_phases.PhaseMarks); the last is the step's end
         self.phase_marks: list[tuple[int, Any]] = []
-        # (statistic, call, 0-d value on the device): the user's per-layer statistics
-        self.stats: list[tuple[int, int, torch.Tensor]] = []
+        # (statistic, call, its values: 0-d tensors on the device and host numbers): the
+        # per-layer statistics of outputs, hookprof's and the user's (step/statistics.py)
+        self.stats: list[tuple[int, int, tuple[Any, ...]]] = []
         # calls whose times are not the step's: an eager no_grad re-run's (nonfinite/checks.py),
         # a compiled region's call during which Dynamo compiled (a first call, a recompile)
         self.untimed: set[int] = set()
@@ -232,13 +231,14 @@ class Packet:
     steps_at_end: tuple[int, float] | None = None
     seconds: float | None = None  # a sampled step's wall time (the layers' times' window)
     efficiency: Any = None  # an efficiency.EfficiencyPart on sampled steps with those figures
-    # (statistic, call) of each per-layer statistic value, in the order of the batch's
-    # ("stat", 0), ("stat", 1), ... stacks (one per device): step/statistics.py
-    stat_order: list[tuple[int, int]] = field(default_factory=list)
+    # (statistic, call, its values: None for the next of the batch's ("stat", 0),
+    # ("stat", 1), ... stacks, one per device, else a host number) of each per-layer
+    # statistic's reduction, in stacking order: step/statistics.py
+    stat_order: list[tuple[int, int, tuple[float | None, ...]]] = field(default_factory=list)
     stat_parts: int = 0
-    # (statistic, layer) of each parameter statistic's value, in the order of the batch's
-    # ("param_stat", 0), ... stacks: taken at a sampled step's end (step/statistics.py)
-    param_stat_order: list[tuple[int, int]] = field(default_factory=list)
+    # the same of the parameter statistics, with ("param_stat", k) stacks and the layer in
+    # place of the call: taken at a sampled step's end (step/statistics.py)
+    param_stat_order: list[tuple[int, int, tuple[float | None, ...]]] = field(default_factory=list)
     param_stat_parts: int = 0
     # the forward of `step` went non-finite and could not be replayed: why (nonfinite/replay.py)
     not_replayed: str | None = None
@@ -305,7 +305,7 @@ def pack_step(
     capsule: str | None = None,
     dropped_values: Sequence[torch.Tensor] = (),
     series: tuple[list[list[torch.Tensor]], SeriesDrain] | None = None,
-    parameter_stats: Sequence[tuple[int, int, torch.Tensor]] = (),
+    parameter_stats: Sequence[tuple[int, int, tuple[Any, ...]]] = (),
     fingerprint: Sequence[torch.Tensor] = (),
     changes: tuple[Sequence[torch.Tensor], Sequence[str]] | None = None,
     replay_check: tuple[Any, Sequence[torch.Tensor]] | None = None,
@@ -385,18 +385,34 @@ def pack_step(
 
 
 def _add_statistics(
-    batch: ScalarBatch, key: str, values: Sequence[tuple[int, int, torch.Tensor]]
-) -> tuple[list[tuple[int, int]], int]:
-    """Stack per-layer statistic values ((statistic, call or layer, 0-d value)), one stack
-    per device (keys (key, k)); returns the (statistic, call or layer) of each stacked value
-    in order, and the number of stacks."""
-    order: list[tuple[int, int]] = []
-    by_device: dict[torch.device, list[int]] = {}
-    for i, (_, _, value) in enumerate(values):
-        by_device.setdefault(value.device, []).append(i)
-    for k, indices in enumerate(by_device.values()):
-        order.extend(values[i][:2] for i in indices)
-        batch.add((key, k), torch.stack([values[i][2] for i in indices]))
+    batch: ScalarBatch, key: str, values: Sequence[tuple[int, int, tuple[Any, ...]]]
+) -> tuple[list[tuple[int, int, tuple[float | None, ...]]], int]:
+    """Stack per-layer statistic values ((statistic, call or layer, its values)): the 0-d
+    tensors one stack per device (keys (key, k); the dtypes promote), the host numbers kept
+    aside. Returns, in stacking order, each entry's (statistic, call or layer, its values
+    with None where a value is the next one of the stacks), and the number of stacks."""
+    order: list[tuple[int, int, tuple[float | None, ...]]] = []
+    by_device: dict[torch.device, list[tuple[int, int, tuple[Any, ...]]]] = {}
+    host_only = []
+    for entry in values:
+        device = next((v.device for v in entry[2] if isinstance(v, torch.Tensor)), None)
+        if device is None:
+            host_only.append(entry)
+        else:
+            by_device.setdefault(device, []).append(entry)
+    for k, entries in enumerate(by_device.values()):
+        tensors = []
+        for statistic, where, items in entries:
+            shape: list[float | None] = []
+            for v in items:
+                if isinstance(v, torch.Tensor):  # (one device per entry: values_of)
+                    tensors.append(v)
+                    shape.append(None)
+                else:
+                    shape.append(float(v))
+            order.append((statistic, where, tuple(shape)))
+        batch.add((key, k), torch.stack(tensors))
+    order.extend((s, w, tuple(float(v) for v in items)) for s, w, items in host_only)
     return order, len(by_device)
 
 
@@ -411,7 +427,4 @@ def _add_activations(batch: ScalarBatch, record: StepRecord) -> list[int]:
         act_order.extend(indices)
         batch.add("act_min", torch.stack([record.act[i].low for i in indices]))
         batch.add("act_max", torch.stack([record.act[i].high for i in indices]))
-        nonzero = [n for i in indices if (n := record.act[i].nonzero) is not None]
-        if nonzero:
-            batch.add("nonzero", torch.stack(nonzero))
     return act_order

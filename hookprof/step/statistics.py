@@ -38,10 +38,27 @@ layer that owns parameters:
 (hookprof's own `hookprof_layer_weight_norm` is such a figure, taken with the update ratio
 in one fused pass: docs/efficiency.md.)
 
+Two optional methods say more, for a statistic that needs it; hookprof's own activation
+statistics (step/builtin_statistics.py: `hookprof_layer_activation_abs_max` and
+`hookprof_layer_activation_zero_ratio`) are written with them, as parts of this interface:
+
+- `reduce` may return a tuple of values (0-d tensors on the device, or plain numbers known on
+  the host), and `fold(calls)` turns them into the exported value on the publisher's thread:
+  `calls` lists the tuples of each of the layer's calls in the step (a layer called several
+  times per step: a shared block, an RNN cell), as floats, in call order. Without `fold` the
+  value is the last call's first value. A ratio over the step's calls is a tuple
+  (part, whole) per call and a `fold` that sums both.
+- `applies_to(module) -> bool` is asked once per layer at attach: False and the statistic
+  never reduces that layer (the zero ratio: layers without parameters of their own).
+
+And one helper: `extremes(output)` is (min, max) of a layer's output as 0-d tensors; inside
+a `reduce` hookprof calls, they are the ones its non-finite check computed anyway (no second
+pass over the output). The abs max is `reduce = extremes`, folded as max(-min, max).
+
 Owns: the protocol and the checks of a statistic, and the taking of the parameter ones
 (`ParameterStatistics`). Used by: `Profiler` (`checked`, at attach), `LayerHooks` (reduce of
 the output ones), `StepEvents` (the parameter ones, at a sampled step's end), `pack_step`
-(stacking), `Aggregator` (the last values) and `SnapshotCollector` (the gauge).
+(stacking), `Aggregator` (folding, and the last values) and `SnapshotCollector` (the gauge).
 """
 
 from __future__ import annotations
@@ -75,16 +92,18 @@ class LayerStatistic(Protocol):
     name: str  # exported as hookprof_layer_<name>: lowercase, digits, underscores
     help: str  # the metric's HELP text
     # (optional) source: "output" (the default) or "parameters" (see the module's docstring)
+    # (optional) fold(calls) -> float | None, applies_to(module) -> bool (the same)
 
-    def reduce(self, output: Any) -> torch.Tensor:
+    def reduce(self, output: Any) -> Any:
         """A 0-d tensor on the device of what it reads (an output tensor, or a layer's
-        parameters); never waits for the device."""
+        parameters), or a tuple of such values and host numbers; never waits for the device."""
         ...
 
 
-def checked(statistics: Any) -> tuple[LayerStatistic, ...]:
+def checked(statistics: Any, *, own: bool = False) -> tuple[LayerStatistic, ...]:
     """`statistics` if it is a tuple (or list) of well-formed statistics with names of their
-    own; else ConfigError naming `layer_statistics` and what is wrong."""
+    own; else ConfigError naming `layer_statistics` and what is wrong. `own`: hookprof's
+    built-in ones, whose names are its own metrics' (metrics_names.py) rather than never."""
     if isinstance(statistics, list):
         statistics = tuple(statistics)
     if not isinstance(statistics, tuple):
@@ -99,11 +118,13 @@ def checked(statistics: Any) -> tuple[LayerStatistic, ...]:
             raise ConfigError(
                 "layer_statistics", stat.name, "names of lowercase letters, digits and underscores"
             )
-        if LAYER_STATISTIC_PREFIX + stat.name in BY_NAME or stat.name in seen:
+        if (LAYER_STATISTIC_PREFIX + stat.name in BY_NAME) != own or stat.name in seen:
             raise ConfigError(
                 "layer_statistics",
                 stat.name,
-                "a name neither given twice nor one of hookprof's own metrics",
+                "a name neither given twice nor one of hookprof's own metrics"
+                if not own
+                else "a built-in statistic's name among hookprof's metrics (metrics_names.py)",
             )
         if not isinstance(stat.help, str) or not stat.help.strip():
             raise ConfigError("layer_statistics", stat.help, f"a help text for {stat.name!r}")
@@ -113,24 +134,100 @@ def checked(statistics: Any) -> tuple[LayerStatistic, ...]:
                 source_of(stat),
                 f"a source of {stat.name!r} among {', '.join(map(repr, SOURCES))}",
             )
+        for method in ("fold", "applies_to"):
+            if not callable(getattr(stat, method, callable)):
+                raise ConfigError(
+                    "layer_statistics",
+                    getattr(stat, method),
+                    f"{stat.name!r}'s {method} as a method (or none)",
+                )
         seen.add(stat.name)
     return statistics
 
 
-def one_value(statistic: Any, value: Any) -> torch.Tensor:
-    """`value`, a statistic's result, as the 0-d float32 that is sent; TypeError naming the
-    statistic when it is not a one-value tensor."""
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        raise TypeError(
-            f"layer statistic {statistic.name!r}: reduce() must return a "
-            f"one-value tensor, got {type(value).__qualname__}"
-        )
-    if hasattr(value, "to_local"):  # a DTensor: it cannot ride the step's copy of plain ones
-        raise TypeError(
-            f"layer statistic {statistic.name!r}: reduce() returned a DTensor; reduce this "
-            "rank's local tensor (dtensor.to_local()) and return a plain one"
-        )
-    return value.detach().reshape(()).to(torch.float32)
+def applies(statistic: Any, module: Any, report: Any = None) -> bool:
+    """Whether `statistic` reduces the layer `module` (its `applies_to`; yes without one).
+    One that raises is reported to `report(part, exc)` and reduces nothing there."""
+    applies_to = getattr(statistic, "applies_to", None)
+    if applies_to is None:
+        return True
+    try:
+        return bool(applies_to(module))
+    except Exception as exc:
+        if report is not None:
+            report(f"layer statistic {statistic.name}", exc)
+        return False
+
+
+def values_of(statistic: Any, result: Any) -> tuple[Any, ...]:
+    """`result`, what a statistic's reduce returned, as the tuple of values that is sent:
+    one-value real tensors on one device (detached, 0-d, stacked with the step's others into
+    its one copy) and host numbers (kept as they are); TypeError naming the statistic
+    otherwise. Runs for every output of every layer of a sampled step, so the usual case
+    (plain tensors) takes the fewest checks: a DTensor is a subclass, a device is compared
+    only when a result holds a second tensor."""
+    values = (result,) if not isinstance(result, tuple) else result
+    if not values:
+        raise TypeError(f"layer statistic {statistic.name!r}: reduce() returned no value")
+    out: list[Any] = []
+    device = None
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if type(value) is not torch.Tensor and hasattr(value, "to_local"):
+                raise TypeError(  # a DTensor: it cannot ride the step's copy of plain ones
+                    f"layer statistic {statistic.name!r}: reduce() returned a DTensor; reduce "
+                    "this rank's local tensor (dtensor.to_local()) and return a plain one"
+                )
+            if value.numel() != 1 or value.is_complex():
+                raise TypeError(
+                    f"layer statistic {statistic.name!r}: reduce() must return one-value "
+                    f"real tensors, got one of shape {tuple(value.shape)} and {value.dtype}"
+                )
+            if device is None:
+                device = value
+            elif value.device != device.device:
+                raise TypeError(
+                    f"layer statistic {statistic.name!r}: reduce() returned tensors on "
+                    "several devices; return them on one"
+                )
+            if value.requires_grad:
+                value = value.detach()
+            if value.dim():
+                value = value.reshape(())
+        elif not isinstance(value, (int, float)):
+            raise TypeError(
+                f"layer statistic {statistic.name!r}: reduce() must return one-value "
+                f"tensors or numbers, got {type(value).__qualname__}"
+            )
+        out.append(value)
+    return tuple(out)
+
+
+def fold_calls(statistic: Any, calls: list[tuple[float, ...]]) -> float | None:
+    """A layer's value of `statistic` from its calls' values in one step (its `fold`; the
+    last call's first value without one)."""
+    fold = getattr(statistic, "fold", None)
+    if fold is None:
+        return calls[-1][0]
+    value = fold(calls)
+    return None if value is None else float(value)
+
+
+# the extremes the non-finite check took of the output being reduced: [output, (min, max)],
+# written by LayerHooks around a layer's statistics and cleared after them (inline there: two
+# calls less per output). A training thread's statistic finds its own output here or
+# computes them; identity, not equality, decides
+known_extremes: list[Any] = [None, None]
+
+
+def extremes(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of `output` as 0-d tensors on its device (NaN if it holds one). Inside a
+    reduce hookprof calls, the non-finite check's own (no second pass over the output)."""
+    known, values = known_extremes
+    if known is output:
+        return values
+    low, high = torch.aminmax(output.detach())
+    return low, high
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -144,27 +241,39 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 class ParameterStatistics:
     """The statistics whose source is a layer's parameters (`source = "parameters"`), taken
     at each sampled step's end, after the update: `take()` reduces every layer that owns
-    parameters and returns (statistic, layer, 0-d value on the device) to be sent with the
-    step. A statistic that fails is reported and skipped for the rest of that step; the
-    others, and every other figure, go on."""
+    parameters (and that it applies to) and returns (statistic, layer, its values: 0-d
+    tensors on the device and host numbers) to be sent with the step. A statistic that fails
+    is reported and skipped for the rest of that step; the others, and every other figure,
+    go on."""
 
-    def __init__(self, statistics: Sequence[Any], layers: Sequence[tuple[int, Sequence[Any]]]):
+    def __init__(
+        self,
+        statistics: Sequence[Any],
+        layers: Sequence[tuple[int, Any, Sequence[Any]]],
+        report: Any = None,
+    ):
         """`statistics`: all of a profiler's (their position is their index everywhere);
-        `layers`: (layer index, its own parameters) of each layer that owns any."""
-        self._statistics = [(k, s) for k, s in enumerate(statistics) if source_of(s) == PARAMETERS]
-        self._layers = [(index, tuple(params)) for index, params in layers if params]
+        `layers`: (layer index, its module, its own parameters) of each layer;
+        `report(part, exc)` hears of an `applies_to` that raised."""
+        owning = [(index, module, tuple(params)) for index, module, params in layers if params]
+        # (statistic's index, statistic, the layers it reduces: index and parameters)
+        self._statistics = [
+            (k, s, [(i, params) for i, module, params in owning if applies(s, module, report)])
+            for k, s in enumerate(statistics)
+            if source_of(s) == PARAMETERS
+        ]
 
     def __bool__(self) -> bool:
         return bool(self._statistics)
 
-    def take(self, report: Any) -> list[tuple[int, int, torch.Tensor]]:
+    def take(self, report: Any) -> list[tuple[int, int, tuple[Any, ...]]]:
         """This step's values; `report(part, exc)` hears of a statistic that failed."""
-        taken: list[tuple[int, int, torch.Tensor]] = []
-        for k, stat in self._statistics:
+        taken: list[tuple[int, int, tuple[Any, ...]]] = []
+        for k, stat, layers in self._statistics:
             try:
                 values = [
-                    (k, index, one_value(stat, stat.reduce(tuple(map(_local, params)))))
-                    for index, params in self._layers
+                    (k, index, values_of(stat, stat.reduce(tuple(map(_local, params)))))
+                    for index, params in layers
                 ]
             except Exception as exc:
                 report(f"layer statistic {stat.name}", exc)

@@ -25,9 +25,11 @@ from types import MappingProxyType
 
 from prometheus_client import generate_latest
 
+from hookprof.metrics_names import LAYER_ACTIVATION_ABS_MAX
 from hookprof.publish.recent import RECENT_SAMPLES
 from hookprof.serve.exporter import SnapshotCollector, make_registry
-from hookprof.snapshot import LayerStats, Snapshot
+from hookprof.snapshot import LayerStatisticValues, LayerStats, Snapshot
+from hookprof.step.builtin_statistics import ABS_MAX
 
 MODEL = "GPT"
 
@@ -143,6 +145,8 @@ class Farm:
             for i, name in enumerate(self._names)
         }
         steps = calls * 10
+        detailed = self._names[: self._detailed]
+        abs_max = {name: layers[name].activation_abs_max for name in detailed}
         return Snapshot(
             rank=rank,
             step=steps,
@@ -152,8 +156,12 @@ class Farm:
             loss=2.0,
             grad_norm=1.0,
             layers=MappingProxyType(layers),
-            exported_layers=tuple(self._names[: self._detailed]),
+            exported_layers=tuple(detailed),
             timed_layers=tuple(self._names[self._detailed :]),
+            # the gauge's source on the page (hookprof's built-in statistics)
+            layer_statistics=MappingProxyType(
+                {ABS_MAX: LayerStatisticValues(LAYER_ACTIVATION_ABS_MAX.help, abs_max)}
+            ),
         )
 
     def page(self, rank: int) -> bytes:

@@ -10,7 +10,7 @@ import torch
 
 import hookprof
 from hookprof.demo import InjectNonFinite
-from hookprof.step.hooks import ZERO_SAMPLE
+from hookprof.step.builtin_statistics import ZERO_SAMPLE
 from support.models import DeepNet, seeded, train
 
 

@@ -19,7 +19,7 @@ from hookprof import _testing
 from hookprof import metrics_names as names
 from hookprof.demo import DemoNet, InjectNonFinite
 from hookprof.serve.exporter import SnapshotCollector, make_registry, render
-from hookprof.snapshot import LayerStats, NonFiniteEvent, Snapshot
+from hookprof.snapshot import LayerStatisticValues, LayerStats, NonFiniteEvent, Snapshot
 from hookprof.view.table import (
     choose,
     filter_rows,
@@ -84,6 +84,16 @@ def hand_snapshot(rank: int = 0) -> Snapshot:
         layers=MappingProxyType(layers),
         exported_layers=("enc", "act", "dec"),
         first_nonfinite=NonFiniteEvent("dec", "backward", 12),
+        # what the exporter renders them from (hookprof's built-in statistics, as a real
+        # snapshot carries them beside the layers' fields)
+        layer_statistics=MappingProxyType(
+            {
+                stat: LayerStatisticValues(
+                    "help", {name: getattr(layers[name], stat) for name in ("enc", "act")}
+                )
+                for stat in ("activation_abs_max", "activation_zero_ratio")
+            }
+        ),
     )
 
 

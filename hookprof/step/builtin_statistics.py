@@ -1,0 +1,82 @@
+"""hookprof's own per-layer statistics of outputs, written as parts of the interface a user's
+statistic uses (step/statistics.py) and registered like one: the profiler gives LayerHooks,
+the aggregator and the exporter `BUILT_IN + the user's`, and nothing else in hookprof knows
+them by name except the readers that show them (`top`, the report, LayerStats).
+
+Adding one is a class here (its `name` is its metric's, `hookprof_layer_<name>`, declared in
+metrics_names.py for its type and help), the metric's row in docs/metrics.md, and the class
+in BUILT_IN.
+
+Owns: the built-in statistics. Used by: `Profiler` (registration), `Aggregator` (their values
+as LayerStats fields, by name).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookprof import metrics_names as names
+from hookprof.step.statistics import extremes
+
+ZERO_SAMPLE = 4096  # values per output the zero ratio is computed from
+
+
+def zero_sample(d: torch.Tensor) -> torch.Tensor:
+    """At most ZERO_SAMPLE evenly spaced values of `d` (a view: nothing is copied)."""
+    flat = d.reshape(-1)
+    stride = -(-flat.numel() // ZERO_SAMPLE)  # ceil division
+    return flat[::stride] if stride > 1 else flat
+
+
+def _short(metric: names.Metric) -> str:
+    return metric.name.removeprefix(names.LAYER_STATISTIC_PREFIX)
+
+
+class ActivationAbsMax:
+    """max |x| over the layer's outputs in the step: from the non-finite check's own min and
+    max of each output (`extremes`: no pass of its own), folded on the host. NaN wins, as in
+    torch.amax: a layer whose output held one shows NaN."""
+
+    name = _short(names.LAYER_ACTIVATION_ABS_MAX)
+    help = names.LAYER_ACTIVATION_ABS_MAX.help
+
+    def reduce(self, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return extremes(output)
+
+    def fold(self, calls: list[tuple[float, ...]]) -> float:
+        out = -math.inf
+        for low, high in calls:
+            for v in (-low, high):
+                if v != v:
+                    return v
+                out = max(out, v)
+        return out
+
+
+class ActivationZeroRatio:
+    """The share of exact zeros in the layer's outputs (dead units), counted on an evenly
+    strided sample of at most ZERO_SAMPLE values per output (exact counts cost ~10x more),
+    over all the step's calls. Only for layers without parameters of their own (ReLU, GELU,
+    Dropout, pooling): a Linear or Conv output is almost never exactly zero."""
+
+    name = _short(names.LAYER_ACTIVATION_ZERO_RATIO)
+    help = names.LAYER_ACTIVATION_ZERO_RATIO.help
+
+    def applies_to(self, module: nn.Module) -> bool:
+        return next(module.parameters(recurse=False), None) is None
+
+    def reduce(self, output: torch.Tensor) -> tuple[torch.Tensor, int]:
+        sample = zero_sample(output)
+        return torch.count_nonzero(sample), sample.numel()
+
+    def fold(self, calls: list[tuple[float, ...]]) -> float | None:
+        values = sum(n for _, n in calls)
+        return (values - sum(nonzero for nonzero, _ in calls)) / values if values else None
+
+
+BUILT_IN: tuple[Any, ...] = (ActivationAbsMax(), ActivationZeroRatio())
+ABS_MAX, ZERO_RATIO = (s.name for s in BUILT_IN)

@@ -1,0 +1,214 @@
+"""The per-layer statistics interface (hookprof/step/statistics.py) is the one hookprof's own
+statistics use (step/builtin_statistics.py): several values per call folded on the host, a
+statistic that reduces only some layers, the non-finite check's extremes read without a
+second pass, and a new built-in added as one class and its metric name (issue 40)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hookprof
+from hookprof import metrics_names as names
+from hookprof.step import builtin_statistics
+from hookprof.step.statistics import extremes, values_of
+from support.metrics import parse, samples, scrape
+from support.recorded_outputs import profiled_run
+from support.recorded_outputs import train_recording_calls as recorded
+from support.settings import every_step
+
+EVERY_STEP = every_step(summary_at_exit=False)  # (activation statistics every step too)
+
+
+def per_layer(page: str, metric: str) -> dict[str, float]:
+    """layer -> value of one per-layer gauge of a scraped page (rank 0)."""
+    return {dict(k)["layer"]: v for k, v in samples(parse(page), metric).items()}
+
+
+class SharedBlock(nn.Module):
+    """`block` and `act` are called twice per forward: a layer's value folds two calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(6, 6)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.block(x))
+        x = self.act(self.block(x))
+        return self.head(x)
+
+
+class MeanOverCalls:
+    """The mean of every value the layer output in the step: (sum, count) per call, summed."""
+
+    name = "activation_step_mean"
+    help = "Mean of all the layer's outputs in the last sampled step"
+
+    def reduce(self, output: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return output.float().sum(), output.numel()
+
+    def fold(self, calls: list[tuple[float, ...]]) -> float:
+        return sum(total for total, _ in calls) / sum(count for _, count in calls)
+
+
+class LinearPeakToPeak:
+    """max - min of a Linear's output, from the check's extremes; other layers: none."""
+
+    name = "linear_peak_to_peak"
+    help = "max - min of a Linear layer's last output in the last sampled step"
+
+    def applies_to(self, module: nn.Module) -> bool:
+        return isinstance(module, nn.Linear)
+
+    def reduce(self, output: torch.Tensor) -> torch.Tensor:
+        low, high = extremes(output)
+        return high - low
+
+
+class FoldFails:
+    name = "fold_fails"
+    help = "A statistic whose fold raises"
+
+    def reduce(self, output: torch.Tensor) -> torch.Tensor:
+        return output.float().mean()
+
+    def fold(self, calls: list[tuple[float, ...]]) -> float:
+        raise ValueError("a broken fold")
+
+
+def train_recording_calls(model: nn.Module, steps: int) -> dict[str, list[torch.Tensor]]:
+    return recorded(model, steps, seed=2)
+
+
+def test_values_of_several_calls_are_folded_by_the_statistic():
+    torch.manual_seed(0)
+    calls, snap, page = profiled_run(
+        SharedBlock(), 3, 2, layer_statistics=(MeanOverCalls(), LinearPeakToPeak()), **EVERY_STEP
+    )
+    means = per_layer(page, "hookprof_layer_activation_step_mean")
+    spreads = per_layer(page, "hookprof_layer_linear_peak_to_peak")
+    zeros = per_layer(page, "hookprof_layer_activation_zero_ratio")
+    assert [len(calls[n]) for n in ("block", "act", "head")] == [2, 2, 1]
+    for name, outputs in calls.items():  # every value of both calls, not the last call's
+        expected = torch.cat([o.reshape(-1) for o in outputs]).mean().item()
+        assert means[name] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    # applies_to: the Linears only; the default fold: the last call's value
+    assert set(spreads) == {"block", "head"}
+    last = calls["block"][-1]
+    assert spreads["block"] == pytest.approx((last.max() - last.min()).item(), rel=1e-6)
+    # hookprof's own zero ratio is such a part too: both calls of the parameter-free ReLU
+    assert set(zeros) == {"act"}
+    both = torch.cat([o.reshape(-1) for o in calls["act"]])
+    assert zeros["act"] == pytest.approx((both == 0).float().mean().item())
+    abs_max = max(o.abs().max().item() for o in calls["block"])
+    assert snap.layers["block"].activation_abs_max == pytest.approx(abs_max)
+    assert snap.internal_errors == 0
+    assert "# HELP hookprof_layer_activation_step_mean Mean of all the layer's outputs" in page
+
+
+class AtenCount(TorchDispatchMode):
+    def __init__(self, op: object) -> None:
+        super().__init__()
+        self.op, self.count = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.count += func is self.op
+        return func(*args, **(kwargs or {}))
+
+
+def aminmax_in_a_sampled_step(statistics: tuple) -> int:
+    torch.manual_seed(0)
+    model = SharedBlock()
+    prof = hookprof.attach(model, layer_statistics=statistics, **EVERY_STEP)
+    try:
+        train_recording_calls(model, 1)  # (step 1 installs the hooks)
+        counter = AtenCount(torch.ops.aten.aminmax.default)
+        with counter:
+            train_recording_calls(model, 1)
+    finally:
+        prof.detach()
+    return counter.count
+
+
+def test_extremes_in_a_reduce_take_no_second_pass():
+    """A statistic reading `extremes` adds no aminmax: the check's own are handed over."""
+    without = aminmax_in_a_sampled_step(())
+    assert without >= 5  # (each of the five calls' output checked)
+    assert aminmax_in_a_sampled_step((LinearPeakToPeak(),)) == without
+    # outside a reduce hookprof calls, extremes computes them
+    low, high = extremes(torch.tensor([[-2.0, 3.0], [0.5, 1.0]]))
+    assert (low.item(), high.item()) == (-2.0, 3.0)
+
+
+def test_a_fold_that_raises_is_counted_and_loses_that_value_alone():
+    torch.manual_seed(0)
+    calls, snap, _ = profiled_run(
+        SharedBlock(), 2, 2, layer_statistics=(FoldFails(), MeanOverCalls()), **EVERY_STEP
+    )
+    # 3 layers x 2 steps, on the publisher's thread; nothing switched off
+    assert snap.internal_errors == 3 * 2
+    assert dict(snap.layer_statistics["fold_fails"].values) == {}
+    expected = torch.cat([o.reshape(-1) for o in calls["head"]]).mean().item()
+    assert snap.layer_statistics["activation_step_mean"].values["head"] == pytest.approx(
+        expected, rel=1e-5, abs=1e-7
+    )
+    assert snap.layers["head"].forward_calls_total == 2
+
+
+class ActivationRMS:
+    """A new built-in, as docs/architecture.md's recipe adds one: this class, its metric."""
+
+    name = "activation_rms"
+    help = "Root mean square of the layer's output at the last sampled step"
+
+    def reduce(self, output: torch.Tensor) -> torch.Tensor:
+        return output.float().pow(2).mean().sqrt()
+
+
+def test_a_new_built_in_statistic_is_one_class_and_its_metric(monkeypatch):
+    metric = names.Metric("hookprof_layer_activation_rms", "gauge", ("rank", "layer"), "RMS")
+    monkeypatch.setitem(names.BY_NAME, metric.name, metric)
+    monkeypatch.setattr(
+        "hookprof.profiler.BUILT_IN", (*builtin_statistics.BUILT_IN, ActivationRMS())
+    )
+    torch.manual_seed(0)
+    model = SharedBlock()
+    prof = hookprof.attach(model, **EVERY_STEP)
+    try:
+        calls = train_recording_calls(model, 2)
+        prof.flush()
+        page = scrape(prof.url)
+    finally:
+        prof.detach()
+    rms = per_layer(page, metric.name)
+    assert set(rms) == {"block", "act", "head"}
+    for name, outputs in calls.items():
+        assert rms[name] == pytest.approx(outputs[-1].pow(2).mean().sqrt().item(), rel=1e-5)
+    assert f"# HELP {metric.name} RMS" in page  # the metric's, from metrics_names
+    # a user's statistic may not take a built-in's name
+    with pytest.raises(hookprof.ConfigError, match="hookprof's own metrics"):
+        hookprof.attach(SharedBlock(), layer_statistics=(ActivationRMS(),), **EVERY_STEP)
+
+
+def test_values_of_takes_tensors_and_numbers_and_refuses_the_rest():
+    stat = MeanOverCalls()
+    value, count = values_of(stat, (torch.tensor([2.5], requires_grad=True), 4))
+    assert value.dim() == 0 and not value.requires_grad and count == 4
+    for wrong, said in (
+        ((torch.ones(2),), "one-value real tensors"),
+        ((torch.ones(()), torch.ones((), device="meta")), "several devices"),
+        (("1.0",), "tensors or numbers"),
+        ((), "no value"),
+        ((torch.ones((), dtype=torch.complex64),), "one-value real tensors"),
+    ):
+        with pytest.raises(TypeError, match=said):
+            values_of(stat, wrong)
+    abs_max = builtin_statistics.ActivationAbsMax()
+    assert abs_max.fold([(-3.0, 2.0), (-1.0, 1.0)]) == 3.0
+    assert math.isnan(abs_max.fold([(-1.0, math.nan), (0.0, 5.0)]))  # NaN wins, as in amax

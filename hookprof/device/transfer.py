@@ -130,8 +130,12 @@ class ScalarBatch:
     def send(self) -> HostBatch:
         sent = {}
         for device, parts in self._parts.items():
-            # cat promotes int64 counts and low-precision floats; float64 holds both exactly
-            flat = torch.cat(parts).to(torch.float64)
+            # into float64, which holds int64 counts and low-precision floats exactly: cat's
+            # own promotion would not (bfloat16 parts and int64 counts promote to bfloat16,
+            # which rounds a count above 256)
+            flat = torch.cat(
+                parts, out=torch.empty(self._sizes[device], dtype=torch.float64, device=device)
+            )
             sent[device] = to_host(flat)
         return HostBatch(self._where, sent)
 

@@ -430,18 +430,22 @@ class Aggregator:
         packet: Packet,
         key: str,
         parts: int,
-        order: list[tuple[int, int, tuple[float | None, ...]]],
+        order: list[tuple[int, int, int, tuple[float | None, ...]]],
     ) -> None:
         """The rows of the statistics of `source`, replaced by this packet's values, each
-        layer's calls folded by its statistic (a statistic that failed on this step, or whose
-        fold raised: no value, no gauge)."""
+        layer's calls folded by its statistic in call order (a statistic that failed on this
+        step, or whose fold raised: no value, no gauge)."""
         stacked = iter([v for k in range(parts) for v in packet.batch.get((key, k))])
+        # (stacking order groups the values by device: their positions give the call order)
+        resolved = sorted(
+            (position, k, where, tuple(next(stacked) if v is None else v for v in shape))
+            for position, k, where, shape in order
+        )
         n = len(self.names)
         calls: dict[tuple[int, int], list[tuple[float, ...]]] = {}
-        for k, where, shape in order:
+        for _, k, where, values in resolved:
             # an output's value comes with its call, a parameter statistic's with its layer
             layer = packet.record.calls[where].layer if source == OUTPUT else where  # type: ignore[union-attr]
-            values = tuple(next(stacked) if v is None else v for v in shape)
             if layer < n:  # (container modules are hooked by the replay only)
                 calls.setdefault((k, layer), []).append(values)
         for k, of in enumerate(self._sources):

@@ -1,7 +1,8 @@
 """hookprof's own per-layer statistics of outputs, written as parts of the interface a user's
 statistic uses (step/statistics.py) and registered like one: the profiler gives LayerHooks,
-the aggregator and the exporter `BUILT_IN + the user's`, and nothing else in hookprof knows
-them by name except the readers that show them (`top`, the report, LayerStats).
+the aggregator and the exporter `BUILT_IN + the user's`. Beyond that, LayerHooks skips its
+check of a result for these (`values_of`: theirs are 0-d tensors and floats), and the
+aggregator copies the two values into LayerStats by name for the readers (`top`, the report).
 
 Adding one is a class here (its `name` is its metric's, `hookprof_layer_<name>`, declared in
 metrics_names.py for its type and help), the metric's row in docs/metrics.md, and the class
@@ -69,9 +70,9 @@ class ActivationZeroRatio:
     def applies_to(self, module: nn.Module) -> bool:
         return next(module.parameters(recurse=False), None) is None
 
-    def reduce(self, output: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def reduce(self, output: torch.Tensor) -> tuple[torch.Tensor, float]:
         sample = zero_sample(output)
-        return torch.count_nonzero(sample), sample.numel()
+        return torch.count_nonzero(sample), float(sample.numel())
 
     def fold(self, calls: list[tuple[float, ...]]) -> float | None:
         values = sum(n for _, n in calls)

@@ -231,14 +231,16 @@ class Packet:
     steps_at_end: tuple[int, float] | None = None
     seconds: float | None = None  # a sampled step's wall time (the layers' times' window)
     efficiency: Any = None  # an efficiency.EfficiencyPart on sampled steps with those figures
-    # (statistic, call, its values: None for the next of the batch's ("stat", 0),
-    # ("stat", 1), ... stacks, one per device, else a host number) of each per-layer
-    # statistic's reduction, in stacking order: step/statistics.py
-    stat_order: list[tuple[int, int, tuple[float | None, ...]]] = field(default_factory=list)
+    # (its position among the step's reductions, statistic, call, its values: None for the
+    # next of the batch's ("stat", 0), ("stat", 1), ... stacks, one per device, else a host
+    # number) of each per-layer statistic's reduction, in stacking order: step/statistics.py
+    stat_order: list[tuple[int, int, int, tuple[float | None, ...]]] = field(default_factory=list)
     stat_parts: int = 0
     # the same of the parameter statistics, with ("param_stat", k) stacks and the layer in
     # place of the call: taken at a sampled step's end (step/statistics.py)
-    param_stat_order: list[tuple[int, int, tuple[float | None, ...]]] = field(default_factory=list)
+    param_stat_order: list[tuple[int, int, int, tuple[float | None, ...]]] = field(
+        default_factory=list
+    )
     param_stat_parts: int = 0
     # the forward of `step` went non-finite and could not be replayed: why (nonfinite/replay.py)
     not_replayed: str | None = None
@@ -386,33 +388,37 @@ def pack_step(
 
 def _add_statistics(
     batch: ScalarBatch, key: str, values: Sequence[tuple[int, int, tuple[Any, ...]]]
-) -> tuple[list[tuple[int, int, tuple[float | None, ...]]], int]:
+) -> tuple[list[tuple[int, int, int, tuple[float | None, ...]]], int]:
     """Stack per-layer statistic values ((statistic, call or layer, its values)): the 0-d
-    tensors one stack per device (keys (key, k); the dtypes promote), the host numbers kept
-    aside. Returns, in stacking order, each entry's (statistic, call or layer, its values
-    with None where a value is the next one of the stacks), and the number of stacks."""
-    order: list[tuple[int, int, tuple[float | None, ...]]] = []
-    by_device: dict[torch.device, list[tuple[int, int, tuple[Any, ...]]]] = {}
+    tensors one float64 stack per device (keys (key, k): exact for int64 counts beside
+    low-precision floats, which a promoting stack would round), the host numbers kept aside.
+    Returns, in stacking order, each entry's (position in `values`, statistic, call or
+    layer, its values with None where a value is the next one of the stacks), and the
+    number of stacks. The position gives the calls back their order."""
+    order: list[tuple[int, int, int, tuple[float | None, ...]]] = []
+    by_device: dict[torch.device, list[int]] = {}
     host_only = []
-    for entry in values:
-        device = next((v.device for v in entry[2] if isinstance(v, torch.Tensor)), None)
+    for i, (_, _, items) in enumerate(values):
+        device = next((v.device for v in items if isinstance(v, torch.Tensor)), None)
         if device is None:
-            host_only.append(entry)
+            host_only.append(i)
         else:
-            by_device.setdefault(device, []).append(entry)
-    for k, entries in enumerate(by_device.values()):
+            by_device.setdefault(device, []).append(i)
+    for k, (device, indices) in enumerate(by_device.items()):
         tensors = []
-        for statistic, where, items in entries:
+        for i in indices:
+            statistic, where, items = values[i]
             shape: list[float | None] = []
             for v in items:
                 if isinstance(v, torch.Tensor):  # (one device per entry: values_of)
                     tensors.append(v)
                     shape.append(None)
                 else:
-                    shape.append(float(v))
-            order.append((statistic, where, tuple(shape)))
-        batch.add((key, k), torch.stack(tensors))
-    order.extend((s, w, tuple(float(v) for v in items)) for s, w, items in host_only)
+                    shape.append(v)  # (a float already: values_of)
+            order.append((i, statistic, where, tuple(shape)))
+        stacked = torch.empty(len(tensors), dtype=torch.float64, device=device)
+        batch.add((key, k), torch.stack(tensors, out=stacked))
+    order.extend((i, values[i][0], values[i][1], values[i][2]) for i in host_only)
     return order, len(by_device)
 
 

@@ -159,13 +159,33 @@ def applies(statistic: Any, module: Any, report: Any = None) -> bool:
         return False
 
 
+# what a statistic's tensors may hold: what one float64 stack takes exactly or as a float
+# does (not complex, float8 or quantized values, which a stack refuses: a step's whole copy
+# would fail in pack_step)
+SENDABLE = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    }
+)
+
+
 def values_of(statistic: Any, result: Any) -> tuple[Any, ...]:
     """`result`, what a statistic's reduce returned, as the tuple of values that is sent:
     one-value real tensors on one device (detached, 0-d, stacked with the step's others into
-    its one copy) and host numbers (kept as they are); TypeError naming the statistic
-    otherwise. Runs for every output of every layer of a sampled step, so the usual case
-    (plain tensors) takes the fewest checks: a DTensor is a subclass, a device is compared
-    only when a result holds a second tensor."""
+    its one copy) and host numbers (as floats); TypeError (or OverflowError) naming the
+    statistic otherwise, raised here, where the caller contains it. Runs for every output of
+    every layer of a sampled step, so the usual case (plain tensors) takes the fewest
+    checks: a DTensor is a subclass, a device is compared only when a result holds a second
+    tensor."""
     values = (result,) if not isinstance(result, tuple) else result
     if not values:
         raise TypeError(f"layer statistic {statistic.name!r}: reduce() returned no value")
@@ -178,12 +198,18 @@ def values_of(statistic: Any, result: Any) -> tuple[Any, ...]:
                     f"layer statistic {statistic.name!r}: reduce() returned a DTensor; reduce "
                     "this rank's local tensor (dtensor.to_local()) and return a plain one"
                 )
-            if value.numel() != 1 or value.is_complex():
+            if value.numel() != 1 or value.dtype not in SENDABLE:
                 raise TypeError(
                     f"layer statistic {statistic.name!r}: reduce() must return one-value "
-                    f"real tensors, got one of shape {tuple(value.shape)} and {value.dtype}"
+                    f"real tensors (float, integer or bool), got one of shape "
+                    f"{tuple(value.shape)} and {value.dtype}"
                 )
             if device is None:
+                if value.is_meta:  # (no data to copy; a later one on another device: below)
+                    raise TypeError(
+                        f"layer statistic {statistic.name!r}: reduce() returned a tensor on "
+                        "the meta device, which holds no value"
+                    )
                 device = value
             elif value.device != device.device:
                 raise TypeError(
@@ -194,7 +220,9 @@ def values_of(statistic: Any, result: Any) -> tuple[Any, ...]:
                 value = value.detach()
             if value.dim():
                 value = value.reshape(())
-        elif not isinstance(value, (int, float)):
+        elif isinstance(value, (int, float)):
+            value = float(value)  # (OverflowError for an int beyond a float: contained here)
+        else:
             raise TypeError(
                 f"layer statistic {statistic.name!r}: reduce() must return one-value "
                 f"tensors or numbers, got {type(value).__qualname__}"
@@ -213,19 +241,20 @@ def fold_calls(statistic: Any, calls: list[tuple[float, ...]]) -> float | None:
     return None if value is None else float(value)
 
 
-# the extremes the non-finite check took of the output being reduced: [output, (min, max)],
-# written by LayerHooks around a layer's statistics and cleared after them (inline there: two
-# calls less per output). A training thread's statistic finds its own output here or
-# computes them; identity, not equality, decides
-known_extremes: list[Any] = [None, None]
+# the extremes the non-finite check took of the output being reduced: (output, (min, max))
+# in one slot, written by LayerHooks around a layer's statistics and cleared after them
+# (inline there: two calls less per output). One store writes it and one reads it, so a
+# thread never sees another's half; a training thread's statistic finds its own output here
+# or computes them (identity, not equality, decides)
+known_extremes: list[Any] = [None]
 
 
 def extremes(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(min, max) of `output` as 0-d tensors on its device (NaN if it holds one). Inside a
     reduce hookprof calls, the non-finite check's own (no second pass over the output)."""
-    known, values = known_extremes
-    if known is output:
-        return values
+    known = known_extremes[0]
+    if known is not None and known[0] is output:
+        return known[1]
     low, high = torch.aminmax(output.detach())
     return low, high
 

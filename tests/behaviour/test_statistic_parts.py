@@ -212,3 +212,117 @@ def test_values_of_takes_tensors_and_numbers_and_refuses_the_rest():
     abs_max = builtin_statistics.ActivationAbsMax()
     assert abs_max.fold([(-3.0, 2.0), (-1.0, 1.0)]) == 3.0
     assert math.isnan(abs_max.fold([(-1.0, math.nan), (0.0, 5.0)]))  # NaN wins, as in amax
+
+
+class AllPositive(nn.Module):
+    """A bfloat16 ReLU whose 4095 outputs are all above 0, but the first `dead` of them."""
+
+    def __init__(self, dead: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4095)
+        self.act = nn.ReLU()
+        self.dead = dead
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shifted = self.lin(x).abs() + 1
+        shifted = torch.cat([-shifted[:, : self.dead], shifted[:, self.dead :]], dim=1)
+        return self.act(shifted)
+
+
+@pytest.mark.parametrize("dead", [0, 1000])
+def test_the_zero_ratio_of_a_bfloat16_model_is_exact(dead):
+    """Counts ride the copy beside bfloat16 values; a stack that promoted them to bfloat16
+    rounded 4095 to 4096 (a ratio of -0.00024 for no zero at all)."""
+    torch.manual_seed(0)
+    model = AllPositive(dead).to(torch.bfloat16)
+    prof = hookprof.attach(model, **EVERY_STEP)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    try:
+        for _ in range(2):
+            out = model(torch.randn(1, 8, dtype=torch.bfloat16))
+            opt.zero_grad()
+            out.float().mean().backward()
+            opt.step()
+        prof.flush()
+        snap = prof.snapshot()
+    finally:
+        prof.detach()
+    assert int((out == 0).sum()) == dead  # (the test's own count)
+    assert snap.layers["act"].activation_zero_ratio == dead / 4095
+    assert snap.layers["act"].activation_abs_max == out.abs().max().item()
+
+
+class Unsendable:
+    """One-value results a float64 stack cannot take, or a float cannot hold."""
+
+    help = "a statistic with an unusual result"
+
+    def __init__(self, name: str, result) -> None:  # noqa: ANN001
+        self.name, self._result = name, result
+
+    def reduce(self, output: torch.Tensor):  # noqa: ANN201
+        return self._result(output)
+
+
+def test_a_result_the_copy_cannot_carry_costs_that_statistic_alone():
+    """Refused where the statistic's reduce is contained (counted, no gauge): before, a
+    float8 value or an int beyond a float reached the step's stacking and lost its copy."""
+    odd = (
+        Unsendable("float8_value", lambda out: out.float().mean().to(torch.float8_e4m3fn)),
+        Unsendable("huge_number", lambda out: (out.float().mean(), 10**400)),
+        Unsendable("on_meta", lambda out: torch.ones((), device="meta")),
+    )
+    torch.manual_seed(0)
+    calls, snap, _ = profiled_run(
+        SharedBlock(), 3, 2, layer_statistics=(*odd, MeanOverCalls()), **EVERY_STEP
+    )
+    assert snap.sampled_steps == 3
+    assert snap.internal_errors == 3 * 5 * 3  # 3 statistics x 5 calls x 3 steps
+    for stat in odd:
+        assert dict(snap.layer_statistics[stat.name].values) == {}
+    expected = torch.cat([o.reshape(-1) for o in calls["act"]]).mean().item()
+    assert snap.layer_statistics["activation_step_mean"].values["act"] == pytest.approx(
+        expected, rel=1e-5, abs=1e-7
+    )
+    assert snap.layers["head"].grad_norm is not None  # (the step's other figures arrived)
+
+
+class CallNumber:
+    """The call's number within the step: a host number on odd calls, a tensor on even ones
+    (stacked apart from the host numbers, then given back in call order)."""
+
+    name = "call_number"
+    help = "The number of the layer's last call within the step"
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.folded: list[list[float]] = []
+
+    def reduce(self, output: torch.Tensor):  # noqa: ANN201
+        self.calls += 1
+        return float(self.calls) if self.calls % 2 else torch.tensor(float(self.calls))
+
+    def fold(self, calls: list[tuple[float, ...]]) -> float:
+        self.folded.append([values[0] for values in calls])
+        return calls[-1][0]
+
+
+def test_fold_gets_the_calls_in_call_order():
+    torch.manual_seed(0)
+    stat = CallNumber()
+    model = nn.Sequential(nn.Linear(6, 6))
+    model.forward = lambda x: model[0](model[0](x))  # (one layer called twice a step)
+    prof = hookprof.attach(model, layer_statistics=(stat,), **EVERY_STEP)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    try:
+        for _ in range(2):
+            stat.calls = 0
+            opt.zero_grad()
+            model(torch.randn(2, 6)).sum().backward()
+            opt.step()
+        prof.flush()
+        snap = prof.snapshot()
+    finally:
+        prof.detach()
+    assert stat.folded[-1] == [1.0, 2.0]
+    assert dict(snap.layer_statistics["call_number"].values) == {"0": 2.0}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -44,7 +44,7 @@ from hookprof.snapshot import (
 from hookprof.step.builtin_statistics import ABS_MAX, ZERO_RATIO
 from hookprof.step.record import Packet, StepCounters, StepRecord
 from hookprof.step.series import StepValue, decode
-from hookprof.step.statistics import OUTPUT, PARAMETERS, fold_calls, source_of
+from hookprof.step.statistics import EXTREMES, OUTPUT, PARAMETERS, applies, fold_calls, source_of
 
 REPLAY_UNAVAILABLE_DTENSOR = (
     "the model has FSDP2 / tensor-parallel (DTensor) parameters: a replay on one rank "
@@ -67,6 +67,10 @@ class StepFigures:
         self.recompute = [0.0] * rows  # activation checkpointing's forward recomputation
         self.recompute_calls = [0] * rows
         self.absmax: list[list[float]] = [[] for _ in range(n)]  # per output (its check)
+        # (min, max) of each output, in the order they were checked: what the statistics of
+        # source "extremes" fold (step/statistics.py)
+        self.extremes: list[list[tuple[float, ...]]] = [[] for _ in range(n)]
+        self.checked = False  # the step had activation statistics (and output checks)
         self.finding: ForwardFinding | None = None
         self.device_phases: tuple[float, ...] | None = None  # device seconds per step phase
 
@@ -113,6 +117,14 @@ class Aggregator:
             device_phases=device_phases,
             statistics=statistics,
             report=report,
+            # the layers each statistic of source "extremes" folds (its applies_to)
+            extremes_reach={
+                k: frozenset(
+                    layer.index for layer in table.layers if applies(s, layer.module, report)
+                )
+                for k, s in enumerate(statistics)
+                if source_of(s) == EXTREMES
+            },
             device=device_name(table.param_devices()),
             # FSDP2 / tensor parallel: a replay on one rank would start collectives
             # the other ranks never join (nonfinite/checks.py never runs one)
@@ -152,6 +164,7 @@ class Aggregator:
         spikes: SpikeWatch | None = None,
         replica_group: str = "",
         report: Callable[[str, BaseException], None] | None = None,
+        extremes_reach: Mapping[int, frozenset[int]] | None = None,
     ):
         n = len(names)
         # names of recorded calls: layers, then container modules (hooked by the replay, and
@@ -227,6 +240,13 @@ class Aggregator:
         self._sources = [source_of(s) for s in statistics]
         self.statistic_values: list[list[float | None]] = [[None] * n for _ in statistics]
         self._has_parameter_statistics = PARAMETERS in self._sources
+        # statistic index -> the layers it folds, of those of source "extremes" (all of them
+        # without a reach given)
+        self._extremes_reach = (
+            dict(extremes_reach)
+            if extremes_reach is not None
+            else {k: frozenset(range(n)) for k, of in enumerate(self._sources) if of == EXTREMES}
+        )
         index = {s.name: k for k, s in enumerate(statistics)}
         self._abs_max, self._zero_ratio = index.get(ABS_MAX), index.get(ZERO_RATIO)
         self._report = report
@@ -349,6 +369,8 @@ class Aggregator:
             if layer >= n:
                 continue
             figures.absmax[layer].append(m)
+            figures.extremes[layer].append((lows[position], highs[position]))
+        figures.checked = bool(rec.act)
         # a replay's layers whose own weights were non-finite (replay.own_weights_nonfinite)
         weights_bad = {i for i, v in enumerate(packet.batch.get("weights_bad")) if v}
         figures.finding = forward_roles(
@@ -381,7 +403,7 @@ class Aggregator:
             "bwd": figures.bwd,
             "grad": [math.sqrt(squares[i]) if i in packet.has_grad else None for i in range(n)],
         }
-        self._fold_statistics(packet)
+        self._fold_statistics(packet, figures)
         if packet.has_grad:
             self.grad_norm = math.sqrt(sum(squares[i] for i in packet.has_grad))
             self._flag_gradients(squares, packet.has_grad)
@@ -410,11 +432,16 @@ class Aggregator:
             self._series = (packet, values)
         return self._series[1]
 
-    def _fold_statistics(self, packet: Packet) -> None:
-        """The per-layer statistics of a sampled step: of outputs, each layer's calls folded
-        (a step without activation statistics, activation_interval_s, keeps the last ones,
-        so the gauges do not blink out between them); of parameters, the values taken at the
-        step's end."""
+    def _fold_statistics(self, packet: Packet, figures: StepFigures) -> None:
+        """The per-layer statistics of a sampled step: of outputs and of their extremes, each
+        layer's calls folded (a step without activation statistics, activation_interval_s,
+        keeps the last ones, so the gauges do not blink out between them); of parameters,
+        the values taken at the step's end."""
+        if figures.checked:
+            for k, reach in self._extremes_reach.items():
+                self.statistic_values[k] = self._folded(
+                    k, ((i, calls) for i, calls in enumerate(figures.extremes) if i in reach)
+                )
         if packet.stat_order:
             self._fold_source(OUTPUT, packet, "stat", packet.stat_parts, packet.stat_order)
         # every sampled step takes the parameter statistics (StepEvents' pack): none in the
@@ -442,21 +469,35 @@ class Aggregator:
             for position, k, where, shape in order
         )
         n = len(self.names)
-        calls: dict[tuple[int, int], list[tuple[float, ...]]] = {}
+        calls: dict[int, dict[int, list[tuple[float, ...]]]] = {
+            k: {} for k, of in enumerate(self._sources) if of == source
+        }
         for _, k, where, values in resolved:
             # an output's value comes with its call, a parameter statistic's with its layer
             layer = packet.record.calls[where].layer if source == OUTPUT else where  # type: ignore[union-attr]
-            if layer < n:  # (container modules are hooked by the replay only)
-                calls.setdefault((k, layer), []).append(values)
-        for k, of in enumerate(self._sources):
-            if of == source:
-                self.statistic_values[k] = [None] * n
-        for (k, layer), layer_calls in calls.items():
+            # (container modules are hooked by the replay only; an aggregator of no such
+            # statistic, one a test builds for other figures, leaves it out)
+            if layer < n and k in calls:
+                calls[k].setdefault(layer, []).append(values)
+        for k, by_layer in calls.items():
+            self.statistic_values[k] = self._folded(k, by_layer.items())
+
+    def _folded(
+        self, k: int, calls: Iterable[tuple[int, list[tuple[float, ...]]]]
+    ) -> list[float | None]:
+        """Statistic k's row: each layer's calls folded (a fold that raised: reported, no
+        value for that layer)."""
+        row: list[float | None] = [None] * len(self.names)
+        statistic = self.statistics[k]
+        for layer, layer_calls in calls:
+            if not layer_calls:
+                continue
             try:
-                self.statistic_values[k][layer] = fold_calls(self.statistics[k], layer_calls)
+                row[layer] = fold_calls(statistic, layer_calls)
             except Exception as exc:
                 if self._report is not None:
-                    self._report(f"layer statistic {self.statistics[k].name}", exc)
+                    self._report(f"layer statistic {statistic.name}", exc)
+        return row
 
     def _statistic(self, k: int | None, i: int) -> float | None:
         """Statistic k's value for row i (None for a compiled region's row, or no such k)."""

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hookprof import metrics_names as names
-from hookprof.step.statistics import extremes
+from hookprof.step.statistics import EXTREMES
 
 ZERO_SAMPLE = 4096  # values per output the zero ratio is computed from
 
@@ -38,15 +38,14 @@ def _short(metric: names.Metric) -> str:
 
 
 class ActivationAbsMax:
-    """max |x| over the layer's outputs in the step: from the non-finite check's own min and
-    max of each output (`extremes`: no pass of its own), folded on the host. NaN wins, as in
-    torch.amax: a layer whose output held one shows NaN."""
+    """max |x| over the layer's outputs in the step, from the non-finite check's own min and
+    max of each output (source "extremes": no work of its own on the device or in the
+    hooks), folded on the host. NaN wins, as in torch.amax: a layer whose output held one
+    shows NaN."""
 
     name = _short(names.LAYER_ACTIVATION_ABS_MAX)
     help = names.LAYER_ACTIVATION_ABS_MAX.help
-
-    def reduce(self, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return extremes(output)
+    source = EXTREMES
 
     def fold(self, calls: list[tuple[float, ...]]) -> float:
         out = -math.inf

@@ -39,7 +39,7 @@ from hookprof.handles import Handle, HandleGroup
 from hookprof.layers import LayerTable
 from hookprof.step.builtin_statistics import BUILT_IN
 from hookprof.step.record import ROOT_INPUT, Activation, Call, StepRecord
-from hookprof.step.statistics import OUTPUT, applies, known_extremes, source_of, values_of
+from hookprof.step.statistics import OUTPUT, applies, source_of, values_of
 from hookprof.tensors import bits_sum, iter_tensors
 
 _Tensor = torch.Tensor
@@ -541,26 +541,21 @@ class LayerHooks:
                     d = _real(t.detach())
                     # device-side reductions, kept on the device. aminmax gives max |x| over
                     # the whole output in one pass, and NaN/Inf propagate, so it doubles as
-                    # the exact non-finite detector; the statistics read it (`extremes`)
+                    # the exact non-finite detector; statistics of source "extremes" (the
+                    # abs max) are folded from these values, with nothing done here
                     low, high = torch.aminmax(d)
                     rec.out_stats[id(t)] = (weakref.ref(t), t._version, len(rec.act))
                     rec.act.append(Activation(call, low, high))
-                    statistics = self._statistics[layer_index]
-                    if statistics:  # hookprof's and the user's (step/statistics.py), inline
-                        known_extremes[0] = (d, (low, high))
+                    # the statistics of outputs (step/statistics.py), hookprof's and the
+                    # user's, inline: one loop per output of a sampled step
+                    for k, stat, own in self._statistics[layer_index]:
                         try:
-                            for k, stat, own in statistics:
-                                try:
-                                    values = stat.reduce(d)
-                                    if not own:
-                                        values = values_of(stat, values)
-                                    rec.stats.append((k, call, values))
-                                except Exception as exc:  # that statistic, that call, alone
-                                    self._faults.report(
-                                        f"layer statistic {stat.name}", exc, disable=False
-                                    )
-                        finally:  # (nothing of the output kept alive past its call)
-                            known_extremes[0] = None
+                            values = stat.reduce(d)
+                            if not own:
+                                values = values_of(stat, values)
+                            rec.stats.append((k, call, values))
+                        except Exception as exc:  # that statistic, that call, alone
+                            self._faults.report(f"layer statistic {stat.name}", exc, disable=False)
                 if node is not None:
                     roles = pending.get(node)
                     if roles is None:

@@ -38,9 +38,10 @@ layer that owns parameters:
 (hookprof's own `hookprof_layer_weight_norm` is such a figure, taken with the update ratio
 in one fused pass: docs/efficiency.md.)
 
-Two optional methods say more, for a statistic that needs it; hookprof's own activation
-statistics (step/builtin_statistics.py: `hookprof_layer_activation_abs_max` and
-`hookprof_layer_activation_zero_ratio`) are written with them, as parts of this interface:
+Two optional methods and a third source say more, for a statistic that needs them;
+hookprof's own activation statistics (step/builtin_statistics.py:
+`hookprof_layer_activation_abs_max` and `hookprof_layer_activation_zero_ratio`) are written
+with them, as parts of this interface:
 
 - `reduce` may return a tuple of values (0-d tensors on the device, or plain numbers known on
   the host), and `fold(calls)` turns them into the exported value on the publisher's thread:
@@ -50,10 +51,11 @@ statistics (step/builtin_statistics.py: `hookprof_layer_activation_abs_max` and
   (part, whole) per call and a `fold` that sums both.
 - `applies_to(module) -> bool` is asked once per layer at attach: False and the statistic
   never reduces that layer (the zero ratio: layers without parameters of their own).
-
-And one helper: `extremes(output)` is (min, max) of a layer's output as 0-d tensors; inside
-a `reduce` hookprof calls, they are the ones its non-finite check computed anyway (no second
-pass over the output). The abs max is `reduce = extremes`, folded as max(-min, max).
+- `source = "extremes"`: no `reduce` at all; `fold(calls)` gets the (min, max) of each of
+  the layer's outputs in the step, the values hookprof's non-finite check takes of every
+  output anyway (one `aminmax`, already in the step's copy): a statistic of them costs no
+  device work and no work in the hooks. The abs max is such a statistic, folded as the
+  largest of -min and max.
 
 Owns: the protocol and the checks of a statistic, and the taking of the parameter ones
 (`ParameterStatistics`). Used by: `Profiler` (`checked`, at attach), `LayerHooks` (reduce of
@@ -76,8 +78,8 @@ NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 # what a statistic reduces: each instrumented output of a layer (the default), or the layer's
 # own parameters at a sampled step's end
-OUTPUT, PARAMETERS = "output", "parameters"
-SOURCES = (OUTPUT, PARAMETERS)
+OUTPUT, PARAMETERS, EXTREMES = "output", "parameters", "extremes"
+SOURCES = (OUTPUT, PARAMETERS, EXTREMES)
 
 
 def source_of(statistic: Any) -> str:
@@ -110,9 +112,14 @@ def checked(statistics: Any, *, own: bool = False) -> tuple[LayerStatistic, ...]
         raise ConfigError("layer_statistics", statistics, "a tuple of layer statistics")
     seen: set[str] = set()
     for stat in statistics:
-        if not isinstance(stat, LayerStatistic) or not callable(stat.reduce):
+        needs = "fold" if source_of(stat) == EXTREMES else "reduce"  # (extremes: no reduce)
+        if not (hasattr(stat, "name") and hasattr(stat, "help")) or not callable(
+            getattr(stat, needs, None)
+        ):
             raise ConfigError(
-                "layer_statistics", stat, "objects with name, help and reduce(output)"
+                "layer_statistics",
+                stat,
+                "objects with name, help and reduce(output) (or, of source 'extremes', fold)",
             )
         if not isinstance(stat.name, str) or not NAME.fullmatch(stat.name):
             raise ConfigError(
@@ -239,24 +246,6 @@ def fold_calls(statistic: Any, calls: list[tuple[float, ...]]) -> float | None:
         return calls[-1][0]
     value = fold(calls)
     return None if value is None else float(value)
-
-
-# the extremes the non-finite check took of the output being reduced: (output, (min, max))
-# in one slot, written by LayerHooks around a layer's statistics and cleared after them
-# (inline there: two calls less per output). One store writes it and one reads it, so a
-# thread never sees another's half; a training thread's statistic finds its own output here
-# or computes them (identity, not equality, decides)
-known_extremes: list[Any] = [None]
-
-
-def extremes(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(min, max) of `output` as 0-d tensors on its device (NaN if it holds one). Inside a
-    reduce hookprof calls, the non-finite check's own (no second pass over the output)."""
-    known = known_extremes[0]
-    if known is not None and known[0] is output:
-        return known[1]
-    low, high = torch.aminmax(output.detach())
-    return low, high
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -264,6 +264,9 @@ def test_statistics_of_fsdp2_parameters_read_the_ranks_shards():
         ((type("NoHelp", (OutputMean,), {"help": " "})(),), "a help text"),
         ((object(),), "objects with name, help and reduce"),
         ((type("Where", (OutputMean,), {"source": "gradients"})(),), "a source of"),
+        # a statistic of the check's extremes folds them: no fold, nothing to export
+        ((type("NoFold", (OutputMean,), {"source": "extremes"})(),), "of source 'extremes'"),
+        ((type("FoldValue", (OutputMean,), {"fold": 3.0})(),), "fold as a method"),
     ],
 )
 def test_statistics_are_checked_at_attach(statistics, wrong):

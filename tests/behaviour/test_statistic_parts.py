@@ -1,7 +1,7 @@
 """The per-layer statistics interface (hookprof/step/statistics.py) is the one hookprof's own
 statistics use (step/builtin_statistics.py): several values per call folded on the host, a
-statistic that reduces only some layers, the non-finite check's extremes read without a
-second pass, and a new built-in added as one class and its metric name (issue 40)."""
+statistic that reduces only some layers, one of the non-finite check's extremes (no second
+pass), and a new built-in added as one class and its metric name (issue 40)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hookprof
 from hookprof import metrics_names as names
 from hookprof.step import builtin_statistics
-from hookprof.step.statistics import extremes, values_of
+from hookprof.step.statistics import values_of
 from support.metrics import parse, samples, scrape
 from support.recorded_outputs import profiled_run
 from support.recorded_outputs import train_recording_calls as recorded
@@ -58,16 +58,18 @@ class MeanOverCalls:
 
 
 class LinearPeakToPeak:
-    """max - min of a Linear's output, from the check's extremes; other layers: none."""
+    """max - min of a Linear's last output in the step, from the non-finite check's own
+    extremes (no reduce: nothing done on the device or in the hooks); other layers: none."""
 
     name = "linear_peak_to_peak"
     help = "max - min of a Linear layer's last output in the last sampled step"
+    source = "extremes"
 
     def applies_to(self, module: nn.Module) -> bool:
         return isinstance(module, nn.Linear)
 
-    def reduce(self, output: torch.Tensor) -> torch.Tensor:
-        low, high = extremes(output)
+    def fold(self, calls: list[tuple[float, ...]]) -> float:
+        low, high = calls[-1]
         return high - low
 
 
@@ -136,14 +138,11 @@ def aminmax_in_a_sampled_step(statistics: tuple) -> int:
     return counter.count
 
 
-def test_extremes_in_a_reduce_take_no_second_pass():
-    """A statistic reading `extremes` adds no aminmax: the check's own are handed over."""
+def test_a_statistic_of_extremes_takes_no_second_pass():
+    """A statistic of source "extremes" adds no aminmax: it folds the check's own."""
     without = aminmax_in_a_sampled_step(())
     assert without >= 5  # (each of the five calls' output checked)
     assert aminmax_in_a_sampled_step((LinearPeakToPeak(),)) == without
-    # outside a reduce hookprof calls, extremes computes them
-    low, high = extremes(torch.tensor([[-2.0, 3.0], [0.5, 1.0]]))
-    assert (low.item(), high.item()) == (-2.0, 3.0)
 
 
 def test_a_fold_that_raises_is_counted_and_loses_that_value_alone():

@@ -457,22 +457,22 @@ class Aggregator:
         packet: Packet,
         key: str,
         parts: int,
-        order: list[tuple[int, int, int, tuple[float | None, ...]]],
+        order: list[tuple[int, int, int, tuple[float | int, ...]]],
     ) -> None:
         """The rows of the statistics of `source`, replaced by this packet's values, each
         layer's calls folded by its statistic in call order (a statistic that failed on this
         step, or whose fold raised: no value, no gauge)."""
-        stacked = iter([v for k in range(parts) for v in packet.batch.get((key, k))])
-        # (stacking order groups the values by device: their positions give the call order)
-        resolved = sorted(
-            (position, k, where, tuple(next(stacked) if v is None else v for v in shape))
-            for position, k, where, shape in order
+        sent = [v for k in range(parts) for v in packet.batch.get((key, k))]
+        # (an int is an index into what was sent, a float a host number: _add_statistics)
+        resolved = (
+            (k, where, tuple(sent[v] if type(v) is int else v for v in spec))
+            for _, k, where, spec in order
         )
         n = len(self.names)
         calls: dict[int, dict[int, list[tuple[float, ...]]]] = {
             k: {} for k, of in enumerate(self._sources) if of == source
         }
-        for _, k, where, values in resolved:
+        for k, where, values in resolved:
             # an output's value comes with its call, a parameter statistic's with its layer
             layer = packet.record.calls[where].layer if source == OUTPUT else where  # type: ignore[union-attr]
             # (container modules are hooked by the replay only; an aggregator of no such

@@ -357,10 +357,14 @@ class Aggregator:
             if call_id in call_bwd:
                 figures.bwd[layer] += call_bwd[call_id]
                 figures.bwd_calls[layer] += 1
-        # the checks' values back in record order: act index -> abs max
+        # the checks' values back in record order (the copy groups them by device), so that
+        # the extremes statistics get a layer's calls in call order: act index -> abs max
         lows, highs = packet.batch.get("act_min"), packet.batch.get("act_max")
-        act_max: dict[int, float] = {}
+        position_of = [0] * len(packet.act_order)
         for position, i in enumerate(packet.act_order):
+            position_of[i] = position
+        act_max: dict[int, float] = {}
+        for i, position in enumerate(position_of):
             act = rec.act[i]
             act_max[i] = m = _nanmax([-lows[position], highs[position]])
             if act.call < 0:
@@ -442,7 +446,7 @@ class Aggregator:
                 self.statistic_values[k] = self._folded(
                     k, ((i, calls) for i, calls in enumerate(figures.extremes) if i in reach)
                 )
-        if packet.stat_order:
+        if figures.checked:  # (every row of outputs anew: one that gave nothing has none)
             self._fold_source(OUTPUT, packet, "stat", packet.stat_parts, packet.stat_order)
         # every sampled step takes the parameter statistics (StepEvents' pack): none in the
         # packet means each failed, and its rows go (no gauge keeps an earlier step's value)
@@ -457,7 +461,7 @@ class Aggregator:
         packet: Packet,
         key: str,
         parts: int,
-        order: list[tuple[int, int, int, tuple[float | int, ...]]],
+        order: list[tuple[int, int, tuple[float | int, ...]]],
     ) -> None:
         """The rows of the statistics of `source`, replaced by this packet's values, each
         layer's calls folded by its statistic in call order (a statistic that failed on this
@@ -466,7 +470,7 @@ class Aggregator:
         # (an int is an index into what was sent, a float a host number: _add_statistics)
         resolved = (
             (k, where, tuple(sent[v] if type(v) is int else v for v in spec))
-            for _, k, where, spec in order
+            for k, where, spec in order
         )
         n = len(self.names)
         calls: dict[int, dict[int, list[tuple[float, ...]]]] = {

@@ -231,17 +231,15 @@ class Packet:
     steps_at_end: tuple[int, float] | None = None
     seconds: float | None = None  # a sampled step's wall time (the layers' times' window)
     efficiency: Any = None  # an efficiency.EfficiencyPart on sampled steps with those figures
-    # (its position among the step's reductions, statistic, call, its values: an int is the
-    # index of a value in the concatenation of the batch's ("stat", 0), ("stat", 1), ...
-    # parts, one per device, a float a host number) of each per-layer statistic's
-    # reduction, in the order they were taken: step/statistics.py (_add_statistics)
-    stat_order: list[tuple[int, int, int, tuple[float | int, ...]]] = field(default_factory=list)
+    # (statistic, call, its values: an int is the index of a value in the concatenation of
+    # the batch's ("stat", 0), ("stat", 1), ... parts, one per device, a float a host
+    # number) of each per-layer statistic's reduction, in the order they were taken
+    # (_add_statistics; the statistics: step/statistics.py)
+    stat_order: list[tuple[int, int, tuple[float | int, ...]]] = field(default_factory=list)
     stat_parts: int = 0
     # the same of the parameter statistics, with ("param_stat", k) stacks and the layer in
     # place of the call: taken at a sampled step's end (step/statistics.py)
-    param_stat_order: list[tuple[int, int, int, tuple[float | int, ...]]] = field(
-        default_factory=list
-    )
+    param_stat_order: list[tuple[int, int, tuple[float | int, ...]]] = field(default_factory=list)
     param_stat_parts: int = 0
     # the forward of `step` went non-finite and could not be replayed: why (nonfinite/replay.py)
     not_replayed: str | None = None
@@ -389,29 +387,28 @@ def pack_step(
 
 def _add_statistics(
     batch: ScalarBatch, key: str, values: Sequence[tuple[int, int, tuple[Any, ...]]]
-) -> tuple[list[tuple[int, int, int, tuple[float | int, ...]]], int]:
+) -> tuple[list[tuple[int, int, tuple[float | int, ...]]], int]:
     """Put per-layer statistic values ((statistic, call or layer, its values)) into the
     batch: one float64 part per device (keys (key, k)), made of one stack per dtype (a
     stack of one dtype is exact and fast; a promoting one would round int64 counts beside
     bfloat16 values, and a stack into float64 costs ~1.6 us a value). Returns each entry's
-    (position in `values`, statistic, call or layer, its values: an int is the index of a
-    value in the concatenation of the parts, a float a host number), and the number of
-    parts."""
-    order: list[tuple[int, int, int, tuple[float | int, ...]]] = []
+    (statistic, call or layer, its values: an int is the index of a value in the
+    concatenation of the parts, a float a host number), in the order of `values`, and the
+    number of parts."""
     # device -> dtype -> its tensors; each entry's tensors as (device, dtype, position)
     by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
-    placed: list[tuple[int, int, int, tuple[Any, ...]]] = []
-    for i, (statistic, where, items) in enumerate(values):
-        spec: list[Any] = []
+    placed: list[tuple[int, int, tuple[Any, ...]]] = []
+    for statistic, where, items in values:
+        slots: list[Any] = []
         for v in items:
-            if type(v) is float:  # (values_of: numbers are floats)
-                spec.append(v)
-            else:
+            if isinstance(v, torch.Tensor):
                 dtypes = by_device.setdefault(v.device, {})
                 same = dtypes.setdefault(v.dtype, [])
-                spec.append((v.device, v.dtype, len(same)))
+                slots.append((v.device, v.dtype, len(same)))
                 same.append(v)
-        placed.append((i, statistic, where, tuple(spec)))
+            else:  # (a host number: a float from values_of, or a built-in's)
+                slots.append(float(v))
+        placed.append((statistic, where, tuple(slots)))
     offsets: dict[tuple[torch.device, torch.dtype], int] = {}
     total = 0
     for k, (device, dtypes) in enumerate(by_device.items()):
@@ -421,18 +418,16 @@ def _add_statistics(
             total += len(tensors)
             stacks.append(torch.stack(tensors))
         size = sum(s.numel() for s in stacks)
-        batch.add(
-            (key, k), torch.cat(stacks, out=torch.empty(size, dtype=torch.float64, device=device))
+        into = torch.empty(size, dtype=torch.float64, device=device)
+        batch.add((key, k), torch.cat(stacks, out=into))
+    order = [
+        (
+            statistic,
+            where,
+            tuple(v if type(v) is float else offsets[v[0], v[1]] + v[2] for v in slots),
         )
-    for i, statistic, where, slots in placed:
-        order.append(
-            (
-                i,
-                statistic,
-                where,
-                tuple(v if type(v) is float else offsets[v[0], v[1]] + v[2] for v in slots),
-            )
-        )
+        for statistic, where, slots in placed
+    ]
     return order, len(by_device)
 
 

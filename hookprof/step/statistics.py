@@ -76,8 +76,9 @@ from hookprof.metrics_names import BY_NAME, LAYER_STATISTIC_PREFIX
 
 NAME = re.compile(r"[a-z][a-z0-9_]*")
 
-# what a statistic reduces: each instrumented output of a layer (the default), or the layer's
-# own parameters at a sampled step's end
+# what a statistic reduces: each instrumented output of a layer (the default), the layer's
+# own parameters at a sampled step's end, or the (min, max) the non-finite check took of
+# each output (folded on the publisher's thread: no reduce)
 OUTPUT, PARAMETERS, EXTREMES = "output", "parameters", "extremes"
 SOURCES = (OUTPUT, PARAMETERS, EXTREMES)
 
@@ -93,7 +94,8 @@ class LayerStatistic(Protocol):
 
     name: str  # exported as hookprof_layer_<name>: lowercase, digits, underscores
     help: str  # the metric's HELP text
-    # (optional) source: "output" (the default) or "parameters" (see the module's docstring)
+    # (optional) source: "output" (the default), "parameters" or "extremes" (see the module's
+    # docstring; an "extremes" one has fold and no reduce, so it is not this Protocol's)
     # (optional) fold(calls) -> float | None, applies_to(module) -> bool (the same)
 
     def reduce(self, output: Any) -> Any:

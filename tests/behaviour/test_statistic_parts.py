@@ -325,3 +325,121 @@ def test_fold_gets_the_calls_in_call_order():
         prof.detach()
     assert stat.folded[-1] == [1.0, 2.0]
     assert dict(snap.layer_statistics["call_number"].values) == {"0": 2.0}
+
+
+class OwnsParameters(nn.Module):
+    """Every layer owns parameters: hookprof's zero ratio reduces none of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+class FailsWhenTold:
+    name = "activation_mean"
+    help = "Mean of the layer's output"
+
+    def __init__(self) -> None:
+        self.fail = False
+
+    def reduce(self, output: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("fails this step")
+        return output.float().mean()
+
+
+def test_a_statistic_that_gave_nothing_on_a_checked_step_keeps_no_earlier_value():
+    """Its rows are replaced on every step with activation statistics, even when no statistic
+    of outputs gave a value (they were kept before when nothing reached the copy)."""
+    torch.manual_seed(0)
+    model, stat = OwnsParameters(), FailsWhenTold()
+    prof = hookprof.attach(model, layer_statistics=(stat,), **EVERY_STEP)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    values = []
+    try:
+        for step in range(3):
+            stat.fail = step == 2
+            opt.zero_grad()
+            model(torch.randn(8, 6)).pow(2).mean().backward()
+            opt.step()
+            prof.flush()
+            values.append(dict(prof.snapshot().layer_statistics["activation_mean"].values))
+    finally:
+        prof.detach()
+    assert set(values[1]) == {"(root)", "lin"}
+    assert values[2] == {}
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor that says it is on another device (what pack_step groups by)."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, device: torch.device):  # noqa: ANN204
+        made = torch.Tensor._make_subclass(cls, data)
+        made._said = device
+        return made
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self._said
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+class LastMax:
+    name = "last_max"
+    help = "max of the layer's last output in the step"
+    source = "extremes"
+
+    def fold(self, calls: list[tuple[float, ...]]) -> float:
+        return calls[-1][1]
+
+
+def test_statistics_of_extremes_get_the_calls_in_call_order_across_devices(monkeypatch):
+    """A pipeline over two devices calls one ReLU on the first, the second, then the first
+    again: the copy groups the checks by device, and the fold still sees the calls in
+    order (it saw the second call last before)."""
+    first, second = torch.device("cpu", 1), torch.device("cpu", 2)
+    now = [first]
+    aminmax = torch.aminmax
+
+    def on_device(t: torch.Tensor, *args: object, **kwargs: object) -> tuple:
+        low, high = aminmax(t, *args, **kwargs)
+        return OnDevice(low, now[0]), OnDevice(high, now[0])
+
+    class Pipeline(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin0, self.lin1, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+            self.act = nn.ReLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for device, layer in ((first, self.lin0), (second, self.lin1), (first, self.head)):
+                now[0] = device
+                x = self.act(layer(x))
+            return x
+
+    torch.manual_seed(0)
+    model = Pipeline()
+    outputs: list[torch.Tensor] = []
+    model.act.register_forward_hook(lambda m, a, out: outputs.append(out.detach().clone()))
+    monkeypatch.setattr(torch, "aminmax", on_device)
+    prof = hookprof.attach(model, layer_statistics=(LastMax(),), **EVERY_STEP)
+    try:
+        (model(torch.randn(8, 6) * 3).pow(2).mean()).backward()
+        prof.step()
+        prof.flush()
+        snap = prof.snapshot()
+    finally:
+        prof.detach()
+    assert len(outputs) == 3
+    assert snap.layer_statistics["last_max"].values["act"] == outputs[-1].max().item()
+    assert snap.layers["act"].activation_abs_max == max(o.abs().max().item() for o in outputs)
+    assert snap.internal_errors == 0

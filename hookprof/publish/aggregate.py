@@ -66,7 +66,7 @@ class StepFigures:
         self.bwd_calls = [0] * rows
         self.recompute = [0.0] * rows  # activation checkpointing's forward recomputation
         self.recompute_calls = [0] * rows
-        self.absmax: list[list[float]] = [[] for _ in range(n)]  # per output (its check)
+        self.nonfinite_outputs: set[int] = set()  # layers with an output the check found bad
         # (min, max) of each output, in the order they were checked: what the statistics of
         # source "extremes" fold (step/statistics.py)
         self.extremes: list[list[tuple[float, ...]]] = [[] for _ in range(n)]
@@ -297,9 +297,8 @@ class Aggregator:
             self._dirty = True
             return
         figures = self._read_record(packet, timer)
-        for i, values in enumerate(figures.absmax):
-            if values and not math.isfinite(_nanmax(values)):
-                self.fwd_nonfinite[i] += 1
+        for i in figures.nonfinite_outputs:
+            self.fwd_nonfinite[i] += 1
         if figures.finding is not None:
             if packet.sampled:
                 backward_bad = any(
@@ -372,7 +371,8 @@ class Aggregator:
             layer = rec.calls[act.call].layer
             if layer >= n:
                 continue
-            figures.absmax[layer].append(m)
+            if not math.isfinite(m):
+                figures.nonfinite_outputs.add(layer)
             figures.extremes[layer].append((lows[position], highs[position]))
         figures.checked = bool(rec.act)
         # a replay's layers whose own weights were non-finite (replay.own_weights_nonfinite)
@@ -441,12 +441,11 @@ class Aggregator:
         layer's calls folded (a step without activation statistics, activation_interval_s,
         keeps the last ones, so the gauges do not blink out between them); of parameters,
         the values taken at the step's end."""
-        if figures.checked:
+        if figures.checked:  # (every row of outputs anew: one that gave nothing has none)
             for k, reach in self._extremes_reach.items():
                 self.statistic_values[k] = self._folded(
                     k, ((i, calls) for i, calls in enumerate(figures.extremes) if i in reach)
                 )
-        if figures.checked:  # (every row of outputs anew: one that gave nothing has none)
             self._fold_source(OUTPUT, packet, "stat", packet.stat_parts, packet.stat_order)
         # every sampled step takes the parameter statistics (StepEvents' pack): none in the
         # packet means each failed, and its rows go (no gauge keeps an earlier step's value)

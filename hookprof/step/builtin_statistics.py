@@ -8,8 +8,8 @@ Adding one is a class here (its `name` is its metric's, `hookprof_layer_<name>`,
 metrics_names.py for its type and help), the metric's row in docs/metrics.md, and the class
 in BUILT_IN.
 
-Owns: the built-in statistics. Used by: `Profiler` (registration), `Aggregator` (their values
-as LayerStats fields, by name).
+Owns: the built-in statistics. Used by: `Profiler` (registration), `LayerHooks` (which
+results need no check), `Aggregator` (their values as LayerStats fields, by name).
 """
 
 from __future__ import annotations

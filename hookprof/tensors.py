@@ -47,6 +47,19 @@ def bits_sum(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack([c.sum(dtype=torch.int64) for c in chunks]).sum()
 
 
+def bits_square_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The wrapping int64 sum of the squares of a tensor's bits read as integers, 0-d on its
+    device: exact and order-free like `bits_sum`, and not linear in them, so changes that
+    cancel in `bits_sum` (one element a unit up, another a unit down: a value added and
+    taken off again rounds both ways) do not cancel here, save by coincidence."""
+    bits = local_bits(tensor).reshape(-1)
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for chunk in bits.split(BITS_SUM_CHUNK):  # (int64 transients of a chunk at most)
+        wide = chunk.to(torch.int64)
+        total += wide.mul_(wide).sum()
+    return total
+
+
 def iter_tensors(value: Any, limit: int = _MAX_TENSORS_PER_CALL) -> Iterable[torch.Tensor]:
     """Tensors in a module's inputs or outputs: tensors, tuples/lists (named tuples too),
     mapping values (HF ModelOutput is an OrderedDict) and dataclass fields."""

@@ -155,7 +155,7 @@ class ReplicaCheck:
         self._held = (
             list(zip(names, map(id, params))),
             write_marks(params),
-            parameter_sums(params),
+            parameter_sums(params, squares=True),
         )
 
     def restart(self) -> None:
@@ -178,7 +178,10 @@ class ReplicaCheck:
         if list(zip(names, map(id, params))) != held:
             return
         untouched = [old == new for old, new in zip(marks, write_marks(params))]
-        self.changes = (changed_parameters(before, parameter_sums(params), untouched), names)
+        self.changes = (
+            changed_parameters(before, parameter_sums(params, squares=True), untouched),
+            names,
+        )
 
     def _watched(self) -> tuple[list[str], list[torch.Tensor]]:
         """The parameters a forward and backward must leave as they are: the model's that

@@ -140,3 +140,19 @@ def test_the_watch_names_the_first_changed_parameter_and_counts_them_all():
                 names[flipped[0]],
                 len(flipped),
             )
+
+
+def test_the_watch_sees_changes_that_cancel_in_the_bits_sum():
+    """A value added and taken off again through `.data` rounds one element a unit up and
+    another a unit down: their bits sum is unchanged (that is how a sharpness-aware step's
+    perturbation went uncounted in 2 parameters of 3), their squares' sum is not."""
+    params = [torch.linspace(0.5, 0.9, 6), torch.linspace(-2.0, -1.0, 4)]
+    blind, before = parameter_sums(params), parameter_sums(params, squares=True)
+    bits = params[0].view(torch.int32)
+    bits[1] += 1
+    bits[4] -= 1
+    assert torch.equal(blind[0][1], parameter_sums(params)[0][1])  # (the bits sum alone)
+    after = parameter_sums(params, squares=True)
+    values = [v for pair in changed_parameters(before, after) for v in pair]
+    change = parameter_change(3, [float(v) for v in values], ["a", "b"])
+    assert change is not None and (change.parameter, change.changed) == ("a", 1)

@@ -29,7 +29,7 @@ from hookprof.device.timing import Timer, timer_for
 from hookprof.disabled import DisabledProfiler, InertProfiler
 from hookprof.distributed import detect_local_rank, detect_rank, with_other_ranks
 from hookprof.efficiency.figures import EfficiencyTotals, StepEfficiency
-from hookprof.errors import DetachedError, MetaDeviceError
+from hookprof.errors import ConfigError, DetachedError, MetaDeviceError
 from hookprof.faults import Faults, ThreadSupervisor
 from hookprof.integrity.replay_check import ReplayCheck
 from hookprof.integrity.replicas import ReplicaCheck
@@ -53,6 +53,7 @@ from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import StepCounters, loss_notice, real_loss
 from hookprof.step.sampled import SampledStep
 from hookprof.step.series import StepSeries
+from hookprof.step.update_statistics import UpdateStatistics
 from hookprof.step_events import CounterDrain, StepEvents
 from hookprof.view import summary
 
@@ -119,9 +120,22 @@ class Profiler:
         self.config, self._clock, self._wall_clock = config, clock, wall_clock
         # hookprof's own per-layer statistics, then the user's: parts of one interface, one
         # index space (step/statistics.py, step/builtin_statistics.py)
-        layer_statistics = statistics.checked(BUILT_IN, own=True) + statistics.checked(
+        # (those of the update measurement only with it: Config.update_norms)
+        built_in = tuple(
+            s
+            for s in BUILT_IN
+            if config.update_norms or statistics.source_of(s) != statistics.UPDATE
+        )
+        layer_statistics = statistics.checked(built_in, own=True) + statistics.checked(
             layer_statistics
         )
+        for stat in layer_statistics[len(built_in) :]:
+            if statistics.source_of(stat) == statistics.UPDATE and not config.update_norms:
+                raise ConfigError(  # (it reads the update measurement: it would never run)
+                    "layer_statistics",
+                    stat.name,
+                    "statistics of source 'update' only with update_norms=True",
+                )
         live.release_orphans()
         live.refuse_overlap(frozenset(id(m) for m in model.modules()))
         self.table = LayerTable(model)
@@ -241,6 +255,16 @@ class Profiler:
                 capsules=self._nan.capsules,
             )
             self._supervisor = ThreadSupervisor(self._faults, say=self._notices.say)
+            # (layer index, module, its own parameters) of each layer, and where a statistic's
+            # applies_to that raised is told: for the statistics of parameters and updates
+            owned = [
+                (layer.index, layer.module, [self.table.params[i] for i in layer.param_indices])
+                for layer in self.table.layers
+            ]
+
+            def report(part: str, exc: BaseException) -> None:
+                self._faults.report(part, exc, disable=False)
+
             self._events = StepEvents(
                 model_type=self.model_type,
                 params=self.table.params,
@@ -267,17 +291,9 @@ class Profiler:
                 replay_check=ReplayCheck(len(self.table)) if self._replicas is not None else None,
                 sharded=self.table.has_dtensor_params,
                 parameter_statistics=statistics.ParameterStatistics(
-                    layer_statistics,
-                    [
-                        (
-                            layer.index,
-                            layer.module,
-                            [self.table.params[i] for i in layer.param_indices],
-                        )
-                        for layer in self.table.layers
-                    ],
-                    report=lambda part, exc: self._faults.report(part, exc, disable=False),
+                    layer_statistics, owned, report=report
                 ),
+                update_statistics=UpdateStatistics(layer_statistics, owned, report=report),
             )
             if config.capsule_dir is not None:  # a backward NaN's capsule is drafted there
                 self._backward_end.on_end = self._events.backward_ended

@@ -444,7 +444,8 @@ def layer_series(layer: LayerStats, efficiency: LayerEfficiency | None, statisti
     (serve/exporter.py: a timing summary's _sum and _count where it was called, a gauge where
     its value is known, a counter where it is not 0; efficiency/families.py: one per known
     figure), plus `statistics`: the per-layer statistics with a value for it (hookprof's
-    own activation abs max and zero ratio among them: step/builtin_statistics.py). What the
+    own activation abs max, zero ratio, weight and update norms and update ratio among them:
+    step/builtin_statistics.py). What the
     series budget (Config.max_layer_series) counts; docs/metrics.md has the totals."""
     n = timing_series(layer)
     n += int(layer.grad_norm is not None)
@@ -457,9 +458,6 @@ def layer_series(layer: LayerStats, efficiency: LayerEfficiency | None, statisti
                 efficiency.forward_flops,
                 efficiency.backward_flops,
                 efficiency.flops_per_second,
-                efficiency.weight_norm,
-                efficiency.update_norm,
-                efficiency.update_ratio,
             )
             if v is not None
         )

@@ -20,7 +20,7 @@ from torch import nn
 
 from hookprof.compiled import explain_compiled_forward
 from hookprof.distributed import with_other_ranks
-from hookprof.efficiency.figures import StepEfficiency
+from hookprof.efficiency.figures import EfficiencyPart, StepEfficiency
 from hookprof.faults import Faults, ThreadSupervisor, guarded
 from hookprof.integrity.fingerprint import write_marks
 from hookprof.integrity.replay_check import (
@@ -52,6 +52,7 @@ from hookprof.step.record import StepCounters, StepRecord, pack_step
 from hookprof.step.sampled import SampledStep
 from hookprof.step.series import StepSeries
 from hookprof.step.statistics import ParameterStatistics
+from hookprof.step.update_statistics import UpdateStatistics
 
 
 class CounterDrain:
@@ -95,6 +96,7 @@ class StepEvents:
         supervisor: ThreadSupervisor,
         drain: CounterDrain,
         parameter_statistics: ParameterStatistics | None = None,
+        update_statistics: UpdateStatistics | None = None,
         replicas: ReplicaCheck | None = None,
         replay_check: ReplayCheck | None = None,
         sharded: bool = False,
@@ -108,6 +110,7 @@ class StepEvents:
         self._publisher, self._sampled, self._nan = publisher, sampled, nan
         self._incidents, self._supervisor, self._drain = incidents, supervisor, drain
         self._parameter_statistics = parameter_statistics or None  # (None: there are none)
+        self._update_statistics = update_statistics or None  # (the same)
         # Config.sdc_check_interval_s (None: off): its schedule and the parameters'
         # fingerprint, and the replay of a check step's forward (hookprof/integrity/)
         self._replicas, self._replay_check, self._sharded = replicas, replay_check, sharded
@@ -305,7 +308,7 @@ class StepEvents:
             self._hooks.fingerprint_outputs = False
 
         def pack(record: StepRecord | None) -> Any:
-            efficiency, extra = self._efficiency_of(number, now, duration_s, no_update)
+            efficiency = self._efficiency_of(number, now, duration_s, no_update)
             statistics = self._parameter_statistics  # (the parameters after the update)
             parameter_stats = () if statistics is None else statistics.take(self._report)
             packet = nan.pack(
@@ -314,9 +317,9 @@ class StepEvents:
                 grad_squares=grads.squares,
                 loss=loss,
                 efficiency=efficiency,
-                extra=extra,
                 series=self._series.take(number),
                 parameter_stats=parameter_stats,
+                layer_sums=self._update_statistics_of(no_update),
             )
             packet.steps_at_end = self._counters.totals()
             packet.seconds = duration_s
@@ -347,15 +350,28 @@ class StepEvents:
 
     # ---------------- what the step's events call on ----------------
 
-    @guarded("efficiency figures", disable=False, default=(None, ()))
+    @guarded("efficiency figures", disable=False)
     def _efficiency_of(
         self, number: int, now_ns: int, duration_s: float, skipped: bool
-    ) -> tuple[Any, list[tuple[Any, torch.Tensor]]]:
-        """A sampled step's FLOPs and norms (none when off, or skipped: no update, no
+    ) -> EfficiencyPart | None:
+        """A sampled step's FLOPs and timing (none when off, or skipped: no update, no
         throughput). A fault here costs only these figures: the step's others still go out."""
         if not self._efficiency.enabled or skipped:
-            return None, []
+            return None
         return self._efficiency.end_step(number, now_ns, duration_s)
+
+    @guarded("efficiency update measurement", disable=False, default=())
+    def _update_statistics_of(self, skipped: bool) -> list[Any]:
+        """The statistics of source "update" (the weight and update norms and ratio among
+        them) when this step's update was measured, its copies freed (a skipped step
+        changed no weight: none, and efficiency.drop() frees them)."""
+        measured = self._efficiency.measured_update()
+        if measured is None or skipped:
+            return []
+        if self._update_statistics is None:
+            measured.drop()
+            return []
+        return self._update_statistics.take(measured, self._report)
 
     def _begin_replay_check(self, number: int, record: StepRecord | None) -> None:
         """A check step: its layers' outputs summed, to be compared with a replay's."""

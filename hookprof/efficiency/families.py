@@ -1,6 +1,6 @@
 """The efficiency figures of a Snapshot as Prometheus metric families (docs/efficiency.md;
 names in hookprof/metrics_names.py): FLOPs and achieved FLOP/s per layer and for the model,
-utilisation of the device's peak, weight and update norms. Rendered by
+utilisation of the device's peak, the model's update ratio. Rendered by
 serve/exporter.SnapshotCollector."""
 
 from __future__ import annotations
@@ -18,10 +18,7 @@ _LAYER_GAUGES = (
     ("forward_flops", names.LAYER_FORWARD_FLOPS),
     ("backward_flops", names.LAYER_BACKWARD_FLOPS),
     ("flops_per_second", names.LAYER_FLOPS_PER_SECOND),
-    ("weight_norm", names.LAYER_WEIGHT_NORM),
-    ("update_norm", names.LAYER_UPDATE_NORM),
-    ("update_ratio", names.LAYER_UPDATE_RATIO),
-)
+)  # (the weight and update norms and ratio: statistics, with the others: serve/exporter.py)
 
 
 def efficiency_families(snap: Snapshot, rank: str) -> Iterator[Metric]:

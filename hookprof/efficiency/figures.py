@@ -3,10 +3,13 @@ FLOP/s, the model's FLOP/s and utilisation of the device's peak, weight and upda
 
 Two halves, one per thread, joined by the step's Packet:
 - `StepEfficiency` (training thread) notes layer calls, takes the parameter copies before
-  the update and, at a sampled step's end, counts new FLOPs signatures (flops.py), starts the
-  per-layer squares of weights and updates (updates.py) and hands them to `pack_step`, so
-  they ride the step's one device-to-host copy;
-- `EfficiencyTotals` (publisher thread) folds the packet with the step's per-layer times
+  the update (updates.py: the measurement, whose turn and interval it keeps) and, at a
+  sampled step's end, counts new FLOPs signatures (flops.py) and hands the measured update
+  to the statistics of source "update" (step/update_statistics.py: the built-in weight
+  norm, update norm and update ratio are such statistics), whose sums ride the step's one
+  device-to-host copy;
+- `EfficiencyTotals` (publisher thread) folds the packet with the step's per-layer times,
+  and the update ratio statistic's (update², weight²) per layer that the aggregator hands it,
   into an `EfficiencyStats` for the snapshot.
 """
 
@@ -30,16 +33,11 @@ _UNREAD = object()
 
 @dataclass(slots=True)
 class EfficiencyPart:
-    """A sampled step's efficiency figures known on the host, and where its device values
-    are in the step's batch (("weight_sq", k), ("update_sq", k))."""
+    """A sampled step's efficiency figures known on the host."""
 
     flops: tuple[list[int], list[int], list[int], int] | None = None  # FlopCounter.end_step()
     seconds_per_step: float | None = None  # wall time per step since the last sampled step
     peak_flops: float | None = None
-    weight_parts: int = 0
-    update_parts: int = 0
-    updated: frozenset[int] = frozenset()
-    weighted: frozenset[int] = frozenset()  # layers with parameters
 
 
 class StepEfficiency:
@@ -138,13 +136,9 @@ class StepEfficiency:
             self.updates.follow(optimizer)
         self.updates.before_update()
 
-    def end_step(
-        self, step: int, now_ns: int, duration_s: float
-    ) -> tuple[EfficiencyPart, list[tuple[Any, torch.Tensor]]]:
-        """A sampled step ended (its update done): its host figures and the device values to
-        add to its batch."""
+    def end_step(self, step: int, now_ns: int, duration_s: float) -> EfficiencyPart:
+        """A sampled step ended (its update done): its host figures."""
         part = EfficiencyPart()
-        values: list[tuple[Any, torch.Tensor]] = []
         if self._last_end is not None and step > self._last_end[0]:
             part.seconds_per_step = (now_ns - self._last_end[1]) * 1e-9 / (step - self._last_end[0])
         else:
@@ -156,12 +150,13 @@ class StepEfficiency:
             # a compiled model has no per-layer calls to count
             part.peak_flops = self._peak() if part.flops[3] else None
         self._rearm()
-        if self.updates is not None and self.updates.taken:  # weights read with their updates
-            weights, updates, part.updated, part.weighted = self.updates.after_update()
-            values += [(("weight_sq", k), t) for k, t in enumerate(weights)]
-            values += [(("update_sq", k), t) for k, t in enumerate(updates)]
-            part.weight_parts, part.update_parts = len(weights), len(updates)
-        return part, values
+        return part
+
+    def measured_update(self) -> UpdateNorms | None:
+        """The update measurement holding this step's copies, for the statistics of source
+        "update" to read (and free): None when this step's update was not measured."""
+        updates = self.updates
+        return updates if updates is not None and updates.taken else None
 
     def drop(self) -> None:
         self._rearm()
@@ -204,7 +199,9 @@ class StepEfficiency:
 
 class EfficiencyTotals:
     """The publisher-thread half: the last sampled step's figures, and each layer's latest
-    update measurement (layers take turns, see updates.py)."""
+    update measurement (layers take turns, see updates.py) as the update ratio statistic's
+    values (update², weight²), with the weight and update norm statistics' rows for the
+    snapshot's LayerEfficiency (the aggregator folds all three: note_updates)."""
 
     def __init__(self, names: list[str]):
         self._names = names
@@ -212,10 +209,11 @@ class EfficiencyTotals:
         self._layer_flops: list[tuple[float | None, float | None, float | None]] = [
             (None, None, None)
         ] * n
-        self._weight_sq: list[float | None] = [None] * n
-        self._update: list[tuple[float, float] | None] = [
-            None
-        ] * n  # (update², weight²) when measured
+        # (update², weight²) of each layer's last measured update
+        self._update: list[tuple[float, float] | None] = [None] * n
+        # the weight norm, update norm and update ratio statistics' rows (LayerEfficiency)
+        none: list[float | None] = [None] * n
+        self._norms: tuple[list[float | None], ...] = (none, none, none)
         self._model: tuple[float | None, float | None, float | None] = (None, None, None)
         self._stats: EfficiencyStats | None = None
         # the update-to-weight ratios of the layers the last folded step measured (its turn
@@ -243,16 +241,22 @@ class EfficiencyTotals:
             per_second = model / part.seconds_per_step if model and part.seconds_per_step else None
             utilization = per_second / part.peak_flops if per_second and part.peak_flops else None
             self._model = (float(model) if model else None, per_second, utilization)
-        weight_sq = _sum_parts(packet, "weight_sq", part.weight_parts, n)
-        update_sq = _sum_parts(packet, "update_sq", part.update_parts, n)
+        self._stats = None
+
+    def note_updates(
+        self,
+        pairs: dict[int, tuple[float, ...]],
+        norms: tuple[list[float | None], list[float | None], list[float | None]],
+    ) -> None:
+        """A sampled step's measured updates: (update², weight²) of the layers whose turn it
+        was (none: not measured), and the rows of the weight norm, update norm and update
+        ratio statistics after it (the aggregator's, step/builtin_statistics.py)."""
         self.step_ratios = {}
-        if weight_sq is not None:
-            self._weight_sq = [w if i in part.weighted else None for i, w in enumerate(weight_sq)]
-            for i in part.updated:
-                update = update_sq[i] if update_sq is not None else 0.0
-                self._update[i] = (update, weight_sq[i])
-                if weight_sq[i] > 0:  # (NaN weights: not above 0, left to the NaN checks)
-                    self.step_ratios[self._names[i]] = math.sqrt(update / weight_sq[i])
+        for i, (update, weight) in pairs.items():
+            self._update[i] = (update, weight)
+            if weight > 0:  # (NaN weights: not above 0, left to the NaN checks)
+                self.step_ratios[self._names[i]] = math.sqrt(update / weight)
+        self._norms = norms
         self._stats = None
 
     def stats(self) -> EfficiencyStats:
@@ -261,17 +265,14 @@ class EfficiencyTotals:
         layers = {}
         for i, name in enumerate(self._names):
             per_call_fwd, per_call_bwd, per_second = self._layer_flops[i]
-            w2, upd = self._weight_sq[i], self._update[i]
+            weight_norm, update_norm, update_ratio = (row[i] for row in self._norms)
             layers[name] = LayerEfficiency(
                 forward_flops=per_call_fwd,
                 backward_flops=per_call_bwd,
                 flops_per_second=per_second,
-                weight_norm=math.sqrt(w2) if w2 is not None else None,
-                update_norm=math.sqrt(upd[0]) if upd is not None else None,
-                # NaN weights (a NaN update was applied) give a NaN ratio: exported as such
-                update_ratio=math.sqrt(upd[0] / upd[1])
-                if upd is not None and upd[1] != 0
-                else None,
+                weight_norm=weight_norm,
+                update_norm=update_norm,
+                update_ratio=update_ratio,
             )
         measured = [u for u in self._update if u is not None]
         total_w = sum(w for _, w in measured)
@@ -286,13 +287,3 @@ class EfficiencyTotals:
             else None,
         )
         return self._stats
-
-
-def _sum_parts(packet: Any, key: str, parts: int, n: int) -> list[float] | None:
-    if not parts:
-        return None
-    total = [0.0] * n
-    for k in range(parts):
-        for i, v in enumerate(packet.batch.get((key, k))):
-            total[i] += v
-    return total

@@ -41,10 +41,24 @@ from hookprof.snapshot import (
     layer_series,
     timing_series,
 )
-from hookprof.step.builtin_statistics import ABS_MAX, ZERO_RATIO
+from hookprof.step.builtin_statistics import (
+    ABS_MAX,
+    UPDATE_NORM,
+    UPDATE_RATIO,
+    WEIGHT_NORM,
+    ZERO_RATIO,
+)
 from hookprof.step.record import Packet, StepCounters, StepRecord
 from hookprof.step.series import StepValue, decode
-from hookprof.step.statistics import EXTREMES, OUTPUT, PARAMETERS, applies, fold_calls, source_of
+from hookprof.step.statistics import (
+    EXTREMES,
+    OUTPUT,
+    PARAMETERS,
+    UPDATE,
+    applies,
+    fold_calls,
+    source_of,
+)
 
 REPLAY_UNAVAILABLE_DTENSOR = (
     "the model has FSDP2 / tensor-parallel (DTensor) parameters: a replay on one rank "
@@ -249,6 +263,10 @@ class Aggregator:
         )
         index = {s.name: k for k, s in enumerate(statistics)}
         self._abs_max, self._zero_ratio = index.get(ABS_MAX), index.get(ZERO_RATIO)
+        # the built-in update statistics: their rows are LayerEfficiency's, the ratio's
+        # (update², weight²) the model-wide update ratio's and the jump judge's
+        self._norms = tuple(index.get(name) for name in (WEIGHT_NORM, UPDATE_NORM, UPDATE_RATIO))
+        self._update_pairs: dict[int, tuple[float, ...]] = {}  # the last packet's measured
         self._report = report
 
     # ---- folding one packet ----
@@ -411,9 +429,12 @@ class Aggregator:
         if packet.has_grad:
             self.grad_norm = math.sqrt(sum(squares[i] for i in packet.has_grad))
             self._flag_gradients(squares, packet.has_grad)
-        if packet.efficiency is not None and self.efficiency is not None:
-            self.efficiency.fold(packet, figures.fwd, figures.bwd)
-            self.spikes.observe_update_ratios(packet.step, self.efficiency.step_ratios)
+        if self.efficiency is not None:
+            if packet.efficiency is not None:
+                self.efficiency.fold(packet, figures.fwd, figures.bwd)
+            self.efficiency.note_updates(self._update_pairs, self._norm_rows())
+            if self._update_pairs:
+                self.spikes.observe_update_ratios(packet.step, self.efficiency.step_ratios)
         if self.device_phases is not None:
             self.device_phases.add(figures.device_phases)
         loss = self.loss_of(packet)
@@ -453,6 +474,45 @@ class Aggregator:
             self._fold_source(
                 PARAMETERS, packet, "param_stat", packet.param_stat_parts, packet.param_stat_order
             )
+        self._fold_updates(packet)
+
+    def _norm_rows(self) -> tuple[list[float | None], list[float | None], list[float | None]]:
+        """The weight norm, update norm and update ratio statistics' rows (LayerEfficiency)."""
+        none: list[float | None] = [None] * len(self.names)
+        weight, update, ratio = (
+            self.statistic_values[k] if k is not None else none for k in self._norms
+        )
+        return weight, update, ratio
+
+    def _fold_updates(self, packet: Packet) -> None:
+        """The statistics of source "update" (step/update_statistics.py) of a step whose
+        update was measured: each one's sums added up over devices, and each valued layer's
+        folded into its row; the other layers keep their last values (layers take turns)."""
+        self._update_pairs = {}
+        ratio = self._norms[2]
+        added: dict[tuple[int, ...], list[float]] = {}  # (the weight squares serve three)
+        for k, values, layers in packet.layer_sums_order:
+            if k >= len(self._sources) or self._sources[k] != UPDATE:
+                continue  # (an aggregator of no such statistic: one a test builds)
+            sums = []
+            for js in values:
+                if js not in added:
+                    parts = (packet.batch.get(("layer_sums", j)) for j in js)
+                    added[js] = [sum(column) for column in zip(*parts)]
+                sums.append(added[js])
+            row, statistic = self.statistic_values[k], self.statistics[k]
+            for i in layers:
+                if i >= len(row) or any(i >= len(s) for s in sums):
+                    continue  # (a row beyond the table, or sums made without a part)
+                call = tuple(s[i] for s in sums)
+                if k == ratio:
+                    self._update_pairs[i] = call
+                try:
+                    row[i] = fold_calls(statistic, [call])
+                except Exception as exc:
+                    row[i] = None
+                    if self._report is not None:
+                        self._report(f"layer statistic {statistic.name}", exc)
 
     def _fold_source(
         self,

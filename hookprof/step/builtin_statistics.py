@@ -1,15 +1,20 @@
-"""hookprof's own per-layer statistics of outputs, written as parts of the interface a user's
-statistic uses (step/statistics.py) and registered like one: the profiler gives LayerHooks,
-the aggregator and the exporter `BUILT_IN + the user's`. Beyond that, LayerHooks skips its
-check of a result for these (`values_of`: theirs are 0-d tensors and floats), and the
-aggregator copies the two values into LayerStats by name for the readers (`top`, the report).
+"""hookprof's own per-layer statistics, of outputs and of the parameters around an update,
+written as parts of the interface a user's statistic uses (step/statistics.py,
+step/update_statistics.py) and registered like one: the profiler gives LayerHooks, the
+parameter statistics, the aggregator and the exporter `BUILT_IN + the user's` (those of
+source "update" only with Config.update_norms). Beyond that, LayerHooks skips its check of a
+result for these (`values_of`: theirs are 0-d tensors and floats), and the aggregator copies
+their values into LayerStats and LayerEfficiency by name for the readers (`top`, the
+report), and the update ratio's (update², weight²) into the model-wide update ratio and the
+update ratio jump judge (efficiency/figures.py).
 
 Adding one is a class here (its `name` is its metric's, `hookprof_layer_<name>`, declared in
 metrics_names.py for its type and help), the metric's row in docs/metrics.md, and the class
 in BUILT_IN.
 
 Owns: the built-in statistics. Used by: `Profiler` (registration), `LayerHooks` (which
-results need no check), `Aggregator` (their values as LayerStats fields, by name).
+results need no check), `Aggregator` (their values as LayerStats and LayerEfficiency fields,
+by name; the update ratio's for the model's).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import torch
 from torch import nn
 
 from hookprof import metrics_names as names
-from hookprof.step.statistics import EXTREMES
+from hookprof.step.statistics import EXTREMES, UPDATE
+from hookprof.step.update_statistics import AroundUpdate, LayerSums
 
 ZERO_SAMPLE = 4096  # values per output the zero ratio is computed from
 
@@ -78,5 +84,58 @@ class ActivationZeroRatio:
         return (values - sum(nonzero for nonzero, _ in calls)) / values if values else None
 
 
-BUILT_IN: tuple[Any, ...] = (ActivationAbsMax(), ActivationZeroRatio())
-ABS_MAX, ZERO_RATIO = (s.name for s in BUILT_IN)
+class WeightNorm:
+    """The L2 norm of the layer's parameters after the update, on the steps whose update is
+    measured (every layer that owns parameters, frozen ones too)."""
+
+    name = _short(names.LAYER_WEIGHT_NORM)
+    help = names.LAYER_WEIGHT_NORM.help
+    source = UPDATE
+
+    def reduce_layers(self, view: AroundUpdate) -> LayerSums:
+        return view.weight_squares()
+
+    def fold(self, calls: list[tuple[float, ...]]) -> float:
+        return math.sqrt(calls[-1][0])
+
+
+class UpdateNorm:
+    """The L2 norm of the layer's update (after - before) on its turn, kept between turns."""
+
+    name = _short(names.LAYER_UPDATE_NORM)
+    help = names.LAYER_UPDATE_NORM.help
+    source = UPDATE
+
+    def reduce_layers(self, view: AroundUpdate) -> LayerSums:
+        return view.update_squares()
+
+    def fold(self, calls: list[tuple[float, ...]]) -> float:
+        return math.sqrt(calls[-1][0])
+
+
+class UpdateRatio:
+    """update norm / weight norm of the same step, on the layer's turn. Its (update², weight²)
+    also make the model-wide ratio and feed the update ratio jump judge (the aggregator).
+    NaN weights (a NaN update was applied) give a NaN ratio, exported as such; zero weights
+    none."""
+
+    name = _short(names.LAYER_UPDATE_RATIO)
+    help = names.LAYER_UPDATE_RATIO.help
+    source = UPDATE
+
+    def reduce_layers(self, view: AroundUpdate) -> tuple[LayerSums, LayerSums]:
+        return view.update_squares(), view.weight_squares()
+
+    def fold(self, calls: list[tuple[float, ...]]) -> float | None:
+        update, weight = calls[-1]
+        return math.sqrt(update / weight) if weight != 0 else None
+
+
+BUILT_IN: tuple[Any, ...] = (
+    ActivationAbsMax(),
+    ActivationZeroRatio(),
+    WeightNorm(),
+    UpdateNorm(),
+    UpdateRatio(),
+)
+ABS_MAX, ZERO_RATIO, WEIGHT_NORM, UPDATE_NORM, UPDATE_RATIO = (s.name for s in BUILT_IN)

@@ -241,6 +241,11 @@ class Packet:
     # place of the call: taken at a sampled step's end (step/statistics.py)
     param_stat_order: list[tuple[int, int, tuple[float | int, ...]]] = field(default_factory=list)
     param_stat_parts: int = 0
+    # the statistics of source "update" (step/update_statistics.py): per statistic, its
+    # index, per value the batch's ("layer_sums", j) parts to add up, and the layers valued
+    layer_sums_order: list[tuple[int, tuple[tuple[int, ...], ...], frozenset[int]]] = field(
+        default_factory=list
+    )
     # the forward of `step` went non-finite and could not be replayed: why (nonfinite/replay.py)
     not_replayed: str | None = None
     replay_moved: int = 0  # a replay's packet: updates applied between its forward and the replay
@@ -307,6 +312,7 @@ def pack_step(
     dropped_values: Sequence[torch.Tensor] = (),
     series: tuple[list[list[torch.Tensor]], SeriesDrain] | None = None,
     parameter_stats: Sequence[tuple[int, int, tuple[Any, ...]]] = (),
+    layer_sums: Sequence[tuple[int, tuple[Any, ...], frozenset[int]]] = (),
     fingerprint: Sequence[torch.Tensor] = (),
     changes: tuple[Sequence[torch.Tensor], Sequence[str]] | None = None,
     replay_check: tuple[Any, Sequence[torch.Tensor]] | None = None,
@@ -325,6 +331,7 @@ def pack_step(
         _add_statistics(batch, "stat", record.stats) if record is not None else ([], 0)
     )
     param_stat_order, param_stat_parts = _add_statistics(batch, "param_stat", parameter_stats)
+    layer_sums_order = _add_layer_sums(batch, layer_sums)
     for k, block in enumerate(counter_blocks):
         batch.add(("counters", k), block)
     for k, halves in enumerate(fingerprint):  # the parameters' (integrity/replicas.py)
@@ -371,6 +378,7 @@ def pack_step(
         stat_parts=stat_parts,
         param_stat_order=param_stat_order,
         param_stat_parts=param_stat_parts,
+        layer_sums_order=layer_sums_order,
         not_replayed=not_replayed,
         replay_moved=replay_moved,
         capsule=capsule,
@@ -383,6 +391,30 @@ def pack_step(
         loss=host_loss,
         loss_in_batch=loss_in_batch,
     )
+
+
+def _add_layer_sums(
+    batch: ScalarBatch, taken: Sequence[tuple[int, tuple[Any, ...], frozenset[int]]]
+) -> list[tuple[int, tuple[tuple[int, ...], ...], frozenset[int]]]:
+    """Put the update statistics' sums per layer (UpdateStatistics.take: (statistic, its
+    LayerSums, the layers valued)) into the batch, each LayerSums once however many
+    statistics returned it (the weight squares: three), its per-device parts as
+    ("layer_sums", j). Returns each entry with the js of each of its values."""
+    placed: dict[int, tuple[int, ...]] = {}  # id(LayerSums) -> its parts' js
+    order = []
+    added = 0
+    for statistic, sums, layers in taken:
+        values = []
+        for one in sums:
+            js = placed.get(id(one))
+            if js is None:
+                js = placed[id(one)] = tuple(range(added, added + len(one.parts)))
+                added += len(one.parts)
+                for j, part in zip(js, one.parts):
+                    batch.add(("layer_sums", j), part)
+            values.append(js)
+        order.append((statistic, tuple(values), layers))
+    return order
 
 
 def _add_statistics(

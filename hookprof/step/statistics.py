@@ -35,8 +35,9 @@ layer that owns parameters:
             squares = sum(p.float().pow(2).sum() for p in parameters)
             return (squares / sum(p.numel() for p in parameters)).sqrt()
 
-(hookprof's own `hookprof_layer_weight_norm` is such a figure, taken with the update ratio
-in one fused pass: docs/efficiency.md.)
+(hookprof's own `hookprof_layer_weight_norm` is a figure of the parameters too, of source
+"update": every layer's parameters around a measured update in one pass over all layers,
+`reduce_layers(view)`, step/update_statistics.py.)
 
 Two optional methods and a third source say more, for a statistic that needs them;
 hookprof's own activation statistics (step/builtin_statistics.py:
@@ -58,9 +59,10 @@ with them, as parts of this interface:
   largest of -min and max.
 
 Owns: the protocol and the checks of a statistic, and the taking of the parameter ones
-(`ParameterStatistics`). Used by: `Profiler` (`checked`, at attach), `LayerHooks` (reduce of
-the output ones), `StepEvents` (the parameter ones, at a sampled step's end), `pack_step`
-(stacking), `Aggregator` (folding, and the last values) and `SnapshotCollector` (the gauge).
+(`ParameterStatistics`; those of the update: step/update_statistics.py). Used by:
+`Profiler` (`checked`, at attach), `LayerHooks` (reduce of the output ones), `StepEvents`
+(the parameter ones, at a sampled step's end), `pack_step` (stacking), `Aggregator`
+(folding, and the last values) and `SnapshotCollector` (the gauge).
 """
 
 from __future__ import annotations
@@ -77,10 +79,13 @@ from hookprof.metrics_names import BY_NAME, LAYER_STATISTIC_PREFIX
 NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 # what a statistic reduces: each instrumented output of a layer (the default), the layer's
-# own parameters at a sampled step's end, or the (min, max) the non-finite check took of
-# each output (folded on the publisher's thread: no reduce)
-OUTPUT, PARAMETERS, EXTREMES = "output", "parameters", "extremes"
-SOURCES = (OUTPUT, PARAMETERS, EXTREMES)
+# own parameters at a sampled step's end, the (min, max) the non-finite check took of each
+# output (folded on the publisher's thread: no reduce), or every layer's parameters around
+# a measured update, all layers in one pass (`reduce_layers`)
+OUTPUT, PARAMETERS, EXTREMES, UPDATE = "output", "parameters", "extremes", "update"
+SOURCES = (OUTPUT, PARAMETERS, EXTREMES, UPDATE)
+# the method each source's statistic must have
+_NEEDS = {OUTPUT: "reduce", PARAMETERS: "reduce", EXTREMES: "fold", UPDATE: "reduce_layers"}
 
 
 def source_of(statistic: Any) -> str:
@@ -114,14 +119,15 @@ def checked(statistics: Any, *, own: bool = False) -> tuple[LayerStatistic, ...]
         raise ConfigError("layer_statistics", statistics, "a tuple of layer statistics")
     seen: set[str] = set()
     for stat in statistics:
-        needs = "fold" if source_of(stat) == EXTREMES else "reduce"  # (extremes: no reduce)
+        needs = _NEEDS.get(source_of(stat), "reduce")  # (an unknown source: refused below)
         if not (hasattr(stat, "name") and hasattr(stat, "help")) or not callable(
             getattr(stat, needs, None)
         ):
             raise ConfigError(
                 "layer_statistics",
                 stat,
-                "objects with name, help and reduce(output) (or, of source 'extremes', fold)",
+                "objects with name, help and reduce(output) (of source 'extremes': fold; of "
+                "source 'update': reduce_layers)",
             )
         if not isinstance(stat.name, str) or not NAME.fullmatch(stat.name):
             raise ConfigError(
@@ -143,7 +149,7 @@ def checked(statistics: Any, *, own: bool = False) -> tuple[LayerStatistic, ...]
                 source_of(stat),
                 f"a source of {stat.name!r} among {', '.join(map(repr, SOURCES))}",
             )
-        for method in ("fold", "applies_to"):
+        for method in ("fold", "applies_to", "reduce_layers"):
             if not callable(getattr(stat, method, callable)):
                 raise ConfigError(
                     "layer_statistics",
@@ -258,6 +264,25 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else param
 
 
+def of_parameters(
+    statistics: Sequence[Any],
+    source: str,
+    layers: Sequence[tuple[int, Any, Sequence[Any]]],
+    report: Any = None,
+) -> list[tuple[int, Any, list[tuple[int, tuple[Any, ...]]]]]:
+    """The statistics of `source` (PARAMETERS, UPDATE), each with its index and the layers it
+    reduces (those that own parameters and that it applies to: index, own parameters).
+    `statistics`: all of a profiler's (their position is their index everywhere); `layers`:
+    (layer index, its module, its own parameters) of each layer; `report(part, exc)` hears of
+    an `applies_to` that raised."""
+    owning = [(index, module, tuple(params)) for index, module, params in layers if params]
+    return [
+        (k, s, [(i, params) for i, module, params in owning if applies(s, module, report)])
+        for k, s in enumerate(statistics)
+        if source_of(s) == source
+    ]
+
+
 class ParameterStatistics:
     """The statistics whose source is a layer's parameters (`source = "parameters"`), taken
     at each sampled step's end, after the update: `take()` reduces every layer that owns
@@ -272,16 +297,8 @@ class ParameterStatistics:
         layers: Sequence[tuple[int, Any, Sequence[Any]]],
         report: Any = None,
     ):
-        """`statistics`: all of a profiler's (their position is their index everywhere);
-        `layers`: (layer index, its module, its own parameters) of each layer;
-        `report(part, exc)` hears of an `applies_to` that raised."""
-        owning = [(index, module, tuple(params)) for index, module, params in layers if params]
-        # (statistic's index, statistic, the layers it reduces: index and parameters)
-        self._statistics = [
-            (k, s, [(i, params) for i, module, params in owning if applies(s, module, report)])
-            for k, s in enumerate(statistics)
-            if source_of(s) == PARAMETERS
-        ]
+        """(See `of_parameters`.)"""
+        self._statistics = of_parameters(statistics, PARAMETERS, layers, report)
 
     def __bool__(self) -> bool:
         return bool(self._statistics)

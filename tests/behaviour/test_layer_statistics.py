@@ -146,6 +146,9 @@ def test_a_failing_statistic_is_counted_and_switches_nothing_else_off():
     assert list(snap.layer_statistics) == [
         "activation_abs_max",
         "activation_zero_ratio",
+        "weight_norm",
+        "update_norm",
+        "update_ratio",
         "always_fails",
         "not_a_scalar",
         "activation_mean",

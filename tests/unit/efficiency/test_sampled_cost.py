@@ -123,7 +123,7 @@ def efficiency_steps(eff, x, precisions):
     for step, precision in enumerate(precisions, 1):
         peaks_precision[0] = precision
         hooks.on_call(0, (x,), None, False)
-        part, _ = eff.end_step(step, step * 10**9, 1.0)
+        part = eff.end_step(step, step * 10**9, 1.0)
         got.append(part.peak_flops)
     return got
 

@@ -247,6 +247,13 @@ CONFIGS = {
         "flop_counting": False,
         "update_norms": False,
     },
+    # every sampled step measures its update (the weight and update norm statistics: by
+    # default at most once per update_norm_interval_s, 1 s, which most rounds never reach)
+    "every step, updates every step": {
+        "sample_every": 1,
+        "min_sample_interval_s": 0.0,
+        "update_norm_interval_s": 0.0,
+    },
     "torch.profiler": None,
     "detect_anomaly": None,
 }

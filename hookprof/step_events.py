@@ -308,6 +308,9 @@ class StepEvents:
             self._hooks.fingerprint_outputs = False
 
         def pack(record: StepRecord | None) -> Any:
+            # first: it frees the copies taken before the update, which a fault in what
+            # follows would otherwise leave held (the next measurement would span two steps)
+            layer_sums = self._update_statistics_of(no_update)
             efficiency = self._efficiency_of(number, now, duration_s, no_update)
             statistics = self._parameter_statistics  # (the parameters after the update)
             parameter_stats = () if statistics is None else statistics.take(self._report)
@@ -319,7 +322,7 @@ class StepEvents:
                 efficiency=efficiency,
                 series=self._series.take(number),
                 parameter_stats=parameter_stats,
-                layer_sums=self._update_statistics_of(no_update),
+                layer_sums=layer_sums,
             )
             packet.steps_at_end = self._counters.totals()
             packet.seconds = duration_s

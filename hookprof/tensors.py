@@ -55,7 +55,9 @@ def bits_square_sum(tensor: torch.Tensor) -> torch.Tensor:
     bits = local_bits(tensor).reshape(-1)
     total = torch.zeros((), dtype=torch.int64, device=bits.device)
     for chunk in bits.split(BITS_SUM_CHUNK):  # (int64 transients of a chunk at most)
-        wide = chunk.to(torch.int64)
+        # a copy whatever the width: an int64 chunk (a float64 parameter's bits) would
+        # otherwise be the parameter itself, squared in place
+        wide = chunk.to(torch.int64, copy=True)
         total += wide.mul_(wide).sum()
     return total
 

@@ -349,7 +349,7 @@ def pack_step(
         for k, block in enumerate(blocks):
             batch.add((name, k), block)
         count_parts[name] = len(blocks)
-    for key, values in extra:  # other device scalars of the step (weight and update norms)
+    for key, values in extra:  # other device scalars (a replay's layers with non-finite weights)
         batch.add(key, values)
     for k, rows in enumerate(series[0] if series is not None else ()):
         for part in rows:  # (cat copies them: the next steps' writes come after)

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hookprof.step.statistics import UPDATE, of_parameters
+from hookprof.step.statistics import SENDABLE, UPDATE, of_parameters
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +99,7 @@ class UpdateStatistics:
             (k, s, frozenset(i for i, _ in reach))
             for k, s, reach in of_parameters(statistics, UPDATE, layers, report)
         ]
+        self._layers = len(layers)  # the length of each part of a LayerSums
 
     def __bool__(self) -> bool:
         return bool(self._statistics)
@@ -113,13 +114,28 @@ class UpdateStatistics:
             try:
                 result = stat.reduce_layers(view)
                 sums = result if isinstance(result, tuple) else (result,)
-                if not sums or not all(isinstance(s, LayerSums) for s in sums):
+                if not sums or not all(self._sendable(s) for s in sums):
                     raise TypeError(
                         f"layer statistic {stat.name!r}: reduce_layers() must return what the "
-                        f"view gives (LayerSums, or a tuple of them), got {result!r}"
+                        "view gives (LayerSums, or a tuple of them: one real 1-d tensor per "
+                        f"device of {self._layers} values), got {result!r}"
                     )
             except Exception as exc:
                 report(f"layer statistic {stat.name}", exc)
                 continue
             taken.append((k, sums, reach.intersection(*(s.layers for s in sums))))
         return taken
+
+    def _sendable(self, sums: Any) -> bool:
+        """What the step's copy can carry (a LayerSums a user built may hold anything): a
+        part that it could not would lose the whole step's copy, not this statistic alone."""
+        return isinstance(sums, LayerSums) and all(
+            isinstance(part, torch.Tensor)
+            and type(part) is torch.Tensor
+            and part.dim() == 1
+            and part.numel() == self._layers
+            and part.dtype in SENDABLE
+            and not part.is_meta
+            and not part.requires_grad
+            for part in sums.parts
+        )

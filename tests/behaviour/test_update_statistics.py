@@ -17,6 +17,7 @@ import hookprof
 from hookprof import ConfigError
 from hookprof.step import builtin_statistics
 from hookprof.step.statistics import UPDATE, source_of
+from hookprof.step.update_statistics import LayerSums
 from support.metrics import parse, samples, scrape
 from support.settings import EVERY_STEP
 
@@ -164,11 +165,23 @@ class WrongType:
         return torch.ones(3)
 
 
+class UnsendableParts:
+    """LayerSums of its own making, with parts the step's copy cannot carry (complex)."""
+
+    name, help, source = "unsendable_update", "Complex parts", "update"
+
+    def reduce_layers(self, view):  # noqa: ANN001, ANN201
+        weights = view.weight_squares()
+        return LayerSums(tuple(p.to(torch.complex64) for p in weights.parts), weights.layers)
+
+
 def test_a_statistic_of_the_update_that_fails_costs_itself_alone():
     torch.manual_seed(0)
     model = Net()
     prof = hookprof.attach(
-        model, layer_statistics=(Broken(), WrongType(), UpdateToWeightDb()), **MEASURE_ALL
+        model,
+        layer_statistics=(Broken(), WrongType(), UnsendableParts(), UpdateToWeightDb()),
+        **MEASURE_ALL,
     )
     try:
         train(model, 3, prof)
@@ -176,9 +189,9 @@ def test_a_statistic_of_the_update_that_fails_costs_itself_alone():
         snap = prof.snapshot()
     finally:
         prof.detach()
-    assert snap.internal_errors == 2 * 3  # each of the two, each step; nothing switched off
-    assert dict(snap.layer_statistics["broken_update"].values) == {}
-    assert dict(snap.layer_statistics["wrong_update"].values) == {}
+    assert snap.internal_errors == 3 * 3  # each of the three, each step; nothing switched off
+    for failing in ("broken_update", "wrong_update", "unsendable_update"):
+        assert dict(snap.layer_statistics[failing].values) == {}
     assert set(snap.layer_statistics["update_to_weight_db"].values) == {"inp", "out"}
     assert set(snap.layer_statistics["update_norm"].values) == {"inp", "out"}
     assert snap.sampled_steps == 3
@@ -214,3 +227,34 @@ def test_the_weight_and_update_norms_are_built_in_statistics():
         prof.detach()
     assert "weight_norm" not in snap.layer_statistics
     assert "hookprof_layer_weight_norm" not in page
+
+
+def test_a_fault_before_the_update_statistics_frees_the_copies_all_the_same(monkeypatch):
+    """The copies taken before the update are freed at the start of the step's packing: a
+    fault later in it (here the step series' take, once) loses that step's figures, and the
+    next step's update norm is that step's own, not the two steps' together."""
+    from hookprof.step.series import StepSeries
+
+    real_take, calls = StepSeries.take, []
+
+    def take_failing_once(self, step):  # noqa: ANN001, ANN202
+        calls.append(step)
+        if len(calls) == 2:
+            raise RuntimeError("a fault in hookprof's own part")
+        return real_take(self, step)
+
+    monkeypatch.setattr(StepSeries, "take", take_failing_once)
+    torch.manual_seed(0)
+    model = Net()
+    prof = hookprof.attach(model, **MEASURE_ALL)
+    try:
+        expected = train(model, 3, prof)  # (the fault at step 2; step 3's update measured)
+        prof.flush()
+        snap = prof.snapshot()
+    finally:
+        prof.detach()
+    assert snap.internal_errors >= 1 and len(calls) >= 3
+    for layer, (update, _) in expected.items():
+        assert snap.layer_statistics["update_norm"].values[layer] == pytest.approx(
+            math.sqrt(update), rel=1e-5
+        )

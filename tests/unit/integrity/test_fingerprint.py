@@ -4,6 +4,7 @@ computation with numpy: the weighted wrapping sum of each parameter's bits read 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -156,3 +157,18 @@ def test_the_watch_sees_changes_that_cancel_in_the_bits_sum():
     values = [v for pair in changed_parameters(before, after) for v in pair]
     change = parameter_change(3, [float(v) for v in values], ["a", "b"])
     assert change is not None and (change.parameter, change.changed) == ("a", 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128, torch.float32, torch.bfloat16])
+def test_the_squares_sum_reads_the_parameter_and_leaves_it_as_it_was(dtype):
+    """An int64 view of a float64 parameter's bits converts to int64 as itself: the squares
+    must be taken of a copy (they were taken in place once, zeroing float64 weights at every
+    check step). The value against Python's own integers, modulo 2^64."""
+    p = torch.nn.Parameter(torch.tensor([1.0, 0.5, -2.0, 3e-3]).to(dtype))
+    kept, version = p.detach().clone(), p._version
+    total = tensors.bits_square_sum(p)
+    assert torch.equal(p.detach(), kept) and p._version == version
+    t = torch.view_as_real(kept) if kept.is_complex() else kept
+    ints = t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    expected = sum(int(v) ** 2 for v in ints.reshape(-1).tolist()) % (1 << 64)
+    assert int(total) % (1 << 64) == expected

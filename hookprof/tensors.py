@@ -53,13 +53,16 @@ def bits_square_sum(tensor: torch.Tensor) -> torch.Tensor:
     cancel in `bits_sum` (one element a unit up, another a unit down: a value added and
     taken off again rounds both ways) do not cancel here, save by coincidence."""
     bits = local_bits(tensor).reshape(-1)
-    total = torch.zeros((), dtype=torch.int64, device=bits.device)
-    for chunk in bits.split(BITS_SUM_CHUNK):  # (int64 transients of a chunk at most)
-        # a copy whatever the width: an int64 chunk (a float64 parameter's bits) would
-        # otherwise be the parameter itself, squared in place
+    # (int64 transients of a chunk at most; a copy whatever the width: an int64 chunk, a
+    # float64 parameter's bits, would otherwise be the parameter itself, squared in place)
+    if bits.numel() <= BITS_SUM_CHUNK:  # one chunk: 3 ops (a check step's watch, per tensor)
+        wide = bits.to(torch.int64, copy=True)
+        return wide.mul_(wide).sum()
+    sums = []
+    for chunk in bits.split(BITS_SUM_CHUNK):
         wide = chunk.to(torch.int64, copy=True)
-        total += wide.mul_(wide).sum()
-    return total
+        sums.append(wide.mul_(wide).sum())
+    return torch.stack(sums).sum()
 
 
 def iter_tensors(value: Any, limit: int = _MAX_TENSORS_PER_CALL) -> Iterable[torch.Tensor]:

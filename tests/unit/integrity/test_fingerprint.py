@@ -159,12 +159,15 @@ def test_the_watch_sees_changes_that_cancel_in_the_bits_sum():
     assert change is not None and (change.parameter, change.changed) == ("a", 1)
 
 
+@pytest.mark.parametrize("chunk", [None, 3], ids=["whole", "in chunks"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128, torch.float32, torch.bfloat16])
-def test_the_squares_sum_reads_the_parameter_and_leaves_it_as_it_was(dtype):
+def test_the_squares_sum_reads_the_parameter_and_leaves_it_as_it_was(dtype, chunk, monkeypatch):
     """An int64 view of a float64 parameter's bits converts to int64 as itself: the squares
     must be taken of a copy (they were taken in place once, zeroing float64 weights at every
     check step). The value against Python's own integers, modulo 2^64."""
-    p = torch.nn.Parameter(torch.tensor([1.0, 0.5, -2.0, 3e-3]).to(dtype))
+    if chunk is not None:
+        monkeypatch.setattr(tensors, "BITS_SUM_CHUNK", chunk)
+    p = torch.nn.Parameter(torch.tensor([1.0, 0.5, -2.0, 3e-3, 7.0, -1e-4, 2.5]).to(dtype))
     kept, version = p.detach().clone(), p._version
     total = tensors.bits_square_sum(p)
     assert torch.equal(p.detach(), kept) and p._version == version

@@ -29,7 +29,7 @@ from hookprof.device.timing import Timer, timer_for
 from hookprof.disabled import DisabledProfiler, InertProfiler
 from hookprof.distributed import detect_local_rank, detect_rank, with_other_ranks
 from hookprof.efficiency.figures import EfficiencyTotals, StepEfficiency
-from hookprof.errors import ConfigError, DetachedError, MetaDeviceError
+from hookprof.errors import DetachedError, MetaDeviceError
 from hookprof.faults import Faults, ThreadSupervisor
 from hookprof.integrity.replay_check import ReplayCheck
 from hookprof.integrity.replicas import ReplicaCheck
@@ -47,7 +47,7 @@ from hookprof.snapshot import Snapshot
 from hookprof.step import statistics
 from hookprof.step.backward_end import BackwardEnd
 from hookprof.step.boundary import StepBoundary
-from hookprof.step.builtin_statistics import BUILT_IN
+from hookprof.step.builtin_statistics import registered
 from hookprof.step.gradients import GradientNorms, StepGradients
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.record import StepCounters, loss_notice, real_loss
@@ -120,22 +120,7 @@ class Profiler:
         self.config, self._clock, self._wall_clock = config, clock, wall_clock
         # hookprof's own per-layer statistics, then the user's: parts of one interface, one
         # index space (step/statistics.py, step/builtin_statistics.py)
-        # (those of the update measurement only with it: Config.update_norms)
-        built_in = tuple(
-            s
-            for s in BUILT_IN
-            if config.update_norms or statistics.source_of(s) != statistics.UPDATE
-        )
-        layer_statistics = statistics.checked(built_in, own=True) + statistics.checked(
-            layer_statistics
-        )
-        for stat in layer_statistics[len(built_in) :]:
-            if statistics.source_of(stat) == statistics.UPDATE and not config.update_norms:
-                raise ConfigError(  # (it reads the update measurement: it would never run)
-                    "layer_statistics",
-                    stat.name,
-                    "statistics of source 'update' only with update_norms=True",
-                )
+        layer_statistics = registered(layer_statistics, update_norms=config.update_norms)
         live.release_orphans()
         live.refuse_overlap(frozenset(id(m) for m in model.modules()))
         self.table = LayerTable(model)

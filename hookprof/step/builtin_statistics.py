@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from hookprof import metrics_names as names
-from hookprof.step.statistics import EXTREMES, UPDATE
+from hookprof.errors import ConfigError
+from hookprof.step.statistics import EXTREMES, UPDATE, checked, source_of
 from hookprof.step.update_statistics import AroundUpdate, LayerSums
 
 ZERO_SAMPLE = 4096  # values per output the zero ratio is computed from
@@ -139,3 +140,20 @@ BUILT_IN: tuple[Any, ...] = (
     UpdateRatio(),
 )
 ABS_MAX, ZERO_RATIO, WEIGHT_NORM, UPDATE_NORM, UPDATE_RATIO = (s.name for s in BUILT_IN)
+
+
+def registered(users: Any, *, update_norms: bool) -> tuple[Any, ...]:
+    """A profiler's statistics: the built-in ones (those of the update measurement only with
+    it, Config.update_norms), then the user's, checked (ConfigError naming
+    `layer_statistics`: a user's of source "update" without the measurement would never
+    run)."""
+    built_in = tuple(s for s in BUILT_IN if update_norms or source_of(s) != UPDATE)
+    statistics = checked(built_in, own=True) + checked(users)
+    for stat in statistics[len(built_in) :]:
+        if source_of(stat) == UPDATE and not update_norms:
+            raise ConfigError(
+                "layer_statistics",
+                stat.name,
+                "statistics of source 'update' only with update_norms=True",
+            )
+    return statistics

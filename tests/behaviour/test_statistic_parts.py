@@ -174,7 +174,7 @@ def test_a_new_built_in_statistic_is_one_class_and_its_metric(monkeypatch):
     metric = names.Metric("hookprof_layer_activation_rms", "gauge", ("rank", "layer"), "RMS")
     monkeypatch.setitem(names.BY_NAME, metric.name, metric)
     monkeypatch.setattr(
-        "hookprof.profiler.BUILT_IN", (*builtin_statistics.BUILT_IN, ActivationRMS())
+        builtin_statistics, "BUILT_IN", (*builtin_statistics.BUILT_IN, ActivationRMS())
     )
     torch.manual_seed(0)
     model = SharedBlock()

@@ -266,7 +266,6 @@ class Aggregator:
         # the built-in update statistics: their rows are LayerEfficiency's, the ratio's
         # (update², weight²) the model-wide update ratio's and the jump judge's
         self._norms = tuple(index.get(name) for name in (WEIGHT_NORM, UPDATE_NORM, UPDATE_RATIO))
-        self._update_pairs: dict[int, tuple[float, ...]] = {}  # the last packet's measured
         self._report = report
 
     # ---- folding one packet ----
@@ -425,15 +424,15 @@ class Aggregator:
             "bwd": figures.bwd,
             "grad": [math.sqrt(squares[i]) if i in packet.has_grad else None for i in range(n)],
         }
-        self._fold_statistics(packet, figures)
+        measured = self._fold_statistics(packet, figures)
         if packet.has_grad:
             self.grad_norm = math.sqrt(sum(squares[i] for i in packet.has_grad))
             self._flag_gradients(squares, packet.has_grad)
         if self.efficiency is not None:
             if packet.efficiency is not None:
                 self.efficiency.fold(packet, figures.fwd, figures.bwd)
-            self.efficiency.note_updates(self._update_pairs, self._norm_rows())
-            if self._update_pairs:
+            self.efficiency.note_updates(measured, self._norm_rows())
+            if measured:
                 self.spikes.observe_update_ratios(packet.step, self.efficiency.step_ratios)
         if self.device_phases is not None:
             self.device_phases.add(figures.device_phases)
@@ -457,7 +456,9 @@ class Aggregator:
             self._series = (packet, values)
         return self._series[1]
 
-    def _fold_statistics(self, packet: Packet, figures: StepFigures) -> None:
+    def _fold_statistics(
+        self, packet: Packet, figures: StepFigures
+    ) -> dict[int, tuple[float, ...]]:
         """The per-layer statistics of a sampled step: of outputs and of their extremes, each
         layer's calls folded (a step without activation statistics, activation_interval_s,
         keeps the last ones, so the gauges do not blink out between them); of parameters,
@@ -474,7 +475,7 @@ class Aggregator:
             self._fold_source(
                 PARAMETERS, packet, "param_stat", packet.param_stat_parts, packet.param_stat_order
             )
-        self._fold_updates(packet)
+        return self._fold_updates(packet)
 
     def _norm_rows(self) -> tuple[list[float | None], list[float | None], list[float | None]]:
         """The weight norm, update norm and update ratio statistics' rows (LayerEfficiency)."""
@@ -484,11 +485,12 @@ class Aggregator:
         )
         return weight, update, ratio
 
-    def _fold_updates(self, packet: Packet) -> None:
+    def _fold_updates(self, packet: Packet) -> dict[int, tuple[float, ...]]:
         """The statistics of source "update" (step/update_statistics.py) of a step whose
         update was measured: each one's sums added up over devices, and each valued layer's
-        folded into its row; the other layers keep their last values (layers take turns)."""
-        self._update_pairs = {}
+        folded into its row; the other layers keep their last values (layers take turns).
+        Returns the update ratio's (update², weight²) of each layer measured."""
+        measured: dict[int, tuple[float, ...]] = {}
         ratio = self._norms[2]
         added: dict[tuple[int, ...], list[float]] = {}  # (the weight squares serve three)
         for k, values, layers in packet.layer_sums_order:
@@ -506,13 +508,14 @@ class Aggregator:
                     continue  # (a row beyond the table, or sums made without a part)
                 call = tuple(s[i] for s in sums)
                 if k == ratio:
-                    self._update_pairs[i] = call
+                    measured[i] = call
                 try:
                     row[i] = fold_calls(statistic, [call])
                 except Exception as exc:
                     row[i] = None
                     if self._report is not None:
                         self._report(f"layer statistic {statistic.name}", exc)
+        return measured
 
     def _fold_source(
         self,

@@ -105,9 +105,7 @@ def module_on_cpu(module: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {}
     for m in module.modules():
         for key, value in vars(m).items():
-            if key.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called")) and isinstance(
-                value, dict
-            ):
+            if _is_hooks(key, value):
                 memo[id(value)] = type(value)()
         for p in m._parameters.values():
             if p is not None and id(p) not in memo:
@@ -117,7 +115,20 @@ def module_on_cpu(module: nn.Module) -> nn.Module:
         for b in m._buffers.values():
             if b is not None and id(b) not in memo:
                 memo[id(b)] = b.detach().to("cpu", copy=True)
-    return copy.deepcopy(module, memo)
+    copied = copy.deepcopy(module, memo)
+    # hookprof's copies (step/copies.py) keep the user's hooks, as an EMA copy must: a
+    # capsule keeps none (a hook of the loop's own, a local function, does not pickle)
+    for m in copied.modules():
+        for key, value in list(vars(m).items()):
+            if _is_hooks(key, value):
+                m.__dict__[key] = type(value)()
+    return copied
+
+
+def _is_hooks(key: str, value: Any) -> bool:
+    return key.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called")) and isinstance(
+        value, dict
+    )
 
 
 def class_name(cls: type) -> str:

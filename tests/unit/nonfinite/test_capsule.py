@@ -323,3 +323,21 @@ def test_a_capsule_without_weights_says_why_truly():
     capsule["hashes"] = {}  # left out for its size: that is said
     with pytest.raises(CannotLoad, match="capsule_max_bytes"):
         _target(capsule)
+
+
+def test_a_capsules_copy_of_an_attached_model_keeps_no_hook_and_pickles():
+    """hookprof's copies keep the user's hooks (an EMA copy must, step/copies.py); a capsule's
+    keeps none: a loop's own hook, a local function, made the model fall back to a
+    state_dict (found by the replay check's capsule, issue 43)."""
+    model = Mlp()
+    seen = []
+    model.fc1.register_forward_hook(lambda m, a, out: seen.append(1))
+    with hookprof.attach(model, port=0):
+        copied = capsule.module_on_cpu(model)
+        entry = capsule.module_entry(copied)
+    assert "pickle" in entry, entry.get("not_pickled")
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in copied.modules())
+    assert model.fc1._forward_hooks  # the model's own are left alone
+    rebuilt = torch.load(io.BytesIO(entry["pickle"]), weights_only=False)
+    rebuilt(torch.randn(2, 8))
+    assert seen == []

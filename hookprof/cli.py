@@ -380,10 +380,12 @@ def run_report(args: argparse.Namespace) -> int:
 def add_replay_parser(sub: argparse._SubParsersAction) -> None:
     replay = sub.add_parser(
         "replay",
-        help="re-run an incident capsule (Config.capsule_dir) and say whether its NaN/Inf comes back",
-        description="Re-run the NaN/Inf of an incident capsule: exit status 0 reproduced, 1 not reproduced, "
-        "2 could not load. The capsule is unpickled: the model's code must be importable, and "
-        "only load a capsule you trust.",
+        help="re-run a capsule (Config.capsule_dir) and say whether its NaN/Inf, or its replay "
+        "check's mismatch, comes back",
+        description="Re-run the NaN/Inf of an incident capsule, or the forward of a replay check "
+        "that did not reproduce: exit status 0 reproduced, 1 not reproduced, 2 could not load, "
+        "3 no verdict (a replay check's bits that cannot be compared here). The capsule is "
+        "unpickled: the model's code must be importable, and only load a capsule you trust.",
     )
     replay.add_argument("capsule", help="the capsule file (hookprof-capsule-*.pt)")
     replay.add_argument(

@@ -31,7 +31,7 @@ from hookprof.distributed import detect_local_rank, detect_rank, with_other_rank
 from hookprof.efficiency.figures import EfficiencyTotals, StepEfficiency
 from hookprof.errors import DetachedError, MetaDeviceError
 from hookprof.faults import Faults, ThreadSupervisor
-from hookprof.integrity.replay_check import ReplayCheck
+from hookprof.integrity.check_capsule import replay_check_of
 from hookprof.integrity.replicas import ReplicaCheck
 from hookprof.layers import LayerTable
 from hookprof.nonfinite.checks import NonfiniteChecks
@@ -273,7 +273,9 @@ class Profiler:
                 supervisor=self._supervisor,
                 drain=self._drain,
                 replicas=self._replicas,
-                replay_check=ReplayCheck(len(self.table)) if self._replicas is not None else None,
+                replay_check=replay_check_of(  # (Config.sdc_check_interval_s: None when off)
+                    config, self.table.names, self.name, self.rank, self._faults, self._notices.say
+                ),
                 sharded=self.table.has_dtensor_params,
                 parameter_statistics=statistics.ParameterStatistics(
                     layer_statistics, owned, report=report

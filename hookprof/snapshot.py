@@ -249,6 +249,8 @@ class ReplayMismatch:
     beside the device."""
     time: float = 0.0
     """When the publisher judged it (Unix seconds): the alert's 30 minutes count from it."""
+    capsule: str | None = None
+    """Its capsule's path (capsule_dir set), for `hookprof replay` in another process."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,7 +286,7 @@ class Snapshot:
     )
     skipped_steps: int = 0
     held_back_updates: int = 0  # non-finite updates held back (on_nonfinite "skip"/"raise")
-    capsules_written: int = 0  # incident capsules written (Config.capsule_dir)
+    capsules_written: int = 0  # incident and replay-check capsules written (Config.capsule_dir)
     internal_errors: int = 0
     layers: Mapping[str, LayerStats] = field(default_factory=lambda: _EMPTY)
     """Every instrumented layer by qualified name, in named_modules() order."""

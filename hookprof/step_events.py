@@ -432,6 +432,10 @@ class StepEvents:
             try:
                 forward_again(model, self._hooks, own, captured, start=start)
                 comparison, parts = check.compare(step, record, own)
+                if check.capsules is not None:  # capsule_dir: a mismatch's capsule, now
+                    comparison = check.keep_mismatch(
+                        comparison, parts, model, captured, start, record, own
+                    )
             except Exception:
                 self._submit_replay(check.refusal(step, REPLAY_FAILED), ())
                 raise  # (counted by the guard; training goes on)

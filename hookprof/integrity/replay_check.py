@@ -19,6 +19,7 @@ compares the ranks instead.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,13 +65,17 @@ class Comparison:
     diverged: int | None = None
     refused: str | None = None
     deterministic: bool = False  # torch.are_deterministic_algorithms_enabled() at the replay
+    capsule: str | None = None  # the mismatch's capsule (capsule_dir: check_capsule.py)
 
 
 class ReplayCheck:
     """The training thread's side: what a check step's forward was, and the comparison."""
 
-    def __init__(self, n_layers: int):
+    def __init__(self, n_layers: int, names: Sequence[str] = (), capsules: Any = None):
         self._n_layers = n_layers  # calls of rows past the layers (containers) are not compared
+        self._names = names  # the layers' names (for a mismatch's capsule)
+        # capsule_dir set: a mismatch's capsule is written in the check step (check_capsule.py)
+        self.capsules = capsules
         self.step: int | None = None  # the check step in progress
         self._captured: Any = None
         self._start: Any = None  # the modules' state as the forward began
@@ -125,8 +130,8 @@ class ReplayCheck:
     ) -> tuple[Comparison, list[torch.Tensor]]:
         """The two forwards' output sums (StepRecord.fingerprints) compared: the comparison
         and its device flags, one stack per device (nothing is read back)."""
-        ours = self._outputs(original)
-        theirs = self._outputs(replayed)
+        ours = self.outputs(original)
+        theirs = self.outputs(replayed)
         layers = tuple(layer for layer, _ in ours)
         diverged = next(
             (k for k, (a, b) in enumerate(zip(ours, theirs)) if a[0] != b[0]),
@@ -142,9 +147,39 @@ class ReplayCheck:
         ]
         order = tuple(k for positions in by_device.values() for k in positions)
         deterministic = torch.are_deterministic_algorithms_enabled()
-        return Comparison(step, layers, order, diverged, None, deterministic), parts
+        comparison = Comparison(step, layers, order, diverged, None, deterministic)
+        return comparison, parts
 
-    def _outputs(self, record: Any) -> list[tuple[int, torch.Tensor]]:
+    def keep_mismatch(
+        self,
+        comparison: Comparison,
+        parts: list[torch.Tensor],
+        model: Any,
+        captured: Any,
+        start: Any,
+        original: Any,
+        replayed: Any,
+    ) -> Comparison:
+        """With capsule_dir set: when an output differs, the step's capsule written now,
+        while its weights are the step's (check_capsule.py); `comparison` with its path."""
+        if self.capsules is None:
+            return comparison
+        ours, theirs = self.outputs(original), self.outputs(replayed)
+        compared = len(ours) if comparison.diverged is None else comparison.diverged
+        path = self.capsules.keep(
+            model,
+            captured,
+            start,
+            [self._names[layer] for layer, _ in ours[:compared]],
+            [total for _, total in ours[:compared]],
+            [total for _, total in theirs[:compared]],
+            (comparison.order, parts),
+            step=comparison.step,
+            deterministic=comparison.deterministic,
+        )
+        return comparison if path is None else dataclasses.replace(comparison, capsule=path)
+
+    def outputs(self, record: Any) -> list[tuple[int, torch.Tensor]]:
         """(layer, output sum) of a record's layer calls, in call order (containers' left out:
         only a replay hooks them)."""
         calls = record.calls
@@ -164,6 +199,7 @@ class ReplayVerdicts:
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
     last_mismatch: ReplayMismatch | None = None
     last_refusal: str | None = None
+    capsules: int = 0  # the mismatches' capsules written (check_capsule.py)
 
     def judge(self, comparison: Comparison, flags: Sequence[float]) -> str:
         """`flags`: the comparison's device flags as read on the host, stacks in order."""
@@ -184,8 +220,13 @@ class ReplayVerdicts:
             return REPRODUCED
         layer = comparison.layers[first]
         self.counts[NOT_REPRODUCED] += 1
+        self.capsules += comparison.capsule is not None
         self.last_mismatch = ReplayMismatch(
-            comparison.step, self.names[layer], comparison.deterministic, time.time()
+            comparison.step,
+            self.names[layer],
+            comparison.deterministic,
+            time.time(),
+            comparison.capsule,
         )
         return NOT_REPRODUCED
 

@@ -9,6 +9,8 @@ the saved inputs, weights, RNG state, grad mode and autocast, and run up to `run
 
 Exit status: 0 reproduced, 1 not reproduced, 2 could not load (one line naming what is
 missing: the file, the module's class, the weights left out above capsule_max_bytes).
+A replay check's capsule (integrity/check_capsule.py) is run by integrity/check_reproduce.py,
+which adds 3: no verdict (bits that cannot be compared here).
 The module is unpickled like any pickle: its class must be importable, and only a capsule
 you trust should be loaded.
 """
@@ -335,6 +337,10 @@ def replay(
         capsule = load(path)
         if device == "cuda" and not torch.cuda.is_available():
             raise CannotLoad("--device cuda: CUDA is not available here")
+        if capsule["view"].get("form") == "replay check":  # (integrity/check_capsule.py)
+            from hookprof.integrity.check_reproduce import replay_check_capsule
+
+            return replay_check_capsule(capsule, device, runs, say)
         module, args, kwargs, cpu_rng, cuda_rng, producer = _target(capsule)
         module, args, kwargs = module.to(device), _to(args, device), _to(kwargs or {}, device)
         grads = (

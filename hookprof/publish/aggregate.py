@@ -838,7 +838,8 @@ class Aggregator:
             nonfinite_steps=MappingProxyType(nonfinite_steps),
             skipped_steps=skipped,
             held_back_updates=held_back,
-            capsules_written=self._attribution.capsules_written,
+            capsules_written=self._attribution.capsules_written
+            + (self.replay.capsules if self.replay is not None else 0),
             internal_errors=internal_errors,
             layers=self._layers,
             exported_layers=self._exported,

@@ -7,6 +7,8 @@ A healthy run reproduces every check and trains to the same bits as without hook
 
 from __future__ import annotations
 
+import io
+import os
 import random
 
 import pytest
@@ -19,27 +21,17 @@ from hookprof.integrity.replay_check import COMPILED_REGIONS, NOT_CAPTURED, SEVE
 from hookprof.view.report_html import render
 from hookprof.view.summary import summary_text
 from hookprof.view.table import from_metrics, header_lines
+from support.capsules import replay_in_new_process
 from support.metrics import parse, scrape
+from support.models import ReplayCheckNet
 from support.rendered import Elements
 
 EVERY_STEP = 1e-9  # sdc_check_interval_s: a period of one step, every step a check step
 FAULT_STEP = 7
 
 
-class Net(nn.Module):
-    """Dropout (RNG), BatchNorm (buffers a replay must put back), and plain layers."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 32)
-        self.bn = nn.BatchNorm1d(32)
-        self.act = nn.GELU()
-        self.drop = nn.Dropout(0.2)
-        self.fc2 = nn.Linear(32, 16)
-        self.fc3 = nn.Linear(16, 1)
-
-    def forward(self, x):
-        return self.fc3(torch.relu(self.fc2(self.drop(self.act(self.bn(self.fc1(x)))))))
+# (importable by name: `hookprof replay` of a check's capsule unpickles it in a new process)
+Net = ReplayCheckNet
 
 
 def flip_bit(t: torch.Tensor, index: tuple[int, ...] = (1, 3), bit: int = 12) -> torch.Tensor:
@@ -326,3 +318,112 @@ def test_a_refused_step_sums_no_more_outputs(monkeypatch):
     monkeypatch.setattr(hooks_module, "bits_sum", lambda t: sums.append(1) or real(t))
     micro_batch_steps(4, 16)
     assert 0 < len(sums) <= 4 * 3  # (at most the first forward's 3 outputs, each step)
+
+
+# ---------------- a mismatch's capsule, replayed in another process (issue 43 item 2) ----------------
+
+
+def flip_in_replay(layer: str):
+    """The same bit flipped in `layer`'s output, but in FAULT_STEP's in-place replay (under
+    no_grad) rather than in the step's own forward: the step computed right."""
+    armed = {"step": False}
+
+    def flip_once(module, args, output):
+        if armed["step"] and not torch.is_grad_enabled():
+            armed["step"] = False
+            return flip_bit(output)
+        return None
+
+    def fault(model, step, x):
+        if x is None:
+            dict(model.named_modules())[layer].register_forward_hook(flip_once)
+        armed["step"] = step == FAULT_STEP
+        return x
+
+    return fault
+
+
+def with_own_witness(fault):
+    """`fault`, and the test's own record of BatchNorm's running mean as FAULT_STEP's forward
+    began (what the capsule must hold: the forward has changed it since)."""
+    seen = {}
+
+    def both(model, step, x):
+        if step == FAULT_STEP and x is not None:
+            seen["running_mean"] = model.bn.running_mean.clone()
+            seen["fc1.weight"] = model.fc1.weight.detach().clone()
+        return fault(model, step, x)
+
+    return both, seen
+
+
+def test_a_mismatch_writes_a_capsule_that_another_process_does_not_reproduce(tmp_path):
+    """The step's own forward computed fc1 wrongly: the capsule holds the step's weights and
+    BatchNorm's statistics as its forward began, both forwards' output sums; `hookprof replay`
+    agrees with the in-place replay and names fc1 (exit 1)."""
+    fault, seen = with_own_witness(flip_in_layer("fc1"))
+    config = {"sdc_check_interval_s": EVERY_STEP, "capsule_dir": str(tmp_path)}
+    _, (snap, page) = train(12, config, fault)
+    mismatch = snap.replay_mismatch
+    assert (mismatch.layer, mismatch.step) == ("fc1", FAULT_STEP)
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(mismatch.capsule)]
+    assert snap.capsules_written == 1
+    [written] = page["hookprof_capsules_written"].samples
+    assert written.value == 1
+    capsule = torch.load(mismatch.capsule, weights_only=True)
+    assert capsule["view"]["form"] == "replay check" and capsule["view"]["step"] == FAULT_STEP
+    check = capsule["check"]
+    assert check["layers"][: check["first"] + 1] == ["fc1"]
+    assert check["original"][0] != check["replayed"][0]
+    assert check["original"][1:] != check["replayed"][1:]  # (fc1's output feeds the rest)
+    model = torch.load(io.BytesIO(capsule["model"]["pickle"]), weights_only=False)
+    assert torch.equal(model.bn.running_mean, seen["running_mean"])
+    assert torch.equal(model.fc1.weight, seen["fc1.weight"])  # (not updated yet)
+
+    done = replay_in_new_process(mismatch.capsule, "--runs", "2")
+    assert done.returncode == 1, done.stdout + done.stderr
+    first = done.stdout.splitlines()[0]
+    assert first.startswith(
+        "not reproduced: 2 runs on cpu agree with the in-place replay and differ from the "
+        "step's own outputs first at fc1: the step's forward computed fc1 wrongly on "
+    ), done.stdout
+
+
+def test_a_replay_that_went_wrong_is_reproduced_elsewhere(tmp_path):
+    """The in-place replay computed fc2 wrongly, the step right: the check still says
+    not_reproduced (it cannot tell which of its two runs was wrong); another process gives the
+    step's own bits at every layer (exit 0)."""
+    config = {"sdc_check_interval_s": EVERY_STEP, "capsule_dir": str(tmp_path)}
+    _, (snap, _) = train(12, config, flip_in_replay("fc2"))
+    assert (snap.replay_mismatch.layer, snap.replay_mismatch.step) == ("fc2", FAULT_STEP)
+    done = replay_in_new_process(snap.replay_mismatch.capsule)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[0] == (
+        "reproduced elsewhere: 3 runs on cpu give the step's own output bits at every layer; "
+        "the in-place replay, which differed first at fc2, was the odd run (suspect the "
+        "machine during the replay)"
+    )
+
+
+def test_another_kind_of_device_gives_no_verdict(tmp_path):
+    """A capsule from a CUDA step replayed on the CPU: no verdict (exit 3), the difference
+    still said. (The capsule is this CPU run's, its device kind rewritten as a GPU's.)"""
+    config = {"sdc_check_interval_s": EVERY_STEP, "capsule_dir": str(tmp_path)}
+    _, (snap, _) = train(10, config, flip_in_layer("act"))
+    path = snap.replay_mismatch.capsule
+    capsule = torch.load(path, weights_only=True)
+    capsule["view"]["device_type"] = "cuda"
+    torch.save(capsule, path)
+    done = replay_in_new_process(path, "--runs", "1")
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.stdout.splitlines()[0].startswith(
+        "no verdict: the step ran on cuda, this replay on cpu: other kernels, whose bits are "
+        "not expected to match (first layer that differs from the step's outputs here: act)"
+    )
+
+
+def test_no_mismatch_no_capsule(tmp_path):
+    config = {"sdc_check_interval_s": EVERY_STEP, "capsule_dir": str(tmp_path)}
+    _, (snap, _) = train(12, config)
+    assert snap.replay_checks["reproduced"] >= 10 and snap.replay_mismatch is None
+    assert list(tmp_path.iterdir()) == [] and snap.capsules_written == 0

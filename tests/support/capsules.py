@@ -4,6 +4,9 @@ and a model whose producer's class cannot be imported by name."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +74,21 @@ def local_producer_capsule(directory: Path, bad_step: int = 3) -> tuple[torch.Te
         event = prof.snapshot().first_nonfinite
     assert event is not None and event.capsule is not None, event
     return gain, event.capsule
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def replay_in_new_process(path: str, *args: str) -> subprocess.CompletedProcess:
+    """`hookprof replay` in a new process, with the tests' models importable (as the user's
+    model code must be) and nothing of the training process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKPROF_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    return subprocess.run(
+        [sys.executable, "-m", "hookprof.cli", "replay", path, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+    )

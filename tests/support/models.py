@@ -92,6 +92,23 @@ class Discriminator(nn.Module):
         return self.net(x)
 
 
+class ReplayCheckNet(nn.Module):
+    """Dropout (RNG), BatchNorm (buffers a replay must put back), and plain layers: the
+    replay check's tests (tests/behaviour/test_replay_check.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.act = nn.GELU()
+        self.drop = nn.Dropout(0.2)
+        self.fc2 = nn.Linear(32, 16)
+        self.fc3 = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(self.drop(self.act(self.bn(self.fc1(x)))))))
+
+
 def loss_of(model: nn.Module, batch) -> torch.Tensor:
     inputs, target = batch
     out = model(inputs)

@@ -6,29 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from support.capsules import capsule_of, local_producer_capsule
+from support.capsules import ROOT, capsule_of, local_producer_capsule
+from support.capsules import replay_in_new_process as replay
 from support.first_nan import Overflow, TransientPoison
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def replay(path: str, *args: str) -> subprocess.CompletedProcess:
-    """The command in a new process, with the tests' models importable (as the user's model
-    code must be) and nothing of the training process."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKPROF_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
-    return subprocess.run(
-        [sys.executable, "-m", "hookprof.cli", "replay", path, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd="/",
-    )
 
 
 def test_overflowing_row_reproduces_on_the_cpu_and_names_the_layer(tmp_path):

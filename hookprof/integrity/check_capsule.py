@@ -1,0 +1,238 @@
+"""The capsule of a replay check's mismatch (issue 43 item 2's third answer), with capsule_dir.
+
+A check step whose replay did not reproduce its forward (integrity/replay_check.py) says *the
+machine*, from one device's two runs of the same forward. Which of the two was wrong, and
+whether it happens elsewhere, is for another process: `hookprof replay CAPSULE` runs the
+step's forward again from this capsule (integrity/check_reproduce.py) and compares each
+layer's output bits with the step's own and with the in-place replay's.
+
+The capsule is taken in the check step itself, after the replay and before the update: the
+step's own weights, its forward's inputs and RNG (torch's, Python's), and the modules' state
+as the forward began (BatchNorm's statistics, spectral norm's vectors, a module's counter:
+`state_at_forward_start`), with every compared output's bit sum of both forwards, in call
+order. To know whether there is a mismatch then, the comparison's flags are read on the host:
+one wait for the device, on a check step (once per `sdc_check_interval_s`) and only with
+capsule_dir set. The capsule shares the process's `capsule_max_count` with the NaN
+capsules, and its size cap: above `capsule_max_bytes` none is written, and one line says so.
+A fault here costs the capsule only.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookprof._version import __version__
+from hookprof.config import Config
+from hookprof.device.identity import device_name
+from hookprof.faults import Faults
+from hookprof.files import write_atomic
+from hookprof.integrity.replay_check import ReplayCheck
+from hookprof.nonfinite.capsule import (
+    FORMAT,
+    _give_back_slot,
+    _saved,
+    _take_slot,
+    capsule_path,
+    class_name,
+    dtypes_of,
+    module_entry,
+    module_on_cpu,
+    tensor_bytes,
+    to_cpu,
+)
+
+FORM_CHECK = "replay check"  # the capsule's form (reproduce.py hands it to check_reproduce.py)
+
+
+def first_difference(order: Sequence[int], parts: Sequence[torch.Tensor]) -> int | None:
+    """The first position (in call order) whose output differs, read from the comparison's
+    device flags (`ReplayCheck.compare`: stacks in `order`); None when every one is alike.
+    This is the one read that waits for the device."""
+    if not parts:
+        return None
+    flags = torch.cat([p.reshape(-1).to("cpu") for p in parts]).tolist()
+    return min((k for k, flag in zip(order, flags) if flag), default=None)
+
+
+class CheckCapsules:
+    """Writes the capsule of a check step whose replay differed (see the module's docstring)."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        model: str,
+        rank: int,
+        faults: Faults,
+        say: Callable[[str, str], None],
+    ):
+        assert config.capsule_dir is not None
+        self._dir = config.capsule_dir
+        self._max_count = config.capsule_max_count
+        self._max_bytes = config.capsule_max_bytes
+        self._model, self._rank = model, rank
+        self._faults, self._say = faults, say
+
+    def keep(
+        self,
+        model: nn.Module,
+        captured: Any,
+        start: Any,
+        names: Sequence[str],
+        original: Sequence[torch.Tensor],
+        replayed: Sequence[torch.Tensor],
+        flags: tuple[Sequence[int], Sequence[torch.Tensor]],
+        *,
+        step: int,
+        deterministic: bool,
+    ) -> str | None:
+        """Check step `step`'s comparison (`names`: the compared outputs' layers, in call
+        order; `original` and `replayed`: their bit sums; `flags`: ReplayCheck.compare's
+        order and device flags): when an output differs, its capsule written; returns its
+        path, or None (no difference; or said, or counted as a fault)."""
+        with self._faults.contain("replay check capsule", disable=False):
+            first = first_difference(*flags)
+            if first is None:
+                return None
+            sums = torch.stack([t.to("cpu") for t in (*original, *replayed)]).tolist()
+            check = {
+                "layers": list(names),
+                "original": sums[: len(original)],
+                "replayed": sums[len(original) :],
+                "first": first,
+            }
+            contents = self._contents(model, captured, start, check, step, deterministic)
+            if contents is None:
+                return None
+            if not _take_slot(self._max_count):
+                self._say(
+                    "capsule limit",
+                    f"no capsule written for the replay check of step {step}: this process "
+                    f"has written capsule_max_count={self._max_count} already",
+                )
+                return None
+            path = capsule_path(self._dir, self._model, self._rank, step)
+            try:
+                buffer = io.BytesIO()
+                torch.save(contents, buffer)
+                write_atomic(path, buffer.getvalue(), make_dirs=True)
+            except BaseException:
+                _give_back_slot()
+                raise
+            self._say(
+                f"check capsule {path}",
+                f"the replay check of step {step} did not reproduce its forward (first "
+                f"differing output: {names[first]}); capsule written to {path} (hookprof "
+                f"replay {path} runs it in another process, on another device or the CPU)",
+            )
+            return path
+        return None
+
+    def _contents(
+        self,
+        model: nn.Module,
+        captured: Any,
+        start: Any,
+        check: dict[str, Any],
+        step: int,
+        deterministic: bool,
+    ) -> dict[str, Any] | None:
+        """The capsule (None above capsule_max_bytes, said); `check`: the compared outputs'
+        layers and both forwards' bit sums, and the first position that differs."""
+        inputs = (to_cpu(captured.args), to_cpu(captured.kwargs or {}))
+        state = model.state_dict()
+        sizes = {
+            "state_dict_bytes": tensor_bytes(state),
+            "input_bytes": tensor_bytes(inputs),
+            "max_bytes": self._max_bytes,
+        }
+        if sizes["state_dict_bytes"] + sizes["input_bytes"] > self._max_bytes:
+            self._say(
+                "check capsule too large",
+                f"no capsule written for the replay check of step {step}: the model's "
+                f"state_dict ({sizes['state_dict_bytes']} bytes) and the step's inputs "
+                f"({sizes['input_bytes']} bytes) are above capsule_max_bytes={self._max_bytes}",
+            )
+            return None
+        devices = {t.device for t in state.values()}
+        device = device_name(devices)
+        cuda = captured.cuda_rng is not None
+        view = {
+            "form": FORM_CHECK,
+            "step": step,
+            "model": self._model,
+            "model_class": class_name(type(model)),
+            "rank": self._rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "written_at": time.time(),
+            "device": device,
+            "device_type": next(iter(sorted({d.type for d in devices})), "cpu"),
+            "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+            "device_uuid": device if device.startswith("GPU-") else None,
+            "torch_version": str(torch.__version__),
+            "hookprof_version": __version__,
+            "deterministic": deterministic,
+            "modes": captured.modes,
+            "first_layer": check["layers"][check["first"]],
+            "dtypes": {"inputs": dtypes_of(inputs)},
+            "sizes": sizes,
+            "event": {"replay": "not_reproduced", "layer": check["layers"][check["first"]]},
+        }
+        entry = (
+            next((n for n, m in model.named_modules() if m is captured.module), None)
+            if captured.module is not None
+            else None
+        )
+        return {
+            "format": FORMAT,
+            "view": view,
+            "forward": {
+                "inputs": _saved(inputs),
+                "entry": entry,
+                "cpu_rng": captured.cpu_rng,
+                "cuda_rng": captured.cuda_rng,
+                "python_rng": _saved(start.python_rng),
+                "numpy_rng": _saved(start.numpy_rng) if start.numpy_rng is not None else None,
+            },
+            "model": module_entry(_as_forward_began(model, start)),
+            "check": check,
+        }
+
+
+def _as_forward_began(model: nn.Module, start: Any) -> nn.Module:
+    """A CPU copy of `model` with the step's weights (not updated yet) and the modules' state
+    as its forward began (`start`: replay.ModuleState), which the forward has changed since."""
+    copy = module_on_cpu(model)
+    names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    for module, name, buffer in start.buffers:
+        copy.get_submodule(names[id(module)])._buffers[name] = buffer.detach().to("cpu", copy=True)
+    for module, name, value in start.attributes:
+        copy.get_submodule(names[id(module)]).__dict__[name] = (
+            value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+        )
+    return copy
+
+
+def replay_check_of(
+    config: Config, names: Sequence[str], model: str, rank: int, faults: Faults, say: Any
+) -> ReplayCheck | None:
+    """The training thread's replay check (replay_check.ReplayCheck) of a model whose layers
+    are `names`, with its mismatches' capsules when capsule_dir is set; None when
+    sdc_check_interval_s is off."""
+    if config.sdc_check_interval_s is None:
+        return None
+    capsules = (
+        None
+        if config.capsule_dir is None
+        else CheckCapsules(config, model=model, rank=rank, faults=faults, say=say)
+    )
+    return ReplayCheck(len(names), names, capsules)

@@ -1,0 +1,161 @@
+"""`hookprof replay` of a replay check's capsule (check_capsule.py): the third answer.
+
+On the check step, one device ran the step's forward twice (the step's own, then the in-place
+replay) and the two differed. This runs it a third time, in this process, from the capsule:
+the step's weights, inputs, RNG (torch's, Python's, NumPy's) and the modules' state as the
+forward began, under no_grad and the step's autocast, summing each layer's output bits as
+the check did (tensors.bits_sum, in call order), `runs` times, each from a fresh copy of the
+model (a forward changes BatchNorm's statistics). Then:
+
+- the same kind of device as the capsule's, and every run alike:
+  - every output the step's own bits: **reproduced elsewhere** (exit 0). The step computed
+    right, and the in-place replay was the odd run: the machine during the replay;
+  - not the step's own, but the in-place replay's bits: **not reproduced** (exit 1). Two runs
+    of two processes agree against the step's: the step's forward computed wrongly, at the
+    first layer named (the machine at that step, not the data);
+  - neither (exit 1): each difference named; nondeterminism is the suspect;
+- the runs here differ from one another: this device is not bit-reproducible for this model
+  (nondeterministic kernels): no verdict (exit 3);
+- another kind of device (a CUDA capsule on the CPU): other kernels, whose bits are not
+  expected to match: no verdict (exit 3), the first layer that differs said all the same.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookprof.nonfinite.reproduce import (
+    NOT_REPRODUCED,
+    REPRODUCED,
+    CannotLoad,
+    _autocast,
+    _loaded,
+    _set_rng,
+    _to,
+    load_module,
+)
+from hookprof.tensors import bits_sum, iter_tensors
+
+NO_VERDICT = 3  # exit status: the bits cannot be compared here (see the module's docstring)
+
+
+def _sums_of_run(model: nn.Module, capsule: dict[str, Any], device: str) -> list[tuple[str, int]]:
+    """One run of the step's forward from the capsule on a fresh copy of `model`: (layer,
+    output bit sum) of each layer output, in call order, as the check summed them."""
+    forward, view = capsule["forward"], capsule["view"]
+    fresh = copy.deepcopy(model)
+    args, kwargs = _loaded(forward["inputs"])
+    args, kwargs = _to(args, device), _to(kwargs or {}, device)
+    seen: list[tuple[str, int]] = []
+
+    def hook(name: str) -> Callable[..., None]:
+        def after(module: nn.Module, inputs: Any, output: Any) -> None:
+            for t in (output,) if isinstance(output, torch.Tensor) else iter_tensors(output):
+                if (
+                    (t.is_floating_point() or t.is_complex())
+                    and t.layout is torch.strided
+                    and t.numel()
+                ):
+                    seen.append((name, int(bits_sum(t))))
+
+        return after
+
+    handles = []
+    try:
+        for name in dict.fromkeys(capsule["check"]["layers"]):
+            try:
+                layer = fresh.get_submodule(name)
+            except AttributeError:
+                raise CannotLoad(f"the capsule's model has no layer {name!r}") from None
+            handles.append(layer.register_forward_hook(hook(name)))
+        entry = forward.get("entry")
+        target = fresh.get_submodule(entry) if entry else fresh
+        _set_rng(forward.get("cpu_rng"), forward.get("cuda_rng"), device)
+        random.setstate(_loaded(forward["python_rng"]))
+        if forward.get("numpy_rng") is not None:
+            import numpy
+
+            numpy.random.set_state(_loaded(forward["numpy_rng"]))
+        with torch.no_grad(), _autocast(view.get("modes"), device):
+            target(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def _first_difference(
+    names: list[str], expected: list[int], got: list[tuple[str, int]]
+) -> int | None:
+    """The first position where `got` differs from (names, expected), or None."""
+    for k, (name, value) in enumerate(zip(names, expected)):
+        if k >= len(got) or got[k] != (name, value):
+            return k
+    return None
+
+
+def replay_check_capsule(
+    capsule: dict[str, Any], device: str, runs: int, say: Callable[[str], None]
+) -> int:
+    """The capsule of a replay check's mismatch, run here (see the module's docstring)."""
+    view, check = capsule["view"], capsule["check"]
+    if "model" not in capsule:
+        raise CannotLoad("the capsule holds no model")
+    model = load_module(capsule["model"]).to(device)
+    names, original, replayed = check["layers"], check["original"], check["replayed"]
+    done = [_sums_of_run(model, capsule, device) for _ in range(runs)]
+    here = done[0]
+    step, at = view["step"], f"{view['host']}, {view['device']}"
+    by_original = _first_difference(names, original, here)
+    by_replay = _first_difference(names, replayed, here)
+
+    def layer(k: int | None) -> str:
+        return "none" if k is None else names[k]
+
+    if any(run != here for run in done[1:]):
+        say(
+            f"no verdict: {runs} runs on {device} gave different bits from one another "
+            "(nondeterministic kernels for this model here), so none can stand for the step"
+        )
+        status = NO_VERDICT
+    elif view.get("device_type", "cpu") != device:
+        say(
+            f"no verdict: the step ran on {view.get('device_type')}, this replay on {device}: "
+            "other kernels, whose bits are not expected to match (first layer that differs "
+            f"from the step's outputs here: {layer(by_original)}); replay it on a "
+            f"{view.get('device_type')} device for a verdict"
+        )
+        status = NO_VERDICT
+    elif by_original is None:
+        say(
+            f"reproduced elsewhere: {runs} runs on {device} give the step's own output bits at "
+            f"every layer; the in-place replay, which differed first at "
+            f"{names[check['first']]}, was the odd run (suspect the machine during the replay)"
+        )
+        status = REPRODUCED
+    elif by_replay is None:
+        say(
+            f"not reproduced: {runs} runs on {device} agree with the in-place replay and differ "
+            f"from the step's own outputs first at {names[by_original]}: the step's forward "
+            f"computed {names[by_original]} wrongly on {at} (the machine, not the data)"
+        )
+        status = NOT_REPRODUCED
+    else:
+        say(
+            f"not reproduced: {runs} runs on {device} differ from the step's own outputs first "
+            f"at {names[by_original]} and from the in-place replay's first at "
+            f"{names[by_replay]} (suspect nondeterminism)"
+        )
+        status = NOT_REPRODUCED
+    say(
+        f"capsule of the replay check of step {step} on rank {view['rank']} ({at}); hookprof "
+        f"said: not_reproduced, layer {view['first_layer']}"
+        + ("" if view.get("deterministic") else " (deterministic algorithms were off)")
+    )
+    return status

@@ -254,6 +254,9 @@ CONFIGS = {
         "min_sample_interval_s": 0.0,
         "update_norm_interval_s": 0.0,
     },
+    # Config.spike_replay armed (issue 43): every step keeps its forward and a copy of its
+    # parameters before the update, for a spike's replay (a healthy run replays none)
+    "hookprof spike replay": {"spike_replay": True},
     "torch.profiler": None,
     "detect_anomaly": None,
 }

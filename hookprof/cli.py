@@ -397,6 +397,8 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_replay(args: argparse.Namespace) -> int:
+    from hookprof.nonfinite.check_capsule import FORM_CHECK
+    from hookprof.nonfinite.check_reproduce import replay_check_capsule
     from hookprof.nonfinite.reproduce import NOT_LOADED, replay
 
     if args.runs < 1:
@@ -405,7 +407,12 @@ def run_replay(args: argparse.Namespace) -> int:
     # as `python -m` does: the model's code next to where the person runs it is importable
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    return replay(args.capsule, device=args.device, runs=args.runs)
+    return replay(
+        args.capsule,
+        device=args.device,
+        runs=args.runs,
+        forms={FORM_CHECK: replay_check_capsule},  # (a replay check's mismatch)
+    )
 
 
 if __name__ == "__main__":

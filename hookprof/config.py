@@ -282,6 +282,14 @@ class Config:
     """Judge every step's loss and global gradient norm for spikes on the publisher thread
     (issue 43, hookprof/publish/spikes.py): hookprof_spikes_total, HookprofTrainingSpike."""
 
+    spike_replay: bool = False
+    """Arm the spike verdict (docs/integrity.md): every step keeps its forward's inputs, RNG
+    and modules' state, its output's bit sums and a copy of its trained parameters before its
+    update (their size in memory, copied once per step), so that a step whose loss or
+    gradient norm passes the spike gate is replayed after its update and its output compared
+    bitwise: reproduced (the data) or not (the machine). A single-rank process only; on a GPU
+    one wait per step for the previous step's gate flag. Off by default."""
+
     spike_window: int = _ruled(200, Rule(low=10, high=100_000))
     """... against this many finite values of the steps before each one."""
 
@@ -577,6 +585,11 @@ _RELATIONS: tuple[tuple[str, Callable[[Config], bool], Callable[[Config], str]],
         "stall_max_s",
         lambda c: c.stall_max_s >= c.stall_min_s,
         lambda c: f">= stall_min_s ({c.stall_min_s})",
+    ),
+    (
+        "spike_replay",
+        lambda c: not c.spike_replay or c.spike_detection,
+        lambda c: "False while spike_detection is False (it replays the spikes that detects)",
     ),
 )
 

@@ -220,6 +220,15 @@ REPLAY_CHECKS_TOTAL = Metric(
     "not_reproduced (a layer's output differed), not_compared (the step could not be replayed "
     "as it ran)",
 )
+SPIKE_REPLAYS_TOTAL = Metric(
+    "hookprof_spike_replays_total",
+    "counter",
+    ("rank", "result"),
+    "Steps whose loss or gradient norm passed the spike gate, replayed from their inputs, RNG "
+    "and weights after the update and their output compared bitwise with the step's own "
+    "(Config.spike_replay), by result: reproduced (the data), not_reproduced (the machine), "
+    "not_compared (the step could not be replayed as it ran)",
+)
 REPLAY_MISMATCH_INFO = Metric(
     "hookprof_replay_mismatch_info",
     "gauge",

@@ -31,11 +31,14 @@ from hookprof.distributed import detect_local_rank, detect_rank, with_other_rank
 from hookprof.efficiency.figures import EfficiencyTotals, StepEfficiency
 from hookprof.errors import DetachedError, MetaDeviceError
 from hookprof.faults import Faults, ThreadSupervisor
-from hookprof.integrity.check_capsule import replay_check_of
+from hookprof.integrity.replay_check import ReplayCheck
 from hookprof.integrity.replicas import ReplicaCheck
+from hookprof.integrity.spike_replay import spike_replay_of
 from hookprof.layers import LayerTable
+from hookprof.nonfinite.check_capsule import check_capsules
 from hookprof.nonfinite.checks import NonfiniteChecks
 from hookprof.nonfinite.incident import IncidentResponse
+from hookprof.nonfinite.replay import forward_again
 from hookprof.notices import Notices
 from hookprof.phases.recorder import PhaseClock
 from hookprof.phases.stall import StallWatch, cuda_busy
@@ -273,8 +276,21 @@ class Profiler:
                 supervisor=self._supervisor,
                 drain=self._drain,
                 replicas=self._replicas,
-                replay_check=replay_check_of(  # (Config.sdc_check_interval_s: None when off)
-                    config, self.table.names, self.name, self.rank, self._faults, self._notices.say
+                replay_check=ReplayCheck.of(  # (Config.sdc_check_interval_s: None when off)
+                    config,
+                    self.table.names,
+                    check_capsules(config, self.name, self.rank, self._faults, self._notices.say),
+                ),
+                spike_replay=spike_replay_of(  # (Config.spike_replay: None when off)
+                    config,
+                    self.table.params,
+                    lambda: self._nan.replay.model,
+                    self._hooks,
+                    self._sampled,
+                    self._publisher.spike_gate_limits,
+                    forward_again,
+                    sharded=self.table.has_dtensor_params,
+                    say=self._notices.say,
                 ),
                 sharded=self.table.has_dtensor_params,
                 parameter_statistics=statistics.ParameterStatistics(

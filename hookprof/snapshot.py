@@ -205,6 +205,9 @@ class SpikeEvent:
     z: float
     layer: str | None = None
     """An update ratio jump's layer (the one whose z-score was highest at that step)."""
+    verdict: str | None = None
+    """Its step's replay (Config.spike_replay, integrity/spike_replay.py): "reproduced" (the
+    data), "not_reproduced" (the machine), "not_compared"; None: not replayed (yet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +319,10 @@ class Snapshot:
     empty while the check is off (Config.sdc_check_interval_s)."""
     replay_mismatch: ReplayMismatch | None = None
     """The last check step whose replay did not reproduce its forward."""
+    spike_replays: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
+    """The spike replay's steps by result ("reproduced": the data, "not_reproduced": the
+    machine, "not_compared"); empty while it is off (Config.spike_replay). Each spike event
+    carries its step's verdict (SpikeEvent.verdict)."""
     spikes: Mapping[str, SpikeCount] = field(default_factory=lambda: _EMPTY)
     """"loss_spike" / "grad_norm_spike" -> the spike events of the every-step series so far
     (publish/spikes.py): anomalies that are no NaN."""

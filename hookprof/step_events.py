@@ -36,6 +36,8 @@ from hookprof.integrity.replay_check import (
     ReplayCheck,
 )
 from hookprof.integrity.replicas import ReplicaCheck
+from hookprof.integrity.spike_replay import COMPILED as SPIKE_COMPILED
+from hookprof.integrity.spike_replay import SpikeReplay
 from hookprof.nonfinite.checks import NonfiniteChecks
 from hookprof.nonfinite.incident import IncidentResponse
 from hookprof.nonfinite.replay import forward_again, state_at_forward_start
@@ -100,6 +102,7 @@ class StepEvents:
         replicas: ReplicaCheck | None = None,
         replay_check: ReplayCheck | None = None,
         sharded: bool = False,
+        spike_replay: SpikeReplay | None = None,
     ):
         self._model_type, self._params = model_type, params
         self._clock, self._wall_clock = clock, wall_clock
@@ -115,6 +118,7 @@ class StepEvents:
         # fingerprint, and the replay of a check step's forward (hookprof/integrity/)
         self._replicas, self._replay_check, self._sharded = replicas, replay_check, sharded
         self._hold_on_forward = False  # a check step whose first forward has not begun
+        self._spike_replay = spike_replay  # Config.spike_replay (None: off)
 
     def begin_step(self, number: int, now_ns: int) -> None:
         """Plan step `number`: sampled or not, with output checks or not; hooks in or out."""
@@ -170,6 +174,8 @@ class StepEvents:
             self._note_check_forward(args, kwargs, module if entry else None)
         if self._hold_on_forward:
             self._hold_parameters()
+        if self._spike_replay is not None:
+            self._note_spike_forward(args, kwargs, module if entry else None)
         if first_step:
             self._phases.restart(now)
             self._watch.follow(threading.get_ident())
@@ -179,6 +185,8 @@ class StepEvents:
         """The root's forward returned: check its output (every step)."""
         self._phases.enter(BACKWARD, self._clock())
         self._nan.check_output(output, step=self._counters.steps + 1)
+        if self._spike_replay is not None:
+            self._note_spike_output(output)
         self._backward_end.watch(output)
         if self._sampled.unfolded:  # (a sampled step's, to fold)
             self._sampled.nudge()
@@ -196,6 +204,8 @@ class StepEvents:
         if self._replicas is not None and self._replicas.holding:
             self._release_parameters()  # (before any optimizer of the step writes them)
         self._nan.update_began(self._counters.steps + 1)
+        if self._spike_replay is not None:  # (last: the watch above has read the weights)
+            self._spike_update_began()
         if self._sampled.rerun_wanted:
             self._sampled.record_by(self._nan.rerun)
         now = self._clock()
@@ -260,6 +270,8 @@ class StepEvents:
         """prof.step(loss) after the optimizer hook ended the step: this adds its loss."""
         number = self._counters.steps
         self._nan.check_loss(loss, number, late=True)
+        if self._spike_replay is not None:
+            self._spike_late_loss(number, loss)
         if loss is not None:
             self._series.loss(loss, number)
         if loss is not None and self._sampled.last_sent == number:  # it was a sampled step
@@ -294,6 +306,8 @@ class StepEvents:
         nan.at_step_end(checked, self._counters.steps + 1, backward)
         duration_s = (now - start) * 1e-9
         number = self._counters.observe(duration_s, self._wall_clock(), skipped)
+        if self._spike_replay is not None:
+            self._spike_step_ended(number)
         # an update held back on the host changed no weight: like a GradScaler skip, no update
         # norm and no throughput (a fused kernel's skip on the device measures 0: efficiency.md)
         guard = nan.guard  # (nan.holding, inline)
@@ -451,6 +465,45 @@ class StepEvents:
         self._publisher.submit(
             pack_step(comparison.step, None, [], sampled=False, replay_check=(comparison, parts))
         )
+
+    @guarded("spike replay", disable=False)
+    def _note_spike_forward(self, args: Any, kwargs: Any, entry: nn.Module | None) -> None:
+        """A training forward begins: the spike replay keeps the step's first (its inputs and
+        RNG, the modules' state), integrity/spike_replay.py."""
+        replay, model = self._nan.replay, self._nan.replay.model
+        assert self._spike_replay is not None and model is not None
+        self._spike_replay.forward_began(
+            self._counters.steps + 1,
+            lambda: replay.capture(args, kwargs, entry, also_when_done=True),
+            lambda: state_at_forward_start(model),
+            SPIKE_COMPILED if self._boundary.compiled else None,
+        )
+
+    @guarded("spike replay", disable=False)
+    def _note_spike_output(self, output: Any) -> None:
+        assert self._spike_replay is not None
+        self._spike_replay.output(output)
+
+    @guarded("spike replay", disable=False)
+    def _spike_update_began(self) -> None:
+        """The last step's gate read, its replay run if it tripped (sent on its own), and this
+        step's parameters kept before its update."""
+        assert self._spike_replay is not None
+        sent = self._spike_replay.update_began()
+        if sent is not None:
+            self._publisher.submit(
+                pack_step(sent[0].step, None, [], sampled=False, replay_check=sent)
+            )
+
+    @guarded("spike replay", disable=False)
+    def _spike_step_ended(self, number: int) -> None:
+        assert self._spike_replay is not None
+        self._spike_replay.step_ended(number, *self._series.current_values())
+
+    @guarded("spike replay", disable=False)
+    def _spike_late_loss(self, number: int, loss: Any) -> None:
+        assert self._spike_replay is not None
+        self._spike_replay.late_loss(number, loss)
 
     @guarded("replica check", disable=False)
     def _hold_parameters(self) -> None:

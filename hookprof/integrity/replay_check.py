@@ -71,6 +71,14 @@ class Comparison:
 class ReplayCheck:
     """The training thread's side: what a check step's forward was, and the comparison."""
 
+    @classmethod
+    def of(cls, config: Any, names: Sequence[str], capsules: Any = None) -> ReplayCheck | None:
+        """The check of a model whose layers are `names` (None: sdc_check_interval_s off);
+        `capsules`: nonfinite/check_capsule.py's CheckCapsules, with capsule_dir set."""
+        if config.sdc_check_interval_s is None:
+            return None
+        return cls(len(names), names, capsules)
+
     def __init__(self, n_layers: int, names: Sequence[str] = (), capsules: Any = None):
         self._n_layers = n_layers  # calls of rows past the layers (containers) are not compared
         self._names = names  # the layers' names (for a mismatch's capsule)

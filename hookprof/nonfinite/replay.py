@@ -553,6 +553,7 @@ def forward_again(
     captured: CapturedForward,
     watch: Any = None,
     start: ModuleState | None = None,
+    output_into: list[Any] | None = None,
 ) -> tuple[Any, bool]:
     """Run `captured` once more, eagerly (a compiled model too), under no_grad, with the
     layer checks recording into `rec`, on the model's current weights, from the RNG state
@@ -560,7 +561,8 @@ def forward_again(
     Python's generators as they were then; the model's buffers, its modules' plain tensor and
     number attributes and every generator are as they were afterwards, whatever happens.
     Returns (what `watch` yielded, whether the forward drew random numbers: asked of a
-    compiled forward's only, whose RNG state hookprof took itself)."""
+    compiled forward's only, whose RNG state hookprof took itself); the forward's output is
+    appended to `output_into`, if given."""
     target = captured.module if captured.module is not None else model
     outside = rng_state(cuda=captured.cuda_rng is not None)
     # the buffers, and state a module keeps outside them (a tensor or a number set as a plain
@@ -597,7 +599,9 @@ def forward_again(
             watch if watch is not None else contextlib.nullcontext(None) as kept,
         ):
             hooks.note_root_inputs(args, kwargs)
-            target(*args, **kwargs)
+            output = target(*args, **kwargs)
+            if output_into is not None:  # (the spike replay compares it: integrity/)
+                output_into.append(output)
         return kept, captured.compiled and _drew_random_numbers(captured)
     finally:
         for module, name, buffer in originals:  # the very same tensors, untouched

@@ -9,8 +9,9 @@ the saved inputs, weights, RNG state, grad mode and autocast, and run up to `run
 
 Exit status: 0 reproduced, 1 not reproduced, 2 could not load (one line naming what is
 missing: the file, the module's class, the weights left out above capsule_max_bytes).
-A replay check's capsule (integrity/check_capsule.py) is run by integrity/check_reproduce.py,
-which adds 3: no verdict (bits that cannot be compared here).
+Other forms are run by what the caller hands in (`forms`): the CLI hands a replay check's
+capsule (check_capsule.py) to check_reproduce.py, which adds 3: no verdict (bits that cannot be
+compared here).
 The module is unpickled like any pickle: its class must be importable, and only a capsule
 you trust should be loaded.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -330,17 +331,22 @@ def _replay_backward(
 
 
 def replay(
-    path: str, device: str = "cpu", runs: int = 3, say: Callable[[str], None] = print
+    path: str,
+    device: str = "cpu",
+    runs: int = 3,
+    say: Callable[[str], None] = print,
+    forms: Mapping[str, Callable[..., int]] | None = None,
 ) -> int:
-    """Run the capsule at `path`; say the verdict and the ranges; return the exit status."""
+    """Run the capsule at `path`; say the verdict and the ranges; return the exit status.
+    `forms`: the runners of other capsule forms, by the form its view names (each called
+    with the loaded capsule, device, runs and say)."""
     try:
         capsule = load(path)
         if device == "cuda" and not torch.cuda.is_available():
             raise CannotLoad("--device cuda: CUDA is not available here")
-        if capsule["view"].get("form") == "replay check":  # (integrity/check_capsule.py)
-            from hookprof.integrity.check_reproduce import replay_check_capsule
-
-            return replay_check_capsule(capsule, device, runs, say)
+        run_form = (forms or {}).get(capsule["view"].get("form"))
+        if run_form is not None:  # (a replay check's capsule: check_reproduce.py)
+            return run_form(capsule, device, runs, say)
         module, args, kwargs, cpu_rng, cuda_rng, producer = _target(capsule)
         module, args, kwargs = module.to(device), _to(args, device), _to(kwargs or {}, device)
         grads = (

@@ -17,6 +17,7 @@ from hookprof.device.timing import Timer
 from hookprof.efficiency.figures import EfficiencyTotals
 from hookprof.integrity.fingerprint import combine, parameter_change
 from hookprof.integrity.replay_check import ReplayVerdicts
+from hookprof.integrity.spike_replay import SpikeComparison, SpikeReplays
 from hookprof.nonfinite.attribution import Attribution, ForwardFinding, forward_roles
 from hookprof.nonfinite.detector import PHASE_INDEX, fold_counters, merge_counters
 from hookprof.nonfinite.guard import fold_skips
@@ -155,6 +156,7 @@ class Aggregator:
                 else dict.fromkeys(DEFAULT_THRESHOLDS, math.inf),  # never above
             ),
             replica_group=replica_group,
+            spike_replay=config.spike_replay,
         )
 
     def __init__(
@@ -179,6 +181,7 @@ class Aggregator:
         replica_group: str = "",
         report: Callable[[str, BaseException], None] | None = None,
         extremes_reach: Mapping[int, frozenset[int]] | None = None,
+        spike_replay: bool = False,
     ):
         n = len(names)
         # names of recorded calls: layers, then container modules (hooked by the replay, and
@@ -208,6 +211,8 @@ class Aggregator:
         self.parameter_watches = {"compared": 0, "not_compared": 0} if replica_group else {}
         # the replay check's verdicts, when the checks are on (a group is given)
         self.replay = ReplayVerdicts(names) if replica_group else None
+        # the spikes' replays' verdicts (Config.spike_replay, integrity/spike_replay.py)
+        self.spike_replays = SpikeReplays() if spike_replay else None
         # layers with every figure, beyond the non-finite ones (None: all); the others on the
         # page have their time alone (Config.detailed_layers)
         self.detailed = detailed
@@ -291,9 +296,14 @@ class Aggregator:
             self._attribution.not_replayed(packet.step, packet.not_replayed)
         if packet.capsule is not None:
             self._attribution.capsule_written(packet.capsule)
-        if packet.replay_check is not None and self.replay is not None:
+        if packet.replay_check is not None:
             flags = [v for k in range(packet.replay_parts) for v in packet.batch.get(("replay", k))]
-            self.replay.judge(packet.replay_check, flags)
+            if isinstance(packet.replay_check, SpikeComparison):  # (a spike's replay)
+                if self.spike_replays is not None:
+                    self.spike_replays.judge(packet.replay_check, flags)
+                    self.spikes.note_verdicts(dict(self.spike_replays.verdicts))
+            elif self.replay is not None:
+                self.replay.judge(packet.replay_check, flags)
             self._dirty = True
         if packet.fingerprint_parts:  # (integrity/replicas.py)
             halves = [
@@ -860,6 +870,11 @@ class Aggregator:
             parameter_change=self.parameter_change,
             parameter_watches=MappingProxyType(dict(self.parameter_watches)),
             replay_checks=self.replay.view() if self.replay is not None else MappingProxyType({}),
+            spike_replays=(
+                self.spike_replays.view()
+                if self.spike_replays is not None
+                else MappingProxyType({})
+            ),
             replay_mismatch=self.replay.last_mismatch if self.replay is not None else None,
         )
 

@@ -82,6 +82,7 @@ def document(
             for kind, count in snapshot.spikes.items()
         },
         "replay_checks": dict(snapshot.replay_checks),
+        "spike_replays": dict(snapshot.spike_replays),
         "replay_mismatch": None
         if snapshot.replay_mismatch is None
         else dataclasses.asdict(snapshot.replay_mismatch),
@@ -136,4 +137,6 @@ def _spike(event: Any) -> dict[str, Any] | None:
     if event is None:
         return None
     kept = {"step": event.step, "value": event.value, "median": event.median, "z": event.z}
+    if event.verdict is not None:  # (its step's replay: Config.spike_replay)
+        kept["verdict"] = event.verdict
     return kept if event.layer is None else {**kept, "layer": event.layer}

@@ -35,6 +35,7 @@ judged against its updates alone, and one unfrozen mid-run from 20 of its update
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import threading
 from collections import deque
@@ -68,12 +69,17 @@ def quantile(ordered: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
 
 
-def robust_z(value: float, ordered: Sequence[float]) -> tuple[float, float, float]:
-    """(z, median, scale) of `value` against sorted finite values: scale is the IQR over
-    1.349; z is +inf when the middle half of them does not vary at all and `value` stands
-    above the median, 0 when it does not."""
+def centre(ordered: Sequence[float]) -> tuple[float, float]:
+    """(median, scale) of sorted finite values: scale is the IQR over 1.349."""
     median = quantile(ordered, 0.5)
-    scale = (quantile(ordered, 0.75) - quantile(ordered, 0.25)) / _IQR_SCALE
+    return median, (quantile(ordered, 0.75) - quantile(ordered, 0.25)) / _IQR_SCALE
+
+
+def robust_z(value: float, ordered: Sequence[float]) -> tuple[float, float, float]:
+    """(z, median, scale) of `value` against sorted finite values (`centre`); z is +inf when
+    the middle half of them does not vary at all and `value` stands above the median, 0 when
+    it does not."""
+    median, scale = centre(ordered)
     if scale == 0:
         return (math.inf if value > median else 0.0), median, scale
     return (value - median) / scale, median, scale
@@ -117,11 +123,46 @@ class SpikeWatch:
         self._judged = dict.fromkeys(KINDS, 0)
         self._lock = threading.Lock()
         self._counts = {kind: SpikeCount() for kind in KINDS}
+        # (loss, gradient norm) above which the spike replay replays a step (read from the
+        # training thread: a tuple, replaced whole)
+        self.gate_limits = (math.inf, math.inf)
+        self._verdicts: Mapping[int, str] = {}
 
     def observe(self, values: Iterable[StepValue]) -> None:
         for v in values:
             self._judge(LOSS_SPIKE, v.step, v.loss)
             self._judge(GRAD_NORM_SPIKE, v.step, v.grad_norm)
+        self.gate_limits = (self._gate(LOSS_SPIKE), self._gate(GRAD_NORM_SPIKE))
+
+    def _gate(self, kind: str) -> float:
+        """The value above which a step of `kind` may be judged a spike against the window as
+        it is now, at half the threshold and half the margin (the rule's own test of an event
+        going on): looser than the rule, so that the spike replay's gate, which uses the
+        window of the last drain, replays the steps the rule will call spikes. inf: no
+        judgement yet, or detection off."""
+        window = self._window[kind]
+        threshold = self._thresholds[kind]
+        if len(window) < MIN_HISTORY or not math.isfinite(threshold):
+            return math.inf
+        median, scale = centre(window.ordered)
+        margin = _MARGIN[kind] * max(abs(median), scale)
+        return median + max(threshold / 2 * scale, margin / 2)
+
+    def note_verdicts(self, verdicts: Mapping[int, str]) -> None:
+        """The spike replay's verdicts by step (integrity/spike_replay.py): the events of
+        those steps carry theirs, whether they were counted before or after."""
+        with self._lock:
+            self._verdicts = verdicts
+            self._counts = {kind: self._with_verdicts(c) for kind, c in self._counts.items()}
+
+    def _with_verdicts(self, count: SpikeCount) -> SpikeCount:
+        def of(event: SpikeEvent | None) -> SpikeEvent | None:
+            if event is None or event.verdict is not None:
+                return event
+            verdict = self._verdicts.get(event.step)
+            return event if verdict is None else dataclasses.replace(event, verdict=verdict)
+
+        return SpikeCount(count.count, of(count.first), of(count.last))
 
     def _judge(self, kind: str, step: int, value: float | None) -> None:
         if value is None or step <= self._judged[kind]:
@@ -179,7 +220,8 @@ class SpikeWatch:
     def _count(self, kind: str, event: SpikeEvent) -> None:
         with self._lock:
             old = self._counts[kind]
-            self._counts[kind] = SpikeCount(old.count + 1, old.first or event, event)
+            count = SpikeCount(old.count + 1, old.first or event, event)
+            self._counts[kind] = self._with_verdicts(count) if self._verdicts else count
 
     def counts(self) -> Mapping[str, SpikeCount]:
         with self._lock:

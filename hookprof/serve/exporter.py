@@ -277,6 +277,7 @@ def _integrity(snap: Snapshot, rank: str) -> Iterator[Metric]:
     the replay check's results, the replicas' fingerprint and each rank's parameter watch."""
     for metric, counts in (
         (names.REPLAY_CHECKS_TOTAL, snap.replay_checks),  # (each result from 0 while on)
+        (names.SPIKE_REPLAYS_TOTAL, snap.spike_replays),  # (the same, Config.spike_replay)
         (names.PARAMETER_WATCHES_TOTAL, snap.parameter_watches),
     ):
         if counts:

@@ -134,6 +134,18 @@ class StepSeries:
         self._meta[slot] = SlotMeta(meta.step, loss.device, meta.norm, meta.seconds)
         return view
 
+    def current_values(self) -> tuple[float | torch.Tensor | None, list[torch.Tensor]]:
+        """The current step's loss (a number read on the host, its 0-d slot on a device, or
+        None: not given) and its gradient norms (0-d slots, one per device that wrote one),
+        as the spike replay's gate reads them (integrity/spike_replay.py)."""
+        meta = self._meta[self._slot]
+        if meta is None:
+            return None, []
+        norms = [self._rings[d].norm[self._slot] for d in meta.norm]
+        if isinstance(meta.loss, torch.device):
+            return self._rings[meta.loss].loss[self._slot], norms
+        return meta.loss, norms
+
     def norm_slot(self, device: torch.device) -> torch.Tensor:
         """The 0-d view the current step's gradient norm on `device` is written into."""
         meta = self._meta[self._slot]

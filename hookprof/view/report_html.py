@@ -31,6 +31,13 @@ REPLAY_WORDS = {
     "not replayed": "not replayed",
 }
 
+# a spike's replay verdict in words (Config.spike_replay, integrity/spike_replay.py)
+_VERDICT = {
+    "reproduced": "its replay reproduced it: the data",
+    "not_reproduced": "its replay did not reproduce it: the machine",
+    "not_compared": "its step could not be replayed",
+}
+
 
 def last_step(doc: dict[str, Any]) -> float:
     """The last step anything on the page was seen at: the charts' step axis ends there, so
@@ -97,9 +104,24 @@ def summary(doc: dict[str, Any]) -> str:
                     + (f" in {first['layer']}" if first.get("layer") else "")
                     + ": "
                     f"{num(first['value'], 4)} against a median of {num(first['median'], 4)} "
-                    f"(robust z {num(first['z'], 3)})",
+                    f"(robust z {num(first['z'], 3)})"
+                    + (f"; {_VERDICT[first['verdict']]}" if first.get("verdict") else ""),
                 )
             )
+    spike_replays = doc.get("spike_replays") or {}
+    if spike_replays:  # (hookprof/integrity/spike_replay.py)
+        figures.append(
+            (
+                "spike replays",
+                f"{spike_replays.get('reproduced', 0):,} reproduced (the data), "
+                f"{spike_replays.get('not_reproduced', 0):,} not reproduced (the machine)"
+                + (
+                    f", {spike_replays['not_compared']:,} not compared"
+                    if spike_replays.get("not_compared")
+                    else ""
+                ),
+            )
+        )
     checks = doc.get("replay_checks") or {}
     if checks:  # (hookprof/integrity/replay_check.py)
         mismatch = doc.get("replay_mismatch")

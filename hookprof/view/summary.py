@@ -27,6 +27,7 @@ def summary_text(snap: Snapshot, model: str = "") -> str:
         replay_line,
         sort_rows,
         spike_line,
+        spike_replay_line,
     )
 
     table = from_snapshot(snap, model)
@@ -39,6 +40,7 @@ def summary_text(snap: Snapshot, model: str = "") -> str:
         "  " + nonfinite_line(h),
         *(["  " + spikes] if (spikes := spike_line(h)) is not None else []),
         *(["  " + replays] if (replays := replay_line(h)) is not None else []),
+        *(["  " + verdicts] if (verdicts := spike_replay_line(h)) is not None else []),
         "  top layers by share of step time: "
         + (", ".join(f"{r.layer} {fmt_share(r.share)}" for r in top) if top else "none timed"),
     ]

@@ -96,6 +96,8 @@ class RunHeader:
     """The replay check's steps by result (hookprof/integrity/); empty while it is off."""
     replay_mismatch: tuple[str, int] | None = None
     """(layer, step) of the last check whose replay did not reproduce its forward."""
+    spike_replays: Mapping[str, int] = field(default_factory=dict)
+    """The spike replay's steps by result (integrity/spike_replay.py); empty while off."""
     """The last steps' loss and gradient norm, one character each (view/recent.py); None
     where the endpoint was not asked for them (`top` asks /history.json?recent)."""
 
@@ -220,6 +222,7 @@ def from_snapshot(snap: Snapshot, model: str = "") -> RunTable:
         replay_mismatch=(snap.replay_mismatch.layer, snap.replay_mismatch.step)
         if snap.replay_mismatch is not None
         else None,
+        spike_replays=dict(snap.spike_replays),
     )
     rows = []
     step_seconds = _step_seconds(
@@ -372,6 +375,8 @@ def _read_sample(run: _Run, name: str, labels: Mapping[str, str], value: float) 
         run.values.setdefault("spike_last", {})[labels["kind"]] = _whole(value, "the step")
     elif name == names.REPLAY_CHECKS_TOTAL.name:
         run.values.setdefault("replay_checks", {})[labels["result"]] = _whole(value, "the count")
+    elif name == names.SPIKE_REPLAYS_TOTAL.name:
+        run.values.setdefault("spike_replays", {})[labels["result"]] = _whole(value, "the count")
     elif name == names.REPLAY_MISMATCH_INFO.name:
         run.values["replay_mismatch"] = (labels["layer"], _whole(labels["step"], "the step"))
     elif name in _LAYER_SAMPLES:
@@ -426,6 +431,7 @@ def _table(model: str, rank: int, run: _Run) -> RunTable:
         },
         replay_checks=v.get("replay_checks", {}),
         replay_mismatch=v.get("replay_mismatch"),
+        spike_replays=v.get("spike_replays", {}),
     )
     first = header.first_nonfinite
     rows = []
@@ -489,6 +495,7 @@ def from_document(doc: Mapping[str, Any]) -> RunTable:
         replay_mismatch=(doc["replay_mismatch"]["layer"], int(doc["replay_mismatch"]["step"]))
         if doc.get("replay_mismatch")
         else None,
+        spike_replays=dict(doc.get("spike_replays") or {}),
         first_nonfinite=FirstNonFinite(
             first["layer"],
             first["phase"],
@@ -761,6 +768,20 @@ def replay_line(h: RunHeader) -> str | None:
     return text
 
 
+def spike_replay_line(h: RunHeader) -> str | None:
+    """The spike replay's verdicts so far, when it is on (integrity/spike_replay.py)."""
+    if not h.spike_replays:
+        return None
+    counts = h.spike_replays
+    text = (
+        f"spike replays: {counts.get('reproduced', 0)} reproduced (the data), "
+        f"{counts.get('not_reproduced', 0)} not reproduced (the machine)"
+    )
+    if counts.get("not_compared"):
+        text += f", {counts['not_compared']} not compared"
+    return text
+
+
 def header_lines(headers: Sequence[RunHeader]) -> list[str]:
     lines = []
     for h in headers:
@@ -771,6 +792,9 @@ def header_lines(headers: Sequence[RunHeader]) -> list[str]:
         replays = replay_line(h)
         if replays is not None:
             lines.append("  " + replays)
+        spike_replays = spike_replay_line(h)
+        if spike_replays is not None:
+            lines.append("  " + spike_replays)
         if h.stall is not None:  # only while a rank is stuck (docs/stalls.md)
             lines.append("  " + h.stall)
         if h.recent is not None:

@@ -56,6 +56,7 @@ DEMO_ENV = {
     "HOOKPROF_SYSTEM_INTERVAL_S": "0.2",
     "HOOKPROF_STALL_MIN_S": "0.5",
     "HOOKPROF_SDC_CHECK_INTERVAL_S": "0.05",  # the replica check's two gauges
+    "HOOKPROF_SPIKE_REPLAY": "1",  # hookprof_spike_replays_total (each result from 0)
     "HOOKPROF_SUMMARY_AT_EXIT": "0",
 }
 DEMO_ARGS = (

@@ -130,6 +130,7 @@ def test_environment_variables_fill_every_field():
         "HOOKPROF_UPDATE_NORM_INTERVAL_S": "0.5",
         "HOOKPROF_PORT_CONFLICT": "off",
         "HOOKPROF_SPIKE_DETECTION": "off",
+        "HOOKPROF_SPIKE_REPLAY": "no",  # (it needs spike detection)
         "HOOKPROF_SPIKE_WINDOW": "500",
         "HOOKPROF_LOSS_SPIKE_Z": "6.5",
         "HOOKPROF_GRAD_NORM_SPIKE_Z": "20",
@@ -190,6 +191,7 @@ def test_environment_variables_fill_every_field():
         update_norm_interval_s=0.5,
         port_conflict="off",
         spike_detection=False,
+        spike_replay=False,
         spike_window=500,
         loss_spike_z=6.5,
         grad_norm_spike_z=20.0,

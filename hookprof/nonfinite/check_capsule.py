@@ -3,7 +3,7 @@
 A check step whose replay did not reproduce its forward (integrity/replay_check.py) says *the
 machine*, from one device's two runs of the same forward. Which of the two was wrong, and
 whether it happens elsewhere, is for another process: `hookprof replay CAPSULE` runs the
-step's forward again from this capsule (integrity/check_reproduce.py) and compares each
+step's forward again from this capsule (check_reproduce.py) and compares each
 layer's output bits with the step's own and with the in-place replay's.
 
 The capsule is taken in the check step itself, after the replay and before the update: the
@@ -34,7 +34,6 @@ from hookprof.config import Config
 from hookprof.device.identity import device_name
 from hookprof.faults import Faults
 from hookprof.files import write_atomic
-from hookprof.integrity.replay_check import ReplayCheck
 from hookprof.nonfinite.capsule import (
     FORMAT,
     _give_back_slot,
@@ -222,17 +221,10 @@ def _as_forward_began(model: nn.Module, start: Any) -> nn.Module:
     return copy
 
 
-def replay_check_of(
-    config: Config, names: Sequence[str], model: str, rank: int, faults: Faults, say: Any
-) -> ReplayCheck | None:
-    """The training thread's replay check (replay_check.ReplayCheck) of a model whose layers
-    are `names`, with its mismatches' capsules when capsule_dir is set; None when
-    sdc_check_interval_s is off."""
-    if config.sdc_check_interval_s is None:
+def check_capsules(
+    config: Config, model: str, rank: int, faults: Faults, say: Callable[[str, str], None]
+) -> CheckCapsules | None:
+    """The replay check's capsules when both sdc_check_interval_s and capsule_dir are set."""
+    if config.sdc_check_interval_s is None or config.capsule_dir is None:
         return None
-    capsules = (
-        None
-        if config.capsule_dir is None
-        else CheckCapsules(config, model=model, rank=rank, faults=faults, say=say)
-    )
-    return ReplayCheck(len(names), names, capsules)
+    return CheckCapsules(config, model=model, rank=rank, faults=faults, say=say)

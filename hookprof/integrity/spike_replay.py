@@ -1,0 +1,304 @@
+"""The spike verdict (Config.spike_replay, issue 43 item 2): was a spike the data or the machine?
+
+A loss or gradient-norm spike (publish/spikes.py) is judged on the publisher thread, after
+the step's update, when the weights the step ran with are gone. To replay it, what the step
+ran from must still be there when it is known to be a spike, so this check, off by default,
+keeps on every step (while it is armed):
+
+- its forward's inputs and RNG state (references: nonfinite/replay.py `capture`) and the
+  modules' state as the forward began (`state_at_forward_start`: copies of the buffers);
+- the bit sum of each of its output's tensors (tensors.bits_sum: exact, order-free), on the
+  device, a few ops;
+- a copy of the trained parameters as its update begins (one `_foreach_copy_`: the
+  parameters' size in memory, once, and one copy of them per step).
+
+At the step's end its loss (`prof.step(loss)`) and gradient norm (the every-step series) are
+compared with the spike watch's current limits on the device: a gate, looser than the rule
+(half its threshold and margin: publish/spikes.py `gate_limits`), so that the steps the
+publisher will judge spikes are among those replayed. The gate's flag is read as the next
+step's update begins, before the copy is taken again: at once on a CPU; on a GPU one wait
+for the previous step's flag, which the device has usually delivered by then (it runs
+behind the host by less than a step). A step whose gate tripped is replayed there: the
+parameters copied aside, the step's own put back, its forward run again eagerly under
+no_grad from its inputs, RNG and modules' state (nonfinite/replay.py `forward_again`, which
+puts the buffers and RNG back), the parameters restored; its output's bit sums compared with
+the step's on the device. The verdict rides a packet to the publisher (`SpikeReplays`):
+
+- *reproduced*: the same bits. The same batch on the same weights gives the same spike: the
+  data (or the model's numerics), not the machine; the batch of that step is the suspect;
+- *not reproduced*: the device computed the step differently the second time: the machine
+  (or a nondeterministic kernel: whether deterministic algorithms were on is said);
+- *not compared*, with the reason: the step could not be replayed as it ran (several
+  forwards, inputs edited in place, no optimizer hook, a compiled model, one rank of several).
+
+Training is unchanged bit for bit: the replay writes nothing the step or the next one reads.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookprof.device import transfer
+from hookprof.distributed import with_other_ranks
+from hookprof.integrity.replay_check import (
+    INPUTS_EDITED,
+    NOT_COMPARED,
+    NOT_REPRODUCED,
+    REPLAY_FAILED,
+    REPRODUCED,
+    RESULTS,
+    SEVERAL_FORWARDS,
+    SEVERAL_RANKS,
+    SHARDED,
+)
+from hookprof.tensors import bits_sum, iter_tensors
+
+NO_UPDATE = "the step's update began without an optimizer hook (its weights were not kept)"
+COMPILED = "the model's forward is compiled (an eager replay is not the code that ran)"
+NO_OUTPUT = "the step's forward had no floating-point output to compare"
+NOT_CAUGHT = "no training forward of the model was seen on that step"
+
+
+@dataclass(frozen=True, slots=True)
+class SpikeComparison:
+    """One gated step's replay as it leaves the training thread; its device flags ("this
+    output tensor differs") ride the packet."""
+
+    step: int
+    refused: str | None = None
+    deterministic: bool = False
+
+
+@dataclass
+class _Step:
+    """What one step ran from (see the module's docstring)."""
+
+    step: int
+    captured: Any = None
+    start: Any = None
+    sums: list[torch.Tensor] = field(default_factory=list)
+    refused: str | None = None
+    forwards: int = 0
+    kept_weights: bool = False  # the parameters were copied as its update began
+    gate: list[Any] = field(default_factory=list)  # its gate's flags on their way (Copy)
+
+
+class SpikeReplay:
+    """The training thread's side (see the module's docstring)."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        limits: Callable[[], tuple[float, float]],
+        forward_again: Callable[[Any, Any], Any],
+        refused: str | None = None,
+    ):
+        self._params = [p for p in params if p.requires_grad]
+        # (captured, start) -> the replay's output: nonfinite/replay.py forward_again
+        self._forward_again = forward_again
+        self._limits = limits  # (loss, gradient norm) above which a step is replayed
+        self._refused = refused  # why no step of this model can be replayed (said once)
+        self._kept: list[torch.Tensor] | None = None  # the parameters as the last update began
+        self._current: _Step | None = None  # the step whose forward runs
+        self._ended: _Step | None = None  # the last step ended, its gate on its way
+
+    def forward_began(
+        self,
+        step: int,
+        capture: Callable[[], Any],
+        start: Callable[[], Any],
+        refused: str | None = None,
+    ) -> None:
+        """A training forward of step `step` begins: the first is kept (`capture()`: its
+        inputs and RNG, `start()`: the modules' state), a second refuses the step, as does
+        `refused` (a compiled forward)."""
+        current = self._current
+        if current is None or current.step != step:
+            current = self._current = _Step(step, refused=self._refused or refused)
+        current.forwards += 1
+        if current.forwards == 1 and current.refused is None:
+            current.captured, current.start = capture(), start()
+        elif current.forwards == 2:
+            current.captured = current.start = None
+            current.sums = []
+            current.refused = current.refused or SEVERAL_FORWARDS
+
+    def output(self, output: Any) -> None:
+        """The first forward's output: its tensors' bit sums, on the device."""
+        current = self._current
+        if current is None or current.forwards != 1 or current.refused is not None:
+            return
+        current.sums = [
+            bits_sum(t.detach())
+            for t in ((output,) if isinstance(output, torch.Tensor) else iter_tensors(output))
+            if (t.is_floating_point() or t.is_complex()) and t.layout is torch.strided and t.numel()
+        ]
+
+    def update_began(self) -> tuple[SpikeComparison, list[torch.Tensor]] | None:
+        """An update begins: the last step's gate read (waited for, on a device), its replay
+        run if it tripped, then this step's parameters kept. Returns the replay's comparison
+        and flags to send, if one ran."""
+        sent = self._settle()
+        if self._kept is None:
+            with torch.no_grad():
+                self._kept = [torch.empty_like(p) for p in self._params]
+        with torch.no_grad():
+            torch._foreach_copy_(self._kept, [p.detach() for p in self._params])
+        if self._current is not None:
+            self._current.kept_weights = True
+        return sent
+
+    def step_ended(self, step: int, loss: Any, norms: Sequence[torch.Tensor]) -> None:
+        """Step `step` ended with `loss` (prof.step's: a tensor, a number or None) and the
+        per-device gradient norms of the every-step series: its gate started."""
+        current = self._current
+        if current is None or current.step != step:
+            current = _Step(step, refused=NOT_CAUGHT)
+        self._current = None
+        self._ended = current
+        loss_limit, norm_limit = self._limits()
+        if norms and math.isfinite(norm_limit):
+            squares = torch.stack([n.to(norms[0].device).square() for n in norms]).sum()
+            current.gate.append(transfer.peek(squares > norm_limit * norm_limit))
+        self.late_loss(step, loss, loss_limit)
+
+    def late_loss(self, step: int, loss: Any, loss_limit: float | None = None) -> None:
+        """prof.step(loss) after the optimizer hook ended step `step`: its loss gated too."""
+        ended = self._ended
+        if loss is None or ended is None or ended.step != step:
+            return
+        if loss_limit is None:
+            loss_limit = self._limits()[0]
+        if not math.isfinite(loss_limit):
+            return
+        if isinstance(loss, torch.Tensor):
+            with torch.no_grad():
+                ended.gate.append(transfer.peek(loss.detach().reshape(()).double() > loss_limit))
+        elif float(loss) > loss_limit:
+            ended.gate.append(transfer.Copy(True, None))
+
+    def _settle(self) -> tuple[SpikeComparison, list[torch.Tensor]] | None:
+        ended, self._ended = self._ended, None
+        if ended is None or not ended.gate:
+            return None
+        tripped = False
+        for copy in ended.gate:
+            transfer.wait_ready(copy.ready)  # note: a CPU-GPU sync point (opt-in spike_replay)
+            tripped = tripped or bool(copy.host)
+        if not tripped:
+            return None
+        return self._replay(ended)
+
+    def _replay(self, ended: _Step) -> tuple[SpikeComparison, list[torch.Tensor]]:
+        refused = ended.refused
+        if refused is None and not ended.kept_weights:
+            refused = NO_UPDATE
+        if refused is None and not ended.sums:
+            refused = NO_OUTPUT
+        if refused is None and ended.captured.changed_in_place():
+            refused = INPUTS_EDITED
+        if refused is not None:
+            return SpikeComparison(ended.step, refused), []
+        return self._run(ended)
+
+    def _run(self, ended: _Step) -> tuple[SpikeComparison, list[torch.Tensor]]:
+        assert self._kept is not None
+        with torch.no_grad():
+            now = [p.detach().clone() for p in self._params]
+            torch._foreach_copy_([p.detach() for p in self._params], self._kept)
+        try:
+            output = self._forward_again(ended.captured, ended.start)
+        except Exception:
+            return SpikeComparison(ended.step, REPLAY_FAILED), []
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_([p.detach() for p in self._params], now)
+        again = [
+            bits_sum(t)
+            for t in ((output,) if isinstance(output, torch.Tensor) else iter_tensors(output))
+            if (t.is_floating_point() or t.is_complex()) and t.layout is torch.strided and t.numel()
+        ]
+        device = ended.sums[0].device
+        if len(again) != len(ended.sums):  # (another number of outputs: not the same result)
+            differs = torch.ones(1, dtype=torch.float64, device=device)
+        else:
+            differs = (
+                torch.stack([a.to(device) != b for a, b in zip(again, ended.sums)])
+                .any()
+                .reshape(1)
+                .to(torch.float64)
+            )
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        return SpikeComparison(ended.step, None, deterministic), [differs]
+
+
+@dataclass
+class SpikeReplays:
+    """The publisher's side: the verdicts, counted by result; the latest kept."""
+
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
+    verdicts: dict[int, str] = field(default_factory=dict)  # step -> result (bounded)
+    last_refusal: str | None = None
+    last: tuple[int, str, bool, float] | None = None  # (step, result, deterministic, when)
+
+    def judge(self, comparison: SpikeComparison, flags: Sequence[float]) -> str:
+        if comparison.refused is not None:
+            result = NOT_COMPARED
+            self.last_refusal = comparison.refused
+        else:
+            result = NOT_REPRODUCED if any(flags) else REPRODUCED
+        self.counts[result] += 1
+        self.verdicts[comparison.step] = result
+        if len(self.verdicts) > 64:
+            del self.verdicts[min(self.verdicts)]
+        self.last = (comparison.step, result, comparison.deterministic, time.time())
+        return result
+
+    def view(self) -> Mapping[str, int]:
+        return MappingProxyType(dict(self.counts))
+
+
+def spike_replay_of(
+    config: Any,
+    params: Sequence[nn.Parameter],
+    model: Callable[[], nn.Module | None],
+    hooks: Any,
+    sampled: Any,
+    limits: Callable[[], tuple[float, float]],
+    forward_again: Callable[..., Any],
+    *,
+    sharded: bool,
+    say: Callable[[str, str], None],
+) -> SpikeReplay | None:
+    """The spike replay of Config.spike_replay (None: off), for a model whose replay runs
+    through `hooks` into records of `sampled` (step/sampled.py) by `forward_again`
+    (nonfinite/replay.py's, handed in: a sibling package); not armed, and said once, in
+    a process that is one rank of several or whose parameters are sharded, where a replay
+    could start collectives the other ranks never join."""
+    if not config.spike_replay:
+        return None
+    refused = SEVERAL_RANKS if with_other_ranks() else SHARDED if sharded else None
+    if refused is not None:
+        say("spike replay off", f"spike_replay is not armed: {refused}")
+        return None
+
+    def again(captured: Any, start: Any) -> Any:
+        own = sampled.new_record()
+        outputs: list[Any] = []
+        try:
+            root = model()
+            assert root is not None  # (a forward was captured: the model is alive)
+            forward_again(root, hooks, own, captured, start=start, output_into=outputs)
+        finally:
+            sampled.discard(own)
+        return outputs[0]
+
+    return SpikeReplay(params, limits, again)

@@ -1,0 +1,179 @@
+"""Issue 43 item 2 for spikes: was it the data or the machine? (Config.spike_replay)
+
+A spike made by the machine (a wrong value in one layer's output on the step's own forward:
+a fault of the test's own, a forward hook registered before hookprof's, so that every hook
+after it sees the wrong value as it would a failing device's) is replayed and not
+reproduced; the same spike made by the data (the same wrong value in the batch) is
+reproduced; so is one nobody injected (a learning rate 150x too large for one step). Each is
+checked against this test's own account of the step: the fault it injected, and the losses
+it saw. Training stays the same bit for bit, BatchNorm and Dropout included; on a device
+behind the host the verdict comes too, with one wait per step on the training thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import hookprof
+from hookprof.config import ConfigError
+from hookprof.view.report_html import render
+from hookprof.view.summary import summary_text
+from hookprof.view.table import from_metrics, header_lines
+from support.first_nan import Mlp
+from support.lagging_device import lagging_device
+from support.metrics import parse, scrape
+from support.models import ReplayCheckNet
+from support.rendered import Elements
+
+AT = 90  # the spike's step (the rule judges from 50 steps of history on)
+STEPS = 100
+# drains often enough that the gate knows the window (a long run's sampled steps do this)
+OFTEN = dict(port=0, sample_every=4, min_sample_interval_s=0.0, summary_at_exit=False)
+
+
+def corrupt(t: torch.Tensor) -> torch.Tensor:
+    """One row of `t` made wrong (a copy): x * 100 + 5."""
+    out = t.clone()
+    out[0] = out[0] * 100 + 5
+    return out
+
+
+def train(
+    make=Mlp,
+    config: dict | None = None,
+    fault: str | None = None,
+    lr_bump: float = 1.0,
+    micro_batches: int = 1,
+):
+    """SGD on `make()`; `fault`: "machine" (fc1's output on AT's own forward), "data" (AT's
+    inputs), "targets" (AT's targets); `lr_bump`: the learning rate that many times larger
+    at step AT. Returns the losses and, with `config`, (snapshot, page text, document)."""
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    armed = {"now": False}
+
+    def wrong_output(module, args, output):
+        if armed["now"] and torch.is_grad_enabled():  # the step's own forward only
+            armed["now"] = False
+            return corrupt(output)
+        return None
+
+    if fault == "machine":
+        model.fc1.register_forward_hook(wrong_output)
+    prof = hookprof.attach(model, **config) if config is not None else None
+    losses = []
+    try:
+        for step in range(1, STEPS + 1):
+            for group in opt.param_groups:
+                group["lr"] = 0.01 * (lr_bump if step == AT else 1.0)
+            opt.zero_grad()
+            for _ in range(micro_batches):
+                x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+                if fault == "data" and step == AT:
+                    x = corrupt(x)
+                if fault == "targets" and step == AT:
+                    y = corrupt(y)
+                armed["now"] = step == AT
+                loss = (model(x) - y).square().mean()
+                loss.backward()
+            opt.step()
+            if prof is not None:
+                prof.step(loss)
+            losses.append(loss.item())
+        if prof is None:
+            return losses, None
+        prof.flush()
+        snap = prof.snapshot()
+        return losses, (snap, scrape(prof.url), prof.report_document())
+    finally:
+        if prof is not None:
+            prof.detach()
+
+
+def replays(text: str) -> dict[str, float]:
+    return {
+        s.labels["result"]: s.value
+        for s in parse(text)["hookprof_spike_replays"].samples
+        if s.name == "hookprof_spike_replays_total"
+    }
+
+
+def test_a_spike_the_machine_made_is_not_reproduced():
+    losses, (snap, page, _) = train(config={**OFTEN, "spike_replay": True}, fault="machine")
+    assert losses[AT - 1] > 5 * max(losses[AT - 20 : AT - 1])  # (the test's own: a spike)
+    loss_spike = snap.spikes["loss_spike"]
+    assert (loss_spike.count, loss_spike.first.step) == (1, AT)
+    assert loss_spike.first.verdict == "not_reproduced"
+    assert snap.spikes["grad_norm_spike"].first.verdict == "not_reproduced"
+    assert snap.spike_replays["not_reproduced"] == 1
+    assert replays(page) == {k: float(v) for k, v in snap.spike_replays.items()}
+    assert snap.internal_errors == 0 and snap.nonfinite_steps.get("forward", 0) == 0
+
+
+def test_the_same_spike_made_by_the_data_is_reproduced():
+    losses, (snap, page, document) = train(config={**OFTEN, "spike_replay": True}, fault="data")
+    assert losses[AT - 1] > 5 * max(losses[AT - 20 : AT - 1])
+    assert snap.spikes["loss_spike"].first.step == AT
+    assert snap.spikes["loss_spike"].first.verdict == "reproduced"
+    assert snap.spike_replays["not_reproduced"] == 0 and snap.spike_replays["reproduced"] >= 1
+    # what a person reads: top (from the page), the summary, the report
+    (table,) = from_metrics(page)
+    expected = (
+        f"spike replays: {snap.spike_replays['reproduced']} reproduced (the data), "
+        "0 not reproduced (the machine)"
+    )
+    assert expected in [x.strip() for x in header_lines([table.header])]
+    assert expected in summary_text(snap, "Mlp")
+    assert document["spikes"]["loss_spike"]["first"]["verdict"] == "reproduced"
+    report = "".join(Elements(render([document])).text)
+    assert "its replay reproduced it: the data" in report
+
+
+def test_a_learning_rate_that_jumps_is_reproduced():
+    """Nobody injected anything: a learning rate 150x too large for one step makes the next
+    steps' loss spike (the test's own losses say so); the replay gives the same bits."""
+    losses, (snap, _, _) = train(config={**OFTEN, "spike_replay": True}, lr_bump=150.0)
+    spike = snap.spikes["loss_spike"].first
+    assert spike is not None and spike.step == AT + 1
+    assert losses[AT] > 10 * max(losses[AT - 20 : AT - 1])
+    assert spike.verdict == "reproduced"
+    assert snap.spike_replays["not_reproduced"] == 0
+
+
+@pytest.mark.parametrize("fault", ["targets", None])
+def test_training_is_the_same_bit_for_bit(fault):
+    """BatchNorm's buffers, Dropout's RNG and the weights are put back after each replay
+    (BatchNorm evens out a wrong input row: wrong targets make this model's spike)."""
+    bare, _ = train(ReplayCheckNet, None, fault)
+    watched, (snap, _, _) = train(ReplayCheckNet, {**OFTEN, "spike_replay": True}, fault)
+    assert watched == bare
+    if fault == "targets":
+        assert snap.spike_replays["reproduced"] >= 1
+        assert snap.spikes["loss_spike"].first.verdict == "reproduced"
+
+
+def test_on_a_device_behind_the_host():
+    """The gate's flag is a device value: read as the next update begins, with one wait for
+    it there, on the training thread (no other thread waits)."""
+    with lagging_device(lag=3) as device:
+        _, (snap, _, _) = train(config={**OFTEN, "spike_replay": True}, fault="machine")
+    assert snap.spikes["loss_spike"].first.verdict == "not_reproduced"
+    assert threading.main_thread().name in device.waits
+
+
+def test_a_step_of_two_forwards_is_not_compared_with_its_reason():
+    _, (snap, _, _) = train(config={**OFTEN, "spike_replay": True}, fault="data", micro_batches=2)
+    assert snap.spikes["loss_spike"].first.verdict == "not_compared"
+    assert snap.spike_replays["not_compared"] >= 1 and snap.spike_replays["reproduced"] == 0
+
+
+def test_off_by_default_and_needs_spike_detection():
+    _, (snap, page, _) = train(config=OFTEN, fault="machine")
+    assert snap.spikes["loss_spike"].first.verdict is None and snap.spike_replays == {}
+    assert "hookprof_spike_replays" not in parse(page)
+    with pytest.raises(ConfigError, match="spike_replay"):
+        hookprof.Config(spike_replay=True, spike_detection=False)

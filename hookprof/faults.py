@@ -56,6 +56,7 @@ _PART_OF_WHERE = (
     ("efficiency", "efficiency"),
     ("replica check", "integrity"),  # the parameters' fingerprint (hookprof/integrity/)
     ("replay check", "integrity"),  # a check step's forward replayed and compared
+    ("spike replay", "integrity"),  # a spike's step replayed (integrity/spike_replay.py)
     ("stall watch", "stall watch"),
     ("publisher", "publisher"),
     ("snapshot", "publisher"),

@@ -279,8 +279,8 @@ CAPSULES_WRITTEN_TOTAL = Metric(
     "hookprof_capsules_written_total",
     "counter",
     _RANK,
-    "Capsules written (Config.capsule_dir) for the first NaN or Inf and for a replay check's "
-    "mismatch (hookprof replay re-runs one)",
+    "Capsules written (Config.capsule_dir) for the first NaN or Inf, a replay check's "
+    "mismatch and a spike replay's (hookprof replay re-runs one)",
 )
 FIRST_NONFINITE_CAPSULE_INFO = Metric(
     "hookprof_first_nonfinite_capsule_info",

@@ -291,6 +291,14 @@ class Profiler:
                     forward_again,
                     sharded=self.table.has_dtensor_params,
                     say=self._notices.say,
+                    capsules=check_capsules(
+                        config,
+                        self.name,
+                        self.rank,
+                        self._faults,
+                        self._notices.say,
+                        "spike replay",
+                    ),
                 ),
                 sharded=self.table.has_dtensor_params,
                 parameter_statistics=statistics.ParameterStatistics(

@@ -208,6 +208,8 @@ class SpikeEvent:
     verdict: str | None = None
     """Its step's replay (Config.spike_replay, integrity/spike_replay.py): "reproduced" (the
     data), "not_reproduced" (the machine), "not_compared"; None: not replayed (yet)."""
+    capsule: str | None = None
+    """A not-reproduced replay's capsule (capsule_dir set), for `hookprof replay`."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,7 @@ class SpikeComparison:
     step: int
     refused: str | None = None
     deterministic: bool = False
+    capsule: str | None = None  # a difference's capsule (capsule_dir set)
 
 
 @dataclass
@@ -100,8 +101,14 @@ class SpikeReplay:
         limits: Callable[[], tuple[float, float]],
         forward_again: Callable[[Any, Any], Any],
         refused: str | None = None,
+        *,
+        model: Callable[[], nn.Module | None] = lambda: None,
+        capsules: Any = None,
     ):
         self._params = [p for p in params if p.requires_grad]
+        self._model = model
+        # capsule_dir set: a difference's capsule (nonfinite/check_capsule.py CheckCapsules)
+        self._capsules = capsules
         # (captured, start) -> the replay's output: nonfinite/replay.py forward_again
         self._forward_again = forward_again
         self._limits = limits  # (loss, gradient norm) above which a step is replayed
@@ -136,11 +143,7 @@ class SpikeReplay:
         current = self._current
         if current is None or current.forwards != 1 or current.refused is not None:
             return
-        current.sums = [
-            bits_sum(t.detach())
-            for t in ((output,) if isinstance(output, torch.Tensor) else iter_tensors(output))
-            if (t.is_floating_point() or t.is_complex()) and t.layout is torch.strided and t.numel()
-        ]
+        current.sums = _output_sums(output)
 
     def update_began(self) -> tuple[SpikeComparison, list[torch.Tensor]] | None:
         """An update begins: the last step's gate read (waited for, on a device), its replay
@@ -214,30 +217,52 @@ class SpikeReplay:
         with torch.no_grad():
             now = [p.detach().clone() for p in self._params]
             torch._foreach_copy_([p.detach() for p in self._params], self._kept)
-        try:
+        try:  # (the step's own weights in the model until `finally`)
             output = self._forward_again(ended.captured, ended.start)
+            again = _output_sums(output)
+            device = ended.sums[0].device
+            if len(again) != len(ended.sums):  # (another number of outputs: not the same)
+                differs = torch.ones(1, dtype=torch.float64, device=device)
+            else:  # one flag per output tensor: "it differs"
+                differs = torch.stack([a.to(device) != b for a, b in zip(again, ended.sums)]).to(
+                    torch.float64
+                )
+            deterministic = torch.are_deterministic_algorithms_enabled()
+            capsule = None
+            if self._capsules is not None:  # capsule_dir: a difference's capsule, now
+                capsule = self._capsules.keep(
+                    self._model(),
+                    ended.captured,
+                    ended.start,
+                    [self._entry_name(ended.captured)] * len(ended.sums),
+                    ended.sums,
+                    again if len(again) == len(ended.sums) else ended.sums,
+                    (range(len(differs)), [differs]),
+                    step=ended.step,
+                    deterministic=deterministic,
+                )
         except Exception:
             return SpikeComparison(ended.step, REPLAY_FAILED), []
         finally:
             with torch.no_grad():
                 torch._foreach_copy_([p.detach() for p in self._params], now)
-        again = [
-            bits_sum(t)
-            for t in ((output,) if isinstance(output, torch.Tensor) else iter_tensors(output))
-            if (t.is_floating_point() or t.is_complex()) and t.layout is torch.strided and t.numel()
-        ]
-        device = ended.sums[0].device
-        if len(again) != len(ended.sums):  # (another number of outputs: not the same result)
-            differs = torch.ones(1, dtype=torch.float64, device=device)
-        else:
-            differs = (
-                torch.stack([a.to(device) != b for a, b in zip(again, ended.sums)])
-                .any()
-                .reshape(1)
-                .to(torch.float64)
-            )
-        deterministic = torch.are_deterministic_algorithms_enabled()
-        return SpikeComparison(ended.step, None, deterministic), [differs]
+        return SpikeComparison(ended.step, None, deterministic, capsule), [differs]
+
+    def _entry_name(self, captured: Any) -> str:
+        """The module the step's forward called, by name ("": the model itself)."""
+        model = self._model()
+        if captured.module is None or model is None:
+            return ""
+        return next((n for n, m in model.named_modules() if m is captured.module), "")
+
+
+def _output_sums(output: Any) -> list[torch.Tensor]:
+    """The bit sums of a forward's floating-point output tensors (tensors.bits_sum)."""
+    return [
+        bits_sum(t.detach())
+        for t in ((output,) if isinstance(output, torch.Tensor) else iter_tensors(output))
+        if (t.is_floating_point() or t.is_complex()) and t.layout is torch.strided and t.numel()
+    ]
 
 
 @dataclass
@@ -245,7 +270,9 @@ class SpikeReplays:
     """The publisher's side: the verdicts, counted by result; the latest kept."""
 
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
-    verdicts: dict[int, str] = field(default_factory=dict)  # step -> result (bounded)
+    # step -> (result, its capsule's path or None), the last 64 (bounded)
+    verdicts: dict[int, tuple[str, str | None]] = field(default_factory=dict)
+    capsules: int = 0  # the differences' capsules written (capsule_dir)
     last_refusal: str | None = None
     last: tuple[int, str, bool, float] | None = None  # (step, result, deterministic, when)
 
@@ -256,7 +283,8 @@ class SpikeReplays:
         else:
             result = NOT_REPRODUCED if any(flags) else REPRODUCED
         self.counts[result] += 1
-        self.verdicts[comparison.step] = result
+        self.capsules += comparison.capsule is not None
+        self.verdicts[comparison.step] = (result, comparison.capsule)
         if len(self.verdicts) > 64:
             del self.verdicts[min(self.verdicts)]
         self.last = (comparison.step, result, comparison.deterministic, time.time())
@@ -277,12 +305,14 @@ def spike_replay_of(
     *,
     sharded: bool,
     say: Callable[[str, str], None],
+    capsules: Any = None,
 ) -> SpikeReplay | None:
     """The spike replay of Config.spike_replay (None: off), for a model whose replay runs
     through `hooks` into records of `sampled` (step/sampled.py) by `forward_again`
     (nonfinite/replay.py's, handed in: a sibling package); not armed, and said once, in
     a process that is one rank of several or whose parameters are sharded, where a replay
-    could start collectives the other ranks never join."""
+    could start collectives the other ranks never join. `capsules`: the writer of a
+    difference's capsule (capsule_dir set: nonfinite/check_capsule.py)."""
     if not config.spike_replay:
         return None
     refused = SEVERAL_RANKS if with_other_ranks() else SHARDED if sharded else None
@@ -301,4 +331,4 @@ def spike_replay_of(
             sampled.discard(own)
         return outputs[0]
 
-    return SpikeReplay(params, limits, again)
+    return SpikeReplay(params, limits, again, model=model, capsules=capsules)

@@ -15,6 +15,10 @@ one wait for the device, on a check step (once per `sdc_check_interval_s`) and o
 capsule_dir set. The capsule shares the process's `capsule_max_count` with the NaN
 capsules, and its size cap: above `capsule_max_bytes` none is written, and one line says so.
 A fault here costs the capsule only.
+
+The spike replay (integrity/spike_replay.py, Config.spike_replay) writes the same form when a
+spike's step gave other output bits: the weights are the step's own (put back in the model
+for its replay), and what is compared is the model's output (layer "": `shown`).
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ def first_difference(order: Sequence[int], parts: Sequence[torch.Tensor]) -> int
 
 
 class CheckCapsules:
-    """Writes the capsule of a check step whose replay differed (see the module's docstring)."""
+    """Writes the capsule of a step whose replay differed (see the module's docstring)."""
 
     def __init__(
         self,
@@ -72,8 +76,10 @@ class CheckCapsules:
         rank: int,
         faults: Faults,
         say: Callable[[str, str], None],
+        what: str = "replay check",
     ):
         assert config.capsule_dir is not None
+        self._what = what  # whose replay: "replay check", or "spike replay" (integrity/)
         self._dir = config.capsule_dir
         self._max_count = config.capsule_max_count
         self._max_bytes = config.capsule_max_bytes
@@ -97,7 +103,7 @@ class CheckCapsules:
         order; `original` and `replayed`: their bit sums; `flags`: ReplayCheck.compare's
         order and device flags): when an output differs, its capsule written; returns its
         path, or None (no difference; or said, or counted as a fault)."""
-        with self._faults.contain("replay check capsule", disable=False):
+        with self._faults.contain(f"{self._what} capsule", disable=False):
             first = first_difference(*flags)
             if first is None:
                 return None
@@ -114,7 +120,7 @@ class CheckCapsules:
             if not _take_slot(self._max_count):
                 self._say(
                     "capsule limit",
-                    f"no capsule written for the replay check of step {step}: this process "
+                    f"no capsule written for the {self._what} of step {step}: this process "
                     f"has written capsule_max_count={self._max_count} already",
                 )
                 return None
@@ -127,10 +133,11 @@ class CheckCapsules:
                 _give_back_slot()
                 raise
             self._say(
-                f"check capsule {path}",
-                f"the replay check of step {step} did not reproduce its forward (first "
-                f"differing output: {names[first]}); capsule written to {path} (hookprof "
-                f"replay {path} runs it in another process, on another device or the CPU)",
+                f"{self._what} capsule {path}",
+                f"the {self._what} of step {step} did not reproduce its forward (first "
+                f"differing output: {shown(names[first])}); capsule written to {path} "
+                f"(hookprof replay {path} runs it in another process, on another device or "
+                "the CPU)",
             )
             return path
         return None
@@ -156,7 +163,7 @@ class CheckCapsules:
         if sizes["state_dict_bytes"] + sizes["input_bytes"] > self._max_bytes:
             self._say(
                 "check capsule too large",
-                f"no capsule written for the replay check of step {step}: the model's "
+                f"no capsule written for the {self._what} of step {step}: the model's "
                 f"state_dict ({sizes['state_dict_bytes']} bytes) and the step's inputs "
                 f"({sizes['input_bytes']} bytes) are above capsule_max_bytes={self._max_bytes}",
             )
@@ -166,6 +173,7 @@ class CheckCapsules:
         cuda = captured.cuda_rng is not None
         view = {
             "form": FORM_CHECK,
+            "kind": self._what,
             "step": step,
             "model": self._model,
             "model_class": class_name(type(model)),
@@ -222,9 +230,23 @@ def _as_forward_began(model: nn.Module, start: Any) -> nn.Module:
 
 
 def check_capsules(
-    config: Config, model: str, rank: int, faults: Faults, say: Callable[[str, str], None]
+    config: Config,
+    model: str,
+    rank: int,
+    faults: Faults,
+    say: Callable[[str, str], None],
+    what: str = "replay check",
 ) -> CheckCapsules | None:
-    """The replay check's capsules when both sdc_check_interval_s and capsule_dir are set."""
-    if config.sdc_check_interval_s is None or config.capsule_dir is None:
+    """The capsules of a replay's differences (`what`: the replay check's, with
+    sdc_check_interval_s; the spike replay's, with spike_replay), when capsule_dir is set."""
+    armed = (
+        config.sdc_check_interval_s is not None if what == "replay check" else config.spike_replay
+    )
+    if not armed or config.capsule_dir is None:
         return None
-    return CheckCapsules(config, model=model, rank=rank, faults=faults, say=say)
+    return CheckCapsules(config, model=model, rank=rank, faults=faults, say=say, what=what)
+
+
+def shown(name: str) -> str:
+    """A compared output's layer in words (the spike replay compares the model's output)."""
+    return name or "the model's output"

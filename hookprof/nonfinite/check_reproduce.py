@@ -1,4 +1,7 @@
-"""`hookprof replay` of a replay check's capsule (check_capsule.py): the third answer.
+"""`hookprof replay` of a replay's capsule (check_capsule.py): the third answer.
+
+(The scheduled replay check's, which compares every layer's output, or the spike replay's,
+which compares the model's output: the same form.)
 
 On the check step, one device ran the step's forward twice (the step's own, then the in-place
 replay) and the two differed. This runs it a third time, in this process, from the capsule:
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookprof.nonfinite.check_capsule import shown
 from hookprof.nonfinite.reproduce import (
     NOT_REPRODUCED,
     REPRODUCED,
@@ -116,7 +120,7 @@ def replay_check_capsule(
     by_replay = _first_difference(names, replayed, here)
 
     def layer(k: int | None) -> str:
-        return "none" if k is None else names[k]
+        return "none" if k is None else shown(names[k])
 
     if any(run != here for run in done[1:]):
         say(
@@ -136,26 +140,27 @@ def replay_check_capsule(
         say(
             f"reproduced elsewhere: {runs} runs on {device} give the step's own output bits at "
             f"every layer; the in-place replay, which differed first at "
-            f"{names[check['first']]}, was the odd run (suspect the machine during the replay)"
+            f"{layer(check['first'])}, was the odd run (suspect the machine during the replay)"
         )
         status = REPRODUCED
     elif by_replay is None:
         say(
             f"not reproduced: {runs} runs on {device} agree with the in-place replay and differ "
-            f"from the step's own outputs first at {names[by_original]}: the step's forward "
-            f"computed {names[by_original]} wrongly on {at} (the machine, not the data)"
+            f"from the step's own outputs first at {layer(by_original)}: the step's forward "
+            f"computed {layer(by_original)} wrongly on {at} (the machine, not the data)"
         )
         status = NOT_REPRODUCED
     else:
         say(
             f"not reproduced: {runs} runs on {device} differ from the step's own outputs first "
-            f"at {names[by_original]} and from the in-place replay's first at "
-            f"{names[by_replay]} (suspect nondeterminism)"
+            f"at {layer(by_original)} and from the in-place replay's first at "
+            f"{layer(by_replay)} (suspect nondeterminism)"
         )
         status = NOT_REPRODUCED
     say(
-        f"capsule of the replay check of step {step} on rank {view['rank']} ({at}); hookprof "
-        f"said: not_reproduced, layer {view['first_layer']}"
+        f"capsule of the {view.get('kind', 'replay check')} of step {step} on rank "
+        f"{view['rank']} ({at}); hookprof said: not_reproduced, "
+        + (f"layer {view['first_layer']}" if view["first_layer"] else "the model's output")
         + ("" if view.get("deterministic") else " (deterministic algorithms were off)")
     )
     return status

@@ -849,7 +849,8 @@ class Aggregator:
             skipped_steps=skipped,
             held_back_updates=held_back,
             capsules_written=self._attribution.capsules_written
-            + (self.replay.capsules if self.replay is not None else 0),
+            + (self.replay.capsules if self.replay is not None else 0)
+            + (self.spike_replays.capsules if self.spike_replays is not None else 0),
             internal_errors=internal_errors,
             layers=self._layers,
             exported_layers=self._exported,

@@ -139,4 +139,6 @@ def _spike(event: Any) -> dict[str, Any] | None:
     kept = {"step": event.step, "value": event.value, "median": event.median, "z": event.z}
     if event.verdict is not None:  # (its step's replay: Config.spike_replay)
         kept["verdict"] = event.verdict
+    if event.capsule is not None:
+        kept["capsule"] = event.capsule
     return kept if event.layer is None else {**kept, "layer": event.layer}

@@ -21,6 +21,7 @@ from hookprof.config import ConfigError
 from hookprof.view.report_html import render
 from hookprof.view.summary import summary_text
 from hookprof.view.table import from_metrics, header_lines
+from support.capsules import replay_in_new_process
 from support.first_nan import Mlp
 from support.lagging_device import lagging_device
 from support.metrics import parse, scrape
@@ -177,3 +178,30 @@ def test_off_by_default_and_needs_spike_detection():
     assert "hookprof_spike_replays" not in parse(page)
     with pytest.raises(ConfigError, match="spike_replay"):
         hookprof.Config(spike_replay=True, spike_detection=False)
+
+
+def test_a_not_reproduced_spike_writes_a_capsule_another_process_does_not_reproduce(tmp_path):
+    """capsule_dir set: the machine's spike gets a capsule of its step (the weights from
+    before its update, its batch, RNG and modules' state, both runs' output sums);
+    `hookprof replay` agrees with the in-place replay against the step's own output (exit
+    1). The data's spike, reproduced, gets none."""
+    config = {**OFTEN, "spike_replay": True, "capsule_dir": str(tmp_path / "machine")}
+    _, (snap, _, document) = train(config=config, fault="machine")
+    spike = snap.spikes["loss_spike"].first
+    assert spike.verdict == "not_reproduced" and spike.capsule is not None
+    assert document["spikes"]["loss_spike"]["first"]["capsule"] == spike.capsule
+    assert snap.capsules_written == 1
+    capsule = torch.load(spike.capsule, weights_only=True)
+    assert (capsule["view"]["kind"], capsule["view"]["step"]) == ("spike replay", AT)
+    assert capsule["check"]["layers"] == [""]  # the model's output
+    done = replay_in_new_process(spike.capsule, "--runs", "2")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.splitlines()[0].startswith(
+        "not reproduced: 2 runs on cpu agree with the in-place replay and differ from the "
+        "step's own outputs first at the model's output"
+    ), done.stdout
+
+    config = {**OFTEN, "spike_replay": True, "capsule_dir": str(tmp_path / "data")}
+    _, (snap, _, _) = train(config=config, fault="data")
+    assert snap.spikes["loss_spike"].first.verdict == "reproduced"
+    assert not (tmp_path / "data").exists() and snap.capsules_written == 0

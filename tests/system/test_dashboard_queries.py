@@ -70,6 +70,8 @@ def prometheus_on_demo(tmp_path_factory):
                 "HOOKPROF_PEAK_FLOPS": "1e12",
                 # the replica and replay checks' series (their rules read them)
                 "HOOKPROF_SDC_CHECK_INTERVAL_S": "1",
+                # the spike replay's counter (HookprofSpikeNotReproduced reads it)
+                "HOOKPROF_SPIKE_REPLAY": "1",
             },
         )
         read_until(demo.stdout, "serving metrics")

@@ -283,7 +283,6 @@ class Profiler:
                 ),
                 spike_replay=spike_replay_of(  # (Config.spike_replay: None when off)
                     config,
-                    self.table.params,
                     lambda: self._nan.replay.model,
                     self._hooks,
                     self._sampled,

@@ -489,8 +489,10 @@ class StepEvents:
         """The last step's gate read, its replay run if it tripped (sent on its own), and this
         step's parameters kept before its update."""
         assert self._spike_replay is not None
-        sent = self._spike_replay.update_began()
-        if sent is not None:
+        self._submit_spike(self._spike_replay.update_began(self._counters.steps + 1))
+
+    def _submit_spike(self, sent: Any) -> None:
+        if sent is not None:  # a spike's replay: its comparison and flags, on their own
             self._publisher.submit(
                 pack_step(sent[0].step, None, [], sampled=False, replay_check=sent)
             )
@@ -498,7 +500,7 @@ class StepEvents:
     @guarded("spike replay", disable=False)
     def _spike_step_ended(self, number: int) -> None:
         assert self._spike_replay is not None
-        self._spike_replay.step_ended(number, *self._series.current_values())
+        self._submit_spike(self._spike_replay.step_ended(number, *self._series.current_values()))
 
     @guarded("spike replay", disable=False)
     def _spike_late_loss(self, number: int, loss: Any) -> None:

@@ -65,6 +65,9 @@ NO_UPDATE = "the step's update began without an optimizer hook (its weights were
 COMPILED = "the model's forward is compiled (an eager replay is not the code that ran)"
 NO_OUTPUT = "the step's forward had no floating-point output to compare"
 NOT_CAUGHT = "no training forward of the model was seen on that step"
+PARAMETERS_REPLACED = (
+    "the model's parameters were replaced since the step (load_state_dict(assign=True))"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +100,6 @@ class SpikeReplay:
 
     def __init__(
         self,
-        params: Sequence[nn.Parameter],
         limits: Callable[[], tuple[float, float]],
         forward_again: Callable[[Any, Any], Any],
         refused: str | None = None,
@@ -105,7 +107,6 @@ class SpikeReplay:
         model: Callable[[], nn.Module | None] = lambda: None,
         capsules: Any = None,
     ):
-        self._params = [p for p in params if p.requires_grad]
         self._model = model
         # capsule_dir set: a difference's capsule (nonfinite/check_capsule.py CheckCapsules)
         self._capsules = capsules
@@ -113,7 +114,11 @@ class SpikeReplay:
         self._forward_again = forward_again
         self._limits = limits  # (loss, gradient norm) above which a step is replayed
         self._refused = refused  # why no step of this model can be replayed (said once)
-        self._kept: list[torch.Tensor] | None = None  # the parameters as the last update began
+        # every parameter of the model as the last step's first update began (trained or
+        # not: a frozen or EMA copy inside the model is read by the forward as well)
+        self._kept: list[torch.Tensor] | None = None
+        self._kept_ids: list[int] = []  # ... which parameters they were
+        self._kept_step: int | None = None
         self._current: _Step | None = None  # the step whose forward runs
         self._ended: _Step | None = None  # the last step ended, its gate on its way
 
@@ -145,23 +150,42 @@ class SpikeReplay:
             return
         current.sums = _output_sums(output)
 
-    def update_began(self) -> tuple[SpikeComparison, list[torch.Tensor]] | None:
-        """An update begins: the last step's gate read (waited for, on a device), its replay
-        run if it tripped, then this step's parameters kept. Returns the replay's comparison
-        and flags to send, if one ran."""
+    def update_began(self, step: int) -> tuple[SpikeComparison, list[torch.Tensor]] | None:
+        """Step `step`'s first update begins: the last step's gate read (waited for, on a
+        device), its replay run if it tripped, then this step's parameters kept (a second
+        optimizer of the step finds them kept: the first has updated its own since). Returns
+        the replay's comparison and flags to send, if one ran."""
+        if self._kept_step == step:
+            return None
         sent = self._settle()
-        if self._kept is None:
+        model = self._model()
+        params = list(model.parameters()) if model is not None else []
+        if (
+            self._kept is None
+            or [id(p) for p in params] != self._kept_ids
+            or any(k.shape != p.shape or k.dtype != p.dtype for k, p in zip(self._kept, params))
+        ):  # (the first time, or parameters replaced: load_state_dict(assign=True))
             with torch.no_grad():
-                self._kept = [torch.empty_like(p) for p in self._params]
+                self._kept = [torch.empty_like(p) for p in params]
+            self._kept_ids = [id(p) for p in params]
         with torch.no_grad():
-            torch._foreach_copy_(self._kept, [p.detach() for p in self._params])
-        if self._current is not None:
-            self._current.kept_weights = True
+            torch._foreach_copy_(self._kept, [p.detach() for p in params])
+        self._kept_step = step
+        if self._current is None or self._current.step != step:
+            # (a closure optimizer: its forward comes inside the step, after this hook)
+            self._current = _Step(step, refused=self._refused)
+        self._current.kept_weights = True
         return sent
 
-    def step_ended(self, step: int, loss: Any, norms: Sequence[torch.Tensor]) -> None:
+    def step_ended(
+        self, step: int, loss: Any, norms: Sequence[torch.Tensor]
+    ) -> tuple[SpikeComparison, list[torch.Tensor]] | None:
         """Step `step` ended with `loss` (prof.step's: a tensor, a number or None) and the
-        per-device gradient norms of the every-step series: its gate started."""
+        per-device gradient norms of the every-step series: its gate started. A previous
+        step's gate not read yet (this step had no update: a GradScaler skip, a hand-written
+        update) is read now, while the weights kept are still its own; returns that replay's
+        comparison and flags to send, if one ran."""
+        sent = self._settle() if self._ended is not None else None
         current = self._current
         if current is None or current.step != step:
             current = _Step(step, refused=NOT_CAUGHT)
@@ -169,9 +193,11 @@ class SpikeReplay:
         self._ended = current
         loss_limit, norm_limit = self._limits()
         if norms and math.isfinite(norm_limit):
-            squares = torch.stack([n.to(norms[0].device).square() for n in norms]).sum()
-            current.gate.append(transfer.peek(squares > norm_limit * norm_limit))
+            # (a norm written as "no value", -1: a fused optimizer's GradScaler skip, is 0)
+            squares = torch.stack([n.to(norms[0].device).clamp(min=0).square() for n in norms])
+            current.gate.append(transfer.peek(squares.sum() > norm_limit * norm_limit))
         self.late_loss(step, loss, loss_limit)
+        return sent
 
     def late_loss(self, step: int, loss: Any, loss_limit: float | None = None) -> None:
         """prof.step(loss) after the optimizer hook ended step `step`: its loss gated too."""
@@ -214,10 +240,16 @@ class SpikeReplay:
 
     def _run(self, ended: _Step) -> tuple[SpikeComparison, list[torch.Tensor]]:
         assert self._kept is not None
-        with torch.no_grad():
-            now = [p.detach().clone() for p in self._params]
-            torch._foreach_copy_([p.detach() for p in self._params], self._kept)
-        try:  # (the step's own weights in the model until `finally`)
+        model = self._model()
+        params = list(model.parameters()) if model is not None else []
+        if [id(p) for p in params] != self._kept_ids:
+            return SpikeComparison(ended.step, PARAMETERS_REPLACED), []
+        # the step's own weights swapped in as the parameters' data, and back: no copy, and
+        # no version counter moves (a graph the loop still runs backward on stays valid)
+        now = [p.data for p in params]
+        try:
+            for p, kept in zip(params, self._kept):
+                p.data = kept
             output = self._forward_again(ended.captured, ended.start)
             again = _output_sums(output)
             device = ended.sums[0].device
@@ -231,7 +263,7 @@ class SpikeReplay:
             capsule = None
             if self._capsules is not None:  # capsule_dir: a difference's capsule, now
                 capsule = self._capsules.keep(
-                    self._model(),
+                    model,
                     ended.captured,
                     ended.start,
                     [self._entry_name(ended.captured)] * len(ended.sums),
@@ -244,8 +276,8 @@ class SpikeReplay:
         except Exception:
             return SpikeComparison(ended.step, REPLAY_FAILED), []
         finally:
-            with torch.no_grad():
-                torch._foreach_copy_([p.detach() for p in self._params], now)
+            for p, data in zip(params, now):
+                p.data = data
         return SpikeComparison(ended.step, None, deterministic, capsule), [differs]
 
     def _entry_name(self, captured: Any) -> str:
@@ -296,7 +328,6 @@ class SpikeReplays:
 
 def spike_replay_of(
     config: Any,
-    params: Sequence[nn.Parameter],
     model: Callable[[], nn.Module | None],
     hooks: Any,
     sampled: Any,
@@ -331,4 +362,4 @@ def spike_replay_of(
             sampled.discard(own)
         return outputs[0]
 
-    return SpikeReplay(params, limits, again, model=model, capsules=capsules)
+    return SpikeReplay(limits, again, model=model, capsules=capsules)

@@ -98,10 +98,11 @@ def to_cpu(value: Any) -> Any:
     return map_tensors(value, lambda t: t.detach().to("cpu", copy=True))
 
 
-def module_on_cpu(module: nn.Module) -> nn.Module:
+def module_on_cpu(module: nn.Module, dropped: list[int] | None = None) -> nn.Module:
     """A copy of `module` on the CPU without its hooks, made without a second copy on its
     device: parameters and buffers go straight to the CPU (deepcopy's memo), the hook
-    dictionaries (hookprof's or anyone's) come back empty."""
+    dictionaries (hookprof's or anyone's) come back empty; `dropped` gets how many of the
+    loop's own hooks were left out (hookprof's are not counted)."""
     memo: dict[int, Any] = {}
     for m in module.modules():
         for key, value in vars(m).items():
@@ -118,10 +119,14 @@ def module_on_cpu(module: nn.Module) -> nn.Module:
     copied = copy.deepcopy(module, memo)
     # hookprof's copies (step/copies.py) keep the user's hooks, as an EMA copy must: a
     # capsule keeps none (a hook of the loop's own, a local function, does not pickle)
+    left_out = 0
     for m in copied.modules():
         for key, value in list(vars(m).items()):
             if _is_hooks(key, value):
+                left_out += len(value) if key != "_forward_hooks_always_called" else 0
                 m.__dict__[key] = type(value)()
+    if dropped is not None:
+        dropped.append(left_out)
     return copied
 
 

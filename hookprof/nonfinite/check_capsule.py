@@ -114,18 +114,21 @@ class CheckCapsules:
                 "replayed": sums[len(original) :],
                 "first": first,
             }
-            contents = self._contents(model, captured, start, check, step, deterministic)
-            if contents is None:
-                return None
+            # the slot first: once the count is reached, no copy of the model is made at all
+            # (a failing device can make every check step a mismatch)
             if not _take_slot(self._max_count):
                 self._say(
-                    "capsule limit",
+                    f"{self._what} capsule limit",
                     f"no capsule written for the {self._what} of step {step}: this process "
                     f"has written capsule_max_count={self._max_count} already",
                 )
                 return None
             path = capsule_path(self._dir, self._model, self._rank, step)
             try:
+                contents = self._contents(model, captured, start, check, step, deterministic)
+                if contents is None:
+                    _give_back_slot()
+                    return None
                 buffer = io.BytesIO()
                 torch.save(contents, buffer)
                 write_atomic(path, buffer.getvalue(), make_dirs=True)
@@ -170,6 +173,8 @@ class CheckCapsules:
             return None
         devices = {t.device for t in state.values()}
         device = device_name(devices)
+        dropped: list[int] = []
+        copied = _as_forward_began(model, start, dropped)
         cuda = captured.cuda_rng is not None
         view = {
             "form": FORM_CHECK,
@@ -188,10 +193,12 @@ class CheckCapsules:
             "torch_version": str(torch.__version__),
             "hookprof_version": __version__,
             "deterministic": deterministic,
+            "backends": backends(),
             "modes": captured.modes,
             "first_layer": check["layers"][check["first"]],
             "dtypes": {"inputs": dtypes_of(inputs)},
             "sizes": sizes,
+            "hooks_left_out": dropped[0],
             "event": {"replay": "not_reproduced", "layer": check["layers"][check["first"]]},
         }
         entry = (
@@ -210,15 +217,28 @@ class CheckCapsules:
                 "python_rng": _saved(start.python_rng),
                 "numpy_rng": _saved(start.numpy_rng) if start.numpy_rng is not None else None,
             },
-            "model": module_entry(_as_forward_began(model, start)),
+            "model": module_entry(copied),
             "check": check,
         }
 
 
-def _as_forward_began(model: nn.Module, start: Any) -> nn.Module:
+def backends() -> dict[str, Any]:
+    """The settings that choose kernels, and so the bits a forward gives (the replay in
+    another process sets them as the step had them: check_reproduce.py)."""
+    return {
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+    }
+
+
+def _as_forward_began(model: nn.Module, start: Any, dropped: list[int]) -> nn.Module:
     """A CPU copy of `model` with the step's weights (not updated yet) and the modules' state
     as its forward began (`start`: replay.ModuleState), which the forward has changed since."""
-    copy = module_on_cpu(model)
+    copy = module_on_cpu(model, dropped)
     names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
     for module, name, buffer in start.buffers:
         copy.get_submodule(names[id(module)])._buffers[name] = buffer.detach().to("cpu", copy=True)

@@ -25,9 +25,10 @@ model (a forward changes BatchNorm's statistics). Then:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,8 +59,11 @@ def _sums_of_run(model: nn.Module, capsule: dict[str, Any], device: str) -> list
     args, kwargs = _to(args, device), _to(kwargs or {}, device)
     seen: list[tuple[str, int]] = []
 
-    def hook(name: str) -> Callable[..., None]:
-        def after(module: nn.Module, inputs: Any, output: Any) -> None:
+    def summed(name: str, forward_of: Callable[..., Any]) -> Callable[..., Any]:
+        # the layer's own forward, wrapped as hookprof's hooks wrap it (step/hooks.py): a call
+        # through `layer.forward(x)` is summed too, which a forward hook would not see
+        def forward_and_sum(*args: Any, **kwargs: Any) -> Any:
+            output = forward_of(*args, **kwargs)
             for t in (output,) if isinstance(output, torch.Tensor) else iter_tensors(output):
                 if (
                     (t.is_floating_point() or t.is_complex())
@@ -67,17 +71,17 @@ def _sums_of_run(model: nn.Module, capsule: dict[str, Any], device: str) -> list
                     and t.numel()
                 ):
                     seen.append((name, int(bits_sum(t))))
+            return output
 
-        return after
+        return forward_and_sum
 
-    handles = []
-    try:
+    with _backends(view.get("backends") or {}):
         for name in dict.fromkeys(capsule["check"]["layers"]):
             try:
                 layer = fresh.get_submodule(name)
             except AttributeError:
                 raise CannotLoad(f"the capsule's model has no layer {name!r}") from None
-            handles.append(layer.register_forward_hook(hook(name)))
+            layer.forward = summed(name, layer.forward)
         entry = forward.get("entry")
         target = fresh.get_submodule(entry) if entry else fresh
         _set_rng(forward.get("cpu_rng"), forward.get("cuda_rng"), device)
@@ -88,10 +92,40 @@ def _sums_of_run(model: nn.Module, capsule: dict[str, Any], device: str) -> list
             numpy.random.set_state(_loaded(forward["numpy_rng"]))
         with torch.no_grad(), _autocast(view.get("modes"), device):
             target(*args, **kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
     return seen
+
+
+@contextlib.contextmanager
+def _backends(settings: dict[str, Any]) -> Iterator[None]:
+    """The kernel choices the step ran with (check_capsule.backends), put back afterwards."""
+    before = {
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+    }
+
+    def apply(values: dict[str, Any]) -> None:
+        if "float32_matmul_precision" in values:
+            torch.set_float32_matmul_precision(values["float32_matmul_precision"])
+        if "cuda_matmul_allow_tf32" in values:
+            torch.backends.cuda.matmul.allow_tf32 = values["cuda_matmul_allow_tf32"]
+        if "cudnn_allow_tf32" in values:
+            torch.backends.cudnn.allow_tf32 = values["cudnn_allow_tf32"]
+        if "cudnn_deterministic" in values:
+            torch.backends.cudnn.deterministic = values["cudnn_deterministic"]
+        if "cudnn_benchmark" in values:
+            torch.backends.cudnn.benchmark = values["cudnn_benchmark"]
+        if "deterministic_algorithms" in values:
+            torch.use_deterministic_algorithms(values["deterministic_algorithms"])
+
+    apply(settings)
+    try:
+        yield
+    finally:
+        apply(before)
 
 
 def _first_difference(
@@ -163,4 +197,16 @@ def replay_check_capsule(
         + (f"layer {view['first_layer']}" if view["first_layer"] else "the model's output")
         + ("" if view.get("deterministic") else " (deterministic algorithms were off)")
     )
+    if view.get("hooks_left_out"):
+        say(
+            f"note: the model had {view['hooks_left_out']} hook(s) of the loop's own, which the "
+            "capsule does not hold: one that changes a layer's output makes this replay differ "
+            "from the step's for that reason alone"
+        )
+    if "pickle" not in capsule["model"]:
+        say(
+            "note: the model was rebuilt from its class and state_dict (it did not pickle: "
+            f"{capsule['model'].get('not_pickled')}): state it keeps outside its buffers, and "
+            "its submodules' train/eval modes, are not the step's"
+        )
     return status

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from hookprof.view.summary import summary_text
 from hookprof.view.table import from_metrics, header_lines
 from support.capsules import replay_in_new_process
 from support.metrics import parse, scrape
-from support.models import ReplayCheckNet
+from support.models import DirectForwardNet, ReplayCheckNet
 from support.rendered import Elements
 
 EVERY_STEP = 1e-9  # sdc_check_interval_s: a period of one step, every step a check step
@@ -323,7 +324,7 @@ def test_a_refused_step_sums_no_more_outputs(monkeypatch):
 # ---------------- a mismatch's capsule, replayed in another process (issue 43 item 2) ----------------
 
 
-def flip_in_replay(layer: str):
+def flip_in_replay(layer: str, index: tuple[int, ...] = (1, 3)):
     """The same bit flipped in `layer`'s output, but in FAULT_STEP's in-place replay (under
     no_grad) rather than in the step's own forward: the step computed right."""
     armed = {"step": False}
@@ -331,7 +332,7 @@ def flip_in_replay(layer: str):
     def flip_once(module, args, output):
         if armed["step"] and not torch.is_grad_enabled():
             armed["step"] = False
-            return flip_bit(output)
+            return flip_bit(output, index)
         return None
 
     def fault(model, step, x):
@@ -427,3 +428,45 @@ def test_no_mismatch_no_capsule(tmp_path):
     _, (snap, _) = train(12, config)
     assert snap.replay_checks["reproduced"] >= 10 and snap.replay_mismatch is None
     assert list(tmp_path.iterdir()) == [] and snap.capsules_written == 0
+
+
+def test_a_layer_called_through_its_forward_is_summed_in_the_other_process_too(
+    tmp_path, monkeypatch
+):
+    """`self.fc1.forward(x)`: hookprof sums its output (its hooks wrap `forward`), and so
+    must `hookprof replay`, or a healthy step reads as not reproduced (found by review)."""
+    monkeypatch.setattr(sys.modules[__name__], "Net", DirectForwardNet)
+    config = {"sdc_check_interval_s": EVERY_STEP, "capsule_dir": str(tmp_path)}
+    _, (snap, _) = train(12, config, flip_in_replay("fc2", (1, 0)))
+    assert snap.replay_mismatch.layer == "fc2"
+    done = replay_in_new_process(snap.replay_mismatch.capsule, "--runs", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_no_copy_of_the_model_once_the_capsule_count_is_reached(tmp_path, monkeypatch):
+    """A failing device can make every check a mismatch: past capsule_max_count, no capsule
+    and no copy of the model (the slot is taken first; found by review)."""
+    from hookprof.nonfinite import capsule as capsule_module
+
+    copies = []
+    real = capsule_module.module_on_cpu
+    monkeypatch.setattr(
+        "hookprof.nonfinite.check_capsule.module_on_cpu",
+        lambda *a, **k: copies.append(1) or real(*a, **k),
+    )
+
+    def flip_every_replay(model, step, x):
+        if x is None:
+            model.fc1.register_forward_hook(
+                lambda m, a, out: flip_bit(out) if not torch.is_grad_enabled() else None
+            )
+        return x
+
+    config = {
+        "sdc_check_interval_s": EVERY_STEP,
+        "capsule_dir": str(tmp_path),
+        "capsule_max_count": 1,
+    }
+    _, (snap, _) = train(8, config, flip_every_replay)
+    assert snap.replay_checks["not_reproduced"] >= 6
+    assert len(list(tmp_path.iterdir())) == 1 and copies == [1]

@@ -15,6 +15,7 @@ import threading
 
 import pytest
 import torch
+from torch import nn
 
 import hookprof
 from hookprof.config import ConfigError
@@ -205,3 +206,62 @@ def test_a_not_reproduced_spike_writes_a_capsule_another_process_does_not_reprod
     _, (snap, _, _) = train(config=config, fault="data")
     assert snap.spikes["loss_spike"].first.verdict == "reproduced"
     assert not (tmp_path / "data").exists() and snap.capsules_written == 0
+
+
+class ActorCritic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.value = nn.Linear(16, 1)
+        self.policy = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.trunk(x))
+        return self.value(h), self.policy(h)
+
+
+def actor_critic(config: dict | None) -> tuple[list[float], object]:
+    """One forward, two optimizers: the value head's update, then a backward through the
+    trunk (whose graph was built before that update) and the others' update. A data spike
+    at AT. (Found by review: a replay that wrote the parameters in place broke that second
+    backward; a second optimizer's hook re-took the weights after the first had updated.)"""
+    torch.manual_seed(0)
+    model = ActorCritic()
+    opt_value = torch.optim.SGD(model.value.parameters(), lr=0.01)
+    opt_rest = torch.optim.Adam([*model.trunk.parameters(), *model.policy.parameters()], lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    prof = hookprof.attach(model, **config) if config is not None else None
+    losses = []
+    try:
+        for step in range(1, STEPS + 1):
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+            if step == AT:
+                x = corrupt(x)
+            opt_value.zero_grad()
+            opt_rest.zero_grad()
+            value, logits = model(x)
+            value_loss = (value - y).square().mean()
+            value_loss.backward(retain_graph=True)
+            opt_value.step()
+            policy_loss = logits.logsumexp(-1).mean() + value.detach().mean()
+            policy_loss.backward()
+            opt_rest.step()
+            if prof is not None:
+                prof.step(value_loss)
+            losses.append(value_loss.item())
+        if prof is None:
+            return losses, None
+        prof.flush()
+        return losses, prof.snapshot()
+    finally:
+        if prof is not None:
+            prof.detach()
+
+
+def test_two_optimizers_on_one_forward_train_the_same_and_reproduce():
+    bare, _ = actor_critic(None)
+    watched, snap = actor_critic({**OFTEN, "spike_replay": True})
+    assert watched == bare
+    assert snap.spikes["loss_spike"].first.step == AT
+    assert snap.spikes["loss_spike"].first.verdict == "reproduced"
+    assert snap.spike_replays["not_reproduced"] == 0 and snap.internal_errors == 0

@@ -109,6 +109,19 @@ class ReplayCheckNet(nn.Module):
         return self.fc3(torch.relu(self.fc2(self.drop(self.act(self.bn(self.fc1(x)))))))
 
 
+class DirectForwardNet(nn.Module):
+    """A layer called through `.forward()`, not `__call__` (hookprof's hooks wrap `forward`:
+    a forward hook would not see that call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1.forward(x)))
+
+
 def loss_of(model: nn.Module, batch) -> torch.Tensor:
     inputs, target = batch
     out = model(inputs)

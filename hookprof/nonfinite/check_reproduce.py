@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookprof.nonfinite.check_capsule import shown
+from hookprof.nonfinite.check_capsule import backends, shown
 from hookprof.nonfinite.reproduce import (
     NOT_REPRODUCED,
     REPRODUCED,
@@ -98,14 +98,7 @@ def _sums_of_run(model: nn.Module, capsule: dict[str, Any], device: str) -> list
 @contextlib.contextmanager
 def _backends(settings: dict[str, Any]) -> Iterator[None]:
     """The kernel choices the step ran with (check_capsule.backends), put back afterwards."""
-    before = {
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-        "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-    }
+    before = backends()
 
     def apply(values: dict[str, Any]) -> None:
         if "float32_matmul_precision" in values:

@@ -31,14 +31,10 @@ from hookprof.distributed import detect_local_rank, detect_rank, with_other_rank
 from hookprof.efficiency.figures import EfficiencyTotals, StepEfficiency
 from hookprof.errors import DetachedError, MetaDeviceError
 from hookprof.faults import Faults, ThreadSupervisor
-from hookprof.integrity.replay_check import ReplayCheck
 from hookprof.integrity.replicas import ReplicaCheck
-from hookprof.integrity.spike_replay import spike_replay_of
 from hookprof.layers import LayerTable
-from hookprof.nonfinite.check_capsule import check_capsules
 from hookprof.nonfinite.checks import NonfiniteChecks
 from hookprof.nonfinite.incident import IncidentResponse
-from hookprof.nonfinite.replay import forward_again
 from hookprof.notices import Notices
 from hookprof.phases.recorder import PhaseClock
 from hookprof.phases.stall import StallWatch, cuda_busy
@@ -57,7 +53,7 @@ from hookprof.step.record import StepCounters, loss_notice, real_loss
 from hookprof.step.sampled import SampledStep
 from hookprof.step.series import StepSeries
 from hookprof.step.update_statistics import UpdateStatistics
-from hookprof.step_events import CounterDrain, StepEvents
+from hookprof.step_events import CounterDrain, StepEvents, replays_of
 from hookprof.view import summary
 
 detach_all = live.detach_all
@@ -276,28 +272,9 @@ class Profiler:
                 supervisor=self._supervisor,
                 drain=self._drain,
                 replicas=self._replicas,
-                replay_check=ReplayCheck.of(  # (Config.sdc_check_interval_s: None when off)
-                    config,
-                    self.table.names,
-                    check_capsules(config, self.name, self.rank, self._faults, self._notices.say),
-                ),
-                spike_replay=spike_replay_of(  # (Config.spike_replay: None when off)
-                    config,
-                    lambda: self._nan.replay.model,
-                    self._hooks,
-                    self._sampled,
-                    self._publisher.spike_gate_limits,
-                    forward_again,
-                    sharded=self.table.has_dtensor_params,
-                    say=self._notices.say,
-                    capsules=check_capsules(
-                        config,
-                        self.name,
-                        self.rank,
-                        self._faults,
-                        self._notices.say,
-                        "spike replay",
-                    ),
+                **replays_of(  # (sdc_check_interval_s, spike_replay: None when off)
+                    *(config, self.table, self.name, self.rank, self._faults, self._notices.say),
+                    *(self._nan, self._hooks, self._sampled, self._publisher),
                 ),
                 sharded=self.table.has_dtensor_params,
                 parameter_statistics=statistics.ParameterStatistics(

@@ -11,6 +11,7 @@ Built by the Profiler once every part exists (profiler.py), and handed to the bo
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,7 +38,8 @@ from hookprof.integrity.replay_check import (
 )
 from hookprof.integrity.replicas import ReplicaCheck
 from hookprof.integrity.spike_replay import COMPILED as SPIKE_COMPILED
-from hookprof.integrity.spike_replay import SpikeReplay
+from hookprof.integrity.spike_replay import SpikeReplay, spike_replay_of
+from hookprof.nonfinite.check_capsule import check_capsules
 from hookprof.nonfinite.checks import NonfiniteChecks
 from hookprof.nonfinite.incident import IncidentResponse
 from hookprof.nonfinite.replay import forward_again, state_at_forward_start
@@ -542,3 +544,35 @@ class StepEvents:
         self._hooks.remove()
         self._efficiency.drop()
         self._sampled.release()
+
+
+def replays_of(
+    config: Any,
+    table: Any,
+    name: str,
+    rank: int,
+    faults: Faults,
+    say: Callable[[str, str], None],
+    nan: NonfiniteChecks,
+    hooks: LayerHooks,
+    sampled: SampledStep,
+    publisher: Publisher,
+) -> dict[str, Any]:
+    """StepEvents' replay check (Config.sdc_check_interval_s) and spike replay
+    (Config.spike_replay) of a model, None where off, each with the writer of its
+    differences' capsules where capsule_dir is set (hookprof/integrity/, nonfinite/)."""
+    capsules = functools.partial(check_capsules, config, name, rank, faults, say)
+    return {
+        "replay_check": ReplayCheck.of(config, table.names, capsules()),
+        "spike_replay": spike_replay_of(
+            config,
+            lambda: nan.replay.model,
+            hooks,
+            sampled,
+            publisher.spike_gate_limits,
+            forward_again,
+            sharded=table.has_dtensor_params,
+            say=say,
+            capsules=capsules("spike replay"),
+        ),
+    }

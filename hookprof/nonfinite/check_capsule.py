@@ -61,6 +61,7 @@ def first_difference(order: Sequence[int], parts: Sequence[torch.Tensor]) -> int
     This is the one read that waits for the device."""
     if not parts:
         return None
+    # note: a CPU-GPU sync point (capsule_dir set: a check step, or a spike's replay, only)
     flags = torch.cat([p.reshape(-1).to("cpu") for p in parts]).tolist()
     return min((k for k, flag in zip(order, flags) if flag), default=None)
 
@@ -107,6 +108,7 @@ class CheckCapsules:
             first = first_difference(*flags)
             if first is None:
                 return None
+            # (the device has computed these already: the flags just read depend on them)
             sums = torch.stack([t.to("cpu") for t in (*original, *replayed)]).tolist()
             check = {
                 "layers": list(names),

@@ -284,7 +284,7 @@ class Config:
 
     spike_replay: bool = False
     """Arm the spike verdict (docs/integrity.md): every step keeps its forward's inputs, RNG
-    and modules' state, its output's bit sums and a copy of its trained parameters before its
+    and modules' state, its output's bit sums and a copy of its parameters before its
     update (their size in memory, copied once per step), so that a step whose loss or
     gradient norm passes the spike gate is replayed after its update and its output compared
     bitwise: reproduced (the data) or not (the machine). A single-rank process only; on a GPU

@@ -102,7 +102,6 @@ class SpikeReplay:
         self,
         limits: Callable[[], tuple[float, float]],
         forward_again: Callable[[Any, Any], Any],
-        refused: str | None = None,
         *,
         model: Callable[[], nn.Module | None] = lambda: None,
         capsules: Any = None,
@@ -113,7 +112,6 @@ class SpikeReplay:
         # (captured, start) -> the replay's output: nonfinite/replay.py forward_again
         self._forward_again = forward_again
         self._limits = limits  # (loss, gradient norm) above which a step is replayed
-        self._refused = refused  # why no step of this model can be replayed (said once)
         # every parameter of the model as the last step's first update began (trained or
         # not: a frozen or EMA copy inside the model is read by the forward as well)
         self._kept: list[torch.Tensor] | None = None
@@ -134,7 +132,7 @@ class SpikeReplay:
         `refused` (a compiled forward)."""
         current = self._current
         if current is None or current.step != step:
-            current = self._current = _Step(step, refused=self._refused or refused)
+            current = self._current = _Step(step, refused=refused)
         current.forwards += 1
         if current.forwards == 1 and current.refused is None:
             current.captured, current.start = capture(), start()
@@ -173,7 +171,7 @@ class SpikeReplay:
         self._kept_step = step
         if self._current is None or self._current.step != step:
             # (a closure optimizer: its forward comes inside the step, after this hook)
-            self._current = _Step(step, refused=self._refused)
+            self._current = _Step(step)
         self._current.kept_weights = True
         return sent
 

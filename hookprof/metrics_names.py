@@ -243,6 +243,21 @@ REPLAY_MISMATCH_TIMESTAMP_SECONDS = Metric(
     "Unix time at which the mismatch in hookprof_replay_mismatch_info was judged (the alert "
     "fires for 30 minutes from it, whatever the scrapes missed)",
 )
+SPIKE_MISMATCH_INFO = Metric(
+    "hookprof_spike_mismatch_info",
+    "gauge",
+    ("rank", "layer", "step", "deterministic"),
+    "The last spike whose replay (Config.spike_replay) did not reproduce its forward: the "
+    "first layer whose output differed ((root): only the model's output), and whether "
+    "torch's deterministic algorithms were on (always 1)",
+)
+SPIKE_MISMATCH_TIMESTAMP_SECONDS = Metric(
+    "hookprof_spike_mismatch_timestamp_seconds",
+    "gauge",
+    ("rank",),
+    "Unix time at which the spike replay in hookprof_spike_mismatch_info was judged (the "
+    "alert fires for 30 minutes from it, whatever the scrapes missed)",
+)
 INTERNAL_ERRORS_TOTAL = Metric(
     "hookprof_internal_errors_total",
     "counter",

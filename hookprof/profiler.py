@@ -308,6 +308,7 @@ class Profiler:
             if compiled:  # a hook added now would force a recompile, and do nothing in the graph
                 explain_attached_after_compile(self._notices)
                 self._backward_end.watch_params(self.table.params)
+            undo.enter_context(self._events.output_sums(compiled))  # (Config.spike_replay)
             undo.enter_context(self._boundary.install(model, self._events, self._nan.traced))
             undo.callback(self._events.release)
             self._events.begin_step(1, clock())

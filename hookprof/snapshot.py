@@ -210,6 +210,10 @@ class SpikeEvent:
     data), "not_reproduced" (the machine), "not_compared"; None: not replayed (yet)."""
     capsule: str | None = None
     """A not-reproduced replay's capsule (capsule_dir set), for `hookprof replay`."""
+    entered: str | None = None
+    """A not-reproduced replay's first layer, in call order, whose forward output differed from
+    the step's: where the wrong value entered ("(root)": the model's own code between its
+    layers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +329,9 @@ class Snapshot:
     """The spike replay's steps by result ("reproduced": the data, "not_reproduced": the
     machine, "not_compared"); empty while it is off (Config.spike_replay). Each spike event
     carries its step's verdict (SpikeEvent.verdict)."""
+    spike_mismatch: ReplayMismatch | None = None
+    """The last spike whose replay did not reproduce its forward: the first layer whose output
+    differed ("(root)": only the model's output, from its own code between its layers)."""
     spikes: Mapping[str, SpikeCount] = field(default_factory=lambda: _EMPTY)
     """"loss_spike" / "grad_norm_spike" -> the spike events of the every-step series so far
     (publish/spikes.py): anomalies that are no NaN."""

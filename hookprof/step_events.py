@@ -11,9 +11,10 @@ Built by the Profiler once every part exists (profiler.py), and handed to the bo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ from hookprof.step.backward_end import BackwardEnd
 from hookprof.step.boundary import StepBoundary, no_step_notice
 from hookprof.step.gradients import StepGradients, no_gradients_notice
 from hookprof.step.hooks import LayerHooks
+from hookprof.step.output_sums import OutputSums
 from hookprof.step.record import StepCounters, StepRecord, pack_step
 from hookprof.step.sampled import SampledStep
 from hookprof.step.series import StepSeries
@@ -538,6 +540,19 @@ class StepEvents:
         """A statistic of the user's failed: counted and logged; nothing switches off."""
         self._faults.report(part, exc, disable=False)
 
+    @contextlib.contextmanager
+    def output_sums(self, compiled: bool) -> Iterator[None]:
+        """The spike replay's per-layer output sums in place for the block (attach to detach;
+        under the sampled steps' wrappers, which `release` takes out first). None on a model
+        compiled before attach: a wrapper put in now would recompile it, and its steps are
+        not replayed."""
+        sums = self._spike_replay.sums if self._spike_replay is not None else None
+        if sums is None or compiled:
+            yield
+            return
+        with sums.installed():
+            yield
+
     def release(self) -> None:
         """At detach: layer hooks out; a sampled step that never ended gives its events back."""
         self._supervisor.close()  # runs before the threads stop: none restarts after detach
@@ -562,6 +577,8 @@ def replays_of(
     (Config.spike_replay) of a model, None where off, each with the writer of its
     differences' capsules where capsule_dir is set (hookprof/integrity/, nonfinite/)."""
     capsules = functools.partial(check_capsules, config, name, rank, faults, say)
+    root = nan.replay.model
+    sums = OutputSums(table, root, faults) if config.spike_replay and root is not None else None
     return {
         "replay_check": ReplayCheck.of(config, table.names, capsules()),
         "spike_replay": spike_replay_of(
@@ -574,5 +591,7 @@ def replays_of(
             sharded=table.has_dtensor_params,
             say=say,
             capsules=capsules("spike replay"),
+            sums=sums,
+            names=table.names,
         ),
     }

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hookprof.compiled import unwrap_compiled
 from hookprof.layers import LayerTable
+from hookprof.step.hooks import ForwardWrapper
 
 MAX_COUNTS_PER_STEP = (
     32  # new signatures counted at one step boundary; the rest on later sampled steps
@@ -105,8 +106,9 @@ def _meta_clone(module: torch.nn.Module) -> torch.nn.Module:
             clone.__dict__[name] = torch.empty(value.shape, dtype=value.dtype, device="meta")
     own = clone.__dict__.pop("forward", None)
     if own is not None:
-        wrapped = getattr(own, "__wrapped__", None)  # hookprof's ForwardWrapper
-        target = wrapped if wrapped is not None else own
+        target = own
+        while isinstance(target, ForwardWrapper):  # hookprof's (a sampled step's, a replay's)
+            target = target.__wrapped__
         if getattr(target, "__self__", None) is not module:
             raise TypeError("an instance forward not bound to the module")  # someone else's wrapper
         if getattr(target, "__func__", None) is not type(module).forward:

@@ -68,6 +68,36 @@ class Comparison:
     capsule: str | None = None  # the mismatch's capsule (capsule_dir: check_capsule.py)
 
 
+def compare_sums(
+    ours: Sequence[tuple[int, torch.Tensor]], theirs: Sequence[tuple[int, torch.Tensor]]
+) -> tuple[tuple[int, ...], tuple[int, ...], int | None, list[torch.Tensor]]:
+    """Two forwards' (layer, output sum) in call order, compared on the device: (each of ours'
+    layer, the positions compared in the order of the flags, the first position at which the
+    calls differ on the host or None, the flags "this output differs", one stack per device).
+    Nothing is read back."""
+    layers = tuple(layer for layer, _ in ours)
+    diverged = next(
+        (k for k, (a, b) in enumerate(zip(ours, theirs)) if a[0] != b[0]),
+        None if len(ours) == len(theirs) else min(len(ours), len(theirs)),
+    )
+    compared = len(ours) if diverged is None else diverged
+    by_device: dict[torch.device, list[int]] = {}
+    for k in range(compared):
+        by_device.setdefault(ours[k][1].device, []).append(k)
+    parts = [
+        torch.stack([ours[k][1] != theirs[k][1] for k in positions]).to(torch.float64)
+        for positions in by_device.values()
+    ]
+    order = tuple(k for positions in by_device.values() for k in positions)
+    return layers, order, diverged, parts
+
+
+def first_differing(order: Sequence[int], flags: Sequence[float]) -> int | None:
+    """The first position, in call order, whose flag (read on the host) says it differs."""
+    differs = dict(zip(order, flags))
+    return next((k for k in sorted(differs) if differs[k]), None)
+
+
 class ReplayCheck:
     """The training thread's side: what a check step's forward was, and the comparison."""
 
@@ -138,22 +168,9 @@ class ReplayCheck:
     ) -> tuple[Comparison, list[torch.Tensor]]:
         """The two forwards' output sums (StepRecord.fingerprints) compared: the comparison
         and its device flags, one stack per device (nothing is read back)."""
-        ours = self.outputs(original)
-        theirs = self.outputs(replayed)
-        layers = tuple(layer for layer, _ in ours)
-        diverged = next(
-            (k for k, (a, b) in enumerate(zip(ours, theirs)) if a[0] != b[0]),
-            None if len(ours) == len(theirs) else min(len(ours), len(theirs)),
+        layers, order, diverged, parts = compare_sums(
+            self.outputs(original), self.outputs(replayed)
         )
-        compared = len(ours) if diverged is None else diverged
-        by_device: dict[torch.device, list[int]] = {}
-        for k in range(compared):
-            by_device.setdefault(ours[k][1].device, []).append(k)
-        parts = [
-            torch.stack([ours[k][1] != theirs[k][1] for k in positions]).to(torch.float64)
-            for positions in by_device.values()
-        ]
-        order = tuple(k for positions in by_device.values() for k in positions)
         deterministic = torch.are_deterministic_algorithms_enabled()
         comparison = Comparison(step, layers, order, diverged, None, deterministic)
         return comparison, parts
@@ -215,8 +232,7 @@ class ReplayVerdicts:
             self.counts[NOT_COMPARED] += 1
             self.last_refusal = comparison.refused
             return NOT_COMPARED
-        differs = dict(zip(comparison.order, flags))
-        first = next((k for k in sorted(differs) if differs[k]), None)
+        first = first_differing(comparison.order, flags)
         if first is None and comparison.diverged is not None:
             # the calls parted with every output before alike: a difference of the host's
             # (Python state the replay did not see as it was), not a device's value

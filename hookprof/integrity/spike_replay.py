@@ -49,6 +49,7 @@ from torch import nn
 from hookprof.device import transfer
 from hookprof.distributed import with_other_ranks
 from hookprof.integrity.replay_check import (
+    CALLS_DIFFER,
     INPUTS_EDITED,
     NOT_COMPARED,
     NOT_REPRODUCED,
@@ -58,12 +59,20 @@ from hookprof.integrity.replay_check import (
     SEVERAL_FORWARDS,
     SEVERAL_RANKS,
     SHARDED,
+    compare_sums,
+    first_differing,
 )
+from hookprof.layers import ROOT_NAME
+from hookprof.snapshot import ReplayMismatch
+from hookprof.step.output_sums import OutputSums
 from hookprof.tensors import bits_sum, iter_tensors
 
 NO_UPDATE = "the step's update began without an optimizer hook (its weights were not kept)"
 COMPILED = "the model's forward is compiled (an eager replay is not the code that ran)"
 NO_OUTPUT = "the step's forward had no floating-point output to compare"
+# the first differing output was the model's, and its layers were not compared (a fault in
+# their sums, or more calls than are kept: step/output_sums.py)
+OUTPUT_NAME = "(output)"
 NOT_CAUGHT = "no training forward of the model was seen on that step"
 PARAMETERS_REPLACED = (
     "the model's parameters were replaced since the step (load_state_dict(assign=True))"
@@ -79,6 +88,13 @@ class SpikeComparison:
     refused: str | None = None
     deterministic: bool = False
     capsule: str | None = None  # a difference's capsule (capsule_dir set)
+    # each compared output's layer, in call order: the layers' (while the layer sums were
+    # collected whole), then the model's output as ROOT_NAME (or the entry module's name;
+    # OUTPUT_NAME when the layers were not compared);
+    # the flags come in `order`; `diverged`: where the two forwards' calls parted
+    layers: tuple[str, ...] = ()
+    order: tuple[int, ...] = ()
+    diverged: int | None = None
 
 
 @dataclass
@@ -92,6 +108,9 @@ class _Step:
     refused: str | None = None
     forwards: int = 0
     kept_weights: bool = False  # the parameters were copied as its update began
+    # (layer, output sum) of its forward's layer calls (step/output_sums.py); None: not
+    # collected, or not whole
+    layers: list[tuple[int, torch.Tensor]] | None = None
     gate: list[Any] = field(default_factory=list)  # its gate's flags on their way (Copy)
 
 
@@ -105,8 +124,14 @@ class SpikeReplay:
         *,
         model: Callable[[], nn.Module | None] = lambda: None,
         capsules: Any = None,
+        sums: OutputSums | None = None,
+        names: Sequence[str] = (),
     ):
         self._model = model
+        # every layer's output summed on the step's first forward and on its replay: where a
+        # difference entered (None: the model's output alone is compared)
+        self.sums = sums
+        self._names = names  # the layers' names, by row
         # capsule_dir set: a difference's capsule (nonfinite/check_capsule.py CheckCapsules)
         self._capsules = capsules
         # (captured, start) -> the replay's output: nonfinite/replay.py forward_again
@@ -136,17 +161,31 @@ class SpikeReplay:
         current.forwards += 1
         if current.forwards == 1 and current.refused is None:
             current.captured, current.start = capture(), start()
+            if self.sums is not None:
+                current.layers = []
+                self.sums.collect(current.layers)
         elif current.forwards == 2:
-            current.captured = current.start = None
+            current.captured = current.start = current.layers = None
             current.sums = []
             current.refused = current.refused or SEVERAL_FORWARDS
+            self._stop_sums(current)
 
     def output(self, output: Any) -> None:
         """The first forward's output: its tensors' bit sums, on the device."""
         current = self._current
+        self._stop_sums(current)
         if current is None or current.forwards != 1 or current.refused is not None:
             return
         current.sums = _output_sums(output)
+
+    def _stop_sums(self, current: _Step | None) -> None:
+        """The layers' sums no longer collected; a collection that stopped short (a fault,
+        too many calls) is dropped: the output is still compared, the layer not named."""
+        if self.sums is None:
+            return
+        self.sums.collect(None)
+        if self.sums.broken and current is not None:
+            current.layers = None
 
     def update_began(self, step: int) -> tuple[SpikeComparison, list[torch.Tensor]] | None:
         """Step `step`'s first update begins: the last step's gate read (waited for, on a
@@ -185,6 +224,7 @@ class SpikeReplay:
         comparison and flags to send, if one ran."""
         sent = self._settle() if self._ended is not None else None
         current = self._current
+        self._stop_sums(current)  # (a forward that raised: its root never returned)
         if current is None or current.step != step:
             current = _Step(step, refused=NOT_CAUGHT)
         self._current = None
@@ -245,29 +285,40 @@ class SpikeReplay:
         # the step's own weights swapped in as the parameters' data, and back: no copy, and
         # no version counter moves (a graph the loop still runs backward on stays valid)
         now = [p.data for p in params]
+        sums = self.sums if ended.layers is not None else None
+        layers_again: list[tuple[int, torch.Tensor]] = []
         try:
             for p, kept in zip(params, self._kept):
                 p.data = kept
-            output = self._forward_again(ended.captured, ended.start)
-            again = _output_sums(output)
-            device = ended.sums[0].device
-            if len(again) != len(ended.sums):  # (another number of outputs: not the same)
-                differs = torch.ones(1, dtype=torch.float64, device=device)
-            else:  # one flag per output tensor: "it differs"
-                differs = torch.stack([a.to(device) != b for a, b in zip(again, ended.sums)]).to(
-                    torch.float64
-                )
+            if sums is not None:
+                sums.collect(layers_again)
+            try:
+                output = self._forward_again(ended.captured, ended.start)
+            finally:
+                if sums is not None:
+                    sums.collect(None)
+            if sums is None or sums.broken:  # (the model's output alone is compared)
+                ended.layers, layers_again = [], []
+            entry = self._entry_name(ended.captured)
+            ours = [*(ended.layers or []), *((-1, s) for s in ended.sums)]
+            theirs = [*layers_again, *((-1, s) for s in _output_sums(output))]
+            rows, order, diverged, parts = compare_sums(ours, theirs)
+            # (the model's output, named for where its own code ran when the layers were
+            # compared, OUTPUT_NAME when they were not: no layer can be said then)
+            output_name = (entry or ROOT_NAME) if ended.layers else OUTPUT_NAME
+            names = [self._names[row] if row >= 0 else output_name for row in rows]
             deterministic = torch.are_deterministic_algorithms_enabled()
             capsule = None
             if self._capsules is not None:  # capsule_dir: a difference's capsule, now
+                compared = len(ours) if diverged is None else diverged
                 capsule = self._capsules.keep(
                     model,
                     ended.captured,
                     ended.start,
-                    [self._entry_name(ended.captured)] * len(ended.sums),
-                    ended.sums,
-                    again if len(again) == len(ended.sums) else ended.sums,
-                    (range(len(differs)), [differs]),
+                    [entry if row < 0 else name for row, name in zip(rows, names)][:compared],
+                    [total for _, total in ours[:compared]],
+                    [total for _, total in theirs[:compared]],
+                    (order, parts),
                     step=ended.step,
                     deterministic=deterministic,
                 )
@@ -276,7 +327,16 @@ class SpikeReplay:
         finally:
             for p, data in zip(params, now):
                 p.data = data
-        return SpikeComparison(ended.step, None, deterministic, capsule), [differs]
+        comparison = SpikeComparison(
+            ended.step,
+            None,
+            deterministic,
+            capsule,
+            layers=tuple(names),
+            order=order,
+            diverged=diverged,
+        )
+        return comparison, parts
 
     def _entry_name(self, captured: Any) -> str:
         """The module the step's forward called, by name ("": the model itself)."""
@@ -300,21 +360,41 @@ class SpikeReplays:
     """The publisher's side: the verdicts, counted by result; the latest kept."""
 
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
-    # step -> (result, its capsule's path or None), the last 64 (bounded)
-    verdicts: dict[int, tuple[str, str | None]] = field(default_factory=dict)
+    # step -> (result, its capsule's path or None, the first layer whose output differed or
+    # None), the last 64 (bounded)
+    verdicts: dict[int, tuple[str, str | None, str | None]] = field(default_factory=dict)
     capsules: int = 0  # the differences' capsules written (capsule_dir)
     last_refusal: str | None = None
     last: tuple[int, str, bool, float] | None = None  # (step, result, deterministic, when)
+    # the latest not reproduced, with the first layer whose output differed
+    last_mismatch: ReplayMismatch | None = None
 
     def judge(self, comparison: SpikeComparison, flags: Sequence[float]) -> str:
+        """`flags`: the comparison's device flags as read on the host, stacks in order."""
+        entered = None
         if comparison.refused is not None:
             result = NOT_COMPARED
             self.last_refusal = comparison.refused
         else:
-            result = NOT_REPRODUCED if any(flags) else REPRODUCED
+            first = first_differing(comparison.order, flags)
+            if first is not None:
+                result, entered = NOT_REPRODUCED, comparison.layers[first]
+                self.last_mismatch = ReplayMismatch(
+                    comparison.step,
+                    entered,
+                    comparison.deterministic,
+                    time.time(),
+                    comparison.capsule,
+                )
+            elif comparison.diverged is not None:
+                # the calls parted with every output before alike: the host's difference
+                # (Python state the replay did not see as it was), not a device's value
+                result, self.last_refusal = NOT_COMPARED, CALLS_DIFFER
+            else:
+                result = REPRODUCED
         self.counts[result] += 1
         self.capsules += comparison.capsule is not None
-        self.verdicts[comparison.step] = (result, comparison.capsule)
+        self.verdicts[comparison.step] = (result, comparison.capsule, entered)
         if len(self.verdicts) > 64:
             del self.verdicts[min(self.verdicts)]
         self.last = (comparison.step, result, comparison.deterministic, time.time())
@@ -335,13 +415,16 @@ def spike_replay_of(
     sharded: bool,
     say: Callable[[str, str], None],
     capsules: Any = None,
+    sums: OutputSums | None = None,
+    names: Sequence[str] = (),
 ) -> SpikeReplay | None:
     """The spike replay of Config.spike_replay (None: off), for a model whose replay runs
     through `hooks` into records of `sampled` (step/sampled.py) by `forward_again`
     (nonfinite/replay.py's, handed in: a sibling package); not armed, and said once, in
     a process that is one rank of several or whose parameters are sharded, where a replay
     could start collectives the other ranks never join. `capsules`: the writer of a
-    difference's capsule (capsule_dir set: nonfinite/check_capsule.py)."""
+    difference's capsule (capsule_dir set: nonfinite/check_capsule.py); `sums`: the layers'
+    output sums (step/output_sums.py), installed by the caller, of the layers `names`."""
     if not config.spike_replay:
         return None
     refused = SEVERAL_RANKS if with_other_ranks() else SHARDED if sharded else None
@@ -360,4 +443,4 @@ def spike_replay_of(
             sampled.discard(own)
         return outputs[0]
 
-    return SpikeReplay(limits, again, model=model, capsules=capsules)
+    return SpikeReplay(limits, again, model=model, capsules=capsules, sums=sums, names=names)

@@ -877,6 +877,9 @@ class Aggregator:
                 else MappingProxyType({})
             ),
             replay_mismatch=self.replay.last_mismatch if self.replay is not None else None,
+            spike_mismatch=(
+                self.spike_replays.last_mismatch if self.spike_replays is not None else None
+            ),
         )
 
     def _statistics_view(self) -> Mapping[str, LayerStatisticValues]:

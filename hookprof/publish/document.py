@@ -86,6 +86,9 @@ def document(
         "replay_mismatch": None
         if snapshot.replay_mismatch is None
         else dataclasses.asdict(snapshot.replay_mismatch),
+        "spike_mismatch": None
+        if snapshot.spike_mismatch is None
+        else dataclasses.asdict(snapshot.spike_mismatch),
         "nonfinite_steps": dict(snapshot.nonfinite_steps),
         "skipped_steps": snapshot.skipped_steps,
         "dropped_nonfinite": None
@@ -141,4 +144,6 @@ def _spike(event: Any) -> dict[str, Any] | None:
         kept["verdict"] = event.verdict
     if event.capsule is not None:
         kept["capsule"] = event.capsule
+    if event.entered is not None:  # (a not-reproduced replay's first differing layer)
+        kept["entered"] = event.entered
     return kept if event.layer is None else {**kept, "layer": event.layer}

@@ -126,7 +126,7 @@ class SpikeWatch:
         # (loss, gradient norm) above which the spike replay replays a step (read from the
         # training thread: a tuple, replaced whole)
         self.gate_limits = (math.inf, math.inf)
-        self._verdicts: Mapping[int, tuple[str, str | None]] = {}
+        self._verdicts: Mapping[int, tuple[str, str | None, str | None]] = {}
 
     def observe(self, values: Iterable[StepValue]) -> None:
         for v in values:
@@ -148,9 +148,10 @@ class SpikeWatch:
         margin = _MARGIN[kind] * max(abs(median), scale)
         return median + max(threshold / 2 * scale, margin / 2)
 
-    def note_verdicts(self, verdicts: Mapping[int, tuple[str, str | None]]) -> None:
-        """The spike replay's verdicts by step, with their capsules (integrity/spike_replay.py):
-        the events of those steps carry theirs, whether they were counted before or after."""
+    def note_verdicts(self, verdicts: Mapping[int, tuple[str, str | None, str | None]]) -> None:
+        """The spike replay's verdicts by step, with their capsules and the first layer whose
+        output differed (integrity/spike_replay.py): the events of those steps carry theirs,
+        whether they were counted before or after."""
         with self._lock:
             self._verdicts = verdicts
             self._counts = {kind: self._with_verdicts(c) for kind, c in self._counts.items()}
@@ -162,7 +163,7 @@ class SpikeWatch:
             found = self._verdicts.get(event.step)
             if found is None:
                 return event
-            return dataclasses.replace(event, verdict=found[0], capsule=found[1])
+            return dataclasses.replace(event, verdict=found[0], capsule=found[1], entered=found[2])
 
         return SpikeCount(count.count, of(count.first), of(count.last))
 

@@ -285,14 +285,17 @@ def _integrity(snap: Snapshot, rank: str) -> Iterator[Metric]:
             for result, steps in counts.items():
                 made.add_metric([rank, result], steps)
             yield made
-    if snap.replay_mismatch is not None:
-        mismatch = snap.replay_mismatch
-        info = family(names.REPLAY_MISMATCH_INFO)
-        info.add_metric(
-            [rank, mismatch.layer, str(mismatch.step), str(mismatch.deterministic).lower()], 1
-        )
-        yield info
-        yield _one(names.REPLAY_MISMATCH_TIMESTAMP_SECONDS, rank, mismatch.time)
+    for mismatch, info_metric, when_metric in (
+        (snap.replay_mismatch, names.REPLAY_MISMATCH_INFO, names.REPLAY_MISMATCH_TIMESTAMP_SECONDS),
+        (snap.spike_mismatch, names.SPIKE_MISMATCH_INFO, names.SPIKE_MISMATCH_TIMESTAMP_SECONDS),
+    ):
+        if mismatch is not None:
+            info = family(info_metric)
+            info.add_metric(
+                [rank, mismatch.layer, str(mismatch.step), str(mismatch.deterministic).lower()], 1
+            )
+            yield info
+            yield _one(when_metric, rank, mismatch.time)
     if snap.parameter_fingerprint is not None:
         fp = snap.parameter_fingerprint
         for metric, value in (

@@ -55,6 +55,15 @@ def is_hookprof_hook(hook: Any) -> bool:
     return module == "hookprof" or module.startswith("hookprof.")
 
 
+def own_forward(wrapper: ForwardWrapper) -> Any:
+    """The module's own instance attribute `forward` under hookprof's wrappers (a sampled
+    step's over the spike replay's: step/output_sums.py); None: the class's forward."""
+    prior = wrapper.prior
+    while isinstance(prior, ForwardWrapper):
+        prior = prior.prior
+    return prior
+
+
 def without_hookprof(state: dict[str, Any]) -> dict[str, Any]:
     """A module's reduced state minus what hookprof added (a new dict; `state` is the
     module's own or a copy of it and is not changed)."""
@@ -65,10 +74,11 @@ def without_hookprof(state: dict[str, Any]) -> dict[str, Any]:
         del clean[DEEPCOPY]
     forward = clean.get("forward")
     if isinstance(forward, ForwardWrapper):
-        if forward.prior is None:  # the class's forward: no instance attribute to restore
+        prior = own_forward(forward)
+        if prior is None:  # the class's forward: no instance attribute to restore
             del clean["forward"]
         else:
-            clean["forward"] = forward.prior
+            clean["forward"] = prior
     removed: set[int] = set()
     for name in _HOOK_DICTS:
         hooks = clean.get(name)
@@ -141,7 +151,7 @@ class CleanDeepcopy:
         if isinstance(state, dict):
             clean = without_hookprof(state)
             wrapper = module.__dict__.get("forward")
-            if isinstance(wrapper, ForwardWrapper) and wrapper.prior is None:
+            if isinstance(wrapper, ForwardWrapper) and own_forward(wrapper) is None:
                 # the class's copy took the wrapper's own copy: the copy's bound forward
                 clean.pop("forward", None)
             state.clear()

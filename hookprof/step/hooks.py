@@ -100,6 +100,30 @@ class ForwardWrapper:
         return self.__wrapped__.__reduce__()
 
 
+def wrap_attribute(target: Any, attribute: str, row: int, enter: Any, end: Any) -> Handle | None:
+    """Put a ForwardWrapper of `row` in place of `target`'s `attribute`; the handle that takes
+    it out again, or None when the object refuses it. Taking it out restores only our own
+    attribute: one set over ours since is left alone (our wrapper inside it then calls
+    through), so wrappers of several owners come out in the reverse order they went in."""
+    prior = target.__dict__.get(attribute, _NO_ATTRIBUTE)
+    wrapper = ForwardWrapper(
+        enter, end, row, getattr(target, attribute), None if prior is _NO_ATTRIBUTE else prior
+    )
+    try:
+        setattr(target, attribute, wrapper)
+    except Exception:
+        return None
+    return Handle(partial(_unwrap, target, attribute, wrapper, prior))
+
+
+def _unwrap(target: Any, attribute: str, wrapper: ForwardWrapper, prior: Any) -> None:
+    if target.__dict__.get(attribute) is wrapper:
+        if prior is _NO_ATTRIBUTE:
+            delattr(target, attribute)
+        else:
+            setattr(target, attribute, prior)
+
+
 class LayerHooks:
     """The per-layer instrumentation of sampled steps. It stays installed across consecutive
     sampled steps (only the record changes) and is removed for unsampled ones."""
@@ -367,25 +391,11 @@ class LayerHooks:
     def _wrap(self, target: Any, attribute: str, row: int, enter: Any, end: Any) -> bool:
         """Put a ForwardWrapper timing `row` in place of `target`'s `attribute` (a layer's
         forward, a region's compiled call); False when the object refuses it."""
-        prior = target.__dict__.get(attribute, _NO_ATTRIBUTE)
-        wrapper = ForwardWrapper(
-            enter, end, row, getattr(target, attribute), None if prior is _NO_ATTRIBUTE else prior
-        )
-        try:
-            setattr(target, attribute, wrapper)
-        except Exception:
+        handle = wrap_attribute(target, attribute, row, enter, end)
+        if handle is None:
             return False
-        self._group.add(Handle(partial(self._unwrap, target, attribute, wrapper, prior)))
+        self._group.add(handle)
         return True
-
-    def _unwrap(self, target: Any, attribute: str, wrapper: ForwardWrapper, prior: Any) -> None:
-        """Take one wrapper out: restore only our own attribute (one set over ours since is
-        left alone; our wrapper inside it then just calls through)."""
-        if target.__dict__.get(attribute) is wrapper:
-            if prior is _NO_ATTRIBUTE:
-                delattr(target, attribute)
-            else:
-                setattr(target, attribute, prior)
 
     def end(self) -> None:
         """Stop recording (the instrumentation stays for a following sampled step)."""

@@ -105,16 +105,28 @@ def summary(doc: dict[str, Any]) -> str:
                     + ": "
                     f"{num(first['value'], 4)} against a median of {num(first['median'], 4)} "
                     f"(robust z {num(first['z'], 3)})"
-                    + (f"; {_VERDICT[first['verdict']]}" if first.get("verdict") else ""),
+                    + (f"; {_VERDICT[first['verdict']]}" if first.get("verdict") else "")
+                    + (
+                        f" (first differing output: {first['entered']}'s)"
+                        if first.get("entered")
+                        else ""
+                    ),
                 )
             )
     spike_replays = doc.get("spike_replays") or {}
     if spike_replays:  # (hookprof/integrity/spike_replay.py)
+        latest = doc.get("spike_mismatch")
         figures.append(
             (
                 "spike replays",
                 f"{spike_replays.get('reproduced', 0):,} reproduced (the data), "
                 f"{spike_replays.get('not_reproduced', 0):,} not reproduced (the machine)"
+                + (
+                    f" (latest: step {latest['step']:,}, first differing output "
+                    f"{latest['layer']}'s)"
+                    if latest
+                    else ""
+                )
                 + (
                     f", {spike_replays['not_compared']:,} not compared"
                     if spike_replays.get("not_compared")

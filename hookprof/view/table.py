@@ -98,6 +98,8 @@ class RunHeader:
     """(layer, step) of the last check whose replay did not reproduce its forward."""
     spike_replays: Mapping[str, int] = field(default_factory=dict)
     """The spike replay's steps by result (integrity/spike_replay.py); empty while off."""
+    spike_mismatch: tuple[str, int] | None = None
+    """(layer, step) of the last spike whose replay did not reproduce its forward."""
     """The last steps' loss and gradient norm, one character each (view/recent.py); None
     where the endpoint was not asked for them (`top` asks /history.json?recent)."""
 
@@ -223,6 +225,9 @@ def from_snapshot(snap: Snapshot, model: str = "") -> RunTable:
         if snap.replay_mismatch is not None
         else None,
         spike_replays=dict(snap.spike_replays),
+        spike_mismatch=(snap.spike_mismatch.layer, snap.spike_mismatch.step)
+        if snap.spike_mismatch is not None
+        else None,
     )
     rows = []
     step_seconds = _step_seconds(
@@ -379,6 +384,8 @@ def _read_sample(run: _Run, name: str, labels: Mapping[str, str], value: float) 
         run.values.setdefault("spike_replays", {})[labels["result"]] = _whole(value, "the count")
     elif name == names.REPLAY_MISMATCH_INFO.name:
         run.values["replay_mismatch"] = (labels["layer"], _whole(labels["step"], "the step"))
+    elif name == names.SPIKE_MISMATCH_INFO.name:
+        run.values["spike_mismatch"] = (labels["layer"], _whole(labels["step"], "the step"))
     elif name in _LAYER_SAMPLES:
         layer = run.layer(labels["layer"])
         layer[_LAYER_SAMPLES[name]] = value
@@ -432,6 +439,7 @@ def _table(model: str, rank: int, run: _Run) -> RunTable:
         replay_checks=v.get("replay_checks", {}),
         replay_mismatch=v.get("replay_mismatch"),
         spike_replays=v.get("spike_replays", {}),
+        spike_mismatch=v.get("spike_mismatch"),
     )
     first = header.first_nonfinite
     rows = []
@@ -496,6 +504,9 @@ def from_document(doc: Mapping[str, Any]) -> RunTable:
         if doc.get("replay_mismatch")
         else None,
         spike_replays=dict(doc.get("spike_replays") or {}),
+        spike_mismatch=(doc["spike_mismatch"]["layer"], int(doc["spike_mismatch"]["step"]))
+        if doc.get("spike_mismatch")
+        else None,
         first_nonfinite=FirstNonFinite(
             first["layer"],
             first["phase"],
@@ -777,6 +788,9 @@ def spike_replay_line(h: RunHeader) -> str | None:
         f"spike replays: {counts.get('reproduced', 0)} reproduced (the data), "
         f"{counts.get('not_reproduced', 0)} not reproduced (the machine)"
     )
+    if h.spike_mismatch is not None:
+        layer, step = h.spike_mismatch
+        text += f" (latest: step {step}, first differing output {layer}'s)"
     if counts.get("not_compared"):
         text += f", {counts['not_compared']} not compared"
     return text

@@ -36,8 +36,9 @@ PORT_CONFLICT_ONLY = (
 # ... that it needs a loop that drops non-finite gradients (the demo's NaN reaches its update);
 # scraped and checked in tests/unit/step/test_backward_end.py
 DROPPED_ONLY = "**a dropped step only**"
-# ... that it needs a replay check that did not reproduce (a fault the demo has not); scraped
-# and checked in tests/behaviour/test_replay_check.py
+# ... that it needs a replay check or a spike's replay that did not reproduce (a fault the demo
+# has not); scraped and checked in tests/behaviour/test_replay_check.py and
+# tests/behaviour/test_spike_replay.py
 MISMATCH_ONLY = "**a replay mismatch only**"
 # ... that it needs parameters changed between a check step's forward and its update (a fault
 # the demo has not); scraped and checked in tests/behaviour/test_parameter_watch.py

@@ -67,13 +67,19 @@ def _saved(m: nn.Module) -> io.BytesIO:
     return buffer
 
 
+# the spike replay (Config.spike_replay) wraps every layer's forward from attach to detach,
+# under the sampled steps' wrappers (step/output_sums.py): two of hookprof's on one forward
+ARMED = {"plain": {}, "spike replay": {"spike_detection": True, "spike_replay": True}}
+
+
+@pytest.mark.parametrize("armed", list(ARMED))
 @pytest.mark.parametrize("when", ["after attach", "between sampled steps"])
 @pytest.mark.parametrize("how", list(COPIES))
-def test_a_copy_of_an_attached_model_is_the_copy_of_a_model_never_attached(how, when):
+def test_a_copy_of_an_attached_model_is_the_copy_of_a_model_never_attached(how, when, armed):
     make_copy = COPIES[how]
     model, twin = make_model(), make_model()
     opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin))
-    with hookprof.attach(model, summary_at_exit=False, **EVERY_STEP):
+    with hookprof.attach(model, summary_at_exit=False, **EVERY_STEP, **ARMED[armed]):
         if when == "between sampled steps":
             train_steps(model, opt, 2, seed=1)
             train_steps(twin, twin_opt, 2, seed=1)
@@ -103,12 +109,13 @@ def make_parametrized_model() -> nn.Module:
     return nn.Sequential(weight_norm(nn.Linear(6, 16)), nn.ReLU(), nn.Linear(16, 3))
 
 
+@pytest.mark.parametrize("armed", list(ARMED))
 @pytest.mark.parametrize("how", ["deepcopy (EMA)", "AveragedModel (SWA)"])
-def test_a_copy_of_a_parametrized_model_is_the_copy_of_one_never_attached(how):
+def test_a_copy_of_a_parametrized_model_is_the_copy_of_one_never_attached(how, armed):
     make_copy = COPIES[how]
     model, twin = make_parametrized_model(), make_parametrized_model()
     opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin))
-    with hookprof.attach(model, summary_at_exit=False, **EVERY_STEP):
+    with hookprof.attach(model, summary_at_exit=False, **EVERY_STEP, **ARMED[armed]):
         train_steps(model, opt, 2, seed=1)  # the layers' forwards are wrapped now
         train_steps(twin, twin_opt, 2, seed=1)
         copied = make_copy(model)

@@ -48,10 +48,12 @@ def train(
     fault: str | None = None,
     lr_bump: float = 1.0,
     micro_batches: int = 1,
+    at: str = "fc1",
 ):
-    """SGD on `make()`; `fault`: "machine" (fc1's output on AT's own forward), "data" (AT's
-    inputs), "targets" (AT's targets); `lr_bump`: the learning rate that many times larger
-    at step AT. Returns the losses and, with `config`, (snapshot, page text, document)."""
+    """SGD on `make()`; `fault`: "machine" (the output of layer `at`, "" for the model's own,
+    on AT's own forward), "data" (AT's inputs), "targets" (AT's targets); `lr_bump`: the
+    learning rate that many times larger at step AT. Returns the losses and, with `config`,
+    (snapshot, page text, document)."""
     torch.manual_seed(0)
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -65,7 +67,7 @@ def train(
         return None
 
     if fault == "machine":
-        model.fc1.register_forward_hook(wrong_output)
+        model.get_submodule(at).register_forward_hook(wrong_output)
     prof = hookprof.attach(model, **config) if config is not None else None
     losses = []
     try:
@@ -116,12 +118,66 @@ def test_a_spike_the_machine_made_is_not_reproduced():
     assert snap.internal_errors == 0 and snap.nonfinite_steps.get("forward", 0) == 0
 
 
+@pytest.mark.parametrize("at, named", [("fc1", "fc1"), ("fc2", "fc2"), ("", "(root)")])
+def test_the_layer_where_the_machines_wrong_value_entered_is_named(at, named):
+    """Item 3: every layer's output summed on every step while armed; the replay's compared
+    with them in call order names the layer the test corrupted (fc2: fc1 and act before it
+    were alike; the model's own output, "(root)": every layer was alike), in the spike event,
+    the metric the alert reads, top, the summary and the report."""
+    _, (snap, page, document) = train(config={**OFTEN, "spike_replay": True}, fault="machine", at=at)
+    # (the gradient norm spikes in all three; the loss not where row 0's value lands near
+    # its own: x * 100 + 5 for x near -0.05)
+    first = snap.spikes["grad_norm_spike"].first
+    assert (first.step, first.verdict, first.entered) == (AT, "not_reproduced", named)
+    if snap.spikes["loss_spike"].first is not None:
+        assert snap.spikes["loss_spike"].first.entered == named
+    mismatch = snap.spike_mismatch
+    assert (mismatch.step, mismatch.layer, mismatch.deterministic) == (AT, named, False)
+    (info,) = parse(page)["hookprof_spike_mismatch_info"].samples
+    assert (info.labels["layer"], info.labels["step"], info.value) == (named, str(AT), 1.0)
+    (when,) = parse(page)["hookprof_spike_mismatch_timestamp_seconds"].samples
+    assert when.value == pytest.approx(mismatch.time)
+    (table,) = from_metrics(page)
+    line = f"{snap.spike_replays['reproduced']} reproduced (the data), 1 not reproduced "
+    line += f"(the machine) (latest: step {AT}, "
+    line += f"first differing output {named}'s)"
+    assert any(line in x for x in header_lines([table.header]))
+    assert line in summary_text(snap, "Mlp")
+    assert document["spikes"]["grad_norm_spike"]["first"]["entered"] == named
+    report = "".join(Elements(render([document])).text)
+    assert f"the machine (first differing output: {named}'s)" in report
+
+
+def test_a_fault_in_the_layer_sums_leaves_the_verdict_without_a_layer(monkeypatch):
+    """hookprof's own part fails (the layers' sums on the spike's step): counted, training
+    the same, the spike still judged on the model's output, no layer claimed."""
+    from hookprof.step import output_sums
+
+    real, calls = output_sums.bits_sum, {"n": 0}
+    bare, _ = train(fault="machine")
+
+    def failing(t):
+        calls["n"] += 1
+        if calls["n"] == 3 * (AT - 1) + 2:  # step AT's act (three layer outputs a step)
+            raise RuntimeError("injected")
+        return real(t)
+
+    monkeypatch.setattr(output_sums, "bits_sum", failing)
+    losses, (snap, _, _) = train(config={**OFTEN, "spike_replay": True}, fault="machine")
+    assert losses == bare
+    first = snap.spikes["loss_spike"].first
+    assert (first.verdict, first.entered) == ("not_reproduced", "(output)")
+    assert snap.internal_errors == 1
+
+
 def test_the_same_spike_made_by_the_data_is_reproduced():
     losses, (snap, page, document) = train(config={**OFTEN, "spike_replay": True}, fault="data")
     assert losses[AT - 1] > 5 * max(losses[AT - 20 : AT - 1])
     assert snap.spikes["loss_spike"].first.step == AT
     assert snap.spikes["loss_spike"].first.verdict == "reproduced"
     assert snap.spike_replays["not_reproduced"] == 0 and snap.spike_replays["reproduced"] >= 1
+    assert snap.spikes["loss_spike"].first.entered is None and snap.spike_mismatch is None
+    assert "hookprof_spike_mismatch_info" not in parse(page)
     # what a person reads: top (from the page), the summary, the report
     (table,) = from_metrics(page)
     expected = (
@@ -194,12 +250,14 @@ def test_a_not_reproduced_spike_writes_a_capsule_another_process_does_not_reprod
     assert snap.capsules_written == 1
     capsule = torch.load(spike.capsule, weights_only=True)
     assert (capsule["view"]["kind"], capsule["view"]["step"]) == ("spike replay", AT)
-    assert capsule["check"]["layers"] == [""]  # the model's output
+    # every layer's output in call order, then the model's
+    assert capsule["check"]["layers"] == ["fc1", "act", "fc2", ""]
+    assert capsule["check"]["first"] == 0
     done = replay_in_new_process(spike.capsule, "--runs", "2")
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.splitlines()[0].startswith(
         "not reproduced: 2 runs on cpu agree with the in-place replay and differ from the "
-        "step's own outputs first at the model's output"
+        "step's own outputs first at fc1"
     ), done.stdout
 
     config = {**OFTEN, "spike_replay": True, "capsule_dir": str(tmp_path / "data")}

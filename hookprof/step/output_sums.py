@@ -1,0 +1,107 @@
+"""Every layer's output bits summed, on the device, while a caller collects them: the spike
+replay's per-layer checksums (Config.spike_replay, integrity/spike_replay.py, issue 43 item 3).
+
+A spike is known to be one only after its step (publish/spikes.py), so the sums that would say
+where a wrong value entered its forward must be taken on every step while the replay is armed:
+the step's first training forward (`collect(into)`), then, on a step that is replayed, the
+replay's (`collect(again)`), compared pairwise in call order.
+
+Each layer's `forward` gets a ForwardWrapper (step/hooks.py) for as long as the replay is
+armed (attach to detach), under the sampled steps' own, which go in and out over it; a layer
+with forward hooks of its own (one may replace its output, which the rest of the model then
+sees) gets a forward hook after them instead, as the sampled steps' hooks do. While
+nothing is collected a call costs the wrapper's frame and one attribute read; while collecting,
+the bits of each floating-point output are summed as integers (tensors.bits_sum: a view and
+one reduction, kept on the device). Only the collecting thread's calls count (another thread
+training another model through a shared layer is not this step's).
+
+A fault here (an output whose bits cannot be read) stops the collection and is counted; the
+layer's forward and its output are untouched. Copies of the model (EMA, torch.save) carry no
+wrapper (step/copies.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookprof.faults import Faults
+from hookprof.handles import HandleGroup, Removable
+from hookprof.layers import LayerTable
+from hookprof.step.hooks import wrap_attribute
+from hookprof.tensors import bits_sum, iter_tensors
+
+# layer calls kept per collection: a forward that never returns (it raised) followed by an
+# evaluation loop on the same thread would otherwise grow the list until the next step
+MAX_CALLS = 1 << 16
+
+_Tensor = torch.Tensor
+
+
+class OutputSums:
+    """The layers' output sums of one collecting thread (see the module's docstring)."""
+
+    def __init__(self, table: LayerTable, root: nn.Module, faults: Faults):
+        self._table = table
+        self._root = root  # (its own output is the caller's to sum: it is the forward's)
+        self._faults = faults
+        self._installs = HandleGroup()
+        # (layer, output sum) of each summed output, in call order; None: not collecting
+        self._sink: list[tuple[int, torch.Tensor]] | None = None
+        self._thread = 0
+        self.broken = False  # the collection in progress stopped short (a fault, too many)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """The wrappers in place for the block (attach to detach)."""
+        for layer in self._table.layers:
+            module = layer.module
+            if module is None or module is self._root:
+                continue
+            handle: Removable | None = None
+            if not module._forward_hooks:
+                handle = wrap_attribute(module, "forward", layer.index, self._enter, self._end)
+            if handle is None:  # (or a module type that refuses the attribute)
+                handle = module.register_forward_hook(partial(self._post, layer.index))
+            self._installs.add(handle)
+        try:
+            yield
+        finally:
+            self._sink = None
+            self._installs.remove()
+
+    def collect(self, into: list[tuple[int, torch.Tensor]] | None) -> None:
+        """From now on, this thread's layer outputs are summed into `into` (None: stop)."""
+        self._thread = threading.get_ident()
+        self._sink = into
+        if into is not None:
+            self.broken = False
+
+    def _enter(self, layer: int, args: Any, kwargs: Any) -> bool:
+        return self._sink is not None and threading.get_ident() == self._thread
+
+    def _post(self, layer: int, module: nn.Module, args: Any, output: Any) -> None:
+        if self._sink is not None and threading.get_ident() == self._thread:
+            self._end(layer, output)
+
+    def _end(self, layer: int, output: Any) -> None:
+        sink = self._sink
+        if sink is None or output is None:
+            return
+        try:
+            for t in (output,) if isinstance(output, _Tensor) else iter_tensors(output):
+                if (t.is_floating_point() or t.is_complex()) and t.layout is torch.strided:
+                    if len(sink) >= MAX_CALLS:
+                        self._sink, self.broken = None, True
+                        return
+                    if t.numel():
+                        sink.append((layer, bits_sum(t)))
+        except Exception as exc:  # the forward goes on; this collection is not complete
+            self._sink, self.broken = None, True
+            self._faults.report("spike replay", exc, disable=False)

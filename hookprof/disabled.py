@@ -45,7 +45,7 @@ class DisabledProfiler:
     def flush(self, timeout: float | None = 10.0) -> bool:
         return True
 
-    def step(self, loss: Any = None) -> None:
+    def step(self, loss: Any = None, *, sample_losses: Any = None) -> None:
         if self._detached:
             raise DetachedError("Profiler.step() called after detach(); attach the model again")
 

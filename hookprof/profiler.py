@@ -362,14 +362,18 @@ class Profiler:
         with `recent`, only the last `recent` steps' loss and gradient norm."""
         return document(self.name, self._publisher.latest, self._publisher.history, recent)  # type: ignore[arg-type]
 
-    def step(self, loss: Any = None) -> None:
+    def step(self, loss: Any = None, *, sample_losses: torch.Tensor | None = None) -> None:
         """Mark a step boundary; `loss` (tensor or number) is exported on sampled steps.
+        `sample_losses`: each sample's loss in the batch (one row per sample, e.g.
+        `reduction="none"`), for spike_replay to name a spike's samples of largest loss.
 
         From the first call on, only these calls end steps (optimizer steps no longer do).
         Call it once per optimizer step, after the backward pass.
         """
         if self._boundary.detached:
             raise DetachedError("Profiler.step() called after detach(); attach the model again")
+        if sample_losses is not None:
+            self._events.note_sample_losses(sample_losses)
         if loss is not None and (
             type(loss) is not torch.Tensor or loss.numel() != 1 or loss.is_complex()
         ):

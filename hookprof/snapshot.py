@@ -5,11 +5,11 @@ publishes it as a whole (one reference swap)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 PHASES = ("forward", "backward", "loss")
 LAYER_PHASES = ("forward", "backward")
@@ -193,6 +193,23 @@ class EfficiencyStats:
 SPIKE_KINDS = ("loss_spike", "grad_norm_spike", "update_ratio_jump")
 
 
+class Suspect(NamedTuple):
+    """A sample of a spike's batch (Config.spike_replay, `prof.step(loss, sample_losses=...)`):
+    its index in the batch and its loss (the sum of its elements' losses)."""
+
+    sample: int
+    loss: float
+
+
+def suspects_from(values: Sequence[float]) -> tuple[tuple[Suspect, ...], float]:
+    """A batch's samples of largest loss as the spike replay reads them from the device (k
+    losses, largest first, their k indices, then the batch's total:
+    integrity/spike_replay.py `suspects_of`): (the samples, the total)."""
+    k = (len(values) - 1) // 2
+    found = tuple(Suspect(int(i), float(v)) for v, i in zip(values[:k], values[k : 2 * k]))
+    return found, float(values[2 * k])
+
+
 @dataclass(frozen=True, slots=True)
 class SpikeEvent:
     """One spike of the loss, the global gradient norm or a layer's update-to-weight ratio
@@ -214,6 +231,9 @@ class SpikeEvent:
     """A not-reproduced replay's first layer, in call order, whose forward output differed from
     the step's: where the wrong value entered ("(root)": the model's own code between its
     layers)."""
+    suspects: tuple[Suspect, ...] | None = None
+    """Its batch's samples of largest loss, the largest first (`prof.step(loss,
+    sample_losses=...)` given on its step): with a reproduced verdict, the data to look at."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,7 +54,7 @@ from hookprof.step.boundary import StepBoundary, no_step_notice
 from hookprof.step.gradients import StepGradients, no_gradients_notice
 from hookprof.step.hooks import LayerHooks
 from hookprof.step.output_sums import OutputSums
-from hookprof.step.record import StepCounters, StepRecord, pack_step
+from hookprof.step.record import StepCounters, StepRecord, checked_sample_losses, pack_step
 from hookprof.step.sampled import SampledStep
 from hookprof.step.series import StepSeries
 from hookprof.step.statistics import ParameterStatistics
@@ -269,6 +269,24 @@ class StepEvents:
         # checked there (float64, no grad: the same NaN/Inf, no `detach`)
         kept = self._series.loss(loss)
         self._nan.check_loss(loss if kept is None else kept, self._counters.steps + 1)
+
+    def note_sample_losses(self, values: Any) -> None:
+        """prof.step(loss, sample_losses=...): checked (a clear error for what is not one),
+        then kept for the spike replay of the step (said once where it is not armed)."""
+        values = checked_sample_losses(values)
+        if self._spike_replay is None:
+            self._notices.say(
+                "sample losses unused",
+                "prof.step(sample_losses=...) is read only by the spike replay "
+                "(Config.spike_replay), which is off here: they are not kept",
+            )
+            return
+        self._keep_sample_losses(values)
+
+    @guarded("spike replay", disable=False)
+    def _keep_sample_losses(self, values: torch.Tensor) -> None:
+        assert self._spike_replay is not None
+        self._spike_replay.sample_losses(values)
 
     def on_late_loss(self, loss: Any) -> None:
         """prof.step(loss) after the optimizer hook ended the step: this adds its loss."""

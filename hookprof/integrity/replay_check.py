@@ -2,7 +2,7 @@
 step, its forward is replayed before the update (the step's own inputs, weights, RNG state and
 autocast; step_events.py runs nonfinite/replay.py's `forward_again`), and every layer's output
 is compared bitwise with the step's own, on the device: each output's bits summed as integers
-(tensors.bits_sum) by the layer hooks, in both forwards, then compared pairwise.
+(tensors.output_checksum) by the layer hooks, in both forwards, then compared pairwise.
 
 The verdict, on the publisher thread (`ReplayVerdicts`): *reproduced* when every output is
 the same bits, which is what a deterministic forward on a sound device gives; *not

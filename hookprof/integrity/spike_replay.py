@@ -7,7 +7,7 @@ keeps on every step (while it is armed):
 
 - its forward's inputs and RNG state (references: nonfinite/replay.py `capture`) and the
   modules' state as the forward began (`state_at_forward_start`: copies of the buffers);
-- the bit sum of each of its output's tensors (tensors.bits_sum: exact, order-free), on the
+- the bit sum of each of its output's tensors (tensors.output_checksum: exact, order-free), on the
   device, a few ops;
 - a copy of the trained parameters as its update begins (one `_foreach_copy_`: the
   parameters' size in memory, once, and one copy of them per step).
@@ -63,13 +63,14 @@ from hookprof.integrity.replay_check import (
     first_differing,
 )
 from hookprof.layers import ROOT_NAME
-from hookprof.snapshot import ReplayMismatch
+from hookprof.snapshot import ReplayMismatch, Suspect, suspects_from
 from hookprof.step.output_sums import OutputSums
-from hookprof.tensors import bits_sum, iter_tensors
+from hookprof.tensors import iter_tensors, output_checksum
 
 NO_UPDATE = "the step's update began without an optimizer hook (its weights were not kept)"
 COMPILED = "the model's forward is compiled (an eager replay is not the code that ran)"
 NO_OUTPUT = "the step's forward had no floating-point output to compare"
+SUSPECTS = 5  # samples of a spike's batch named, by loss
 # the first differing output was the model's, and its layers were not compared (a fault in
 # their sums, or more calls than are kept: step/output_sums.py)
 OUTPUT_NAME = "(output)"
@@ -95,6 +96,8 @@ class SpikeComparison:
     layers: tuple[str, ...] = ()
     order: tuple[int, ...] = ()
     diverged: int | None = None
+    # the samples of largest loss ride after the flags: k losses, k indices, the total
+    suspects: int = 0
 
 
 @dataclass
@@ -111,6 +114,9 @@ class _Step:
     # (layer, output sum) of its forward's layer calls (step/output_sums.py); None: not
     # collected, or not whole
     layers: list[tuple[int, torch.Tensor]] | None = None
+    # prof.step(loss, sample_losses=...): the loss of each sample of its batch (a reference)
+    sample_losses: torch.Tensor | None = None
+    spiked: bool = False  # its loss or gradient norm passed the rule's own limit (the gate's)
     gate: list[Any] = field(default_factory=list)  # its gate's flags on their way (Copy)
 
 
@@ -119,7 +125,7 @@ class SpikeReplay:
 
     def __init__(
         self,
-        limits: Callable[[], tuple[float, float]],
+        limits: Callable[[], tuple[float, float, float, float]],
         forward_again: Callable[[Any, Any], Any],
         *,
         model: Callable[[], nn.Module | None] = lambda: None,
@@ -136,7 +142,9 @@ class SpikeReplay:
         self._capsules = capsules
         # (captured, start) -> the replay's output: nonfinite/replay.py forward_again
         self._forward_again = forward_again
-        self._limits = limits  # (loss, gradient norm) above which a step is replayed
+        # (loss, gradient norm) above which a step is replayed, then (loss, gradient norm)
+        # above which it is a spike (publish/spikes.py gate_limits)
+        self._limits = limits
         # every parameter of the model as the last step's first update began (trained or
         # not: a frozen or EMA copy inside the model is read by the forward as well)
         self._kept: list[torch.Tensor] | None = None
@@ -229,28 +237,40 @@ class SpikeReplay:
             current = _Step(step, refused=NOT_CAUGHT)
         self._current = None
         self._ended = current
-        loss_limit, norm_limit = self._limits()
-        if norms and math.isfinite(norm_limit):
+        limits = self._limits()
+        norm_gate, norm_spike = limits[1], limits[3]
+        if norms and math.isfinite(norm_gate):
             # (a norm written as "no value", -1: a fused optimizer's GradScaler skip, is 0)
             squares = torch.stack([n.to(norms[0].device).clamp(min=0).square() for n in norms])
-            current.gate.append(transfer.peek(squares.sum() > norm_limit * norm_limit))
-        self.late_loss(step, loss, loss_limit)
+            total = squares.sum()
+            over = torch.stack([total > norm_gate * norm_gate, total > norm_spike * norm_spike])
+            current.gate.append(transfer.peek(over))
+        self.late_loss(step, loss, limits)
         return sent
 
-    def late_loss(self, step: int, loss: Any, loss_limit: float | None = None) -> None:
+    def late_loss(
+        self, step: int, loss: Any, limits: tuple[float, float, float, float] | None = None
+    ) -> None:
         """prof.step(loss) after the optimizer hook ended step `step`: its loss gated too."""
         ended = self._ended
         if loss is None or ended is None or ended.step != step:
             return
-        if loss_limit is None:
-            loss_limit = self._limits()[0]
-        if not math.isfinite(loss_limit):
+        gate, spike = (limits or self._limits())[::2]
+        if not math.isfinite(gate):
             return
         if isinstance(loss, torch.Tensor):
             with torch.no_grad():
-                ended.gate.append(transfer.peek(loss.detach().reshape(()).double() > loss_limit))
-        elif float(loss) > loss_limit:
-            ended.gate.append(transfer.Copy(True, None))
+                value = loss.detach().reshape(()).double()
+                ended.gate.append(transfer.peek(torch.stack([value > gate, value > spike])))
+        elif float(loss) > gate:
+            ended.gate.append(transfer.Copy((True, float(loss) > spike), None))
+
+    def sample_losses(self, values: torch.Tensor) -> None:
+        """prof.step(loss, sample_losses=...): the per-sample losses of the step in progress
+        (or of the one the optimizer hook just ended), kept by reference for its replay."""
+        target = self._current if self._current is not None else self._ended
+        if target is not None:
+            target.sample_losses = values.detach()
 
     def _settle(self) -> tuple[SpikeComparison, list[torch.Tensor]] | None:
         ended, self._ended = self._ended, None
@@ -259,7 +279,9 @@ class SpikeReplay:
         tripped = False
         for copy in ended.gate:
             transfer.wait_ready(copy.ready)  # note: a CPU-GPU sync point (opt-in spike_replay)
-            tripped = tripped or bool(copy.host)
+            over = copy.host.tolist() if isinstance(copy.host, torch.Tensor) else copy.host
+            tripped = tripped or bool(over[0])  # (past the gate: replayed)
+            ended.spiked = ended.spiked or bool(over[1])  # (past the rule's own limit)
         if not tripped:
             return None
         return self._replay(ended)
@@ -308,8 +330,10 @@ class SpikeReplay:
             output_name = (entry or ROOT_NAME) if ended.layers else OUTPUT_NAME
             names = [self._names[row] if row >= 0 else output_name for row in rows]
             deterministic = torch.are_deterministic_algorithms_enabled()
+            suspects = suspects_of(ended.sample_losses)
             capsule = None
-            if self._capsules is not None:  # capsule_dir: a difference's capsule, now
+            if self._capsules is not None:  # capsule_dir: a difference's capsule, now (and a
+                # spike's the replay reproduced: its batch, when it passed the rule's limit)
                 compared = len(ours) if diverged is None else diverged
                 capsule = self._capsules.keep(
                     model,
@@ -321,6 +345,8 @@ class SpikeReplay:
                     (order, parts),
                     step=ended.step,
                     deterministic=deterministic,
+                    alike=ended.spiked,
+                    suspects=suspects,
                 )
         except Exception:
             return SpikeComparison(ended.step, REPLAY_FAILED), []
@@ -335,8 +361,9 @@ class SpikeReplay:
             layers=tuple(names),
             order=order,
             diverged=diverged,
+            suspects=0 if suspects is None else (len(suspects) - 1) // 2,
         )
-        return comparison, parts
+        return comparison, parts if suspects is None else [*parts, suspects]
 
     def _entry_name(self, captured: Any) -> str:
         """The module the step's forward called, by name ("": the model itself)."""
@@ -346,13 +373,31 @@ class SpikeReplay:
         return next((n for n, m in model.named_modules() if m is captured.module), "")
 
 
+def suspects_of(sample_losses: torch.Tensor | None) -> torch.Tensor | None:
+    """The samples of a batch whose loss is largest, on the device (nothing read back): their
+    losses, largest first, their indices in the batch, then the batch's total (float64, one
+    tensor); a sample's loss is the sum of its elements (per-token losses of a sequence).
+    None without sample losses."""
+    if sample_losses is None:
+        return None
+    with torch.no_grad():
+        per_sample = sample_losses.reshape(sample_losses.shape[0], -1).double().sum(1)
+        top = per_sample.topk(min(SUSPECTS, per_sample.numel()))
+        return torch.cat([top.values, top.indices.double(), per_sample.sum().reshape(1)])
+
+
 def _output_sums(output: Any) -> list[torch.Tensor]:
-    """The bit sums of a forward's floating-point output tensors (tensors.bits_sum)."""
+    """The bit sums of a forward's floating-point output tensors (tensors.output_checksum)."""
     return [
-        bits_sum(t.detach())
+        output_checksum(t.detach())
         for t in ((output,) if isinstance(output, torch.Tensor) else iter_tensors(output))
         if (t.is_floating_point() or t.is_complex()) and t.layout is torch.strided and t.numel()
     ]
+
+
+# a spike replay's verdict on a step: (result, its capsule's path, the first layer whose
+# output differed, the batch's samples of largest loss)
+Verdict = tuple[str, str | None, str | None, tuple[Suspect, ...] | None]
 
 
 @dataclass
@@ -361,8 +406,8 @@ class SpikeReplays:
 
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
     # step -> (result, its capsule's path or None, the first layer whose output differed or
-    # None), the last 64 (bounded)
-    verdicts: dict[int, tuple[str, str | None, str | None]] = field(default_factory=dict)
+    # None, the batch's samples of largest loss or None), the last 64 (bounded)
+    verdicts: dict[int, Verdict] = field(default_factory=dict)
     capsules: int = 0  # the differences' capsules written (capsule_dir)
     last_refusal: str | None = None
     last: tuple[int, str, bool, float] | None = None  # (step, result, deterministic, when)
@@ -370,8 +415,14 @@ class SpikeReplays:
     last_mismatch: ReplayMismatch | None = None
 
     def judge(self, comparison: SpikeComparison, flags: Sequence[float]) -> str:
-        """`flags`: the comparison's device flags as read on the host, stacks in order."""
-        entered = None
+        """`flags`: the comparison's device flags as read on the host, stacks in order (then
+        the batch's samples of largest loss, `suspects_of`)."""
+        entered, suspects = None, None
+        if comparison.suspects:
+            flags, (suspects, _) = (
+                flags[: -2 * comparison.suspects - 1],
+                suspects_from(flags[-2 * comparison.suspects - 1 :]),
+            )
         if comparison.refused is not None:
             result = NOT_COMPARED
             self.last_refusal = comparison.refused
@@ -394,7 +445,12 @@ class SpikeReplays:
                 result = REPRODUCED
         self.counts[result] += 1
         self.capsules += comparison.capsule is not None
-        self.verdicts[comparison.step] = (result, comparison.capsule, entered)
+        self.verdicts[comparison.step] = (
+            result,
+            comparison.capsule,
+            entered,
+            suspects,
+        )
         if len(self.verdicts) > 64:
             del self.verdicts[min(self.verdicts)]
         self.last = (comparison.step, result, comparison.deterministic, time.time())
@@ -409,7 +465,7 @@ def spike_replay_of(
     model: Callable[[], nn.Module | None],
     hooks: Any,
     sampled: Any,
-    limits: Callable[[], tuple[float, float]],
+    limits: Callable[[], tuple[float, float, float, float]],
     forward_again: Callable[..., Any],
     *,
     sharded: bool,

@@ -18,7 +18,10 @@ A fault here costs the capsule only.
 
 The spike replay (integrity/spike_replay.py, Config.spike_replay) writes the same form when a
 spike's step gave other output bits: the weights are the step's own (put back in the model
-for its replay), and what is compared is the model's output (layer "": `shown`).
+for its replay), and what is compared is every layer's output, then the model's (layer "":
+`shown`). It writes one too for a spike it reproduced whose loss or gradient norm passed the
+rule's own limit (`alike`): there the batch is the suspect, kept with the samples of largest
+loss when the loop gave them (`check["suspects"]`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from hookprof.nonfinite.capsule import (
     tensor_bytes,
     to_cpu,
 )
+from hookprof.snapshot import suspects_from
 
 FORM_CHECK = "replay check"  # the capsule's form (reproduce.py hands it to check_reproduce.py)
 
@@ -99,23 +103,30 @@ class CheckCapsules:
         *,
         step: int,
         deterministic: bool,
+        alike: bool = False,
+        suspects: torch.Tensor | None = None,
     ) -> str | None:
         """Check step `step`'s comparison (`names`: the compared outputs' layers, in call
         order; `original` and `replayed`: their bit sums; `flags`: ReplayCheck.compare's
-        order and device flags): when an output differs, its capsule written; returns its
-        path, or None (no difference; or said, or counted as a fault)."""
+        order and device flags): when an output differs, or with `alike` when none does (a
+        spike the replay reproduced: its batch is the suspect), its capsule written; returns
+        its path, or None (no capsule due; or said, or counted as a fault). `suspects`: the
+        batch's samples of largest loss (spike_replay.py `suspects_of`)."""
         with self._faults.contain(f"{self._what} capsule", disable=False):
             first = first_difference(*flags)
-            if first is None:
+            if first is None and not alike:
                 return None
             # (the device has computed these already: the flags just read depend on them)
             sums = torch.stack([t.to("cpu") for t in (*original, *replayed)]).tolist()
-            check = {
+            check: dict[str, Any] = {
                 "layers": list(names),
                 "original": sums[: len(original)],
                 "replayed": sums[len(original) :],
                 "first": first,
             }
+            if suspects is not None:  # [(sample, its loss)], the largest first; the total
+                found, total = suspects_from(suspects.to("cpu").tolist())
+                check["suspects"], check["loss_total"] = [tuple(s) for s in found], total
             # the slot first: once the count is reached, no copy of the model is made at all
             # (a failing device can make every check step a mismatch)
             if not _take_slot(self._max_count):
@@ -137,10 +148,21 @@ class CheckCapsules:
             except BaseException:
                 _give_back_slot()
                 raise
+            verdict = (
+                f"did not reproduce its forward (first differing output: {shown(names[first])})"
+                if first is not None
+                else "reproduced its forward bit for bit (the data: its batch is in the capsule"
+                + (
+                    ", with its samples of largest loss: "
+                    + ", ".join(f"sample {s} (loss {v:.4g})" for s, v in check["suspects"])
+                    if check.get("suspects")
+                    else ""
+                )
+                + ")"
+            )
             self._say(
                 f"{self._what} capsule {path}",
-                f"the {self._what} of step {step} did not reproduce its forward (first "
-                f"differing output: {shown(names[first])}); capsule written to {path} "
+                f"the {self._what} of step {step} {verdict}; capsule written to {path} "
                 f"(hookprof replay {path} runs it in another process, on another device or "
                 "the CPU)",
             )
@@ -197,11 +219,14 @@ class CheckCapsules:
             "deterministic": deterministic,
             "backends": backends(),
             "modes": captured.modes,
-            "first_layer": check["layers"][check["first"]],
+            "first_layer": None if check["first"] is None else check["layers"][check["first"]],
             "dtypes": {"inputs": dtypes_of(inputs)},
             "sizes": sizes,
             "hooks_left_out": dropped[0],
-            "event": {"replay": "not_reproduced", "layer": check["layers"][check["first"]]},
+            "event": {
+                "replay": "reproduced" if check["first"] is None else "not_reproduced",
+                "layer": None if check["first"] is None else check["layers"][check["first"]],
+            },
         }
         entry = (
             next((n for n, m in model.named_modules() if m is captured.module), None)

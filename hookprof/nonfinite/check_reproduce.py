@@ -7,7 +7,7 @@ On the check step, one device ran the step's forward twice (the step's own, then
 replay) and the two differed. This runs it a third time, in this process, from the capsule:
 the step's weights, inputs, RNG (torch's, Python's, NumPy's) and the modules' state as the
 forward began, under no_grad and the step's autocast, summing each layer's output bits as
-the check did (tensors.bits_sum, in call order), `runs` times, each from a fresh copy of the
+the check did (tensors.output_checksum, in call order), `runs` times, each from a fresh copy of the
 model (a forward changes BatchNorm's statistics). Then:
 
 - the same kind of device as the capsule's, and every run alike:
@@ -17,6 +17,9 @@ model (a forward changes BatchNorm's statistics). Then:
     of two processes agree against the step's: the step's forward computed wrongly, at the
     first layer named (the machine at that step, not the data);
   - neither (exit 1): each difference named; nondeterminism is the suspect;
+- a spike its in-place replay reproduced (the spike replay's capsule of its batch: both runs
+  on the step's device alike): every run here the step's bits, **reproduced** (exit 0, the
+  data); otherwise **not reproduced here** (exit 1), the first layer that differs named;
 - the runs here differ from one another: this device is not bit-reproducible for this model
   (nondeterministic kernels): no verdict (exit 3);
 - another kind of device (a CUDA capsule on the CPU): other kernels, whose bits are not
@@ -45,7 +48,7 @@ from hookprof.nonfinite.reproduce import (
     _to,
     load_module,
 )
-from hookprof.tensors import bits_sum, iter_tensors
+from hookprof.tensors import iter_tensors, output_checksum
 
 NO_VERDICT = 3  # exit status: the bits cannot be compared here (see the module's docstring)
 
@@ -70,7 +73,7 @@ def _sums_of_run(model: nn.Module, capsule: dict[str, Any], device: str) -> list
                     and t.layout is torch.strided
                     and t.numel()
                 ):
-                    seen.append((name, int(bits_sum(t))))
+                    seen.append((name, int(output_checksum(t))))
             return output
 
         return forward_and_sum
@@ -163,6 +166,21 @@ def replay_check_capsule(
             f"{view.get('device_type')} device for a verdict"
         )
         status = NO_VERDICT
+    elif check["first"] is None:  # (a spike its in-place replay reproduced: the data)
+        if by_original is None:
+            say(
+                f"reproduced: {runs} runs on {device} give the step's own output bits at every "
+                "layer, as its in-place replay did: the same batch on the same weights gives "
+                "the spike (the data, not the machine: the batch is in this capsule)"
+            )
+            status = REPRODUCED
+        else:
+            say(
+                f"not reproduced here: {runs} runs on {device} differ first at "
+                f"{layer(by_original)}, where the step and its in-place replay agreed (suspect "
+                "this machine, or a kernel that differs between these two setups)"
+            )
+            status = NOT_REPRODUCED
     elif by_original is None:
         say(
             f"reproduced elsewhere: {runs} runs on {device} give the step's own output bits at "
@@ -184,12 +202,24 @@ def replay_check_capsule(
             f"{layer(by_replay)} (suspect nondeterminism)"
         )
         status = NOT_REPRODUCED
+    said = (
+        "reproduced"
+        if check["first"] is None
+        else "not_reproduced, "
+        + (f"layer {view['first_layer']}" if view["first_layer"] else "the model's output")
+    )
     say(
         f"capsule of the {view.get('kind', 'replay check')} of step {step} on rank "
-        f"{view['rank']} ({at}); hookprof said: not_reproduced, "
-        + (f"layer {view['first_layer']}" if view["first_layer"] else "the model's output")
+        f"{view['rank']} ({at}); hookprof said: {said}"
         + ("" if view.get("deterministic") else " (deterministic algorithms were off)")
     )
+    if check.get("suspects"):
+        say(
+            "the batch's samples of largest loss (the capsule's inputs, by index along the "
+            "first dimension): "
+            + ", ".join(f"sample {s} (loss {v:.4g})" for s, v in check["suspects"])
+            + f", of a total of {check['loss_total']:.4g}"
+        )
     if view.get("hooks_left_out"):
         say(
             f"note: the model had {view['hooks_left_out']} hook(s) of the loop's own, which the "

@@ -79,9 +79,10 @@ class Publisher(DaemonThread):
         self._wanted_token = 0  # the last one whose packets are folded (publisher thread)
         DaemonThread.__init__(self, name)
 
-    def spike_gate_limits(self) -> tuple[float, float]:
-        """(loss, gradient norm) above which the spike replay replays a step, as of the last
-        drain folded (publish/spikes.py `gate_limits`); read from the training thread."""
+    def spike_gate_limits(self) -> tuple[float, float, float, float]:
+        """(loss, gradient norm) above which the spike replay replays a step, then above
+        which the rule calls it a spike, as of the last drain folded (publish/spikes.py
+        `gate_limits`); read from the training thread."""
         return self._aggregator.spikes.gate_limits
 
     def submit(self, packet: Packet) -> None:

@@ -41,6 +41,7 @@ import threading
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
+from typing import Any
 
 from hookprof.snapshot import SPIKE_KINDS, SpikeCount, SpikeEvent
 from hookprof.step.series import StepValue
@@ -123,35 +124,43 @@ class SpikeWatch:
         self._judged = dict.fromkeys(KINDS, 0)
         self._lock = threading.Lock()
         self._counts = {kind: SpikeCount() for kind in KINDS}
-        # (loss, gradient norm) above which the spike replay replays a step (read from the
-        # training thread: a tuple, replaced whole)
-        self.gate_limits = (math.inf, math.inf)
-        self._verdicts: Mapping[int, tuple[str, str | None, str | None]] = {}
+        # (loss, gradient norm) above which the spike replay replays a step, then (loss,
+        # gradient norm) above which the rule would call it a spike, both against the window
+        # of the last drain (read from the training thread: a tuple, replaced whole)
+        self.gate_limits = (math.inf, math.inf, math.inf, math.inf)
+        self._verdicts: Mapping[int, tuple[Any, ...]] = {}
 
     def observe(self, values: Iterable[StepValue]) -> None:
         for v in values:
             self._judge(LOSS_SPIKE, v.step, v.loss)
             self._judge(GRAD_NORM_SPIKE, v.step, v.grad_norm)
-        self.gate_limits = (self._gate(LOSS_SPIKE), self._gate(GRAD_NORM_SPIKE))
+        self.gate_limits = (
+            self._gate(LOSS_SPIKE, 0.5),
+            self._gate(GRAD_NORM_SPIKE, 0.5),
+            self._gate(LOSS_SPIKE, 1.0),
+            self._gate(GRAD_NORM_SPIKE, 1.0),
+        )
 
-    def _gate(self, kind: str) -> float:
-        """The value above which a step of `kind` may be judged a spike against the window as
-        it is now, at half the threshold and half the margin (the rule's own test of an event
-        going on): looser than the rule, so that the spike replay's gate, which uses the
-        window of the last drain, replays the steps the rule will call spikes. inf: no
-        judgement yet, or detection off."""
+    def _gate(self, kind: str, part: float) -> float:
+        """The value above which a step of `kind` is a spike against the window as it is
+        now (`part` 1: the rule's own limit, `_rule`), or may be one (`part` 0.5: half the
+        threshold and half the margin, the rule's own test of an event going on): looser
+        than the rule, so that the spike replay's gate, which uses the window of the last
+        drain, replays the steps the rule will call spikes. inf: no judgement yet, or
+        detection off."""
         window = self._window[kind]
         threshold = self._thresholds[kind]
         if len(window) < MIN_HISTORY or not math.isfinite(threshold):
             return math.inf
         median, scale = centre(window.ordered)
         margin = _MARGIN[kind] * max(abs(median), scale)
-        return median + max(threshold / 2 * scale, margin / 2)
+        return median + part * max(threshold * scale, margin)
 
-    def note_verdicts(self, verdicts: Mapping[int, tuple[str, str | None, str | None]]) -> None:
-        """The spike replay's verdicts by step, with their capsules and the first layer whose
-        output differed (integrity/spike_replay.py): the events of those steps carry theirs,
-        whether they were counted before or after."""
+    def note_verdicts(self, verdicts: Mapping[int, tuple[Any, ...]]) -> None:
+        """The spike replay's verdicts by step (integrity/spike_replay.py `Verdict`: the
+        result, its capsule, the first layer whose output differed, the batch's samples of
+        largest loss): the events of those steps carry theirs, whether they were counted
+        before or after."""
         with self._lock:
             self._verdicts = verdicts
             self._counts = {kind: self._with_verdicts(c) for kind, c in self._counts.items()}
@@ -163,7 +172,10 @@ class SpikeWatch:
             found = self._verdicts.get(event.step)
             if found is None:
                 return event
-            return dataclasses.replace(event, verdict=found[0], capsule=found[1], entered=found[2])
+            verdict, capsule, entered, suspects = found
+            return dataclasses.replace(
+                event, verdict=verdict, capsule=capsule, entered=entered, suspects=suspects
+            )
 
         return SpikeCount(count.count, of(count.first), of(count.last))
 

@@ -40,7 +40,7 @@ from hookprof.layers import LayerTable
 from hookprof.step.builtin_statistics import BUILT_IN
 from hookprof.step.record import ROOT_INPUT, Activation, Call, StepRecord
 from hookprof.step.statistics import OUTPUT, applies, source_of, values_of
-from hookprof.tensors import bits_sum, iter_tensors
+from hookprof.tensors import iter_tensors, output_checksum
 
 _Tensor = torch.Tensor
 _NO_ATTRIBUTE = object()  # a module without an instance attribute `forward` of its own
@@ -546,7 +546,7 @@ class LayerHooks:
                     and t.layout is torch.strided  # (a sparse output has no bits to view)
                     and t.numel()
                 ):
-                    rec.fingerprints.append((call, bits_sum(t)))  # a replay check's step
+                    rec.fingerprints.append((call, output_checksum(t)))  # a replay check's step
                 if stats and (t.is_floating_point() or t.is_complex()) and t.numel():
                     d = _real(t.detach())
                     # device-side reductions, kept on the device. aminmax gives max |x| over

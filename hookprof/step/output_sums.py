@@ -11,7 +11,7 @@ armed (attach to detach), under the sampled steps' own, which go in and out over
 with forward hooks of its own (one may replace its output, which the rest of the model then
 sees) gets a forward hook after them instead, as the sampled steps' hooks do. While
 nothing is collected a call costs the wrapper's frame and one attribute read; while collecting,
-the bits of each floating-point output are summed as integers (tensors.bits_sum: a view and
+the bits of each floating-point output are summed as integers (tensors.output_checksum: a view and
 one reduction, kept on the device). Only the collecting thread's calls count (another thread
 training another model through a shared layer is not this step's).
 
@@ -35,7 +35,7 @@ from hookprof.faults import Faults
 from hookprof.handles import HandleGroup, Removable
 from hookprof.layers import LayerTable
 from hookprof.step.hooks import wrap_attribute
-from hookprof.tensors import bits_sum, iter_tensors
+from hookprof.tensors import iter_tensors, output_checksum
 
 # layer calls kept per collection: a forward that never returns (it raised) followed by an
 # evaluation loop on the same thread would otherwise grow the list until the next step
@@ -101,7 +101,7 @@ class OutputSums:
                         self._sink, self.broken = None, True
                         return
                     if t.numel():
-                        sink.append((layer, bits_sum(t)))
+                        sink.append((layer, output_checksum(t)))
         except Exception as exc:  # the forward goes on; this collection is not complete
             self._sink, self.broken = None, True
             self._faults.report("spike replay", exc, disable=False)

@@ -119,7 +119,7 @@ class StepRecord:
         # a compiled region's call during which Dynamo compiled (a first call, a recompile)
         self.untimed: set[int] = set()
         # (call, 0-d int64 on the device): each instrumented output's bits summed
-        # (tensors.bits_sum), on a replay check's step and in its replay (hookprof/integrity/)
+        # (tensors.output_checksum), on a replay check's step and in its replay (hookprof/integrity/)
         self.fingerprints: list[tuple[int, torch.Tensor]] = []
 
     def absorb_rerun(self, other: StepRecord) -> None:
@@ -283,6 +283,24 @@ def real_loss(loss: Any) -> tuple[Any, str | None]:
     except Exception:
         pass  # an object whose float() fails: not a loss hookprof can read
     return None, f"a {type(loss).__module__}.{type(loss).__qualname__}".replace("a builtins.", "a ")
+
+
+def checked_sample_losses(values: Any) -> torch.Tensor:
+    """`prof.step(sample_losses=...)` as given, if it is one: a real floating-point tensor with
+    a first dimension (the batch's); else a TypeError or ValueError that says what it was.
+    Reads nothing from a device."""
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(
+            "prof.step(sample_losses=...) takes a tensor of each sample's loss (e.g. "
+            f"F.cross_entropy(logits, y, reduction='none')), not a {type(values).__name__}"
+        )
+    if not values.is_floating_point() or values.dim() == 0 or values.numel() == 0:
+        raise ValueError(
+            "prof.step(sample_losses=...) takes a real floating-point tensor with one row per "
+            f"sample of the batch; this one has shape {tuple(values.shape)} and dtype "
+            f"{values.dtype}"
+        )
+    return values
 
 
 def loss_notice(what: str) -> str:

@@ -110,6 +110,15 @@ def summary(doc: dict[str, Any]) -> str:
                         f" (first differing output: {first['entered']}'s)"
                         if first.get("entered")
                         else ""
+                    )
+                    + (
+                        "; its batch's samples of largest loss: "
+                        + ", ".join(
+                            f"sample {s['sample']} ({num(s['loss'], 4)})"
+                            for s in first["suspects"]
+                        )
+                        if first.get("suspects")
+                        else ""
                     ),
                 )
             )

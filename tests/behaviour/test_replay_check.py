@@ -315,8 +315,8 @@ def test_a_refused_step_sums_no_more_outputs(monkeypatch):
     """16 micro-batches: the step is refused at the second forward, and its outputs are no
     longer summed from there."""
     sums = []
-    real = hooks_module.bits_sum
-    monkeypatch.setattr(hooks_module, "bits_sum", lambda t: sums.append(1) or real(t))
+    real = hooks_module.output_checksum
+    monkeypatch.setattr(hooks_module, "output_checksum", lambda t: sums.append(1) or real(t))
     micro_batch_steps(4, 16)
     assert 0 < len(sums) <= 4 * 3  # (at most the first forward's 3 outputs, each step)
 

@@ -11,6 +11,7 @@ behind the host the verdict comes too, with one wait per step on the training th
 
 from __future__ import annotations
 
+import io
 import threading
 
 import pytest
@@ -49,11 +50,13 @@ def train(
     lr_bump: float = 1.0,
     micro_batches: int = 1,
     at: str = "fc1",
+    per_sample: dict | None = None,
 ):
     """SGD on `make()`; `fault`: "machine" (the output of layer `at`, "" for the model's own,
     on AT's own forward), "data" (AT's inputs), "targets" (AT's targets); `lr_bump`: the
-    learning rate that many times larger at step AT. Returns the losses and, with `config`,
-    (snapshot, page text, document)."""
+    learning rate that many times larger at step AT. `per_sample`: a dict given each step's
+    per-sample losses (by step), which prof.step gets too. Returns the losses and, with
+    `config`, (snapshot, page text, document)."""
     torch.manual_seed(0)
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -82,11 +85,15 @@ def train(
                 if fault == "targets" and step == AT:
                     y = corrupt(y)
                 armed["now"] = step == AT
-                loss = (model(x) - y).square().mean()
+                sample_losses = (model(x) - y).square().mean(1)
+                loss = sample_losses.mean()
                 loss.backward()
             opt.step()
+            if per_sample is not None:
+                per_sample[step] = sample_losses.detach().clone()
+                per_sample["x", step] = x
             if prof is not None:
-                prof.step(loss)
+                prof.step(loss, sample_losses=sample_losses if per_sample is not None else None)
             losses.append(loss.item())
         if prof is None:
             return losses, None
@@ -124,7 +131,9 @@ def test_the_layer_where_the_machines_wrong_value_entered_is_named(at, named):
     with them in call order names the layer the test corrupted (fc2: fc1 and act before it
     were alike; the model's own output, "(root)": every layer was alike), in the spike event,
     the metric the alert reads, top, the summary and the report."""
-    _, (snap, page, document) = train(config={**OFTEN, "spike_replay": True}, fault="machine", at=at)
+    _, (snap, page, document) = train(
+        config={**OFTEN, "spike_replay": True}, fault="machine", at=at
+    )
     # (the gradient norm spikes in all three; the loss not where row 0's value lands near
     # its own: x * 100 + 5 for x near -0.05)
     first = snap.spikes["grad_norm_spike"].first
@@ -153,7 +162,7 @@ def test_a_fault_in_the_layer_sums_leaves_the_verdict_without_a_layer(monkeypatc
     the same, the spike still judged on the model's output, no layer claimed."""
     from hookprof.step import output_sums
 
-    real, calls = output_sums.bits_sum, {"n": 0}
+    real, calls = output_sums.output_checksum, {"n": 0}
     bare, _ = train(fault="machine")
 
     def failing(t):
@@ -162,7 +171,7 @@ def test_a_fault_in_the_layer_sums_leaves_the_verdict_without_a_layer(monkeypatc
             raise RuntimeError("injected")
         return real(t)
 
-    monkeypatch.setattr(output_sums, "bits_sum", failing)
+    monkeypatch.setattr(output_sums, "output_checksum", failing)
     losses, (snap, _, _) = train(config={**OFTEN, "spike_replay": True}, fault="machine")
     assert losses == bare
     first = snap.spikes["loss_spike"].first
@@ -241,13 +250,21 @@ def test_a_not_reproduced_spike_writes_a_capsule_another_process_does_not_reprod
     """capsule_dir set: the machine's spike gets a capsule of its step (the weights from
     before its update, its batch, RNG and modules' state, both runs' output sums);
     `hookprof replay` agrees with the in-place replay against the step's own output (exit
-    1). The data's spike, reproduced, gets none."""
+    1). The steps after it whose loss stays past the rule's limit, reproduced, get one of
+    their batch each (below); no other step does."""
     config = {**OFTEN, "spike_replay": True, "capsule_dir": str(tmp_path / "machine")}
     _, (snap, _, document) = train(config=config, fault="machine")
     spike = snap.spikes["loss_spike"].first
     assert spike.verdict == "not_reproduced" and spike.capsule is not None
     assert document["spikes"]["loss_spike"]["first"]["capsule"] == spike.capsule
-    assert snap.capsules_written == 1
+    written = {
+        c["view"]["step"]: c["view"]["event"]["replay"]
+        for c in (torch.load(p, weights_only=True) for p in (tmp_path / "machine").iterdir())
+    }
+    assert snap.capsules_written == len(written) and written[AT] == "not_reproduced"
+    assert all(
+        step > AT and replay == "reproduced" for step, replay in written.items() if step != AT
+    )
     capsule = torch.load(spike.capsule, weights_only=True)
     assert (capsule["view"]["kind"], capsule["view"]["step"]) == ("spike replay", AT)
     # every layer's output in call order, then the model's
@@ -260,10 +277,67 @@ def test_a_not_reproduced_spike_writes_a_capsule_another_process_does_not_reprod
         "step's own outputs first at fc1"
     ), done.stdout
 
+
+def test_a_data_spike_names_its_samples_of_largest_loss_and_gets_a_capsule_of_its_batch(
+    tmp_path,
+):
+    """prof.step(loss, sample_losses=...): a reproduced spike names the samples of its batch
+    with the largest loss (row 0, the one the test made wrong, first), against the test's own
+    per-sample losses; with capsule_dir, the step past the rule's own limit gets a capsule
+    of its batch and weights, which `hookprof replay` reproduces in a new process (exit 0)."""
     config = {**OFTEN, "spike_replay": True, "capsule_dir": str(tmp_path / "data")}
-    _, (snap, _, _) = train(config=config, fault="data")
-    assert snap.spikes["loss_spike"].first.verdict == "reproduced"
-    assert not (tmp_path / "data").exists() and snap.capsules_written == 0
+    own: dict = {}
+    _, (snap, _, document) = train(config=config, fault="data", per_sample=own)
+    spike = snap.spikes["loss_spike"].first
+    assert (spike.step, spike.verdict, spike.entered) == (AT, "reproduced", None)
+    top = own[AT].double().topk(5)
+    assert [s.sample for s in spike.suspects] == top.indices.tolist()
+    assert spike.suspects[0].sample == 0  # (the row the test corrupted)
+    assert [s.loss for s in spike.suspects] == pytest.approx(top.values.tolist(), rel=1e-12)
+    assert document["spikes"]["loss_spike"]["first"]["suspects"][0] == {
+        "sample": 0,
+        "loss": pytest.approx(top.values[0].item(), rel=1e-12),
+    }
+    report = "".join(Elements(render([document])).text)
+    assert "its batch's samples of largest loss: sample 0 (" in report
+    # the capsule: the spike's step (a neighbour past the limit may have one too)
+    assert spike.capsule is not None and snap.capsules_written >= 1
+    capsule = torch.load(spike.capsule, weights_only=True)
+    assert capsule["view"]["event"]["replay"] == "reproduced" and capsule["check"]["first"] is None
+    assert [s for s, _ in capsule["check"]["suspects"]] == top.indices.tolist()
+    inputs = torch.load(io.BytesIO(capsule["forward"]["inputs"]), weights_only=True)
+    assert torch.equal(inputs[0][0], own["x", AT])  # (the batch, row 0 as the test made it)
+    done = replay_in_new_process(spike.capsule, "--runs", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(
+        "reproduced: 2 runs on cpu give the step's own output bits at every layer"
+    ), done.stdout
+    assert any(line.startswith("the batch's samples of largest loss") for line in lines)
+
+
+def test_sample_losses_that_are_not_any_get_a_clear_error():
+    model = Mlp()
+    with hookprof.attach(model, port=0, summary_at_exit=False, spike_replay=True) as prof:
+        loss = model(torch.randn(4, 8)).sum()
+        with pytest.raises(TypeError, match="sample_losses"):
+            prof.step(loss, sample_losses=[1.0, 2.0])
+        with pytest.raises(ValueError, match=r"shape \(\) and dtype torch.float32"):
+            prof.step(loss, sample_losses=loss.detach())
+        with pytest.raises(ValueError, match="torch.int64"):
+            prof.step(loss, sample_losses=torch.arange(4))
+        prof.step(loss, sample_losses=torch.ones(4))  # (steps go on)
+        prof.flush()
+        assert prof.snapshot().step == 1
+    # without the spike replay they are not kept, and that is said once
+    model = Mlp()
+    with hookprof.attach(model, port=0, summary_at_exit=False) as prof:
+        for _ in range(2):
+            loss = model(torch.randn(4, 8)).sum()
+            prof.step(loss, sample_losses=torch.ones(4))
+        prof.flush()
+        said = [n for n in prof.snapshot().notices if "sample_losses" in n]
+        assert len(said) == 1 and "spike_replay" in said[0]
 
 
 class ActorCritic(nn.Module):

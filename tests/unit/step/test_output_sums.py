@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -12,7 +14,7 @@ from hookprof.faults import Faults
 from hookprof.layers import LayerTable
 from hookprof.step import output_sums
 from hookprof.step.output_sums import OutputSums
-from hookprof.tensors import bits_sum
+from hookprof.tensors import output_checksum
 from support.hooks_left import MODULE_HOOK_DICTS
 
 
@@ -51,7 +53,11 @@ def test_each_layer_output_in_call_order_against_the_tests_own_sums():
     into, _ = sums_of(model, lambda: model(x))
     a = model.a(x)
     b = model.b(a * 2)
-    expected = [(0, bits_sum(a)), (1, bits_sum(b)), (2, bits_sum(replaced[-1]))]
+    expected = [
+        (0, output_checksum(a)),
+        (1, output_checksum(b)),
+        (2, output_checksum(replaced[-1])),
+    ]
     assert [(row, int(s)) for row, s in into] == [(row, int(s)) for row, s in expected]
 
 
@@ -95,3 +101,64 @@ def test_nothing_is_left_on_the_modules_after():
     with sums.installed():
         assert "forward" in vars(model.a) and len(model.hooked._forward_hooks) == 2
     assert left(model) == left(twin)
+
+
+# (dtype, shape, transposed): 4- and 8-byte elements summed in their own width; 2-byte ones
+# whose bytes pair up read as int32; the rest (odd sizes, transposed) converted to int32
+OUTPUTS = [
+    (torch.float32, (16, 33), False),
+    (torch.float32, (8, 6), True),
+    (torch.float64, (5, 3), False),
+    (torch.bfloat16, (6, 4), False),
+    (torch.float16, (5, 3), False),
+    (torch.float16, (6, 4), True),
+    (torch.complex64, (3, 2), False),
+]
+
+
+def numpy_checksum(t: torch.Tensor) -> int:
+    """The test's own: the wrapping sum of the tensor's elements (pairs of 2-byte ones when
+    the tensor lies contiguous in a multiple of 4 bytes) read as integers, modulo the width."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    raw = t.contiguous().view(torch.uint8).numpy()
+    size = t.element_size()
+    pairs = size < 4 and t.is_contiguous() and t.numel() * size % 4 == 0
+    width = 4 if pairs else max(size, 4)
+    ints = raw.view({2: np.int16, 4: np.int32, 8: np.int64}[width if pairs else size])
+    modulus = 2 ** (8 * width)
+    return int(sum(int(v) for v in ints.ravel())) % modulus
+
+
+@pytest.mark.parametrize("dtype, shape, transposed", OUTPUTS)
+def test_the_checksum_is_the_tests_own_wrapping_sum_and_sees_every_single_flipped_bit(
+    dtype, shape, transposed
+):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(*shape, generator=g) * 1e4).to(dtype)
+    if transposed:
+        x = x.t()
+    real = torch.view_as_real(x) if x.is_complex() else x  # (a complex one: its parts)
+    width = 64 if real.element_size() == 8 else 32
+    value = int(output_checksum(x)) % 2**width
+    assert value == numpy_checksum(x)
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    bits = real.view(ints[real.element_size()])
+    for k in range(8 * real.element_size()):
+        flipped = bits.clone()  # (the same strides: a transposed tensor stays transposed)
+        flipped[(1,) * flipped.dim()] ^= torch.tensor(1, dtype=flipped.dtype) << k
+        again = flipped.view(real.dtype)
+        if x.is_complex():
+            again = torch.view_as_complex(again)
+        assert again.is_contiguous() == x.is_contiguous()
+        assert int(output_checksum(again)) % 2**width != value, k
+
+
+def test_a_float32_output_is_summed_with_no_copy_of_it():
+    """The point of the native width: no int64 transient (bits_sum's is 8 bytes an element)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(256, 1024)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        output_checksum(x)
+    assert max((e.cpu_memory_usage for e in prof.events()), default=0) < 1024

@@ -114,8 +114,7 @@ def summary(doc: dict[str, Any]) -> str:
                     + (
                         "; its batch's samples of largest loss: "
                         + ", ".join(
-                            f"sample {s['sample']} ({num(s['loss'], 4)})"
-                            for s in first["suspects"]
+                            f"sample {s['sample']} ({num(s['loss'], 4)})" for s in first["suspects"]
                         )
                         if first.get("suspects")
                         else ""

@@ -15,6 +15,7 @@ from hookprof.errors import DetachedError
 from hookprof.publish.document import document
 from hookprof.publish.history import History
 from hookprof.snapshot import Snapshot
+from hookprof.step.record import checked_sample_losses
 
 
 class DisabledProfiler:
@@ -46,6 +47,8 @@ class DisabledProfiler:
         return True
 
     def step(self, loss: Any = None, *, sample_losses: Any = None) -> None:
+        if sample_losses is not None:  # (the same clear error as when enabled)
+            checked_sample_losses(sample_losses)
         if self._detached:
             raise DetachedError("Profiler.step() called after detach(); attach the model again")
 

@@ -248,8 +248,9 @@ SPIKE_MISMATCH_INFO = Metric(
     "gauge",
     ("rank", "layer", "step", "deterministic"),
     "The last spike whose replay (Config.spike_replay) did not reproduce its forward: the "
-    "first layer whose output differed ((root): only the model's output), and whether "
-    "torch's deterministic algorithms were on (always 1)",
+    "first layer or block whose output differed ((root): only the model's output; (output): "
+    "its layers were not compared), and whether torch's deterministic algorithms were on "
+    "(always 1)",
 )
 SPIKE_MISMATCH_TIMESTAMP_SECONDS = Metric(
     "hookprof_spike_mismatch_timestamp_seconds",

@@ -351,7 +351,7 @@ class Snapshot:
     carries its step's verdict (SpikeEvent.verdict)."""
     spike_mismatch: ReplayMismatch | None = None
     """The last spike whose replay did not reproduce its forward: the first layer whose output
-    differed ("(root)": only the model's output, from its own code between its layers)."""
+    differed ("(root)": only the model's output, from its own code between its children)."""
     spikes: Mapping[str, SpikeCount] = field(default_factory=lambda: _EMPTY)
     """"loss_spike" / "grad_norm_spike" -> the spike events of the every-step series so far
     (publish/spikes.py): anomalies that are no NaN."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookprof.compiled import explain_compiled_forward
+from hookprof.compiled import compiled_regions, explain_compiled_forward
 from hookprof.distributed import with_other_ranks
 from hookprof.efficiency.figures import EfficiencyPart, StepEfficiency
 from hookprof.faults import Faults, ThreadSupervisor, guarded
@@ -610,6 +610,7 @@ def replays_of(
             say=say,
             capsules=capsules("spike replay"),
             sums=sums,
-            names=table.names,
+            names=[table.row_name(row) for row in range(table.rows)],
+            has_regions=lambda: bool(compiled_regions(table)[0]),
         ),
     }

@@ -60,7 +60,14 @@ def output_checksum(tensor: torch.Tensor) -> torch.Tensor:
     bits = local_bits(tensor)
     if bits.element_size() >= 4:
         return bits.sum(dtype=bits.dtype)
-    if bits.is_contiguous() and bits.numel() * bits.element_size() % 4 == 0:
+    size = bits.element_size()
+    if (
+        bits.is_contiguous()
+        and bits.numel() * size % 4 == 0
+        and bits.storage_offset() * size % 4 == 0
+    ):
+        # (the bytes read as int32 must start on a 4-byte boundary: a slice of a bfloat16
+        # tensor starting at an odd element cannot be viewed so)
         return bits.reshape(-1).view(torch.int32).sum(dtype=torch.int32)
     if bits.numel() <= BITS_SUM_CHUNK:  # (a transient of 4 bytes an element, chunked)
         return bits.sum(dtype=torch.int32)

@@ -50,6 +50,7 @@ from hookprof.device import transfer
 from hookprof.distributed import with_other_ranks
 from hookprof.integrity.replay_check import (
     CALLS_DIFFER,
+    COMPILED_REGIONS,
     INPUTS_EDITED,
     NOT_COMPARED,
     NOT_REPRODUCED,
@@ -115,8 +116,10 @@ class _Step:
     # collected, or not whole
     layers: list[tuple[int, torch.Tensor]] | None = None
     # prof.step(loss, sample_losses=...): the loss of each sample of its batch (a reference)
-    sample_losses: torch.Tensor | None = None
+    # and its version counter then
+    sample_losses: tuple[torch.Tensor, int] | None = None
     spiked: bool = False  # its loss or gradient norm passed the rule's own limit (the gate's)
+    first_spiked: bool = False  # ... and the step before did not
     gate: list[Any] = field(default_factory=list)  # its gate's flags on their way (Copy)
 
 
@@ -132,12 +135,16 @@ class SpikeReplay:
         capsules: Any = None,
         sums: OutputSums | None = None,
         names: Sequence[str] = (),
+        has_regions: Callable[[], bool] = lambda: False,
     ):
         self._model = model
+        # modules compiled on their own below the root: an eager replay is not what ran
+        self._has_regions = has_regions
+        self._spiked_before = False  # the last step settled passed the rule's own limit
         # every layer's output summed on the step's first forward and on its replay: where a
         # difference entered (None: the model's output alone is compared)
         self.sums = sums
-        self._names = names  # the layers' names, by row
+        self._names = names  # the layers' and containers' names, by row
         # capsule_dir set: a difference's capsule (nonfinite/check_capsule.py CheckCapsules)
         self._capsules = capsules
         # (captured, start) -> the replay's output: nonfinite/replay.py forward_again
@@ -189,10 +196,7 @@ class SpikeReplay:
     def _stop_sums(self, current: _Step | None) -> None:
         """The layers' sums no longer collected; a collection that stopped short (a fault,
         too many calls) is dropped: the output is still compared, the layer not named."""
-        if self.sums is None:
-            return
-        self.sums.collect(None)
-        if self.sums.broken and current is not None:
+        if self.sums is not None and self.sums.stop() and current is not None:
             current.layers = None
 
     def update_began(self, step: int) -> tuple[SpikeComparison, list[torch.Tensor]] | None:
@@ -269,12 +273,12 @@ class SpikeReplay:
         """prof.step(loss, sample_losses=...): the per-sample losses of the step in progress
         (or of the one the optimizer hook just ended), kept by reference for its replay."""
         target = self._current if self._current is not None else self._ended
-        if target is not None:
-            target.sample_losses = values.detach()
+        if target is not None:  # (its version: a buffer the loop writes again is dropped)
+            target.sample_losses = (values.detach(), values._version)
 
     def _settle(self) -> tuple[SpikeComparison, list[torch.Tensor]] | None:
         ended, self._ended = self._ended, None
-        if ended is None or not ended.gate:
+        if ended is None:
             return None
         tripped = False
         for copy in ended.gate:
@@ -282,6 +286,10 @@ class SpikeReplay:
             over = copy.host.tolist() if isinstance(copy.host, torch.Tensor) else copy.host
             tripped = tripped or bool(over[0])  # (past the gate: replayed)
             ended.spiked = ended.spiked or bool(over[1])  # (past the rule's own limit)
+        # a spike's first step (the rule's own limit passed, not by the step before): the
+        # steps of one going on stay past the limit too, and would use up capsule_max_count
+        ended.first_spiked = ended.spiked and not self._spiked_before
+        self._spiked_before = ended.spiked
         if not tripped:
             return None
         return self._replay(ended)
@@ -294,6 +302,8 @@ class SpikeReplay:
             refused = NO_OUTPUT
         if refused is None and ended.captured.changed_in_place():
             refused = INPUTS_EDITED
+        if refused is None and self._has_regions():
+            refused = COMPILED_REGIONS
         if refused is not None:
             return SpikeComparison(ended.step, refused), []
         return self._run(ended)
@@ -314,12 +324,14 @@ class SpikeReplay:
                 p.data = kept
             if sums is not None:
                 sums.collect(layers_again)
+            broken = False
             try:
                 output = self._forward_again(ended.captured, ended.start)
             finally:
                 if sums is not None:
-                    sums.collect(None)
-            if sums is None or sums.broken:  # (the model's output alone is compared)
+                    broken = sums.stop()
+            compared_layers = sums is not None and not broken
+            if not compared_layers:  # (the model's output alone is compared)
                 ended.layers, layers_again = [], []
             entry = self._entry_name(ended.captured)
             ours = [*(ended.layers or []), *((-1, s) for s in ended.sums)]
@@ -327,10 +339,10 @@ class SpikeReplay:
             rows, order, diverged, parts = compare_sums(ours, theirs)
             # (the model's output, named for where its own code ran when the layers were
             # compared, OUTPUT_NAME when they were not: no layer can be said then)
-            output_name = (entry or ROOT_NAME) if ended.layers else OUTPUT_NAME
+            output_name = (entry or ROOT_NAME) if compared_layers else OUTPUT_NAME
             names = [self._names[row] if row >= 0 else output_name for row in rows]
             deterministic = torch.are_deterministic_algorithms_enabled()
-            suspects = suspects_of(ended.sample_losses)
+            suspects = suspects_of(*ended.sample_losses) if ended.sample_losses else None
             capsule = None
             if self._capsules is not None:  # capsule_dir: a difference's capsule, now (and a
                 # spike's the replay reproduced: its batch, when it passed the rule's limit)
@@ -345,7 +357,8 @@ class SpikeReplay:
                     (order, parts),
                     step=ended.step,
                     deterministic=deterministic,
-                    alike=ended.spiked,
+                    # (a reproduced spike: the first step of one, every output compared)
+                    alike=ended.first_spiked and diverged is None,
                     suspects=suspects,
                 )
         except Exception:
@@ -373,12 +386,13 @@ class SpikeReplay:
         return next((n for n, m in model.named_modules() if m is captured.module), "")
 
 
-def suspects_of(sample_losses: torch.Tensor | None) -> torch.Tensor | None:
+def suspects_of(sample_losses: torch.Tensor, version: int) -> torch.Tensor | None:
     """The samples of a batch whose loss is largest, on the device (nothing read back): their
     losses, largest first, their indices in the batch, then the batch's total (float64, one
-    tensor); a sample's loss is the sum of its elements (per-token losses of a sequence).
-    None without sample losses."""
-    if sample_losses is None:
+    tensor); a sample's loss is the sum of its row's elements (per-token losses of shape
+    (batch, seq)). None when the tensor was written since its step gave it (`version`: a
+    buffer the loop fills again each step holds another step's losses now)."""
+    if sample_losses._version != version:
         return None
     with torch.no_grad():
         per_sample = sample_losses.reshape(sample_losses.shape[0], -1).double().sum(1)
@@ -473,6 +487,7 @@ def spike_replay_of(
     capsules: Any = None,
     sums: OutputSums | None = None,
     names: Sequence[str] = (),
+    has_regions: Callable[[], bool] = lambda: False,
 ) -> SpikeReplay | None:
     """The spike replay of Config.spike_replay (None: off), for a model whose replay runs
     through `hooks` into records of `sampled` (step/sampled.py) by `forward_again`
@@ -480,7 +495,8 @@ def spike_replay_of(
     a process that is one rank of several or whose parameters are sharded, where a replay
     could start collectives the other ranks never join. `capsules`: the writer of a
     difference's capsule (capsule_dir set: nonfinite/check_capsule.py); `sums`: the layers'
-    output sums (step/output_sums.py), installed by the caller, of the layers `names`."""
+    output sums (step/output_sums.py), installed by the caller, of the rows `names` (layers,
+    then containers); `has_regions`: are modules below the root compiled on their own?"""
     if not config.spike_replay:
         return None
     refused = SEVERAL_RANKS if with_other_ranks() else SHARDED if sharded else None
@@ -499,4 +515,12 @@ def spike_replay_of(
             sampled.discard(own)
         return outputs[0]
 
-    return SpikeReplay(limits, again, model=model, capsules=capsules, sums=sums, names=names)
+    return SpikeReplay(
+        limits,
+        again,
+        model=model,
+        capsules=capsules,
+        sums=sums,
+        names=names,
+        has_regions=has_regions,
+    )

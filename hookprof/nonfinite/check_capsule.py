@@ -124,16 +124,24 @@ class CheckCapsules:
                 "replayed": sums[len(original) :],
                 "first": first,
             }
+            # (what the sums are: `hookprof replay` recomputes them with the same function)
+            check["checksum"] = "output_checksum"
             if suspects is not None:  # [(sample, its loss)], the largest first; the total
                 found, total = suspects_from(suspects.to("cpu").tolist())
                 check["suspects"], check["loss_total"] = [tuple(s) for s in found], total
             # the slot first: once the count is reached, no copy of the model is made at all
-            # (a failing device can make every check step a mismatch)
-            if not _take_slot(self._max_count):
+            # (a failing device can make every check step a mismatch); a reproduced spike's
+            # never takes the last one, kept for a NaN's or a mismatch's
+            if not _take_slot(self._max_count - (first is None)):
                 self._say(
                     f"{self._what} capsule limit",
                     f"no capsule written for the {self._what} of step {step}: this process "
-                    f"has written capsule_max_count={self._max_count} already",
+                    f"has written capsule_max_count={self._max_count} already"
+                    + (
+                        " (a reproduced spike's leaves the last for a NaN's)"
+                        if first is None
+                        else ""
+                    ),
                 )
                 return None
             path = capsule_path(self._dir, self._model, self._rank, step)

@@ -48,7 +48,7 @@ from hookprof.nonfinite.reproduce import (
     _to,
     load_module,
 )
-from hookprof.tensors import iter_tensors, output_checksum
+from hookprof.tensors import bits_sum, iter_tensors, output_checksum
 
 NO_VERDICT = 3  # exit status: the bits cannot be compared here (see the module's docstring)
 
@@ -57,6 +57,8 @@ def _sums_of_run(model: nn.Module, capsule: dict[str, Any], device: str) -> list
     """One run of the step's forward from the capsule on a fresh copy of `model`: (layer,
     output bit sum) of each layer output, in call order, as the check summed them."""
     forward, view = capsule["forward"], capsule["view"]
+    # (capsules written before output_checksum hold bits_sum's int64 sums)
+    checksum = output_checksum if capsule["check"].get("checksum") else bits_sum
     fresh = copy.deepcopy(model)
     args, kwargs = _loaded(forward["inputs"])
     args, kwargs = _to(args, device), _to(kwargs or {}, device)
@@ -73,7 +75,7 @@ def _sums_of_run(model: nn.Module, capsule: dict[str, Any], device: str) -> list
                     and t.layout is torch.strided
                     and t.numel()
                 ):
-                    seen.append((name, int(output_checksum(t))))
+                    seen.append((name, int(checksum(t))))
             return output
 
         return forward_and_sum

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookprof.compiled import is_compiling
 from hookprof.faults import Faults
 from hookprof.handles import HandleGroup, Removable
 from hookprof.layers import LayerTable
@@ -55,20 +56,22 @@ class OutputSums:
         # (layer, output sum) of each summed output, in call order; None: not collecting
         self._sink: list[tuple[int, torch.Tensor]] | None = None
         self._thread = 0
-        self.broken = False  # the collection in progress stopped short (a fault, too many)
+        self._into: list[tuple[int, torch.Tensor]] | None = None  # the collection begun
+        self._broken = False  # ... stopped short (a fault, too many calls)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        """The wrappers in place for the block (attach to detach)."""
-        for layer in self._table.layers:
-            module = layer.module
+        """The wrappers in place for the block (attach to detach): on the layers and on the
+        containers (rows past the layers) but the root, whose own code between its children
+        (a residual add, a functional attention) can make a wrong value no layer returns."""
+        for row, _, module in self._table.named_rows():
             if module is None or module is self._root:
                 continue
             handle: Removable | None = None
             if not module._forward_hooks:
-                handle = wrap_attribute(module, "forward", layer.index, self._enter, self._end)
+                handle = wrap_attribute(module, "forward", row, self._enter, self._end)
             if handle is None:  # (or a module type that refuses the attribute)
-                handle = module.register_forward_hook(partial(self._post, layer.index))
+                handle = module.register_forward_hook(partial(self._post, row))
             self._installs.add(handle)
         try:
             yield
@@ -76,18 +79,29 @@ class OutputSums:
             self._sink = None
             self._installs.remove()
 
-    def collect(self, into: list[tuple[int, torch.Tensor]] | None) -> None:
-        """From now on, this thread's layer outputs are summed into `into` (None: stop)."""
+    def collect(self, into: list[tuple[int, torch.Tensor]]) -> None:
+        """From now on, this thread's layer outputs are summed into `into`."""
         self._thread = threading.get_ident()
-        self._sink = into
-        if into is not None:
-            self.broken = False
+        self._sink = self._into = into
+        self._broken = False
+
+    def stop(self) -> bool:
+        """No more is collected; True when the collection begun last stopped short (its sums
+        are not whole). A second stop says False: the flag is the collection's own."""
+        broken = self._into is not None and self._broken
+        self._sink = self._into = None
+        self._broken = False
+        return broken
 
     def _enter(self, layer: int, args: Any, kwargs: Any) -> bool:
+        # (inside a compiled region: not summed, and no graph break; a step with compiled
+        # regions is not replayed: integrity/spike_replay.py)
+        if is_compiling():
+            return False
         return self._sink is not None and threading.get_ident() == self._thread
 
     def _post(self, layer: int, module: nn.Module, args: Any, output: Any) -> None:
-        if self._sink is not None and threading.get_ident() == self._thread:
+        if self._enter(layer, args, None):
             self._end(layer, output)
 
     def _end(self, layer: int, output: Any) -> None:
@@ -98,10 +112,10 @@ class OutputSums:
             for t in (output,) if isinstance(output, _Tensor) else iter_tensors(output):
                 if (t.is_floating_point() or t.is_complex()) and t.layout is torch.strided:
                     if len(sink) >= MAX_CALLS:
-                        self._sink, self.broken = None, True
+                        self._sink, self._broken = None, True
                         return
                     if t.numel():
                         sink.append((layer, output_checksum(t)))
         except Exception as exc:  # the forward goes on; this collection is not complete
-            self._sink, self.broken = None, True
+            self._sink, self._broken = None, True
             self._faults.report("spike replay", exc, disable=False)

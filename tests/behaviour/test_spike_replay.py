@@ -51,6 +51,7 @@ def train(
     micro_batches: int = 1,
     at: str = "fc1",
     per_sample: dict | None = None,
+    buffer: torch.Tensor | None = None,
 ):
     """SGD on `make()`; `fault`: "machine" (the output of layer `at`, "" for the model's own,
     on AT's own forward), "data" (AT's inputs), "targets" (AT's targets); `lr_bump`: the
@@ -87,6 +88,8 @@ def train(
                 armed["now"] = step == AT
                 sample_losses = (model(x) - y).square().mean(1)
                 loss = sample_losses.mean()
+                if buffer is not None:  # (the loop's own, written again each step before
+                    sample_losses = buffer.copy_(sample_losses.detach())  # its update)
                 loss.backward()
             opt.step()
             if per_sample is not None:
@@ -200,15 +203,130 @@ def test_the_same_spike_made_by_the_data_is_reproduced():
     assert "its replay reproduced it: the data" in report
 
 
-def test_a_learning_rate_that_jumps_is_reproduced():
+def test_a_learning_rate_that_jumps_is_reproduced(tmp_path):
     """Nobody injected anything: a learning rate 150x too large for one step makes the next
-    steps' loss spike (the test's own losses say so); the replay gives the same bits."""
-    losses, (snap, _, _) = train(config={**OFTEN, "spike_replay": True}, lr_bump=150.0)
+    steps' loss spike (the test's own losses say so); the replay gives the same bits. With
+    capsule_dir, one capsule: of the spike's first step (the steps after it stay past the
+    limit, and would use up capsule_max_count: found by review)."""
+    config = {**OFTEN, "spike_replay": True, "capsule_dir": str(tmp_path)}
+    losses, (snap, _, _) = train(config=config, lr_bump=150.0)
     spike = snap.spikes["loss_spike"].first
     assert spike is not None and spike.step == AT + 1
     assert losses[AT] > 10 * max(losses[AT - 20 : AT - 1])
+    assert losses[AT + 1] > 10 * max(losses[AT - 20 : AT - 1])  # (still past it after)
     assert spike.verdict == "reproduced"
     assert snap.spike_replays["not_reproduced"] == 0
+    assert snap.capsules_written == 1 and [p.name for p in tmp_path.iterdir()] == [
+        spike.capsule.rpartition("/")[2]
+    ]
+
+
+def test_a_reproduced_spike_leaves_the_last_capsule_slot_to_a_nan(tmp_path):
+    config = {**OFTEN, "spike_replay": True, "capsule_dir": str(tmp_path), "capsule_max_count": 1}
+    _, (snap, _, _) = train(config=config, lr_bump=150.0)
+    assert snap.spikes["loss_spike"].first.verdict == "reproduced"
+    assert snap.capsules_written == 0 and not any(tmp_path.iterdir())
+    assert any("leaves the last for a NaN" in n for n in snap.notices)
+
+
+class Blocks(nn.Module):
+    """fc1 -> block (its own fc and act, and a residual add of its own code) -> fc2. `fault`
+    makes one value wrong on the step's own forward: "inside" in block.fc's forward (a
+    layer wrapped, no hook of the test's), "residual" in the block's own add."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.block = Block()
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.fc2(self.block(self.fc1(x)))
+
+
+class FaultyLinear(nn.Linear):
+    fault = {"now": None}
+
+    def forward(self, x):
+        out = super().forward(x)
+        if FaultyLinear.fault["now"] == "inside" and torch.is_grad_enabled():
+            FaultyLinear.fault["now"] = None
+            out = corrupt(out)
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = FaultyLinear(16, 16)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        out = x + self.act(self.fc(x))
+        if FaultyLinear.fault["now"] == "residual" and torch.is_grad_enabled():
+            FaultyLinear.fault["now"] = None
+            out = corrupt(out)
+        return out
+
+
+@pytest.mark.parametrize("fault, named", [("inside", "block.fc"), ("residual", "block")])
+def test_a_wrong_value_made_in_a_layers_forward_or_in_a_containers_own_code(
+    monkeypatch, fault, named
+):
+    """Found by review: with only the layers summed, a wrong value made by a container's own
+    code (a residual add) showed first in the next layer's output, naming a layer that
+    computed right. The containers are summed too: the innermost whose output differs is
+    named."""
+    original = torch.randn
+
+    def randn(*args, **kwargs):  # the batch of step AT is drawn: arm the fault for it
+        out = original(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 2 * AT - 1:  # (two draws a step: x, then y)
+            FaultyLinear.fault["now"] = fault
+        return out
+
+    calls = {"n": 0}
+    monkeypatch.setattr(torch, "randn", randn)
+    _, (snap, _, _) = train(make=Blocks, config={**OFTEN, "spike_replay": True})
+    first = snap.spikes["grad_norm_spike"].first
+    assert (first.step, first.verdict, first.entered) == (AT, "not_reproduced", named)
+
+
+class Switching(nn.Module):
+    """Which head runs is Python state the replay cannot put back: its calls part."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act = nn.Linear(8, 16), nn.ReLU()
+        self.fc2, self.fc2b = nn.Linear(16, 1), nn.Linear(16, 1)
+        self.state = {"calls": 0}  # (in a dict: not put back by a replay, docs/integrity.md)
+
+    def forward(self, x):
+        self.state["calls"] += 1
+        head = self.fc2 if self.state["calls"] <= AT else self.fc2b  # (the replay: > AT)
+        return head(self.act(self.fc1(x)))
+
+
+def test_a_replay_whose_calls_part_is_not_compared_and_writes_no_capsule(tmp_path):
+    """Found by review: its capsule said "reproduced" on a truncated list of layers."""
+    config = {**OFTEN, "spike_replay": True, "capsule_dir": str(tmp_path)}
+    _, (snap, _, _) = train(make=Switching, config=config, fault="data")
+    assert snap.spikes["loss_spike"].first.verdict == "not_compared"
+    assert snap.capsules_written == 0 and not any(tmp_path.iterdir())
+
+
+def test_sample_losses_written_again_before_the_replay_are_not_named():
+    """A loop that writes each step's per-sample losses into one buffer has overwritten the
+    spike's by the time it is replayed (the next update): no samples named, rather than
+    another step's (found by review)."""
+    own: dict = {}
+    buffer = torch.empty(16)
+    _, (snap, _, _) = train(
+        config={**OFTEN, "spike_replay": True}, fault="data", per_sample=own, buffer=buffer
+    )
+    spike = snap.spikes["loss_spike"].first
+    assert spike.verdict == "reproduced" and spike.suspects is None
 
 
 @pytest.mark.parametrize("fault", ["targets", None])

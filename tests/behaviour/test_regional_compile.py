@@ -286,3 +286,49 @@ def test_block_rows_do_not_push_layers_off_the_page():
     layers = {n for n in snap.layers if n not in ("blocks.0", "blocks.1")}
     assert len(layers) == 8
     assert set(snap.exported_layers) == layers | {"blocks.0", "blocks.1"}
+
+
+def test_the_spike_replay_adds_no_graph_break_and_does_not_replay_compiled_blocks():
+    """Found by review: the spike replay's wrappers (step/output_sums.py) stayed inside the
+    compiled blocks and broke their graphs (12 breaks, 11 graphs against 0 and 3); and an
+    eager replay of Inductor's kernels is not what ran. Now: Dynamo's counters as without
+    the spike replay, the losses the same, and a gated step `not_compared` with its reason."""
+    results = {}
+    for armed in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = Net()
+        compile_blocks(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(1)
+        settings = dict(port=0, summary_at_exit=False, sample_every=4, min_sample_interval_s=0.0)
+        if armed:
+            settings.update(spike_replay=True)
+        losses = []
+        with hookprof.attach(model, **settings) as prof:
+            for step in range(1, 91):
+                x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+                if step == 80:
+                    x = x * 50  # (a spike the data made)
+                loss = nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                prof.step(loss)
+                losses.append(loss.item())
+                with torch.no_grad():  # an evaluation forward between steps
+                    model(x)
+            prof.flush()
+            snap = prof.snapshot()
+        breaks = sum(counters["graph_break"].values())
+        results[armed] = (losses, breaks, counters["stats"]["unique_graphs"], snap)
+    (bare_losses, bare_breaks, bare_graphs, _), (losses, breaks, graphs, snap) = (
+        results[False],
+        results[True],
+    )
+    assert losses == bare_losses
+    assert (breaks, graphs) == (bare_breaks, bare_graphs)
+    assert snap.spike_replays["not_compared"] >= 1
+    assert snap.spike_replays["reproduced"] == snap.spike_replays["not_reproduced"] == 0
+    assert snap.internal_errors == 0

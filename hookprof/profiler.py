@@ -368,8 +368,7 @@ class Profiler:
         `reduction="none"`), for spike_replay to name a spike's samples of largest loss.
 
         From the first call on, only these calls end steps (optimizer steps no longer do).
-        Call it once per optimizer step, after the backward pass.
-        """
+        Call it once per optimizer step, after the backward pass."""
         if self._boundary.detached:
             raise DetachedError("Profiler.step() called after detach(); attach the model again")
         if sample_losses is not None:

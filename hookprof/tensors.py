@@ -47,6 +47,12 @@ def bits_sum(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack([c.sum(dtype=torch.int64) for c in chunks]).sum()
 
 
+def summable(t: torch.Tensor) -> bool:
+    """Is `t` an output whose bits a replay's checksum reads: floating or complex, strided
+    (a sparse tensor has no bits to view), not empty."""
+    return (t.is_floating_point() or t.is_complex()) and t.layout is torch.strided and t.numel() > 0
+
+
 def output_checksum(tensor: torch.Tensor) -> torch.Tensor:
     """A layer output's bits summed as integers in a width the device sums natively, 0-d on
     its device: the elements' own width for 4- and 8-byte ones (int32, int64); for 1- and

@@ -66,7 +66,7 @@ from hookprof.integrity.replay_check import (
 from hookprof.layers import ROOT_NAME
 from hookprof.snapshot import ReplayMismatch, Suspect, suspects_from
 from hookprof.step.output_sums import OutputSums
-from hookprof.tensors import iter_tensors, output_checksum
+from hookprof.tensors import iter_tensors, output_checksum, summable
 
 NO_UPDATE = "the step's update began without an optimizer hook (its weights were not kept)"
 COMPILED = "the model's forward is compiled (an eager replay is not the code that ran)"
@@ -118,8 +118,9 @@ class _Step:
     # prof.step(loss, sample_losses=...): the loss of each sample of its batch (a reference)
     # and its version counter then
     sample_losses: tuple[torch.Tensor, int] | None = None
-    spiked: bool = False  # its loss or gradient norm passed the rule's own limit (the gate's)
-    first_spiked: bool = False  # ... and the step before did not
+    # its loss or gradient norm passed the rule's own limit (the gate's), and the step
+    # before's did not
+    first_spiked: bool = False
     gate: list[Any] = field(default_factory=list)  # its gate's flags on their way (Copy)
 
 
@@ -280,16 +281,16 @@ class SpikeReplay:
         ended, self._ended = self._ended, None
         if ended is None:
             return None
-        tripped = False
+        tripped = spiked = False
         for copy in ended.gate:
             transfer.wait_ready(copy.ready)  # note: a CPU-GPU sync point (opt-in spike_replay)
             over = copy.host.tolist() if isinstance(copy.host, torch.Tensor) else copy.host
             tripped = tripped or bool(over[0])  # (past the gate: replayed)
-            ended.spiked = ended.spiked or bool(over[1])  # (past the rule's own limit)
+            spiked = spiked or bool(over[1])  # (past the rule's own limit)
         # a spike's first step (the rule's own limit passed, not by the step before): the
         # steps of one going on stay past the limit too, and would use up capsule_max_count
-        ended.first_spiked = ended.spiked and not self._spiked_before
-        self._spiked_before = ended.spiked
+        ended.first_spiked = spiked and not self._spiked_before
+        self._spiked_before = spiked
         if not tripped:
             return None
         return self._replay(ended)
@@ -405,7 +406,7 @@ def _output_sums(output: Any) -> list[torch.Tensor]:
     return [
         output_checksum(t.detach())
         for t in ((output,) if isinstance(output, torch.Tensor) else iter_tensors(output))
-        if (t.is_floating_point() or t.is_complex()) and t.layout is torch.strided and t.numel()
+        if summable(t)
     ]
 
 

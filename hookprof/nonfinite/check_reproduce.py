@@ -48,7 +48,7 @@ from hookprof.nonfinite.reproduce import (
     _to,
     load_module,
 )
-from hookprof.tensors import bits_sum, iter_tensors, output_checksum
+from hookprof.tensors import bits_sum, iter_tensors, output_checksum, summable
 
 NO_VERDICT = 3  # exit status: the bits cannot be compared here (see the module's docstring)
 
@@ -70,11 +70,7 @@ def _sums_of_run(model: nn.Module, capsule: dict[str, Any], device: str) -> list
         def forward_and_sum(*args: Any, **kwargs: Any) -> Any:
             output = forward_of(*args, **kwargs)
             for t in (output,) if isinstance(output, torch.Tensor) else iter_tensors(output):
-                if (
-                    (t.is_floating_point() or t.is_complex())
-                    and t.layout is torch.strided
-                    and t.numel()
-                ):
+                if summable(t):
                     seen.append((name, int(checksum(t))))
             return output
 

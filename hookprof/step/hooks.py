@@ -40,7 +40,7 @@ from hookprof.layers import LayerTable
 from hookprof.step.builtin_statistics import BUILT_IN
 from hookprof.step.record import ROOT_INPUT, Activation, Call, StepRecord
 from hookprof.step.statistics import OUTPUT, applies, source_of, values_of
-from hookprof.tensors import iter_tensors, output_checksum
+from hookprof.tensors import iter_tensors, output_checksum, summable
 
 _Tensor = torch.Tensor
 _NO_ATTRIBUTE = object()  # a module without an instance attribute `forward` of its own
@@ -540,12 +540,7 @@ class LayerHooks:
             )
             for t in (output,) if isinstance(output, _Tensor) else iter_tensors(output):
                 node = t.grad_fn
-                if (
-                    fingerprints
-                    and (t.is_floating_point() or t.is_complex())
-                    and t.layout is torch.strided  # (a sparse output has no bits to view)
-                    and t.numel()
-                ):
+                if fingerprints and summable(t):
                     rec.fingerprints.append((call, output_checksum(t)))  # a replay check's step
                 if stats and (t.is_floating_point() or t.is_complex()) and t.numel():
                     d = _real(t.detach())

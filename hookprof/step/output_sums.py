@@ -36,7 +36,7 @@ from hookprof.faults import Faults
 from hookprof.handles import HandleGroup, Removable
 from hookprof.layers import LayerTable
 from hookprof.step.hooks import wrap_attribute
-from hookprof.tensors import iter_tensors, output_checksum
+from hookprof.tensors import iter_tensors, output_checksum, summable
 
 # layer calls kept per collection: a forward that never returns (it raised) followed by an
 # evaluation loop on the same thread would otherwise grow the list until the next step
@@ -96,9 +96,11 @@ class OutputSums:
     def _enter(self, layer: int, args: Any, kwargs: Any) -> bool:
         # (inside a compiled region: not summed, and no graph break; a step with compiled
         # regions is not replayed: integrity/spike_replay.py)
-        if is_compiling():
-            return False
-        return self._sink is not None and threading.get_ident() == self._thread
+        return (
+            self._sink is not None  # (first: nothing else is asked while not collecting)
+            and not is_compiling()
+            and threading.get_ident() == self._thread
+        )
 
     def _post(self, layer: int, module: nn.Module, args: Any, output: Any) -> None:
         if self._enter(layer, args, None):
@@ -110,12 +112,11 @@ class OutputSums:
             return
         try:
             for t in (output,) if isinstance(output, _Tensor) else iter_tensors(output):
-                if (t.is_floating_point() or t.is_complex()) and t.layout is torch.strided:
+                if summable(t):
                     if len(sink) >= MAX_CALLS:
                         self._sink, self._broken = None, True
                         return
-                    if t.numel():
-                        sink.append((layer, output_checksum(t)))
+                    sink.append((layer, output_checksum(t)))
         except Exception as exc:  # the forward goes on; this collection is not complete
             self._sink, self._broken = None, True
             self._faults.report("spike replay", exc, disable=False)

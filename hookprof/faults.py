@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
+from hookprof.compiled import is_compiling
 from hookprof.errors import NonFiniteError
 from hookprof.handles import Handle
 
@@ -181,7 +182,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def guarded(
-    part: str, *, disable: bool = True, default: Any = None, locked: bool = False
+    part: str,
+    *,
+    disable: bool = True,
+    default: Any = None,
+    locked: bool = False,
+    compiling: Callable[..., Any] | None = None,
 ) -> Callable[[F], F]:
     """Fault containment for a method called from the training loop (a torch hook, a step
     boundary): an exception from hookprof's own code is reported to the object's `_faults` as
@@ -190,17 +196,27 @@ def guarded(
     for parts whose failure must not switch the per-layer instrumentation off (for the rest
     of the step: Faults.layers_off). `locked`: the body runs holding the object's `_lock`,
     and not at all once its `detached` is set (the step boundary's hooks: a detach() on
-    another thread either waits for the body or has finished before it starts).
+    another thread either waits for the body or has finished before it starts; a copy's
+    inert boundary, which has no lock, returns at once). `compiling` (with `locked`): what
+    the method is while Dynamo traces it (a torch hook of a compiled model): called instead,
+    with no lock (a lock cannot be traced) and no containment (an exception there is
+    Dynamo's to handle, at trace time).
 
     One decorator instead of a `try/except` copied into every hook, so that what a fault
-    switches off is decided here, in one place; one Python frame per hook call, lock
-    included (these run at every boundary of every step: DESIGN.md invariant 11)."""
+    switches off is decided here, in one place; one Python frame per hook call, lock and
+    compiled branch included: a torch hook is the decorated method itself, with no
+    unguarded method in front of it (these run at every boundary of every step: DESIGN.md
+    invariant 11, and issue 37's count of Python calls per step)."""
 
     def wrap(method: F) -> F:
         if locked:  # the same containment with the lock inside it: one frame, not two nested
 
             @functools.wraps(method)
             def contained(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if self.detached:  # (read again under the lock below)
+                    return default
+                if compiling is not None and is_compiling():
+                    return compiling(self, *args, **kwargs)
                 try:
                     with self._lock:
                         if self.detached:

@@ -126,7 +126,8 @@ class StepEvents:
 
     def begin_step(self, number: int, now_ns: int) -> None:
         """Plan step `number`: sampled or not, with output checks or not; hooks in or out."""
-        if self._boundary.latch_compiled():  # Dynamo traced the root: hooks stay out
+        boundary = self._boundary  # (latch_compiled's usual "no", inline: every step)
+        if boundary.probe.seen and boundary.latch_compiled():  # Dynamo traced the root
             explain_compiled_forward(self._notices)
             self._backward_end.watch_params(self._params)  # (its output's node is in the graph)
         # an open incident samples every step (its window's end read first: one call less)
@@ -202,7 +203,10 @@ class StepEvents:
         grads, end.output_grads = end.output_grads, []  # (drafted on the CPU, or not needed)
         self._nan.backward_ended(self._grads.backward, grads, self._counters.steps + 1)
 
-    def on_update_began(self, optimizer: torch.optim.Optimizer) -> None:
+    def on_update_began(self, optimizer: torch.optim.Optimizer, *, final: bool) -> None:
+        """An owned optimizer's update begins; `final`: the step's gradients are final and
+        its parameters not updated yet (no closure to run first, not a later optimizer of an
+        ended step): _before_update's work follows here, in the same call (every step)."""
         if self._replay_check is not None and self._replay_check.armed:
             self._run_replay_check()  # the step's own weights, for the last time
         if self._replicas is not None and self._replicas.holding:
@@ -217,9 +221,19 @@ class StepEvents:
         # the parameters before the update (a second optimizer of the step finds them taken)
         if self._sampled.plan.sampled:
             self._efficiency.before_update(now, optimizer)
+        if final:  # _before_update, inline (one call less per step)
+            self._grads.read_once(self._sampled.plan.sampled, at_update=True)
+            # (scaler_of's usual "none", inline: only a fused optimizer under a GradScaler has one)
+            if (
+                hasattr(optimizer, "grad_scale")
+                and (view := self._nan.scaler_of(optimizer)) is not None
+            ):
+                self._grads.unscale(view)
+            self._nan.before_update(optimizer, self._grads.squares, self._counters.steps + 1)
 
-    def on_before_update(self, optimizer: torch.optim.Optimizer) -> None:
-        """This step's gradients are final and its parameters not updated yet."""
+    def _before_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """This step's gradients are final and its parameters not updated yet (a closure's
+        evaluation returned; without a closure on_update_began does this, inline)."""
         self._grads.read_once(self._sampled.plan.sampled, at_update=True)
         if (view := self._nan.scaler_of(optimizer)) is not None:
             self._grads.unscale(view)
@@ -248,27 +262,19 @@ class StepEvents:
             return
         if not self._nan.holding:  # (a held step keeps its bad evaluation's squares)
             self._grads.forget()
-        self.on_before_update(optimizer)
+        self._before_update(optimizer)
 
-    def on_any_update_done(self, owned: bool) -> None:
+    def on_any_update_done(self, owned: bool, *, returned: bool) -> None:
+        """An optimizer's update returned (any optimizer's, `owned`: this model's);
+        `returned`: an owned one's that does not end the step (prof.step() will)."""
         self._nan.update_done(owned)
         if not owned and self._replicas is not None and self._replicas.holding:
             # another model's update inside the parameter watch's window: what came before
             # it (a GAN's clamp of this model) is another step's; the window starts again
             self._replicas.restart()
             self._hold_on_forward = True
-
-    def on_optimizer_returned(self) -> None:
-        if self._phases.progress.where[1] == OPTIMIZER:
+        if returned and self._phases.progress.where[1] == OPTIMIZER:
             self._phases.enter(OTHER, self._clock())
-
-    def on_loss(self, loss: Any) -> None:  # prof.step(loss), before the step ends
-        if loss is None:
-            return
-        # a loss on a device is copied into its slot of the step series' ring first, and
-        # checked there (float64, no grad: the same NaN/Inf, no `detach`)
-        kept = self._series.loss(loss)
-        self._nan.check_loss(loss if kept is None else kept, self._counters.steps + 1)
 
     def note_sample_losses(self, values: Any) -> None:
         """prof.step(loss, sample_losses=...): checked (a clear error for what is not one),
@@ -305,8 +311,14 @@ class StepEvents:
     def on_step_end(
         self, loss: Any, *, skipped: bool, started_ns: int | None, forward_seen: bool
     ) -> tuple[int, int]:
-        """The step boundary: count the step and pack a sampled one. Returns (number, now)."""
+        """The step boundary: count the step and pack a sampled one. Returns (number, now).
+        `loss`: prof.step(loss)'s, checked first."""
         nan, grads = self._nan, self._grads
+        if loss is not None:
+            # a loss on a device is copied into its slot of the step series' ring first, and
+            # checked there (float64, no grad: the same NaN/Inf, no `detach`)
+            kept = self._series.loss(loss)
+            nan.check_loss(loss if kept is None else kept, self._counters.steps + 1)
         replay = nan.replay
         if (
             replay.flag is not None or (replay.kept and not self._grads.read_at_update)

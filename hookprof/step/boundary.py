@@ -105,17 +105,14 @@ class StepListener(Protocol):
         first_step: bool,
     ) -> None: ...
     def on_output(self, output: Any) -> None: ...
-    def on_update_began(self, optimizer: torch.optim.Optimizer) -> None: ...
-    def on_before_update(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_update_began(self, optimizer: torch.optim.Optimizer, *, final: bool) -> None: ...
     def on_later_update(self, optimizer: torch.optim.Optimizer) -> None: ...
     def closure_judged(self, optimizer: torch.optim.Optimizer) -> bool: ...
     def on_closure_call(self, judged: bool) -> None: ...
     def on_back_in_optimizer(self) -> None: ...
     def on_closure_returned(self, optimizer: torch.optim.Optimizer, judged: bool) -> None: ...
-    def on_any_update_done(self, owned: bool) -> None: ...
-    def on_optimizer_returned(self) -> None: ...
+    def on_any_update_done(self, owned: bool, *, returned: bool) -> None: ...
     def on_no_step_signal(self) -> None: ...
-    def on_loss(self, loss: Any) -> None: ...
     def on_late_loss(self, loss: Any) -> None: ...
     def on_step_end(
         self, loss: Any, *, skipped: bool, started_ns: int | None, forward_seen: bool
@@ -159,7 +156,7 @@ class StepBoundary:
         self._faults = faults
         self._clock = clock
         self.compiled = compiled  # the model runs under torch.compile: no per-layer hooks
-        self._probe = CompileProbe()
+        self.probe = CompileProbe()  # its mark: Dynamo ran the root's hooks (latch_compiled)
         self._traced: TracedForward | None = None  # the output check compiled into the graph
         self._owned: weakref.WeakKeyDictionary = (
             weakref.WeakKeyDictionary()
@@ -258,7 +255,7 @@ class StepBoundary:
     def latch_compiled(self) -> bool:
         """True once, when a compiled call of the model was first seen (Dynamo ran the root's
         hooks while tracing): from then on the model runs under torch.compile."""
-        if self._probe.seen and not self.compiled:
+        if self.probe.seen and not self.compiled:
             self.compiled = True
             return True
         return False
@@ -321,7 +318,7 @@ class StepBoundary:
         ):
             return  # (detached before the rest: a copy of the model holds an inert boundary)
         self._entry = module
-        self._forward_began(module, args, kwargs, own_layer=None, entry=True)
+        self._on_root_forward(module, args, kwargs, entry=True)
 
     def _on_entry_output(self, module: nn.Module, args: Any, output: Any) -> None:
         if is_compiling() or self.detached or self._entry is not module or transformed():
@@ -329,39 +326,28 @@ class StepBoundary:
         self._entry = None
         self._on_root_output(module, args, output)
 
-    def _on_root_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self.detached:  # a copy of the model (see _inert)
-            return
-        if not is_compiling() and transformed():
-            return  # jit.trace, vmap, export: no training step, hookprof steps aside
-        if (
-            not is_compiling()
-            and self._entry_handles.members
-            and torch.is_grad_enabled()
-            and (module.training or self._trains_in_eval)
-        ):
-            self._drop_entry_hooks()  # the root's own forward runs: it is the step's forward
-        self._forward_began(module, args, kwargs, own_layer=self._root_layer, entry=False)
+    def _traced_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """The root's forward pre-hook while Dynamo traces it: Dynamo replays this after every
+        compiled call (the probe's mark); torch.export traces the model once, and the eager
+        run goes on: never latched into "compiled" by it."""
+        if not is_exporting():
+            self.probe.seen = True
+            if (
+                self._traced is not None
+                and torch.is_grad_enabled()
+                and (module.training or self._trains_in_eval)
+            ):
+                self._traced.note_inputs(args, kwargs)  # for a replay of this step
 
-    def _forward_began(
-        self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None, entry: bool
+    @guarded("root forward pre-hook", locked=True, compiling=_traced_forward)
+    def _on_root_forward(
+        self, module: nn.Module, args: Any, kwargs: Any, entry: bool = False
     ) -> None:
-        """The root module's forward begins: the step has begun; its inputs are kept for a
-        replay."""
-        if is_compiling():
-            # Dynamo replays this after every compiled call; torch.export traces the model
-            # once, and the eager run goes on: never latched into "compiled" by it
-            if not is_exporting():
-                self._probe.seen = True
-                if (
-                    self._traced is not None
-                    and torch.is_grad_enabled()
-                    and (module.training or self._trains_in_eval)
-                ):
-                    self._traced.note_inputs(args, kwargs)  # for a replay of this step
-            return
-        if self._hooks.replaying:
-            return
+        """The root module's forward begins (or an entry call's, `entry`): the step has
+        begun; its inputs are kept for a replay. The torch hook itself (one frame with its
+        guard: the unsampled step's path, issue 37)."""
+        if self._hooks.replaying or (not entry and transformed()):
+            return  # jit.trace, vmap, export: no training step, hookprof steps aside
         # evaluation passes (under no_grad / inference_mode, or with the model in eval mode
         # unless the run trains in eval mode) are not training steps
         grad = torch.is_grad_enabled()
@@ -375,75 +361,83 @@ class StepBoundary:
         if not training:
             self._events.on_eval_forward()
             return
-        self._training_forward(module, args, kwargs, own_layer, entry)
-
-    @guarded("root forward pre-hook", locked=True)
-    def _training_forward(
-        self, module: nn.Module, args: Any, kwargs: Any, own_layer: int | None, entry: bool
-    ) -> None:
+        if not entry and self._entry_handles.members:
+            self._drop_entry_hooks()  # the root's own forward runs: it is the step's forward
         now = self._clock()
         self._root_seen = True
         first_step = False
-        if not self._step.forward_seen:
-            self._step.forward_seen = True
-            self._step.closed_by_optimizer = False
-            if self._step.start_ns is None:  # the first step begins
-                self._step.start_ns = now
+        step = self._step
+        if not step.forward_seen:
+            step.forward_seen = True
+            step.closed_by_optimizer = False
+            if step.start_ns is None:  # the first step begins
+                step.start_ns = now
                 first_step = True
         self._events.on_forward(
-            module, args, kwargs, entry=entry, own_layer=own_layer, now=now, first_step=first_step
+            module,
+            args,
+            kwargs,
+            entry=entry,
+            own_layer=None if entry else self._root_layer,
+            now=now,
+            first_step=first_step,
         )
-        self._step.forwards += 1
-        if self._step.forwards == MAX_FORWARDS_PER_STEP:
+        step.forwards += 1
+        if step.forwards == MAX_FORWARDS_PER_STEP:
             self._events.on_no_step_signal()
 
+    def _traced_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The root's forward hook while Dynamo traces it: the output check, inside the graph."""
+        if (
+            self._traced is not None
+            and torch.is_grad_enabled()
+            and (module.training or self._trains_in_eval)
+        ):
+            self._traced.note_output(output)
+
+    @guarded("root forward hook", locked=True, compiling=_traced_output)
     def _on_root_output(self, module: nn.Module, args: Any, output: Any) -> None:
         """The root module's forward returned: its output is checked (every step), inside
         the graph when the model runs compiled."""
-        if is_compiling():
-            if (
-                not self.detached
-                and self._traced is not None
-                and torch.is_grad_enabled()
-                and (module.training or self._trains_in_eval)
-            ):
-                self._traced.note_output(output)
-            return
-        if self.detached or self._hooks.replaying or transformed():
+        if self._hooks.replaying or transformed():
             return
         training = self._hooks.root_output_arrived()
         if not training or not torch.is_grad_enabled():
             return
-        self._output(output)
-
-    @guarded("root forward hook", locked=True)
-    def _output(self, output: Any) -> None:
         self._events.on_output(output)
 
     # ---------------- the update ----------------
 
+    def _traced_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """An optimizer hook while Dynamo traces it (a compiled optimizer step): nothing to do
+        inside its graph."""
+        return None
+
+    @guarded("optimizer pre-hook", locked=True, compiling=_traced_update)
     def _on_optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         """An optimizer is about to update: the gradients are final, the parameters still
         this step's (the last moment for a replay). With a closure (LBFGS, Lightning's
         automatic optimization, sharpness-aware optimizers) the step's forward and backward
         have not run yet: they run inside the closure, so the closure is wrapped and the
-        gradients are read after each call of it."""
-        # detached: from another thread, or while this step was in progress (the dispatcher
-        # may call a listener once more after it left)
-        if self.detached or is_compiling():  # compiled: nothing to do inside its graph
-            return None
-        return self._update_begins(optimizer, args, kwargs)
-
-    @guarded("optimizer pre-hook", locked=True)
-    def _update_begins(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
-        owned = self.owns(optimizer)
+        gradients are read after each call of it. (Detached: from another thread, or while
+        this step was in progress, the dispatcher may call a listener once more after it
+        left: the guard returns.)"""
+        # owns(), its usual case inline (every step): the optimizer's answer cached while
+        # its parameter groups keep their sizes
+        cached = self._owned.get(optimizer)
+        owned = (
+            cached[1]
+            if cached is not None
+            and cached[0] == sum(map(len, map(_PARAMS, optimizer.param_groups)))
+            else self.owns(optimizer)
+        )
         self._last_owned = (optimizer, owned)  # the post-hook's answer too (no second lookup)
         if not owned:
             return None
-        self._events.on_update_began(optimizer)
         # args are those of the unbound step: (optimizer, closure?, ...)
         closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
         if callable(closure):  # (its forwards run inside: judged as the closure returns)
+            self._events.on_update_began(optimizer, final=False)
             wrapped = self._wrap_closure(closure, optimizer)
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
@@ -456,9 +450,11 @@ class StepBoundary:
             self._judge_eval_mode()
         if self._step.forward_seen or not self._root_seen:  # in_step(), inline: every step
             self._step.stepped = True
-            self._events.on_before_update(optimizer)
-        elif self._step.closed_by_optimizer:  # a later optimizer of the step an earlier one ended
-            self._events.on_later_update(optimizer)
+            self._events.on_update_began(optimizer, final=True)  # (and its gradients read)
+        else:
+            self._events.on_update_began(optimizer, final=False)
+            if self._step.closed_by_optimizer:  # a later optimizer of the step an earlier one ended
+                self._events.on_later_update(optimizer)
         return None
 
     def _wrap_closure(
@@ -507,28 +503,23 @@ class StepBoundary:
                 self._say("trains in eval mode", trains_in_eval_notice(self._model_type))
         self._train_mode_seen = self._eval_grad_seen = False
 
+    @guarded("optimizer hook", locked=True, compiling=_traced_update)
     def _on_optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.detached or is_compiling():
-            return
-        self._update_done(optimizer)
-
-    @guarded("optimizer hook", locked=True)
-    def _update_done(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer's update returned: an owned one ends the step, unless prof.step()
+        ends steps."""
         last = self._last_owned
         owned = last[1] if last[0] is optimizer else self.owns(optimizer)
         self._last_owned = (None, False)  # (never holds an optimizer past its step)
-        self._events.on_any_update_done(owned)  # (the guard's, for any optimizer)
-        if not owned:
-            return
         # only the post-hook of the step in progress: a subclass calling super().step()
         # runs the hooks twice when both classes were patched by torch, the outer one
         # after this hook ended the step
-        if not self.manual and (
-            self._step.forward_seen or not self._root_seen
-        ):  # in_step(), inline
+        ends = (
+            owned and not self.manual and (self._step.forward_seen or not self._root_seen)
+        )  # (in_step(), inline)
+        # (the guard's, for any optimizer; `returned`: an owned one's, the step goes on)
+        self._events.on_any_update_done(owned, returned=owned and not ends)
+        if ends:
             self._end_step(None, by_optimizer=True)  # the optimizer phase ends with it
-        else:
-            self._events.on_optimizer_returned()
 
     def _on_scaler_decision(self, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
         """A GradScaler decided an optimizer's step: a skip (its gradients overflowed) ends
@@ -557,8 +548,7 @@ class StepBoundary:
             self._step.closed_by_optimizer = False
             self._events.on_late_loss(loss)
             return
-        self._events.on_loss(loss)
-        self._end_step(
+        self._end_step(  # (its loss checked first: StepEvents.on_step_end)
             loss, by_optimizer=False, skipped=self._step.scaler_skipped and not self._step.stepped
         )
 

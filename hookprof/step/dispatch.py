@@ -1,8 +1,9 @@
 """The process's one pair of torch optimizer step hooks, dispatching to the live listeners.
 
 Owns: the single registration of `register_optimizer_step_pre_hook` and
-`register_optimizer_step_post_hook` in this process, and the tuples of listeners (each
-profiler's `StepBoundary`, the GradScaler watch) they call.
+`register_optimizer_step_post_hook` in this process, the tuples of listeners (each
+profiler's `StepBoundary`) they call, and which optimizers a GradScaler is deciding stepped
+(`deciding`, for step/gradscaler.py).
 
 Why once: `torch.optim.Optimizer.step` iterates torch's global hook OrderedDicts without a
 lock. A profiler that added or removed its own global hook while another thread's optimizer
@@ -39,6 +40,9 @@ _lock = threading.Lock()
 _pre: tuple[Hook, ...] = ()
 _post: tuple[Hook, ...] = ()
 _registered = False  # torch's hooks are in (once per process, never removed)
+# optimizers (by id) a GradScaler is deciding (step/gradscaler.py) -> whether their step ran:
+# set here, by the pre-hook, so that telling it takes no listener (a Python call per step)
+deciding: dict[int, bool] = {}
 
 
 class Listening:
@@ -62,7 +66,8 @@ class Listening:
 
 
 def listen(pre: Hook | None = None, post: Hook | None = None) -> Listening:
-    """Call `pre` before and `post` after every optimizer step of this process."""
+    """Call `pre` before and `post` after every optimizer step of this process (neither:
+    only torch's hooks put in, for `deciding`)."""
     global _pre, _post, _registered
     with _lock:
         if not _registered:
@@ -82,6 +87,8 @@ def listeners() -> tuple[int, int]:
 
 
 def _dispatch_pre(optimizer: Any, args: Any, kwargs: Any) -> Any:
+    if deciding and id(optimizer) in deciding:
+        deciding[id(optimizer)] = True
     hooks = _pre  # one read: the tuple is never changed in place
     if not hooks:
         return None

@@ -203,86 +203,85 @@ class GradientNorms:
             )
         ):
             plan = self._make_check_plan(grads, missing)  # new, or the model was moved or cast
-        if plan.chunks is None:
-            return self.normed(self.layer_squares(), norm)
-        try:
-            return Reading([self._checked(plan, grads, norm)], plan.seen)
-        except (RuntimeError, UserWarning):  # a gradient changed shape alone: plan again, once
-            plan = self._make_check_plan(grads, missing)
+        for again in (False, True):  # a gradient changed shape alone: plan again, once
             if plan.chunks is None:
                 return self.normed(self.layer_squares(), norm)
             try:
-                return Reading([self._checked(plan, grads, norm)], plan.seen)
+                # (one method, not a helper per attempt: a Python call less, twice a step)
+                ordered = list(map(grads.__getitem__, plan.order))
+                chunks = plan.chunks
+                # one chunk in layer order (the usual model): its pieces fold into layers by
+                # one segment_reduce; else zeros, and one index_add_ per chunk
+                fold = chunks[0].layer_pieces if len(chunks) == 1 else None
+                out = (
+                    torch.zeros(self._n, dtype=torch.float32, device=plan.device)
+                    if fold is None
+                    else None
+                )
+                read: list[torch.Tensor] = []  # what the norm is taken over (norm)
+                for chunk in chunks:  # one "cat" chunk: the usual model
+                    part = ordered[chunk.start : chunk.stop]
+                    kind = chunk.kind
+                    if kind == "scalar":
+                        values = torch.stack(part)
+                        read.append(values)
+                    elif kind == "strided":
+                        values = torch.stack(torch._foreach_norm(part, 2, dtype=torch.float32))
+                        read.append(values)  # (their norms: the norm of norms is theirs)
+                    else:
+                        if kind == "view":
+                            flat = part[0].view(-1)  # the user's gradient: read, never written
+                            read.append(flat)
+                            if chunk.narrow_range:
+                                flat = flat.sub(flat)
+                        else:
+                            flat = (
+                                torch._chunk_cat(part, 0, 1)[0]
+                                if _CAN_CHUNK_CAT
+                                else torch.cat([g.reshape(-1) for g in part])
+                            )
+                            if chunk.narrow_range:
+                                if norm:  # before the copy becomes 0 or NaN
+                                    read.append(torch.linalg.vector_norm(flat, dtype=torch.float64))
+                                flat.sub_(flat)  # our own copy: 0 where finite, NaN where not
+                            else:
+                                read.append(flat)
+                        if flat.numel() != chunk.numel:  # a gradient changed shape
+                            raise RuntimeError("the gradients' sizes changed since the plan")
+                        # unsafe: the lengths are ours, and their total is checked above; the
+                        # safe mode reads their sum and minimum back to the host, two waits
+                        values = torch.segment_reduce(
+                            flat, "sum", lengths=chunk.lengths, unsafe=True
+                        )
+                    if fold is not None:
+                        out = torch.segment_reduce(values, "sum", lengths=fold, unsafe=True)
+                        if out.dtype != torch.float32:
+                            out = out.float()
+                    else:
+                        assert out is not None
+                        out.index_add_(
+                            0,
+                            chunk.layer_index,
+                            values if values.dtype == torch.float32 else values.float(),
+                        )
+                if norm and self.series is not None and read and plan.device is not None:
+                    slot = self.series.norm_slot(plan.device)
+                    if len(read) == 1:  # the usual: one op, inline
+                        torch.linalg.vector_norm(read[0], dtype=torch.float64, out=slot)
+                    else:
+                        norm_into(slot, read)
+                assert out is not None  # (chunks: at least one when fold is set)
+                return Reading([out], plan.seen)
             except (RuntimeError, UserWarning):
-                # (exact, and per gradient: never no check)
-                return self.normed(self.layer_squares(), norm)
+                if again:  # (exact, and per gradient: never no check)
+                    return self.normed(self.layer_squares(), norm)
+                plan = self._make_check_plan(grads, missing)
+        raise AssertionError("unreachable: the second attempt returns")
 
     def normed(self, squares: Reading, norm: bool = True) -> Reading:
         if norm and self.series is not None:
             self.series.write_norm_of_squares(squares.parts)
         return squares
-
-    def _checked(self, plan: _CheckPlan, grads: list[Any], norm: bool = False) -> torch.Tensor:
-        ordered = list(map(grads.__getitem__, plan.order))
-        chunks = plan.chunks or ()
-        # one chunk in layer order (the usual model): its pieces fold into layers by one
-        # segment_reduce; else zeros, and one index_add_ per chunk
-        fold = chunks[0].layer_pieces if len(chunks) == 1 else None
-        out = (
-            torch.zeros(self._n, dtype=torch.float32, device=plan.device) if fold is None else None
-        )
-        read: list[torch.Tensor] = []  # what the norm is taken over (norm)
-        for chunk in chunks:  # one "cat" chunk: the usual model
-            part = ordered[chunk.start : chunk.stop]
-            kind = chunk.kind
-            if kind == "scalar":
-                values = torch.stack(part)
-                read.append(values)
-            elif kind == "strided":
-                values = torch.stack(torch._foreach_norm(part, 2, dtype=torch.float32))
-                read.append(values)  # (their norms: the norm of norms is theirs)
-            else:
-                if kind == "view":
-                    flat = part[0].view(-1)  # the user's gradient: read, never written
-                    read.append(flat)
-                    if chunk.narrow_range:
-                        flat = flat.sub(flat)
-                else:
-                    flat = (
-                        torch._chunk_cat(part, 0, 1)[0]
-                        if _CAN_CHUNK_CAT
-                        else torch.cat([g.reshape(-1) for g in part])
-                    )
-                    if chunk.narrow_range:
-                        if norm:  # before the copy becomes 0 or NaN
-                            read.append(torch.linalg.vector_norm(flat, dtype=torch.float64))
-                        flat.sub_(flat)  # our own copy: 0 where finite, NaN where not
-                    else:
-                        read.append(flat)
-                if flat.numel() != chunk.numel:  # a gradient changed shape: its pieces with it
-                    raise RuntimeError("the gradients' sizes changed since the plan")
-                # unsafe: the lengths are ours, and their total is checked above; the safe
-                # mode reads their sum and minimum back to the host, two waits for the device
-                values = torch.segment_reduce(flat, "sum", lengths=chunk.lengths, unsafe=True)
-            if fold is not None:
-                out = torch.segment_reduce(values, "sum", lengths=fold, unsafe=True)
-                if out.dtype != torch.float32:
-                    out = out.float()
-            else:
-                assert out is not None
-                out.index_add_(
-                    0,
-                    chunk.layer_index,
-                    values if values.dtype == torch.float32 else values.float(),
-                )
-        if norm and self.series is not None and read and plan.device is not None:
-            slot = self.series.norm_slot(plan.device)
-            if len(read) == 1:  # the usual: one op, inline
-                torch.linalg.vector_norm(read[0], dtype=torch.float64, out=slot)
-            else:
-                norm_into(slot, read)
-        assert out is not None  # (chunks: at least one when fold is set)
-        return out
 
     def _make_check_plan(self, grads: list[Any], missing: tuple[int, ...]) -> _CheckPlan:
         if len(self._check_plans) >= _MAX_PLANS:
@@ -590,20 +589,16 @@ class StepGradients:
         self, sampled: bool
     ) -> tuple[Reading | None, dict[torch.device, torch.Tensor] | None]:
         """The step ends (no optimizer hook may have read them: prof.step() alone): read
-        once if still wanted, then what the step's check counts (`readings`)."""
+        once if still wanted. Returns what the step's non-finite check counts: the update's
+        reading and, where the gradients were also read as the backwards ended, that
+        reading's values per device (None when there is no such pair). The detector joins
+        them on the device (DeviceCounters.end_step): the layers come from the backward's
+        reading where both are non-finite (a NaN backward made, then spread to every layer
+        by a clip); a NaN made after backward() (an edit through .data, an all-reduce that
+        overflows) keeps the update's layers; one the loop dropped before the update is no
+        incident, and is counted apart. Nothing but the reading issues an op."""
         if self.squares is None:
             self.read_once(sampled)
-        return self.readings()
-
-    def readings(self) -> tuple[Reading | None, dict[torch.device, torch.Tensor] | None]:
-        """What the step's non-finite check counts: the update's reading and, where the
-        gradients were also read as the backwards ended, that reading's values per device
-        (None when there is no such pair). The detector joins them on the device
-        (DeviceCounters.end_step): the layers come from the backward's reading where both
-        are non-finite (a NaN backward made, then spread to every layer by a clip); a NaN
-        made after backward() (an edit through .data, an all-reduce that overflows) keeps
-        the update's layers; one the loop dropped before the update is no incident, and is
-        counted apart. Nothing here issues an op."""
         backward, update = self.backward, self.squares
         if backward is None or update is None:
             return update, None

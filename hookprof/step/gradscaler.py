@@ -6,7 +6,8 @@ of the loop tells a skipped step from a model called several times per step (sia
 GAN discriminators) or a hand-written update. So hookprof watches the one method where the
 scaler decides, `GradScaler._maybe_opt_step`, and the process's optimizer pre-hook
 (step/dispatch.py: registered once, never removed, so that no watch changes what a running
-optimizer step iterates) tells whether the optimizer then stepped. The wrapper sits on the
+optimizer step iterates) tells whether the optimizer then stepped (`dispatch.deciding`: no
+listener of its own, so an ordinary step makes no Python call for it). The wrapper sits on the
 class while at least one profiler watches and is removed with the last (swapping a class
 attribute disturbs no call in progress: a decision already inside the wrapper finishes
 there); it adds no device work (the scaler has already read its flag when it decides). The
@@ -33,8 +34,7 @@ Watcher = Callable[[Any, bool], None]  # (optimizer, skipped)
 
 _lock = threading.Lock()
 _watchers: tuple[Watcher, ...] = ()  # replaced, never changed in place
-_installed: tuple[Any, Any] | None = None  # (the original method, the step listener)
-_stepped: set[int] = set()  # ids of optimizers stepped inside a scaler's decision
+_installed: Any = None  # the original method, while the wrapper is in
 
 
 class Watch:
@@ -51,9 +51,7 @@ class Watch:
             watcher, self._watcher = self._watcher, None
             _watchers = tuple(w for w in _watchers if w is not watcher)
             if not _watchers and _installed is not None:
-                original, handle = _installed
-                GradScaler._maybe_opt_step = original  # type: ignore[method-assign]
-                handle.remove()
+                GradScaler._maybe_opt_step = _installed  # type: ignore[method-assign]
                 _installed = None
 
 
@@ -63,15 +61,11 @@ def watch(watcher: Watcher) -> Watch:
     with _lock:
         if GradScaler is not None and _installed is None:
             original = GradScaler.__dict__["_maybe_opt_step"]
-            handle = dispatch.listen(pre=_note_step)
+            dispatch.listen()  # (torch's hooks in: they say whether the optimizer stepped)
             GradScaler._maybe_opt_step = _deciding(original)  # type: ignore[method-assign]
-            _installed = (original, handle)
+            _installed = original
         _watchers = (*_watchers, watcher)
     return Watch(watcher)
-
-
-def _note_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    _stepped.add(id(optimizer))
 
 
 def _deciding(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -79,10 +73,11 @@ def _deciding(original: Callable[..., Any]) -> Callable[..., Any]:
         self: Any, optimizer: Any, optimizer_state: Any, *args: Any, **kwargs: Any
     ) -> Any:
         key = id(optimizer)
-        _stepped.discard(key)
-        result = original(self, optimizer, optimizer_state, *args, **kwargs)
-        skipped = key not in _stepped
-        _stepped.discard(key)
+        dispatch.deciding[key] = False  # (True once its step's pre-hooks ran)
+        try:
+            result = original(self, optimizer, optimizer_state, *args, **kwargs)
+        finally:
+            skipped = not dispatch.deciding.pop(key, False)
         for watcher in _watchers:  # the tuple read now: a watch ending meanwhile is not disturbed
             watcher(optimizer, skipped)
         return result

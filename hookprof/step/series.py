@@ -196,7 +196,7 @@ def norm_into(slot: torch.Tensor, sources: list[torch.Tensor]) -> None:
     """Write the L2 norm over all of several `sources` into the 0-d float64 `slot`,
     accumulated in float64 (a float32 sum of squares overflows at a norm of ~1.8e19): each
     one's norm, stacked, normed. (One source, the usual case, is one op that
-    GradientNorms._checked writes inline: a Python call less per step.)"""
+    GradientNorms.layer_checks writes inline: a Python call less per step.)"""
     norms = [torch.linalg.vector_norm(s, dtype=torch.float64) for s in sources]
     torch.linalg.vector_norm(torch.stack(norms), out=slot)
 

@@ -33,7 +33,8 @@ def test_detach_leaves_nothing_behind():
     prof = hookprof.attach(model, port=port, sample_every=2, min_sample_interval_s=0.0)
     assert not port_is_free(port)
     assert dispatcher_hook_counts() == [0, 0, 0, 0, 1, 1]  # one pre- and one post-hook
-    assert dispatch.listeners() == (2, 1)  # the boundary (pre, post); the GradScaler watch (pre)
+    assert dispatch.listeners() == (1, 1)  # the boundary (pre, post); the GradScaler watch: none
+    assert dispatch.deciding == {}  # (filled only while a GradScaler decides a step)
     assert gradscaler_step_decider() is not scaler_decides  # watched while attached
     assert hookprof_threads()
     train(model, 5)  # ends on an unsampled step ...
@@ -44,6 +45,7 @@ def test_detach_leaves_nothing_behind():
     assert foreign_global_hook_counts() == globals_before
     assert dispatcher_hook_counts() == [0, 0, 0, 0, 1, 1]  # the inert pair: calls nothing
     assert dispatch.listeners() == (0, 0)
+    assert dispatch.deciding == {}
     assert gradscaler_step_decider() is scaler_decides  # torch's own method again
     assert port_is_free(port)
     assert hookprof_threads() == []

@@ -246,11 +246,13 @@ REPLAY_MISMATCH_TIMESTAMP_SECONDS = Metric(
 SPIKE_MISMATCH_INFO = Metric(
     "hookprof_spike_mismatch_info",
     "gauge",
-    ("rank", "layer", "step", "deterministic"),
-    "The last spike whose replay (Config.spike_replay) did not reproduce its forward: the "
-    "first layer or block whose output differed ((root): only the model's output; (output): "
-    "its layers were not compared), and whether torch's deterministic algorithms were on "
-    "(always 1)",
+    ("rank", "layer", "step", "deterministic", "phase"),
+    "The last spike whose replay (Config.spike_replay) did not reproduce its step: the first "
+    "layer or block whose output differed ((root): only the model's output; (output): its "
+    "layers were not compared), phase forward; or, the forward alike, phase backward: the "
+    "first layer whose output's gradient differed, in the order the backward computed them "
+    "(the wrong value entered in the backward of what takes that output); and whether "
+    "torch's deterministic algorithms were on (always 1)",
 )
 SPIKE_MISMATCH_TIMESTAMP_SECONDS = Metric(
     "hookprof_spike_mismatch_timestamp_seconds",

@@ -230,7 +230,11 @@ class SpikeEvent:
     entered: str | None = None
     """A not-reproduced replay's first layer, in call order, whose forward output differed from
     the step's: where the wrong value entered ("(root)": the model's own code between its
-    layers)."""
+    layers); with `entered_phase` "backward", the first layer, in the order the backward
+    computed them, whose output's gradient differed (its forward was alike): the wrong value
+    entered in the backward of what takes that output (the next layer, in a chain)."""
+    entered_phase: str | None = None
+    """"forward" or "backward": where `entered` differed (None with no `entered`)."""
     suspects: tuple[Suspect, ...] | None = None
     """Its batch's samples of largest loss, the largest first (`prof.step(loss,
     sample_losses=...)` given on its step): with a reproduced verdict, the data to look at."""
@@ -280,6 +284,9 @@ class ReplayMismatch:
     """When the publisher judged it (Unix seconds): the alert's 30 minutes count from it."""
     capsule: str | None = None
     """Its capsule's path (capsule_dir set), for `hookprof replay` in another process."""
+    phase: str = "forward"
+    """"backward": `layer` is the first layer whose output's *gradient* differed, in the order
+    the backward computed them, the forward alike (the spike replay's backward comparison)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,10 +19,13 @@ publisher will judge spikes are among those replayed. The gate's flag is read as
 step's update begins, before the copy is taken again: at once on a CPU; on a GPU one wait
 for the previous step's flag, which the device has usually delivered by then (it runs
 behind the host by less than a step). A step whose gate tripped is replayed there: the
-parameters copied aside, the step's own put back, its forward run again eagerly under
-no_grad from its inputs, RNG and modules' state (nonfinite/replay.py `forward_again`, which
-puts the buffers and RNG back), the parameters restored; its output's bit sums compared with
-the step's on the device. The verdict rides a packet to the publisher (`SpikeReplays`):
+parameters copied aside, the step's own put back, its forward run again eagerly from its
+inputs, RNG and modules' state (nonfinite/replay.py `forward_again`, which puts the buffers
+and RNG back), then its backward from the gradients the step's own backward brought the
+model's outputs (kept by reference, when no larger than the parameters), the parameters
+restored; its output's bit sums, every layer's, and every layer output's gradient's (in the
+order the backward computed them) compared with the step's on the device. The verdict rides
+a packet to the publisher (`SpikeReplays`):
 
 - *reproduced*: the same bits. The same batch on the same weights gives the same spike: the
   data (or the model's numerics), not the machine; the batch of that step is the suspect;
@@ -40,6 +43,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from types import MappingProxyType
 from typing import Any
 
@@ -65,7 +69,7 @@ from hookprof.integrity.replay_check import (
 )
 from hookprof.layers import ROOT_NAME
 from hookprof.snapshot import ReplayMismatch, Suspect, suspects_from
-from hookprof.step.output_sums import OutputSums
+from hookprof.step.output_sums import GradientSums, OutputSums
 from hookprof.tensors import iter_tensors, output_checksum, summable
 
 NO_UPDATE = "the step's update began without an optimizer hook (its weights were not kept)"
@@ -79,6 +83,17 @@ NOT_CAUGHT = "no training forward of the model was seen on that step"
 PARAMETERS_REPLACED = (
     "the model's parameters were replaced since the step (load_state_dict(assign=True))"
 )
+# why a replay compared the forward alone (its backward not replayed)
+NO_GRADIENT = "the model's output needed no gradient"
+GRADIENT_TOO_LARGE = "the gradient of the model's output is larger than its parameters"
+GRADIENT_MISSED = "no backward through the model's output was seen before the step ended"
+GRADIENT_WRITTEN = "the gradient of the model's output was written since the step, or came twice"
+NO_TRAINED_PARAMETERS = "no parameter of the model needs a gradient"
+NO_LAYER_GRADIENTS = "no layer's output needed a gradient"
+SEVERAL_BACKWARDS = "the step ran more than one backward through the layers' outputs"
+BACKWARD_ORDER = "the replayed backward computed the layers' gradients in another order"
+GRADIENTS_PARTIAL = "the layers' output gradients were not all summed (a fault, too many)"
+BACKWARD = 1 << 30  # added to a layer's row: the gradient of its output, not the output
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +114,11 @@ class SpikeComparison:
     diverged: int | None = None
     # the samples of largest loss ride after the flags: k losses, k indices, the total
     suspects: int = 0
+    # where `layers` goes on with the backward: the gradients of the layers' outputs, in the
+    # order the backward computed them (None: the backward was not compared, `backward_off`
+    # says why)
+    backward_from: int | None = None
+    backward_off: str | None = None
 
 
 @dataclass
@@ -115,6 +135,13 @@ class _Step:
     # (layer, output sum) of its forward's layer calls (step/output_sums.py); None: not
     # collected, or not whole
     layers: list[tuple[int, torch.Tensor]] | None = None
+    # ... their gradients' sums as its backward computed them (None: not collected)
+    grads: GradientSums | None = None
+    # the gradient of each summed output tensor of the model (`sums`' order: None where it
+    # needs none), kept by reference as the backward made it, with its version counter then:
+    # the replay's backward starts from it (the loop's loss is not the model's)
+    output_grads: list[tuple[torch.Tensor, int] | None] | None = None
+    backward_off: str | None = None  # why its backward cannot be replayed (None: it can)
     # prof.step(loss, sample_losses=...): the loss of each sample of its batch (a reference)
     # and its version counter then
     sample_losses: tuple[torch.Tensor, int] | None = None
@@ -130,7 +157,7 @@ class SpikeReplay:
     def __init__(
         self,
         limits: Callable[[], tuple[float, float, float, float]],
-        forward_again: Callable[[Any, Any], Any],
+        forward_again: Callable[[Any, Any, Any], Any],
         *,
         model: Callable[[], nn.Module | None] = lambda: None,
         capsules: Any = None,
@@ -148,7 +175,8 @@ class SpikeReplay:
         self._names = names  # the layers' and containers' names, by row
         # capsule_dir set: a difference's capsule (nonfinite/check_capsule.py CheckCapsules)
         self._capsules = capsules
-        # (captured, start) -> the replay's output: nonfinite/replay.py forward_again
+        # (captured, start, backward or None) -> the replay's output: nonfinite/replay.py
+        # forward_again (`backward` runs on the output, inside the replay)
         self._forward_again = forward_again
         # (loss, gradient norm) above which a step is replayed, then (loss, gradient norm)
         # above which it is a spike (publish/spikes.py gate_limits)
@@ -160,6 +188,7 @@ class SpikeReplay:
         self._kept_step: int | None = None
         self._current: _Step | None = None  # the step whose forward runs
         self._ended: _Step | None = None  # the last step ended, its gate on its way
+        self._param_bytes: int | None = None  # the parameters' size (output gradients' budget)
 
     def forward_began(
         self,
@@ -178,21 +207,47 @@ class SpikeReplay:
         if current.forwards == 1 and current.refused is None:
             current.captured, current.start = capture(), start()
             if self.sums is not None:
-                current.layers = []
-                self.sums.collect(current.layers)
+                current.layers, current.grads = [], GradientSums()
+                self.sums.collect(current.layers, current.grads)
         elif current.forwards == 2:
             current.captured = current.start = current.layers = None
+            current.grads = current.output_grads = None
             current.sums = []
             current.refused = current.refused or SEVERAL_FORWARDS
             self._stop_sums(current)
 
     def output(self, output: Any) -> None:
-        """The first forward's output: its tensors' bit sums, on the device."""
+        """The first forward's output: its tensors' bit sums, on the device; and a hook on
+        each that needs a gradient, which keeps the gradient the backward brings it (a
+        reference), for the replay's backward, when they are no larger than the parameters
+        (the copy of them kept already: the replay's memory at most doubles)."""
         current = self._current
         self._stop_sums(current)
         if current is None or current.forwards != 1 or current.refused is not None:
             return
-        current.sums = _output_sums(output)
+        tensors = _output_tensors(output)
+        current.sums = [output_checksum(t.detach()) for t in tensors]
+        if current.grads is None:  # (the layers are not summed: no backward to compare)
+            return
+        needing = [t for t in tensors if t.grad_fn is not None]
+        if not needing:
+            current.backward_off = NO_GRADIENT
+            return
+        if sum(t.numel() * t.element_size() for t in needing) > self._parameter_bytes():
+            current.backward_off = GRADIENT_TOO_LARGE
+            return
+        kept: list[tuple[torch.Tensor, int] | None] = [None] * len(tensors)
+        for k, t in enumerate(tensors):
+            if t.grad_fn is not None:
+                t.register_hook(partial(_keep_gradient, kept, k))
+        current.output_grads = kept
+
+    def _parameter_bytes(self) -> int:
+        if self._param_bytes is None:
+            model = self._model()
+            params = model.parameters() if model is not None else ()
+            self._param_bytes = sum(p.numel() * p.element_size() for p in params)
+        return self._param_bytes
 
     def _stop_sums(self, current: _Step | None) -> None:
         """The layers' sums no longer collected; a collection that stopped short (a fault,
@@ -218,6 +273,7 @@ class SpikeReplay:
             with torch.no_grad():
                 self._kept = [torch.empty_like(p) for p in params]
             self._kept_ids = [id(p) for p in params]
+            self._param_bytes = None  # (measured again)
         with torch.no_grad():
             torch._foreach_copy_(self._kept, [p.detach() for p in params])
         self._kept_step = step
@@ -319,35 +375,85 @@ class SpikeReplay:
         # no version counter moves (a graph the loop still runs backward on stays valid)
         now = [p.data for p in params]
         sums = self.sums if ended.layers is not None else None
+        trained = [p for p in params if p.requires_grad]
+        backward_off = self._backward_off(ended, sums, trained)
         layers_again: list[tuple[int, torch.Tensor]] = []
+        grads_again = GradientSums() if backward_off is None else None
+        stopped: list[bool] = []  # the forward's collection, stopped before the backward
+
+        def backward(output: Any) -> None:
+            """The replay's backward from the step's own output gradients: the gradients
+            of the layers' outputs summed as it computes them (nothing is accumulated into
+            a parameter's .grad: torch.autograd.grad, its results dropped)."""
+            assert sums is not None and ended.output_grads is not None
+            stopped.append(sums.stop())
+            tensors = _output_tensors(output)
+            pairs = [
+                (t, kept[0])
+                for t, kept in zip(tensors, ended.output_grads)
+                if kept is not None and t.grad_fn is not None
+            ]
+            if len(tensors) != len(ended.output_grads) or not pairs:
+                assert grads_again is not None
+                grads_again.broken = True  # (not the same outputs: the forwards differ)
+                return
+            torch.autograd.grad(
+                [t for t, _ in pairs], trained, [g for _, g in pairs], allow_unused=True
+            )
+
         try:
             for p, kept in zip(params, self._kept):
                 p.data = kept
             if sums is not None:
-                sums.collect(layers_again)
+                sums.collect(layers_again, grads_again)
             broken = False
             try:
-                output = self._forward_again(ended.captured, ended.start)
+                output = self._forward_again(
+                    ended.captured, ended.start, backward if grads_again is not None else None
+                )
             finally:
                 if sums is not None:
-                    broken = sums.stop()
+                    broken = stopped[0] if stopped else sums.stop()
             compared_layers = sums is not None and not broken
             if not compared_layers:  # (the model's output alone is compared)
                 ended.layers, layers_again = [], []
             entry = self._entry_name(ended.captured)
             ours = [*(ended.layers or []), *((-1, s) for s in ended.sums)]
             theirs = [*layers_again, *((-1, s) for s in _output_sums(output))]
+            forward_count = len(ours)
             rows, order, diverged, parts = compare_sums(ours, theirs)
+            backward_from = None
+            if backward_off is None and (
+                not compared_layers or grads_again is None or grads_again.broken
+            ):
+                backward_off = GRADIENTS_PARTIAL
+            if backward_off is None and diverged is None:  # the backward, after its forward
+                assert ended.grads is not None and grads_again is not None
+                b_ours = [(BACKWARD + row, total) for row, total in ended.grads.items]
+                b_theirs = [(BACKWARD + row, total) for row, total in grads_again.items]
+                b_rows, b_order, b_diverged, b_parts = compare_sums(b_ours, b_theirs)
+                if b_diverged is not None:  # (its own verdict left out: the forward's stands)
+                    backward_off = BACKWARD_ORDER
+                else:  # (its flags follow the forward's: the judge reads them in `order`)
+                    backward_from = forward_count
+                    ours += b_ours
+                    rows += b_rows
+                    order += tuple(forward_count + k for k in b_order)
+                    parts += b_parts
             # (the model's output, named for where its own code ran when the layers were
             # compared, OUTPUT_NAME when they were not: no layer can be said then)
             output_name = (entry or ROOT_NAME) if compared_layers else OUTPUT_NAME
-            names = [self._names[row] if row >= 0 else output_name for row in rows]
+            names = [
+                output_name if row < 0 else self._names[row - BACKWARD if row >= BACKWARD else row]
+                for row in rows
+            ]
             deterministic = torch.are_deterministic_algorithms_enabled()
             suspects = suspects_of(*ended.sample_losses) if ended.sample_losses else None
             capsule = None
             if self._capsules is not None:  # capsule_dir: a difference's capsule, now (and a
-                # spike's the replay reproduced: its batch, when it passed the rule's limit)
-                compared = len(ours) if diverged is None else diverged
+                # spike's the replay reproduced: its batch, when it passed the rule's limit);
+                # its forward's sums only (`hookprof replay` runs the forward)
+                compared = min(forward_count, len(ours) if diverged is None else diverged)
                 capsule = self._capsules.keep(
                     model,
                     ended.captured,
@@ -376,8 +482,34 @@ class SpikeReplay:
             order=order,
             diverged=diverged,
             suspects=0 if suspects is None else (len(suspects) - 1) // 2,
+            backward_from=backward_from,
+            backward_off=backward_off,
         )
         return comparison, parts if suspects is None else [*parts, suspects]
+
+    @staticmethod
+    def _backward_off(
+        ended: _Step, sums: OutputSums | None, trained: Sequence[torch.Tensor]
+    ) -> str | None:
+        """Why the step's backward cannot be replayed (None: it can)."""
+        if ended.backward_off is not None:
+            return ended.backward_off
+        if sums is None or ended.grads is None or ended.output_grads is None:
+            return GRADIENTS_PARTIAL
+        if ended.grads.broken:
+            return GRADIENTS_PARTIAL
+        if len(ended.grads.items) > ended.grads.placed:
+            return SEVERAL_BACKWARDS
+        if not trained:
+            return NO_TRAINED_PARAMETERS
+        kept = [k for k in ended.output_grads if k is not None]
+        if not kept:
+            return GRADIENT_MISSED
+        if not ended.grads.items:
+            return NO_LAYER_GRADIENTS
+        if any(grad._version != version for grad, version in kept):
+            return GRADIENT_WRITTEN
+        return None
 
     def _entry_name(self, captured: Any) -> str:
         """The module the step's forward called, by name ("": the model itself)."""
@@ -401,18 +533,32 @@ def suspects_of(sample_losses: torch.Tensor, version: int) -> torch.Tensor | Non
         return torch.cat([top.values, top.indices.double(), per_sample.sum().reshape(1)])
 
 
-def _output_sums(output: Any) -> list[torch.Tensor]:
-    """The bit sums of a forward's floating-point output tensors (tensors.output_checksum)."""
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    """A forward's floating-point output tensors, in the order their sums are compared."""
     return [
-        output_checksum(t.detach())
+        t
         for t in ((output,) if isinstance(output, torch.Tensor) else iter_tensors(output))
         if summable(t)
     ]
 
 
+def _output_sums(output: Any) -> list[torch.Tensor]:
+    """The bit sums of a forward's floating-point output tensors (tensors.output_checksum)."""
+    return [output_checksum(t.detach()) for t in _output_tensors(output)]
+
+
+def _keep_gradient(kept: list[tuple[torch.Tensor, int] | None], k: int, grad: Any) -> None:
+    """A tensor hook on the model's k-th output: its gradient kept, by reference (nothing
+    changed: it returns None; a hook must never raise into the backward)."""
+    if isinstance(grad, torch.Tensor):
+        # (a second backward through it, retain_graph: -1, which no version matches)
+        kept[k] = (grad, grad._version if kept[k] is None else -1)
+
+
 # a spike replay's verdict on a step: (result, its capsule's path, the first layer whose
-# output differed, the batch's samples of largest loss)
-Verdict = tuple[str, str | None, str | None, tuple[Suspect, ...] | None]
+# output (or output's gradient) differed, the batch's samples of largest loss, "forward" or
+# "backward": where that layer's difference was)
+Verdict = tuple[str, str | None, str | None, tuple[Suspect, ...] | None, str | None]
 
 
 @dataclass
@@ -420,8 +566,7 @@ class SpikeReplays:
     """The publisher's side: the verdicts, counted by result; the latest kept."""
 
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
-    # step -> (result, its capsule's path or None, the first layer whose output differed or
-    # None, the batch's samples of largest loss or None), the last 64 (bounded)
+    # step -> Verdict (below), the last 64 (bounded)
     verdicts: dict[int, Verdict] = field(default_factory=dict)
     capsules: int = 0  # the differences' capsules written (capsule_dir)
     last_refusal: str | None = None
@@ -432,7 +577,7 @@ class SpikeReplays:
     def judge(self, comparison: SpikeComparison, flags: Sequence[float]) -> str:
         """`flags`: the comparison's device flags as read on the host, stacks in order (then
         the batch's samples of largest loss, `suspects_of`)."""
-        entered, suspects = None, None
+        entered, suspects, phase = None, None, None
         if comparison.suspects:
             flags, (suspects, _) = (
                 flags[: -2 * comparison.suspects - 1],
@@ -445,12 +590,15 @@ class SpikeReplays:
             first = first_differing(comparison.order, flags)
             if first is not None:
                 result, entered = NOT_REPRODUCED, comparison.layers[first]
+                backward = comparison.backward_from
+                phase = "backward" if backward is not None and first >= backward else "forward"
                 self.last_mismatch = ReplayMismatch(
                     comparison.step,
                     entered,
                     comparison.deterministic,
                     time.time(),
                     comparison.capsule,
+                    phase,
                 )
             elif comparison.diverged is not None:
                 # the calls parted with every output before alike: the host's difference
@@ -460,12 +608,7 @@ class SpikeReplays:
                 result = REPRODUCED
         self.counts[result] += 1
         self.capsules += comparison.capsule is not None
-        self.verdicts[comparison.step] = (
-            result,
-            comparison.capsule,
-            entered,
-            suspects,
-        )
+        self.verdicts[comparison.step] = (result, comparison.capsule, entered, suspects, phase)
         if len(self.verdicts) > 64:
             del self.verdicts[min(self.verdicts)]
         self.last = (comparison.step, result, comparison.deterministic, time.time())
@@ -505,13 +648,15 @@ def spike_replay_of(
         say("spike replay off", f"spike_replay is not armed: {refused}")
         return None
 
-    def again(captured: Any, start: Any) -> Any:
+    def again(captured: Any, start: Any, backward: Callable[[Any], None] | None = None) -> Any:
         own = sampled.new_record()
         outputs: list[Any] = []
         try:
             root = model()
             assert root is not None  # (a forward was captured: the model is alive)
-            forward_again(root, hooks, own, captured, start=start, output_into=outputs)
+            forward_again(
+                root, hooks, own, captured, start=start, output_into=outputs, backward=backward
+            )
         finally:
             sampled.discard(own)
         return outputs[0]

@@ -554,6 +554,7 @@ def forward_again(
     watch: Any = None,
     start: ModuleState | None = None,
     output_into: list[Any] | None = None,
+    backward: Callable[[Any], None] | None = None,
 ) -> tuple[Any, bool]:
     """Run `captured` once more, eagerly (a compiled model too), under no_grad, with the
     layer checks recording into `rec`, on the model's current weights, from the RNG state
@@ -562,7 +563,10 @@ def forward_again(
     number attributes and every generator are as they were afterwards, whatever happens.
     Returns (what `watch` yielded, whether the forward drew random numbers: asked of a
     compiled forward's only, whose RNG state hookprof took itself); the forward's output is
-    appended to `output_into`, if given."""
+    appended to `output_into`, if given. With `backward`, the forward builds its graph (grad
+    on) and `backward(output)` runs right after it, outside its autocast (as a loop's
+    backward does) and still inside the replay (the layers' records, the buffers and RNG as
+    the replay has them)."""
     target = captured.module if captured.module is not None else model
     outside = rng_state(cuda=captured.cuda_rng is not None)
     # the buffers, and state a module keeps outside them (a tensor or a number set as a plain
@@ -593,15 +597,19 @@ def forward_again(
         set_rng(RngState(captured.cpu_rng, captured.cuda_rng))
         with (
             hooks.replaying_into(rec),
-            torch.no_grad(),
+            torch.no_grad() if backward is None else torch.enable_grad(),
             eager(),
-            autocast_of(captured.modes),
-            watch if watch is not None else contextlib.nullcontext(None) as kept,
         ):
-            hooks.note_root_inputs(args, kwargs)
-            output = target(*args, **kwargs)
-            if output_into is not None:  # (the spike replay compares it: integrity/)
-                output_into.append(output)
+            with (
+                autocast_of(captured.modes),
+                watch if watch is not None else contextlib.nullcontext(None) as kept,
+            ):
+                hooks.note_root_inputs(args, kwargs)
+                output = target(*args, **kwargs)
+                if output_into is not None:  # (the spike replay compares it: integrity/)
+                    output_into.append(output)
+            if backward is not None:
+                backward(output)
         return kept, captured.compiled and _drew_random_numbers(captured)
     finally:
         for module, name, buffer in originals:  # the very same tensors, untouched

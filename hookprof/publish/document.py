@@ -146,6 +146,7 @@ def _spike(event: Any) -> dict[str, Any] | None:
         kept["capsule"] = event.capsule
     if event.entered is not None:  # (a not-reproduced replay's first differing layer)
         kept["entered"] = event.entered
+        kept["entered_phase"] = event.entered_phase
     if event.suspects is not None:  # (its batch's samples of largest loss)
         kept["suspects"] = [{"sample": s.sample, "loss": s.loss} for s in event.suspects]
     return kept if event.layer is None else {**kept, "layer": event.layer}

@@ -159,8 +159,8 @@ class SpikeWatch:
     def note_verdicts(self, verdicts: Mapping[int, tuple[Any, ...]]) -> None:
         """The spike replay's verdicts by step (integrity/spike_replay.py `Verdict`: the
         result, its capsule, the first layer whose output differed, the batch's samples of
-        largest loss): the events of those steps carry theirs, whether they were counted
-        before or after."""
+        largest loss, the phase that layer's difference was in): the events of those steps
+        carry theirs, whether they were counted before or after."""
         with self._lock:
             self._verdicts = verdicts
             self._counts = {kind: self._with_verdicts(c) for kind, c in self._counts.items()}
@@ -172,9 +172,14 @@ class SpikeWatch:
             found = self._verdicts.get(event.step)
             if found is None:
                 return event
-            verdict, capsule, entered, suspects = found
+            verdict, capsule, entered, suspects, phase = found
             return dataclasses.replace(
-                event, verdict=verdict, capsule=capsule, entered=entered, suspects=suspects
+                event,
+                verdict=verdict,
+                capsule=capsule,
+                entered=entered,
+                entered_phase=phase,
+                suspects=suspects,
             )
 
         return SpikeCount(count.count, of(count.first), of(count.last))

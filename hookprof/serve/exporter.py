@@ -291,9 +291,10 @@ def _integrity(snap: Snapshot, rank: str) -> Iterator[Metric]:
     ):
         if mismatch is not None:
             info = family(info_metric)
-            info.add_metric(
-                [rank, mismatch.layer, str(mismatch.step), str(mismatch.deterministic).lower()], 1
-            )
+            values = [rank, mismatch.layer, str(mismatch.step), str(mismatch.deterministic).lower()]
+            if "phase" in info_metric.labels:  # (the spike replay's: it compares the backward)
+                values.append(mismatch.phase)
+            info.add_metric(values, 1)
             yield info
             yield _one(when_metric, rank, mismatch.time)
     if snap.parameter_fingerprint is not None:

@@ -15,9 +15,17 @@ the bits of each floating-point output are summed as integers (tensors.output_ch
 one reduction, kept on the device). Only the collecting thread's calls count (another thread
 training another model through a shared layer is not this step's).
 
+With `grads` (a GradientSums), each summed output that needs a gradient also gets a tensor
+hook for the collection: when the backward computes that output's gradient, its bits are
+summed the same way, in the order the backward computes them. The gradient of a layer's
+output is what the backward of the layers that take that output made: the spike replay's
+backward comparison (integrity/spike_replay.py). The hook only reads the gradient (it returns
+nothing), and goes with the graph.
+
 A fault here (an output whose bits cannot be read) stops the collection and is counted; the
-layer's forward and its output are untouched. Copies of the model (EMA, torch.save) carry no
-wrapper (step/copies.py).
+layer's forward and its output are untouched (a gradient hook's fault marks its collection
+broken, and the backward goes on). Copies of the model (EMA, torch.save) carry no wrapper
+(step/copies.py).
 """
 
 from __future__ import annotations
@@ -45,6 +53,20 @@ MAX_CALLS = 1 << 16
 _Tensor = torch.Tensor
 
 
+class GradientSums:
+    """One collection's output gradients, summed as the backward computes them: (layer, sum)
+    in that order; `broken`: one could not be read, or more than MAX_CALLS came (not whole);
+    `placed`: the hooks placed (more sums than hooks: more than one backward ran through the
+    outputs, retain_graph)."""
+
+    __slots__ = ("items", "broken", "placed")
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, torch.Tensor]] = []
+        self.broken = False
+        self.placed = 0
+
+
 class OutputSums:
     """The layers' output sums of one collecting thread (see the module's docstring)."""
 
@@ -58,6 +80,7 @@ class OutputSums:
         self._thread = 0
         self._into: list[tuple[int, torch.Tensor]] | None = None  # the collection begun
         self._broken = False  # ... stopped short (a fault, too many calls)
+        self._grads: GradientSums | None = None  # ... and its outputs' gradients (or None)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -79,17 +102,22 @@ class OutputSums:
             self._sink = None
             self._installs.remove()
 
-    def collect(self, into: list[tuple[int, torch.Tensor]]) -> None:
-        """From now on, this thread's layer outputs are summed into `into`."""
+    def collect(
+        self, into: list[tuple[int, torch.Tensor]], grads: GradientSums | None = None
+    ) -> None:
+        """From now on, this thread's layer outputs are summed into `into`, and with `grads`
+        their gradients into it as the backward computes them."""
         self._thread = threading.get_ident()
         self._sink = self._into = into
+        self._grads = grads
         self._broken = False
 
     def stop(self) -> bool:
-        """No more is collected; True when the collection begun last stopped short (its sums
-        are not whole). A second stop says False: the flag is the collection's own."""
+        """No more is collected (the gradient hooks already placed still fire); True when the
+        collection begun last stopped short (its sums are not whole). A second stop says
+        False: the flag is the collection's own."""
         broken = self._into is not None and self._broken
-        self._sink = self._into = None
+        self._sink = self._into = self._grads = None
         self._broken = False
         return broken
 
@@ -110,6 +138,7 @@ class OutputSums:
         sink = self._sink
         if sink is None or output is None:
             return
+        grads = self._grads
         try:
             for t in (output,) if isinstance(output, _Tensor) else iter_tensors(output):
                 if summable(t):
@@ -117,6 +146,23 @@ class OutputSums:
                         self._sink, self._broken = None, True
                         return
                     sink.append((layer, output_checksum(t)))
+                    if grads is not None and t.grad_fn is not None:  # (never on a leaf)
+                        t.register_hook(partial(self._gradient, grads, layer))
+                        grads.placed += 1
         except Exception as exc:  # the forward goes on; this collection is not complete
             self._sink, self._broken = None, True
+            self._faults.report("spike replay", exc, disable=False)
+
+    def _gradient(self, grads: GradientSums, layer: int, grad: Any) -> None:
+        """A summed output's gradient, as the backward computes it (a tensor hook: it must
+        never raise into the backward, and returns nothing, so the gradient is unchanged)."""
+        try:
+            if grads.broken:
+                return
+            if len(grads.items) >= MAX_CALLS or not isinstance(grad, _Tensor):
+                grads.broken = True
+                return
+            grads.items.append((layer, output_checksum(grad.detach())))
+        except Exception as exc:  # the backward goes on; this collection is not whole
+            grads.broken = True
             self._faults.report("spike replay", exc, disable=False)

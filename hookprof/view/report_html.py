@@ -19,7 +19,16 @@ from hookprof.view.report_axes import step_axis
 from hookprof.view.report_charts import heat_rows, heatmap, line_chart, num, point_spans, timeline
 from hookprof.view.report_script import CSS, SCRIPT
 from hookprof.view.report_steps import has_values, step_chart
-from hookprof.view.table import COLUMNS, TITLES, LayerRow, cells, choose, from_document, sort_rows
+from hookprof.view.table import (
+    COLUMNS,
+    TITLES,
+    LayerRow,
+    cells,
+    choose,
+    first_differing_text,
+    from_document,
+    sort_rows,
+)
 
 TABLE_ROWS = 200  # the busiest layers in the table, plus every one that went non-finite
 
@@ -107,7 +116,7 @@ def summary(doc: dict[str, Any]) -> str:
                     f"(robust z {num(first['z'], 3)})"
                     + (f"; {_VERDICT[first['verdict']]}" if first.get("verdict") else "")
                     + (
-                        f" (first differing output: {first['entered']}'s)"
+                        f" ({first_differing_text(first['entered'], first.get('entered_phase'))})"
                         if first.get("entered")
                         else ""
                     )
@@ -130,8 +139,8 @@ def summary(doc: dict[str, Any]) -> str:
                 f"{spike_replays.get('reproduced', 0):,} reproduced (the data), "
                 f"{spike_replays.get('not_reproduced', 0):,} not reproduced (the machine)"
                 + (
-                    f" (latest: step {latest['step']:,}, first differing output "
-                    f"{latest['layer']}'s)"
+                    f" (latest: step {latest['step']:,}, "
+                    f"{first_differing_text(latest['layer'], latest.get('phase'))})"
                     if latest
                     else ""
                 )

@@ -98,8 +98,9 @@ class RunHeader:
     """(layer, step) of the last check whose replay did not reproduce its forward."""
     spike_replays: Mapping[str, int] = field(default_factory=dict)
     """The spike replay's steps by result (integrity/spike_replay.py); empty while off."""
-    spike_mismatch: tuple[str, int] | None = None
-    """(layer, step) of the last spike whose replay did not reproduce its forward."""
+    spike_mismatch: tuple[str, int, str] | None = None
+    """(layer, step, phase) of the last spike whose replay did not reproduce its step (phase
+    "backward": the forward alike, that layer's output's gradient differed first)."""
     """The last steps' loss and gradient norm, one character each (view/recent.py); None
     where the endpoint was not asked for them (`top` asks /history.json?recent)."""
 
@@ -225,7 +226,11 @@ def from_snapshot(snap: Snapshot, model: str = "") -> RunTable:
         if snap.replay_mismatch is not None
         else None,
         spike_replays=dict(snap.spike_replays),
-        spike_mismatch=(snap.spike_mismatch.layer, snap.spike_mismatch.step)
+        spike_mismatch=(
+            snap.spike_mismatch.layer,
+            snap.spike_mismatch.step,
+            snap.spike_mismatch.phase,
+        )
         if snap.spike_mismatch is not None
         else None,
     )
@@ -385,7 +390,11 @@ def _read_sample(run: _Run, name: str, labels: Mapping[str, str], value: float) 
     elif name == names.REPLAY_MISMATCH_INFO.name:
         run.values["replay_mismatch"] = (labels["layer"], _whole(labels["step"], "the step"))
     elif name == names.SPIKE_MISMATCH_INFO.name:
-        run.values["spike_mismatch"] = (labels["layer"], _whole(labels["step"], "the step"))
+        run.values["spike_mismatch"] = (
+            labels["layer"],
+            _whole(labels["step"], "the step"),
+            labels.get("phase", "forward"),
+        )
     elif name in _LAYER_SAMPLES:
         layer = run.layer(labels["layer"])
         layer[_LAYER_SAMPLES[name]] = value
@@ -504,7 +513,11 @@ def from_document(doc: Mapping[str, Any]) -> RunTable:
         if doc.get("replay_mismatch")
         else None,
         spike_replays=dict(doc.get("spike_replays") or {}),
-        spike_mismatch=(doc["spike_mismatch"]["layer"], int(doc["spike_mismatch"]["step"]))
+        spike_mismatch=(
+            doc["spike_mismatch"]["layer"],
+            int(doc["spike_mismatch"]["step"]),
+            doc["spike_mismatch"].get("phase", "forward"),
+        )
         if doc.get("spike_mismatch")
         else None,
         first_nonfinite=FirstNonFinite(
@@ -789,11 +802,20 @@ def spike_replay_line(h: RunHeader) -> str | None:
         f"{counts.get('not_reproduced', 0)} not reproduced (the machine)"
     )
     if h.spike_mismatch is not None:
-        layer, step = h.spike_mismatch
-        text += f" (latest: step {step}, first differing output {layer}'s)"
+        layer, step, phase = h.spike_mismatch
+        text += f" (latest: step {step}, {first_differing_text(layer, phase)})"
     if counts.get("not_compared"):
         text += f", {counts['not_compared']} not compared"
     return text
+
+
+def first_differing_text(layer: str, phase: str | None) -> str:
+    """Where a spike replay's difference was first seen, as the views say it: a layer's
+    output, or (phase "backward", the forward alike) the gradient of a layer's output, which
+    the backward of what takes that output made."""
+    if phase == "backward":
+        return f"forward alike, first differing gradient: of {layer}'s output"
+    return f"first differing output {layer}'s"
 
 
 def header_lines(headers: Sequence[RunHeader]) -> list[str]:

@@ -174,3 +174,46 @@ def test_a_float32_output_is_summed_with_no_copy_of_it():
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         output_checksum(x)
     assert max((e.cpu_memory_usage for e in prof.events()), default=0) < 1024
+
+
+def test_each_output_gradient_in_the_order_the_backward_computes_them():
+    """With a GradientSums, each summed output's gradient is summed as the backward brings
+    it (the test's own hooks take the gradients; their bits summed here as int32 apart from
+    hookprof's checksum); the gradient is unchanged, no hook stays on a parameter, and a
+    second backward through the same outputs (retain_graph) makes more sums than hooks."""
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(3, 4)
+    sums = OutputSums(LayerTable(model), model, Faults())
+    into: list[tuple[int, torch.Tensor]] = []
+    grads = output_sums.GradientSums()
+    own: list[tuple[str, torch.Tensor]] = []
+    with sums.installed():
+        sums.collect(into, grads)
+        a = model.a(x)
+        a.register_hook(lambda g: own.append(("a", g)))
+        b = model.b(a * 2)
+        b.register_hook(lambda g: own.append(("b", g)))
+        out = model.hooked(b)
+        sums.stop()
+        out.sum().backward(retain_graph=True)
+    assert grads.placed == 3 and not grads.broken
+    rows = {0: "a", 1: "b"}
+    # hooked (row 2) first, then b, then a: the order the backward computed them
+    assert [row for row, _ in grads.items] == [2, 1, 0]
+    theirs = {name: np.asarray(g.detach()).view(np.int32).sum(dtype=np.int32) for name, g in own}
+    for row, total in grads.items[1:]:
+        assert int(total) == int(theirs[rows[row]]), rows[row]
+    assert int(grads.items[0][1]) == int(
+        np.ones((3, 4), dtype=np.float32).view(np.int32).sum(dtype=np.int32)
+    )  # (the gradient of a sum is ones)
+    reference = Net()
+    reference.load_state_dict(model.state_dict())
+    reference.zero_grad()
+    reference(x).sum().backward()
+    assert all(
+        torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())
+    )
+    assert all(not p._backward_hooks for p in model.parameters())
+    out.sum().backward()  # (a second backward through the same graph)
+    assert len(grads.items) == 6 > grads.placed

@@ -1,0 +1,286 @@
+"""Issue 43 item 2's gradient comparison: a spike's replay runs the step's backward too.
+
+The loop's loss is not the model's, so the replay's backward starts where the model ends:
+from the gradient the step's own backward brought the model's output (kept by reference),
+through the replayed forward's graph, with every layer's output gradient summed as the
+backward computes it, and compared with the step's own sums in that order. A wrong value
+made in the backward only (a fault of this test's own, in one layer's backward on the
+spike's step) is not reproduced and named by the first layer whose output's gradient
+differs, phase "backward"; spikes the data made are reproduced forward and backward, also
+with a weight penalty the loop adds to its loss (a gradient path outside the model's output,
+which the replay does not run and does not compare), activation checkpointing and Dropout;
+the backward is left out, with its reason, where it cannot be replayed. Each is checked
+against this test's own account: the fault it injected, its losses, and a bare run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import hookprof
+from hookprof.integrity import spike_replay
+from hookprof.view.report_html import render
+from hookprof.view.summary import summary_text
+from hookprof.view.table import from_metrics, header_lines
+from support.metrics import parse, scrape
+from support.rendered import Elements
+
+AT = 90  # the spike's step (the rule judges from 50 steps of history on)
+STEPS = 100
+OFTEN = dict(port=0, sample_every=4, min_sample_interval_s=0.0, summary_at_exit=False)
+ARMED = {**OFTEN, "spike_replay": True}
+
+
+class _WrongGradient(torch.autograd.Function):
+    """Identity forward; its backward makes one gradient row wrong when armed (the test's
+    stand-in for a device that computes one backward kernel wrongly, once)."""
+
+    armed = {"now": False}
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _WrongGradient.armed["now"]:
+            _WrongGradient.armed["now"] = False
+            grad = grad.clone()
+            grad[0] = grad[0] * 100 + 5
+        return grad
+
+
+class BackwardFaultLinear(nn.Linear):
+    """A Linear whose backward, armed, makes the gradient of its input wrong."""
+
+    def forward(self, x):
+        return super().forward(_WrongGradient.apply(x))
+
+
+class Net(nn.Module):
+    """fc1 -> act -> fc2 -> act2 -> head; fc2's backward can go wrong (BackwardFaultLinear)."""
+
+    def __init__(self, checkpointed: bool = False, dropout: float = 0.0):
+        super().__init__()
+        self.fc1, self.act = nn.Linear(8, 16), nn.ReLU()
+        self.fc2, self.act2 = BackwardFaultLinear(16, 16), nn.Tanh()
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(16, 1)
+        self.checkpointed = checkpointed
+
+    def _middle(self, h):
+        return self.act2(self.fc2(h))
+
+    def forward(self, x):
+        h = self.act(self.fc1(x))
+        if self.checkpointed:
+            h = checkpoint(self._middle, h, use_reentrant=False)
+        else:
+            h = self._middle(h)
+        return self.head(self.drop(h))
+
+
+class Wide(nn.Module):
+    """An output larger than the parameters: its gradient is not kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        return self.act(self.fc(x)).repeat(1, 64)
+
+
+def train(make=Net, config=None, fault=None, penalty=0.0, before_backward=None):
+    """SGD on `make()`; `fault`: "backward" (fc2's backward on AT's own backward makes the
+    gradient of its input wrong) or "data" (one of AT's targets); `penalty`: the loop adds that many
+    times the parameters' squared norm to its loss; `before_backward(step)`: called before
+    each step's backward. Returns the losses and the global gradient norms (the test's own)
+    and, with `config`, (snapshot, page text, document)."""
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    prof = hookprof.attach(model, **config) if config is not None else None
+    losses, norms = [], []
+    try:
+        for step in range(1, STEPS + 1):
+            opt.zero_grad()
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+            if fault == "data" and step == AT:  # (one wrong target: the loss spikes)
+                y = y.clone()
+                y[0] = y[0] * 100 + 50
+            out = model(x)
+            loss = (out - y).square().mean()
+            if penalty:
+                loss = loss + penalty * sum(p.square().sum() for p in model.parameters())
+            _WrongGradient.armed["now"] = fault == "backward" and step == AT
+            if before_backward is not None:
+                before_backward(step)
+            loss.backward()
+            _WrongGradient.armed["now"] = False
+            norms.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm().item())
+            opt.step()
+            if prof is not None:
+                prof.step(loss)
+            losses.append(loss.item())
+        if prof is None:
+            return (losses, norms), None
+        prof.flush()
+        return (losses, norms), (prof.snapshot(), scrape(prof.url), prof.report_document())
+    finally:
+        if prof is not None:
+            prof.detach()
+
+
+@pytest.fixture
+def judged(monkeypatch):
+    """The comparisons the publisher judged, by step (a spy on SpikeReplays.judge)."""
+    seen: dict[int, spike_replay.SpikeComparison] = {}
+    real = spike_replay.SpikeReplays.judge
+
+    def judge(self, comparison, flags):
+        seen[comparison.step] = comparison
+        return real(self, comparison, flags)
+
+    monkeypatch.setattr(spike_replay.SpikeReplays, "judge", judge)
+    return seen
+
+
+def test_a_wrong_value_made_in_the_backward_is_not_reproduced_and_named(judged):
+    """fc2's backward makes the gradient of its input (act's output) wrong on the spike's
+    own backward: the forward replays alike, the backward does not, first at act's output
+    gradient; in the event, the metric the alert reads, top, the summary and the report.
+    Training is what it is without hookprof, bit for bit."""
+    bare, _ = train(fault="backward")
+    norms = bare[1]  # (the test's own: step AT's gradient norm spikes, not its loss)
+    assert norms[AT - 1] > 5 * max(norms[AT - 20 : AT - 1])
+    watched, (snap, page, document) = train(config=ARMED, fault="backward")
+    assert watched == bare
+    first = snap.spikes["grad_norm_spike"].first
+    assert (first.step, first.verdict) == (AT, "not_reproduced")
+    assert (first.entered, first.entered_phase) == ("act", "backward")
+    comparison = judged[AT]
+    assert comparison.backward_off is None and comparison.backward_from is not None
+    # the forward's outputs (fc1, act, fc2, act2, drop, head, the model's), then the
+    # gradients in the order the backward computed them
+    assert comparison.layers[: comparison.backward_from] == (
+        "fc1",
+        "act",
+        "fc2",
+        "act2",
+        "drop",
+        "head",
+        "(root)",
+    )
+    # (head's output is the model's: its gradient is the one the replay starts from; drop,
+    # with p=0, returns act2's output tensor itself, whose hooks run in the order placed)
+    assert comparison.layers[comparison.backward_from :] == (
+        "head",
+        "act2",
+        "drop",
+        "fc2",
+        "act",
+        "fc1",
+    )
+    mismatch = snap.spike_mismatch
+    assert (mismatch.step, mismatch.layer, mismatch.phase) == (AT, "act", "backward")
+    (info,) = parse(page)["hookprof_spike_mismatch_info"].samples
+    assert (info.labels["layer"], info.labels["phase"], info.labels["step"]) == (
+        "act",
+        "backward",
+        str(AT),
+    )
+    (table,) = from_metrics(page)
+    said = f"(latest: step {AT}, forward alike, first differing gradient: of act's output)"
+    assert any(said in line for line in header_lines([table.header]))
+    assert said in summary_text(snap, "Net")
+    event = document["spikes"]["grad_norm_spike"]["first"]
+    assert (event["entered"], event["entered_phase"]) == ("act", "backward")
+    report = "".join(Elements(render([document])).text)
+    assert "the machine (forward alike, first differing gradient: of act's output)" in report
+
+
+@pytest.mark.parametrize(
+    "make, penalty",
+    [
+        (Net, 0.0),
+        (Net, 1e-3),  # a path into the weights outside the model's output: not compared
+        (lambda: Net(checkpointed=True), 0.0),  # the backward recomputes fc2 and act2
+        (lambda: Net(dropout=0.2), 0.0),  # the backward uses the forward's masks
+    ],
+    ids=["plain", "weight-penalty", "checkpointed", "dropout"],
+)
+def test_a_spike_the_data_made_is_reproduced_forward_and_backward(judged, make, penalty):
+    bare, _ = train(make, fault="data", penalty=penalty)
+    losses = bare[0]  # (the test's own: step AT's loss spikes)
+    assert losses[AT - 1] > 5 * max(losses[AT - 20 : AT - 1])
+    watched, (snap, _, _) = train(make, config=ARMED, fault="data", penalty=penalty)
+    assert watched == bare
+    first = snap.spikes["loss_spike"].first
+    assert (first.step, first.verdict, first.entered) == (AT, "reproduced", None)
+    assert snap.spike_replays["not_reproduced"] == 0 and snap.internal_errors == 0
+    comparison = judged[AT]
+    assert comparison.backward_off is None
+    backward = comparison.layers[comparison.backward_from :]
+    assert set(backward) == {"head", "drop", "act2", "fc2", "act", "fc1"}
+
+
+def test_an_output_larger_than_the_parameters_compares_the_forward_only(judged):
+    """The gradient of the model's output is kept only when no larger than the parameters
+    (the replay's memory at most doubles): here the forward alone is compared, and said."""
+    bare, _ = train(Wide, fault="data")
+    losses, (snap, _, _) = train(Wide, config=ARMED, fault="data")
+    assert losses == bare
+    assert snap.spikes["loss_spike"].first.verdict == "reproduced"
+    comparison = judged[AT]
+    assert comparison.backward_from is None
+    assert comparison.backward_off == spike_replay.GRADIENT_TOO_LARGE
+
+
+def test_a_fault_in_a_gradient_sum_leaves_the_forward_verdict(monkeypatch, judged):
+    """hookprof's own part fails in the backward (one output gradient's sum on the spike's
+    step cannot be read: a sparse gradient handed to it): the backward goes on unchanged, the
+    fault is counted, and the replay compares the forward only, saying why."""
+    from hookprof.step import output_sums
+
+    bare, _ = train(fault="data")
+    real, fail = output_sums.OutputSums._gradient, {"now": False}
+
+    def gradient(self, grads, layer, grad):
+        if fail["now"]:  # (the first gradient of step AT's own backward)
+            fail["now"] = False
+            grad = grad.to_sparse()
+        return real(self, grads, layer, grad)
+
+    def before_backward(step):
+        fail["now"] = step == AT
+
+    monkeypatch.setattr(output_sums.OutputSums, "_gradient", gradient)
+    losses, (snap, _, _) = train(config=ARMED, fault="data", before_backward=before_backward)
+    assert losses == bare
+    assert snap.spikes["loss_spike"].first.verdict == "reproduced"
+    assert judged[AT].backward_off == spike_replay.GRADIENTS_PARTIAL
+    assert snap.internal_errors == 1
+
+
+def test_a_step_of_two_backwards_is_judged_on_its_forward(judged, monkeypatch):
+    """Two backwards through the same outputs (retain_graph): the replay's one backward
+    cannot give the same gradients, so the forward's verdict stands and the comparison says
+    why (test_spike_replay.py's actor-critic loop, two losses through one forward, went
+    from reproduced to not compared before it)."""
+    real = torch.Tensor.backward
+
+    def twice(self, *args, **kwargs):
+        real(self, retain_graph=True)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", twice)
+    bare, _ = train(fault="data")
+    watched, (snap, _, _) = train(config=ARMED, fault="data")
+    assert watched == bare
+    assert snap.spikes["loss_spike"].first.verdict == "reproduced"
+    assert judged[AT].backward_off == spike_replay.SEVERAL_BACKWARDS

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -69,7 +70,7 @@ from hookprof.integrity.replay_check import (
 )
 from hookprof.layers import ROOT_NAME
 from hookprof.snapshot import ReplayMismatch, Suspect, suspects_from
-from hookprof.step.output_sums import GradientSums, OutputSums
+from hookprof.step.output_sums import GradientSums, OutputSums, get_gradient_edge
 from hookprof.tensors import iter_tensors, output_checksum, summable
 
 NO_UPDATE = "the step's update began without an optimizer hook (its weights were not kept)"
@@ -88,7 +89,14 @@ NO_GRADIENT = "the model's output needed no gradient"
 GRADIENT_TOO_LARGE = "the gradient of the model's output is larger than its parameters"
 GRADIENT_MISSED = "no backward through the model's output was seen before the step ended"
 GRADIENT_WRITTEN = "the gradient of the model's output was written since the step, or came twice"
-NO_TRAINED_PARAMETERS = "no parameter of the model needs a gradient"
+OUTPUTS_DIFFER = "the replay's outputs that need a gradient are not the step's"
+OUTPUTS_OVERLAP = (
+    "one of the model's outputs is computed from another (a loss computed inside the model "
+    "from its logits): their gradients overlap"
+)
+NO_GRADIENT_EDGES = "this torch has no torch.autograd.graph.get_gradient_edge (torch < 2.2)"
+NOT_CALIBRATED = "no healthy step's replayed backward has reproduced yet in this run"
+CALIBRATION_TRIES = 3  # healthy steps replayed at most, to see that the backward reproduces
 NO_LAYER_GRADIENTS = "no layer's output needed a gradient"
 SEVERAL_BACKWARDS = "the step ran more than one backward through the layers' outputs"
 BACKWARD_ORDER = "the replayed backward computed the layers' gradients in another order"
@@ -137,10 +145,10 @@ class _Step:
     layers: list[tuple[int, torch.Tensor]] | None = None
     # ... their gradients' sums as its backward computed them (None: not collected)
     grads: GradientSums | None = None
-    # the gradient of each summed output tensor of the model (`sums`' order: None where it
-    # needs none), kept by reference as the backward made it, with its version counter then:
-    # the replay's backward starts from it (the loop's loss is not the model's)
-    output_grads: list[tuple[torch.Tensor, int] | None] | None = None
+    # the gradient of each summed output tensor of the model, kept by reference as the
+    # backward made it: the replay's backward starts from it (the loop's loss is not the
+    # model's)
+    output_grads: _OutputGradients | None = None
     backward_off: str | None = None  # why its backward cannot be replayed (None: it can)
     # prof.step(loss, sample_losses=...): the loss of each sample of its batch (a reference)
     # and its version counter then
@@ -164,6 +172,7 @@ class SpikeReplay:
         sums: OutputSums | None = None,
         names: Sequence[str] = (),
         has_regions: Callable[[], bool] = lambda: False,
+        say: Callable[[str, str], None] | None = None,
     ):
         self._model = model
         # modules compiled on their own below the root: an eager replay is not what ran
@@ -189,6 +198,12 @@ class SpikeReplay:
         self._current: _Step | None = None  # the step whose forward runs
         self._ended: _Step | None = None  # the last step ended, its gate on its way
         self._param_bytes: int | None = None  # the parameters' size (output gradients' budget)
+        # does this run's backward reproduce on a healthy step (`_calibrate`)? None: not
+        # known yet; False: spikes compare their forward only, `_backward_distrust` says why
+        self._backward_trusted: bool | None = None
+        self._backward_distrust: str | None = None
+        self._calibration_tries = 0
+        self._say = say
 
     def forward_began(
         self,
@@ -236,11 +251,10 @@ class SpikeReplay:
         if sum(t.numel() * t.element_size() for t in needing) > self._parameter_bytes():
             current.backward_off = GRADIENT_TOO_LARGE
             return
-        kept: list[tuple[torch.Tensor, int] | None] = [None] * len(tensors)
+        kept = current.output_grads = _OutputGradients(len(tensors))
         for k, t in enumerate(tensors):
-            if t.grad_fn is not None:
-                t.register_hook(partial(_keep_gradient, kept, k))
-        current.output_grads = kept
+            if t.grad_fn is not None:  # (weakly: see _OutputGradients)
+                t.register_hook(partial(_keep_gradient, weakref.ref(kept), k))
 
     def _parameter_bytes(self) -> int:
         if self._param_bytes is None:
@@ -348,10 +362,55 @@ class SpikeReplay:
         ended.first_spiked = spiked and not self._spiked_before
         self._spiked_before = spiked
         if not tripped:
+            if self._backward_trusted is None:
+                self._calibrate(ended)
             return None
         return self._replay(ended)
 
-    def _replay(self, ended: _Step) -> tuple[SpikeComparison, list[torch.Tensor]]:
+    def _calibrate(self, ended: _Step) -> None:
+        """A healthy step replayed once (up to CALIBRATION_TRIES, until one compares its
+        backward), its flags read here: does this run's backward reproduce at all? A loop
+        that adds a gradient of its own to an activation inside the model (an auxiliary loss
+        on a block's output, a hook) or a nondeterministic backward kernel makes a healthy
+        step's gradients differ, and every spike's backward would then blame the machine;
+        so a run whose healthy step does not reproduce compares the forward only, and says
+        so once (found by review). Nothing is sent: this step was no spike."""
+        self._calibration_tries += 1
+        comparison, parts = self._replay(ended, calibrating=True)
+        if comparison.refused is not None or comparison.backward_from is None:
+            if self._calibration_tries >= CALIBRATION_TRIES:
+                self._backward_trusted = False
+                self._backward_distrust = comparison.refused or comparison.backward_off
+            return
+        flags = [float(f) for p in parts for f in p.tolist()]  # (once a run: a device read)
+        first = first_differing(comparison.order, flags)
+        if first is None:
+            self._backward_trusted = True
+            return
+        self._backward_trusted = False
+        phase = "forward" if first < comparison.backward_from else "backward"
+        what = (
+            f"its forward (first at {comparison.layers[first]}'s output): spike verdicts of "
+            "this run may blame the machine for what the model does differently each time (a "
+            "random generator of its own, state the replay cannot put back)"
+            if phase == "forward"
+            else f"its backward (first at the gradient of {comparison.layers[first]}'s output): "
+            "the loop adds a gradient of its own to an activation inside the model (an "
+            "auxiliary loss, a hook), or a backward kernel is nondeterministic"
+        )
+        self._backward_distrust = (
+            f"a healthy step's replay (step {ended.step}) did not reproduce {phase}"
+        )
+        if self._say is not None:
+            self._say(
+                "spike replay backward",
+                f"spike_replay: a healthy step's replay (step {ended.step}) did not reproduce "
+                f"{what}; the spikes of this run are judged on their forward only",
+            )
+
+    def _replay(
+        self, ended: _Step, calibrating: bool = False
+    ) -> tuple[SpikeComparison, list[torch.Tensor]]:
         refused = ended.refused
         if refused is None and not ended.kept_weights:
             refused = NO_UPDATE
@@ -363,9 +422,11 @@ class SpikeReplay:
             refused = COMPILED_REGIONS
         if refused is not None:
             return SpikeComparison(ended.step, refused), []
-        return self._run(ended)
+        return self._run(ended, calibrating)
 
-    def _run(self, ended: _Step) -> tuple[SpikeComparison, list[torch.Tensor]]:
+    def _run(
+        self, ended: _Step, calibrating: bool = False
+    ) -> tuple[SpikeComparison, list[torch.Tensor]]:
         assert self._kept is not None
         model = self._model()
         params = list(model.parameters()) if model is not None else []
@@ -375,31 +436,47 @@ class SpikeReplay:
         # no version counter moves (a graph the loop still runs backward on stays valid)
         now = [p.data for p in params]
         sums = self.sums if ended.layers is not None else None
-        trained = [p for p in params if p.requires_grad]
-        backward_off = self._backward_off(ended, sums, trained)
+        backward_off = self._backward_off(ended, sums)
+        if backward_off is None and not calibrating and not self._backward_trusted:
+            backward_off = self._backward_distrust or NOT_CALIBRATED
         layers_again: list[tuple[int, torch.Tensor]] = []
-        grads_again = GradientSums() if backward_off is None else None
+        grads_again = GradientSums(edges=True) if backward_off is None else None
         stopped: list[bool] = []  # the forward's collection, stopped before the backward
+        left_out: list[str] = []  # why the backward did not run after all
 
         def backward(output: Any) -> None:
             """The replay's backward from the step's own output gradients: the gradients
-            of the layers' outputs summed as it computes them (nothing is accumulated into
-            a parameter's .grad: torch.autograd.grad, its results dropped)."""
+            of the layers' outputs summed as it computes them, through every hooked output
+            (their gradient edges as the layers returned them) and no further: no
+            parameter's gradient is computed, so no hook on a parameter runs (the loop's, a
+            sampled step's), and nothing is accumulated into any .grad."""
             assert sums is not None and ended.output_grads is not None
+            assert grads_again is not None and grads_again.edges is not None
             stopped.append(sums.stop())
             tensors = _output_tensors(output)
+            kept = ended.output_grads.kept
             pairs = [
-                (t, kept[0])
-                for t, kept in zip(tensors, ended.output_grads)
-                if kept is not None and t.grad_fn is not None
+                (t, k[0]) for t, k in zip(tensors, kept) if k is not None and t.grad_fn is not None
             ]
-            if len(tensors) != len(ended.output_grads) or not pairs:
-                assert grads_again is not None
-                grads_again.broken = True  # (not the same outputs: the forwards differ)
-                return
-            torch.autograd.grad(
-                [t for t, _ in pairs], trained, [g for _, g in pairs], allow_unused=True
-            )
+            if len(tensors) != len(kept) or not pairs:
+                left_out.append(OUTPUTS_DIFFER)
+            elif _overlapping([t for t, _ in pairs]):
+                left_out.append(OUTPUTS_OVERLAP)
+            elif not grads_again.edges:
+                left_out.append(NO_LAYER_GRADIENTS)
+            else:
+                try:
+                    torch.autograd.grad(
+                        [t for t, _ in pairs],
+                        grads_again.edges,
+                        [g for _, g in pairs],
+                        allow_unused=True,
+                    )
+                except Exception as exc:  # (reentrant checkpointing refuses .grad(): said)
+                    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    left_out.append(
+                        f"the replayed backward raised {type(exc).__name__}: {first_line}"[:240]
+                    )
 
         try:
             for p, kept in zip(params, self._kept):
@@ -417,6 +494,8 @@ class SpikeReplay:
             compared_layers = sums is not None and not broken
             if not compared_layers:  # (the model's output alone is compared)
                 ended.layers, layers_again = [], []
+            if backward_off is None and left_out:
+                backward_off = left_out[0]
             entry = self._entry_name(ended.captured)
             ours = [*(ended.layers or []), *((-1, s) for s in ended.sums)]
             theirs = [*layers_again, *((-1, s) for s in _output_sums(output))]
@@ -450,7 +529,9 @@ class SpikeReplay:
             deterministic = torch.are_deterministic_algorithms_enabled()
             suspects = suspects_of(*ended.sample_losses) if ended.sample_losses else None
             capsule = None
-            if self._capsules is not None:  # capsule_dir: a difference's capsule, now (and a
+            if (
+                self._capsules is not None and not calibrating
+            ):  # capsule_dir: a difference's capsule, now (and a
                 # spike's the replay reproduced: its batch, when it passed the rule's limit);
                 # its forward's sums only (`hookprof replay` runs the forward)
                 compared = min(forward_count, len(ours) if diverged is None else diverged)
@@ -488,21 +569,19 @@ class SpikeReplay:
         return comparison, parts if suspects is None else [*parts, suspects]
 
     @staticmethod
-    def _backward_off(
-        ended: _Step, sums: OutputSums | None, trained: Sequence[torch.Tensor]
-    ) -> str | None:
+    def _backward_off(ended: _Step, sums: OutputSums | None) -> str | None:
         """Why the step's backward cannot be replayed (None: it can)."""
         if ended.backward_off is not None:
             return ended.backward_off
+        if get_gradient_edge is None:
+            return NO_GRADIENT_EDGES
         if sums is None or ended.grads is None or ended.output_grads is None:
             return GRADIENTS_PARTIAL
         if ended.grads.broken:
             return GRADIENTS_PARTIAL
         if len(ended.grads.items) > ended.grads.placed:
             return SEVERAL_BACKWARDS
-        if not trained:
-            return NO_TRAINED_PARAMETERS
-        kept = [k for k in ended.output_grads if k is not None]
+        kept = [k for k in ended.output_grads.kept if k is not None]
         if not kept:
             return GRADIENT_MISSED
         if not ended.grads.items:
@@ -547,12 +626,49 @@ def _output_sums(output: Any) -> list[torch.Tensor]:
     return [output_checksum(t.detach()) for t in _output_tensors(output)]
 
 
-def _keep_gradient(kept: list[tuple[torch.Tensor, int] | None], k: int, grad: Any) -> None:
+class _OutputGradients:
+    """The gradients the step's backward brought the model's outputs (`kept[k]`: the k-th
+    summed output's, with its version counter then; None: it needs none, or none came),
+    owned by its _Step alone: the outputs' hooks hold it weakly, so a loop that keeps its
+    outputs (a list of predictions, a running loss) keeps no gradient alive past the step's
+    judgement (found by review)."""
+
+    __slots__ = ("kept", "__weakref__")
+
+    def __init__(self, n: int) -> None:
+        self.kept: list[tuple[torch.Tensor, int] | None] = [None] * n
+
+
+def _keep_gradient(ref: weakref.ref[_OutputGradients], k: int, grad: Any) -> None:
     """A tensor hook on the model's k-th output: its gradient kept, by reference (nothing
     changed: it returns None; a hook must never raise into the backward)."""
-    if isinstance(grad, torch.Tensor):
+    holder = ref()
+    if holder is not None and isinstance(grad, torch.Tensor):
         # (a second backward through it, retain_graph: -1, which no version matches)
-        kept[k] = (grad, grad._version if kept[k] is None else -1)
+        holder.kept[k] = (grad, grad._version if holder.kept[k] is None else -1)
+
+
+def _overlapping(outputs: Sequence[torch.Tensor]) -> bool:
+    """Is one of `outputs` computed from another (its node reached from the other's through
+    the graph), or the same output twice? Their kept gradients then overlap: each is that
+    output's whole gradient, and a backward fed all of them counts the shared part twice."""
+    edges: list[tuple[Any, int]] = [(t.grad_fn, t.output_nr) for t in outputs]
+    if len(set(edges)) < len(edges):
+        return True
+    nodes = {node for node, _ in edges}
+    for node, _ in edges:
+        others = nodes - {node}
+        seen: set[Any] = set()
+        stack = [n for n, _ in node.next_functions if n is not None]
+        while stack:
+            n = stack.pop()
+            if n in others:
+                return True
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(m for m, _ in n.next_functions if m is not None)
+    return False
 
 
 # a spike replay's verdict on a step: (result, its capsule's path, the first layer whose
@@ -669,4 +785,5 @@ def spike_replay_of(
         sums=sums,
         names=names,
         has_regions=has_regions,
+        say=say,
     )

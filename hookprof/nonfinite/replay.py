@@ -546,6 +546,12 @@ def _set_python_rngs(state: ModuleState) -> None:
         numpy.random.set_state(state.numpy_rng)
 
 
+def _clone_as_leaf(t: torch.Tensor) -> torch.Tensor:
+    """A replayed input's copy, needing a gradient where the step's input did."""
+    copy = t.clone()
+    return copy.requires_grad_() if t.requires_grad and copy.is_floating_point() else copy
+
+
 def forward_again(
     model: nn.Module,
     hooks: LayerHooks,
@@ -592,8 +598,12 @@ def forward_again(
                 _set_python_rngs(start)
             # the inputs too: a forward that edits its input in place (`x /= 2`) would edit the
             # step's tensors again, and autograd, which saved them, would raise in the user's
-            # backward; the replay's edits go to its own copies
-            args, kwargs = map_tensors((captured.args, captured.kwargs or {}), torch.Tensor.clone)
+            # backward; the replay's edits go to its own copies (with `backward`, an input
+            # that needed a gradient needs one again: the graph is the step's)
+            args, kwargs = map_tensors(
+                (captured.args, captured.kwargs or {}),
+                torch.Tensor.clone if backward is None else _clone_as_leaf,
+            )
         set_rng(RngState(captured.cpu_rng, captured.cuda_rng))
         with (
             hooks.replaying_into(rec),

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -46,6 +47,9 @@ from hookprof.layers import LayerTable
 from hookprof.step.hooks import wrap_attribute
 from hookprof.tensors import iter_tensors, output_checksum, summable
 
+# torch >= 2.2; None: a replay's backward is not run (integrity/spike_replay.py says why)
+get_gradient_edge: Any = getattr(torch.autograd.graph, "get_gradient_edge", None)
+
 # layer calls kept per collection: a forward that never returns (it raised) followed by an
 # evaluation loop on the same thread would otherwise grow the list until the next step
 MAX_CALLS = 1 << 16
@@ -59,12 +63,17 @@ class GradientSums:
     `placed`: the hooks placed (more sums than hooks: more than one backward ran through the
     outputs, retain_graph)."""
 
-    __slots__ = ("items", "broken", "placed")
+    __slots__ = ("items", "broken", "placed", "edges", "__weakref__")
 
-    def __init__(self) -> None:
+    def __init__(self, edges: bool = False) -> None:
         self.items: list[tuple[int, torch.Tensor]] = []
         self.broken = False
         self.placed = 0
+        # with `edges` (a replay's collection): each hooked output's gradient edge, as the
+        # layer returned it (before any in-place op on it), for torch.autograd.grad's
+        # `inputs`: the backward then runs through every hooked output and no further (no
+        # parameter's gradient, so no hook on a parameter runs)
+        self.edges: list[Any] | None = [] if edges else None
 
 
 class OutputSums:
@@ -147,15 +156,21 @@ class OutputSums:
                         return
                     sink.append((layer, output_checksum(t)))
                     if grads is not None and t.grad_fn is not None:  # (never on a leaf)
-                        t.register_hook(partial(self._gradient, grads, layer))
+                        # (weakly: a loop that keeps its outputs keeps no collection alive)
+                        t.register_hook(partial(self._gradient, weakref.ref(grads), layer))
                         grads.placed += 1
+                        if grads.edges is not None:
+                            grads.edges.append(get_gradient_edge(t))
         except Exception as exc:  # the forward goes on; this collection is not complete
             self._sink, self._broken = None, True
             self._faults.report("spike replay", exc, disable=False)
 
-    def _gradient(self, grads: GradientSums, layer: int, grad: Any) -> None:
+    def _gradient(self, ref: weakref.ref[GradientSums], layer: int, grad: Any) -> None:
         """A summed output's gradient, as the backward computes it (a tensor hook: it must
         never raise into the backward, and returns nothing, so the gradient is unchanged)."""
+        grads = ref()
+        if grads is None:  # (the collection is over: its step was judged)
+            return
         try:
             if grads.broken:
                 return

@@ -94,12 +94,20 @@ class Wide(nn.Module):
         return self.act(self.fc(x)).repeat(1, 64)
 
 
-def train(make=Net, config=None, fault=None, penalty=0.0, before_backward=None):
+def mse(model, x, y):
+    return (model(x) - y).square().mean()
+
+
+def train(
+    make=Net, config=None, fault=None, penalty=0.0, before_backward=None, loss_of=mse, kept=None
+):
     """SGD on `make()`; `fault`: "backward" (fc2's backward on AT's own backward makes the
     gradient of its input wrong) or "data" (one of AT's targets); `penalty`: the loop adds that many
     times the parameters' squared norm to its loss; `before_backward(step)`: called before
-    each step's backward. Returns the losses and the global gradient norms (the test's own)
-    and, with `config`, (snapshot, page text, document)."""
+    each step's backward; `loss_of(model, x, y)`: the loop's loss; `kept`: a list the loop
+    appends each step's loss to, graph and all (as loops that keep their outputs do).
+    Returns the losses and the global gradient norms (the test's own) and, with `config`,
+    (snapshot, page text, document)."""
     torch.manual_seed(0)
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -113,8 +121,9 @@ def train(make=Net, config=None, fault=None, penalty=0.0, before_backward=None):
             if fault == "data" and step == AT:  # (one wrong target: the loss spikes)
                 y = y.clone()
                 y[0] = y[0] * 100 + 50
-            out = model(x)
-            loss = (out - y).square().mean()
+            loss = loss_of(model, x, y)
+            if kept is not None:
+                kept.append(loss)
             if penalty:
                 loss = loss + penalty * sum(p.square().sum() for p in model.parameters())
             _WrongGradient.armed["now"] = fault == "backward" and step == AT
@@ -284,3 +293,138 @@ def test_a_step_of_two_backwards_is_judged_on_its_forward(judged, monkeypatch):
     assert watched == bare
     assert snap.spikes["loss_spike"].first.verdict == "reproduced"
     assert judged[AT].backward_off == spike_replay.SEVERAL_BACKWARDS
+
+
+class LossInside(nn.Module):
+    """Returns (loss, logits), as a model given its labels does (transformers' style): the
+    loss is computed from the logits, so their gradients overlap."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, x, y):
+        logits = self.net(x)
+        return (logits - y).square().mean(), logits
+
+
+class AuxLoss(Net):
+    """Keeps a term of its hidden activation for the loop to add to its loss (a balance or
+    KL term): a gradient into a layer's output that does not come through the model's."""
+
+    def _middle(self, h):
+        self.aux = h.square().mean()
+        return super()._middle(h)
+
+
+class Reentrant(Net):
+    def forward(self, x):
+        h = checkpoint(self._middle, self.act(self.fc1(x)), use_reentrant=True)
+        return self.head(self.drop(h))
+
+
+class InPlace(nn.Module):
+    """Linear -> ReLU(inplace) -> Linear: the first layer's output is written over by the
+    next (its gradient edge is the one the layer returned)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.head = nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.act(self.fc1(x)))
+
+
+class InputGrad(nn.Module):
+    """A parameter-free first layer, and an input that needs a gradient (adversarial
+    training): the first layer's output needs one only because the input does."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale, self.fc1, self.head = nn.Tanh(), nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc1(self.scale(x))))
+
+
+def _inside(model, x, y):
+    return model(x, y)[0]
+
+
+def _aux(model, x, y):
+    return (model(x) - y).square().mean() + 1e-3 * model.aux
+
+
+def _input_grad(model, x, y):
+    return (model(x.requires_grad_()) - y).square().mean()
+
+
+@pytest.mark.parametrize(
+    "make, loss_of, off",
+    [
+        (LossInside, _inside, spike_replay.OUTPUTS_OVERLAP),
+        (Reentrant, mse, "the replayed backward raised RuntimeError: When use_reentrant=True"),
+        (InPlace, mse, None),
+        (InputGrad, _input_grad, None),
+    ],
+    ids=["loss-inside", "reentrant-checkpoint", "in-place", "input-grad"],
+)
+def test_models_whose_backward_cannot_or_can_be_replayed(judged, make, loss_of, off):
+    """Found by review: a (loss, logits) model got a false not_reproduced (each output's
+    whole gradient fed at once counts the shared part twice); reentrant checkpointing refuses
+    torch.autograd.grad and cost the spike its verdict. Now the backward is left out, said,
+    and the forward's verdict stands; an in-place ReLU over a layer's output and an input
+    that needs a gradient are compared."""
+    bare, _ = train(make, fault="data", loss_of=loss_of)
+    watched, (snap, _, _) = train(make, config=ARMED, fault="data", loss_of=loss_of)
+    assert watched == bare
+    first = snap.spikes["loss_spike"].first
+    assert (first.step, first.verdict) == (AT, "reproduced")
+    comparison = judged[AT]
+    if off is None:
+        assert comparison.backward_off is None and comparison.backward_from is not None
+    else:
+        assert comparison.backward_from is None and comparison.backward_off.startswith(off)
+
+
+def test_a_loop_that_adds_a_gradient_inside_the_model_compares_the_forward_only(judged):
+    """Found by review: an auxiliary loss on a hidden activation reaches that layer's output
+    gradient outside the model's output, which the replay does not run: every spike's
+    backward blamed the machine. A healthy step is replayed first (step 1, once): its
+    backward does not reproduce, so the run's spikes are judged on their forward, said once."""
+    bare, _ = train(AuxLoss, fault="data", loss_of=_aux)
+    watched, (snap, _, _) = train(AuxLoss, config=ARMED, fault="data", loss_of=_aux)
+    assert watched == bare
+    assert snap.spikes["loss_spike"].first.verdict == "reproduced"
+    assert judged[AT].backward_from is None
+    assert judged[AT].backward_off.startswith("a healthy step's replay (step 1) did not")
+    (said,) = [n for n in snap.notices if "healthy step's replay" in n]
+    assert "its backward (first at the gradient of act's output)" in said  # (h: act's)
+
+
+def test_the_replays_backward_runs_no_hook_on_a_parameter_and_keeps_no_gradient():
+    """Found by review: the replay's backward ran the loop's own parameter hooks once more
+    per replay (and a sampled step's, which then timed the replay as its layer's backward);
+    and a loop that keeps its losses kept every step's output gradient alive. Now no
+    parameter's gradient is computed in a replay, and the kept gradients go with the step."""
+    import gc
+
+    calls = {"bare": 0, "armed": 0}
+
+    def counting(which):
+        class Counted(Net):
+            def __init__(self):
+                super().__init__()
+                self.fc1.weight.register_hook(lambda g: calls.__setitem__(which, calls[which] + 1))
+
+        return Counted
+
+    every_step = {**ARMED, "sample_every": 1}
+    train(counting("bare"), fault="data")
+    kept: list = []
+    _, (snap, _, _) = train(counting("armed"), config=every_step, fault="data", kept=kept)
+    assert snap.spike_replays["reproduced"] >= 1
+    assert calls["armed"] == calls["bare"] == STEPS
+    gc.collect()
+    alive = [o for o in gc.get_objects() if type(o) is spike_replay._OutputGradients]
+    assert len(kept) == STEPS and len(alive) <= 1  # (the last step's, until it is judged)

@@ -501,6 +501,11 @@ class SpikeReplay:
             theirs = [*layers_again, *((-1, s) for s in _output_sums(output))]
             forward_count = len(ours)
             rows, order, diverged, parts = compare_sums(ours, theirs)
+            forward_flags = (
+                order,
+                list(parts),
+            )  # (a capsule's: `hookprof replay` runs the forward)
+            backward_flags: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
             backward_from = None
             if backward_off is None and (
                 not compared_layers or grads_again is None or grads_again.broken
@@ -514,6 +519,7 @@ class SpikeReplay:
                 if b_diverged is not None:  # (its own verdict left out: the forward's stands)
                     backward_off = BACKWARD_ORDER
                 else:  # (its flags follow the forward's: the judge reads them in `order`)
+                    backward_flags = (b_order, b_parts)
                     backward_from = forward_count
                     ours += b_ours
                     rows += b_rows
@@ -529,11 +535,15 @@ class SpikeReplay:
             deterministic = torch.are_deterministic_algorithms_enabled()
             suspects = suspects_of(*ended.sample_losses) if ended.sample_losses else None
             capsule = None
+            # capsule_dir: a difference's capsule, now (and a spike's the replay reproduced:
+            # its batch, when it passed the rule's limit), with its forward's sums only
+            # (`hookprof replay` runs the forward); none where only the backward differed,
+            # whose capsule would replay as reproduced (found by review)
             if (
-                self._capsules is not None and not calibrating
-            ):  # capsule_dir: a difference's capsule, now (and a
-                # spike's the replay reproduced: its batch, when it passed the rule's limit);
-                # its forward's sums only (`hookprof replay` runs the forward)
+                self._capsules is not None
+                and not calibrating
+                and not (backward_flags is not None and _differs(*backward_flags))
+            ):
                 compared = min(forward_count, len(ours) if diverged is None else diverged)
                 capsule = self._capsules.keep(
                     model,
@@ -542,7 +552,7 @@ class SpikeReplay:
                     [entry if row < 0 else name for row, name in zip(rows, names)][:compared],
                     [total for _, total in ours[:compared]],
                     [total for _, total in theirs[:compared]],
-                    (order, parts),
+                    forward_flags,
                     step=ended.step,
                     deterministic=deterministic,
                     # (a reproduced spike: the first step of one, every output compared)
@@ -646,6 +656,13 @@ def _keep_gradient(ref: weakref.ref[_OutputGradients], k: int, grad: Any) -> Non
     if holder is not None and isinstance(grad, torch.Tensor):
         # (a second backward through it, retain_graph: -1, which no version matches)
         holder.kept[k] = (grad, grad._version if holder.kept[k] is None else -1)
+
+
+def _differs(order: Sequence[int], parts: Sequence[torch.Tensor]) -> bool:
+    """Do these flags say an output differs? (read on the host: only where a capsule is
+    written, which reads its own flags too)"""
+    flags = [float(f) for p in parts for f in p.tolist()]
+    return first_differing(order, flags) is not None
 
 
 def _overlapping(outputs: Sequence[torch.Tensor]) -> bool:

@@ -428,3 +428,18 @@ def test_the_replays_backward_runs_no_hook_on_a_parameter_and_keeps_no_gradient(
     gc.collect()
     alive = [o for o in gc.get_objects() if type(o) is spike_replay._OutputGradients]
     assert len(kept) == STEPS and len(alive) <= 1  # (the last step's, until it is judged)
+
+
+def test_a_backward_only_difference_writes_no_capsule_that_would_replay_as_reproduced(tmp_path):
+    """capsule_dir set: a capsule keeps the forward (`hookprof replay` runs the forward), so
+    a spike whose backward alone differed gets none: its forward would replay alike, and the
+    capsule would say "reproduced" of a step the replay did not reproduce."""
+    _, (snap, _, _) = train(config={**ARMED, "capsule_dir": str(tmp_path)}, fault="backward")
+    first = snap.spikes["grad_norm_spike"].first
+    assert (first.verdict, first.entered_phase, first.capsule) == (
+        "not_reproduced",
+        "backward",
+        None,
+    )
+    written = [torch.load(p, weights_only=True)["view"]["step"] for p in tmp_path.iterdir()]
+    assert AT not in written and snap.internal_errors == 0

@@ -382,8 +382,7 @@ class SpikeReplay:
                 self._backward_trusted = False
                 self._backward_distrust = comparison.refused or comparison.backward_off
             return
-        flags = [float(f) for p in parts for f in p.tolist()]  # (once a run: a device read)
-        first = first_differing(comparison.order, flags)
+        first = _first_flagged(comparison.order, parts)  # (once a run: a device read)
         if first is None:
             self._backward_trusted = True
             return
@@ -453,30 +452,9 @@ class SpikeReplay:
             assert sums is not None and ended.output_grads is not None
             assert grads_again is not None and grads_again.edges is not None
             stopped.append(sums.stop())
-            tensors = _output_tensors(output)
-            kept = ended.output_grads.kept
-            pairs = [
-                (t, k[0]) for t, k in zip(tensors, kept) if k is not None and t.grad_fn is not None
-            ]
-            if len(tensors) != len(kept) or not pairs:
-                left_out.append(OUTPUTS_DIFFER)
-            elif _overlapping([t for t, _ in pairs]):
-                left_out.append(OUTPUTS_OVERLAP)
-            elif not grads_again.edges:
-                left_out.append(NO_LAYER_GRADIENTS)
-            else:
-                try:
-                    torch.autograd.grad(
-                        [t for t, _ in pairs],
-                        grads_again.edges,
-                        [g for _, g in pairs],
-                        allow_unused=True,
-                    )
-                except Exception as exc:  # (reentrant checkpointing refuses .grad(): said)
-                    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                    left_out.append(
-                        f"the replayed backward raised {type(exc).__name__}: {first_line}"[:240]
-                    )
+            why = _backward_from(output, ended.output_grads, grads_again.edges)
+            if why is not None:
+                left_out.append(why)
 
         try:
             for p, kept in zip(params, self._kept):
@@ -501,10 +479,8 @@ class SpikeReplay:
             theirs = [*layers_again, *((-1, s) for s in _output_sums(output))]
             forward_count = len(ours)
             rows, order, diverged, parts = compare_sums(ours, theirs)
-            forward_flags = (
-                order,
-                list(parts),
-            )  # (a capsule's: `hookprof replay` runs the forward)
+            # (a capsule's: `hookprof replay` runs the forward)
+            forward_flags = (order, list(parts))
             backward_flags: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
             backward_from = None
             if backward_off is None and (
@@ -542,7 +518,7 @@ class SpikeReplay:
             if (
                 self._capsules is not None
                 and not calibrating
-                and not (backward_flags is not None and _differs(*backward_flags))
+                and not (backward_flags is not None and _first_flagged(*backward_flags) is not None)
             ):
                 compared = min(forward_count, len(ours) if diverged is None else diverged)
                 capsule = self._capsules.keep(
@@ -658,11 +634,33 @@ def _keep_gradient(ref: weakref.ref[_OutputGradients], k: int, grad: Any) -> Non
         holder.kept[k] = (grad, grad._version if holder.kept[k] is None else -1)
 
 
-def _differs(order: Sequence[int], parts: Sequence[torch.Tensor]) -> bool:
-    """Do these flags say an output differs? (read on the host: only where a capsule is
-    written, which reads its own flags too)"""
-    flags = [float(f) for p in parts for f in p.tolist()]
-    return first_differing(order, flags) is not None
+def _backward_from(output: Any, grads: _OutputGradients, edges: list[Any]) -> str | None:
+    """The replay's backward: from its output, fed the step's own output gradients, down to
+    `edges` (its layers' outputs' gradient edges). Returns why it did not run (None: it
+    ran)."""
+    tensors = _output_tensors(output)
+    pairs = [
+        (t, k[0]) for t, k in zip(tensors, grads.kept) if k is not None and t.grad_fn is not None
+    ]
+    if len(tensors) != len(grads.kept) or not pairs:
+        return OUTPUTS_DIFFER
+    if _overlapping([t for t, _ in pairs]):
+        return OUTPUTS_OVERLAP
+    if not edges:
+        return NO_LAYER_GRADIENTS
+    try:
+        torch.autograd.grad([t for t, _ in pairs], edges, [g for _, g in pairs], allow_unused=True)
+    except Exception as exc:  # (reentrant checkpointing refuses .grad(): said)
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"the replayed backward raised {type(exc).__name__}: {first_line}"[:240]
+    return None
+
+
+def _first_flagged(order: Sequence[int], parts: Sequence[torch.Tensor]) -> int | None:
+    """The first position whose flag says its output differs, the flags read on the host
+    (a wait for the device: only the healthy step's check, once a run, and where a capsule
+    is written, which reads its own flags too)."""
+    return first_differing(order, [float(f) for p in parts for f in p.tolist()])
 
 
 def _overlapping(outputs: Sequence[torch.Tensor]) -> bool:

@@ -89,7 +89,10 @@ class OutputSums:
         self._thread = 0
         self._into: list[tuple[int, torch.Tensor]] | None = None  # the collection begun
         self._broken = False  # ... stopped short (a fault, too many calls)
-        self._grads: GradientSums | None = None  # ... and its outputs' gradients (or None)
+        # ... and its outputs' gradients (None: not collected), held weakly here and by the
+        # gradient hooks (the caller owns it: a loop that keeps its outputs keeps no
+        # collection alive); one reference a collection, not one a call
+        self._grads: weakref.ref[GradientSums] | None = None
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -118,7 +121,7 @@ class OutputSums:
         their gradients into it as the backward computes them."""
         self._thread = threading.get_ident()
         self._sink = self._into = into
-        self._grads = grads
+        self._grads = weakref.ref(grads) if grads is not None else None
         self._broken = False
 
     def stop(self) -> bool:
@@ -147,7 +150,8 @@ class OutputSums:
         sink = self._sink
         if sink is None or output is None:
             return
-        grads = self._grads
+        ref = self._grads
+        grads = ref() if ref is not None else None
         try:
             for t in (output,) if isinstance(output, _Tensor) else iter_tensors(output):
                 if summable(t):
@@ -156,8 +160,7 @@ class OutputSums:
                         return
                     sink.append((layer, output_checksum(t)))
                     if grads is not None and t.grad_fn is not None:  # (never on a leaf)
-                        # (weakly: a loop that keeps its outputs keeps no collection alive)
-                        t.register_hook(partial(self._gradient, weakref.ref(grads), layer))
+                        t.register_hook(partial(self._gradient, ref, layer))
                         grads.placed += 1
                         if grads.edges is not None:
                             grads.edges.append(get_gradient_edge(t))
@@ -165,10 +168,10 @@ class OutputSums:
             self._sink, self._broken = None, True
             self._faults.report("spike replay", exc, disable=False)
 
-    def _gradient(self, ref: weakref.ref[GradientSums], layer: int, grad: Any) -> None:
+    def _gradient(self, ref: weakref.ref[GradientSums] | None, layer: int, grad: Any) -> None:
         """A summed output's gradient, as the backward computes it (a tensor hook: it must
         never raise into the backward, and returns nothing, so the gradient is unchanged)."""
-        grads = ref()
+        grads = ref() if ref is not None else None
         if grads is None:  # (the collection is over: its step was judged)
             return
         try:

@@ -97,6 +97,10 @@ OUTPUTS_OVERLAP = (
 NO_GRADIENT_EDGES = "this torch has no torch.autograd.graph.get_gradient_edge (torch < 2.2)"
 NOT_CALIBRATED = "no healthy step's replayed backward has reproduced yet in this run"
 CALIBRATION_TRIES = 3  # healthy steps replayed at most, to see that the backward reproduces
+# a trusted backward is checked again on a healthy step this many steps later (a loop whose
+# loss changes after its warm-up: an auxiliary term added from some step on); one replay
+# per 1,000 steps
+RECHECK_STEPS = 1000
 NO_LAYER_GRADIENTS = "no layer's output needed a gradient"
 SEVERAL_BACKWARDS = "the step ran more than one backward through the layers' outputs"
 BACKWARD_ORDER = "the replayed backward computed the layers' gradients in another order"
@@ -203,6 +207,7 @@ class SpikeReplay:
         self._backward_trusted: bool | None = None
         self._backward_distrust: str | None = None
         self._calibration_tries = 0
+        self._recheck_at = 0  # (the step from which a trusted backward is checked again)
         self._say = say
 
     def forward_began(
@@ -362,7 +367,9 @@ class SpikeReplay:
         ended.first_spiked = spiked and not self._spiked_before
         self._spiked_before = spiked
         if not tripped:
-            if self._backward_trusted is None:
+            if self._backward_trusted is None or (
+                self._backward_trusted and ended.step >= self._recheck_at
+            ):
                 self._calibrate(ended)
             return None
         return self._replay(ended)
@@ -375,16 +382,26 @@ class SpikeReplay:
         step's gradients differ, and every spike's backward would then blame the machine;
         so a run whose healthy step does not reproduce compares the forward only, and says
         so once (found by review). Nothing is sent: this step was no spike."""
-        self._calibration_tries += 1
-        comparison, parts = self._replay(ended, calibrating=True)
-        if comparison.refused is not None or comparison.backward_from is None:
-            if self._calibration_tries >= CALIBRATION_TRIES:
-                self._backward_trusted = False
-                self._backward_distrust = comparison.refused or comparison.backward_off
+        if ended.refused is not None or not ended.kept_weights:
+            return  # (a step no replay could run, GradScaler's first skips: not a try)
+        why = self._backward_off(ended, self.sums if ended.layers is not None else None)
+        comparison: SpikeComparison | None = None
+        parts: list[torch.Tensor] = []
+        if why is None:  # (no replay where one is not needed to see it cannot compare)
+            comparison, parts = self._replay(ended, calibrating=True)
+            if comparison.refused is not None or comparison.backward_from is None:
+                why = comparison.refused or comparison.backward_off or GRADIENTS_PARTIAL
+        if why is not None or comparison is None:  # (a recheck waits for the next one)
+            if self._backward_trusted is None:
+                self._calibration_tries += 1
+                if self._calibration_tries >= CALIBRATION_TRIES:
+                    self._distrust(ended.step, why or GRADIENTS_PARTIAL)
             return
-        first = _first_flagged(comparison.order, parts)  # (once a run: a device read)
+        assert comparison.backward_from is not None
+        first = _first_flagged(comparison.order, parts)  # (a device read: once a check)
         if first is None:
             self._backward_trusted = True
+            self._recheck_at = ended.step + RECHECK_STEPS
             return
         self._backward_trusted = False
         phase = "forward" if first < comparison.backward_from else "backward"
@@ -405,6 +422,18 @@ class SpikeReplay:
                 "spike replay backward",
                 f"spike_replay: a healthy step's replay (step {ended.step}) did not reproduce "
                 f"{what}; the spikes of this run are judged on their forward only",
+            )
+
+    def _distrust(self, step: int, why: str | None) -> None:
+        """No healthy step's backward could be compared (CALIBRATION_TRIES of them): the
+        run's spikes compare their forward only, said once with the last reason."""
+        self._backward_trusted = False
+        self._backward_distrust = f"no healthy step's backward could be replayed: {why}"
+        if self._say is not None:
+            self._say(
+                "spike replay backward",
+                f"spike_replay: no healthy step's backward could be replayed by step {step} "
+                f"({why}); the spikes of this run are judged on their forward only",
             )
 
     def _replay(
@@ -514,11 +543,16 @@ class SpikeReplay:
             # capsule_dir: a difference's capsule, now (and a spike's the replay reproduced:
             # its batch, when it passed the rule's limit), with its forward's sums only
             # (`hookprof replay` runs the forward); none where only the backward differed,
-            # whose capsule would replay as reproduced (found by review)
+            # whose capsule would replay as reproduced (found by review; a forward that
+            # differed, whose gradients below differ too, gets its capsule)
             if (
                 self._capsules is not None
                 and not calibrating
-                and not (backward_flags is not None and _first_flagged(*backward_flags) is not None)
+                and not (
+                    backward_flags is not None
+                    and _first_flagged(*forward_flags) is None
+                    and _first_flagged(*backward_flags) is not None
+                )
             ):
                 compared = min(forward_count, len(ours) if diverged is None else diverged)
                 capsule = self._capsules.keep(

@@ -547,7 +547,8 @@ def _set_python_rngs(state: ModuleState) -> None:
 
 
 def _clone_as_leaf(t: torch.Tensor) -> torch.Tensor:
-    """A replayed input's copy, needing a gradient where the step's input did."""
+    """A replayed input's copy (made under no_grad: a leaf of the replay's graph), needing a
+    gradient where the step's input did."""
     copy = t.clone()
     return copy.requires_grad_() if t.requires_grad and copy.is_floating_point() else copy
 

@@ -519,3 +519,17 @@ def test_two_optimizers_on_one_forward_train_the_same_and_reproduce():
     assert snap.spikes["loss_spike"].first.step == AT
     assert snap.spikes["loss_spike"].first.verdict == "reproduced"
     assert snap.spike_replays["not_reproduced"] == 0 and snap.internal_errors == 0
+
+
+def test_a_forward_difference_whose_gradients_differ_too_gets_its_capsule(tmp_path):
+    """Found by review: a capsule was skipped whenever the backward differed, also where the
+    forward differed first (fc2's wrong output changes the gradients below it)."""
+    config = {**OFTEN, "spike_replay": True, "capsule_dir": str(tmp_path)}
+    _, (snap, _, _) = train(config=config, fault="machine", at="fc2")
+    first = snap.spikes["grad_norm_spike"].first
+    assert (first.verdict, first.entered, first.entered_phase) == (
+        "not_reproduced",
+        "fc2",
+        "forward",
+    )
+    assert first.capsule is not None and snap.internal_errors == 0

@@ -99,13 +99,21 @@ def mse(model, x, y):
 
 
 def train(
-    make=Net, config=None, fault=None, penalty=0.0, before_backward=None, loss_of=mse, kept=None
+    make=Net,
+    config=None,
+    fault=None,
+    penalty=0.0,
+    before_backward=None,
+    loss_of=mse,
+    kept=None,
+    updates_from=1,
 ):
     """SGD on `make()`; `fault`: "backward" (fc2's backward on AT's own backward makes the
     gradient of its input wrong) or "data" (one of AT's targets); `penalty`: the loop adds that many
     times the parameters' squared norm to its loss; `before_backward(step)`: called before
     each step's backward; `loss_of(model, x, y)`: the loop's loss; `kept`: a list the loop
-    appends each step's loss to, graph and all (as loops that keep their outputs do).
+    appends each step's loss to, graph and all (as loops that keep their outputs do);
+    `updates_from`: the first step whose update runs (a GradScaler's first skips).
     Returns the losses and the global gradient norms (the test's own) and, with `config`,
     (snapshot, page text, document)."""
     torch.manual_seed(0)
@@ -132,7 +140,8 @@ def train(
             loss.backward()
             _WrongGradient.armed["now"] = False
             norms.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm().item())
-            opt.step()
+            if step >= updates_from:
+                opt.step()
             if prof is not None:
                 prof.step(loss)
             losses.append(loss.item())
@@ -384,7 +393,8 @@ def test_models_whose_backward_cannot_or_can_be_replayed(judged, make, loss_of, 
     if off is None:
         assert comparison.backward_off is None and comparison.backward_from is not None
     else:
-        assert comparison.backward_from is None and comparison.backward_off.startswith(off)
+        # (said by the healthy step's check already: it could not replay the backward)
+        assert comparison.backward_from is None and off in comparison.backward_off
 
 
 def test_a_loop_that_adds_a_gradient_inside_the_model_compares_the_forward_only(judged):
@@ -443,3 +453,33 @@ def test_a_backward_only_difference_writes_no_capsule_that_would_replay_as_repro
     )
     written = [torch.load(p, weights_only=True)["view"]["step"] for p in tmp_path.iterdir()]
     assert AT not in written and snap.internal_errors == 0
+
+
+def test_steps_without_an_update_at_the_start_do_not_use_up_the_healthy_steps_check(judged):
+    """Found by review: a GradScaler's first skipped steps (no optimizer hook: no replay can
+    run them) used up the healthy step's three tries, and a machine's backward fault was
+    then called reproduced. Such steps are no try."""
+    _, (snap, _, _) = train(config=ARMED, fault="backward", updates_from=4)
+    first = snap.spikes["grad_norm_spike"].first
+    assert (first.verdict, first.entered, first.entered_phase) == (
+        "not_reproduced",
+        "act",
+        "backward",
+    )
+
+
+def test_a_loss_term_added_after_the_check_is_caught_by_the_next_check(judged, monkeypatch):
+    """Found by review: the healthy step's check ran once, so an auxiliary term the loop adds
+    from step 10 on (after its warm-up) made the spike's backward blame the machine. A
+    trusted backward is checked again every RECHECK_STEPS (1,000; 20 here)."""
+    monkeypatch.setattr(spike_replay, "RECHECK_STEPS", 20)
+
+    def aux_from_10(model, x, y):
+        loss = (model(x) - y).square().mean()
+        model.steps = getattr(model, "steps", 0) + 1
+        return loss + 1e-3 * model.aux if model.steps >= 10 else loss
+
+    _, (snap, _, _) = train(AuxLoss, config=ARMED, fault="data", loss_of=aux_from_10)
+    assert snap.spikes["loss_spike"].first.verdict == "reproduced"
+    assert judged[AT].backward_from is None
+    assert judged[AT].backward_off.startswith("a healthy step's replay (step 2")

@@ -437,8 +437,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.configs:
-        keep = ["none"] + [c.strip() for c in args.configs.split(",") if c.strip() != "none"]
-        unknown = [c for c in keep if c not in CONFIGS]
+        keep, unknown = ["none"], []
+        # some names hold a comma themselves ("every step, neither"): the longest known name
+        # at each point is taken, so "a,every step, neither" is two names
+        rest = args.configs.strip()
+        while rest:
+            name = max(
+                (c for c in CONFIGS if rest == c or rest.startswith(c + ",")), key=len, default=None
+            )
+            if name is None:
+                name, _, _ = rest.partition(",")
+                unknown.append(name.strip())
+            keep.append(name)
+            rest = rest[len(name) :].lstrip(",").strip()
         if unknown:
             parser.error(f"--configs: unknown {unknown}; known: {list(CONFIGS)}")
         for c in list(CONFIGS):

@@ -251,7 +251,9 @@ SPIKE_MISMATCH_INFO = Metric(
     "layer or block whose output differed ((root): only the model's output; (output): its "
     "layers were not compared), phase forward; or, the forward alike, phase backward: the "
     "first layer whose output's gradient differed, in the order the backward computed them "
-    "(the wrong value entered in the backward of what takes that output); and whether "
+    "(the wrong value entered in the backward of what takes that output); or, those alike "
+    "too, phase parameter_gradient: the first parameter (its name as layer) whose own "
+    "gradient differed, the layer called last first; and whether "
     "torch's deterministic algorithms were on (always 1)",
 )
 SPIKE_MISMATCH_TIMESTAMP_SECONDS = Metric(

@@ -282,7 +282,7 @@ class Profiler:
                 ),
                 update_statistics=UpdateStatistics(layer_statistics, owned, report=report),
             )
-            if config.capsule_dir is not None:  # a backward NaN's capsule is drafted there
+            if config.capsule_dir is not None or config.spike_replay:  # (step_events.py)
                 self._backward_end.on_end = self._events.backward_ended
             self._supervisor.watch("publisher", self._publisher)
             if config.stall_detection:

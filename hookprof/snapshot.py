@@ -232,9 +232,13 @@ class SpikeEvent:
     the step's: where the wrong value entered ("(root)": the model's own code between its
     layers); with `entered_phase` "backward", the first layer, in the order the backward
     computed them, whose output's gradient differed (its forward was alike): the wrong value
-    entered in the backward of what takes that output (the next layer, in a chain)."""
+    entered in the backward of what takes that output (the next layer, in a chain); with
+    "parameter_gradient", the first parameter (by name; its layer's backward, last called
+    first) whose own gradient differed, the outputs and their gradients all alike (a
+    weight-gradient kernel)."""
     entered_phase: str | None = None
-    """"forward" or "backward": where `entered` differed (None with no `entered`)."""
+    """"forward", "backward" or "parameter_gradient": where `entered` differed (None with no
+    `entered`)."""
     suspects: tuple[Suspect, ...] | None = None
     """Its batch's samples of largest loss, the largest first (`prof.step(loss,
     sample_losses=...)` given on its step): with a reproduced verdict, the data to look at."""
@@ -286,7 +290,9 @@ class ReplayMismatch:
     """Its capsule's path (capsule_dir set), for `hookprof replay` in another process."""
     phase: str = "forward"
     """"backward": `layer` is the first layer whose output's *gradient* differed, in the order
-    the backward computed them, the forward alike (the spike replay's backward comparison)."""
+    the backward computed them, the forward alike (the spike replay's backward comparison);
+    "parameter_gradient": `layer` is the first parameter whose own gradient differed, all
+    else alike."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,7 +52,7 @@ from hookprof.publish.publisher import Publisher
 from hookprof.step.backward_end import BackwardEnd
 from hookprof.step.boundary import StepBoundary, no_step_notice
 from hookprof.step.gradients import StepGradients, no_gradients_notice
-from hookprof.step.hooks import LayerHooks
+from hookprof.step.hooks import LayerHooks, own_param_hook
 from hookprof.step.output_sums import OutputSums
 from hookprof.step.record import StepCounters, StepRecord, checked_sample_losses, pack_step
 from hookprof.step.sampled import SampledStep
@@ -197,11 +197,14 @@ class StepEvents:
             self._sampled.nudge()
 
     def backward_ended(self) -> None:
-        """capsule_dir set: the gradients checked, then a backward NaN's capsule drafted."""
+        """capsule_dir or spike_replay set: the gradients checked, then a backward NaN's
+        capsule drafted, and the parameters' gradients summed for the spike replay."""
         self._grads.backward_ended()
         end = self._backward_end
         grads, end.output_grads = end.output_grads, []  # (drafted on the CPU, or not needed)
         self._nan.backward_ended(self._grads.backward, grads, self._counters.steps + 1)
+        if self._spike_replay is not None:
+            self._spike_backward_ended()
 
     def on_update_began(self, optimizer: torch.optim.Optimizer, *, final: bool) -> None:
         """An owned optimizer's update begins; `final`: the step's gradients are final and
@@ -514,6 +517,12 @@ class StepEvents:
         )
 
     @guarded("spike replay", disable=False)
+    def _spike_backward_ended(self) -> None:
+        """The parameters' gradients summed as the backward left them (spike_replay.py)."""
+        assert self._spike_replay is not None
+        self._spike_replay.backward_ended()
+
+    @guarded("spike replay", disable=False)
     def _note_spike_output(self, output: Any) -> None:
         assert self._spike_replay is not None
         self._spike_replay.output(output)
@@ -624,5 +633,7 @@ def replays_of(
             sums=sums,
             names=[table.row_name(row) for row in range(table.rows)],
             has_regions=lambda: bool(compiled_regions(table)[0]),
+            table=table,
+            own_hook=own_param_hook,
         ),
     }

@@ -23,8 +23,9 @@ parameters copied aside, the step's own put back, its forward run again eagerly 
 inputs, RNG and modules' state (nonfinite/replay.py `forward_again`, which puts the buffers
 and RNG back), then its backward from the gradients the step's own backward brought the
 model's outputs (kept by reference, when no larger than the parameters), the parameters
-restored; its output's bit sums, every layer's, and every layer output's gradient's (in the
-order the backward computed them) compared with the step's on the device. The verdict rides
+restored; its output's bit sums, every layer's, every layer output's gradient's (in the
+order the backward computed them) and every parameter's gradient's (taken as the step's
+backward ended, before a clip rewrites them) compared with the step's on the device. The verdict rides
 a packet to the publisher (`SpikeReplays`):
 
 - *reproduced*: the same bits. The same batch on the same weights gives the same spike: the
@@ -106,6 +107,14 @@ SEVERAL_BACKWARDS = "the step ran more than one backward through the layers' out
 BACKWARD_ORDER = "the replayed backward computed the layers' gradients in another order"
 GRADIENTS_PARTIAL = "the layers' output gradients were not all summed (a fault, too many)"
 BACKWARD = 1 << 30  # added to a layer's row: the gradient of its output, not the output
+# why a replay compared the layers' output gradients but not the parameters' own
+PARAMETER_HOOKS = (
+    "a parameter has a gradient hook of the loop's (the replay would run it once more)"
+)
+PARAMETERS_NOT_SUMMABLE = "a parameter's gradient has no bits to sum (sparse)"
+PARAMETERS_DIFFER = "the replay's backward reached other parameters than the step's"
+PARAMETERS_NOT_CALIBRATED = "no healthy step's replayed parameter gradients have reproduced yet"
+PARAMETER = 1 << 31  # added to a parameter's position: its gradient (a row past the layers')
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +140,10 @@ class SpikeComparison:
     # says why)
     backward_from: int | None = None
     backward_off: str | None = None
+    # where `layers` goes on with the parameters' own gradients, by name, in the order their
+    # layers' backwards ran (None: not compared, `params_off` says why)
+    params_from: int | None = None
+    params_off: str | None = None
 
 
 @dataclass
@@ -154,6 +167,13 @@ class _Step:
     # model's)
     output_grads: _OutputGradients | None = None
     backward_off: str | None = None  # why its backward cannot be replayed (None: it can)
+    # the bit sum of each parameter's gradient as its backward ended (positions: which
+    # parameters, those that had one), before a clip or an unscale rewrites them; None:
+    # not taken, `params_off` says why
+    param_positions: tuple[int, ...] = ()
+    param_sums: list[torch.Tensor] | None = None
+    params_off: str | None = None
+    backward_ends: int = 0
     # prof.step(loss, sample_losses=...): the loss of each sample of its batch (a reference)
     # and its version counter then
     sample_losses: tuple[torch.Tensor, int] | None = None
@@ -177,8 +197,18 @@ class SpikeReplay:
         names: Sequence[str] = (),
         has_regions: Callable[[], bool] = lambda: False,
         say: Callable[[str, str], None] | None = None,
+        params: Sequence[torch.Tensor] = (),
+        param_names: Sequence[str] = (),
+        param_layers: Sequence[int] = (),
+        own_hook: Callable[[Any], bool] = lambda hook: False,
     ):
         self._model = model
+        # the model's parameters (the layer table's: every one once), their names and the
+        # row of the layer that owns each: their gradients compared too, named by parameter
+        self._params = params
+        self._param_names = param_names
+        self._param_layers = param_layers
+        self._own_hook = own_hook  # is a parameter's gradient hook hookprof's own?
         # modules compiled on their own below the root: an eager replay is not what ran
         self._has_regions = has_regions
         self._spiked_before = False  # the last step settled passed the rule's own limit
@@ -208,6 +238,12 @@ class SpikeReplay:
         self._backward_distrust: str | None = None
         self._calibration_tries = 0
         self._recheck_at = 0  # (the step from which a trusted backward is checked again)
+        # ... and do the parameters' own gradients reproduce on it? (a weight penalty the
+        # loop adds to its loss reaches them outside the model's output: they differ then,
+        # and spikes compare the layers' output gradients only)
+        self._params_trusted: bool | None = None
+        self._params_distrust: str | None = None
+        self._params_tries = 0
         self._say = say
 
     def forward_began(
@@ -260,6 +296,43 @@ class SpikeReplay:
         for k, t in enumerate(tensors):
             if t.grad_fn is not None:  # (weakly: see _OutputGradients)
                 t.register_hook(partial(_keep_gradient, weakref.ref(kept), k))
+
+    def backward_ended(self) -> None:
+        """A backward through the model's output ended: its parameters' gradients summed as
+        it left them (one bit sum each, on the device; before any clip or unscale rewrites
+        them), for the replay's backward to compare its own with. A step of more backwards
+        (accumulation, retain_graph) compares none, nor does one whose parameters carry a
+        gradient hook of the loop's: the replay would run that hook once more."""
+        current = self._current
+        if (
+            current is None
+            or current.forwards != 1
+            or current.refused is not None
+            or current.grads is None
+        ):
+            return
+        current.backward_ends += 1
+        current.param_sums = None
+        if current.backward_ends > 1:
+            current.params_off = SEVERAL_BACKWARDS
+            return
+        positions: list[int] = []
+        sums: list[torch.Tensor] = []
+        own = self._own_hook
+        for i, p in enumerate(self._params):
+            hooks = p._backward_hooks
+            if hooks and not all(map(own, hooks.values())):
+                current.params_off = PARAMETER_HOOKS
+                return
+            grad = p.grad
+            if grad is None:
+                continue
+            if not summable(grad):
+                current.params_off = PARAMETERS_NOT_SUMMABLE
+                return
+            positions.append(i)
+            sums.append(output_checksum(grad.detach()))
+        current.param_positions, current.param_sums = tuple(positions), sums
 
     def _parameter_bytes(self) -> int:
         if self._param_bytes is None:
@@ -368,7 +441,8 @@ class SpikeReplay:
         self._spiked_before = spiked
         if not tripped:
             if self._backward_trusted is None or (
-                self._backward_trusted and ended.step >= self._recheck_at
+                self._backward_trusted
+                and (self._params_trusted is None or ended.step >= self._recheck_at)
             ):
                 self._calibrate(ended)
             return None
@@ -398,10 +472,16 @@ class SpikeReplay:
                     self._distrust(ended.step, why or GRADIENTS_PARTIAL)
             return
         assert comparison.backward_from is not None
-        first = _first_flagged(comparison.order, parts)  # (a device read: once a check)
+        # (a device read: once a check)
+        differs = dict(zip(comparison.order, (float(f) for p in parts for f in p.tolist())))
+        params_from = comparison.params_from
+        flagged = [k for k in sorted(differs) if differs[k]]
+        first = next((k for k in flagged if params_from is None or k < params_from), None)
         if first is None:
             self._backward_trusted = True
             self._recheck_at = ended.step + RECHECK_STEPS
+            param = next((k for k in flagged if params_from is not None and k >= params_from), None)
+            self._calibrate_params(ended.step, comparison, param)
             return
         self._backward_trusted = False
         phase = "forward" if first < comparison.backward_from else "backward"
@@ -422,6 +502,43 @@ class SpikeReplay:
                 "spike replay backward",
                 f"spike_replay: a healthy step's replay (step {ended.step}) did not reproduce "
                 f"{what}; the spikes of this run are judged on their forward only",
+            )
+
+    def _calibrate_params(self, step: int, comparison: SpikeComparison, first: int | None) -> None:
+        """The parameters' own gradients on the healthy step whose layers' output gradients
+        reproduced: trusted when they reproduced too; else the run's spikes compare the
+        layers' output gradients only, said once (a weight penalty in the loop's loss, or a
+        hook of its own, adds to a parameter's gradient outside the model's output)."""
+        if comparison.params_from is None:  # (not compared on this step: a try)
+            if self._params_trusted is None:
+                self._params_tries += 1
+                if self._params_tries >= CALIBRATION_TRIES:
+                    self._params_trusted = False
+                    why = comparison.params_off or PARAMETERS_DIFFER
+                    self._params_distrust = f"no healthy step's parameter gradients compared: {why}"
+                    if self._say is not None:
+                        self._say(
+                            "spike replay parameters",
+                            f"spike_replay: no healthy step's parameter gradients could be "
+                            f"compared by step {step} ({why}); the spikes of this run compare "
+                            "the layers' output gradients, not the parameters' own",
+                        )
+            return
+        if first is None:
+            self._params_trusted = True
+            return
+        self._params_trusted = False
+        name = comparison.layers[first]
+        self._params_distrust = (
+            f"a healthy step's replay (step {step}) did not reproduce {name}'s gradient"
+        )
+        if self._say is not None:
+            self._say(
+                "spike replay parameters",
+                f"spike_replay: a healthy step's replay (step {step}) did not reproduce the "
+                f"gradient of {name} (the loop adds a term of its own to the parameters' "
+                "gradients: a weight penalty in its loss, a hook); the spikes of this run "
+                "compare the layers' output gradients, not the parameters' own",
             )
 
     def _distrust(self, step: int, why: str | None) -> None:
@@ -467,6 +584,14 @@ class SpikeReplay:
         backward_off = self._backward_off(ended, sums)
         if backward_off is None and not calibrating and not self._backward_trusted:
             backward_off = self._backward_distrust or NOT_CALIBRATED
+        params_off = backward_off or ended.params_off
+        if params_off is None and ended.param_sums is None:
+            params_off = GRADIENTS_PARTIAL
+        if params_off is None and not calibrating and not self._params_trusted:
+            params_off = self._params_distrust or PARAMETERS_NOT_CALIBRATED
+        capture = [self._params[i] for i in ended.param_positions] if params_off is None else []
+        param_grads: list[Any] = []  # the replay's gradient of each of `capture`
+        params_from = None
         layers_again: list[tuple[int, torch.Tensor]] = []
         grads_again = GradientSums(edges=True) if backward_off is None else None
         stopped: list[bool] = []  # the forward's collection, stopped before the backward
@@ -475,13 +600,16 @@ class SpikeReplay:
         def backward(output: Any) -> None:
             """The replay's backward from the step's own output gradients: the gradients
             of the layers' outputs summed as it computes them, through every hooked output
-            (their gradient edges as the layers returned them) and no further: no
-            parameter's gradient is computed, so no hook on a parameter runs (the loop's, a
-            sampled step's), and nothing is accumulated into any .grad."""
+            (their gradient edges as the layers returned them), and the parameters' own
+            gradients taken as they come (`capture`), nothing accumulated into any .grad.
+            A parameter with a hook of the loop's is not taken (its hook would run again:
+            `backward_ended`); a sampled step's own hooks ignore a replay."""
             assert sums is not None and ended.output_grads is not None
             assert grads_again is not None and grads_again.edges is not None
             stopped.append(sums.stop())
-            why = _backward_from(output, ended.output_grads, grads_again.edges)
+            why = _backward_from(
+                output, ended.output_grads, grads_again.edges, capture, param_grads
+            )
             if why is not None:
                 left_out.append(why)
 
@@ -524,17 +652,33 @@ class SpikeReplay:
                 if b_diverged is not None:  # (its own verdict left out: the forward's stands)
                     backward_off = BACKWARD_ORDER
                 else:  # (its flags follow the forward's: the judge reads them in `order`)
-                    backward_flags = (b_order, b_parts)
                     backward_from = forward_count
                     ours += b_ours
                     rows += b_rows
                     order += tuple(forward_count + k for k in b_order)
                     parts += b_parts
+                    if params_off is None and (
+                        len(param_grads) != len(capture) or any(g is None for g in param_grads)
+                    ):
+                        params_off = PARAMETERS_DIFFER
+                    if params_off is None:  # (then the parameters' own, after the layers')
+                        p_rows, p_order, p_parts = self._param_flags(ended, param_grads)
+                        params_from = len(rows)
+                        rows += tuple(p_rows)
+                        order += tuple(params_from + k for k in p_order)
+                        parts += p_parts
+                        b_order += tuple(len(b_rows) + k for k in p_order)
+                        b_parts += p_parts
+                    backward_flags = (b_order, b_parts)
             # (the model's output, named for where its own code ran when the layers were
             # compared, OUTPUT_NAME when they were not: no layer can be said then)
             output_name = (entry or ROOT_NAME) if compared_layers else OUTPUT_NAME
             names = [
-                output_name if row < 0 else self._names[row - BACKWARD if row >= BACKWARD else row]
+                output_name
+                if row < 0
+                else self._param_names[row - PARAMETER]
+                if row >= PARAMETER
+                else self._names[row - BACKWARD if row >= BACKWARD else row]
                 for row in rows
             ]
             deterministic = torch.are_deterministic_algorithms_enabled()
@@ -585,8 +729,41 @@ class SpikeReplay:
             suspects=0 if suspects is None else (len(suspects) - 1) // 2,
             backward_from=backward_from,
             backward_off=backward_off,
+            params_from=params_from,
+            params_off=None if params_from is not None else params_off or GRADIENTS_PARTIAL,
         )
         return comparison, parts if suspects is None else [*parts, suspects]
+
+    def _param_flags(
+        self, ended: _Step, grads: Sequence[torch.Tensor]
+    ) -> tuple[list[int], tuple[int, ...], list[torch.Tensor]]:
+        """The replay's parameter gradients (`grads`, in `ended.param_positions`' order)
+        against the step's sums, on the device: (each compared parameter's row, PARAMETER +
+        its position, in the order their layers' backwards ran: the layer called last
+        first; the positions in the order of the flags; one stack of flags per device)."""
+        last_call: dict[int, int] = {}
+        for k, (row, _) in enumerate(ended.layers or ()):
+            last_call[row] = k
+        positions = ended.param_positions
+        ranked = sorted(
+            range(len(positions)),
+            key=lambda j: -last_call.get(self._param_layers[positions[j]], -1),
+        )
+        assert ended.param_sums is not None
+        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        with torch.no_grad():
+            for k, j in enumerate(ranked):
+                ours, grad = ended.param_sums[j], grads[j].detach()
+                # a gradient added into a .grad that was there (zero_grad(set_to_none=False))
+                # is 0.0 + g there, where a -0.0 becomes +0.0: either form of it is the step's
+                flag = (ours != output_checksum(grad)) & (ours != output_checksum(grad + 0.0))
+                by_device.setdefault(flag.device, []).append((k, flag))
+        order = tuple(k for group in by_device.values() for k, _ in group)
+        parts = [
+            torch.stack([flag for _, flag in group]).to(torch.float64)
+            for group in by_device.values()
+        ]
+        return [PARAMETER + positions[j] for j in ranked], order, parts
 
     @staticmethod
     def _backward_off(ended: _Step, sums: OutputSums | None) -> str | None:
@@ -668,10 +845,16 @@ def _keep_gradient(ref: weakref.ref[_OutputGradients], k: int, grad: Any) -> Non
         holder.kept[k] = (grad, grad._version if holder.kept[k] is None else -1)
 
 
-def _backward_from(output: Any, grads: _OutputGradients, edges: list[Any]) -> str | None:
+def _backward_from(
+    output: Any,
+    grads: _OutputGradients,
+    edges: list[Any],
+    params: Sequence[torch.Tensor] = (),
+    param_grads: list[Any] | None = None,
+) -> str | None:
     """The replay's backward: from its output, fed the step's own output gradients, down to
-    `edges` (its layers' outputs' gradient edges). Returns why it did not run (None: it
-    ran)."""
+    `edges` (its layers' outputs' gradient edges) and `params`, whose gradients (None where
+    none came) go into `param_grads`. Returns why it did not run (None: it ran)."""
     tensors = _output_tensors(output)
     pairs = [
         (t, k[0]) for t, k in zip(tensors, grads.kept) if k is not None and t.grad_fn is not None
@@ -683,10 +866,14 @@ def _backward_from(output: Any, grads: _OutputGradients, edges: list[Any]) -> st
     if not edges:
         return NO_LAYER_GRADIENTS
     try:
-        torch.autograd.grad([t for t, _ in pairs], edges, [g for _, g in pairs], allow_unused=True)
+        got = torch.autograd.grad(
+            [t for t, _ in pairs], [*edges, *params], [g for _, g in pairs], allow_unused=True
+        )
     except Exception as exc:  # (reentrant checkpointing refuses .grad(): said)
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return f"the replayed backward raised {type(exc).__name__}: {first_line}"[:240]
+    if param_grads is not None:
+        param_grads.extend(got[len(edges) :])
     return None
 
 
@@ -721,8 +908,8 @@ def _overlapping(outputs: Sequence[torch.Tensor]) -> bool:
 
 
 # a spike replay's verdict on a step: (result, its capsule's path, the first layer whose
-# output (or output's gradient) differed, the batch's samples of largest loss, "forward" or
-# "backward": where that layer's difference was)
+# output (or output's gradient) differed, or the parameter whose gradient did, the batch's
+# samples of largest loss, "forward", "backward" or "parameter_gradient": where it was)
 Verdict = tuple[str, str | None, str | None, tuple[Suspect, ...] | None, str | None]
 
 
@@ -755,8 +942,14 @@ class SpikeReplays:
             first = first_differing(comparison.order, flags)
             if first is not None:
                 result, entered = NOT_REPRODUCED, comparison.layers[first]
-                backward = comparison.backward_from
-                phase = "backward" if backward is not None and first >= backward else "forward"
+                backward, params = comparison.backward_from, comparison.params_from
+                phase = (
+                    "parameter_gradient"
+                    if params is not None and first >= params
+                    else "backward"
+                    if backward is not None and first >= backward
+                    else "forward"
+                )
                 self.last_mismatch = ReplayMismatch(
                     comparison.step,
                     entered,
@@ -797,6 +990,8 @@ def spike_replay_of(
     sums: OutputSums | None = None,
     names: Sequence[str] = (),
     has_regions: Callable[[], bool] = lambda: False,
+    table: Any = None,
+    own_hook: Callable[[Any], bool] = lambda hook: False,
 ) -> SpikeReplay | None:
     """The spike replay of Config.spike_replay (None: off), for a model whose replay runs
     through `hooks` into records of `sampled` (step/sampled.py) by `forward_again`
@@ -805,7 +1000,9 @@ def spike_replay_of(
     could start collectives the other ranks never join. `capsules`: the writer of a
     difference's capsule (capsule_dir set: nonfinite/check_capsule.py); `sums`: the layers'
     output sums (step/output_sums.py), installed by the caller, of the rows `names` (layers,
-    then containers); `has_regions`: are modules below the root compiled on their own?"""
+    then containers); `has_regions`: are modules below the root compiled on their own?
+    `table` (layers.py LayerTable): the parameters whose own gradients are compared too,
+    `own_hook`: is a parameter's gradient hook hookprof's (a sampled step's)?"""
     if not config.spike_replay:
         return None
     refused = SEVERAL_RANKS if with_other_ranks() else SHARDED if sharded else None
@@ -835,4 +1032,8 @@ def spike_replay_of(
         names=names,
         has_regions=has_regions,
         say=say,
+        params=table.params if table is not None else (),
+        param_names=table.param_names if table is not None else (),
+        param_layers=table.param_layer if table is not None else (),
+        own_hook=own_hook,
     )

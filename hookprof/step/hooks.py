@@ -636,7 +636,17 @@ class LayerHooks:
             self._faults.report("backward hook", exc)
 
     def _param_done(self, rec: StepRecord, layer_index: int, grad: torch.Tensor) -> None:
+        if self.replaying:  # (a spike replay's backward takes the parameters' gradients)
+            return
         try:
             rec.param_done.append((layer_index, self._timer.mark()))
         except Exception as exc:
             self._faults.report("gradient hook", exc)
+
+
+def own_param_hook(hook: Any) -> bool:
+    """Is a parameter's gradient hook (a value of its `_backward_hooks`) a sampled step's
+    own (`LayerHooks._param_done`), not the loop's?"""
+    return isinstance(hook, partial) and (
+        getattr(hook.func, "__func__", None) is LayerHooks._param_done
+    )

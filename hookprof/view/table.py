@@ -100,7 +100,8 @@ class RunHeader:
     """The spike replay's steps by result (integrity/spike_replay.py); empty while off."""
     spike_mismatch: tuple[str, int, str] | None = None
     """(layer, step, phase) of the last spike whose replay did not reproduce its step (phase
-    "backward": the forward alike, that layer's output's gradient differed first)."""
+    "backward": the forward alike, that layer's output's gradient differed first;
+    "parameter_gradient": that parameter's own gradient, all else alike)."""
     """The last steps' loss and gradient norm, one character each (view/recent.py); None
     where the endpoint was not asked for them (`top` asks /history.json?recent)."""
 
@@ -812,7 +813,11 @@ def spike_replay_line(h: RunHeader) -> str | None:
 def first_differing_text(layer: str, phase: str | None) -> str:
     """Where a spike replay's difference was first seen, as the views say it: a layer's
     output, or (phase "backward", the forward alike) the gradient of a layer's output, which
-    the backward of what takes that output made."""
+    the backward of what takes that output made, or (phase "parameter_gradient", the forward
+    and every layer's output gradient alike) a parameter's own gradient (`layer` is then the
+    parameter's name), which its layer's backward made."""
+    if phase == "parameter_gradient":
+        return f"forward and output gradients alike, first differing: {layer}'s gradient"
     if phase == "backward":
         return f"forward alike, first differing gradient: of {layer}'s output"
     return f"first differing output {layer}'s"

@@ -59,6 +59,33 @@ class BackwardFaultLinear(nn.Linear):
         return super().forward(_WrongGradient.apply(x))
 
 
+class _WrongWeightGradient(torch.autograd.Function):
+    """A linear layer whose backward, armed, makes one row of its weight's gradient wrong and
+    nothing else (the test's stand-in for a device whose weight-gradient GEMM goes wrong
+    once: the layers' output gradients, which the backward passes on, stay right)."""
+
+    armed = {"now": False}
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_weight = grad.t() @ x
+        if _WrongWeightGradient.armed["now"]:
+            _WrongWeightGradient.armed["now"] = False
+            grad_weight[0] = grad_weight[0] * 100 + 5
+        return grad @ weight, grad_weight, grad.sum(0)
+
+
+class WeightFaultLinear(nn.Linear):
+    def forward(self, x):
+        return _WrongWeightGradient.apply(x, self.weight, self.bias)
+
+
 class Net(nn.Module):
     """fc1 -> act -> fc2 -> act2 -> head; fc2's backward can go wrong (BackwardFaultLinear)."""
 
@@ -80,6 +107,31 @@ class Net(nn.Module):
         else:
             h = self._middle(h)
         return self.head(self.drop(h))
+
+
+class WeightFaultNet(Net):
+    """Net whose fc2 can compute its weight's gradient wrongly (WeightFaultLinear)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc2 = WeightFaultLinear(16, 16)
+
+
+class DeadUnits(nn.Module):
+    """Seven of `scale`'s units push their ReLU below zero for every input (dead units), so
+    their gradient is 0 times a negative constant: -0.0, which a gradient added into a
+    zeroed .grad (zero_grad(set_to_none=False)) holds as +0.0."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.head = nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)
+        self.scale = nn.Parameter(torch.ones(16))
+        # (an odd count of them: -0.0's bits are 2^31, and an even count of them sums to 0
+        # in the checksum's wrapping int32)
+        self.register_buffer("push", torch.tensor([1.0] * 9 + [-50.0] * 7))
+
+    def forward(self, x):
+        return self.head(self.act(self.fc1(x).tanh() + self.scale * self.push))
 
 
 class Wide(nn.Module):
@@ -107,6 +159,7 @@ def train(
     loss_of=mse,
     kept=None,
     updates_from=1,
+    set_to_none=True,
 ):
     """SGD on `make()`; `fault`: "backward" (fc2's backward on AT's own backward makes the
     gradient of its input wrong) or "data" (one of AT's targets); `penalty`: the loop adds that many
@@ -124,7 +177,7 @@ def train(
     losses, norms = [], []
     try:
         for step in range(1, STEPS + 1):
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
             if fault == "data" and step == AT:  # (one wrong target: the loss spikes)
                 y = y.clone()
@@ -135,6 +188,7 @@ def train(
             if penalty:
                 loss = loss + penalty * sum(p.square().sum() for p in model.parameters())
             _WrongGradient.armed["now"] = fault == "backward" and step == AT
+            _WrongWeightGradient.armed["now"] = fault == "weights" and step == AT
             if before_backward is not None:
                 before_backward(step)
             loss.backward()
@@ -196,7 +250,7 @@ def test_a_wrong_value_made_in_the_backward_is_not_reproduced_and_named(judged):
     )
     # (head's output is the model's: its gradient is the one the replay starts from; drop,
     # with p=0, returns act2's output tensor itself, whose hooks run in the order placed)
-    assert comparison.layers[comparison.backward_from :] == (
+    assert comparison.layers[comparison.backward_from : comparison.params_from] == (
         "head",
         "act2",
         "drop",
@@ -204,22 +258,82 @@ def test_a_wrong_value_made_in_the_backward_is_not_reproduced_and_named(judged):
         "act",
         "fc1",
     )
+    # then the parameters' own gradients, the layer called last first
+    assert comparison.params_off is None
+    assert comparison.layers[comparison.params_from :] == (
+        "head.weight",
+        "head.bias",
+        "fc2.weight",
+        "fc2.bias",
+        "fc1.weight",
+        "fc1.bias",
+    )
+    said = "forward alike, first differing gradient: of act's output"
+    assert_shown(snap, page, document, "act", "backward", said)
+
+
+def assert_shown(snap, page, document, entered, phase, said):
+    """Step AT's not-reproduced verdict, first at `entered` in `phase`, everywhere it is
+    shown: the snapshot, the metric the alert reads, top, the summary, the JSON and HTML
+    reports (`said`: how the views word where it differed)."""
     mismatch = snap.spike_mismatch
-    assert (mismatch.step, mismatch.layer, mismatch.phase) == (AT, "act", "backward")
+    assert (mismatch.step, mismatch.layer, mismatch.phase) == (AT, entered, phase)
     (info,) = parse(page)["hookprof_spike_mismatch_info"].samples
     assert (info.labels["layer"], info.labels["phase"], info.labels["step"]) == (
-        "act",
-        "backward",
+        entered,
+        phase,
         str(AT),
     )
     (table,) = from_metrics(page)
-    said = f"(latest: step {AT}, forward alike, first differing gradient: of act's output)"
-    assert any(said in line for line in header_lines([table.header]))
-    assert said in summary_text(snap, "Net")
+    latest = f"(latest: step {AT}, {said})"
+    assert any(latest in line for line in header_lines([table.header]))
+    assert latest in summary_text(snap, "Net")
     event = document["spikes"]["grad_norm_spike"]["first"]
-    assert (event["entered"], event["entered_phase"]) == ("act", "backward")
+    assert (event["entered"], event["entered_phase"]) == (entered, phase)
     report = "".join(Elements(render([document])).text)
-    assert "the machine (forward alike, first differing gradient: of act's output)" in report
+    assert f"the machine ({said})" in report
+
+
+def test_a_wrong_value_made_in_a_weights_gradient_alone_is_not_reproduced_and_named(judged):
+    """fc2's backward makes one row of its weight's gradient wrong on the spike's own
+    backward, and every gradient it passes on right: the forward and every layer's output
+    gradient replay alike, fc2.weight's gradient does not (before, this read as reproduced:
+    the data). With every step sampled, so that a sampled step's own hook on the first
+    layer's parameters is on them as the backward ends (it is hookprof's: compared all the
+    same). Shown in the event, the metric the alert reads, top, the summary and the report;
+    training bit for bit as without hookprof."""
+    bare, _ = train(WeightFaultNet, fault="weights")
+    norms = bare[1]  # (the test's own: step AT's gradient norm spikes)
+    assert norms[AT - 1] > 5 * max(norms[AT - 20 : AT - 1])
+    config = {**ARMED, "sample_every": 1}
+    watched, (snap, page, document) = train(WeightFaultNet, config=config, fault="weights")
+    assert watched == bare
+    first = snap.spikes["grad_norm_spike"].first
+    assert (first.step, first.verdict) == (AT, "not_reproduced")
+    assert (first.entered, first.entered_phase) == ("fc2.weight", "parameter_gradient")
+    comparison = judged[AT]
+    assert comparison.backward_off is None and comparison.params_off is None
+    said = "forward and output gradients alike, first differing: fc2.weight's gradient"
+    assert_shown(snap, page, document, "fc2.weight", "parameter_gradient", said)
+    assert snap.internal_errors == 0
+
+
+def test_a_gradient_added_into_a_zeroed_grad_is_compared_as_the_step_holds_it(judged):
+    """zero_grad(set_to_none=False): each gradient is added into a .grad of zeros, where
+    0.0 + -0.0 is +0.0, while the replay takes the gradient as it comes (-0.0: DeadUnits'
+    `scale`, as this test's own autograd.grad shows). Compared as the step holds it, a
+    spike the data made stays reproduced, the parameters compared."""
+    model = DeadUnits()
+    x = torch.randn(16, 8)
+    (grad,) = torch.autograd.grad(model(x).sum(), [model.scale])
+    assert bool(((grad == 0) & grad.signbit()).any())  # (-0.0 there)
+    bare, _ = train(DeadUnits, fault="data", set_to_none=False)
+    watched, (snap, _, _) = train(DeadUnits, config=ARMED, fault="data", set_to_none=False)
+    assert watched == bare
+    first = snap.spikes["loss_spike"].first
+    assert (first.step, first.verdict) == (AT, "reproduced")
+    comparison = judged[AT]
+    assert comparison.params_off is None and "scale" in comparison.layers[comparison.params_from :]
 
 
 @pytest.mark.parametrize(
@@ -243,8 +357,21 @@ def test_a_spike_the_data_made_is_reproduced_forward_and_backward(judged, make, 
     assert snap.spike_replays["not_reproduced"] == 0 and snap.internal_errors == 0
     comparison = judged[AT]
     assert comparison.backward_off is None
-    backward = comparison.layers[comparison.backward_from :]
+    backward = comparison.layers[comparison.backward_from : comparison.params_from]
     assert set(backward) == {"head", "drop", "act2", "fc2", "act", "fc1"}
+    if penalty:  # (the penalty's gradient reaches the parameters outside the model: said)
+        assert comparison.params_from is None
+        assert comparison.params_off.startswith(
+            "a healthy step's replay (step 1) did not reproduce head.weight's gradient"
+        )
+        (said,) = [n for n in snap.notices if "the gradient of head.weight" in n]
+        assert "weight penalty" in said
+    else:
+        assert comparison.params_off is None
+        params = comparison.layers[comparison.params_from :]
+        assert set(params) == {
+            f"{m}.{p}" for m in ("fc1", "fc2", "head") for p in ("weight", "bias")
+        }
 
 
 def test_an_output_larger_than_the_parameters_compares_the_forward_only(judged):
@@ -412,7 +539,7 @@ def test_a_loop_that_adds_a_gradient_inside_the_model_compares_the_forward_only(
     assert "its backward (first at the gradient of act's output)" in said  # (h: act's)
 
 
-def test_the_replays_backward_runs_no_hook_on_a_parameter_and_keeps_no_gradient():
+def test_the_replays_backward_runs_no_hook_on_a_parameter_and_keeps_no_gradient(judged):
     """Found by review: the replay's backward ran the loop's own parameter hooks once more
     per replay (and a sampled step's, which then timed the replay as its layer's backward);
     and a loop that keeps its losses kept every step's output gradient alive. Now no
@@ -435,6 +562,11 @@ def test_the_replays_backward_runs_no_hook_on_a_parameter_and_keeps_no_gradient(
     _, (snap, _, _) = train(counting("armed"), config=every_step, fault="data", kept=kept)
     assert snap.spike_replays["reproduced"] >= 1
     assert calls["armed"] == calls["bare"] == STEPS
+    # (so the parameters' own gradients, which the loop's hook would see again, are not
+    # compared: said, the layers' output gradients are)
+    spiked = judged[max(judged)]
+    assert spiked.backward_off is None and spiked.params_off == spike_replay.PARAMETER_HOOKS
+    assert any("parameter gradients could be compared" in n for n in snap.notices)
     gc.collect()
     alive = [o for o in gc.get_objects() if type(o) is spike_replay._OutputGradients]
     assert len(kept) == STEPS and len(alive) <= 1  # (the last step's, until it is judged)

@@ -657,9 +657,7 @@ class SpikeReplay:
                     rows += b_rows
                     order += tuple(forward_count + k for k in b_order)
                     parts += b_parts
-                    if params_off is None and (
-                        len(param_grads) != len(capture) or any(g is None for g in param_grads)
-                    ):
+                    if params_off is None and len(param_grads) != len(capture):
                         params_off = PARAMETERS_DIFFER
                     if params_off is None:  # (then the parameters' own, after the layers')
                         p_rows, p_order, p_parts = self._param_flags(ended, param_grads)
@@ -735,9 +733,11 @@ class SpikeReplay:
         return comparison, parts if suspects is None else [*parts, suspects]
 
     def _param_flags(
-        self, ended: _Step, grads: Sequence[torch.Tensor]
+        self, ended: _Step, grads: Sequence[torch.Tensor | None]
     ) -> tuple[list[int], tuple[int, ...], list[torch.Tensor]]:
-        """The replay's parameter gradients (`grads`, in `ended.param_positions`' order)
+        """The replay's parameter gradients (`grads`, in `ended.param_positions`' order; None:
+        the replay's backward did not reach it, as zeros: a .grad the loop zeroed and the
+        step's backward did not reach either, zero_grad(set_to_none=False), sums to 0)
         against the step's sums, on the device: (each compared parameter's row, PARAMETER +
         its position, in the order their layers' backwards ran: the layer called last
         first; the positions in the order of the flags; one stack of flags per device)."""
@@ -753,10 +753,13 @@ class SpikeReplay:
         by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         with torch.no_grad():
             for k, j in enumerate(ranked):
-                ours, grad = ended.param_sums[j], grads[j].detach()
-                # a gradient added into a .grad that was there (zero_grad(set_to_none=False))
-                # is 0.0 + g there, where a -0.0 becomes +0.0: either form of it is the step's
-                flag = (ours != output_checksum(grad)) & (ours != output_checksum(grad + 0.0))
+                ours, grad = ended.param_sums[j], grads[j]
+                if grad is None:
+                    flag = ours != 0
+                else:  # a gradient added into a .grad that was there (zeros) is 0.0 + g
+                    # there, where a -0.0 becomes +0.0: either form of it is the step's
+                    grad = grad.detach()
+                    flag = (ours != output_checksum(grad)) & (ours != output_checksum(grad + 0.0))
                 by_device.setdefault(flag.device, []).append((k, flag))
         order = tuple(k for group in by_device.values() for k, _ in group)
         parts = [

@@ -134,6 +134,21 @@ class DeadUnits(nn.Module):
         return self.head(self.act(self.fc1(x).tanh() + self.scale * self.push))
 
 
+class Sometimes(Net):
+    """Calls `extra` on odd forwards only (a branch, an expert not routed): on an even step
+    its .grad, zeroed by zero_grad(set_to_none=False), gets nothing from the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(1, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = super().forward(x)
+        return self.extra(out) if self.calls % 2 else out
+
+
 class Wide(nn.Module):
     """An output larger than the parameters: its gradient is not kept."""
 
@@ -334,6 +349,20 @@ def test_a_gradient_added_into_a_zeroed_grad_is_compared_as_the_step_holds_it(ju
     assert (first.step, first.verdict) == (AT, "reproduced")
     comparison = judged[AT]
     assert comparison.params_off is None and "scale" in comparison.layers[comparison.params_from :]
+
+
+def test_a_parameter_the_step_did_not_reach_is_compared_as_zeros(judged):
+    """zero_grad(set_to_none=False) and a layer the spike's step did not call (Sometimes'
+    `extra`, on even steps): its .grad holds the zeros the loop left, and the replay's
+    backward gives it nothing; compared as zeros, not left out."""
+    assert AT % 2 == 0
+    bare, _ = train(Sometimes, fault="data", set_to_none=False)
+    watched, (snap, _, _) = train(Sometimes, config=ARMED, fault="data", set_to_none=False)
+    assert watched == bare
+    assert snap.spikes["loss_spike"].first.verdict == "reproduced"
+    comparison = judged[AT]
+    assert comparison.params_off is None
+    assert "extra.weight" in comparison.layers[comparison.params_from :]
 
 
 @pytest.mark.parametrize(

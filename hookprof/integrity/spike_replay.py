@@ -41,11 +41,13 @@ Training is unchanged bit for bit: the replay writes nothing the step or the nex
 from __future__ import annotations
 
 import math
+import operator
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import repeat
 from types import MappingProxyType
 from typing import Any
 
@@ -78,6 +80,7 @@ NO_UPDATE = "the step's update began without an optimizer hook (its weights were
 COMPILED = "the model's forward is compiled (an eager replay is not the code that ran)"
 NO_OUTPUT = "the step's forward had no floating-point output to compare"
 SUSPECTS = 5  # samples of a spike's batch named, by loss
+_GRAD = operator.attrgetter("grad")
 # the first differing output was the model's, and its layers were not compared (a fault in
 # their sums, or more calls than are kept: step/output_sums.py)
 OUTPUT_NAME = "(output)"
@@ -112,6 +115,11 @@ PARAMETER_HOOKS = (
     "a parameter has a gradient hook of the loop's (the replay would run it once more)"
 )
 PARAMETERS_NOT_SUMMABLE = "a parameter's gradient has no bits to sum (sparse)"
+PARAMETERS_ACCUMULATED = (
+    "every parameter's .grad held a value as the step's backward began "
+    "(zero_grad(set_to_none=False), gradients kept across steps): what the backward added "
+    "cannot be told from it"
+)
 PARAMETERS_DIFFER = "the replay's backward reached other parameters than the step's"
 PARAMETERS_NOT_CALIBRATED = "no healthy step's replayed parameter gradients have reproduced yet"
 PARAMETER = 1 << 31  # added to a parameter's position: its gradient (a row past the layers')
@@ -292,7 +300,7 @@ class SpikeReplay:
         if sum(t.numel() * t.element_size() for t in needing) > self._parameter_bytes():
             current.backward_off = GRADIENT_TOO_LARGE
             return
-        kept = current.output_grads = _OutputGradients(len(tensors))
+        kept = current.output_grads = _OutputGradients(len(tensors), self._params)
         for k, t in enumerate(tensors):
             if t.grad_fn is not None:  # (weakly: see _OutputGradients)
                 t.register_hook(partial(_keep_gradient, weakref.ref(kept), k))
@@ -300,9 +308,14 @@ class SpikeReplay:
     def backward_ended(self) -> None:
         """A backward through the model's output ended: its parameters' gradients summed as
         it left them (one bit sum each, on the device; before any clip or unscale rewrites
-        them), for the replay's backward to compare its own with. A step of more backwards
-        (accumulation, retain_graph) compares none, nor does one whose parameters carry a
-        gradient hook of the loop's: the replay would run that hook once more."""
+        them), for the replay's backward to compare its own with: those whose .grad was None
+        as the backward began (its output's gradient hook noted which), so .grad holds what
+        this backward made and nothing before it (a loop that does not zero some of them, a
+        linear probe's backbone, zero_grad(set_to_none=False), keeps them out: found by
+        review). A step of more backwards (accumulation, retain_graph) compares none, nor
+        does one whose parameters carry a gradient hook of the loop's (`p.register_hook`,
+        which the replay would run once more, or a post-accumulate hook, which edits .grad
+        after the sum's place)."""
         current = self._current
         if (
             current is None
@@ -316,23 +329,43 @@ class SpikeReplay:
         if current.backward_ends > 1:
             current.params_off = SEVERAL_BACKWARDS
             return
+        fresh = current.output_grads.fresh if current.output_grads is not None else None
+        if fresh is None:  # (no gradient reached the model's output: the backward is off too)
+            current.params_off = GRADIENT_MISSED
+            return
+        if self._loop_hooks(self._params):
+            current.params_off = PARAMETER_HOOKS
+            return
         positions: list[int] = []
         sums: list[torch.Tensor] = []
-        own = self._own_hook
+        held = False  # a parameter's .grad held a value as the backward began
         for i, p in enumerate(self._params):
-            hooks = p._backward_hooks
-            if hooks and not all(map(own, hooks.values())):
-                current.params_off = PARAMETER_HOOKS
-                return
             grad = p.grad
-            if grad is None:
+            if grad is None or not p.requires_grad:
+                continue
+            if not fresh[i]:
+                held = True
                 continue
             if not summable(grad):
                 current.params_off = PARAMETERS_NOT_SUMMABLE
                 return
             positions.append(i)
             sums.append(output_checksum(grad.detach()))
+        if held and not positions:
+            current.params_off = PARAMETERS_ACCUMULATED
+            return
         current.param_positions, current.param_sums = tuple(positions), sums
+
+    def _loop_hooks(self, params: Sequence[torch.Tensor]) -> bool:
+        """Does one of `params` carry a gradient hook of the loop's (not hookprof's own)?"""
+        own = self._own_hook
+        for p in params:
+            hooks, after = p._backward_hooks, p._post_accumulate_grad_hooks
+            if (hooks and not all(map(own, hooks.values()))) or (
+                after and not all(map(own, after.values()))
+            ):
+                return True
+        return False
 
     def _parameter_bytes(self) -> int:
         if self._param_bytes is None:
@@ -470,6 +503,10 @@ class SpikeReplay:
                 self._calibration_tries += 1
                 if self._calibration_tries >= CALIBRATION_TRIES:
                     self._distrust(ended.step, why or GRADIENTS_PARTIAL)
+            elif comparison is not None and self._params_trusted is None:
+                # (a replay ran for the parameters: a try of theirs, or every healthy step
+                # would be replayed while they stay unknown; found by review)
+                self._calibrate_params(ended.step, comparison, None)
             return
         assert comparison.backward_from is not None
         # (a device read: once a check)
@@ -514,7 +551,7 @@ class SpikeReplay:
                 self._params_tries += 1
                 if self._params_tries >= CALIBRATION_TRIES:
                     self._params_trusted = False
-                    why = comparison.params_off or PARAMETERS_DIFFER
+                    why = comparison.params_off or comparison.refused or PARAMETERS_DIFFER
                     self._params_distrust = f"no healthy step's parameter gradients compared: {why}"
                     if self._say is not None:
                         self._say(
@@ -590,7 +627,10 @@ class SpikeReplay:
         if params_off is None and not calibrating and not self._params_trusted:
             params_off = self._params_distrust or PARAMETERS_NOT_CALIBRATED
         capture = [self._params[i] for i in ended.param_positions] if params_off is None else []
+        if capture and self._loop_hooks(capture):  # (one the loop put on since the step)
+            params_off, capture = PARAMETER_HOOKS, []
         param_grads: list[Any] = []  # the replay's gradient of each of `capture`
+        params_failed: list[str] = []  # why the backward with them raised (then run without)
         params_from = None
         layers_again: list[tuple[int, torch.Tensor]] = []
         grads_again = GradientSums(edges=True) if backward_off is None else None
@@ -610,6 +650,10 @@ class SpikeReplay:
             why = _backward_from(
                 output, ended.output_grads, grads_again.edges, capture, param_grads
             )
+            if why is not None and capture:  # (the layers' outputs alone, once more)
+                params_failed.append(why)
+                param_grads.clear()
+                why = _backward_from(output, ended.output_grads, grads_again.edges)
             if why is not None:
                 left_out.append(why)
 
@@ -657,6 +701,8 @@ class SpikeReplay:
                     rows += b_rows
                     order += tuple(forward_count + k for k in b_order)
                     parts += b_parts
+                    if params_off is None and params_failed:
+                        params_off = params_failed[0]
                     if params_off is None and len(param_grads) != len(capture):
                         params_off = PARAMETERS_DIFFER
                     if params_off is None:  # (then the parameters' own, after the layers')
@@ -736,8 +782,7 @@ class SpikeReplay:
         self, ended: _Step, grads: Sequence[torch.Tensor | None]
     ) -> tuple[list[int], tuple[int, ...], list[torch.Tensor]]:
         """The replay's parameter gradients (`grads`, in `ended.param_positions`' order; None:
-        the replay's backward did not reach it, as zeros: a .grad the loop zeroed and the
-        step's backward did not reach either, zero_grad(set_to_none=False), sums to 0)
+        the replay's backward did not reach it, its sum taken as 0, a gradient of zeros)
         against the step's sums, on the device: (each compared parameter's row, PARAMETER +
         its position, in the order their layers' backwards ran: the layer called last
         first; the positions in the order of the flags; one stack of flags per device)."""
@@ -754,12 +799,9 @@ class SpikeReplay:
         with torch.no_grad():
             for k, j in enumerate(ranked):
                 ours, grad = ended.param_sums[j], grads[j]
-                if grad is None:
-                    flag = ours != 0
-                else:  # a gradient added into a .grad that was there (zeros) is 0.0 + g
-                    # there, where a -0.0 becomes +0.0: either form of it is the step's
-                    grad = grad.detach()
-                    flag = (ours != output_checksum(grad)) & (ours != output_checksum(grad + 0.0))
+                # (.grad was None as the step's backward began: it holds that backward's
+                # gradient as it came, the bits the replay's gets)
+                flag = ours != (0 if grad is None else output_checksum(grad.detach()))
                 by_device.setdefault(flag.device, []).append((k, flag))
         order = tuple(k for group in by_device.values() for k, _ in group)
         parts = [
@@ -833,16 +875,22 @@ class _OutputGradients:
     outputs (a list of predictions, a running loss) keeps no gradient alive past the step's
     judgement (found by review)."""
 
-    __slots__ = ("kept", "__weakref__")
+    __slots__ = ("kept", "params", "fresh", "__weakref__")
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, params: Sequence[torch.Tensor] = ()) -> None:
         self.kept: list[tuple[torch.Tensor, int] | None] = [None] * n
+        self.params = params
+        # as the backward began (the first output's gradient came): was each parameter's
+        # .grad None? (those hold what the backward makes, and nothing before it)
+        self.fresh: list[bool] | None = None
 
 
 def _keep_gradient(ref: weakref.ref[_OutputGradients], k: int, grad: Any) -> None:
     """A tensor hook on the model's k-th output: its gradient kept, by reference (nothing
     changed: it returns None; a hook must never raise into the backward)."""
     holder = ref()
+    if holder is not None and holder.fresh is None:  # (C-level: no Python call a parameter)
+        holder.fresh = list(map(operator.is_, map(_GRAD, holder.params), repeat(None)))
     if holder is not None and isinstance(grad, torch.Tensor):
         # (a second backward through it, retain_graph: -1, which no version matches)
         holder.kept[k] = (grad, grad._version if holder.kept[k] is None else -1)
@@ -870,7 +918,12 @@ def _backward_from(
         return NO_LAYER_GRADIENTS
     try:
         got = torch.autograd.grad(
-            [t for t, _ in pairs], [*edges, *params], [g for _, g in pairs], allow_unused=True
+            [t for t, _ in pairs],
+            [*edges, *params],
+            [g for _, g in pairs],
+            allow_unused=True,
+            # (kept with the parameters: if this raises, the layers' outputs are run alone)
+            retain_graph=bool(params),
         )
     except Exception as exc:  # (reentrant checkpointing refuses .grad(): said)
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

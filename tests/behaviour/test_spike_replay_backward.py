@@ -117,38 +117,6 @@ class WeightFaultNet(Net):
         self.fc2 = WeightFaultLinear(16, 16)
 
 
-class DeadUnits(nn.Module):
-    """Seven of `scale`'s units push their ReLU below zero for every input (dead units), so
-    their gradient is 0 times a negative constant: -0.0, which a gradient added into a
-    zeroed .grad (zero_grad(set_to_none=False)) holds as +0.0."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.act, self.head = nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)
-        self.scale = nn.Parameter(torch.ones(16))
-        # (an odd count of them: -0.0's bits are 2^31, and an even count of them sums to 0
-        # in the checksum's wrapping int32)
-        self.register_buffer("push", torch.tensor([1.0] * 9 + [-50.0] * 7))
-
-    def forward(self, x):
-        return self.head(self.act(self.fc1(x).tanh() + self.scale * self.push))
-
-
-class Sometimes(Net):
-    """Calls `extra` on odd forwards only (a branch, an expert not routed): on an even step
-    its .grad, zeroed by zero_grad(set_to_none=False), gets nothing from the backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.extra = nn.Linear(1, 1)
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        out = super().forward(x)
-        return self.extra(out) if self.calls % 2 else out
-
-
 class Wide(nn.Module):
     """An output larger than the parameters: its gradient is not kept."""
 
@@ -175,23 +143,29 @@ def train(
     kept=None,
     updates_from=1,
     set_to_none=True,
+    trained=None,
+    at_step=None,
 ):
     """SGD on `make()`; `fault`: "backward" (fc2's backward on AT's own backward makes the
     gradient of its input wrong) or "data" (one of AT's targets); `penalty`: the loop adds that many
     times the parameters' squared norm to its loss; `before_backward(step)`: called before
     each step's backward; `loss_of(model, x, y)`: the loop's loss; `kept`: a list the loop
     appends each step's loss to, graph and all (as loops that keep their outputs do);
-    `updates_from`: the first step whose update runs (a GradScaler's first skips).
+    `updates_from`: the first step whose update runs (a GradScaler's first skips);
+    `set_to_none`: zero_grad's; `trained(model)`: the parameters the optimizer updates (all);
+    `at_step(model, step)`: called as each step begins.
     Returns the losses and the global gradient norms (the test's own) and, with `config`,
     (snapshot, page text, document)."""
     torch.manual_seed(0)
     model = make()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = torch.optim.SGD((trained or nn.Module.parameters)(model), lr=0.01)
     g = torch.Generator().manual_seed(1)
     prof = hookprof.attach(model, **config) if config is not None else None
     losses, norms = [], []
     try:
         for step in range(1, STEPS + 1):
+            if at_step is not None:
+                at_step(model, step)
             opt.zero_grad(set_to_none=set_to_none)
             x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
             if fault == "data" and step == AT:  # (one wrong target: the loss spikes)
@@ -208,7 +182,11 @@ def train(
                 before_backward(step)
             loss.backward()
             _WrongGradient.armed["now"] = False
-            norms.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm().item())
+            norms.append(
+                torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+                .norm()
+                .item()
+            )
             if step >= updates_from:
                 opt.step()
             if prof is not None:
@@ -333,36 +311,100 @@ def test_a_wrong_value_made_in_a_weights_gradient_alone_is_not_reproduced_and_na
     assert snap.internal_errors == 0
 
 
-def test_a_gradient_added_into_a_zeroed_grad_is_compared_as_the_step_holds_it(judged):
-    """zero_grad(set_to_none=False): each gradient is added into a .grad of zeros, where
-    0.0 + -0.0 is +0.0, while the replay takes the gradient as it comes (-0.0: DeadUnits'
-    `scale`, as this test's own autograd.grad shows). Compared as the step holds it, a
-    spike the data made stays reproduced, the parameters compared."""
-    model = DeadUnits()
-    x = torch.randn(16, 8)
-    (grad,) = torch.autograd.grad(model(x).sum(), [model.scale])
-    assert bool(((grad == 0) & grad.signbit()).any())  # (-0.0 there)
-    bare, _ = train(DeadUnits, fault="data", set_to_none=False)
-    watched, (snap, _, _) = train(DeadUnits, config=ARMED, fault="data", set_to_none=False)
-    assert watched == bare
-    first = snap.spikes["loss_spike"].first
-    assert (first.step, first.verdict) == (AT, "reproduced")
-    comparison = judged[AT]
-    assert comparison.params_off is None and "scale" in comparison.layers[comparison.params_from :]
-
-
-def test_a_parameter_the_step_did_not_reach_is_compared_as_zeros(judged):
-    """zero_grad(set_to_none=False) and a layer the spike's step did not call (Sometimes'
-    `extra`, on even steps): its .grad holds the zeros the loop left, and the replay's
-    backward gives it nothing; compared as zeros, not left out."""
-    assert AT % 2 == 0
-    bare, _ = train(Sometimes, fault="data", set_to_none=False)
-    watched, (snap, _, _) = train(Sometimes, config=ARMED, fault="data", set_to_none=False)
+def test_gradients_a_loop_leaves_in_grad_are_not_compared(judged):
+    """Found by review: the parameters' .grad held more than the step's backward made, and a
+    spike the data made was called not reproduced (a linear probe whose optimizer trains
+    the head alone: the backbone's gradients add up, never zeroed). Only the parameters whose
+    .grad was None as the backward began are compared; zero_grad(set_to_none=False) leaves
+    none, which is said."""
+    probe = dict(trained=lambda m: m.head.parameters())
+    bare, _ = train(fault="data", **probe)
+    watched, (snap, _, _) = train(config=ARMED, fault="data", **probe)
     assert watched == bare
     assert snap.spikes["loss_spike"].first.verdict == "reproduced"
     comparison = judged[AT]
     assert comparison.params_off is None
-    assert "extra.weight" in comparison.layers[comparison.params_from :]
+    assert comparison.layers[comparison.params_from :] == ("head.weight", "head.bias")
+    judged.clear()
+    bare, _ = train(fault="data", set_to_none=False)
+    watched, (snap, _, _) = train(config=ARMED, fault="data", set_to_none=False)
+    assert watched == bare
+    assert snap.spikes["loss_spike"].first.verdict == "reproduced"
+    comparison = judged[AT]
+    assert comparison.backward_off is None  # (the layers' output gradients are)
+    assert comparison.params_off.endswith(spike_replay.PARAMETERS_ACCUMULATED)
+
+
+def test_a_parameter_frozen_mid_run_keeps_the_backward_verdict(judged):
+    """Found by review: fc1.bias frozen at step 30 keeps a .grad of zeros
+    (zero_grad(set_to_none=False)); the replay asked autograd for a gradient of a tensor that
+    needs none, which raised and took the whole backward comparison with it, so a machine's
+    fault in the backward was called reproduced. A parameter that needs no gradient is not
+    taken, and a replay whose backward with the parameters raises runs it without them."""
+
+    def freeze(model, step):
+        if step == 30:
+            model.fc1.bias.requires_grad_(False)
+
+    bare, _ = train(fault="backward", set_to_none=False, at_step=freeze)
+    watched, (snap, _, _) = train(config=ARMED, fault="backward", set_to_none=False, at_step=freeze)
+    assert watched == bare
+    first = snap.spikes["grad_norm_spike"].first
+    assert (first.verdict, first.entered, first.entered_phase) == (
+        "not_reproduced",
+        "act",
+        "backward",
+    )
+
+
+def _clamp(param):
+    param.grad.clamp_(-1.0, 1.0)
+
+
+def _clamp_after_accumulation(model, step):
+    if step == 1:
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(_clamp)
+
+
+def test_hooks_of_the_loops_on_parameters_leave_them_out(judged):
+    """Found by review: a post-accumulate-grad hook that clamps .grad (it bites on a spike's
+    large gradients only) made a spike the data made not reproduced; and a gradient hook the
+    loop put on after the spike's step, before its replay, ran in the replay and changed its
+    verdict. Either leaves the parameters out of that step's comparison, said; the hooks run
+    as often as without hookprof."""
+    bare, _ = train(fault="data", at_step=_clamp_after_accumulation)
+    watched, (snap, _, _) = train(config=ARMED, fault="data", at_step=_clamp_after_accumulation)
+    assert watched == bare
+    assert snap.spikes["loss_spike"].first.verdict == "reproduced"
+    assert judged[AT].params_off == spike_replay.PARAMETER_HOOKS
+    judged.clear()
+
+    calls = {"bare": 0, "armed": 0}
+
+    def hook_at_the_next_step(which):
+        handles = []
+
+        def at_step(model, step):
+            for h in handles:
+                h.remove()
+            handles.clear()
+            if step == AT + 1:
+                for p in model.parameters():
+                    handles.append(
+                        p.register_hook(lambda g: calls.__setitem__(which, calls[which] + 1))
+                    )
+
+        return at_step
+
+    bare, _ = train(fault="data", at_step=hook_at_the_next_step("bare"))
+    watched, (snap, _, _) = train(
+        config=ARMED, fault="data", at_step=hook_at_the_next_step("armed")
+    )
+    assert watched == bare
+    assert snap.spikes["loss_spike"].first.verdict == "reproduced"
+    assert judged[AT].params_off == spike_replay.PARAMETER_HOOKS
+    assert calls["armed"] == calls["bare"] == 6
 
 
 @pytest.mark.parametrize(

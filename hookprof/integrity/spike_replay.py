@@ -112,7 +112,8 @@ GRADIENTS_PARTIAL = "the layers' output gradients were not all summed (a fault, 
 BACKWARD = 1 << 30  # added to a layer's row: the gradient of its output, not the output
 # why a replay compared the layers' output gradients but not the parameters' own
 PARAMETER_HOOKS = (
-    "a parameter has a gradient hook of the loop's (the replay would run it once more)"
+    "a parameter has a gradient hook of the loop's (the replay would run it once more; a "
+    "post-accumulate hook edits .grad after its sum)"
 )
 PARAMETERS_NOT_SUMMABLE = "a parameter's gradient has no bits to sum (sparse)"
 PARAMETERS_ACCUMULATED = (
@@ -626,7 +627,14 @@ class SpikeReplay:
             params_off = GRADIENTS_PARTIAL
         if params_off is None and not calibrating and not self._params_trusted:
             params_off = self._params_distrust or PARAMETERS_NOT_CALIBRATED
-        capture = [self._params[i] for i in ended.param_positions] if params_off is None else []
+        # (a parameter frozen since the step's backward cannot be asked for: the others are;
+        # found by review)
+        taken = (
+            [j for j, i in enumerate(ended.param_positions) if self._params[i].requires_grad]
+            if params_off is None
+            else []
+        )
+        capture = [self._params[ended.param_positions[j]] for j in taken]
         if capture and self._loop_hooks(capture):  # (one the loop put on since the step)
             params_off, capture = PARAMETER_HOOKS, []
         param_grads: list[Any] = []  # the replay's gradient of each of `capture`
@@ -653,6 +661,8 @@ class SpikeReplay:
             if why is not None and capture:  # (the layers' outputs alone, once more)
                 params_failed.append(why)
                 param_grads.clear()
+                grads_again.items.clear()  # (the sums the failed try made, if any)
+                grads_again.broken = False
                 why = _backward_from(output, ended.output_grads, grads_again.edges)
             if why is not None:
                 left_out.append(why)
@@ -706,7 +716,7 @@ class SpikeReplay:
                     if params_off is None and len(param_grads) != len(capture):
                         params_off = PARAMETERS_DIFFER
                     if params_off is None:  # (then the parameters' own, after the layers')
-                        p_rows, p_order, p_parts = self._param_flags(ended, param_grads)
+                        p_rows, p_order, p_parts = self._param_flags(ended, param_grads, taken)
                         params_from = len(rows)
                         rows += tuple(p_rows)
                         order += tuple(params_from + k for k in p_order)
@@ -779,26 +789,28 @@ class SpikeReplay:
         return comparison, parts if suspects is None else [*parts, suspects]
 
     def _param_flags(
-        self, ended: _Step, grads: Sequence[torch.Tensor | None]
+        self, ended: _Step, grads: Sequence[torch.Tensor | None], taken: Sequence[int]
     ) -> tuple[list[int], tuple[int, ...], list[torch.Tensor]]:
-        """The replay's parameter gradients (`grads`, in `ended.param_positions`' order; None:
-        the replay's backward did not reach it, its sum taken as 0, a gradient of zeros)
-        against the step's sums, on the device: (each compared parameter's row, PARAMETER +
-        its position, in the order their layers' backwards ran: the layer called last
-        first; the positions in the order of the flags; one stack of flags per device)."""
+        """The replay's parameter gradients (`grads`: of the step's summed parameters at
+        `taken`, their indices in `ended.param_positions`; None: the replay's backward did
+        not reach it, its sum taken as 0, a gradient of zeros) against the step's sums, on
+        the device: (each compared parameter's row, PARAMETER + its position, in the order
+        their layers' backwards ran: the layer called last first; the positions in the
+        order of the flags; one stack of flags per device)."""
         last_call: dict[int, int] = {}
         for k, (row, _) in enumerate(ended.layers or ()):
             last_call[row] = k
-        positions = ended.param_positions
+        assert ended.param_sums is not None
+        positions = [ended.param_positions[j] for j in taken]
+        sums = [ended.param_sums[j] for j in taken]
         ranked = sorted(
             range(len(positions)),
             key=lambda j: -last_call.get(self._param_layers[positions[j]], -1),
         )
-        assert ended.param_sums is not None
         by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         with torch.no_grad():
             for k, j in enumerate(ranked):
-                ours, grad = ended.param_sums[j], grads[j]
+                ours, grad = sums[j], grads[j]
                 # (.grad was None as the step's backward began: it holds that backward's
                 # gradient as it came, the bits the replay's gets)
                 flag = ours != (0 if grad is None else output_checksum(grad.detach()))

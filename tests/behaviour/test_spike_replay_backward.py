@@ -357,6 +357,28 @@ def test_a_parameter_frozen_mid_run_keeps_the_backward_verdict(judged):
     )
 
 
+def test_a_parameter_frozen_after_the_spike_leaves_the_others_compared(judged):
+    """Found by a second review: fc1.bias frozen as the step after the spike begins (its
+    replay runs at that step's update) made the replay's backward raise, and every
+    parameter's comparison went: fc2's wrong weight gradient was called reproduced. The
+    frozen one is left out, the others compared."""
+
+    def freeze(model, step):
+        if step == AT + 1:
+            model.fc1.bias.requires_grad_(False)
+
+    bare, _ = train(WeightFaultNet, fault="weights", at_step=freeze)
+    watched, (snap, _, _) = train(WeightFaultNet, config=ARMED, fault="weights", at_step=freeze)
+    assert watched == bare
+    first = snap.spikes["grad_norm_spike"].first
+    assert (first.verdict, first.entered, first.entered_phase) == (
+        "not_reproduced",
+        "fc2.weight",
+        "parameter_gradient",
+    )
+    assert "fc1.bias" not in judged[AT].layers[judged[AT].params_from :]
+
+
 def _clamp(param):
     param.grad.clamp_(-1.0, 1.0)
 

@@ -708,3 +708,58 @@ def test_a_loss_term_added_after_the_check_is_caught_by_the_next_check(judged, m
     assert snap.spikes["loss_spike"].first.verdict == "reproduced"
     assert judged[AT].backward_from is None
     assert judged[AT].backward_off.startswith("a healthy step's replay (step 2")
+
+
+def test_every_step_a_touchy_rule_replays_in_a_healthy_run_reproduces_with_its_parameters(
+    judged,
+):
+    """No false machine verdicts from the parameters' comparison on the loop most runs use:
+    AdamW with weight decay, warm-up, clip_grad_norm_ after the backward, LayerNorm, every
+    4th step sampled. The spike rules made touchy (z 1.5) so that the gate lets many healthy
+    steps through: each is replayed and each must be reproduced, forward, output gradients
+    and every parameter's gradient compared; training the same bit for bit."""
+    import math
+
+    def run(config):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64), nn.Tanh(),
+            nn.Linear(64, 4),
+        )  # fmt: skip
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        warm = 50
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+        g = torch.Generator().manual_seed(3)
+        target = torch.randn(16, 4, generator=g)
+        prof = hookprof.attach(model, **config) if config is not None else None
+        losses = []
+        try:
+            for _ in range(400):
+                x = torch.randn(32, 16, generator=g)
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), (x @ target).argmax(1))
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                schedule.step()
+                if prof is not None:
+                    prof.step(loss)
+                losses.append(loss.item())
+            if prof is None:
+                return losses, None
+            prof.flush()
+            return losses, prof.snapshot()
+        finally:
+            if prof is not None:
+                prof.detach()
+
+    touchy = {**ARMED, "loss_spike_z": 1.5, "grad_norm_spike_z": 1.5}
+    bare, _ = run(None)
+    watched, snap = run(touchy)
+    assert watched == bare and all(map(math.isfinite, bare))
+    assert len(judged) >= 10  # (the gate let that many healthy steps through)
+    assert snap.spike_replays["not_reproduced"] == 0 and snap.internal_errors == 0
+    for comparison in judged.values():
+        assert comparison.refused is None and comparison.backward_off is None
+        assert comparison.params_off is None, comparison.params_off
+        assert len(comparison.layers) - comparison.params_from == 8  # (3 Linear, 1 LayerNorm: w, b)

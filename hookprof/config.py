@@ -310,7 +310,7 @@ class Config:
     )
     """... and a layer's update-to-weight ratio, on the sampled steps that measure it
     (update_norms), when its z-score against that layer's recent ratios is above this and it
-    is at least 3x their median (kind update_ratio_jump)."""
+    is at least 4x their median (kind update_ratio_jump)."""
 
     vanishing_grad_norm: float = 1e-6
     """On sampled steps a layer whose gradient norm is below this is flagged "vanishing" ..."""

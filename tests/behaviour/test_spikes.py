@@ -7,6 +7,7 @@ against a real scrape of /metrics."""
 from __future__ import annotations
 
 import math
+import random
 import urllib.request
 
 import numpy as np
@@ -17,6 +18,7 @@ from torch import nn
 
 import hookprof
 from hookprof.demo import DemoNet
+from hookprof.publish.spikes import DEFAULT_THRESHOLDS, SpikeWatch
 from hookprof.view.report_html import render
 from hookprof.view.summary import summary_text
 from hookprof.view.table import from_metrics, header_lines
@@ -154,7 +156,7 @@ def test_a_divergence_spikes_steps_before_it_goes_non_finite():
 def test_a_healthy_run_with_warm_up_and_a_cosine_schedule_raises_none():
     """An MLP under AdamW with 500 steps of linear warm-up and a cosine decay over 10^4 steps,
     every 4th step sampled and measuring every layer's update: no spike of any kind (the
-    warm-up raises every update ratio steadily, never 3x its layer's recent median)."""
+    warm-up raises every update ratio steadily, never 4x its layer's recent median)."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(32, 128),
@@ -202,7 +204,7 @@ def layer_ratios(layers: dict[str, nn.Module], before: dict[str, list[torch.Tens
 
 def update_ratio_jumps(ratios: list[dict[str, float]], threshold: float = 12.0):
     """(first step, layer) of each update ratio jump event, by the rule docs/nonfinite.md
-    gives: each layer against its own last 64 nonzero ratios, from 20 of them on, 3x the
+    gives: each layer against its own last 64 nonzero ratios, from 20 of them on, 4x the
     median; one event per step, the layer of the highest z named."""
     seen: dict[str, list[float]] = {}
     inside: dict[str, bool] = {}
@@ -218,7 +220,7 @@ def update_ratio_jumps(ratios: list[dict[str, float]], threshold: float = 12.0):
                 median = float(np.median(w))
                 scale = float(np.percentile(w, 75) - np.percentile(w, 25)) / 1.349
                 z = (x - median) / scale if scale else (math.inf if x > median else 0.0)
-                margin = 2.0 * max(abs(median), scale)
+                margin = 3.0 * max(abs(median), scale)
                 spike = z > threshold and x > median + margin
                 going = z > threshold / 2 and x > median + margin / 2
                 inside[layer] = spike or (inside.get(layer, False) and going)
@@ -324,6 +326,66 @@ def test_heads_updated_on_some_steps_only_raise_no_jump_and_hide_none():
     assert [step for step, _ in expected] == [bump_at], expected
     jump = snap.spikes["update_ratio_jump"]
     assert jump.count == 1 and (jump.first.step, jump.first.layer) == expected[0]
+
+
+@pytest.mark.slow
+def test_the_demos_healthy_ratios_raise_no_jump_however_sparsely_they_are_measured():
+    """Found in a clean-clone CI run: the healthy demo run raised one update_ratio_jump under
+    load. A layer's ratio drifts (the demo's LayerNorm doubles over 10^4 steps, with bursts),
+    and a loaded host measures fewer steps, so a layer's window spans thousands of steps and
+    its median lags. The test's own per-layer ratios of every step of the demo's loop, then
+    the rule judging them as 400 sampling patterns would measure them (gaps of 10 to 640
+    steps, layers taking turns): none is a jump. Under the old 3x margin pattern 182 read
+    3.03x at z 13.2, an event."""
+    torch.manual_seed(0)
+    model = DemoNet()
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    layers = {n: m for n, m in model.named_modules() if list(m.parameters(recurse=False))}
+    ratios: list[dict[str, float]] = []
+    for _ in range(10_000):
+        x, y = model.batch(g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        before = {
+            n: [p.detach().clone() for p in m.parameters(recurse=False)] for n, m in layers.items()
+        }
+        opt.step()
+        ratios.append(
+            {
+                n: math.sqrt(
+                    sum(
+                        float((p - b).double().square().sum())
+                        for p, b in zip(m.parameters(recurse=False), before[n])
+                    )
+                    / sum(float(p.double().square().sum()) for p in m.parameters(recurse=False))
+                )
+                for n, m in layers.items()
+            }
+        )
+    names = list(layers)
+    flagged = []
+    for pattern in range(400):
+        rnd = random.Random(pattern)
+        gap = rnd.choice([10, 20, 40, 80, 160, 320, 640])
+        watch = SpikeWatch(200, DEFAULT_THRESHOLDS)
+        step, turn = rnd.randint(1, 20), 0
+        while step <= len(ratios):
+            measured = [names[(turn + i) % len(names)] for i in range(rnd.choice([1, 2, 3, 7]))]
+            turn += len(measured)
+            watch.observe_update_ratios(step, {n: ratios[step - 1][n] for n in measured})
+            step += max(10, int(rnd.expovariate(1 / gap)))
+        jump = watch.counts()["update_ratio_jump"]
+        if jump.count:
+            flagged.append((pattern, jump.first))
+    assert flagged == []
+    # the same judge finds a learning rate 10x too large for one step in any of them
+    bumped = [dict(r) for r in ratios]
+    bumped[7000] = {n: 10 * v for n, v in bumped[7000].items()}
+    watch = SpikeWatch(200, DEFAULT_THRESHOLDS)
+    for step in [*range(200, 7000, 150), 7001]:
+        watch.observe_update_ratios(step, bumped[step - 1])
+    assert watch.counts()["update_ratio_jump"].first.step == 7001
 
 
 def test_spikes_off():

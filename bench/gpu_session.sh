@@ -62,6 +62,8 @@ case $stage in
         say "overhead exit $?"
         timeout 50 python bench/mfu.py --json "$json/mfu.json" >"$OUT/mfu.txt" 2>&1
         say "mfu exit $?"
+        timeout 40 python bench/update_replay.py --device cuda --rounds 5 >"$OUT/update_replay.txt" 2>&1
+        say "update_replay exit $?"
         ;;
     *)
         echo "unknown stage $stage" >&2

@@ -287,8 +287,10 @@ class Config:
     and modules' state, its output's bit sums and a copy of its parameters before its
     update (their size in memory, copied once per step), so that a step whose loss or
     gradient norm passes the spike gate is replayed after its update and its output compared
-    bitwise: reproduced (the data) or not (the machine). A single-rank process only; on a GPU
-    one wait per step for the previous step's gate flag. Off by default."""
+    bitwise: reproduced (the data) or not (the machine); with update_norms, each step that
+    measures updates runs the turn's update a second time on copies, an update ratio
+    jump's verdict (integrity/update_replay.py). A single-rank process only; on a GPU one
+    wait per step for the previous step's gate flag. Off by default."""
 
     spike_window: int = _ruled(200, Rule(low=10, high=100_000))
     """... against this many finite values of the steps before each one."""

@@ -253,7 +253,10 @@ SPIKE_MISMATCH_INFO = Metric(
     "first layer whose output's gradient differed, in the order the backward computed them "
     "(the wrong value entered in the backward of what takes that output); or, those alike "
     "too, phase parameter_gradient: the first parameter (its name as layer) whose own "
-    "gradient differed, the layer called last first; and whether "
+    "gradient differed, the layer called last first; or phase update: a step measuring "
+    "updates had its update run again by its optimizer from the same weights, gradients "
+    "and state (an update ratio jump's verdict), and this parameter came out different; "
+    "and whether "
     "torch's deterministic algorithms were on (always 1)",
 )
 SPIKE_MISMATCH_TIMESTAMP_SECONDS = Metric(

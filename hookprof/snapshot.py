@@ -235,10 +235,12 @@ class SpikeEvent:
     entered in the backward of what takes that output (the next layer, in a chain); with
     "parameter_gradient", the first parameter (by name; its layer's backward, last called
     first) whose own gradient differed, the outputs and their gradients all alike (a
-    weight-gradient kernel)."""
+    weight-gradient kernel); with "update" (an update ratio jump: its step's update run
+    again by the optimizer, integrity/update_replay.py), the first parameter whose update
+    came out different."""
     entered_phase: str | None = None
-    """"forward", "backward" or "parameter_gradient": where `entered` differed (None with no
-    `entered`)."""
+    """"forward", "backward", "parameter_gradient" or "update": where `entered` differed
+    (None with no `entered`)."""
     suspects: tuple[Suspect, ...] | None = None
     """Its batch's samples of largest loss, the largest first (`prof.step(loss,
     sample_losses=...)` given on its step): with a reproduced verdict, the data to look at."""
@@ -292,7 +294,8 @@ class ReplayMismatch:
     """"backward": `layer` is the first layer whose output's *gradient* differed, in the order
     the backward computed them, the forward alike (the spike replay's backward comparison);
     "parameter_gradient": `layer` is the first parameter whose own gradient differed, all
-    else alike."""
+    else alike; "update": `layer` is the first parameter whose update, run again by its
+    optimizer from the same weights, gradients and state, came out different."""
 
 
 @dataclass(frozen=True, slots=True)

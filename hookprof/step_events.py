@@ -40,6 +40,7 @@ from hookprof.integrity.replay_check import (
 from hookprof.integrity.replicas import ReplicaCheck
 from hookprof.integrity.spike_replay import COMPILED as SPIKE_COMPILED
 from hookprof.integrity.spike_replay import SpikeReplay, spike_replay_of
+from hookprof.integrity.update_replay import UpdateReplay
 from hookprof.nonfinite.check_capsule import check_capsules
 from hookprof.nonfinite.checks import NonfiniteChecks
 from hookprof.nonfinite.incident import IncidentResponse
@@ -107,6 +108,7 @@ class StepEvents:
         replay_check: ReplayCheck | None = None,
         sharded: bool = False,
         spike_replay: SpikeReplay | None = None,
+        update_replay: UpdateReplay | None = None,
     ):
         self._model_type, self._params = model_type, params
         self._clock, self._wall_clock = clock, wall_clock
@@ -123,6 +125,7 @@ class StepEvents:
         self._replicas, self._replay_check, self._sharded = replicas, replay_check, sharded
         self._hold_on_forward = False  # a check step whose first forward has not begun
         self._spike_replay = spike_replay  # Config.spike_replay (None: off)
+        self._update_replay = update_replay  # ... with update_norms: updates run again
 
     def begin_step(self, number: int, now_ns: int) -> None:
         """Plan step `number`: sampled or not, with output checks or not; hooks in or out."""
@@ -224,6 +227,8 @@ class StepEvents:
         # the parameters before the update (a second optimizer of the step finds them taken)
         if self._sampled.plan.sampled:
             self._efficiency.before_update(now, optimizer)
+            if self._update_replay is not None:
+                self._update_began_again(optimizer, final)
         if final:  # _before_update, inline (one call less per step)
             self._grads.read_once(self._sampled.plan.sampled, at_update=True)
             # (scaler_of's usual "none", inline: only a fused optimizer under a GradScaler has one)
@@ -271,6 +276,8 @@ class StepEvents:
         """An optimizer's update returned (any optimizer's, `owned`: this model's);
         `returned`: an owned one's that does not end the step (prof.step() will)."""
         self._nan.update_done(owned)
+        if owned and self._update_replay is not None and self._update_replay.running:
+            self._update_done_again()  # (a step measuring updates, spike_replay armed)
         if not owned and self._replicas is not None and self._replicas.holding:
             # another model's update inside the parameter watch's window: what came before
             # it (a GAN's clamp of this model) is another step's; the window starts again
@@ -383,6 +390,8 @@ class StepEvents:
             number, broken=self._faults.broken, pack=pack
         ):
             self._efficiency.drop()  # what a skipped or unsent step noted and copied goes
+        if self._update_replay is not None:  # (after the step's packet: its jumps judged)
+            self._update_ended_again(number, no_update)
         return number, now
 
     def on_step_ended(self, number: int, now: int) -> None:
@@ -545,6 +554,32 @@ class StepEvents:
         assert self._spike_replay is not None
         self._submit_spike(self._spike_replay.step_ended(number, *self._series.current_values()))
 
+    @guarded("update replay", disable=False)
+    def _update_began_again(self, optimizer: torch.optim.Optimizer, final: bool) -> None:
+        """A step that measures updates: the turn's parameters' update run a second time, by
+        a shadow of `optimizer` (integrity/update_replay.py)."""
+        measured = self._efficiency.measured_update()
+        if measured is not None:
+            assert self._update_replay is not None
+            self._update_replay.update_began(
+                self._counters.steps + 1, optimizer, measured.turn, final
+            )
+
+    @guarded("update replay", disable=False)
+    def _update_done_again(self) -> None:
+        assert self._update_replay is not None
+        self._update_replay.update_done()
+
+    @guarded("update replay", disable=False)
+    def _update_ended_again(self, number: int, no_update: bool) -> None:
+        """The step's updates against their second run, sent on their own (none: no update
+        was run again, or the step's update did not happen)."""
+        assert self._update_replay is not None
+        if no_update:
+            self._update_replay.drop()
+        else:
+            self._submit_spike(self._update_replay.step_ended(number))
+
     @guarded("spike replay", disable=False)
     def _spike_late_loss(self, number: int, loss: Any) -> None:
         assert self._spike_replay is not None
@@ -618,22 +653,27 @@ def replays_of(
     capsules = functools.partial(check_capsules, config, name, rank, faults, say)
     root = nan.replay.model
     sums = OutputSums(table, root, faults) if config.spike_replay and root is not None else None
+    spike_replay = spike_replay_of(
+        config,
+        lambda: nan.replay.model,
+        hooks,
+        sampled,
+        publisher.spike_gate_limits,
+        forward_again,
+        sharded=table.has_dtensor_params,
+        say=say,
+        capsules=capsules("spike replay"),
+        sums=sums,
+        names=[table.row_name(row) for row in range(table.rows)],
+        has_regions=lambda: bool(compiled_regions(table)[0]),
+        table=table,
+        own_hook=own_param_hook,
+    )
     return {
         "replay_check": ReplayCheck.of(config, table.names, capsules()),
-        "spike_replay": spike_replay_of(
-            config,
-            lambda: nan.replay.model,
-            hooks,
-            sampled,
-            publisher.spike_gate_limits,
-            forward_again,
-            sharded=table.has_dtensor_params,
-            say=say,
-            capsules=capsules("spike replay"),
-            sums=sums,
-            names=[table.row_name(row) for row in range(table.rows)],
-            has_regions=lambda: bool(compiled_regions(table)[0]),
-            table=table,
-            own_hook=own_param_hook,
-        ),
+        "spike_replay": spike_replay,
+        # an update ratio jump's verdict: measured updates run again (update_replay.py)
+        "update_replay": UpdateReplay(table.params, table.param_names)
+        if spike_replay is not None and config.update_norms
+        else None,
     }

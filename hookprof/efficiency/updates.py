@@ -96,6 +96,11 @@ class UpdateNorms:
         """Copies of this step's turn are held (taken at its first optimizer pre-hook)."""
         return self._before is not None
 
+    @property
+    def turn(self) -> tuple[int, ...]:
+        """The positions of the parameters copied for this step's turn."""
+        return tuple(i for i, _ in self._before or ())
+
     def before_update(self) -> None:
         """The parameters are about to change (the first owned optimizer's pre-hook of a
         sampled step): copy the layers whose turn it is."""

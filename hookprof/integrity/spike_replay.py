@@ -40,6 +40,7 @@ Training is unchanged bit for bit: the replay writes nothing the step or the nex
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import time
@@ -100,6 +101,10 @@ OUTPUTS_OVERLAP = (
 )
 NO_GRADIENT_EDGES = "this torch has no torch.autograd.graph.get_gradient_edge (torch < 2.2)"
 NOT_CALIBRATED = "no healthy step's replayed backward has reproduced yet in this run"
+UPDATE_NOT_CALIBRATED = (
+    "no second run of a measured step's update has reproduced yet in this run (an optimizer "
+    "whose kernels are not bit-stable)"
+)
 CALIBRATION_TRIES = 3  # healthy steps replayed at most, to see that the backward reproduces
 # a trusted backward is checked again on a healthy step this many steps later (a loop whose
 # loss changes after its warm-up: an auxiliary term added from some step on); one replay
@@ -153,6 +158,9 @@ class SpikeComparison:
     # layers' backwards ran (None: not compared, `params_off` says why)
     params_from: int | None = None
     params_off: str | None = None
+    # where `layers` goes on with the parameters' updates, by name: an update ratio jump's
+    # second run of the optimizer's update (integrity/update_replay.py)
+    update_from: int | None = None
 
 
 @dataclass
@@ -993,10 +1001,39 @@ class SpikeReplays:
     last: tuple[int, str, bool, float] | None = None  # (step, result, deterministic, when)
     # the latest not reproduced, with the first layer whose output differed
     last_mismatch: ReplayMismatch | None = None
+    # update ratio jumps' verdicts by step (integrity/update_replay.py), the last 64, kept
+    # apart: a loss spike of the same step has its own replay
+    update_verdicts: dict[int, Verdict] = field(default_factory=dict)
+    # has a second run of a measured step's update reproduced yet in this run?
+    update_trusted: bool = False
 
-    def judge(self, comparison: SpikeComparison, flags: Sequence[float]) -> str:
+    def judge_update(
+        self, comparison: SpikeComparison, flags: Sequence[float], jumped: bool
+    ) -> str | None:
+        """A second run of a measured step's update (`comparison.update_from`), on whose
+        step an update ratio jump began or not (`jumped`): judged and counted when one did,
+        or when its bits differ once a recheck has reproduced in this run (a device that
+        computes an update differently twice); None: not counted (a healthy step's
+        recheck: the calibration)."""
+        differs = (
+            comparison.refused is None and first_differing(comparison.order, flags) is not None
+        )
+        self.update_trusted = self.update_trusted or (comparison.refused is None and not differs)
+        if not jumped and not (differs and self.update_trusted):
+            return None
+        if differs and not self.update_trusted:
+            comparison = dataclasses.replace(comparison, refused=UPDATE_NOT_CALIBRATED)
+        return self.judge(comparison, flags, self.update_verdicts)
+
+    def judge(
+        self,
+        comparison: SpikeComparison,
+        flags: Sequence[float],
+        verdicts: dict[int, Verdict] | None = None,
+    ) -> str:
         """`flags`: the comparison's device flags as read on the host, stacks in order (then
-        the batch's samples of largest loss, `suspects_of`)."""
+        the batch's samples of largest loss, `suspects_of`); `verdicts`: where its verdict
+        is kept (the spikes' by default)."""
         entered, suspects, phase = None, None, None
         if comparison.suspects:
             flags, (suspects, _) = (
@@ -1011,8 +1048,11 @@ class SpikeReplays:
             if first is not None:
                 result, entered = NOT_REPRODUCED, comparison.layers[first]
                 backward, params = comparison.backward_from, comparison.params_from
+                update = comparison.update_from
                 phase = (
-                    "parameter_gradient"
+                    "update"
+                    if update is not None and first >= update
+                    else "parameter_gradient"
                     if params is not None and first >= params
                     else "backward"
                     if backward is not None and first >= backward
@@ -1034,9 +1074,10 @@ class SpikeReplays:
                 result = REPRODUCED
         self.counts[result] += 1
         self.capsules += comparison.capsule is not None
-        self.verdicts[comparison.step] = (result, comparison.capsule, entered, suspects, phase)
-        if len(self.verdicts) > 64:
-            del self.verdicts[min(self.verdicts)]
+        kept = self.verdicts if verdicts is None else verdicts
+        kept[comparison.step] = (result, comparison.capsule, entered, suspects, phase)
+        if len(kept) > 64:
+            del kept[min(kept)]
         self.last = (comparison.step, result, comparison.deterministic, time.time())
         return result
 

@@ -300,8 +300,7 @@ class Aggregator:
             flags = [v for k in range(packet.replay_parts) for v in packet.batch.get(("replay", k))]
             if isinstance(packet.replay_check, SpikeComparison):  # (a spike's replay)
                 if self.spike_replays is not None:
-                    self.spike_replays.judge(packet.replay_check, flags)
-                    self.spikes.note_verdicts(dict(self.spike_replays.verdicts))
+                    self._judge_spike_replay(packet.replay_check, flags)
             elif self.replay is not None:
                 self.replay.judge(packet.replay_check, flags)
             self._dirty = True
@@ -595,6 +594,21 @@ class Aggregator:
     def last_step_figures(self) -> dict[str, list[Any]]:
         """The last sampled step's per-layer lists ("fwd", "bwd", "grad", ...; {} before one)."""
         return self._last
+
+    def _judge_spike_replay(self, comparison: SpikeComparison, flags: list[float]) -> None:
+        """A spike's replay, or a measured step's update run again (integrity/
+        update_replay.py: judged as an update ratio jump's verdict when one began on its
+        step, which its sampled packet, come before, has said by now)."""
+        replays = self.spike_replays
+        assert replays is not None
+        if comparison.update_from is None:
+            replays.judge(comparison, flags)
+        else:
+            jump = self.spikes.counts()[UPDATE_RATIO_JUMP].last
+            replays.judge_update(
+                comparison, flags, jump is not None and jump.step == comparison.step
+            )
+        self.spikes.note_verdicts(dict(replays.verdicts), dict(replays.update_verdicts))
 
     def _flag_gradients(self, squares: list[float], has_grad: frozenset[int]) -> None:
         low, high = self.grad_norm_bounds

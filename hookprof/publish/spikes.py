@@ -136,6 +136,7 @@ class SpikeWatch:
         # of the last drain (read from the training thread: a tuple, replaced whole)
         self.gate_limits = (math.inf, math.inf, math.inf, math.inf)
         self._verdicts: Mapping[int, tuple[Any, ...]] = {}
+        self._update_verdicts: Mapping[int, tuple[Any, ...]] = {}
 
     def observe(self, values: Iterable[StepValue]) -> None:
         for v in values:
@@ -163,20 +164,29 @@ class SpikeWatch:
         margin = _MARGIN[kind] * max(abs(median), scale)
         return median + part * max(threshold * scale, margin)
 
-    def note_verdicts(self, verdicts: Mapping[int, tuple[Any, ...]]) -> None:
+    def note_verdicts(
+        self,
+        verdicts: Mapping[int, tuple[Any, ...]],
+        update_verdicts: Mapping[int, tuple[Any, ...]] | None = None,
+    ) -> None:
         """The spike replay's verdicts by step (integrity/spike_replay.py `Verdict`: the
         result, its capsule, the first layer whose output differed, the batch's samples of
-        largest loss, the phase that layer's difference was in): the events of those steps
-        carry theirs, whether they were counted before or after."""
+        largest loss, the phase that layer's difference was in), and the update ratio
+        jumps' (integrity/update_replay.py: the step's update run again): the events of
+        those steps carry theirs, whether they were counted before or after."""
         with self._lock:
             self._verdicts = verdicts
-            self._counts = {kind: self._with_verdicts(c) for kind, c in self._counts.items()}
+            if update_verdicts is not None:
+                self._update_verdicts = update_verdicts
+            self._counts = {kind: self._with_verdicts(kind, c) for kind, c in self._counts.items()}
 
-    def _with_verdicts(self, count: SpikeCount) -> SpikeCount:
+    def _with_verdicts(self, kind: str, count: SpikeCount) -> SpikeCount:
+        verdicts = self._update_verdicts if kind == UPDATE_RATIO_JUMP else self._verdicts
+
         def of(event: SpikeEvent | None) -> SpikeEvent | None:
             if event is None or event.verdict is not None:
                 return event
-            found = self._verdicts.get(event.step)
+            found = verdicts.get(event.step)
             if found is None:
                 return event
             verdict, capsule, entered, suspects, phase = found
@@ -248,7 +258,7 @@ class SpikeWatch:
         with self._lock:
             old = self._counts[kind]
             count = SpikeCount(old.count + 1, old.first or event, event)
-            self._counts[kind] = self._with_verdicts(count) if self._verdicts else count
+            self._counts[kind] = self._with_verdicts(kind, count)
 
     def counts(self) -> Mapping[str, SpikeCount]:
         with self._lock:

@@ -815,7 +815,11 @@ def first_differing_text(layer: str, phase: str | None) -> str:
     output, or (phase "backward", the forward alike) the gradient of a layer's output, which
     the backward of what takes that output made, or (phase "parameter_gradient", the forward
     and every layer's output gradient alike) a parameter's own gradient (`layer` is then the
-    parameter's name), which its layer's backward made."""
+    parameter's name), which its layer's backward made, or (phase "update") a parameter's
+    update, which the optimizer made differently when run again from the same gradients,
+    weights and state (an update ratio jump's verdict)."""
+    if phase == "update":
+        return f"the optimizer's update of {layer} differs when run again"
     if phase == "parameter_gradient":
         return f"forward and output gradients alike, first differing: {layer}'s gradient"
     if phase == "backward":

@@ -153,6 +153,7 @@ def test_a_divergence_spikes_steps_before_it_goes_non_finite():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 10^4 steps: ~1-2 min alone, 5+ on a loaded 2-core host
 def test_a_healthy_run_with_warm_up_and_a_cosine_schedule_raises_none():
     """An MLP under AdamW with 500 steps of linear warm-up and a cosine decay over 10^4 steps,
     every 4th step sampled and measuring every layer's update: no spike of any kind (the
@@ -329,6 +330,7 @@ def test_heads_updated_on_some_steps_only_raise_no_jump_and_hide_none():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 10^4 steps: ~1-2 min alone, 5+ on a loaded 2-core host
 def test_the_demos_healthy_ratios_raise_no_jump_however_sparsely_they_are_measured():
     """Found in a clean-clone CI run: the healthy demo run raised one update_ratio_jump under
     load. A layer's ratio drifts (the demo's LayerNorm doubles over 10^4 steps, with bursts),
@@ -395,6 +397,7 @@ def test_spikes_off():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 10^4 steps: ~1-2 min alone, 5+ on a loaded 2-core host
 def test_a_healthy_run_of_ten_thousand_steps_raises_none():
     """The defaults on the demo's own loop (AdamW, its synthetic task): no spike in 10^4
     steps; with the replay check on (issue 43 item 5), every scheduled check reproduced."""

@@ -89,22 +89,27 @@ class Faults:
         self.by_part = dict.fromkeys(PARTS, 0)  # the same faults, by part (part_of)
         self.broken = False  # the per-layer instrumentation failed: off until layers_off says
         self._logged: set[str] = set()
-        self._step = 0
+        # the step in progress, written as each one begins (StepEvents.begin_step)
+        self.step = 0
         # counted in steps, not seconds (the clock is the step number): after n failures in a
         # row the layers wait 2**(n-1) steps, at most 64, so a fault that comes back at every
         # step costs one failed try per 64 steps, not one per step
-        self._layers = Backoff(first_s=1.0, cap_s=64.0, clock=lambda: self._step)
+        self._layers = Backoff(first_s=1.0, cap_s=64.0, clock=lambda: self.step)
+        # the per-layer instrumentation failed and no step has run it through since (its
+        # back-off is running): only then has a step's start anything to ask `layers_off`
+        # (an attribute read on every other step, no call)
+        self.recovering = False
 
-    def layers_off(self, step: int) -> bool:
-        """At step `step`'s start: does the per-layer instrumentation stay off for it? Off
-        only while its back-off lasts; a step that began with it on and met no fault resets
-        the back-off."""
+    def layers_off(self) -> bool:
+        """At the start of step `step` (asked while `recovering`): does the per-layer
+        instrumentation stay off for it? Off only while its back-off lasts; a step that
+        began with it on and met no fault resets the back-off."""
         with self._lock:
-            self._step = step
             if self.broken and self._layers.ready():
                 self.broken = False  # tried again
             elif not self.broken and self._layers.failures > 0:  # .failing, inline
                 self._layers.succeeded()
+                self.recovering = False
             return self.broken
 
     @contextlib.contextmanager
@@ -125,6 +130,7 @@ class Faults:
             self.by_part[part_of(where)] += 1
             if disable and not self.broken:
                 self.broken = True  # for this step; retried by layers_off
+                self.recovering = True
                 self._layers.failed()
             first = where not in self._logged
             self._logged.add(where)

@@ -138,14 +138,18 @@ class StepEvents:
         # a check step (hookprof/integrity/) is sampled: its layers' outputs are summed
         check = self._replicas is not None and self._replicas.due(number, now_ns)
         self._hold_on_forward = check
-        self._nan.step_began()
+        if self._nan.traced.compiled:  # (its RNG state: a compiled model's steps only)
+            self._nan.step_began()
         self._series.begin(number, self._counters.last_seconds)
+        faults = self._faults
+        faults.step = number  # (the clock the layers' back-off counts in)
         record = self._sampled.begin(
             number,
             now_ns,
             incident=incident or check,
             compiled=self._boundary.compiled,
-            broken=self._faults.layers_off(number),
+            # (layers_off's usual "on, nothing to retry or forget", inline: every step)
+            broken=faults.recovering and faults.layers_off(),
         )
         self._grads.new_step(self._sampled.plan.sampled)
         if self._replay_check is not None:
@@ -175,7 +179,10 @@ class StepEvents:
         """A training forward of the root (or an entry call) begins."""
         if self._sampled.record is not None:  # a sampled step (step 1's hooks go in now)
             self._sampled.install_late(module, args, own_layer, entry)
-        self._nan.capture(args, kwargs, module if entry else None, rerun=self._sampled.rerun_wanted)
+        if self._sampled.rerun_wanted:  # a compiled model's checked step: kept for its re-run too
+            self._nan.capture_for_rerun(args, kwargs, module if entry else None)
+        else:  # (the replay's own capture, called direct: every training forward)
+            self._nan.replay.capture(args, kwargs, module if entry else None)
         if self._sampled.plan.checked:
             self._hooks.note_root_inputs(args, kwargs)  # a NaN in the batch is the input's
         if self._hooks.fingerprint_outputs and self._replay_check is not None:
@@ -217,7 +224,9 @@ class StepEvents:
             self._run_replay_check()  # the step's own weights, for the last time
         if self._replicas is not None and self._replicas.holding:
             self._release_parameters()  # (before any optimizer of the step writes them)
-        self._nan.update_began(self._counters.steps + 1)
+        nan = self._nan
+        if nan.traced.called or nan.guard is not None:  # (else it has nothing to do: every step)
+            nan.update_began(self._counters.steps + 1)
         if self._spike_replay is not None:  # (last: the watch above has read the weights)
             self._spike_update_began()
         if self._sampled.rerun_wanted:
@@ -307,7 +316,7 @@ class StepEvents:
     def on_late_loss(self, loss: Any) -> None:
         """prof.step(loss) after the optimizer hook ended the step: this adds its loss."""
         number = self._counters.steps
-        self._nan.check_loss(loss, number, late=True)
+        self._nan.check_late_loss(loss, number)
         if self._spike_replay is not None:
             self._spike_late_loss(number, loss)
         if loss is not None:
@@ -328,7 +337,7 @@ class StepEvents:
             # a loss on a device is copied into its slot of the step series' ring first, and
             # checked there (float64, no grad: the same NaN/Inf, no `detach`)
             kept = self._series.loss(loss)
-            nan.check_loss(loss if kept is None else kept, self._counters.steps + 1)
+            nan.note_loss(loss if kept is None else kept, self._counters.steps + 1)
         replay = nan.replay
         if (
             replay.flag is not None or (replay.kept and not self._grads.read_at_update)

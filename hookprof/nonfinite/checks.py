@@ -11,9 +11,10 @@ checks send); what to do about it is `IncidentResponse`'s (incident.py). This pa
 looks, holds back, replays and sends.
 
 Called by: the `Profiler`, at the step events `StepBoundary` tells, in this order within a
-step: `step_began`, `capture` (each training forward), `check_output` (its end), `update_began` /
-`before_update` / `closure_*` / `update_done` (each owned optimizer), `at_step_end`,
-`end_update`.
+step: `step_began` (a compiled model's), `replay.capture` (each training forward),
+`check_output` (its end), `update_began` (with a guard or compiled forwards) /
+`before_update` / `closure_*` / `update_done` (each owned optimizer), `note_loss`,
+`at_step_end`, `end_update`.
 """
 
 from __future__ import annotations
@@ -117,27 +118,26 @@ class NonfiniteChecks:
         self._masked: tuple[list[torch.Tensor], list[torch.Tensor]] | None = (
             None  # (squares, checked)
         )
+        # the loss of the step in progress (a device tensor that needs no grad, its slot in the
+        # step series' ring; or a value on the host), counted at the step's end: the
+        # detector's own method, bound once (no frame of ours in front of it, every step)
+        self.note_loss = self.detector.note_loss
 
     # ---------------- within a step ----------------
 
     def step_began(self) -> None:
-        if self.traced.compiled:  # its RNG state, for a replay of a compiled forward
-            self.traced.step_began()
-        self._rerun_forward = None
-        self._rerun_done = False
-        self._scaler_view = None
-        self._masked = None
-        # (the output's flags were cleared at the last step's end: at_step_end)
+        """A step of a compiled model begins: its RNG state, for a replay of its compiled
+        forward (called only then: what the last step held was cleared at its end,
+        `at_step_end`)."""
+        self.traced.step_began()
 
-    def capture(
-        self, args: Any, kwargs: Any, entry_module: nn.Module | None, *, rerun: bool = False
-    ) -> None:
-        """A training forward begins: keep its inputs for a replay (the root is never held:
-        the replay keeps the model weakly); with `rerun`, for this step's re-run too (a
-        sampled step with checks whose compiled regions hide their layers: `rerun`)."""
-        captured = self.replay.capture(args, kwargs, entry_module, also_when_done=rerun)
-        if rerun:  # whatever the replay's state (it keeps nothing once its one replay ran)
-            self._rerun_forward = captured
+    def capture_for_rerun(self, args: Any, kwargs: Any, entry_module: nn.Module | None) -> None:
+        """A training forward of a step that wants a re-run begins (a sampled step with
+        checks whose compiled regions hide their layers: `rerun`): its inputs kept for the
+        re-run, and for a replay (the root is never held: the replay keeps the model
+        weakly). Any other training forward goes to `replay.capture` alone."""
+        # whatever the replay's state (it keeps nothing once its one replay ran)
+        self._rerun_forward = self.replay.capture(args, kwargs, entry_module, also_when_done=True)
 
     def check_output(self, output: Any, *, step: int) -> None:
         """A training forward returned: one reduction of the model's output, every step,
@@ -155,17 +155,15 @@ class NonfiniteChecks:
         if self.replay.note_output(self.output.last, self.output.earlier):
             self.replay_forward(step)
 
-    def check_loss(self, loss: Any, step: int, *, late: bool = False) -> None:
-        """The loss of step `step`, in the step (counted at its end), or `late`: after the
-        step ended (counted at once)."""
-        if loss is None:
-            return
-        if late:
+    def check_late_loss(self, loss: Any, step: int) -> None:
+        """The loss of step `step`, given after the step ended: counted at once (a loss in
+        the step goes to `note_loss`)."""
+        if loss is not None:
             self.detector.add_flag("loss", loss_flag(loss), step)
-        else:
-            self.detector.note_loss(loss, step)
 
     def update_began(self, step: int) -> None:
+        """An owned optimizer's update begins: called only where there is something to do
+        (`traced.called`, or a guard: StepEvents.on_update_began asks, every step)."""
         if (
             self.traced.called
         ):  # compiled forwards ran: first, the guard judges the update with them
@@ -310,6 +308,12 @@ class NonfiniteChecks:
             capsules.draft = None
         # the output's flags combined as they came (OutputFlags)
         self.detector.end_step(layers, self.output.take(), step, backward)
+        # what this step held is cleared for the next one here, at its end, as the output's
+        # flags are by take(): the next step's start has nothing to clear (one call less)
+        self._rerun_forward = None
+        self._rerun_done = False
+        self._scaler_view = None
+        self._masked = None
 
     def end_update(self, number: int) -> int | None:
         """Step `number` is counted: an update held back is counted once per step, however

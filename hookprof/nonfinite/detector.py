@@ -270,8 +270,9 @@ class Detector:
         if isinstance(loss, torch.Tensor) and not (transfer.on_host(loss) and loss.numel() == 1):
             counters = self.by_device.get(loss.device) or self.counters(loss.device)
             counters.note_loss(loss)
-        else:
-            self.add_flag("loss", loss_flag(loss), step)
+        else:  # a number or a one-element CPU tensor (loss_flag's host case, inline: every step)
+            value = loss.item() if isinstance(loss, torch.Tensor) else float(loss)
+            self.add_flag("loss", not math.isfinite(value), step)
 
     def end_step(
         self,

@@ -168,6 +168,9 @@ class StepBoundary:
         self._handles = HandleGroup()
         self._entry_handles = HandleGroup()  # on the root's children, until the root's own forward
         self._entry: nn.Module | None = None  # the entry call in progress
+        # the root call whose pre-hook ran last is a transform's (jit.trace, vmap, export:
+        # _on_root_forward), until its output hook
+        self._in_transform = False
         self.detached = False  # detach() was called (written under the lock, read anywhere)
         # held while a step ends or a training forward begins, and by close(): once close()
         # returns, no step end or forward on another thread is half-way through putting the
@@ -346,8 +349,13 @@ class StepBoundary:
         """The root module's forward begins (or an entry call's, `entry`): the step has
         begun; its inputs are kept for a replay. The torch hook itself (one frame with its
         guard: the unsampled step's path, issue 37)."""
-        if self._hooks.replaying or (not entry and transformed()):
-            return  # jit.trace, vmap, export: no training step, hookprof steps aside
+        if self._hooks.replaying:
+            return
+        # jit.trace, vmap, export: no training step, hookprof steps aside. The verdict is
+        # kept for this call's output hook (transformed() asked once per forward, not twice)
+        self._in_transform = not entry and transformed()
+        if self._in_transform:
+            return
         # evaluation passes (under no_grad / inference_mode, or with the model in eval mode
         # unless the run trains in eval mode) are not training steps
         grad = torch.is_grad_enabled()
@@ -399,7 +407,10 @@ class StepBoundary:
     def _on_root_output(self, module: nn.Module, args: Any, output: Any) -> None:
         """The root module's forward returned: its output is checked (every step), inside
         the graph when the model runs compiled."""
-        if self._hooks.replaying or transformed():
+        if self._in_transform:  # (its pre-hook's verdict; cleared for an enclosing call)
+            self._in_transform = False
+            return
+        if self._hooks.replaying:
             return
         training = self._hooks.root_output_arrived()
         if not training or not torch.is_grad_enabled():
@@ -539,34 +550,41 @@ class StepBoundary:
 
     # ---------------- the step's end ----------------
 
-    @guarded("step boundary")
+    @guarded("step boundary", locked=True)
     def step(self, loss: Any) -> None:
-        """`prof.step(loss)`: from its first call on, only these calls end steps."""
+        """`prof.step(loss)`: from its first call on, only these calls end steps. (Its own
+        end of the step: `_end_step`'s body, inline, one frame less on every such step.)"""
         self.manual = True
-        if self._step.closed_by_optimizer and not self._step.forward_seen:
+        step = self._step
+        if step.closed_by_optimizer and not step.forward_seen:
             # the optimizer hook already ended this step: this call adds its loss
-            self._step.closed_by_optimizer = False
+            step.closed_by_optimizer = False
             self._events.on_late_loss(loss)
             return
-        self._end_step(  # (its loss checked first: StepEvents.on_step_end)
-            loss, by_optimizer=False, skipped=self._step.scaler_skipped and not self._step.stepped
+        number, now = self._events.on_step_end(  # (its loss checked first)
+            loss,
+            skipped=step.scaler_skipped and not step.stepped,
+            started_ns=step.start_ns,
+            forward_seen=step.forward_seen,
         )
+        self._step = StepState(start_ns=now)
+        if not self.detached:  # (detached by this thread meanwhile: nothing to plan)
+            self._events.on_step_ended(number, now)
 
     def _end_step(self, loss: Any, *, by_optimizer: bool, skipped: bool = False) -> None:
+        """An optimizer's update ended the step (or a GradScaler's skip of it): called
+        holding the lock, from the guarded hooks (`step` ends its own the same way)."""
         if self.detached:  # detached (or a copy's inert boundary): nothing to end
             return
-        with self._lock:
-            if self.detached:  # detach() on another thread since the check above
-                return
-            number, now = self._events.on_step_end(
-                loss,
-                skipped=skipped,
-                started_ns=self._step.start_ns,
-                forward_seen=self._step.forward_seen,
-            )
-            self._step = StepState(start_ns=now, closed_by_optimizer=by_optimizer)
-            if not self.detached:  # (detached by this thread meanwhile: nothing to plan)
-                self._events.on_step_ended(number, now)
+        number, now = self._events.on_step_end(
+            loss,
+            skipped=skipped,
+            started_ns=self._step.start_ns,
+            forward_seen=self._step.forward_seen,
+        )
+        self._step = StepState(start_ns=now, closed_by_optimizer=by_optimizer)
+        if not self.detached:  # (detached by this thread meanwhile: nothing to plan)
+            self._events.on_step_ended(number, now)
 
 
 def _inert() -> StepBoundary:

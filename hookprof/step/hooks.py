@@ -164,9 +164,11 @@ class LayerHooks:
         ] + [[] for _ in table.containers]
         # what is installed, as handles: hook handles (the root layer, modules that refuse a
         # wrapper) and wrappers put in place (a layer's `forward`, a compiled region's
-        # compiled call: see _wrap); a replay's additions go in a group of their own
-        self._installs = HandleGroup()
-        self._group = self._installs  # where an install goes now
+        # compiled call: see _wrap); a replay's additions go in a group of their own. Read,
+        # not written, from outside: `installs.members` is `installed` without its call (a
+        # step's start asks it, every step)
+        self.installs = HandleGroup()
+        self._group = self.installs  # where an install goes now
         self._skipped: list[int] = []  # layers left out: their calls run inside a compiled graph
         # the compiled regions with children (see _install_regions): row -> every parameter
         # of the module, where its backward ends when its inputs need no gradient; and
@@ -191,7 +193,7 @@ class LayerHooks:
 
     @property
     def installed(self) -> bool:
-        return bool(self._installs.members)
+        return bool(self.installs.members)
 
     @property
     def hides_compiled_layers(self) -> bool:
@@ -268,7 +270,7 @@ class LayerHooks:
                 )
             yield
         finally:
-            self._group = self._installs
+            self._group = self.installs
             try:
                 added.remove()
             finally:  # (a wrapper that would not come out must not leave replaying set)
@@ -408,7 +410,7 @@ class LayerHooks:
 
     def remove(self) -> None:
         self.end()
-        self._installs.remove()
+        self.installs.remove()
         self._region_params, self._hides = {}, False
         self._local = threading.local()
 

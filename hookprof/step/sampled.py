@@ -81,7 +81,7 @@ class SampledStep:
             # compiled after attach() must never see them, or Dynamo recompiles
             self._hooks.begin(self.record, install=number > 1, activation_stats=self.plan.checked)
             self._decide_rerun()
-        elif self._hooks.installed:
+        elif self._hooks.installs.members:  # (installed, without its call: every step)
             self._hooks.remove()
         return self.record
 

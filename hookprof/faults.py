@@ -58,6 +58,7 @@ _PART_OF_WHERE = (
     ("replica check", "integrity"),  # the parameters' fingerprint (hookprof/integrity/)
     ("replay check", "integrity"),  # a check step's forward replayed and compared
     ("spike replay", "integrity"),  # a spike's step replayed (integrity/spike_replay.py)
+    ("update replay", "integrity"),  # an update run again (integrity/update_replay.py)
     ("stall watch", "stall watch"),
     ("publisher", "publisher"),
     ("snapshot", "publisher"),

@@ -33,7 +33,9 @@ Not rechecked, with the reason said: an update that runs a closure (its gradient
 final as it begins), an optimizer that is not one of torch.optim's own (a hand-written one
 may keep state outside `optimizer.state`, which the shadow would share and write), one with
 step hooks of its own (torch runs them between hookprof's, where they may write the
-gradients or the parameters); a
+gradients or the parameters), or under another tool's global step hooks that torch runs
+between hookprof's (step/dispatch.py `others_around_update`); an update that raised (no
+post-hook came: its parameters may be updated half-way); a
 parameter of the turn that no optimizer of the step runs again is left out, the others
 compared. Training is unchanged
 bit for bit: the shadow writes only its own copies.
@@ -48,6 +50,7 @@ from typing import Any
 import torch
 
 from hookprof.integrity.spike_replay import SpikeComparison
+from hookprof.step.dispatch import others_around_update
 from hookprof.tensors import local_bits
 
 CLOSURE = (
@@ -61,6 +64,16 @@ HAND_WRITTEN = (
 STEP_HOOKS = (
     "the optimizer has step hooks of its own (torch runs them after hookprof's pre-hook and "
     "before its post-hook: they may write the gradients or the parameters)"
+)
+GLOBAL_HOOKS = (
+    "another tool's global optimizer step hooks run between hookprof's pre-hook and its "
+    "post-hook (torch.optim.optimizer.register_optimizer_step_pre_hook after hookprof's, or "
+    "register_optimizer_step_post_hook before it): they may write the gradients or the "
+    "parameters"
+)
+UNFINISHED = (
+    "the update did not return through the optimizer's post-hook (it raised, or a step hook "
+    "before hookprof's did): its parameters may be updated half-way"
 )
 NO_OPTIMIZER = "no optimizer of the step updated the measured layers' parameters"
 
@@ -107,6 +120,9 @@ class UpdateReplay:
             return
         if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
             self._refused = self._refused or STEP_HOOKS
+            return
+        if others_around_update():
+            self._refused = self._refused or GLOBAL_HOOKS
             return
         shadow_groups: list[dict[str, Any]] = []
         shadow_state: collections.defaultdict[torch.Tensor, dict[str, Any]]
@@ -157,8 +173,8 @@ class UpdateReplay:
         no update again."""
         if self._step != step:
             return None
-        if self.running:  # (no post-hook came: an update that raised)
-            self.update_done()
+        if self.running:  # (no post-hook came: an update that raised, half done)
+            self.running, self._refused = [], self._refused or UNFINISHED
         flags, refused = self._flags, self._refused
         self._step, self._flags, self._refused = None, [], None
         if not flags:  # (with some run again, those are compared, the others left out)

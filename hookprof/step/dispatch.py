@@ -104,3 +104,17 @@ def _dispatch_pre(optimizer: Any, args: Any, kwargs: Any) -> Any:
 def _dispatch_post(optimizer: Any, args: Any, kwargs: Any) -> None:
     for hook in _post:
         hook(optimizer, args, kwargs)
+
+
+def others_around_update() -> bool:
+    """Does another global optimizer step hook run between hookprof's pre-hook and the
+    update (a pre-hook registered after hookprof's), or between the update and hookprof's
+    post-hook (a post-hook registered before hookprof's first `listen`)? Such a hook may
+    write the gradients or the parameters where hookprof cannot see it (torch runs the
+    global pre-hooks in the order they were registered, then the optimizer's own; its own
+    post-hooks, then the global ones)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    pre = tuple(getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}).values())
+    post = tuple(getattr(torch_optimizer, "_global_optimizer_post_hooks", {}).values())
+    return not (pre and pre[-1] is _dispatch_pre and post and post[0] is _dispatch_post)

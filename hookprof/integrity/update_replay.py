@@ -91,6 +91,9 @@ class UpdateReplay:
         self._names = names
         self._step: int | None = None  # the step whose updates are run again
         self._refused: str | None = None
+        # torch's deterministic algorithms on as the step's first update was run again (the
+        # mismatch's `deterministic` label: with them on, a difference is the device's)
+        self._deterministic = False
         # (parameter position, the shadow's copy after its update) of the update running
         self.running: list[tuple[int, torch.Tensor]] = []
         # (parameter position, flag "its bits differ from the second run's"), in turn order
@@ -104,6 +107,7 @@ class UpdateReplay:
         gradients are final (no closure runs first)."""
         if self._step != step:
             self._step, self._refused, self._flags, self.running = step, None, [], []
+            self._deterministic = torch.are_deterministic_algorithms_enabled()
         done = {k for k, _ in self._flags}
         wanted = {id(self._params[k]): k for k in turn if k not in done}
         groups = [
@@ -188,7 +192,16 @@ class UpdateReplay:
             for group in by_device.values()
         ]
         names = tuple(self._names[position] for position, _ in flags)
-        return SpikeComparison(step, layers=names, order=order, update_from=0), parts
+        return (
+            SpikeComparison(
+                step,
+                deterministic=self._deterministic,
+                layers=names,
+                order=order,
+                update_from=0,
+            ),
+            parts,
+        )
 
     def drop(self) -> None:
         """The step's update did not happen (a skipped step) or was held back: nothing to

@@ -513,3 +513,20 @@ def test_an_update_that_raised_is_not_compared(rechecks, monkeypatch):
     assert all(not any(f) for c, f in rechecks.values())
     comparison, _ = rechecks[25]
     assert comparison.refused == update_replay.UNFINISHED
+
+
+def test_a_wrong_update_under_deterministic_algorithms_says_so(rechecks, monkeypatch):
+    """With torch's deterministic algorithms on, a mismatch is the device's: the info
+    metric's `deterministic` label (which the alert reads) says "true", as the spike
+    replay's does."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        _, (snap, page, _) = train(ARMED, fault=monkeypatch)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    mismatch = snap.spike_mismatch
+    assert (mismatch.step, mismatch.layer, mismatch.phase) == (AT, "2.weight", "update")
+    assert mismatch.deterministic is True
+    (info,) = parse(page)["hookprof_spike_mismatch_info"].samples
+    assert info.labels["deterministic"] == "true"

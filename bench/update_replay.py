@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import WORKLOADS  # noqa: E402
 
 from hookprof.integrity.update_replay import UpdateReplay  # noqa: E402
+from hookprof.step import dispatch  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    # hookprof's process-wide optimizer hooks, as attach puts them in: the second run
+    # refuses to run where another tool's global hooks sit between them (none here)
+    dispatch.listen()
     print(f"torch {torch.__version__}, device {device}, {args.rounds} rounds of {args.steps}")
     print("| workload | bare step | the second run's extra | extra / step | per step at 1 s |")
     print("|---|---|---|---|---|")
@@ -68,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                 opt.step()
                 if recheck:
                     replay.update_done()
-                    replay.step_ended(k + 1)
+                    comparison, _ = replay.step_ended(k + 1) or (None, None)
+                    if comparison is None or comparison.refused is not None:
+                        raise SystemExit(f"the update was not run again: {comparison}")
             sync(device)
             return (time.perf_counter() - started) / n
 

@@ -380,11 +380,11 @@ def run_report(args: argparse.Namespace) -> int:
 def add_replay_parser(sub: argparse._SubParsersAction) -> None:
     replay = sub.add_parser(
         "replay",
-        help="re-run a capsule (Config.capsule_dir) and say whether its NaN/Inf, or its replay "
-        "check's mismatch, comes back",
-        description="Re-run the NaN/Inf of an incident capsule, or the forward of a replay check "
-        "that did not reproduce: exit status 0 reproduced, 1 not reproduced, 2 could not load, "
-        "3 no verdict (a replay check's bits that cannot be compared here). The capsule is "
+        help="re-run a capsule (Config.capsule_dir) and say whether its NaN/Inf, its replay "
+        "check's mismatch, its spike or its update comes back",
+        description="Re-run the NaN/Inf of an incident capsule, the forward of a replay check "
+        "or a spike, or an optimizer's update: exit status 0 reproduced, 1 not reproduced, 2 "
+        "could not load, 3 no verdict (bits that cannot be compared here). The capsule is "
         "unpickled: the model's code must be importable, and only load a capsule you trust.",
     )
     replay.add_argument("capsule", help="the capsule file (hookprof-capsule-*.pt)")
@@ -400,6 +400,8 @@ def run_replay(args: argparse.Namespace) -> int:
     from hookprof.nonfinite.check_capsule import FORM_CHECK
     from hookprof.nonfinite.check_reproduce import replay_check_capsule
     from hookprof.nonfinite.reproduce import NOT_LOADED, replay
+    from hookprof.nonfinite.update_capsule import FORM_UPDATE
+    from hookprof.nonfinite.update_reproduce import replay_update_capsule
 
     if args.runs < 1:
         print(f"could not load: --runs {args.runs}: not a number of runs >= 1")
@@ -411,7 +413,8 @@ def run_replay(args: argparse.Namespace) -> int:
         args.capsule,
         device=args.device,
         runs=args.runs,
-        forms={FORM_CHECK: replay_check_capsule},  # (a replay check's mismatch)
+        # (a replay check's mismatch or a spike's batch; an update's inputs)
+        forms={FORM_CHECK: replay_check_capsule, FORM_UPDATE: replay_update_capsule},
     )
 
 

@@ -243,7 +243,8 @@ class Config:
     """Where the incident capsule of a run's first NaN/Inf is written (one file: the producer
     module, its inputs and output, or the step's forward inputs and the model, for
     `hookprof replay`), and, with sdc_check_interval_s, the capsule of a replay check that
-    did not reproduce (docs/integrity.md). None (the default): none is written. A capsule
+    did not reproduce; with spike_replay, a spike's and a measured update's that differed or
+    jumped (docs/integrity.md). None (the default): none is written. A capsule
     holds a batch of training data: set it only where that data may be kept
     (docs/nonfinite.md)."""
 

@@ -45,6 +45,7 @@ from hookprof.nonfinite.check_capsule import check_capsules
 from hookprof.nonfinite.checks import NonfiniteChecks
 from hookprof.nonfinite.incident import IncidentResponse
 from hookprof.nonfinite.replay import forward_again, state_at_forward_start
+from hookprof.nonfinite.update_capsule import update_capsules
 from hookprof.notices import Notices
 from hookprof.phases.clock import BACKWARD, DATA, FORWARD, OPTIMIZER, OTHER, OUTSIDE
 from hookprof.phases.recorder import PhaseClock
@@ -587,7 +588,10 @@ class StepEvents:
         if no_update:
             self._update_replay.drop()
         else:
-            self._submit_spike(self._update_replay.step_ended(number))
+            for sent in self._update_replay.step_ended(number):
+                self._submit_spike(sent)
+        for sent in self._update_replay.poll():  # (capsule_dir: an earlier step's, decided)
+            self._submit_spike(sent)
 
     @guarded("spike replay", disable=False)
     def _spike_late_loss(self, number: int, loss: Any) -> None:
@@ -682,7 +686,14 @@ def replays_of(
         "replay_check": ReplayCheck.of(config, table.names, capsules()),
         "spike_replay": spike_replay,
         # an update ratio jump's verdict: measured updates run again (update_replay.py)
-        "update_replay": UpdateReplay(table.params, table.param_names)
+        "update_replay": UpdateReplay(
+            table.params,
+            table.param_names,
+            capsules=update_capsules(config, name, rank, faults, say),
+            layer_of=table.param_layer,
+            layer_names=table.names,
+            limits=publisher.update_ratio_limits,
+        )
         if spike_replay is not None and config.update_norms
         else None,
     }

@@ -1020,6 +1020,9 @@ class SpikeReplays:
         )
         self.update_trusted = self.update_trusted or (comparison.refused is None and not differs)
         if not jumped and not (differs and self.update_trusted):
+            # (a capsule its gate wrote, the rule's limit passed on the training thread's
+            # reckoning but no jump began here: written all the same, so counted)
+            self.capsules += comparison.capsule is not None
             return None
         if differs and not self.update_trusted:
             comparison = dataclasses.replace(comparison, refused=UPDATE_NOT_CALIBRATED)

@@ -39,19 +39,28 @@ post-hook came: its parameters may be updated half-way); a
 parameter of the turn that no optimizer of the step runs again is left out, the others
 compared. Training is unchanged
 bit for bit: the shadow writes only its own copies.
+
+With capsule_dir set (`capsules`), what each update began from is copied apart as well, and
+held until the step's flags, its layers' update and weight squares and both runs' bit sums
+reach the host (at a later step's end, never waited for while fewer than PENDING_MOST steps
+are pending): a step whose update differed (once calibrated) or whose layer passed the jump
+rule's current limit gets its capsule (nonfinite/update_capsule.py), for `hookprof replay`.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from hookprof.device import transfer
 from hookprof.integrity.spike_replay import SpikeComparison
 from hookprof.step.dispatch import others_around_update
-from hookprof.tensors import local_bits
+from hookprof.tensors import bits_sum, local_bits
 
 CLOSURE = (
     "the update ran a closure, or came after its step's end (its gradients were not final "
@@ -76,6 +85,8 @@ UNFINISHED = (
     "before hookprof's did): its parameters may be updated half-way"
 )
 NO_OPTIMIZER = "no optimizer of the step updated the measured layers' parameters"
+# measured steps whose capsules may wait for their values to reach the host (capsule_dir)
+PENDING_MOST = 4
 
 
 def _copy(value: Any) -> Any:
@@ -86,9 +97,36 @@ class UpdateReplay:
     """The training thread's side: `update_began` on each optimizer's update of a step that
     measures updates, `step_ended` at its end (see the module's docstring)."""
 
-    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str]):
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        *,
+        capsules: Any = None,
+        layer_of: Sequence[int] = (),
+        layer_names: Sequence[str] = (),
+        limits: Callable[[], Mapping[str, float]] | None = None,
+    ):
         self._params = params  # the layer table's parameters, by position
         self._names = names
+        # capsule_dir set: an update's capsule (nonfinite/update_capsule.py UpdateCapsules),
+        # with each parameter's layer and the rule's current limit per layer (`limits`:
+        # publish/spikes.py layer_limits), for the gate that says a jump may have begun
+        self._capsules = capsules
+        self._layer_of, self._layer_names = layer_of, layer_names
+        self._limits = limits
+        # what each update of the step began from, kept for its capsule (capsules only)
+        self._kept: list[dict[str, Any]] = []
+        # per parameter compared: (its update's square, its weight's square after it, the
+        # bit sums of the step's update and of the second run's), 0-d on its device
+        self._measures: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+        self._measures = []
+        # measured steps waiting for their flags to reach the host before their capsules
+        # are decided (CUDA: read at a later step's end, without waiting), oldest first; the
+        # oldest is waited for only when PENDING_MOST are (a device that many measurements
+        # behind the host), which bounds the copies held
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._trusted = False  # a second run has reproduced in this run (capsules only)
         self._step: int | None = None  # the step whose updates are run again
         self._refused: str | None = None
         # torch's deterministic algorithms on as the step's first update was run again (the
@@ -107,6 +145,7 @@ class UpdateReplay:
         gradients are final (no closure runs first)."""
         if self._step != step:
             self._step, self._refused, self._flags, self.running = step, None, [], []
+            self._kept, self._measures = [], []
             self._deterministic = torch.are_deterministic_algorithms_enabled()
         done = {k for k, _ in self._flags}
         wanted = {id(self._params[k]): k for k in turn if k not in done}
@@ -132,6 +171,11 @@ class UpdateReplay:
         shadow_state: collections.defaultdict[torch.Tensor, dict[str, Any]]
         shadow_state = collections.defaultdict(dict)
         kept: list[tuple[int, torch.Tensor]] = []
+        # (capsules: the update's inputs, copied apart from the shadow's, which it steps)
+        keep = self._capsules is not None and not any(
+            hasattr(p, "to_local") for _, mine in groups for p in mine
+        )
+        inputs: dict[str, Any] = {"optimizer": optimizer, "groups": [], "params": []}
         with torch.no_grad():
             for group, mine in groups:
                 if not mine:
@@ -146,8 +190,28 @@ class UpdateReplay:
                         shadow_state[copy] = {key: _copy(v) for key, v in state.items()}
                     copies.append(copy)
                     kept.append((wanted[id(p)], copy))
+                    if keep:
+                        inputs["params"].append(
+                            (
+                                wanted[id(p)],
+                                copy.clone(),
+                                None if copy.grad is None else copy.grad.clone(),
+                                {key: _copy(v) for key, v in shadow_state[copy].items()},
+                            )
+                        )
                 hyper = {key: _copy(v) for key, v in group.items() if key != "params"}
                 shadow_groups.append({**hyper, "params": copies})
+                if keep:
+                    hyper_kept = {key: _copy(v) for key, v in hyper.items()}
+                    inputs["groups"].append((hyper_kept, [wanted[id(p)] for p in mine]))
+            if keep:
+                # (a fused optimizer's GradScaler values, set on it for this step)
+                inputs["attributes"] = {
+                    key: _copy(value)
+                    for key, value in optimizer.__dict__.items()
+                    if key in ("grad_scale", "found_inf") and isinstance(value, torch.Tensor)
+                }
+                self._kept.append(inputs)
             shadow = object.__new__(type(optimizer))
             shadow.__dict__.update(optimizer.__dict__)
             shadow.__dict__.update(
@@ -166,23 +230,40 @@ class UpdateReplay:
         """The update that began last returned: its parameters' bits against the second
         run's, on the device; the copies freed."""
         running, self.running = self.running, []
+        before = {k: value for inputs in self._kept for k, value, _, _ in inputs["params"]}
         with torch.no_grad():
             for position, copy in running:
                 ours = local_bits(self._params[position])
                 self._flags.append((position, (ours != local_bits(copy)).any()))
+                if position in before:  # (capsules: the gate's squares, both runs' bit sums)
+                    after = self._params[position].detach()
+                    update = (after - before[position]).float()
+                    self._measures.append(
+                        (
+                            position,
+                            update.mul(update).sum(dtype=torch.float64),
+                            after.float().square().sum(dtype=torch.float64),
+                            bits_sum(after),
+                            bits_sum(copy),
+                        )
+                    )
 
-    def step_ended(self, step: int) -> tuple[SpikeComparison, list[torch.Tensor]] | None:
-        """Step `step` ended, its update done: the comparison and its device flags ("this
-        parameter's bits differ from the second run's"), to send; None when the step ran
-        no update again."""
+    def step_ended(self, step: int) -> list[tuple[SpikeComparison, list[torch.Tensor]]]:
+        """Step `step` ended, its update done: the comparisons to send, each with its device
+        flags ("this parameter's bits differ from the second run's"): this step's (none when
+        it ran no update again); with capsules, this one's once its values reach the host,
+        with those of earlier ones that have since (`poll`; the oldest waited for only when
+        PENDING_MOST are pending)."""
+        sent: list[tuple[SpikeComparison, list[torch.Tensor]]] = []
         if self._step != step:
-            return None
+            return sent
         if self.running:  # (no post-hook came: an update that raised, half done)
             self.running, self._refused = [], self._refused or UNFINISHED
-        flags, refused = self._flags, self._refused
-        self._step, self._flags, self._refused = None, [], None
+        flags, refused, kept, measures = self._flags, self._refused, self._kept, self._measures
+        self._step, self._flags, self._refused, self._kept, self._measures = None, [], None, [], []
         if not flags:  # (with some run again, those are compared, the others left out)
-            return SpikeComparison(step, refused=refused or NO_OPTIMIZER, update_from=0), []
+            sent.append((SpikeComparison(step, refused=refused or NO_OPTIMIZER, update_from=0), []))
+            return sent
         by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for k, (_, flag) in enumerate(flags):
             by_device.setdefault(flag.device, []).append((k, flag))
@@ -192,18 +273,109 @@ class UpdateReplay:
             for group in by_device.values()
         ]
         names = tuple(self._names[position] for position, _ in flags)
-        return (
-            SpikeComparison(
-                step,
-                deterministic=self._deterministic,
-                layers=names,
-                order=order,
-                update_from=0,
-            ),
-            parts,
+        comparison = SpikeComparison(
+            step, deterministic=self._deterministic, layers=names, order=order, update_from=0
         )
+        if (
+            kept
+            and refused is None
+            and [p for p, *_ in measures] == [p for p, _ in flags]
+            and len(by_device) == 1
+        ):  # (capsules: decided once the flags and squares reach the host)
+            with torch.no_grad():
+                squares = torch.stack([torch.stack(m[1:3]) for m in measures])
+                sums = torch.stack([torch.stack(m[3:]) for m in measures])
+            while len(self._pending) >= PENDING_MOST:
+                sent += self._decide(wait=True)
+            self._pending.append(
+                _Pending(
+                    comparison,
+                    parts,
+                    kept,
+                    [p for p, *_ in measures],
+                    transfer.peek(torch.cat([squares.reshape(-1), parts[0]])),
+                    transfer.peek(sums),
+                )
+            )
+            return sent + self.poll()
+        sent.append((comparison, parts))
+        return sent
+
+    def poll(self) -> list[tuple[SpikeComparison, list[torch.Tensor]]]:
+        """A step's end: the earlier measured steps whose flags have reached the host since,
+        oldest first, decided and sent (capsules only); never waits."""
+        sent: list[tuple[SpikeComparison, list[torch.Tensor]]] = []
+        while self._pending:
+            decided = self._decide(wait=False)
+            if not decided:
+                break
+            sent += decided
+        return sent
+
+    def _decide(self, wait: bool) -> list[tuple[SpikeComparison, list[torch.Tensor]]]:
+        """The oldest pending step's capsule, when its update differed from the second run's
+        or a layer's update ratio passed the rule's limit (a jump may have begun: the
+        publisher judges it), written; its comparison, with the capsule's path, to send."""
+        pending = self._pending[0]
+        if not wait and not (
+            transfer.is_ready(pending.values.ready) and transfer.is_ready(pending.sums.ready)
+        ):
+            return []
+        self._pending.popleft()
+        if wait:  # note: a CPU-GPU sync point (PENDING_MOST measurements pending)
+            transfer.wait_ready(pending.values.ready)
+            transfer.wait_ready(pending.sums.ready)
+        n = len(pending.positions)
+        values = pending.values.host.tolist()
+        squares, flags = values[: 2 * n], values[2 * n :]
+        sums = pending.sums.host.tolist()
+        first = next((k for k, flag in enumerate(flags) if flag), None)
+        by_layer: dict[int, list[float]] = {}
+        for k, position in enumerate(pending.positions):
+            totals = by_layer.setdefault(self._layer_of[position], [0.0, 0.0])
+            totals[0] += squares[2 * k]
+            totals[1] += squares[2 * k + 1]
+        limits = self._limits() if self._limits is not None else {}
+        jumped = []
+        for layer, (update, weight) in by_layer.items():
+            name = self._layer_names[layer]
+            ratio = math.sqrt(update / weight) if weight > 0 else math.nan
+            limit = limits.get(name, math.inf)
+            if ratio > limit:
+                jumped.append((name, ratio, limit))
+        comparison = pending.comparison
+        # (the calibration, as the publisher's: until a second run has reproduced, a
+        # difference is an optimizer whose kernels are not bit-stable, and no capsule's)
+        self._trusted = self._trusted or first is None
+        if (first is not None and self._trusted) or jumped:
+            capsule = self._capsules.keep(
+                step=comparison.step,
+                kept=pending.kept,
+                compared=[
+                    (p, self._names[p], ours, theirs)
+                    for p, (ours, theirs) in zip(pending.positions, sums)
+                ],
+                first=first,
+                jumped=jumped,
+                deterministic=comparison.deterministic,
+            )
+            comparison = dataclasses.replace(comparison, capsule=capsule)
+        return [(comparison, pending.parts)]
 
     def drop(self) -> None:
         """The step's update did not happen (a skipped step) or was held back: nothing to
         compare."""
         self._step, self._flags, self._refused, self.running = None, [], None, []
+        self._kept, self._measures = [], []
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    """A measured step's comparison whose capsule waits for its values to reach the host."""
+
+    comparison: SpikeComparison
+    parts: list[torch.Tensor]
+    kept: list[dict[str, Any]]  # what each update began from (update_began)
+    positions: list[int]  # the parameters compared, in the flags' order
+    values: transfer.Copy  # (update², weight²) per parameter, then the flags
+    sums: transfer.Copy  # (the step's, the second run's) bit sums per parameter

@@ -145,17 +145,10 @@ class CheckCapsules:
                 )
                 return None
             path = capsule_path(self._dir, self._model, self._rank, step)
-            try:
-                contents = self._contents(model, captured, start, check, step, deterministic)
-                if contents is None:
-                    _give_back_slot()
-                    return None
-                buffer = io.BytesIO()
-                torch.save(contents, buffer)
-                write_atomic(path, buffer.getvalue(), make_dirs=True)
-            except BaseException:
-                _give_back_slot()
-                raise
+            if not write_in_slot(
+                path, lambda: self._contents(model, captured, start, check, step, deterministic)
+            ):
+                return None
             verdict = (
                 f"did not reproduce its forward (first differing output: {shown(names[first])})"
                 if first is not None
@@ -204,7 +197,6 @@ class CheckCapsules:
             )
             return None
         devices = {t.device for t in state.values()}
-        device = device_name(devices)
         dropped: list[int] = []
         copied = _as_forward_began(model, start, dropped)
         cuda = captured.cuda_rng is not None
@@ -215,15 +207,7 @@ class CheckCapsules:
             "model": self._model,
             "model_class": class_name(type(model)),
             "rank": self._rank,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "written_at": time.time(),
-            "device": device,
-            "device_type": next(iter(sorted({d.type for d in devices})), "cpu"),
-            "device_name": torch.cuda.get_device_name() if cuda else "cpu",
-            "device_uuid": device if device.startswith("GPU-") else None,
-            "torch_version": str(torch.__version__),
-            "hookprof_version": __version__,
+            **where_written(devices, cuda),
             "deterministic": deterministic,
             "backends": backends(),
             "modes": captured.modes,
@@ -255,6 +239,40 @@ class CheckCapsules:
             "model": module_entry(copied),
             "check": check,
         }
+
+
+def write_in_slot(path: str, contents: Callable[[], dict[str, Any] | None]) -> bool:
+    """Write the capsule `contents()` builds to `path` in a slot of capsule_max_count taken
+    already; the slot given back when it builds none (said by it) or the write fails."""
+    try:
+        built = contents()
+        if built is None:
+            _give_back_slot()
+            return False
+        buffer = io.BytesIO()
+        torch.save(built, buffer)
+        write_atomic(path, buffer.getvalue(), make_dirs=True)
+    except BaseException:
+        _give_back_slot()
+        raise
+    return True
+
+
+def where_written(devices: set[torch.device], cuda: bool) -> dict[str, Any]:
+    """A capsule view's account of where it was written: host, process, time, the devices
+    of its tensors (a GPU's UUID where known), torch's and hookprof's versions."""
+    device = device_name(devices)
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "written_at": time.time(),
+        "device": device,
+        "device_type": next(iter(sorted({d.type for d in devices})), "cpu"),
+        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+        "device_uuid": device if device.startswith("GPU-") else None,
+        "torch_version": str(torch.__version__),
+        "hookprof_version": __version__,
+    }
 
 
 def backends() -> dict[str, Any]:

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hookprof.device.timing import Timer
@@ -84,6 +84,12 @@ class Publisher(DaemonThread):
         which the rule calls it a spike, as of the last drain folded (publish/spikes.py
         `gate_limits`); read from the training thread."""
         return self._aggregator.spikes.gate_limits
+
+    def update_ratio_limits(self) -> Mapping[str, float]:
+        """Per layer, the update ratio above which the rule calls its next measurement a
+        jump (publish/spikes.py `layer_limits`; absent: no judgement yet); read from the
+        training thread, an entry at a time."""
+        return self._aggregator.spikes.layer_limits
 
     def submit(self, packet: Packet) -> None:
         with self._in_flight_lock:

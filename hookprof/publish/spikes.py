@@ -137,6 +137,11 @@ class SpikeWatch:
         self.gate_limits = (math.inf, math.inf, math.inf, math.inf)
         self._verdicts: Mapping[int, tuple[Any, ...]] = {}
         self._update_verdicts: Mapping[int, tuple[Any, ...]] = {}
+        # per layer, the update ratio above which the rule would call its next measurement
+        # a jump, against its window as it is now (absent: no judgement yet); read from the
+        # training thread (an update's capsule: nonfinite/update_capsule.py), each entry
+        # replaced whole
+        self.layer_limits: dict[str, float] = {}
 
     def observe(self, values: Iterable[StepValue]) -> None:
         for v in values:
@@ -157,8 +162,15 @@ class SpikeWatch:
         drain, replays the steps the rule will call spikes. inf: no judgement yet, or
         detection off."""
         window = self._window[kind]
+        if len(window) < MIN_HISTORY:
+            return math.inf
+        return self._limit(kind, window, part)
+
+    def _limit(self, kind: str, window: _Window, part: float) -> float:
+        """The value above which `_rule` calls one of `kind` a spike against `window` (`part`
+        1), or an event goes on (`part` 0.5); inf with detection off."""
         threshold = self._thresholds[kind]
-        if len(window) < MIN_HISTORY or not math.isfinite(threshold):
+        if not math.isfinite(threshold):
             return math.inf
         median, scale = centre(window.ordered)
         margin = _MARGIN[kind] * max(abs(median), scale)
@@ -240,6 +252,8 @@ class SpikeWatch:
                 if spike and (worst is None or z > worst.z):
                     worst = SpikeEvent(step, value, median, z, layer)
             window.add(value)
+            if len(window) >= MIN_LAYER_HISTORY:
+                self.layer_limits[layer] = self._limit(kind, window, 1.0)
         if worst is not None and not ongoing:
             self._count(kind, worst)
 

@@ -16,63 +16,18 @@ hookprof."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
 from torch import nn
 
 import hookprof
 from hookprof.integrity import spike_replay, update_replay
-from hookprof.tensors import local_bits
 from hookprof.view.report_html import render
 from hookprof.view.summary import summary_text
 from hookprof.view.table import from_metrics, header_lines
 from support.metrics import parse, scrape
 from support.rendered import Elements
-
-AT = 140  # the jump's step (a layer's ratio is judged from 20 of its measurements on)
-STEPS = 160
-# every step sampled, measuring every layer's update (no turns), the spike replay armed
-ARMED = dict(
-    port=0,
-    sample_every=1,
-    min_sample_interval_s=0.0,
-    update_norm_interval_s=0.0,
-    update_norm_max_bytes=2**30,
-    summary_at_exit=False,
-    spike_replay=True,
-)
-
-
-def mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)
-    )
-
-
-def faulty(kernel: str, step: int, weight: torch.Tensor, flip) -> Callable[..., Any]:
-    """torch.Tensor's in-place `kernel`, made to run `flip` on `weight`'s bits after it
-    writes `weight` on step `step()` (once): a device's wrong result of one update's kernel.
-    The second run of the update writes its own copy of `weight`, which it leaves alone."""
-    real = getattr(torch.Tensor, kernel)
-    done = []
-
-    def run(self, *args, **kwargs):
-        result = real(self, *args, **kwargs)
-        if self is weight and step() == AT and not done:
-            done.append(True)
-            with torch.no_grad():
-                flip(local_bits(self))
-        return result
-
-    return run
-
-
-def flip_row(bits: torch.Tensor) -> None:
-    bits[3] ^= 1 << 22  # a mantissa bit of each element of row 3
+from support.updates import ARMED, AT, STEPS, faulty, flip_row, mlp
 
 
 def train(config=None, *, bump=1.0, fault=None, make_opt=None, steps=STEPS):

@@ -29,6 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hookprof import _testing
 from hookprof.device import transfer
+from hookprof.step import dispatch
 
 
 class LaggingDevice:
@@ -74,6 +75,10 @@ def lagging_device(lag: int) -> Iterator[LaggingDevice]:
 
     transfer.on_host = lambda t: False
     setattr(copy_owner, copy_name, start_copy)
+    # hookprof's process-wide optimizer hooks in first (as after any earlier attach): this
+    # post-hook, registered before them, would run between hookprof's pre- and post-hook,
+    # where the update replay refuses another tool's (integrity/update_replay.py)
+    dispatch.listen().remove()
     handle = register_optimizer_step_post_hook(step_done)
     try:
         yield device

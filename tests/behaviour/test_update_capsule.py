@@ -1,0 +1,254 @@
+"""Issue 43 item 1 for update ratio jumps: their own capsule, and `hookprof replay` of it.
+
+With capsule_dir and the spike replay armed, a measured step whose update differed from its
+second run, or where a layer's update ratio passed the rule's limit, writes a capsule of what
+the update began from (nonfinite/update_capsule.py). Checked against the test's own record of
+the step: the weights before the update and the gradients the capsule holds are the step's,
+and the ratio it names is the one the test computes from its own copies. `hookprof replay`
+runs the update again in another process (the CLI, on the CPU): a learning rate 40x too large
+is reproduced; a bit flipped in the step's real update (a fault of this test's own, in the
+kernel that writes AdamW's update) is not, and the parameter is named. A healthy run writes
+none; a device that runs behind the host (the lagging emulation) has its capsule decided at a
+later step's end without a wait."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import hookprof
+from hookprof.integrity import update_replay
+from hookprof.nonfinite.reproduce import _loaded
+from hookprof.tensors import local_bits
+from support.lagging_device import lagging_device
+from support.updates import ARMED, AT, STEPS, faulty, flip_row, mlp
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(tmp_path, *, bump=1.0, fault=None, make_opt=None, scaler=False, **config):
+    """AdamW on a regression, the learning rate `bump` times larger at step AT, hookprof
+    attached with capsules in tmp_path. Returns (the event of the update ratio jumps,
+    capsules written, the test's own record of step AT: weights before and after the
+    update, gradients), and the snapshot."""
+    model = mlp()
+    opt = (make_opt or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)))(model.parameters())
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaler else None
+    g = torch.Generator().manual_seed(0)
+    at = {"step": 0}
+    if fault is not None:
+        kernel = faulty("addcdiv_", lambda: at["step"], model[2].weight, flip_row)
+        fault.setattr(torch.Tensor, "addcdiv_", kernel)
+    own: dict[str, dict[str, torch.Tensor]] = {}
+    prof = hookprof.attach(model, **{**ARMED, "capsule_dir": str(tmp_path), **config})
+    try:
+        for step in range(1, STEPS + 1):
+            at["step"] = step
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 * (bump if step == AT else 1.0)
+            x = torch.randn(32, 16, generator=g)
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), x[:, :4])
+            if step == AT:
+                own["before"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            if grad_scaler is not None:
+                grad_scaler.scale(loss).backward()
+                if step == AT:
+                    own["grad"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+                grad_scaler.step(opt)
+                grad_scaler.update()
+            else:
+                loss.backward()
+                if step == AT:
+                    own["grad"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+                opt.step()
+            if step == AT:
+                own["after"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            prof.step()
+        prof.flush()
+        snap = prof.snapshot()
+    finally:
+        prof.detach()
+    return snap, sorted(tmp_path.glob("hookprof-capsule-*.pt")), own
+
+
+def replay(path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hookprof.cli", "replay", str(path), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+
+
+def contents(path: Path) -> tuple[dict, dict]:
+    capsule = torch.load(path, weights_only=True)
+    return capsule["view"], _loaded(capsule["update"])
+
+
+def own_ratio(own: dict, layer: str) -> float:
+    """Layer `layer`'s update-to-weight ratio at step AT, from the test's own copies."""
+    names = [n for n in own["before"] if n.startswith(f"{layer}.")]
+    update = sum(float((own["after"][n] - own["before"][n]).double().square().sum()) for n in names)
+    weight = sum(float(own["after"][n].double().square().sum()) for n in names)
+    return math.sqrt(update / weight)
+
+
+def test_a_learning_rate_jump_writes_a_capsule_that_replays_as_reproduced(tmp_path):
+    snap, capsules, own = run(tmp_path, bump=40.0)
+    jump = snap.spikes["update_ratio_jump"].first
+    assert (jump.step, jump.verdict) == (AT, "reproduced")
+    # one capsule, the jump's step's (the healthy measured steps before and after: none)
+    (path,) = capsules
+    assert jump.capsule == str(path)
+    assert f"step{AT}-" in path.name
+    view, update = contents(path)
+    assert (view["form"], view["step"], view["first_parameter"]) == ("update", AT, None)
+    assert view["optimizers"] == ["torch.optim.adamw.AdamW"]
+    # what the update began from is the step's own: its weights before it, its gradients
+    params = {entry["name"]: entry for entry in update["params"]}
+    assert sorted(params) == sorted(own["before"])
+    for name, entry in params.items():
+        assert torch.equal(entry["value"], own["before"][name])
+        assert torch.equal(entry["grad"], own["grad"][name])
+        assert entry["state"]["exp_avg"].shape == own["before"][name].shape
+    (group,) = update["optimizers"][0]["groups"]
+    assert group["hyper"]["lr"] == pytest.approx(40e-3)  # the learning rate as it began
+    # the layers named are those whose ratio the rule calls a jump, with the test's figure
+    jumped = {j["layer"]: j for j in view["jumped"]}
+    assert jump.layer in jumped
+    for layer, j in jumped.items():
+        assert j["ratio"] == pytest.approx(own_ratio(own, layer), rel=1e-4)
+        assert j["ratio"] > j["limit"]
+    done = replay(path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("reproduced: 3 runs on cpu make the step's own update bit for bit")
+    assert f"capsule of the update of step {AT} on rank 0" in lines[1]
+    assert any(line.startswith(f"layer {jump.layer}: update ratio") for line in lines)
+    assert any("lr 0.04" in line for line in lines)
+
+
+def test_a_wrong_update_writes_a_capsule_whose_replay_names_the_parameter(tmp_path, monkeypatch):
+    """The step's real update flipped a row's bits: another process agrees with the second
+    run, not with the step: the step's update of 2.weight was computed wrongly."""
+    snap, capsules, own = run(tmp_path, fault=monkeypatch)
+    monkeypatch.undo()
+    jump = snap.spikes["update_ratio_jump"].first
+    assert (jump.step, jump.verdict, jump.entered) == (AT, "not_reproduced", "2.weight")
+    (path,) = capsules
+    assert jump.capsule == str(path)
+    view, update = contents(path)
+    assert view["first_parameter"] == "2.weight"
+    assert view["event"] == {"replay": "not_reproduced", "layer": "2.weight"}
+    (wrong,) = [e for e in update["params"] if e["name"] == "2.weight"]
+    assert torch.equal(wrong["value"], own["before"]["2.weight"])
+    done = replay(path, "--runs", "2")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.startswith(
+        "not reproduced: 2 runs on cpu agree with the second run and differ from the step's "
+        "own update first at 2.weight"
+    )
+
+
+def test_a_healthy_run_writes_no_update_capsule(tmp_path):
+    snap, capsules, _ = run(tmp_path)
+    assert snap.spikes["update_ratio_jump"].count == 0
+    assert capsules == []
+    assert snap.spike_replays["not_reproduced"] == 0
+
+
+def test_a_reproduced_updates_capsule_leaves_the_last_slot(tmp_path):
+    """capsule_max_count=1: the slot is kept for a NaN's or a difference's, and a line says
+    why none was written."""
+    snap, capsules, _ = run(tmp_path, bump=40.0, capsule_max_count=1)
+    assert capsules == []
+    jump = snap.spikes["update_ratio_jump"].first
+    assert (jump.step, jump.verdict, jump.capsule) == (AT, "reproduced", None)
+    assert any(
+        f"no capsule written for the update of step {AT}" in notice
+        and "capsule_max_count=1 already (a reproduced update's leaves the last" in notice
+        for notice in snap.notices
+    )
+
+
+def test_a_fused_optimizer_under_a_grad_scaler_replays_with_its_scale(tmp_path):
+    """A fused AdamW under a GradScaler unscales inside its kernel, from the scale the
+    scaler set on it for the step: the capsule carries it, and the update replays."""
+    snap, capsules, own = run(
+        tmp_path,
+        bump=40.0,
+        scaler=True,
+        make_opt=lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    )
+    jump = snap.spikes["update_ratio_jump"].first
+    assert (jump.step, jump.verdict) == (AT, "reproduced")
+    (path,) = capsules
+    _, update = contents(path)
+    (spec,) = update["optimizers"]
+    assert float(spec["attributes"]["grad_scale"]) == 1024.0
+    # the gradients as the step gave them: still scaled (the fused kernel unscales)
+    entry = update["params"][0]
+    assert torch.equal(entry["grad"], own["grad"][entry["name"]])
+    done = replay(path, "--runs", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_on_a_device_behind_the_host_the_capsule_is_decided_without_a_wait(tmp_path, monkeypatch):
+    """The values the capsule is decided by reach the host steps later: read then, at a
+    step's end, never waited for (no more than PENDING_MOST measurements pending)."""
+    decided = []
+    real = update_replay.UpdateReplay._decide
+
+    def decide(self, wait):
+        found = real(self, wait)
+        decided.append((wait, len(found)))
+        return found
+
+    monkeypatch.setattr(update_replay.UpdateReplay, "_decide", decide)
+    with lagging_device(lag=2):
+        snap, capsules, _ = run(tmp_path, bump=40.0)
+    jump = snap.spikes["update_ratio_jump"].first
+    assert (jump.step, jump.verdict) == (AT, "reproduced")
+    (path,) = capsules
+    assert jump.capsule == str(path)
+    # every measured step decided once its values arrived, none waited for
+    assert sum(n for _, n in decided) >= STEPS - 5
+    assert not any(wait for wait, _ in decided)
+
+
+def test_an_update_never_bit_stable_writes_no_capsule(tmp_path, monkeypatch):
+    """Every real update of 2.weight differs from its second run from the first step on
+    (an optimizer whose kernels are not bit-stable, emulated): never calibrated, so no
+    difference is blamed on the machine and no capsule slot is spent on one."""
+    model = mlp()
+    real = torch.Tensor.addcdiv_
+
+    def unstable(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        if self is model[2].weight:
+            with torch.no_grad():
+                local_bits(self)[0, 0] ^= 1
+        return result
+
+    monkeypatch.setattr(torch.Tensor, "addcdiv_", unstable)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with hookprof.attach(model, **{**ARMED, "capsule_dir": str(tmp_path)}) as prof:
+        for _ in range(60):
+            x = torch.randn(32, 16, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), x[:, :4]).backward()
+            opt.step()
+            prof.step()
+        prof.flush()
+        snap = prof.snapshot()
+    assert list(tmp_path.glob("hookprof-capsule-*.pt")) == []
+    assert snap.spike_replays["not_reproduced"] == 0

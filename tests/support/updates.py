@@ -1,0 +1,55 @@
+"""The update replay's tests' own loop parts (tests/behaviour/test_update_replay.py and
+test_update_capsule.py): the armed configuration, the model, and a fault of the test's own in
+the kernel that writes an optimizer's update."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookprof.tensors import local_bits
+
+AT = 140  # the jump's step (a layer's ratio is judged from 20 of its measurements on)
+STEPS = 160
+# every step sampled, measuring every layer's update (no turns), the spike replay armed
+ARMED = dict(
+    port=0,
+    sample_every=1,
+    min_sample_interval_s=0.0,
+    update_norm_interval_s=0.0,
+    update_norm_max_bytes=2**30,
+    summary_at_exit=False,
+    spike_replay=True,
+)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)
+    )
+
+
+def faulty(kernel: str, step: int, weight: torch.Tensor, flip) -> Callable[..., Any]:
+    """torch.Tensor's in-place `kernel`, made to run `flip` on `weight`'s bits after it
+    writes `weight` on step `step()` (once): a device's wrong result of one update's kernel.
+    The second run of the update writes its own copy of `weight`, which it leaves alone."""
+    real = getattr(torch.Tensor, kernel)
+    done = []
+
+    def run(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        if self is weight and step() == AT and not done:
+            done.append(True)
+            with torch.no_grad():
+                flip(local_bits(self))
+        return result
+
+    return run
+
+
+def flip_row(bits: torch.Tensor) -> None:
+    bits[3] ^= 1 << 22  # a mantissa bit of each element of row 3

@@ -578,7 +578,8 @@ class StepEvents:
     @guarded("update replay", disable=False)
     def _update_done_again(self) -> None:
         assert self._update_replay is not None
-        self._update_replay.update_done()
+        measured = self._efficiency.measured_update()
+        self._update_replay.update_done(measured.copies if measured is not None else {})
 
     @guarded("update replay", disable=False)
     def _update_ended_again(self, number: int, no_update: bool) -> None:
@@ -693,6 +694,7 @@ def replays_of(
             layer_of=table.param_layer,
             layer_names=table.names,
             limits=publisher.update_ratio_limits,
+            gate=spike_replay.gate_also,
         )
         if spike_replay is not None and config.update_norms
         else None,

@@ -69,6 +69,14 @@ def index_to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def floats_to_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """A float64 tensor of `values` on `device`, without a sync (as `index_to_device`)."""
+    host = torch.tensor(values, dtype=torch.float64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def wait_ready(ready: Any) -> None:
     # note: a CPU-GPU sync point. It runs on the publisher thread, and on the training thread
     # only with the opt-in Config.nonfinite_sync, once per optimizer update (a plain loop: once

@@ -15,7 +15,10 @@ keeps on every step (while it is armed):
 At the step's end its loss (`prof.step(loss)`) and gradient norm (the every-step series) are
 compared with the spike watch's current limits on the device: a gate, looser than the rule
 (half its threshold and margin: publish/spikes.py `gate_limits`), so that the steps the
-publisher will judge spikes are among those replayed. The gate's flag is read as the next
+publisher will judge spikes are among those replayed; on a step that measures updates,
+each measured layer's update ratio is gated the same way against its own window
+(integrity/update_replay.py `_gate_step`, `gate_also`): an update ratio jump's gradients
+are replayed too. The gate's flag is read as the next
 step's update begins, before the copy is taken again: at once on a CPU; on a GPU one wait
 for the previous step's flag, which the device has usually delivered by then (it runs
 behind the host by less than a step). A step whose gate tripped is replayed there: the
@@ -459,6 +462,14 @@ class SpikeReplay:
                 ended.gate.append(transfer.peek(torch.stack([value > gate, value > spike])))
         elif float(loss) > gate:
             ended.gate.append(transfer.Copy((True, float(loss) > spike), None))
+
+    def gate_also(self, step: int, over: torch.Tensor) -> None:
+        """Another gate of step `step`'s, on the device: (past the gate, past the rule's own
+        limit), as the loss's and the gradient norm's (an update ratio's: integrity/
+        update_replay.py), read with them as the next update begins."""
+        ended = self._ended
+        if ended is not None and ended.step == step:
+            ended.gate.append(transfer.peek(over))
 
     def sample_losses(self, values: torch.Tensor) -> None:
         """prof.step(loss, sample_losses=...): the per-sample losses of the step in progress

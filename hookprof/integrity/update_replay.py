@@ -60,6 +60,7 @@ import torch
 from hookprof.device import transfer
 from hookprof.integrity.spike_replay import SpikeComparison
 from hookprof.step.dispatch import others_around_update
+from hookprof.step.gradients import local_tensor
 from hookprof.tensors import bits_sum, local_bits
 
 CLOSURE = (
@@ -87,6 +88,7 @@ UNFINISHED = (
 NO_OPTIMIZER = "no optimizer of the step updated the measured layers' parameters"
 # measured steps whose capsules may wait for their values to reach the host (capsule_dir)
 PENDING_MOST = 4
+_NO_LIMITS = (math.inf, math.inf)  # a layer not judged yet (no gate, no jump)
 
 
 def _copy(value: Any) -> Any:
@@ -105,7 +107,8 @@ class UpdateReplay:
         capsules: Any = None,
         layer_of: Sequence[int] = (),
         layer_names: Sequence[str] = (),
-        limits: Callable[[], Mapping[str, float]] | None = None,
+        limits: Callable[[], Mapping[str, tuple[float, float]]] | None = None,
+        gate: Callable[[int, torch.Tensor], None] | None = None,
     ):
         self._params = params  # the layer table's parameters, by position
         self._names = names
@@ -115,12 +118,16 @@ class UpdateReplay:
         self._capsules = capsules
         self._layer_of, self._layer_names = layer_of, layer_names
         self._limits = limits
+        # the spike replay's gate (spike_replay.py `gate_also`): a step whose layer's ratio
+        # may be a jump has its forward and backward replayed too
+        self._gate = gate
         # what each update of the step began from, kept for its capsule (capsules only)
         self._kept: list[dict[str, Any]] = []
-        # per parameter compared: (its update's square, its weight's square after it, the
-        # bit sums of the step's update and of the second run's), 0-d on its device
-        self._measures: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
-        self._measures = []
+        # per parameter compared: (position, its update's square, its weight's square after
+        # it), and with capsules (position, the bit sums of the step's update and of the
+        # second run's), 0-d on its device
+        self._squares: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._sums: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         # measured steps waiting for their flags to reach the host before their capsules
         # are decided (CUDA: read at a later step's end, without waiting), oldest first; the
         # oldest is waited for only when PENDING_MOST are (a device that many measurements
@@ -145,7 +152,7 @@ class UpdateReplay:
         gradients are final (no closure runs first)."""
         if self._step != step:
             self._step, self._refused, self._flags, self.running = step, None, [], []
-            self._kept, self._measures = [], []
+            self._kept, self._squares, self._sums = [], [], []
             self._deterministic = torch.are_deterministic_algorithms_enabled()
         done = {k for k, _ in self._flags}
         wanted = {id(self._params[k]): k for k in turn if k not in done}
@@ -226,27 +233,30 @@ class UpdateReplay:
             getattr(step_of_class, "__wrapped__", step_of_class)(shadow)
         self.running = kept
 
-    def update_done(self) -> None:
+    def update_done(self, before: Mapping[int, torch.Tensor]) -> None:
         """The update that began last returned: its parameters' bits against the second
-        run's, on the device; the copies freed."""
+        run's, on the device; the copies freed. `before`: the turn's parameters as the
+        update began (efficiency/updates.py `copies`), whose update and weight squares the
+        jump's gate and the capsule read."""
         running, self.running = self.running, []
-        before = {k: value for inputs in self._kept for k, value, _, _ in inputs["params"]}
+        kept = {k for inputs in self._kept for k, *_ in inputs["params"]}
         with torch.no_grad():
             for position, copy in running:
                 ours = local_bits(self._params[position])
                 self._flags.append((position, (ours != local_bits(copy)).any()))
-                if position in before:  # (capsules: the gate's squares, both runs' bit sums)
-                    after = self._params[position].detach()
-                    update = (after - before[position]).float()
-                    self._measures.append(
+                was = before.get(position)
+                if was is not None and (self._gate is not None or kept):
+                    after = local_tensor(self._params[position].detach())
+                    update = (after - was).float()
+                    self._squares.append(
                         (
                             position,
                             update.mul(update).sum(dtype=torch.float64),
                             after.float().square().sum(dtype=torch.float64),
-                            bits_sum(after),
-                            bits_sum(copy),
                         )
                     )
+                if position in kept:  # (capsules: both runs' bit sums)
+                    self._sums.append((position, bits_sum(ours), bits_sum(copy)))
 
     def step_ended(self, step: int) -> list[tuple[SpikeComparison, list[torch.Tensor]]]:
         """Step `step` ended, its update done: the comparisons to send, each with its device
@@ -259,8 +269,12 @@ class UpdateReplay:
             return sent
         if self.running:  # (no post-hook came: an update that raised, half done)
             self.running, self._refused = [], self._refused or UNFINISHED
-        flags, refused, kept, measures = self._flags, self._refused, self._kept, self._measures
-        self._step, self._flags, self._refused, self._kept, self._measures = None, [], None, [], []
+        flags, refused, kept = self._flags, self._refused, self._kept
+        squares, sums = self._squares, self._sums
+        self._step, self._flags, self._refused = None, [], None
+        self._kept, self._squares, self._sums = [], [], []
+        if squares and self._gate is not None:
+            self._gate_step(step, squares)
         if not flags:  # (with some run again, those are compared, the others left out)
             sent.append((SpikeComparison(step, refused=refused or NO_OPTIMIZER, update_from=0), []))
             return sent
@@ -276,15 +290,17 @@ class UpdateReplay:
         comparison = SpikeComparison(
             step, deterministic=self._deterministic, layers=names, order=order, update_from=0
         )
+        positions = [p for p, _ in flags]
         if (
             kept
             and refused is None
-            and [p for p, *_ in measures] == [p for p, _ in flags]
+            and [p for p, *_ in squares] == positions
+            and [p for p, *_ in sums] == positions
             and len(by_device) == 1
         ):  # (capsules: decided once the flags and squares reach the host)
             with torch.no_grad():
-                squares = torch.stack([torch.stack(m[1:3]) for m in measures])
-                sums = torch.stack([torch.stack(m[3:]) for m in measures])
+                both = torch.stack([torch.stack(m[1:]) for m in squares])
+                bits = torch.stack([torch.stack(m[1:]) for m in sums])
             while len(self._pending) >= PENDING_MOST:
                 sent += self._decide(wait=True)
             self._pending.append(
@@ -292,14 +308,42 @@ class UpdateReplay:
                     comparison,
                     parts,
                     kept,
-                    [p for p, *_ in measures],
-                    transfer.peek(torch.cat([squares.reshape(-1), parts[0]])),
-                    transfer.peek(sums),
+                    positions,
+                    transfer.peek(torch.cat([both.reshape(-1), parts[0]])),
+                    transfer.peek(bits),
                 )
             )
             return sent + self.poll()
         sent.append((comparison, parts))
         return sent
+
+    def _gate_step(self, step: int, squares: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """The jump's gate of step `step`, on the device: does any measured layer's update
+        ratio pass half the rule's threshold and margin (replayed), or the rule's own limit
+        (a jump's first step: its batch's capsule)? A few ops whatever the turn's size; none
+        until a layer has a limit (publish/spikes.py `layer_limits`)."""
+        limits = self._limits() if self._limits is not None else {}
+        layers = [self._layer_of[p] for p, *_ in squares]
+        order = list(dict.fromkeys(layers))
+        found = [limits.get(self._layer_names[layer], _NO_LIMITS) for layer in order]
+        if not any(math.isfinite(gate) for gate, _ in found):
+            return
+        device = squares[0][1].device
+        with torch.no_grad():
+            slot = {layer: k for k, layer in enumerate(order)}
+            index = transfer.index_to_device([slot[layer] for layer in layers], device)
+            update = torch.stack([u for _, u, _ in squares])
+            weight = torch.stack([w for _, _, w in squares])
+            per_layer = torch.zeros(2, len(order), dtype=torch.float64, device=device)
+            per_layer[0].index_add_(0, index, update)
+            per_layer[1].index_add_(0, index, weight)
+            # (squared limits: an update square above limit² x the weight square)
+            bounds = transfer.floats_to_device(
+                [g * g for g, _ in found] + [s * s for _, s in found], device
+            ).view(2, -1)
+            over = (per_layer[0] > bounds * per_layer[1]).any(dim=1)
+        assert self._gate is not None
+        self._gate(step, over)
 
     def poll(self) -> list[tuple[SpikeComparison, list[torch.Tensor]]]:
         """A step's end: the earlier measured steps whose flags have reached the host since,
@@ -340,7 +384,7 @@ class UpdateReplay:
         for layer, (update, weight) in by_layer.items():
             name = self._layer_names[layer]
             ratio = math.sqrt(update / weight) if weight > 0 else math.nan
-            limit = limits.get(name, math.inf)
+            limit = limits.get(name, _NO_LIMITS)[1]
             if ratio > limit:
                 jumped.append((name, ratio, limit))
         comparison = pending.comparison
@@ -366,7 +410,7 @@ class UpdateReplay:
         """The step's update did not happen (a skipped step) or was held back: nothing to
         compare."""
         self._step, self._flags, self._refused, self.running = None, [], None, []
-        self._kept, self._measures = [], []
+        self._kept, self._squares, self._sums = [], [], []
 
 
 @dataclasses.dataclass(slots=True)

@@ -85,10 +85,11 @@ class Publisher(DaemonThread):
         `gate_limits`); read from the training thread."""
         return self._aggregator.spikes.gate_limits
 
-    def update_ratio_limits(self) -> Mapping[str, float]:
-        """Per layer, the update ratio above which the rule calls its next measurement a
-        jump (publish/spikes.py `layer_limits`; absent: no judgement yet); read from the
-        training thread, an entry at a time."""
+    def update_ratio_limits(self) -> Mapping[str, tuple[float, float]]:
+        """Per layer, the update ratios above which the spike replay replays a step, then
+        above which the rule calls its next measurement a jump (publish/spikes.py
+        `layer_limits`; absent: no judgement yet); read from the training thread, an entry
+        at a time."""
         return self._aggregator.spikes.layer_limits
 
     def submit(self, packet: Packet) -> None:

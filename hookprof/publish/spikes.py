@@ -114,6 +114,21 @@ class _Window:
         bisect.insort(self.ordered, value)
 
 
+def _jump_verdict(
+    update: tuple[Any, ...] | None, replay: tuple[Any, ...] | None
+) -> tuple[Any, ...] | None:
+    """An update ratio jump's verdict from its update's second run (`update`) and, where its
+    step's ratio passed the gate, its forward and backward's replay (`replay`): a forward or
+    backward that differed came first (the update was made from its gradients), then the
+    update's; a replay's alone stands until the update's comes."""
+    if replay is not None and replay[0] == "not_reproduced":
+        return replay
+    if update is not None and update[0] == "reproduced" and replay is not None:
+        # (both alike: the update's capsule, or the batch's, with its samples of largest loss)
+        return (update[0], update[1] or replay[1], None, replay[3], None)
+    return update or replay
+
+
 class SpikeWatch:
     """The publisher thread's judge of spikes (see the module's docstring); `counts()` may be
     read from any thread."""
@@ -137,11 +152,12 @@ class SpikeWatch:
         self.gate_limits = (math.inf, math.inf, math.inf, math.inf)
         self._verdicts: Mapping[int, tuple[Any, ...]] = {}
         self._update_verdicts: Mapping[int, tuple[Any, ...]] = {}
-        # per layer, the update ratio above which the rule would call its next measurement
-        # a jump, against its window as it is now (absent: no judgement yet); read from the
-        # training thread (an update's capsule: nonfinite/update_capsule.py), each entry
-        # replaced whole
-        self.layer_limits: dict[str, float] = {}
+        # per layer, the update ratios above which the spike replay replays a step (half
+        # the threshold and margin, as `gate_limits`), then above which the rule would call
+        # its next measurement a jump, against its window as it is now (absent: no
+        # judgement yet); read from the training thread (integrity/update_replay.py: the
+        # gate, an update's capsule), each entry replaced whole
+        self.layer_limits: dict[str, tuple[float, float]] = {}
 
     def observe(self, values: Iterable[StepValue]) -> None:
         for v in values:
@@ -193,12 +209,18 @@ class SpikeWatch:
             self._counts = {kind: self._with_verdicts(kind, c) for kind, c in self._counts.items()}
 
     def _with_verdicts(self, kind: str, count: SpikeCount) -> SpikeCount:
-        verdicts = self._update_verdicts if kind == UPDATE_RATIO_JUMP else self._verdicts
-
         def of(event: SpikeEvent | None) -> SpikeEvent | None:
-            if event is None or event.verdict is not None:
+            if event is None:
+                return None
+            if kind == UPDATE_RATIO_JUMP:
+                # (judged again as verdicts come: the update's and its step's replay's)
+                found = _jump_verdict(
+                    self._update_verdicts.get(event.step), self._verdicts.get(event.step)
+                )
+            elif event.verdict is None:
+                found = self._verdicts.get(event.step)
+            else:
                 return event
-            found = verdicts.get(event.step)
             if found is None:
                 return event
             verdict, capsule, entered, suspects, phase = found
@@ -253,7 +275,10 @@ class SpikeWatch:
                     worst = SpikeEvent(step, value, median, z, layer)
             window.add(value)
             if len(window) >= MIN_LAYER_HISTORY:
-                self.layer_limits[layer] = self._limit(kind, window, 1.0)
+                self.layer_limits[layer] = (
+                    self._limit(kind, window, 0.5),
+                    self._limit(kind, window, 1.0),
+                )
         if worst is not None and not ongoing:
             self._count(kind, worst)
 

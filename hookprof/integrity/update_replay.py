@@ -123,10 +123,10 @@ class UpdateReplay:
         self._gate = gate
         # what each update of the step began from, kept for its capsule (capsules only)
         self._kept: list[dict[str, Any]] = []
-        # per parameter compared: (position, its update's square, its weight's square after
-        # it), and with capsules (position, the bit sums of the step's update and of the
-        # second run's), 0-d on its device
-        self._squares: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        # per update: (the positions of the parameters measured, their update's squares,
+        # their weight's squares after it), and with capsules per parameter compared
+        # (position, the bit sums of the step's update and of the second run's), on the device
+        self._squares: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
         self._sums: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         # measured steps waiting for their flags to reach the host before their capsules
         # are decided (CUDA: read at a later step's end, without waiting), oldest first; the
@@ -244,19 +244,16 @@ class UpdateReplay:
             for position, copy in running:
                 ours = local_bits(self._params[position])
                 self._flags.append((position, (ours != local_bits(copy)).any()))
-                was = before.get(position)
-                if was is not None and (self._gate is not None or kept):
-                    after = local_tensor(self._params[position].detach())
-                    update = (after - was).float()
-                    self._squares.append(
-                        (
-                            position,
-                            update.mul(update).sum(dtype=torch.float64),
-                            after.float().square().sum(dtype=torch.float64),
-                        )
-                    )
                 if position in kept:  # (capsules: both runs' bit sums)
                     self._sums.append((position, bits_sum(ours), bits_sum(copy)))
+            measured = [p for p, _ in running if p in before]
+            if measured and (self._gate is not None or kept):
+                # the update's and the weight's norms, three foreach ops for all of them
+                after = [local_tensor(self._params[p].detach()) for p in measured]
+                update = torch._foreach_sub(after, [before[p] for p in measured])
+                norms = torch._foreach_norm([*update, *after], 2, dtype=torch.float32)
+                squares = torch.stack(norms).double().square()
+                self._squares.append((measured, *squares.split(len(measured))))
 
     def step_ended(self, step: int) -> list[tuple[SpikeComparison, list[torch.Tensor]]]:
         """Step `step` ended, its update done: the comparisons to send, each with its device
@@ -273,8 +270,15 @@ class UpdateReplay:
         squares, sums = self._squares, self._sums
         self._step, self._flags, self._refused = None, [], None
         self._kept, self._squares, self._sums = [], [], []
-        if squares and self._gate is not None:
-            self._gate_step(step, squares)
+        measured = [p for positions, *_ in squares for p in positions]
+        if squares and len({u.device for _, u, _ in squares}) == 1:
+            with torch.no_grad():
+                update2 = torch.cat([u for _, u, _ in squares])
+                weight2 = torch.cat([w for _, _, w in squares])
+            if self._gate is not None:
+                self._gate_step(step, measured, update2, weight2)
+        else:
+            measured = []
         if not flags:  # (with some run again, those are compared, the others left out)
             sent.append((SpikeComparison(step, refused=refused or NO_OPTIMIZER, update_from=0), []))
             return sent
@@ -294,12 +298,12 @@ class UpdateReplay:
         if (
             kept
             and refused is None
-            and [p for p, *_ in squares] == positions
+            and measured == positions
             and [p for p, *_ in sums] == positions
             and len(by_device) == 1
         ):  # (capsules: decided once the flags and squares reach the host)
             with torch.no_grad():
-                both = torch.stack([torch.stack(m[1:]) for m in squares])
+                both = torch.stack([update2, weight2], dim=1)
                 bits = torch.stack([torch.stack(m[1:]) for m in sums])
             while len(self._pending) >= PENDING_MOST:
                 sent += self._decide(wait=True)
@@ -317,23 +321,24 @@ class UpdateReplay:
         sent.append((comparison, parts))
         return sent
 
-    def _gate_step(self, step: int, squares: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+    def _gate_step(
+        self, step: int, measured: list[int], update: torch.Tensor, weight: torch.Tensor
+    ) -> None:
         """The jump's gate of step `step`, on the device: does any measured layer's update
         ratio pass half the rule's threshold and margin (replayed), or the rule's own limit
-        (a jump's first step: its batch's capsule)? A few ops whatever the turn's size; none
-        until a layer has a limit (publish/spikes.py `layer_limits`)."""
+        (a jump's first step: its batch's capsule)? `update`, `weight`: the squares of the
+        parameters `measured`. A few ops whatever the turn's size; none until a layer has a
+        limit (publish/spikes.py `layer_limits`)."""
         limits = self._limits() if self._limits is not None else {}
-        layers = [self._layer_of[p] for p, *_ in squares]
+        layers = [self._layer_of[p] for p in measured]
         order = list(dict.fromkeys(layers))
         found = [limits.get(self._layer_names[layer], _NO_LIMITS) for layer in order]
         if not any(math.isfinite(gate) for gate, _ in found):
             return
-        device = squares[0][1].device
+        device = update.device
         with torch.no_grad():
             slot = {layer: k for k, layer in enumerate(order)}
             index = transfer.index_to_device([slot[layer] for layer in layers], device)
-            update = torch.stack([u for _, u, _ in squares])
-            weight = torch.stack([w for _, _, w in squares])
             per_layer = torch.zeros(2, len(order), dtype=torch.float64, device=device)
             per_layer[0].index_add_(0, index, update)
             per_layer[1].index_add_(0, index, weight)

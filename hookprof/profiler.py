@@ -354,7 +354,7 @@ class Profiler:
         publisher has folded in everything up to now (on a GPU this waits for the device)."""
         if not self.detached:  # flags a replay waits for are waited for too: answered now
             self._nan.settle(self._counters.steps + 1)
-            self._drain()
+            self._events.drain()  # (and an update's comparison waiting for its values)
         return self._incidents.flushed(self._publisher.flush(timeout), self.detached, timeout)
 
     def report_document(self, recent: int | None = None) -> dict[str, Any]:
@@ -404,7 +404,7 @@ class Profiler:
         self._boundary.close()
         self._backward_end.remove()  # (a graph built before detach() calls nothing)
         with self._faults.contain("detach", disable=False):
-            self._drain()  # counters of the steps since the last sample
+            self._events.drain()  # counters of the steps since the last sample
             self._incidents.at_detach()  # a capsule still waiting for its incident: written now
         self._undo.close()
         if self.config.summary_at_exit:

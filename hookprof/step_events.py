@@ -594,6 +594,22 @@ class StepEvents:
         for sent in self._update_replay.poll():  # (capsule_dir: an earlier step's, decided)
             self._submit_spike(sent)
 
+    def drain(self) -> None:
+        """flush() or detach(), which wait for the device anyway: the measured updates whose
+        capsules wait for their values decided now, then the counters of the steps since
+        the last sample sent."""
+        if self._update_replay is not None:
+            self._settle_updates()
+        self._drain()
+
+    @guarded("update replay", disable=False)
+    def _settle_updates(self) -> None:
+        """The measured steps whose capsules wait for their values decided (waited for),
+        their comparisons sent (integrity/update_replay.py)."""
+        assert self._update_replay is not None
+        for sent in self._update_replay.settle():
+            self._submit_spike(sent)
+
     @guarded("spike replay", disable=False)
     def _spike_late_loss(self, number: int, loss: Any) -> None:
         assert self._spike_replay is not None
@@ -647,6 +663,8 @@ class StepEvents:
         self._hooks.remove()
         self._efficiency.drop()
         self._sampled.release()
+        if self._update_replay is not None:
+            self._update_replay.release()
 
 
 def replays_of(

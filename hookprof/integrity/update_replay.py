@@ -117,16 +117,24 @@ class UpdateReplay:
         # publish/spikes.py layer_limits), for the gate that says a jump may have begun
         self._capsules = capsules
         self._layer_of, self._layer_names = layer_of, layer_names
+        # each layer's parameters, every one (frozen, or in no optimizer, too): the rule's
+        # ratio is over the whole layer's weight (efficiency/updates.py), so the gate's is
+        self._layer_params: dict[int, list[int]] = {}
+        for position, layer in enumerate(layer_of):
+            self._layer_params.setdefault(layer, []).append(position)
+        # (the measured parameters of a turn, and their layers' parameters) -> their layers'
+        # slots on the device: turns come round again, so the index is made once each
+        self._slots: dict[tuple[Any, ...], tuple[list[int], torch.Tensor, torch.Tensor]] = {}
         self._limits = limits
         # the spike replay's gate (spike_replay.py `gate_also`): a step whose layer's ratio
         # may be a jump has its forward and backward replayed too
         self._gate = gate
         # what each update of the step began from, kept for its capsule (capsules only)
         self._kept: list[dict[str, Any]] = []
-        # per update: (the positions of the parameters measured, their update's squares,
-        # their weight's squares after it), and with capsules per parameter compared
-        # (position, the bit sums of the step's update and of the second run's), on the device
-        self._squares: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+        # per update: (the positions of the parameters measured, their update's squares),
+        # and with capsules per parameter compared (position, the bit sums of the step's
+        # update and of the second run's), on the device
+        self._squares: list[tuple[list[int], torch.Tensor]] = []
         self._sums: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         # measured steps waiting for their flags to reach the host before their capsules
         # are decided (CUDA: read at a later step's end, without waiting), oldest first; the
@@ -134,6 +142,9 @@ class UpdateReplay:
         # behind the host), which bounds the copies held
         self._pending: collections.deque[_Pending] = collections.deque()
         self._trusted = False  # a second run has reproduced in this run (capsules only)
+        # per layer, is a jump's event going on, as the rule has it (publish/spikes.py
+        # observe_update_ratios: while one goes on, no step is a jump's start; capsules only)
+        self._in_event: dict[str, bool] = {}
         self._step: int | None = None  # the step whose updates are run again
         self._refused: str | None = None
         # torch's deterministic algorithms on as the step's first update was run again (the
@@ -208,8 +219,11 @@ class UpdateReplay:
                         )
                 hyper = {key: _copy(v) for key, v in group.items() if key != "params"}
                 shadow_groups.append({**hyper, "params": copies})
-                if keep:
-                    hyper_kept = {key: _copy(v) for key, v in hyper.items()}
+                if keep:  # (the optimizer's own keys: a loop's own objects in a group, which
+                    # the update never reads, may not pickle, or not load in another process)
+                    hyper_kept = {
+                        key: _copy(v) for key, v in hyper.items() if key in optimizer.defaults
+                    }
                     inputs["groups"].append((hyper_kept, [wanted[id(p)] for p in mine]))
             if keep:
                 # (a fused optimizer's GradScaler values, set on it for this step)
@@ -248,12 +262,11 @@ class UpdateReplay:
                     self._sums.append((position, bits_sum(ours), bits_sum(copy)))
             measured = [p for p, _ in running if p in before]
             if measured and (self._gate is not None or kept):
-                # the update's and the weight's norms, three foreach ops for all of them
+                # the update's norms, two foreach ops for all of them
                 after = [local_tensor(self._params[p].detach()) for p in measured]
                 update = torch._foreach_sub(after, [before[p] for p in measured])
-                norms = torch._foreach_norm([*update, *after], 2, dtype=torch.float32)
-                squares = torch.stack(norms).double().square()
-                self._squares.append((measured, *squares.split(len(measured))))
+                norms = torch._foreach_norm(update, 2, dtype=torch.float32)
+                self._squares.append((measured, torch.stack(norms).double().square()))
 
     def step_ended(self, step: int) -> list[tuple[SpikeComparison, list[torch.Tensor]]]:
         """Step `step` ended, its update done: the comparisons to send, each with its device
@@ -270,15 +283,12 @@ class UpdateReplay:
         squares, sums = self._squares, self._sums
         self._step, self._flags, self._refused = None, [], None
         self._kept, self._squares, self._sums = [], [], []
-        measured = [p for positions, *_ in squares for p in positions]
-        if squares and len({u.device for _, u, _ in squares}) == 1:
-            with torch.no_grad():
-                update2 = torch.cat([u for _, u, _ in squares])
-                weight2 = torch.cat([w for _, _, w in squares])
-            if self._gate is not None:
-                self._gate_step(step, measured, update2, weight2)
-        else:
+        measured = [p for positions, _ in squares for p in positions]
+        figures = self._figures(measured, squares) if squares else None
+        if figures is None:
             measured = []
+        elif self._gate is not None:
+            self._gate_step(step, *figures)
         if not flags:  # (with some run again, those are compared, the others left out)
             sent.append((SpikeComparison(step, refused=refused or NO_OPTIMIZER, update_from=0), []))
             return sent
@@ -302,8 +312,9 @@ class UpdateReplay:
             and [p for p, *_ in sums] == positions
             and len(by_device) == 1
         ):  # (capsules: decided once the flags and squares reach the host)
+            assert figures is not None
+            layers, update2, _, weight2 = figures
             with torch.no_grad():
-                both = torch.stack([update2, weight2], dim=1)
                 bits = torch.stack([torch.stack(m[1:]) for m in sums])
             while len(self._pending) >= PENDING_MOST:
                 sent += self._decide(wait=True)
@@ -313,7 +324,8 @@ class UpdateReplay:
                     parts,
                     kept,
                     positions,
-                    transfer.peek(torch.cat([both.reshape(-1), parts[0]])),
+                    layers,
+                    transfer.peek(torch.cat([update2, parts[0], weight2])),
                     transfer.peek(bits),
                 )
             )
@@ -321,32 +333,72 @@ class UpdateReplay:
         sent.append((comparison, parts))
         return sent
 
+    def _figures(
+        self, measured: list[int], squares: list[tuple[list[int], torch.Tensor]]
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The measured layers (in order), the measured parameters' update squares, each
+        one's slot among those layers, and each layer's weight square after the update over
+        all its parameters (frozen ones too: the rule's ratio, efficiency/updates.py), on
+        the device, in a few ops; None where they lie on several devices."""
+        if len({u.device for _, u in squares}) != 1:
+            return None
+        device = squares[0][1].device
+        key = (device, *measured)
+        found = self._slots.get(key)
+        if found is None:
+            layers = list(dict.fromkeys(self._layer_of[p] for p in measured))
+            slot = {layer: k for k, layer in enumerate(layers)}
+            of_layers = [k for layer in layers for k in self._layer_params[layer]]
+            found = (
+                layers,
+                transfer.index_to_device([slot[self._layer_of[p]] for p in measured], device),
+                transfer.index_to_device([slot[self._layer_of[k]] for k in of_layers], device),
+            )
+            if len(self._slots) > 256:  # (a turn that never comes round again: bounded)
+                self._slots.clear()
+            self._slots[key] = found
+        layers, update_slots, weight_slots = found
+        weighed = [
+            local_tensor(self._params[k].detach())
+            for layer in layers
+            for k in self._layer_params[layer]
+        ]
+        if any(t.device != device for t in weighed):
+            return None
+        with torch.no_grad():
+            update2 = torch.cat([u for _, u in squares])
+            norms = torch._foreach_norm(weighed, 2, dtype=torch.float32)
+            weight2 = torch.zeros(len(layers), dtype=torch.float64, device=device).index_add_(
+                0, weight_slots, torch.stack(norms).double().square()
+            )
+        return layers, update2, update_slots, weight2
+
     def _gate_step(
-        self, step: int, measured: list[int], update: torch.Tensor, weight: torch.Tensor
+        self,
+        step: int,
+        layers: list[int],
+        update: torch.Tensor,
+        slots: torch.Tensor,
+        weight: torch.Tensor,
     ) -> None:
         """The jump's gate of step `step`, on the device: does any measured layer's update
         ratio pass half the rule's threshold and margin (replayed), or the rule's own limit
-        (a jump's first step: its batch's capsule)? `update`, `weight`: the squares of the
-        parameters `measured`. A few ops whatever the turn's size; none until a layer has a
-        limit (publish/spikes.py `layer_limits`)."""
+        (a jump's first step: its batch's capsule)? `update`: the measured parameters'
+        update squares, `slots`: their layers' places in `layers`, `weight`: each layer's
+        weight square. A few ops whatever the turn's size; none until a layer has a limit
+        (publish/spikes.py `layer_limits`)."""
         limits = self._limits() if self._limits is not None else {}
-        layers = [self._layer_of[p] for p in measured]
-        order = list(dict.fromkeys(layers))
-        found = [limits.get(self._layer_names[layer], _NO_LIMITS) for layer in order]
+        found = [limits.get(self._layer_names[layer], _NO_LIMITS) for layer in layers]
         if not any(math.isfinite(gate) for gate, _ in found):
             return
-        device = update.device
         with torch.no_grad():
-            slot = {layer: k for k, layer in enumerate(order)}
-            index = transfer.index_to_device([slot[layer] for layer in layers], device)
-            per_layer = torch.zeros(2, len(order), dtype=torch.float64, device=device)
-            per_layer[0].index_add_(0, index, update)
-            per_layer[1].index_add_(0, index, weight)
+            per_layer = torch.zeros(len(layers), dtype=torch.float64, device=update.device)
+            per_layer.index_add_(0, slots, update)
             # (squared limits: an update square above limit² x the weight square)
             bounds = transfer.floats_to_device(
-                [g * g for g, _ in found] + [s * s for _, s in found], device
+                [g * g for g, _ in found] + [s * s for _, s in found], update.device
             ).view(2, -1)
-            over = (per_layer[0] > bounds * per_layer[1]).any(dim=1)
+            over = (per_layer > bounds * weight).any(dim=1)
         assert self._gate is not None
         self._gate(step, over)
 
@@ -359,6 +411,17 @@ class UpdateReplay:
             if not decided:
                 break
             sent += decided
+        return sent
+
+    def settle(self) -> list[tuple[SpikeComparison, list[torch.Tensor]]]:
+        """flush() or detach(), which wait for the device anyway: every pending step
+        decided, its values waited for, its comparison to send and its copies freed."""
+        sent: list[tuple[SpikeComparison, list[torch.Tensor]]] = []
+        try:
+            while self._pending:
+                sent += self._decide(wait=True)
+        finally:
+            self._pending.clear()  # (a fault: the rest not decided, their copies freed)
         return sent
 
     def _decide(self, wait: bool) -> list[tuple[SpikeComparison, list[torch.Tensor]]]:
@@ -376,27 +439,36 @@ class UpdateReplay:
             transfer.wait_ready(pending.sums.ready)
         n = len(pending.positions)
         values = pending.values.host.tolist()
-        squares, flags = values[: 2 * n], values[2 * n :]
+        updates, flags, weights = values[:n], values[n : 2 * n], values[2 * n :]
         sums = pending.sums.host.tolist()
         first = next((k for k, flag in enumerate(flags) if flag), None)
-        by_layer: dict[int, list[float]] = {}
+        by_layer = {layer: [0.0, weight] for layer, weight in zip(pending.layers, weights)}
         for k, position in enumerate(pending.positions):
-            totals = by_layer.setdefault(self._layer_of[position], [0.0, 0.0])
-            totals[0] += squares[2 * k]
-            totals[1] += squares[2 * k + 1]
+            by_layer[self._layer_of[position]][0] += updates[k]
         limits = self._limits() if self._limits is not None else {}
         jumped = []
+        ongoing = any(self._in_event.values())  # (as the rule: any layer's event)
         for layer, (update, weight) in by_layer.items():
             name = self._layer_names[layer]
             ratio = math.sqrt(update / weight) if weight > 0 else math.nan
-            limit = limits.get(name, _NO_LIMITS)[1]
+            if not math.isfinite(ratio) or ratio == 0:
+                continue  # (the rule's: no judgement)
+            going, limit = limits.get(name, _NO_LIMITS)
             if ratio > limit:
                 jumped.append((name, ratio, limit))
+            self._in_event[name] = ratio > limit or (
+                self._in_event.get(name, False) and ratio > going
+            )
+        if ongoing:  # (an event goes on: the rule counts no jump at this step)
+            jumped = []
         comparison = pending.comparison
         # (the calibration, as the publisher's: until a second run has reproduced, a
-        # difference is an optimizer whose kernels are not bit-stable, and no capsule's)
+        # difference is an optimizer whose kernels are not bit-stable, and no capsule's; a
+        # jump's capsule before then does not blame the machine either)
         self._trusted = self._trusted or first is None
-        if (first is not None and self._trusted) or jumped:
+        if not self._trusted:
+            first = None
+        if first is not None or jumped:
             capsule = self._capsules.keep(
                 step=comparison.step,
                 kept=pending.kept,
@@ -417,6 +489,11 @@ class UpdateReplay:
         self._step, self._flags, self._refused, self.running = None, [], None, []
         self._kept, self._squares, self._sums = [], [], []
 
+    def release(self) -> None:
+        """detach(): nothing is held past it (the copies of pending steps too)."""
+        self.drop()
+        self._pending.clear()
+
 
 @dataclasses.dataclass(slots=True)
 class _Pending:
@@ -426,5 +503,7 @@ class _Pending:
     parts: list[torch.Tensor]
     kept: list[dict[str, Any]]  # what each update began from (update_began)
     positions: list[int]  # the parameters compared, in the flags' order
-    values: transfer.Copy  # (update², weight²) per parameter, then the flags
+    layers: list[int]  # their layers, in order
+    # update² per parameter, then the flags, then each layer's weight² (all its parameters)
+    values: transfer.Copy
     sums: transfer.Copy  # (the step's, the second run's) bit sums per parameter

@@ -14,7 +14,8 @@ from its second run (the machine is the suspect), or one where a layer's update 
 the rule's current limit (publish/spikes.py `layer_limits`: a jump may have begun; the
 gradients or the hyperparameters are the suspect, and the capsule holds them). Its values
 are read on the host once the device has delivered them (no wait: a later step's end), so a
-capsule is decided without a sync; the copies it holds are kept until then. It shares the
+capsule is decided without a sync; the copies it holds are kept until then. Writing one
+copies them to the host, which waits for the device: once per capsule written. It shares the
 process's `capsule_max_count` with every other capsule (a reproduced update's never takes the
 last slot, kept for a NaN's or a difference's) and its size cap (`capsule_max_bytes`: above
 it none is written, and one line says so). A fault here costs the capsule only.
@@ -142,6 +143,8 @@ class UpdateCapsules:
         params: list[dict[str, Any]] = []
         optimizers: list[dict[str, Any]] = []
         devices = set()
+        # note: a CPU-GPU sync point: the copies to the host (to_cpu) wait for the device, on
+        # a step that writes a capsule only (at most capsule_max_count per process)
         for inputs in kept:
             for position, value, grad, state in inputs["params"]:
                 position_of[position] = len(params)
@@ -171,7 +174,17 @@ class UpdateCapsules:
                     "class": class_name(type(optimizer)),
                     "defaults": dict(optimizer.defaults),
                     "groups": [
-                        {"hyper": to_cpu(hyper), "params": [position_of[p] for p in positions]}
+                        {
+                            "hyper": to_cpu(hyper),
+                            # (a tensor learning rate on the device, for a capturable or
+                            # fused update: moved back there to run it again)
+                            "on_device": sorted(
+                                key
+                                for key, v in hyper.items()
+                                if isinstance(v, torch.Tensor) and v.device.type != "cpu"
+                            ),
+                            "params": [position_of[p] for p in positions],
+                        }
                         for hyper, positions in inputs["groups"]
                     ],
                     "attributes": to_cpu(inputs.get("attributes", {})),

@@ -63,7 +63,11 @@ def _run(update: dict[str, Any], device: str) -> tuple[list[int], list[torch.Ten
     for spec in update["optimizers"]:
         cls = _optimizer_class(spec["class"])
         groups = [
-            {**group["hyper"], "params": [params[k] for k in group["params"]]}
+            {
+                **group["hyper"],
+                **{key: group["hyper"][key].to(device) for key in group.get("on_device", ())},
+                "params": [params[k] for k in group["params"]],
+            }
             for group in spec["groups"]
         ]
         try:

@@ -604,9 +604,10 @@ class Aggregator:
         if comparison.update_from is None:
             replays.judge(comparison, flags)
         else:
-            jump = self.spikes.counts()[UPDATE_RATIO_JUMP].last
+            # (not the last jump's step alone: a comparison decided steps later, once its
+            # values reached the host, may come after a later jump's packet)
             replays.judge_update(
-                comparison, flags, jump is not None and jump.step == comparison.step
+                comparison, flags, self.spikes.began_at(UPDATE_RATIO_JUMP, comparison.step)
             )
         self.spikes.note_verdicts(dict(replays.verdicts), dict(replays.update_verdicts))
 

@@ -146,6 +146,10 @@ class SpikeWatch:
         self._judged = dict.fromkeys(KINDS, 0)
         self._lock = threading.Lock()
         self._counts = {kind: SpikeCount() for kind in KINDS}
+        # per kind, the steps its last events began at (a measured update's comparison may
+        # come after later steps' packets: update_replay.py decides it once its values reach
+        # the host), the last 64
+        self._began: dict[str, deque[int]] = {kind: deque(maxlen=64) for kind in KINDS}
         # (loss, gradient norm) above which the spike replay replays a step, then (loss,
         # gradient norm) above which the rule would call it a spike, both against the window
         # of the last drain (read from the training thread: a tuple, replaced whole)
@@ -293,7 +297,12 @@ class SpikeWatch:
         going = z > threshold / 2 and value > median + margin / 2
         return z, median, spike, going
 
+    def began_at(self, kind: str, step: int) -> bool:
+        """Did an event of `kind` begin at `step` (one of the last 64)? Publisher thread."""
+        return step in self._began[kind]
+
     def _count(self, kind: str, event: SpikeEvent) -> None:
+        self._began[kind].append(event.step)
         with self._lock:
             old = self._counts[kind]
             count = SpikeCount(old.count + 1, old.first or event, event)

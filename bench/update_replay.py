@@ -4,8 +4,8 @@ second time on copies (hookprof/integrity/update_replay.py) and compared bitwise
 
 Side by side in one run, rounds interleaved, on the workloads of bench/overhead.py under
 AdamW: a bare training step, and the second run's own work on that step (the copies of the
-parameters, gradients and AdamW's two moments, the shadow's update, the comparison, the
-jump's gate on the update and weight norms),
+parameters, gradients and AdamW's two moments, the shadow's update, the comparison; the
+jump's gate reads the update norms' own sums, a few ops),
 called directly around a real step, every parameter in the turn (the default cap,
 update_norm_max_bytes, takes a quarter of them per measurement: this is the most one
 measurement costs). Then amortised per step at the default update_norm_interval_s (1 s):
@@ -60,17 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         y = torch.randint(0, 10, (w.batch,), generator=g).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         params = list(model.parameters())
-        names = [n for n, _ in model.named_parameters()]
-        # each parameter its own layer, each with a limit: the jump's gate runs too (its
-        # flags handed nowhere: the replay of a gated step is the spike replay's cost)
-        replay = UpdateReplay(
-            params,
-            names,
-            layer_of=list(range(len(params))),
-            layer_names=names,
-            limits=lambda: dict.fromkeys(names, (1.0, 2.0)),
-            gate=lambda step, over: None,
-        )
+        replay = UpdateReplay(params, [n for n, _ in model.named_parameters()])
         turn = tuple(range(len(params)))
 
         def step(recheck: bool, n: int) -> float:
@@ -78,14 +68,11 @@ def main(argv: list[str] | None = None) -> int:
             for k in range(n):
                 opt.zero_grad()
                 nn.functional.cross_entropy(model(x), y).backward()
-                # (update_norms' copies of the turn, taken either way: not the second run's)
-                with torch.no_grad():
-                    before = {i: p.detach().clone() for i, p in enumerate(params)}
                 if recheck:
                     replay.update_began(k + 1, opt, turn, final=True)
                 opt.step()
                 if recheck:
-                    replay.update_done(before)
+                    replay.update_done()
                     sent = replay.step_ended(k + 1)
                     comparison = sent[0][0] if sent else None
                     if comparison is None or comparison.refused is not None:

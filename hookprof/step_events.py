@@ -578,18 +578,20 @@ class StepEvents:
     @guarded("update replay", disable=False)
     def _update_done_again(self) -> None:
         assert self._update_replay is not None
-        measured = self._efficiency.measured_update()
-        self._update_replay.update_done(measured.copies if measured is not None else {})
+        self._update_replay.update_done()
 
     @guarded("update replay", disable=False)
     def _update_ended_again(self, number: int, no_update: bool) -> None:
         """The step's updates against their second run, sent on their own (none: no update
         was run again, or the step's update did not happen)."""
         assert self._update_replay is not None
+        # (the update norms' sums around this step's update, if measured: the jump's gate
+        # reads them; taken every step, so none is read at a later step's end)
+        around = self._update_statistics.last_around() if self._update_statistics else None
         if no_update:
             self._update_replay.drop()
         else:
-            for sent in self._update_replay.step_ended(number):
+            for sent in self._update_replay.step_ended(number, around):
                 self._submit_spike(sent)
         for sent in self._update_replay.poll():  # (capsule_dir: an earlier step's, decided)
             self._submit_spike(sent)
@@ -709,7 +711,6 @@ def replays_of(
             table.params,
             table.param_names,
             capsules=update_capsules(config, name, rank, faults, say),
-            layer_of=table.param_layer,
             layer_names=table.names,
             limits=publisher.update_ratio_limits,
             gate=spike_replay.gate_also,

@@ -101,13 +101,6 @@ class UpdateNorms:
         """The positions of the parameters copied for this step's turn."""
         return tuple(i for i, _ in self._before or ())
 
-    @property
-    def copies(self) -> dict[int, torch.Tensor]:
-        """This step's copies of the turn's parameters as the update began, by position (this
-        rank's part of each): read by the update's second run (integrity/update_replay.py)
-        for the jump's gate, as the update returns."""
-        return dict(self._before or ())
-
     def before_update(self) -> None:
         """The parameters are about to change (the first owned optimizer's pre-hook of a
         sampled step): copy the layers whose turn it is."""

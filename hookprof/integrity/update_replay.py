@@ -60,7 +60,6 @@ import torch
 from hookprof.device import transfer
 from hookprof.integrity.spike_replay import SpikeComparison
 from hookprof.step.dispatch import others_around_update
-from hookprof.step.gradients import local_tensor
 from hookprof.tensors import bits_sum, local_bits
 
 CLOSURE = (
@@ -105,7 +104,6 @@ class UpdateReplay:
         names: Sequence[str],
         *,
         capsules: Any = None,
-        layer_of: Sequence[int] = (),
         layer_names: Sequence[str] = (),
         limits: Callable[[], Mapping[str, tuple[float, float]]] | None = None,
         gate: Callable[[int, torch.Tensor], None] | None = None,
@@ -116,25 +114,15 @@ class UpdateReplay:
         # with each parameter's layer and the rule's current limit per layer (`limits`:
         # publish/spikes.py layer_limits), for the gate that says a jump may have begun
         self._capsules = capsules
-        self._layer_of, self._layer_names = layer_of, layer_names
-        # each layer's parameters, every one (frozen, or in no optimizer, too): the rule's
-        # ratio is over the whole layer's weight (efficiency/updates.py), so the gate's is
-        self._layer_params: dict[int, list[int]] = {}
-        for position, layer in enumerate(layer_of):
-            self._layer_params.setdefault(layer, []).append(position)
-        # (the measured parameters of a turn, and their layers' parameters) -> their layers'
-        # slots on the device: turns come round again, so the index is made once each
-        self._slots: dict[tuple[Any, ...], tuple[list[int], torch.Tensor, torch.Tensor]] = {}
+        self._layer_names = layer_names
         self._limits = limits
         # the spike replay's gate (spike_replay.py `gate_also`): a step whose layer's ratio
         # may be a jump has its forward and backward replayed too
         self._gate = gate
         # what each update of the step began from, kept for its capsule (capsules only)
         self._kept: list[dict[str, Any]] = []
-        # per update: (the positions of the parameters measured, their update's squares),
-        # and with capsules per parameter compared (position, the bit sums of the step's
-        # update and of the second run's), on the device
-        self._squares: list[tuple[list[int], torch.Tensor]] = []
+        # with capsules, per parameter compared: (position, the bit sums of the step's update
+        # and of the second run's), on the device
         self._sums: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         # measured steps waiting for their flags to reach the host before their capsules
         # are decided (CUDA: read at a later step's end, without waiting), oldest first; the
@@ -163,7 +151,7 @@ class UpdateReplay:
         gradients are final (no closure runs first)."""
         if self._step != step:
             self._step, self._refused, self._flags, self.running = step, None, [], []
-            self._kept, self._squares, self._sums = [], [], []
+            self._kept, self._sums = [], []
             self._deterministic = torch.are_deterministic_algorithms_enabled()
         done = {k for k, _ in self._flags}
         wanted = {id(self._params[k]): k for k in turn if k not in done}
@@ -247,11 +235,9 @@ class UpdateReplay:
             getattr(step_of_class, "__wrapped__", step_of_class)(shadow)
         self.running = kept
 
-    def update_done(self, before: Mapping[int, torch.Tensor]) -> None:
+    def update_done(self) -> None:
         """The update that began last returned: its parameters' bits against the second
-        run's, on the device; the copies freed. `before`: the turn's parameters as the
-        update began (efficiency/updates.py `copies`), whose update and weight squares the
-        jump's gate and the capsule read."""
+        run's, on the device; the copies freed."""
         running, self.running = self.running, []
         kept = {k for inputs in self._kept for k, *_ in inputs["params"]}
         with torch.no_grad():
@@ -260,34 +246,26 @@ class UpdateReplay:
                 self._flags.append((position, (ours != local_bits(copy)).any()))
                 if position in kept:  # (capsules: both runs' bit sums)
                     self._sums.append((position, bits_sum(ours), bits_sum(copy)))
-            measured = [p for p, _ in running if p in before]
-            if measured and (self._gate is not None or kept):
-                # the update's norms, two foreach ops for all of them
-                after = [local_tensor(self._params[p].detach()) for p in measured]
-                update = torch._foreach_sub(after, [before[p] for p in measured])
-                norms = torch._foreach_norm(update, 2, dtype=torch.float32)
-                self._squares.append((measured, torch.stack(norms).double().square()))
 
-    def step_ended(self, step: int) -> list[tuple[SpikeComparison, list[torch.Tensor]]]:
+    def step_ended(
+        self, step: int, around: Any = None
+    ) -> list[tuple[SpikeComparison, list[torch.Tensor]]]:
         """Step `step` ended, its update done: the comparisons to send, each with its device
         flags ("this parameter's bits differ from the second run's"): this step's (none when
         it ran no update again); with capsules, this one's once its values reach the host,
         with those of earlier ones that have since (`poll`; the oldest waited for only when
-        PENDING_MOST are pending)."""
+        PENDING_MOST are pending). `around`: the step's update and weight squares per layer,
+        as the update norms measured them (step/update_statistics.py AroundUpdate; None:
+        not measured), which the jump's gate and the capsule read."""
         sent: list[tuple[SpikeComparison, list[torch.Tensor]]] = []
         if self._step != step:
             return sent
         if self.running:  # (no post-hook came: an update that raised, half done)
             self.running, self._refused = [], self._refused or UNFINISHED
-        flags, refused, kept = self._flags, self._refused, self._kept
-        squares, sums = self._squares, self._sums
-        self._step, self._flags, self._refused = None, [], None
-        self._kept, self._squares, self._sums = [], [], []
-        measured = [p for positions, _ in squares for p in positions]
-        figures = self._figures(measured, squares) if squares else None
-        if figures is None:
-            measured = []
-        elif self._gate is not None:
+        flags, refused, kept, sums = self._flags, self._refused, self._kept, self._sums
+        self._step, self._flags, self._refused, self._kept, self._sums = None, [], None, [], []
+        figures = _per_layer(around)
+        if figures is not None and self._gate is not None:
             self._gate_step(step, *figures)
         if not flags:  # (with some run again, those are compared, the others left out)
             sent.append((SpikeComparison(step, refused=refused or NO_OPTIMIZER, update_from=0), []))
@@ -308,12 +286,12 @@ class UpdateReplay:
         if (
             kept
             and refused is None
-            and measured == positions
+            and figures is not None
             and [p for p, *_ in sums] == positions
             and len(by_device) == 1
+            and figures[1].device == parts[0].device
         ):  # (capsules: decided once the flags and squares reach the host)
-            assert figures is not None
-            layers, update2, _, weight2 = figures
+            layers, update2, weight2 = figures
             with torch.no_grad():
                 bits = torch.stack([torch.stack(m[1:]) for m in sums])
             while len(self._pending) >= PENDING_MOST:
@@ -324,8 +302,8 @@ class UpdateReplay:
                     parts,
                     kept,
                     positions,
-                    layers,
-                    transfer.peek(torch.cat([update2, parts[0], weight2])),
+                    sorted(layers),
+                    transfer.peek(torch.cat([parts[0], update2, weight2])),
                     transfer.peek(bits),
                 )
             )
@@ -333,72 +311,28 @@ class UpdateReplay:
         sent.append((comparison, parts))
         return sent
 
-    def _figures(
-        self, measured: list[int], squares: list[tuple[list[int], torch.Tensor]]
-    ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The measured layers (in order), the measured parameters' update squares, each
-        one's slot among those layers, and each layer's weight square after the update over
-        all its parameters (frozen ones too: the rule's ratio, efficiency/updates.py), on
-        the device, in a few ops; None where they lie on several devices."""
-        if len({u.device for _, u in squares}) != 1:
-            return None
-        device = squares[0][1].device
-        key = (device, *measured)
-        found = self._slots.get(key)
-        if found is None:
-            layers = list(dict.fromkeys(self._layer_of[p] for p in measured))
-            slot = {layer: k for k, layer in enumerate(layers)}
-            of_layers = [k for layer in layers for k in self._layer_params[layer]]
-            found = (
-                layers,
-                transfer.index_to_device([slot[self._layer_of[p]] for p in measured], device),
-                transfer.index_to_device([slot[self._layer_of[k]] for k in of_layers], device),
-            )
-            if len(self._slots) > 256:  # (a turn that never comes round again: bounded)
-                self._slots.clear()
-            self._slots[key] = found
-        layers, update_slots, weight_slots = found
-        weighed = [
-            local_tensor(self._params[k].detach())
-            for layer in layers
-            for k in self._layer_params[layer]
-        ]
-        if any(t.device != device for t in weighed):
-            return None
-        with torch.no_grad():
-            update2 = torch.cat([u for _, u in squares])
-            norms = torch._foreach_norm(weighed, 2, dtype=torch.float32)
-            weight2 = torch.zeros(len(layers), dtype=torch.float64, device=device).index_add_(
-                0, weight_slots, torch.stack(norms).double().square()
-            )
-        return layers, update2, update_slots, weight2
-
     def _gate_step(
-        self,
-        step: int,
-        layers: list[int],
-        update: torch.Tensor,
-        slots: torch.Tensor,
-        weight: torch.Tensor,
+        self, step: int, layers: frozenset[int], update: torch.Tensor, weight: torch.Tensor
     ) -> None:
         """The jump's gate of step `step`, on the device: does any measured layer's update
         ratio pass half the rule's threshold and margin (replayed), or the rule's own limit
-        (a jump's first step: its batch's capsule)? `update`: the measured parameters'
-        update squares, `slots`: their layers' places in `layers`, `weight`: each layer's
-        weight square. A few ops whatever the turn's size; none until a layer has a limit
-        (publish/spikes.py `layer_limits`)."""
+        (a jump's first step: its batch's capsule)? `update`, `weight`: every layer's
+        update and weight squares (`layers`: those measured). A few ops whatever the model;
+        none until a measured layer has a limit (publish/spikes.py `layer_limits`)."""
         limits = self._limits() if self._limits is not None else {}
-        found = [limits.get(self._layer_names[layer], _NO_LIMITS) for layer in layers]
+        found = [
+            limits.get(name, _NO_LIMITS) if k in layers else _NO_LIMITS
+            for k, name in enumerate(self._layer_names)
+        ]
         if not any(math.isfinite(gate) for gate, _ in found):
             return
         with torch.no_grad():
-            per_layer = torch.zeros(len(layers), dtype=torch.float64, device=update.device)
-            per_layer.index_add_(0, slots, update)
-            # (squared limits: an update square above limit² x the weight square)
+            # (squared limits: an update square above limit² x the weight square; a layer
+            # without one, inf: inf x 0 is NaN, and nothing is above NaN or inf)
             bounds = transfer.floats_to_device(
                 [g * g for g, _ in found] + [s * s for _, s in found], update.device
             ).view(2, -1)
-            over = (per_layer > bounds * weight).any(dim=1)
+            over = (update > bounds * weight).any(dim=1)
         assert self._gate is not None
         self._gate(step, over)
 
@@ -437,14 +371,12 @@ class UpdateReplay:
         if wait:  # note: a CPU-GPU sync point (PENDING_MOST measurements pending)
             transfer.wait_ready(pending.values.ready)
             transfer.wait_ready(pending.sums.ready)
-        n = len(pending.positions)
+        n, layers = len(pending.positions), len(self._layer_names)
         values = pending.values.host.tolist()
-        updates, flags, weights = values[:n], values[n : 2 * n], values[2 * n :]
+        flags, updates, weights = values[:n], values[n : n + layers], values[n + layers :]
         sums = pending.sums.host.tolist()
         first = next((k for k, flag in enumerate(flags) if flag), None)
-        by_layer = {layer: [0.0, weight] for layer, weight in zip(pending.layers, weights)}
-        for k, position in enumerate(pending.positions):
-            by_layer[self._layer_of[position]][0] += updates[k]
+        by_layer = {layer: (updates[layer], weights[layer]) for layer in pending.layers}
         limits = self._limits() if self._limits is not None else {}
         jumped = []
         ongoing = any(self._in_event.values())  # (as the rule: any layer's event)
@@ -487,12 +419,26 @@ class UpdateReplay:
         """The step's update did not happen (a skipped step) or was held back: nothing to
         compare."""
         self._step, self._flags, self._refused, self.running = None, [], None, []
-        self._kept, self._squares, self._sums = [], [], []
+        self._kept, self._sums = [], []
 
     def release(self) -> None:
         """detach(): nothing is held past it (the copies of pending steps too)."""
         self.drop()
         self._pending.clear()
+
+
+def _per_layer(around: Any) -> tuple[frozenset[int], torch.Tensor, torch.Tensor] | None:
+    """(the layers measured, every layer's update squares, every layer's weight squares),
+    on one device, from the update norms' sums around the update (None: not measured, or
+    on several devices)."""
+    if around is None:
+        return None
+    updates, weights = around.update_squares(), around.weight_squares()
+    if len(updates.parts) != 1 or len(weights.parts) != 1:
+        return None
+    if updates.parts[0].device != weights.parts[0].device:
+        return None
+    return updates.layers, updates.parts[0], weights.parts[0]
 
 
 @dataclasses.dataclass(slots=True)
@@ -503,7 +449,7 @@ class _Pending:
     parts: list[torch.Tensor]
     kept: list[dict[str, Any]]  # what each update began from (update_began)
     positions: list[int]  # the parameters compared, in the flags' order
-    layers: list[int]  # their layers, in order
-    # update² per parameter, then the flags, then each layer's weight² (all its parameters)
+    layers: list[int]  # the layers whose update was measured
+    # the flags, then every layer's update², then every layer's weight² (all its parameters)
     values: transfer.Copy
     sums: transfer.Copy  # (the step's, the second run's) bit sums per parameter

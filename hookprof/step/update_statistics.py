@@ -100,6 +100,9 @@ class UpdateStatistics:
             for k, s, reach in of_parameters(statistics, UPDATE, layers, report)
         ]
         self._layers = len(layers)  # the length of each part of a LayerSums
+        # the last step's sums around its update (the update's second run reads them for
+        # the jump's gate: integrity/update_replay.py), taken by `last_around`
+        self._around: AroundUpdate | None = None
 
     def __bool__(self) -> bool:
         return bool(self._statistics)
@@ -109,6 +112,7 @@ class UpdateStatistics:
         hears of a statistic that failed."""
         weights, updates, updated, weighted = measured.after_update()
         view = AroundUpdate(LayerSums(tuple(weights), weighted), LayerSums(tuple(updates), updated))
+        self._around = view
         taken: list[Taken] = []
         for k, stat, reach in self._statistics:
             try:
@@ -125,6 +129,11 @@ class UpdateStatistics:
                 continue
             taken.append((k, sums, reach.intersection(*(s.layers for s in sums))))
         return taken
+
+    def last_around(self) -> AroundUpdate | None:
+        """The sums around the update `take` read last (None: none since the last call)."""
+        around, self._around = self._around, None
+        return around
 
     def _sendable(self, sums: Any) -> bool:
         """What the step's copy can carry (a LayerSums a user built may hold anything): a

@@ -43,16 +43,18 @@ bit for bit: the shadow writes only its own copies.
 With capsule_dir set (`capsules`), what each update began from is copied apart as well, and
 held until the step's flags, its layers' update and weight squares and both runs' bit sums
 reach the host (at a later step's end, never waited for while fewer than PENDING_MOST steps
-are pending): a step whose update differed (once calibrated) or whose layer passed the jump
-rule's current limit gets its capsule (nonfinite/update_capsule.py), for `hookprof replay`.
+are pending, and at flush() and detach(), which wait for the device anyway): a step whose
+update differed (once calibrated) or whose layer passed the jump rule's current limit gets
+its capsule (nonfinite/update_capsule.py), for `hookprof replay`.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -110,9 +112,9 @@ class UpdateReplay:
     ):
         self._params = params  # the layer table's parameters, by position
         self._names = names
-        # capsule_dir set: an update's capsule (nonfinite/update_capsule.py UpdateCapsules),
-        # with each parameter's layer and the rule's current limit per layer (`limits`:
-        # publish/spikes.py layer_limits), for the gate that says a jump may have begun
+        # capsule_dir set: an update's capsule (nonfinite/update_capsule.py UpdateCapsules);
+        # the layers' names and the rule's current limits per layer (`limits`: publish/
+        # spikes.py layer_limits), for the gate that says a jump may have begun
         self._capsules = capsules
         self._layer_names = layer_names
         self._limits = limits
@@ -256,7 +258,8 @@ class UpdateReplay:
         with those of earlier ones that have since (`poll`; the oldest waited for only when
         PENDING_MOST are pending). `around`: the step's update and weight squares per layer,
         as the update norms measured them (step/update_statistics.py AroundUpdate; None:
-        not measured), which the jump's gate and the capsule read."""
+        not measured), which the jump's gate and the capsule read (the capsule: on the
+        flags' device only)."""
         sent: list[tuple[SpikeComparison, list[torch.Tensor]]] = []
         if self._step != step:
             return sent
@@ -315,10 +318,14 @@ class UpdateReplay:
         self, step: int, layers: frozenset[int], update: torch.Tensor, weight: torch.Tensor
     ) -> None:
         """The jump's gate of step `step`, on the device: does any measured layer's update
-        ratio pass half the rule's threshold and margin (replayed), or the rule's own limit
-        (a jump's first step: its batch's capsule)? `update`, `weight`: every layer's
-        update and weight squares (`layers`: those measured). A few ops whatever the model;
-        none until a measured layer has a limit (publish/spikes.py `layer_limits`)."""
+        ratio pass half the rule's threshold and margin (its forward and backward are then
+        replayed)? `update`, `weight`: every layer's update and weight squares (`layers`:
+        those measured). A few ops whatever the model; none until a measured layer has a
+        limit (publish/spikes.py `layer_limits`). Its second flag, "past the rule's own
+        limit" (the spike replay writes the batch's capsule of a spike's first step), stays
+        false: a jump's capsule is the update's (its gradients are in it), and the spike
+        replay cannot tell a jump's first step from the next measurement of one going on
+        (found by review: a batch's capsule per measured step while a jump lasted)."""
         limits = self._limits() if self._limits is not None else {}
         found = [
             limits.get(name, _NO_LIMITS) if k in layers else _NO_LIMITS
@@ -328,11 +335,11 @@ class UpdateReplay:
             return
         with torch.no_grad():
             # (squared limits: an update square above limit² x the weight square; a layer
-            # without one, inf: inf x 0 is NaN, and nothing is above NaN or inf)
-            bounds = transfer.floats_to_device(
-                [g * g for g, _ in found] + [s * s for _, s in found], update.device
-            ).view(2, -1)
-            over = (update > bounds * weight).any(dim=1)
+            # without one, inf: inf x 0 is NaN, and nothing is above NaN or inf; a weight of
+            # 0, no judgement, as the rule's)
+            bounds = transfer.floats_to_device([g * g for g, _ in found], update.device)
+            tripped = ((update > bounds * weight) & (weight > 0)).any()
+            over = torch.stack([tripped, torch.zeros_like(tripped)])
         assert self._gate is not None
         self._gate(step, over)
 
@@ -347,16 +354,15 @@ class UpdateReplay:
             sent += decided
         return sent
 
-    def settle(self) -> list[tuple[SpikeComparison, list[torch.Tensor]]]:
+    def settle(self) -> Iterator[tuple[SpikeComparison, list[torch.Tensor]]]:
         """flush() or detach(), which wait for the device anyway: every pending step
-        decided, its values waited for, its comparison to send and its copies freed."""
-        sent: list[tuple[SpikeComparison, list[torch.Tensor]]] = []
+        decided, its values waited for, its comparison given as it is decided (one decided
+        before a fault is sent all the same) and its copies freed."""
         try:
             while self._pending:
-                sent += self._decide(wait=True)
+                yield from self._decide(wait=True)
         finally:
             self._pending.clear()  # (a fault: the rest not decided, their copies freed)
-        return sent
 
     def _decide(self, wait: bool) -> list[tuple[SpikeComparison, list[torch.Tensor]]]:
         """The oldest pending step's capsule, when its update differed from the second run's
@@ -368,7 +374,7 @@ class UpdateReplay:
         ):
             return []
         self._pending.popleft()
-        if wait:  # note: a CPU-GPU sync point (PENDING_MOST measurements pending)
+        if wait:  # note: a CPU-GPU sync point (PENDING_MOST pending; flush(), detach())
             transfer.wait_ready(pending.values.ready)
             transfer.wait_ready(pending.sums.ready)
         n, layers = len(pending.positions), len(self._layer_names)
@@ -398,7 +404,8 @@ class UpdateReplay:
         # difference is an optimizer whose kernels are not bit-stable, and no capsule's; a
         # jump's capsule before then does not blame the machine either)
         self._trusted = self._trusted or first is None
-        if not self._trusted:
+        uncalibrated = first is not None and not self._trusted
+        if uncalibrated:
             first = None
         if first is not None or jumped:
             capsule = self._capsules.keep(
@@ -411,6 +418,7 @@ class UpdateReplay:
                 first=first,
                 jumped=jumped,
                 deterministic=comparison.deterministic,
+                uncalibrated=uncalibrated,
             )
             comparison = dataclasses.replace(comparison, capsule=capsule)
         return [(comparison, pending.parts)]
@@ -429,16 +437,21 @@ class UpdateReplay:
 
 def _per_layer(around: Any) -> tuple[frozenset[int], torch.Tensor, torch.Tensor] | None:
     """(the layers measured, every layer's update squares, every layer's weight squares),
-    on one device, from the update norms' sums around the update (None: not measured, or
-    on several devices)."""
+    on one device, from the update norms' sums around the update (None: not measured). A
+    model on several devices has a part per device: added up on the first part's device
+    (a vector of one value per layer each; a GPU's copy to another does not wait)."""
     if around is None:
         return None
     updates, weights = around.update_squares(), around.weight_squares()
-    if len(updates.parts) != 1 or len(weights.parts) != 1:
+    if not updates.parts or not weights.parts:
         return None
-    if updates.parts[0].device != weights.parts[0].device:
-        return None
-    return updates.layers, updates.parts[0], weights.parts[0]
+    device = updates.parts[0].device
+    with torch.no_grad():
+        update, weight = (
+            functools.reduce(torch.add, (p.to(device, non_blocking=True) for p in parts))
+            for parts in (updates.parts, weights.parts)
+        )
+    return updates.layers, update, weight
 
 
 @dataclasses.dataclass(slots=True)

@@ -72,13 +72,16 @@ class UpdateCapsules:
         first: int | None,
         jumped: Sequence[tuple[str, float, float]],
         deterministic: bool,
+        uncalibrated: bool = False,
     ) -> str | None:
         """Step `step`'s measured update: `kept`, what each optimizer's update began from
         (update_replay.py `update_began`: parameters by their table position); `compared`,
         (position, name, bit sum after the step's update, after the second run's) of each
         parameter compared, in order; `first`, the first of them that differs (None: all
-        alike); `jumped`, (layer, ratio, the rule's limit) of the layers above it. Returns
-        the capsule's path, or None (said, or counted as a fault)."""
+        alike); `jumped`, (layer, ratio, the rule's limit) of the layers above it;
+        `uncalibrated`: the runs differed, but no second run has reproduced in this run yet
+        (`first` None: no machine blamed). Returns the capsule's path, or None (said, or
+        counted as a fault)."""
         with self._faults.contain("update replay capsule", disable=False):
             # a reproduced update's never takes the last slot (kept for a NaN's)
             if not _take_slot(self._max_count - (first is None)):
@@ -95,7 +98,10 @@ class UpdateCapsules:
                 return None
             path = capsule_path(self._dir, self._model, self._rank, step)
             if not write_in_slot(
-                path, lambda: self._contents(step, kept, compared, first, jumped, deterministic)
+                path,
+                lambda: self._contents(
+                    step, kept, compared, first, jumped, deterministic, uncalibrated
+                ),
             ):
                 return None
             if first is not None:
@@ -105,7 +111,12 @@ class UpdateCapsules:
                     "the machine)"
                 )
             else:
-                verdict = "was made again bit for bit by its second run, " + ", ".join(
+                verdict = (
+                    "differed from its second run before any second run reproduced in this "
+                    "run (not blamed on the machine), "
+                    if uncalibrated
+                    else "was made again bit for bit by its second run, "
+                ) + ", ".join(
                     f"{name}'s update ratio {ratio:.3g} above the rule's limit {limit:.3g}"
                     for name, ratio, limit in jumped
                 )
@@ -127,6 +138,7 @@ class UpdateCapsules:
         first: int | None,
         jumped: Sequence[tuple[str, float, float]],
         deterministic: bool,
+        uncalibrated: bool,
     ) -> dict[str, Any] | None:
         """The capsule (None above capsule_max_bytes, said)."""
         size = sum(tensor_bytes(inputs["params"]) for inputs in kept)
@@ -206,7 +218,11 @@ class UpdateCapsules:
             ],
             "sizes": {"update_bytes": size, "max_bytes": self._max_bytes},
             "event": {
-                "replay": "reproduced" if first is None else "not_reproduced",
+                "replay": "not_calibrated"
+                if uncalibrated
+                else "reproduced"
+                if first is None
+                else "not_reproduced",
                 "layer": None if first is None else compared[first][1],
             },
         }

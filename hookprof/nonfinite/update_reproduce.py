@@ -170,7 +170,13 @@ def replay_update_capsule(
             "nondeterminism)"
         )
         status = NOT_REPRODUCED
-    said = "reproduced" if step_first is None else f"not_reproduced, parameter {name(step_first)}"
+    said = (
+        f"not_reproduced, parameter {name(step_first)}"
+        if step_first is not None
+        else "differed from its second run before any reproduced in the run (not blamed)"
+        if view["event"].get("replay") == "not_calibrated"
+        else "reproduced"
+    )
     say(
         f"capsule of the update of step {view['step']} on rank {view['rank']} ({at}), by "
         f"{', '.join(view.get('optimizers', []))}; hookprof said: {said}"

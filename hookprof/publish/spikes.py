@@ -123,9 +123,11 @@ def _jump_verdict(
     update's; a replay's alone stands until the update's comes."""
     if replay is not None and replay[0] == "not_reproduced":
         return replay
-    if update is not None and update[0] == "reproduced" and replay is not None:
-        # (both alike: the update's capsule, or the batch's, with its samples of largest loss)
-        return (update[0], update[1] or replay[1], None, replay[3], None)
+    if update is not None and replay is not None:
+        # (the forward and backward alike: the update's verdict, with its capsule or the
+        # batch's, and the batch's samples of largest loss; an update not compared stays
+        # not compared, a review's: the replay says nothing of the update)
+        return (update[0], update[1] or replay[1], update[2], replay[3], update[4])
     return update or replay
 
 
@@ -217,10 +219,13 @@ class SpikeWatch:
             if event is None:
                 return None
             if kind == UPDATE_RATIO_JUMP:
-                # (judged again as verdicts come: the update's and its step's replay's)
-                found = _jump_verdict(
-                    self._update_verdicts.get(event.step), self._verdicts.get(event.step)
-                )
+                # (judged again as verdicts come: the update's and its step's replay's; once
+                # either has forgotten the step, the 64 last kept, the verdict stands)
+                update = self._update_verdicts.get(event.step)
+                replay = self._verdicts.get(event.step)
+                if event.verdict is not None and (update is None or replay is None):
+                    return event
+                found = _jump_verdict(update, replay)
             elif event.verdict is None:
                 found = self._verdicts.get(event.step)
             else:

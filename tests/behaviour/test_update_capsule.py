@@ -222,7 +222,7 @@ def test_on_a_device_behind_the_host_the_capsule_is_decided_without_a_wait(tmp_p
     def settle(self):  # (flush() and detach() wait for the device, the pending ones too)
         settling.append(True)
         try:
-            return real_settle(self)
+            yield from real_settle(self)
         finally:
             settling.clear()
 
@@ -279,4 +279,5 @@ def test_an_update_never_bit_stable_blames_no_machine(tmp_path, monkeypatch, bum
         (view,) = updates
         assert view["step"] == 50 and view["jumped"]
         assert view["first_parameter"] is None
-        assert view["event"] == {"replay": "reproduced", "layer": None}
+        # (its runs differed, before any reproduced: said so, no machine blamed)
+        assert view["event"] == {"replay": "not_calibrated", "layer": None}

@@ -165,3 +165,22 @@ def test_a_groups_own_objects_leave_the_capsule_and_its_replay_alone(tmp_path, o
         cwd=REPO,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_jump_held_for_three_steps_writes_the_updates_capsule_alone(tmp_path):
+    """The jump's gate replays the step's forward and backward too; the spike replay wrote
+    its batch's capsule on every measured step above the rule's limit while the jump lasted
+    (it cannot tell a jump's first step from the next measurement of one going on: a second
+    review's finding). None now: the update's capsule holds the gradients. The loss and
+    norm rules out of reach, so that only the jump's gate speaks."""
+    snap, _, capsules = train(
+        tmp_path,
+        steps=AT + 6,
+        bumped={AT, AT + 1, AT + 2},
+        capsule_max_count=10,
+        loss_spike_z=1e9,
+        grad_norm_spike_z=1e9,
+    )
+    assert snap.spikes["update_ratio_jump"].count == 1
+    forms = [torch.load(p, weights_only=True)["view"]["form"] for p in capsules]
+    assert forms == ["update"]

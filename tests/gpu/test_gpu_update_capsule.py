@@ -16,22 +16,13 @@ import torch
 from torch import nn
 
 import hookprof
+from support.updates import ARMED, AT, STEPS
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 ROOT = Path(__file__).resolve().parents[2]
-AT, STEPS = 140, 150
-ARMED = dict(
-    port=0,
-    sample_every=1,
-    min_sample_interval_s=0.0,
-    update_norm_interval_s=0.0,
-    update_norm_max_bytes=2**30,
-    summary_at_exit=False,
-    spike_replay=True,
-)
 OPTIMIZERS = {
     "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
     "AdamW fused, capturable, tensor lr": lambda ps: torch.optim.AdamW(

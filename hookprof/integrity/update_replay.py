@@ -62,6 +62,7 @@ import torch
 from hookprof.device import transfer
 from hookprof.integrity.spike_replay import SpikeComparison
 from hookprof.step.dispatch import others_around_update
+from hookprof.step.jump_events import JumpEvents
 from hookprof.tensors import bits_sum, local_bits
 
 CLOSURE = (
@@ -132,9 +133,10 @@ class UpdateReplay:
         # behind the host), which bounds the copies held
         self._pending: collections.deque[_Pending] = collections.deque()
         self._trusted = False  # a second run has reproduced in this run (capsules only)
-        # per layer, is a jump's event going on, as the rule has it (publish/spikes.py
-        # observe_update_ratios: while one goes on, no step is a jump's start; capsules only)
-        self._in_event: dict[str, bool] = {}
+        # the layers whose jump's event goes on, as the rule has them (publish/spikes.py
+        # observe_update_ratios: while one goes on, no step is a jump's start), kept by the
+        # rule's own code from the same measurements (capsules only)
+        self._events = JumpEvents()
         self._step: int | None = None  # the step whose updates are run again
         self._refused: str | None = None
         # torch's deterministic algorithms on as the step's first update was run again (the
@@ -385,7 +387,10 @@ class UpdateReplay:
         by_layer = {layer: (updates[layer], weights[layer]) for layer in pending.layers}
         limits = self._limits() if self._limits is not None else {}
         jumped = []
-        ongoing = any(self._in_event.values())  # (as the rule: any layer's event)
+        # (as the rule: a measurement whose layers all have no weight is none; any layer's
+        # event going on means no jump begins)
+        measured = any(weight > 0 for _, weight in by_layer.values())
+        ongoing = self._events.next_measurement() if measured else False
         for layer, (update, weight) in by_layer.items():
             name = self._layer_names[layer]
             ratio = math.sqrt(update / weight) if weight > 0 else math.nan
@@ -394,9 +399,9 @@ class UpdateReplay:
             going, limit = limits.get(name, _NO_LIMITS)
             if ratio > limit:
                 jumped.append((name, ratio, limit))
-            self._in_event[name] = ratio > limit or (
-                self._in_event.get(name, False) and ratio > going
-            )
+            if name in limits:  # (the rule judges from MIN_LAYER_HISTORY ratios on)
+                self._events.judged(name, ratio > limit, ratio > going)
+            self._events.kept(name)
         if ongoing:  # (an event goes on: the rule counts no jump at this step)
             jumped = []
         comparison = pending.comparison

@@ -28,11 +28,13 @@ bursts of 2x its recent median), and when its measurements are sparse (a loaded 
 fewer steps; layers take turns) its window spans thousands of steps: against the older, lower
 median a healthy burst read 3.03x at z 13.2 (one of 400 sampling patterns of the demo's
 10^4 steps, and one clean-clone CI run). 4x leaves that a third of headroom; a learning
-rate 10x too large for one step stands far above it. One
-event per step however many layers jump, naming the one whose z-score is highest; it lasts
-while any layer that jumped stays above half the threshold and half the margin when next
-measured. Its values arrive once per measurement (about every `update_norm_interval_s`), so
-its baseline takes longer to build than the every-step series'. A ratio of exactly 0 (no
+rate 10x too large for one step stands far above it. One event per step however many
+layers jump, naming the one whose z-score is highest; it lasts while any layer that jumped
+stays above half the threshold and half the margin when next measured, and a layer's part
+of it ends when it goes unjudged for three of its usual gaps between measurements (frozen,
+a learning rate of 0, updates gone NaN: step/jump_events.py). Its values arrive once per
+measurement (about every `update_norm_interval_s`), so its baseline takes longer to build
+than the every-step series'. A ratio of exactly 0 (no
 update at all: a multi-task head whose task was not in the step, a learning rate of 0, an
 expert that got no tokens) is neither judged nor kept: a layer updated on some steps only is
 judged against its updates alone, and one unfrozen mid-run from 20 of its updates on.
@@ -50,6 +52,7 @@ from types import MappingProxyType
 from typing import Any
 
 from hookprof.snapshot import SPIKE_KINDS, SpikeCount, SpikeEvent
+from hookprof.step.jump_events import JumpEvents
 from hookprof.step.series import StepValue
 
 KINDS = SPIKE_KINDS
@@ -139,7 +142,7 @@ class SpikeWatch:
         self._window = {kind: _Window(window) for kind in (LOSS_SPIKE, GRAD_NORM_SPIKE)}
         self._layer_window_size = min(window, LAYER_WINDOW)
         self._layer_windows: dict[str, _Window] = {}  # update ratios, per layer
-        self._layer_in_event: dict[str, bool] = {}
+        self._layer_events = JumpEvents()  # whose jump's event goes on (step/jump_events.py)
         self._thresholds = dict(thresholds)
         self._in_event = dict.fromkeys((LOSS_SPIKE, GRAD_NORM_SPIKE), False)
         # per kind, the last step whose value was judged: a drain repeats the previous one's
@@ -265,7 +268,7 @@ class SpikeWatch:
         if not ratios or step <= self._judged[kind]:
             return
         self._judged[kind] = step
-        ongoing = any(self._layer_in_event.values())  # (an event of any layer's goes on)
+        ongoing = self._layer_events.next_measurement()  # (an event of any layer's goes on)
         worst: SpikeEvent | None = None
         for layer, value in ratios.items():
             if not math.isfinite(value) or value == 0:
@@ -277,12 +280,11 @@ class SpikeWatch:
                 window = self._layer_windows[layer] = _Window(self._layer_window_size)
             if len(window) >= MIN_LAYER_HISTORY:
                 z, median, spike, going = self._rule(kind, value, window)
-                self._layer_in_event[layer] = spike or (
-                    self._layer_in_event.get(layer, False) and going
-                )
+                self._layer_events.judged(layer, spike, going)
                 if spike and (worst is None or z > worst.z):
                     worst = SpikeEvent(step, value, median, z, layer)
             window.add(value)
+            self._layer_events.kept(layer)
             if len(window) >= MIN_LAYER_HISTORY:
                 self.layer_limits[layer] = (
                     self._limit(kind, window, 0.5),

@@ -22,6 +22,7 @@ from hookprof.publish.spikes import DEFAULT_THRESHOLDS, SpikeWatch
 from hookprof.view.report_html import render
 from hookprof.view.summary import summary_text
 from hookprof.view.table import from_metrics, header_lines
+from support.jumps import regression_steps, update_ratio_jumps
 from support.rendered import Elements
 
 BUMP_AT = 800
@@ -192,48 +193,6 @@ def test_a_healthy_run_with_warm_up_and_a_cosine_schedule_raises_none():
     assert set(snap.spikes) == {"loss_spike", "grad_norm_spike", "update_ratio_jump"}
 
 
-def layer_ratios(layers: dict[str, nn.Module], before: dict[str, list[torch.Tensor]]):
-    """Each layer's ||after - before|| / ||after|| over its parameters, in float64."""
-    return {
-        n: math.sqrt(
-            sum(float((p - b).double().square().sum()) for p, b in zip(m.parameters(), before[n]))
-            / sum(float(p.double().square().sum()) for p in m.parameters())
-        )
-        for n, m in layers.items()
-    }
-
-
-def update_ratio_jumps(ratios: list[dict[str, float]], threshold: float = 12.0):
-    """(first step, layer) of each update ratio jump event, by the rule docs/nonfinite.md
-    gives: each layer against its own last 64 nonzero ratios, from 20 of them on, 4x the
-    median; one event per step, the layer of the highest z named."""
-    seen: dict[str, list[float]] = {}
-    inside: dict[str, bool] = {}
-    events, in_event = [], False
-    for step, by_layer in enumerate(ratios, 1):
-        worst = None
-        for layer, x in by_layer.items():
-            if x == 0:
-                continue  # no update at all: neither judged nor kept
-            history = seen.setdefault(layer, [])
-            if len(history) >= 20:
-                w = np.array(history[-64:])
-                median = float(np.median(w))
-                scale = float(np.percentile(w, 75) - np.percentile(w, 25)) / 1.349
-                z = (x - median) / scale if scale else (math.inf if x > median else 0.0)
-                margin = 3.0 * max(abs(median), scale)
-                spike = z > threshold and x > median + margin
-                going = z > threshold / 2 and x > median + margin / 2
-                inside[layer] = spike or (inside.get(layer, False) and going)
-                if spike and (worst is None or z > worst[1]):
-                    worst = (layer, z)
-            history.append(x)
-        if worst is not None and not in_event:
-            events.append((step, worst[0]))
-        in_event = any(inside.values())
-    return events
-
-
 def test_a_one_step_learning_rate_jump_is_an_update_ratio_jump_named_by_layer():
     """Every sampled step measuring every layer's update (no turns): hookprof's jumps against
     the test's own per-layer ratios, ||after - before|| / ||after|| around each update."""
@@ -241,22 +200,12 @@ def test_a_one_step_learning_rate_jump_is_an_update_ratio_jump_named_by_layer():
     model = nn.Sequential(
         nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)
     )
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    g = torch.Generator().manual_seed(0)
-    ratios: list[dict[str, float]] = []
     bump_at = 300
     with hookprof.attach(model, port=0, sample_every=1, **EVERY_UPDATE) as prof:
-        for step in range(1, 341):
-            for group in opt.param_groups:
-                group["lr"] = 0.01 * (40.0 if step == bump_at else 1.0)
-            x = torch.randn(32, 16, generator=g)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), x[:, :4]).backward()
-            before = {n: [p.detach().clone() for p in m.parameters()] for n, m in layers.items()}
-            opt.step()
-            ratios.append(layer_ratios(layers, before))
-            prof.step()
+        ratios = regression_steps(
+            model, opt, prof, 340, lambda step, _: 40.0 if step == bump_at else 1.0
+        )
         prof.flush()
         snap = prof.snapshot()
         page = urllib.request.urlopen(prof.url, timeout=10).read().decode()
@@ -304,23 +253,19 @@ def test_heads_updated_on_some_steps_only_raise_no_jump_and_hide_none():
     healthy steps raise nothing and a learning rate 40x too large for one step is a jump."""
     torch.manual_seed(0)
     model = MultiTask()
-    leaves = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(0)
-    ratios: list[dict[str, float]] = []
     bump_at = 300
     with hookprof.attach(model, port=0, sample_every=1, **EVERY_UPDATE) as prof:
-        for step in range(1, 331):
-            model.task = step % len(model.heads)
-            for group in opt.param_groups:
-                group["lr"] = 1e-3 * (40.0 if step == bump_at else 1.0)
-            x = torch.randn(16, 16, generator=g)
-            opt.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(model(x), x[:, :1]).backward()
-            before = {n: [p.detach().clone() for p in m.parameters()] for n, m in leaves.items()}
-            opt.step()
-            ratios.append(layer_ratios(leaves, before))
-            prof.step()
+        ratios = regression_steps(
+            model,
+            opt,
+            prof,
+            330,
+            lambda step, _: 40.0 if step == bump_at else 1.0,
+            batch=16,
+            outputs=1,
+            before_step=lambda step: setattr(model, "task", step % len(model.heads)),
+        )
         prof.flush()
         snap = prof.snapshot()
     expected = update_ratio_jumps(ratios)

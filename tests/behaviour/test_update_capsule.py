@@ -26,6 +26,7 @@ import hookprof
 from hookprof.integrity import update_replay
 from hookprof.nonfinite.reproduce import _loaded
 from hookprof.tensors import local_bits
+from support.jumps import regression_steps, update_ratio_jumps
 from support.lagging_device import lagging_device
 from support.updates import ARMED, AT, STEPS, faulty, flip_row, mlp
 
@@ -281,3 +282,43 @@ def test_an_update_never_bit_stable_blames_no_machine(tmp_path, monkeypatch, bum
         assert view["first_parameter"] is None
         # (its runs differed, before any reproduced: said so, no machine blamed)
         assert view["event"] == {"replay": "not_calibrated", "layer": None}
+
+
+def test_a_layer_frozen_mid_jump_hides_no_later_jump_or_its_capsule(tmp_path):
+    """Found in review (issue 43): a jump's event lasted until its layer was judged again
+    below half the rule's limits. A layer frozen right after its jump (progressive freezing:
+    `requires_grad_(False)`, no update, a ratio of exactly 0) was never judged again, its
+    event never ended, and a later jump of another layer was neither counted nor given a
+    capsule (the update replay mirrors the rule's events). Checked against this test's own
+    ratios judged by its own copy of the rule (support/jumps.py)."""
+    model = mlp()
+    opt = torch.optim.AdamW([{"params": m.parameters()} for m in model[::2]], lr=1e-3)
+    bumps = {100: 0, STEPS - 20: 2}  # step: the param group whose lr is 40x for that step
+
+    def freeze(step: int) -> None:
+        if step == 101:
+            model[0].requires_grad_(False)  # frozen from here on, mid-event
+
+    with hookprof.attach(model, **{**ARMED, "capsule_dir": str(tmp_path)}) as prof:
+        ratios = regression_steps(
+            model,
+            opt,
+            prof,
+            STEPS,
+            lambda step, group: 40.0 if bumps.get(step) == group else 1.0,
+            before_step=freeze,
+        )
+        prof.flush()
+        snap = prof.snapshot()
+    expected = update_ratio_jumps(ratios)
+    assert expected == [(100, "0"), (STEPS - 20, "4")]
+    jump = snap.spikes["update_ratio_jump"]
+    assert jump.count == 2
+    assert [(e.step, e.layer) for e in (jump.first, jump.last)] == expected
+    capsules = sorted(
+        (contents(p)[0]["step"], p)
+        for p in tmp_path.glob("hookprof-capsule-*.pt")
+        if contents(p)[0]["form"] == "update"
+    )
+    assert [step for step, _ in capsules] == [100, STEPS - 20]
+    assert jump.last.capsule == str(capsules[1][1])

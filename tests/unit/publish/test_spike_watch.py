@@ -122,3 +122,58 @@ def test_the_judge_defaults_are_configs():
         GRAD_NORM_SPIKE: c.grad_norm_spike_z,
         UPDATE_RATIO_JUMP: c.update_ratio_jump_z,
     }
+
+
+def ratios_of(layers: list[str], n: int, seed: int) -> list[dict[str, float]]:
+    """`n` measurements of healthy update ratios of `layers` (1e-3, 5% noise), all measured."""
+    rng = np.random.default_rng(seed)
+    return [
+        {layer: 1e-3 * (1 + 0.05 * rng.standard_normal()) for layer in layers} for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("afterwards", ["not measured", "no update", "non-finite"])
+def test_a_jump_whose_layer_stops_being_judged_ends_and_hides_no_later_jump(afterwards):
+    """Found in review (issue 43): an event lasted until its layer was next measured below half
+    the rule's limits. A layer frozen mid-event (no longer measured), given a learning rate of
+    0 (its ratio exactly 0, neither judged nor kept) or whose updates went NaN (the NaN checks')
+    was never judged again, so its event never ended and every later jump of any layer was
+    hidden. Such an event now ends once its layer has gone unjudged for EXPIRY_GAPS of its
+    usual gaps between measurements."""
+    measured = ratios_of(["a", "b"], 100, 0)
+    measured[40]["a"] = 40e-3  # measurement 41: a's jump
+    for later in measured[41:]:
+        if afterwards == "not measured":
+            del later["a"]
+        else:
+            later["a"] = 0.0 if afterwards == "no update" else math.nan
+    measured[80]["b"] = 40e-3  # measurement 81: b's jump, long after a's
+    watch = SpikeWatch(WINDOW, {UPDATE_RATIO_JUMP: 12.0})
+    for step, ratios in enumerate(measured, 1):
+        watch.observe_update_ratios(10 * step, ratios)
+    jump = watch.counts()[UPDATE_RATIO_JUMP]
+    assert (jump.count, jump.first.step, jump.first.layer) == (2, 410, "a")
+    assert (jump.last.step, jump.last.layer) == (810, "b")
+
+
+def test_a_jump_that_reaches_the_layers_on_their_turns_stays_one_event():
+    """Layers measured in turns (one of four per measurement): a learning rate too large for a
+    while reaches each on its turn, measurements apart, and stays one event; a layer's event
+    is not ended by the measurements of the others' turns (its usual gap is four), only when
+    its own turns stop judging it. A later jump is an event of its own."""
+    layers = ["a", "b", "c", "d"]
+    healthy = ratios_of(layers, 120, 1)
+    measured = []
+    for k, ratios in enumerate(healthy):
+        layer = layers[k % 4]
+        value = ratios[layer]
+        if 88 <= k < 96:  # two rounds of turns at 10x
+            value *= 10
+        measured.append({layer: value})
+    measured.append({"a": 40e-3})  # a second jump, after every layer is back to normal
+    watch = SpikeWatch(WINDOW, {UPDATE_RATIO_JUMP: 12.0})
+    for step, ratios in enumerate(measured, 1):
+        watch.observe_update_ratios(step, ratios)
+    jump = watch.counts()[UPDATE_RATIO_JUMP]
+    assert (jump.count, jump.first.step, jump.first.layer) == (2, 89, "a")
+    assert (jump.last.step, jump.last.layer) == (121, "a")

@@ -1,0 +1,106 @@
+"""The tests' own judge of update ratio jumps (tests/behaviour/test_spikes.py,
+test_update_capsule.py): each layer's ratio computed from the test's own copies around the
+update, and the jump rule as docs/nonfinite.md gives it, written here with numpy and plain
+lists (not hookprof's sorted windows or its event code)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def layer_ratios(layers: dict[str, nn.Module], before: dict[str, list[torch.Tensor]]):
+    """Each layer's ||after - before|| / ||after|| over its parameters, in float64."""
+    return {
+        n: math.sqrt(
+            sum(
+                float((p.detach() - b).double().square().sum())
+                for p, b in zip(m.parameters(), before[n])
+            )
+            / sum(float(p.detach().double().square().sum()) for p in m.parameters())
+        )
+        for n, m in layers.items()
+    }
+
+
+def update_ratio_jumps(ratios: list[dict[str, float]], threshold: float = 12.0):
+    """(first step, layer) of each update ratio jump event, by the rule docs/nonfinite.md
+    gives: each layer against its own last 64 finite nonzero ratios, from 20 of them on, 4x
+    the median; one event per step, the layer of the highest z named; an event lasts while
+    its layers stay above half the threshold and margin when judged, a layer's part of it
+    ending once it has gone unjudged for more than 3 of its usual gaps (the longest of its
+    last 8). Each entry of `ratios` is one measurement of the model."""
+    seen: dict[str, list[float]] = {}
+    last: dict[str, int] = {}  # the measurement that last kept a layer's ratio
+    gaps: dict[str, list[int]] = {}
+    inside: set[str] = set()
+    events = []
+    for step, by_layer in enumerate(ratios, 1):
+        inside = {
+            layer for layer in inside if step - last[layer] <= 3 * max(gaps[layer][-8:], default=1)
+        }
+        in_event = bool(inside)
+        worst = None
+        for layer, x in by_layer.items():
+            if not math.isfinite(x) or x == 0:
+                continue  # no update at all, or the NaN checks': neither judged nor kept
+            history = seen.setdefault(layer, [])
+            if len(history) >= 20:
+                w = np.array(history[-64:])
+                median = float(np.median(w))
+                scale = float(np.percentile(w, 75) - np.percentile(w, 25)) / 1.349
+                z = (x - median) / scale if scale else (math.inf if x > median else 0.0)
+                margin = 3.0 * max(abs(median), scale)
+                spike = z > threshold and x > median + margin
+                going = z > threshold / 2 and x > median + margin / 2
+                if spike or (going and layer in inside):
+                    inside.add(layer)
+                else:
+                    inside.discard(layer)
+                if spike and (worst is None or z > worst[1]):
+                    worst = (layer, z)
+            history.append(x)
+            if layer in last:
+                gaps.setdefault(layer, []).append(step - last[layer])
+            last[layer] = step
+        if worst is not None and not in_event:
+            events.append((step, worst[0]))
+    return events
+
+
+def regression_steps(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    prof,
+    steps: int,
+    lr_times: Callable[[int, int], float],
+    *,
+    batch: int = 32,
+    outputs: int = 4,
+    before_step: Callable[[int], None] | None = None,
+) -> list[dict[str, float]]:
+    """`steps` steps of a regression on random inputs of 16 features (the model's first
+    `outputs` of them as targets), each param group's learning rate `lr_times(step, group)`
+    times its own, `prof.step()` after each; returns every step's ratios of the model's
+    Linear layers, from this loop's own copies around the update."""
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    base = [group["lr"] for group in opt.param_groups]
+    g = torch.Generator().manual_seed(0)
+    ratios: list[dict[str, float]] = []
+    for step in range(1, steps + 1):
+        for k, group in enumerate(opt.param_groups):
+            group["lr"] = base[k] * lr_times(step, k)
+        if before_step is not None:
+            before_step(step)
+        x = torch.randn(batch, 16, generator=g)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), x[:, :outputs]).backward()
+        before = {n: [p.detach().clone() for p in m.parameters()] for n, m in layers.items()}
+        opt.step()
+        ratios.append(layer_ratios(layers, before))
+        prof.step()
+    return ratios

@@ -135,8 +135,14 @@ class UpdateReplay:
         self._trusted = False  # a second run has reproduced in this run (capsules only)
         # the layers whose jump's event goes on, as the rule has them (publish/spikes.py
         # observe_update_ratios: while one goes on, no step is a jump's start), kept by the
-        # rule's own code from the same measurements (capsules only)
+        # rule's own code (capsules only). An approximation of the rule's: it judges only the
+        # steps whose capsule is decided (not those refused, run by no optimizer of the
+        # model's, or dropped by a fault in settle()), against the publisher's limits as of
+        # its latest fold, which may be a few measurements behind or ahead of the step's
+        # (`layer_limits`); its count of measurements is the rule's. A difference means a
+        # jump's capsule missing, or one more written, never a jump counted or hidden.
         self._events = JumpEvents()
+        self._measurements = 0  # the steps whose updates were measured, so far
         self._step: int | None = None  # the step whose updates are run again
         self._refused: str | None = None
         # torch's deterministic algorithms on as the step's first update was run again (the
@@ -270,8 +276,12 @@ class UpdateReplay:
         flags, refused, kept, sums = self._flags, self._refused, self._kept, self._sums
         self._step, self._flags, self._refused, self._kept, self._sums = None, [], None, [], []
         figures = _per_layer(around)
-        if figures is not None and self._gate is not None:
-            self._gate_step(step, *figures)
+        if figures is not None:
+            # (counted whether or not this step's capsule is decided: the rule counts every
+            # measurement, and the mirror's events expire by the same count)
+            self._measurements += 1
+            if self._gate is not None:
+                self._gate_step(step, *figures)
         if not flags:  # (with some run again, those are compared, the others left out)
             sent.append((SpikeComparison(step, refused=refused or NO_OPTIMIZER, update_from=0), []))
             return sent
@@ -310,6 +320,7 @@ class UpdateReplay:
                     sorted(layers),
                     transfer.peek(torch.cat([parts[0], update2, weight2])),
                     transfer.peek(bits),
+                    self._measurements,
                 )
             )
             return sent + self.poll()
@@ -389,19 +400,21 @@ class UpdateReplay:
         jumped = []
         # (as the rule: a measurement whose layers all have no weight is none; any layer's
         # event going on means no jump begins)
-        measured = any(weight > 0 for _, weight in by_layer.values())
-        ongoing = self._events.next_measurement() if measured else False
+        ongoing = self._events.next_measurement(pending.measurement)
         for layer, (update, weight) in by_layer.items():
+            if not weight > 0:
+                continue  # (not among the rule's ratios: no appearance)
             name = self._layer_names[layer]
-            ratio = math.sqrt(update / weight) if weight > 0 else math.nan
+            ratio = math.sqrt(update / weight)
             if not math.isfinite(ratio) or ratio == 0:
-                continue  # (the rule's: no judgement)
+                self._events.appeared(name, kept=False)  # (the rule's: no judgement)
+                continue
             going, limit = limits.get(name, _NO_LIMITS)
             if ratio > limit:
                 jumped.append((name, ratio, limit))
             if name in limits:  # (the rule judges from MIN_LAYER_HISTORY ratios on)
                 self._events.judged(name, ratio > limit, ratio > going)
-            self._events.kept(name)
+            self._events.appeared(name, kept=True)
         if ongoing:  # (an event goes on: the rule counts no jump at this step)
             jumped = []
         comparison = pending.comparison
@@ -471,3 +484,4 @@ class _Pending:
     # the flags, then every layer's update², then every layer's weight² (all its parameters)
     values: transfer.Copy
     sums: transfer.Copy  # (the step's, the second run's) bit sums per parameter
+    measurement: int  # which measurement of the model's updates it was (the jump's events)

@@ -31,8 +31,8 @@ median a healthy burst read 3.03x at z 13.2 (one of 400 sampling patterns of the
 rate 10x too large for one step stands far above it. One event per step however many
 layers jump, naming the one whose z-score is highest; it lasts while any layer that jumped
 stays above half the threshold and half the margin when next measured, and a layer's part
-of it ends when it goes unjudged for three of its usual gaps between measurements (frozen,
-a learning rate of 0, updates gone NaN: step/jump_events.py). Its values arrive once per
+of it also ends when the layer stops being judged for longer than is usual for it (frozen, a
+learning rate of 0, updates gone NaN, no longer measured: step/jump_events.py). Its values arrive once per
 measurement (about every `update_norm_interval_s`), so its baseline takes longer to build
 than the every-step series'. A ratio of exactly 0 (no
 update at all: a multi-task head whose task was not in the step, a learning rate of 0, an
@@ -274,6 +274,7 @@ class SpikeWatch:
             if not math.isfinite(value) or value == 0:
                 # a NaN update is the NaN checks'; no update at all (a head without its task
                 # this step, lr 0, an expert without tokens) is no baseline and no jump
+                self._layer_events.appeared(layer, kept=False)
                 continue
             window = self._layer_windows.get(layer)
             if window is None:
@@ -284,7 +285,7 @@ class SpikeWatch:
                 if spike and (worst is None or z > worst.z):
                     worst = SpikeEvent(step, value, median, z, layer)
             window.add(value)
-            self._layer_events.kept(layer)
+            self._layer_events.appeared(layer, kept=True)
             if len(window) >= MIN_LAYER_HISTORY:
                 self.layer_limits[layer] = (
                     self._limit(kind, window, 0.5),

@@ -1,10 +1,10 @@
 """Which layers' update ratio jumps go on: the event half of the jump rule (issue 43).
 
-Shared by the rule's judge (publish/spikes.py, on the publisher thread) and by the update
+Used by the rule's judge (publish/spikes.py, on the publisher thread) and by the update
 replay's mirror of it (integrity/update_replay.py, which decides on the training thread
-whether a measured step may begin a jump and so gets a capsule): the two must agree on where
-an event begins, so they keep the same state by the same code, each fed the same
-measurements.
+whether a measured step may begin a jump, and so gets a capsule): the same code, so that
+the two agree wherever they are given the same measurements (the mirror's are close to the
+rule's, not always the same: see update_replay.py).
 
 A layer's event begins when one of its ratios is a jump, and goes on while each of its next
 judged ratios stays above half the rule's threshold and margin. While any layer's event goes
@@ -12,55 +12,60 @@ on, no measurement begins a new one: a learning rate too large for a while reach
 on their turns (efficiency/updates.py measures a few layers per sampled step), measurements
 apart, and is one event.
 
-An event also ends when its layer goes unjudged for `EXPIRY_GAPS` of its usual gaps: a layer
-frozen mid-event (no longer measured), given a learning rate of 0 (a ratio of exactly 0 is
-neither judged nor kept) or whose updates went non-finite (the NaN checks' business) is never
-judged again, and its event, never ended, hid every later jump of the run. Gaps are counted in
-measurements of the model (calls of `next_measurement`), not in steps or seconds: layers
-take turns, so a layer's own measurements are a fixed number of the model's apart, whatever
-the sampling's pace. Its usual gap is the longest of its last `GAPS_KEPT` gaps; an event
-needs `MIN_LAYER_HISTORY` (publish/spikes.py) of its layer's ratios before it, so the gaps
-are known when it begins.
+A layer may stop being judged in the middle of its event, and then its event must still end
+(before, it never did, and hid every later jump of the run). Two ways, each against the
+layer's own history, since what is usual differs from layer to layer:
+- it still *appears* (it has its turn, its weight is above 0) but its ratio is not kept: 0
+  (frozen, a learning rate of 0, a multi-task head or an expert without work this step) or
+  non-finite (the NaN checks' business). Its event ends once it has appeared more than
+  `EXPIRY` times its usual run of such appearances in a row (the longest of its last
+  `RUNS_KEPT` runs, at least 1, at most `LONGEST_RUN`: a layer paused for thousands of
+  steps once must not keep a later event open for thousands more);
+- it no longer appears at all (its weight went to 0 or NaN, or it left the rotation): its
+  event ends once more than `ABSENT_EXPIRY` times its usual gap between appearances (the
+  longest of its last `RUNS_KEPT`) has passed, counted in measurements of the model. Gaps are
+  the rotation's length, which varies as turns are packed by bytes and grows when a
+  parameter group joins (progressive unfreezing), hence the generous factor.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-EXPIRY_GAPS = 3  # an event ends after its layer misses this many of its usual gaps
-GAPS_KEPT = 8  # the gaps between a layer's measurements that set its usual one
+EXPIRY = 3  # appearances without a kept ratio, in usual runs of them, before the event ends
+ABSENT_EXPIRY = 8  # measurements without an appearance, in usual gaps, before it ends
+RUNS_KEPT = 8  # the runs and gaps that set what is usual for a layer
+LONGEST_RUN = 64  # the most a usual run of unkept appearances counts for
 
 
 class JumpEvents:
     """The layers whose jump's event goes on. One thread's (the caller's); per measurement of
-    the model: `next_measurement()`, then `kept(layer)` for each ratio kept and
-    `judged(layer, spike, going)` for each judged."""
+    the model: `next_measurement()`, then, for each layer that appears in it, `judged(layer,
+    spike, going)` if its ratio was judged and `appeared(layer, kept)`."""
 
     def __init__(self) -> None:
         self._measurement = 0
-        self._last: dict[str, int] = {}  # per layer, the measurement that last kept its ratio
-        self._gaps: dict[str, deque[int]] = {}  # per layer, its last gaps, in measurements
         self._going: set[str] = set()
+        self._appeared: dict[str, int] = {}  # per layer, the measurement it last appeared in
+        self._gaps: dict[str, deque[int]] = {}  # ... its last gaps between appearances
+        self._unkept: dict[str, int] = {}  # ... its appearances since its ratio was last kept
+        self._runs: dict[str, deque[int]] = {}  # ... its last runs of unkept appearances
 
-    def next_measurement(self) -> bool:
-        """A measurement of the model begins: events whose layers have gone unjudged too long
-        end. Is an event going on (of any layer)? While one is, none begins."""
-        self._measurement += 1
+    def next_measurement(self, at: int | None = None) -> bool:
+        """A measurement of the model begins (the `at`-th, where the caller counts them
+        itself): events whose layers have gone unjudged too long end. Is an event going on
+        (of any layer)? While one is, none begins."""
+        self._measurement = self._measurement + 1 if at is None else at
         for layer in [layer for layer in self._going if self._overdue(layer)]:
             self._going.discard(layer)
         return bool(self._going)
 
     def _overdue(self, layer: str) -> bool:
-        gaps = self._gaps.get(layer)
-        usual = max(gaps) if gaps else 1
-        return self._measurement - self._last.get(layer, 0) > EXPIRY_GAPS * usual
-
-    def kept(self, layer: str) -> None:
-        """`layer`'s ratio at this measurement is kept (finite, not 0)."""
-        last = self._last.get(layer)
-        if last is not None and last < self._measurement:
-            self._gaps.setdefault(layer, deque(maxlen=GAPS_KEPT)).append(self._measurement - last)
-        self._last[layer] = self._measurement
+        run = min(max(self._runs.get(layer, ()), default=1), LONGEST_RUN)
+        if self._unkept.get(layer, 0) > EXPIRY * run:
+            return True
+        gap = max(self._gaps.get(layer, ()), default=1)
+        return self._measurement - self._appeared.get(layer, 0) > ABSENT_EXPIRY * gap
 
     def judged(self, layer: str, spike: bool, going: bool) -> None:
         """`layer`'s ratio at this measurement was judged: a jump (`spike`), or above half the
@@ -69,6 +74,20 @@ class JumpEvents:
             self._going.add(layer)
         else:
             self._going.discard(layer)
+
+    def appeared(self, layer: str, kept: bool) -> None:
+        """`layer` appears in this measurement (its turn, a weight above 0); `kept`: its ratio
+        was finite and not 0."""
+        last = self._appeared.get(layer)
+        if last is not None and last < self._measurement:
+            self._gaps.setdefault(layer, deque(maxlen=RUNS_KEPT)).append(self._measurement - last)
+        self._appeared[layer] = self._measurement
+        if not kept:
+            self._unkept[layer] = self._unkept.get(layer, 0) + 1
+            return
+        run = self._unkept.pop(layer, 0)
+        if run:
+            self._runs.setdefault(layer, deque(maxlen=RUNS_KEPT)).append(run)
 
     @property
     def going(self) -> frozenset[str]:

@@ -32,22 +32,36 @@ def update_ratio_jumps(ratios: list[dict[str, float]], threshold: float = 12.0):
     gives: each layer against its own last 64 finite nonzero ratios, from 20 of them on, 4x
     the median; one event per step, the layer of the highest z named; an event lasts while
     its layers stay above half the threshold and margin when judged, a layer's part of it
-    ending once it has gone unjudged for more than 3 of its usual gaps (the longest of its
-    last 8). Each entry of `ratios` is one measurement of the model."""
+    ending once it has appeared with no ratio kept (0, NaN) more than 3 times its longest
+    run of such appearances among its last 8 (at least 1, at most 64), or not appeared for
+    more than 8 times its longest gap between appearances among its last 8. Each entry of
+    `ratios` is one measurement of the model; the layers in it are those that appear."""
     seen: dict[str, list[float]] = {}
-    last: dict[str, int] = {}  # the measurement that last kept a layer's ratio
+    appeared: dict[str, int] = {}
     gaps: dict[str, list[int]] = {}
+    unkept: dict[str, int] = {}
+    runs: dict[str, list[int]] = {}
     inside: set[str] = set()
     events = []
+
+    def overdue(layer: str, step: int) -> bool:
+        if unkept.get(layer, 0) > 3 * min(max(runs.get(layer, [])[-8:], default=1), 64):
+            return True
+        return step - appeared[layer] > 8 * max(gaps.get(layer, [])[-8:], default=1)
+
     for step, by_layer in enumerate(ratios, 1):
-        inside = {
-            layer for layer in inside if step - last[layer] <= 3 * max(gaps[layer][-8:], default=1)
-        }
+        inside = {layer for layer in inside if not overdue(layer, step)}
         in_event = bool(inside)
         worst = None
         for layer, x in by_layer.items():
+            if layer in appeared:
+                gaps.setdefault(layer, []).append(step - appeared[layer])
+            appeared[layer] = step
             if not math.isfinite(x) or x == 0:
+                unkept[layer] = unkept.get(layer, 0) + 1
                 continue  # no update at all, or the NaN checks': neither judged nor kept
+            if unkept.get(layer):
+                runs.setdefault(layer, []).append(unkept.pop(layer))
             history = seen.setdefault(layer, [])
             if len(history) >= 20:
                 w = np.array(history[-64:])
@@ -64,9 +78,6 @@ def update_ratio_jumps(ratios: list[dict[str, float]], threshold: float = 12.0):
                 if spike and (worst is None or z > worst[1]):
                     worst = (layer, z)
             history.append(x)
-            if layer in last:
-                gaps.setdefault(layer, []).append(step - last[layer])
-            last[layer] = step
         if worst is not None and not in_event:
             events.append((step, worst[0]))
     return events

@@ -156,24 +156,81 @@ def test_a_jump_whose_layer_stops_being_judged_ends_and_hides_no_later_jump(afte
     assert (jump.last.step, jump.last.layer) == (810, "b")
 
 
-def test_a_jump_that_reaches_the_layers_on_their_turns_stays_one_event():
-    """Layers measured in turns (one of four per measurement): a learning rate too large for a
-    while reaches each on its turn, measurements apart, and stays one event; a layer's event
-    is not ended by the measurements of the others' turns (its usual gap is four), only when
-    its own turns stop judging it. A later jump is an event of its own."""
-    layers = ["a", "b", "c", "d"]
-    healthy = ratios_of(layers, 120, 1)
-    measured = []
-    for k, ratios in enumerate(healthy):
-        layer = layers[k % 4]
-        value = ratios[layer]
-        if 88 <= k < 96:  # two rounds of turns at 10x
-            value *= 10
-        measured.append({layer: value})
-    measured.append({"a": 40e-3})  # a second jump, after every layer is back to normal
+def turns(layers: list[str], rounds: int, seed: int) -> list[dict[str, float]]:
+    """Healthy ratios of `layers` measured in turns, one layer per measurement."""
+    healthy = ratios_of(layers, rounds, seed)
+    return [{layer: healthy[r][layer]} for r in range(rounds) for layer in layers]
+
+
+def jumps(measured: list[dict[str, float]]) -> tuple[int, list[tuple[int, str]]]:
+    """The rule's events over `measured` (one measurement per step): (count, [(first step,
+    layer), (last step, layer)])."""
     watch = SpikeWatch(WINDOW, {UPDATE_RATIO_JUMP: 12.0})
     for step, ratios in enumerate(measured, 1):
         watch.observe_update_ratios(step, ratios)
     jump = watch.counts()[UPDATE_RATIO_JUMP]
-    assert (jump.count, jump.first.step, jump.first.layer) == (2, 89, "a")
-    assert (jump.last.step, jump.last.layer) == (121, "a")
+    ends = [(e.step, e.layer) for e in (jump.first, jump.last) if e is not None]
+    return jump.count, ends
+
+
+def test_an_event_goes_on_from_one_of_its_layers_turns_to_the_next():
+    """Review: a layer's event must not end between its own turns (layers measured one per
+    measurement: its turns are four measurements apart). a jumps at measurement 89; its next
+    turn (93) is 3x its median, above half the rule's limits: the event goes on, so b's jump
+    at 94 is part of it. Healthy turns after that; c's jump at 131 is a second event."""
+    measured = turns(["a", "b", "c", "d"], 40, 1)
+    measured[88]["a"] *= 10
+    measured[92]["a"] *= 3
+    measured[93]["b"] *= 10
+    measured[130]["c"] *= 10
+    assert jumps(measured) == (2, [(89, "a"), (131, "c")])
+    # the control: a's next turn healthy, its event ends there and b's jump is one of its own
+    measured[92]["a"] /= 3
+    assert jumps(measured) == (3, [(89, "a"), (131, "c")])
+
+
+def test_an_event_goes_on_when_a_parameter_group_joins_and_the_turns_grow_longer():
+    """Review: twelve layers that join mid-event (progressive unfreezing) lengthen the
+    rotation from 4 measurements to 16: a's next turn after its jump comes 16 measurements
+    later, still 3x its median; the event goes on, and b's jump after it is part of it."""
+    measured = turns(["a", "b", "c", "d"], 30, 2)
+    measured[116]["a"] = 10e-3  # measurement 117: a's jump
+    measured += [{layer: 1e-3} for layer in "efghijklmnop"]
+    measured += [{"a": 3e-3}, {"b": 10e-3}]  # a's next turn (133), then b's (134)
+    assert jumps(measured) == (1, [(117, "a"), (117, "a")])
+    measured[-2]["a"] = 1e-3  # the control: a back to normal ends it; b's is a new event
+    assert jumps(measured) == (2, [(117, "a"), (134, "b")])
+
+
+def test_a_layers_usual_runs_without_an_update_keep_its_event_and_a_long_pause_does_not():
+    """Review: a head updated on some steps only (its task absent: ratio 0) has runs of
+    turns without an update; its event goes on through a run up to three times its longest
+    recent one (3 here: 9), and ends after a longer one. Its usual run is counted as at most
+    64, so one long pause (300 turns) does not keep a later event open for 900."""
+    rng = np.random.default_rng(4)
+
+    def healthy() -> float:
+        return 1e-3 * (1 + 0.05 * rng.standard_normal())
+
+    measured = [
+        {"h": 0.0 if m % 7 in (1, 2, 3) else healthy(), "b": healthy()} for m in range(1, 61)
+    ]
+    measured.append({"h": 10e-3, "b": healthy()})  # 61: h's jump
+    measured += [{"h": 0.0, "b": healthy()} for _ in range(9)]  # 62-70: a run of 9
+    measured.append({"h": 0.0, "b": 10e-3})  # 71: b's jump, within h's event
+    measured += [{"h": healthy(), "b": healthy()} for _ in range(28)]
+    measured.append({"h": healthy(), "b": 10e-3})  # 100: a second event
+    assert jumps(measured) == (2, [(61, "h"), (100, "b")])
+    # the control: a run of 10 before b's jump (10 > 9): h's event has ended, b's is new
+    measured[70]["b"] = healthy()
+    measured.insert(71, {"h": 0.0, "b": 10e-3})
+    assert jumps(measured) == (3, [(61, "h"), (101, "b")])
+    # one pause of 300 turns, back for 30, a jump, then frozen: b's jump 200 turns later
+    # (more than 3 x 64) is an event of its own
+    measured = [{"h": healthy(), "b": healthy()} for _ in range(40)]
+    measured += [{"h": 0.0, "b": healthy()} for _ in range(300)]
+    measured += [{"h": healthy(), "b": healthy()} for _ in range(30)]
+    measured.append({"h": 10e-3, "b": healthy()})  # 371
+    measured += [{"h": 0.0, "b": healthy()} for _ in range(200)]
+    measured.append({"h": 0.0, "b": 10e-3})  # 572
+    assert jumps(measured) == (2, [(371, "h"), (572, "b")])

@@ -207,7 +207,8 @@ class ShapeRunner(Runner):
             self.shape.step(before_update=floor)
 
     def sync(self) -> None:
-        torch.cuda.synchronize()  # note: between rounds only, never inside the timed steps' loop
+        if self.shape.batch[0].is_cuda:  # (a CPU step has finished when it returns)
+            torch.cuda.synchronize()  # note: between rounds only, never inside the timed steps' loop
 
     def context(self):
         if self.config == "torch.profiler":
@@ -283,16 +284,35 @@ def bench_workload(key: str, rounds: int, steps: int, warmup: int) -> dict:
     return run_rounds(w.name, runners, rounds, steps, warmup)
 
 
-def bench_shape(key: str, rounds: int, steps: int, warmup: int, device: torch.device) -> dict:
-    """One of issue 13's workloads at full size: each configuration builds its own copy
-    (same seed, so the same weights and batch)."""
+def bench_shape(
+    key: str,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    device: torch.device,
+    *,
+    batch_times: int = 1,
+    compile_mode: str | None = None,
+    backend: str = "inductor",
+) -> dict:
+    """One of issue 13's workloads (full size on CUDA, narrow on the CPU: a smoke run): each
+    configuration builds its own copy (same seed, so the same weights and batch), attached
+    first and then compiled whole when `compile_mode` is given ("default", "reduce-overhead":
+    what docs/compatibility.md says users may do in either order)."""
     runners = []
     for name, overrides in CONFIGS.items():
-        r = ShapeRunner(name, shapes.build(key, device, full=True))
+        shape = shapes.build(key, device, full=device.type == "cuda", batch_times=batch_times)
+        r = ShapeRunner(name, shape)
         if overrides is not None:
             r.attach(overrides)
+        if compile_mode is not None:
+            mode = None if compile_mode == "default" or backend != "inductor" else compile_mode
+            shape.model = torch.compile(shape.model, mode=mode, backend=backend)
         runners.append(r)
-    return run_rounds(runners[0].shape.name, runners, rounds, steps, warmup)
+    label = runners[0].shape.name
+    if compile_mode is not None:
+        label += f", compiled ({backend}, mode {compile_mode})"
+    return run_rounds(label, runners, rounds, steps, warmup)
 
 
 def run_rounds(name: str, runners: list[Runner], rounds: int, steps: int, warmup: int) -> dict:
@@ -433,6 +453,24 @@ def main(argv: list[str] | None = None) -> int:
         f"{','.join(shapes.NAMES)})",
     )
     parser.add_argument(
+        "--device",
+        default="cuda",
+        help="with --gpu: cpu runs the same workloads narrow (a smoke run of the GPU path)",
+    )
+    parser.add_argument(
+        "--batch-times",
+        type=int,
+        default=1,
+        help="with --gpu: the batch this many times larger (a device-bound variant)",
+    )
+    parser.add_argument(
+        "--compile",
+        default=None,
+        choices=("default", "reduce-overhead"),
+        help="with --gpu: each copy compiled whole with torch.compile in this mode",
+    )
+    parser.add_argument("--compile-backend", default="inductor", help="with --compile")
+    parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "overhead.json")
     )
     args = parser.parse_args(argv)
@@ -503,8 +541,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_gpu(args: argparse.Namespace, argv: list[str] | None) -> int:
-    """Issue 13's table: the four workloads on CUDA, 16+ interleaved rounds."""
-    if not torch.cuda.is_available():
+    """Issue 13's table: the four workloads on CUDA, 16+ interleaved rounds (with --device
+    cpu, narrow: a smoke run of this path, bench/gpu_session.sh's DRY mode)."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--gpu needs CUDA (torch.cuda.is_available() is False)")
     given = sys.argv[1:] if argv is None else argv
     if "--rounds" not in given:
@@ -516,16 +556,25 @@ def main_gpu(args: argparse.Namespace, argv: list[str] | None) -> int:
     if args.quick:
         args.rounds, args.steps, args.warmup = 3, 3, 2
     warnings.filterwarnings("ignore")
-    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (narrow shapes)"
     print(
         f"# hookprof {hookprof.__version__}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-        f"{torch.cuda.get_device_name(device)}; {args.rounds} rounds x {args.steps} steps; "
-        f"{time.strftime('%Y-%m-%d')}",
+        f"{name}; {args.rounds} rounds x {args.steps} steps; batch x{args.batch_times}; "
+        f"compiled: {args.compile or 'no'}; {time.strftime('%Y-%m-%d')}",
         flush=True,
     )
     results = []
     for key in args.workloads.split(","):
-        r = bench_shape(key, args.rounds, args.steps, args.warmup, device)
+        r = bench_shape(
+            key,
+            args.rounds,
+            args.steps,
+            args.warmup,
+            device,
+            batch_times=args.batch_times,
+            compile_mode=args.compile,
+            backend=args.compile_backend,
+        )
         results.append(r)
         print(f"{key}: " + ", ".join(f"{c} {v:.3f}x" for c, v in r["ratio"].items()), flush=True)
         print(
@@ -536,7 +585,8 @@ def main_gpu(args: argparse.Namespace, argv: list[str] | None) -> int:
         print(
             f"{key} (ms): " + ", ".join(f"{c} {v:.2f}" for c, v in r["step_ms"].items()), flush=True
         )
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     print()
     print(table(results))
     out = args.out.replace("overhead.json", "overhead-gpu.json")
@@ -545,7 +595,7 @@ def main_gpu(args: argparse.Namespace, argv: list[str] | None) -> int:
         json.dump(
             {
                 "workloads": results,
-                "gpu": torch.cuda.get_device_name(device),
+                "gpu": name,
                 "torch": torch.__version__,
                 "cuda": torch.version.cuda,
                 "args": vars(args),

@@ -202,14 +202,19 @@ def hf_available() -> bool:
 NAMES = ("resnet50", "gpt", "hf-gpt2", "mlp")
 
 
-def build(name: str, device: torch.device, *, full: bool, seed: int = 0) -> Shape:
-    """The workload `name` on `device`: the issue's sizes when `full`, else narrow ones."""
+def build(
+    name: str, device: torch.device, *, full: bool, seed: int = 0, batch_times: int = 1
+) -> Shape:
+    """The workload `name` on `device`: the issue's sizes when `full`, else narrow ones;
+    `batch_times` multiplies the batch (a device-bound variant: more device work per step
+    for the same host work, issue 37 item 4)."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     cuda = device.type == "cuda"
     bf16 = torch.bfloat16 if cuda else None
     if name == "resnet50":
         width, batch, size = (64, 64, 224) if full else (8, 2, 32)
+        batch *= batch_times
         model = ResNet50Shape(width).to(device)
         x = torch.randn(batch, 3, size, size, generator=g).to(device)
         if cuda:
@@ -223,6 +228,7 @@ def build(name: str, device: torch.device, *, full: bool, seed: int = 0) -> Shap
         return Shape(label, model, opt, (x, y), _classify, bf16)
     if name in ("gpt", "hf-gpt2"):
         dim, heads, vocab, seq, batch = (768, 12, 50304, 1024, 8) if full else (64, 4, 512, 64, 2)
+        batch *= batch_times
         if name == "gpt":
             model = GPTShape(dim, heads, 12, vocab, seq).to(device)
             loss = _next_token
@@ -254,6 +260,7 @@ def build(name: str, device: torch.device, *, full: bool, seed: int = 0) -> Shap
         )
     if name == "mlp":
         width, batch = (1024, 256) if full else (128, 32)
+        batch *= batch_times
         layers: list[nn.Module] = []
         for _ in range(24):
             layers += [nn.Linear(width, width), nn.ReLU()]

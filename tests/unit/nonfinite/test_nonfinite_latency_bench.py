@@ -2,7 +2,7 @@
 producer is named at the bad step's own boundary and its update held back; under "raise" the
 bad step's boundary raises naming it, before the update; under "record" the weights take the
 NaN (training is never changed) and flush() brings the producer into the snapshot. The same
-script is the GPU measurement (bench/gpu_session.sh measure)."""
+script is the GPU measurement (bench/gpu_session.sh integrity)."""
 
 from __future__ import annotations
 

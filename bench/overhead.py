@@ -35,6 +35,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 # this folder, for compare_versions, which runs this file with runpy (no script folder on sys.path)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -310,19 +311,52 @@ def bench_shape(
             shape.model = torch.compile(shape.model, mode=mode, backend=backend)
         runners.append(r)
     label = runners[0].shape.name
-    if compile_mode is not None:
-        label += f", compiled ({backend}, mode {compile_mode})"
-    return run_rounds(label, runners, rounds, steps, warmup)
+    if compile_mode is None:
+        return run_rounds(label, runners, rounds, steps, warmup)
+    label += f", compiled ({backend}, mode {compile_mode})"
+    from torch._dynamo.utils import counters
+
+    def compiled_so_far() -> tuple[int, int]:
+        return counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
+
+    before = compiled_so_far()
+    result = run_rounds(label, runners, rounds, steps, warmup, after_warmup=compiled_so_far)
+    graphs, skips = (a - b for a, b in zip(compiled_so_far(), before))
+    # graphs compiled in all (warm-up included), and during the timed rounds alone (0: no
+    # copy recompiled or fell back), CUDA-graph skips (reduce-overhead)
+    result["compiled"] = {
+        "graphs": graphs,
+        "graphs_while_timed": compiled_so_far()[0] - result.pop("_after_warmup")[0],
+        "cudagraph_skips": skips,
+    }
+    print(f"  compiled: {result['compiled']}", flush=True)
+    return result
 
 
-def run_rounds(name: str, runners: list[Runner], rounds: int, steps: int, warmup: int) -> dict:
-    """Warm up each configuration, then interleave timed rounds in rotating order."""
+def run_rounds(
+    name: str,
+    runners: list[Runner],
+    rounds: int,
+    steps: int,
+    warmup: int,
+    after_warmup: Callable[[], Any] | None = None,
+) -> dict:
+    """Warm up each configuration, then interleave timed rounds in rotating order.
+    `after_warmup`: read once all are warm, kept as "_after_warmup"."""
+    at_warm = None
     try:
         for r in runners:
             r.clock.resume()
+            started = time.perf_counter()
             with r.context():
                 r.steps(warmup)
+                r.sync()
             r.clock.pause()
+            # (said as it happens: a compiled copy's warm-up is its compilation, and a run
+            # stopped at its limit still shows how far it got)
+            print(f"  warmed {r.config}: {time.perf_counter() - started:.1f} s", flush=True)
+        if after_warmup is not None:
+            at_warm = after_warmup()
         for i in range(rounds):
             order = runners[i % len(runners) :] + runners[: i % len(runners)]
             for r in order:
@@ -352,6 +386,7 @@ def run_rounds(name: str, runners: list[Runner], rounds: int, steps: int, warmup
         },
         "sampled_of_steps": sampled,
         "spread": {r.config: (min(r.round_means) * 1e3, max(r.round_means) * 1e3) for r in runners},
+        **({} if after_warmup is None else {"_after_warmup": at_warm}),
     }
 
 
@@ -587,22 +622,23 @@ def main_gpu(args: argparse.Namespace, argv: list[str] | None) -> int:
         )
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        # (written after each workload: a run stopped at its limit keeps those done)
+        out = args.out.replace("overhead.json", "overhead-gpu.json")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(
+                {
+                    "workloads": results,
+                    "gpu": name,
+                    "torch": torch.__version__,
+                    "cuda": torch.version.cuda,
+                    "args": vars(args),
+                },
+                f,
+                indent=2,
+            )
     print()
     print(table(results))
-    out = args.out.replace("overhead.json", "overhead-gpu.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(
-            {
-                "workloads": results,
-                "gpu": name,
-                "torch": torch.__version__,
-                "cuda": torch.version.cuda,
-                "args": vars(args),
-            },
-            f,
-            indent=2,
-        )
     return 0
 
 

@@ -139,8 +139,9 @@ class UpdateReplay:
         # steps whose capsule is decided (not those refused, run by no optimizer of the
         # model's, or dropped by a fault in settle()), against the publisher's limits as of
         # its latest fold, which may be a few measurements behind or ahead of the step's
-        # (`layer_limits`); its count of measurements is the rule's. A difference means a
-        # jump's capsule missing, or one more written, never a jump counted or hidden.
+        # (`layer_limits`); it counts every measured step, where the rule counts those it
+        # folds with a layer of weight above 0. A difference means a jump's capsule missing,
+        # or one more written, never a jump counted or hidden.
         self._events = JumpEvents()
         self._measurements = 0  # the steps whose updates were measured, so far
         self._step: int | None = None  # the step whose updates are run again
@@ -398,8 +399,7 @@ class UpdateReplay:
         by_layer = {layer: (updates[layer], weights[layer]) for layer in pending.layers}
         limits = self._limits() if self._limits is not None else {}
         jumped = []
-        # (as the rule: a measurement whose layers all have no weight is none; any layer's
-        # event going on means no jump begins)
+        # (as the rule: any layer's event going on means no jump begins)
         ongoing = self._events.next_measurement(pending.measurement)
         for layer, (update, weight) in by_layer.items():
             if not weight > 0:

@@ -132,17 +132,9 @@ class CheckCapsules:
             # the slot first: once the count is reached, no copy of the model is made at all
             # (a failing device can make every check step a mismatch); a reproduced spike's
             # never takes the last one, kept for a NaN's or a mismatch's
-            if not _take_slot(self._max_count - (first is None)):
-                self._say(
-                    f"{self._what} capsule limit",
-                    f"no capsule written for the {self._what} of step {step}: this process "
-                    f"has written capsule_max_count={self._max_count} already"
-                    + (
-                        " (a reproduced spike's leaves the last for a NaN's)"
-                        if first is None
-                        else ""
-                    ),
-                )
+            if not slot_or_said(
+                self._max_count, first is None, self._say, self._what, step, "spike"
+            ):
                 return None
             path = capsule_path(self._dir, self._model, self._rank, step)
             if not write_in_slot(
@@ -239,6 +231,28 @@ class CheckCapsules:
             "model": module_entry(copied),
             "check": check,
         }
+
+
+def slot_or_said(
+    max_count: int,
+    reproduced: bool,
+    say: Callable[[str, str], None],
+    what: str,
+    step: int,
+    kind: str,
+) -> bool:
+    """A slot of capsule_max_count taken for the capsule of `what` at step `step`; or, when
+    the count is reached, False and `say` says so (once per `what`). A reproduced `kind`'s
+    never takes the last slot, kept for a NaN's or a difference's."""
+    if _take_slot(max_count - reproduced):
+        return True
+    say(
+        f"{what} capsule limit",
+        f"no capsule written for the {what} of step {step}: this process has written "
+        f"capsule_max_count={max_count} already"
+        + (f" (a reproduced {kind}'s leaves the last for a NaN's)" if reproduced else ""),
+    )
+    return False
 
 
 def write_in_slot(path: str, contents: Callable[[], dict[str, Any] | None]) -> bool:

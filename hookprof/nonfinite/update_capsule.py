@@ -33,13 +33,17 @@ from hookprof.faults import Faults
 from hookprof.nonfinite.capsule import (
     FORMAT,
     _saved,
-    _take_slot,
     capsule_path,
     class_name,
     tensor_bytes,
     to_cpu,
 )
-from hookprof.nonfinite.check_capsule import backends, where_written, write_in_slot
+from hookprof.nonfinite.check_capsule import (
+    backends,
+    slot_or_said,
+    where_written,
+    write_in_slot,
+)
 
 FORM_UPDATE = "update"  # the capsule's form (reproduce.py hands it to update_reproduce.py)
 
@@ -84,17 +88,9 @@ class UpdateCapsules:
         counted as a fault)."""
         with self._faults.contain("update replay capsule", disable=False):
             # a reproduced update's never takes the last slot (kept for a NaN's)
-            if not _take_slot(self._max_count - (first is None)):
-                self._say(
-                    "update replay capsule limit",
-                    f"no capsule written for the update of step {step}: this process has "
-                    f"written capsule_max_count={self._max_count} already"
-                    + (
-                        " (a reproduced update's leaves the last for a NaN's)"
-                        if first is None
-                        else ""
-                    ),
-                )
+            if not slot_or_said(
+                self._max_count, first is None, self._say, "update", step, "update"
+            ):
                 return None
             path = capsule_path(self._dir, self._model, self._rank, step)
             if not write_in_slot(

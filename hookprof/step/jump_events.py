@@ -23,9 +23,12 @@ layer's own history, since what is usual differs from layer to layer:
   steps once must not keep a later event open for thousands more);
 - it no longer appears at all (its weight went to 0 or NaN, or it left the rotation): its
   event ends once more than `ABSENT_EXPIRY` times its usual gap between appearances (the
-  longest of its last `RUNS_KEPT`) has passed, counted in measurements of the model. Gaps are
-  the rotation's length, which varies as turns are packed by bytes and grows when a
-  parameter group joins (progressive unfreezing), hence the generous factor.
+  median of its last `RUNS_KEPT`: one long absence, a layer unfrozen after thousands of
+  steps, does not set it) has passed, counted in measurements of the model. Gaps are the
+  rotation's length, which varies as turns are packed by bytes and grows when a parameter
+  group joins (progressive unfreezing), hence the generous factor; a rotation that grows
+  more than 8x in the middle of an event (a small model measured whole at every step that
+  gains many groups) ends it early, and one incident counts as two events.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ class JumpEvents:
         run = min(max(self._runs.get(layer, ()), default=1), LONGEST_RUN)
         if self._unkept.get(layer, 0) > EXPIRY * run:
             return True
-        gap = max(self._gaps.get(layer, ()), default=1)
+        gaps = sorted(self._gaps.get(layer, ()))
+        gap = gaps[len(gaps) // 2] if gaps else 1  # (the median, the upper of two middles)
         return self._measurement - self._appeared.get(layer, 0) > ABSENT_EXPIRY * gap
 
     def judged(self, layer: str, spike: bool, going: bool) -> None:

@@ -34,7 +34,7 @@ def update_ratio_jumps(ratios: list[dict[str, float]], threshold: float = 12.0):
     its layers stay above half the threshold and margin when judged, a layer's part of it
     ending once it has appeared with no ratio kept (0, NaN) more than 3 times its longest
     run of such appearances among its last 8 (at least 1, at most 64), or not appeared for
-    more than 8 times its longest gap between appearances among its last 8. Each entry of
+    more than 8 times the median of its last 8 gaps between appearances. Each entry of
     `ratios` is one measurement of the model; the layers in it are those that appear."""
     seen: dict[str, list[float]] = {}
     appeared: dict[str, int] = {}
@@ -47,7 +47,8 @@ def update_ratio_jumps(ratios: list[dict[str, float]], threshold: float = 12.0):
     def overdue(layer: str, step: int) -> bool:
         if unkept.get(layer, 0) > 3 * min(max(runs.get(layer, [])[-8:], default=1), 64):
             return True
-        return step - appeared[layer] > 8 * max(gaps.get(layer, [])[-8:], default=1)
+        recent = sorted(gaps.get(layer, [])[-8:])
+        return step - appeared[layer] > 8 * (recent[len(recent) // 2] if recent else 1)
 
     for step, by_layer in enumerate(ratios, 1):
         inside = {layer for layer in inside if not overdue(layer, step)}

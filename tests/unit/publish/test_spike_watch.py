@@ -138,8 +138,8 @@ def test_a_jump_whose_layer_stops_being_judged_ends_and_hides_no_later_jump(afte
     the rule's limits. A layer frozen mid-event (no longer measured), given a learning rate of
     0 (its ratio exactly 0, neither judged nor kept) or whose updates went NaN (the NaN checks')
     was never judged again, so its event never ended and every later jump of any layer was
-    hidden. Such an event now ends once its layer has gone unjudged for EXPIRY_GAPS of its
-    usual gaps between measurements."""
+    hidden. Such an event now ends once its layer has gone unjudged for longer than is
+    usual for it (step/jump_events.py)."""
     measured = ratios_of(["a", "b"], 100, 0)
     measured[40]["a"] = 40e-3  # measurement 41: a's jump
     for later in measured[41:]:
@@ -234,3 +234,22 @@ def test_a_layers_usual_runs_without_an_update_keep_its_event_and_a_long_pause_d
     measured += [{"h": 0.0, "b": healthy()} for _ in range(200)]
     measured.append({"h": 0.0, "b": 10e-3})  # 572
     assert jumps(measured) == (2, [(371, "h"), (572, "b")])
+
+
+def test_one_long_absence_does_not_keep_a_later_event_open():
+    """Review: a layer away for 100 measurements (its weights at 0, then restored) comes back,
+    jumps and goes away again: its usual gap between turns is the median of its last eight
+    (1 here), not the long one, so its event ends 8 measurements on and b's jump 29 later is
+    an event of its own."""
+    rng = np.random.default_rng(5)
+
+    def healthy() -> float:
+        return 1e-3 * (1 + 0.05 * rng.standard_normal())
+
+    measured = [{"h": healthy(), "b": healthy()} for _ in range(40)]
+    measured += [{"b": healthy()} for _ in range(100)]
+    measured += [{"h": healthy(), "b": healthy()} for _ in range(30)]
+    measured.append({"h": 10e-3, "b": healthy()})  # 171
+    measured += [{"b": healthy()} for _ in range(28)]
+    measured.append({"b": 10e-3})  # 200
+    assert jumps(measured) == (2, [(171, "h"), (200, "b")])

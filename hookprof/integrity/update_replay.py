@@ -278,8 +278,8 @@ class UpdateReplay:
         self._step, self._flags, self._refused, self._kept, self._sums = None, [], None, [], []
         figures = _per_layer(around)
         if figures is not None:
-            # (counted whether or not this step's capsule is decided: the rule counts every
-            # measurement, and the mirror's events expire by the same count)
+            # (counted whether or not this step's capsule is decided, as the rule counts the
+            # measurements it folds: the mirror's events expire by about the same count)
             self._measurements += 1
             if self._gate is not None:
                 self._gate_step(step, *figures)

@@ -32,12 +32,12 @@ rate 10x too large for one step stands far above it. One event per step however 
 layers jump, naming the one whose z-score is highest; it lasts while any layer that jumped
 stays above half the threshold and half the margin when next measured, and a layer's part
 of it also ends when the layer stops being judged for longer than is usual for it (frozen, a
-learning rate of 0, updates gone NaN, no longer measured: step/jump_events.py). Its values arrive once per
-measurement (about every `update_norm_interval_s`), so its baseline takes longer to build
-than the every-step series'. A ratio of exactly 0 (no
-update at all: a multi-task head whose task was not in the step, a learning rate of 0, an
-expert that got no tokens) is neither judged nor kept: a layer updated on some steps only is
-judged against its updates alone, and one unfrozen mid-run from 20 of its updates on.
+learning rate of 0, updates gone NaN, no longer measured: step/jump_events.py). Its values
+arrive once per measurement (about every `update_norm_interval_s`), so its baseline takes
+longer to build than the every-step series'. A ratio of exactly 0 (no update at all: a
+multi-task head whose task was not in the step, a learning rate of 0, an expert that got no
+tokens) is neither judged nor kept: a layer updated on some steps only is judged against its
+updates alone, and one unfrozen mid-run from 20 of its updates on.
 """
 
 from __future__ import annotations

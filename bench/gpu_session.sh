@@ -136,10 +136,11 @@ for stage in "$@"; do
         tests)
             suite=
             if [ -z "$dry" ]; then
-                # the rest of the suite on the CPU cores: what a contributor with a GPU sees
-                # (tests that take the GPU when there is one); one torch thread each
-                OMP_NUM_THREADS=1 timeout -k 10 240 python -m pytest -q -m "not cuda" -n 6 \
-                    -p no:cacheprovider --timeout 200 -rfEs >"$OUT/tests-suite.txt" 2>&1 &
+                # the rest of the quick suite on the CPU cores: what a contributor with a GPU
+                # sees (tests that take the GPU when there is one); one torch thread each; each
+                # outcome as it ends (-v), since a kill at the limit loses pytest's summary
+                OMP_NUM_THREADS=1 timeout -k 10 240 python -m pytest -v -m "not cuda and not slow" \
+                    -n 6 -p no:cacheprovider --timeout 200 -rfEs >"$OUT/tests-suite.txt" 2>&1 &
                 suite=$!
             fi
             # (with Prometheus carried, the GPU straggler test among them: ~60-90 s of it)
@@ -147,7 +148,7 @@ for stage in "$@"; do
                 --junitxml="$json/cuda-tests.xml"
             if [ -n "$suite" ]; then
                 wait "$suite"
-                say "tests: suite (not cuda, -n 6) exit $?"
+                say "tests: quick suite (not cuda, -n 6) exit $?"
             fi
             ;;
         bound)

@@ -92,8 +92,3 @@ class JumpEvents:
         run = self._unkept.pop(layer, 0)
         if run:
             self._runs.setdefault(layer, deque(maxlen=RUNS_KEPT)).append(run)
-
-    @property
-    def going(self) -> frozenset[str]:
-        """The layers whose event goes on."""
-        return frozenset(self._going)

@@ -22,8 +22,9 @@ from hookprof.publish.spikes import DEFAULT_THRESHOLDS, SpikeWatch
 from hookprof.view.report_html import render
 from hookprof.view.summary import summary_text
 from hookprof.view.table import from_metrics, header_lines
-from support.jumps import regression_steps, update_ratio_jumps
+from support.jumps import update_ratio_jumps
 from support.rendered import Elements
+from support.updates import regression_steps
 
 BUMP_AT = 800
 # every sampled step measures every layer's update (no turns: the cap above the model)

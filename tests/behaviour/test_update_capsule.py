@@ -14,8 +14,6 @@ later step's end without a wait."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,11 +24,10 @@ import hookprof
 from hookprof.integrity import update_replay
 from hookprof.nonfinite.reproduce import _loaded
 from hookprof.tensors import local_bits
-from support.jumps import regression_steps, update_ratio_jumps
+from support.capsules import replay_in_new_process
+from support.jumps import update_ratio_jumps
 from support.lagging_device import lagging_device
-from support.updates import ARMED, AT, STEPS, faulty, flip_row, mlp
-
-REPO = Path(__file__).resolve().parents[2]
+from support.updates import ARMED, AT, STEPS, faulty, flip_row, mlp, regression_steps
 
 
 def run(tmp_path, *, bump=1.0, fault=None, make_opt=None, scaler=False, **config):
@@ -84,16 +81,6 @@ def run(tmp_path, *, bump=1.0, fault=None, make_opt=None, scaler=False, **config
     return snap, [p for p in written if p not in others], own
 
 
-def replay(path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hookprof.cli", "replay", str(path), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-
-
 def contents(path: Path) -> tuple[dict, dict | None]:
     capsule = torch.load(path, weights_only=True)
     return capsule["view"], _loaded(capsule["update"]) if "update" in capsule else None
@@ -133,7 +120,7 @@ def test_a_learning_rate_jump_writes_a_capsule_that_replays_as_reproduced(tmp_pa
     for layer, j in jumped.items():
         assert j["ratio"] == pytest.approx(own_ratio(own, layer), rel=1e-4)
         assert j["ratio"] > j["limit"]
-    done = replay(path)
+    done = replay_in_new_process(str(path))
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("reproduced: 3 runs on cpu make the step's own update bit for bit")
@@ -156,7 +143,7 @@ def test_a_wrong_update_writes_a_capsule_whose_replay_names_the_parameter(tmp_pa
     assert view["event"] == {"replay": "not_reproduced", "layer": "2.weight"}
     (wrong,) = [e for e in update["params"] if e["name"] == "2.weight"]
     assert torch.equal(wrong["value"], own["before"]["2.weight"])
-    done = replay(path, "--runs", "2")
+    done = replay_in_new_process(str(path), "--runs", "2")
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.startswith(
         "not reproduced: 2 runs on cpu agree with the second run and differ from the step's "
@@ -203,7 +190,7 @@ def test_a_fused_optimizer_under_a_grad_scaler_replays_with_its_scale(tmp_path):
     # the gradients as the step gave them: still scaled (the fused kernel unscales)
     entry = update["params"][0]
     assert torch.equal(entry["grad"], own["grad"][entry["name"]])
-    done = replay(path, "--runs", "1")
+    done = replay_in_new_process(str(path), "--runs", "1")
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -259,16 +246,9 @@ def test_an_update_never_bit_stable_blames_no_machine(tmp_path, monkeypatch, bum
 
     monkeypatch.setattr(torch.Tensor, "addcdiv_", unstable)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(0)
     config = {**ARMED, "capsule_dir": str(tmp_path), "loss_spike_z": 1e9, "grad_norm_spike_z": 1e9}
     with hookprof.attach(model, **config) as prof:
-        for step in range(1, 61):
-            opt.param_groups[0]["lr"] = 1e-3 * (bump if step == 50 else 1.0)
-            x = torch.randn(32, 16, generator=g)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), x[:, :4]).backward()
-            opt.step()
-            prof.step()
+        regression_steps(model, opt, prof, 60, lambda step, _: bump if step == 50 else 1.0)
         prof.flush()
         snap = prof.snapshot()
     assert snap.spike_replays["not_reproduced"] == 0

@@ -16,7 +16,7 @@ from torch import nn
 import hookprof
 from hookprof.integrity import update_replay
 from support.lagging_device import lagging_device
-from support.updates import ARMED, AT, mlp
+from support.updates import ARMED, AT, mlp, regression_steps
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -141,15 +141,8 @@ def test_a_groups_own_objects_leave_the_capsule_and_its_replay_alone(tmp_path, o
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt.param_groups[0]["loops_own"] = odd()
-    g = torch.Generator().manual_seed(0)
     with hookprof.attach(model, **{**ARMED, "capsule_dir": str(tmp_path)}) as prof:
-        for step in range(1, AT + 2):
-            opt.param_groups[0]["lr"] = 1e-3 * (40.0 if step == AT else 1.0)
-            x = torch.randn(32, 16, generator=g)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), x[:, :4]).backward()
-            opt.step()
-            prof.step()
+        regression_steps(model, opt, prof, AT + 1, lambda step, _: 40.0 if step == AT else 1.0)
         prof.flush()
         jump = prof.snapshot().spikes["update_ratio_jump"].first
     assert (jump.step, jump.verdict) == (AT, "reproduced")

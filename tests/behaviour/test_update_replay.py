@@ -27,7 +27,7 @@ from hookprof.view.summary import summary_text
 from hookprof.view.table import from_metrics, header_lines
 from support.metrics import parse, scrape
 from support.rendered import Elements
-from support.updates import ARMED, AT, STEPS, faulty, flip_row, mlp
+from support.updates import ARMED, AT, STEPS, faulty, flip_row, mlp, regression_steps
 
 
 def train(config=None, *, bump=1.0, fault=None, make_opt=None, steps=STEPS):
@@ -142,15 +142,10 @@ def test_a_wrong_update_without_a_jump_is_counted_once_calibrated(rechecks, monk
     kernel = faulty("add_", lambda: at["step"], model[2].weight, lowest_bit)
     monkeypatch.setattr(torch.Tensor, "add_", kernel)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-    g = torch.Generator().manual_seed(0)
     with hookprof.attach(model, **ARMED) as prof:
-        for step in range(1, STEPS + 1):
-            at["step"] = step
-            x = torch.randn(32, 16, generator=g)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), x[:, :4]).backward()
-            opt.step()
-            prof.step()
+        regression_steps(
+            model, opt, prof, STEPS, lambda *_: 1.0, before_step=lambda s: at.update(step=s)
+        )
         prof.flush()
         snap = prof.snapshot()
     assert snap.spikes["update_ratio_jump"].count == 0

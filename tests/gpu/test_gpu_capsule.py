@@ -4,33 +4,16 @@ not yet run on a GPU."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
 import hookprof
 from hookprof import _testing
+from support.capsules import replay_in_new_process
 
 pytestmark = pytest.mark.cuda
-ROOT = Path(__file__).resolve().parents[2]
 BAD_STEP = 4
-
-
-def replay(path: str, device: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKPROF_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
-    return subprocess.run(
-        [sys.executable, "-m", "hookprof.cli", "replay", path, "--device", device],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -62,7 +45,10 @@ def test_cuda_capsule_replays_on_cuda_and_on_the_cpu_with_the_same_verdict(tmp_p
     assert event is not None and event.layer == "0" and event.capsule is not None
     view = torch.load(event.capsule, weights_only=True)["view"]
     assert view["device"].startswith("GPU-") and view["device_uuid"] == view["device"]
-    on_cuda, on_cpu = replay(event.capsule, "cuda"), replay(event.capsule, "cpu")
+    on_cuda, on_cpu = (
+        replay_in_new_process(event.capsule, "--device", "cuda"),
+        replay_in_new_process(event.capsule, "--device", "cpu"),
+    )
     assert on_cuda.returncode == on_cpu.returncode == 0, on_cuda.stdout + on_cpu.stdout
     assert on_cuda.stdout.splitlines()[0] == on_cpu.stdout.splitlines()[0]
     assert on_cuda.stdout.splitlines()[0].startswith("reproduced: NaN/Inf made by 0 (")

@@ -6,41 +6,24 @@ is bit for bit what it is without hookprof. Marked cuda (skipped without CUDA;
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
 import hookprof
+from support.capsules import replay_in_new_process
 from support.updates import ARMED, AT, STEPS
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-ROOT = Path(__file__).resolve().parents[2]
 OPTIMIZERS = {
     "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
     "AdamW fused, capturable, tensor lr": lambda ps: torch.optim.AdamW(
         ps, lr=torch.tensor(1e-3, device="cuda"), fused=True, capturable=True
     ),
 }
-
-
-def replay(path: str, device: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKPROF_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
-    return subprocess.run(
-        [sys.executable, "-m", "hookprof.cli", "replay", path, "--device", device],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def train(make_opt, config=None):
@@ -82,8 +65,8 @@ def test_a_cuda_jumps_capsule_replays_on_cuda_and_says_no_verdict_on_the_cpu(tmp
     assert (jump.step, jump.verdict) == (AT, "reproduced")
     view = torch.load(jump.capsule, weights_only=True)["view"]
     assert view["form"] == "update" and view["device_type"] == "cuda"
-    on_cuda = replay(jump.capsule, "cuda")
+    on_cuda = replay_in_new_process(jump.capsule, "--device", "cuda")
     assert on_cuda.returncode == 0, on_cuda.stdout + on_cuda.stderr
     assert on_cuda.stdout.startswith("reproduced: 3 runs on cuda")
-    on_cpu = replay(jump.capsule, "cpu")
+    on_cpu = replay_in_new_process(jump.capsule, "--device", "cpu")
     assert on_cpu.returncode in (3, 2), on_cpu.stdout + on_cpu.stderr

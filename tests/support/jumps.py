@@ -6,7 +6,6 @@ lists (not hookprof's sorted windows or its event code)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -82,37 +81,3 @@ def update_ratio_jumps(ratios: list[dict[str, float]], threshold: float = 12.0):
         if worst is not None and not in_event:
             events.append((step, worst[0]))
     return events
-
-
-def regression_steps(
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    prof,
-    steps: int,
-    lr_times: Callable[[int, int], float],
-    *,
-    batch: int = 32,
-    outputs: int = 4,
-    before_step: Callable[[int], None] | None = None,
-) -> list[dict[str, float]]:
-    """`steps` steps of a regression on random inputs of 16 features (the model's first
-    `outputs` of them as targets), each param group's learning rate `lr_times(step, group)`
-    times its own, `prof.step()` after each; returns every step's ratios of the model's
-    Linear layers, from this loop's own copies around the update."""
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    base = [group["lr"] for group in opt.param_groups]
-    g = torch.Generator().manual_seed(0)
-    ratios: list[dict[str, float]] = []
-    for step in range(1, steps + 1):
-        for k, group in enumerate(opt.param_groups):
-            group["lr"] = base[k] * lr_times(step, k)
-        if before_step is not None:
-            before_step(step)
-        x = torch.randn(batch, 16, generator=g)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), x[:, :outputs]).backward()
-        before = {n: [p.detach().clone() for p in m.parameters()] for n, m in layers.items()}
-        opt.step()
-        ratios.append(layer_ratios(layers, before))
-        prof.step()
-    return ratios
